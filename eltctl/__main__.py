@@ -1,0 +1,5 @@
+import sys
+
+from eltctl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,20 @@
+"""One module per command. Each exposes `register(app)`; add new ones to COMMANDS."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# Order is the order in `eltctl --help`.
+COMMANDS = ["init", "doctor", "probe"]
+
+
+def load_all() -> list[ModuleType]:
+    modules = []
+    for name in COMMANDS:
+        try:
+            modules.append(importlib.import_module(f"eltctl.commands.{name}"))
+        except ModuleNotFoundError as exc:  # a command not written yet
+            if exc.name != f"eltctl.commands.{name}":
+                raise
+    return modules
