@@ -2,38 +2,59 @@
 
 Commands live one per module in `eltctl.commands`; each exposes
 `register(app: typer.Typer) -> None` and stays thin: parse, call the library,
-render with rich. This module turns `EltctlError`s into a message and an exit code
-(README, "Exit codes"); anything else is a bug and keeps its traceback.
+render with rich. A command ends with a non-zero status by raising an `EltctlError`
+or `typer.Exit(code)`; it never returns a status.
+
+Exit codes (README, "Exit codes"), decided here and nowhere else:
+  0 success; 1 a runtime failure (EltctlError); 2 bad usage or configuration
+  (a usage error, ConfigError); 3 a required host failed (HostError);
+  130 interrupted (Ctrl-C). Anything else is a bug and keeps its traceback.
+
+Importing this module must stay cheap (`eltctl --help` well under 0.5 s): commands
+import torch, asyncssh and the heavier library parts inside their functions.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import typer
 
 from eltctl.errors import EltctlError
 
+if TYPE_CHECKING:
+    from eltctl.inventory import Inventory
+
 DEFAULT_INVENTORY = "hosts.toml"
 INVENTORY_ENV = "ELTCTL_INVENTORY"
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # EltctlError.exit_code
+EXIT_USAGE = 2  # UsageError / ConfigError, and typer's own usage errors
+EXIT_HOST = 3  # HostError
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 @dataclass
 class AppContext:
-    """What every command gets: where the inventory is, loaded on first use."""
+    """What every command gets (`ctx.obj`): where the inventory is, loaded on first use.
+
+    `inventory_origin` says who chose the path ("-i", "$ELTCTL_INVENTORY", or None
+    for the default), so a missing file can be explained.
+    """
 
     inventory_path: Path
-    _inventory: object = field(default=None, repr=False)
+    inventory_origin: str | None = None
+    _inventory: Inventory | None = field(default=None, repr=False)
 
-    def inventory(self):
+    def inventory(self) -> Inventory:
         if self._inventory is None:
             from eltctl.inventory import load_inventory
 
-            self._inventory = load_inventory(self.inventory_path)
+            self._inventory = load_inventory(self.inventory_path, origin=self.inventory_origin)
         return self._inventory
 
 
@@ -49,16 +70,19 @@ app = typer.Typer(
 @app.callback()
 def _global(
     ctx: typer.Context,
-    inventory: Optional[Path] = typer.Option(
-        None,
+    inventory: Path = typer.Option(
+        Path(DEFAULT_INVENTORY),
         "--inventory",
         "-i",
-        help=f"Inventory file [default: ${INVENTORY_ENV} or ./{DEFAULT_INVENTORY}].",
-        show_default=False,
+        envvar=INVENTORY_ENV,
+        show_envvar=True,
+        help="The inventory file: the job and the hosts it may use.",
     ),
 ) -> None:
-    path = inventory or Path(os.environ.get(INVENTORY_ENV) or DEFAULT_INVENTORY)
-    ctx.obj = AppContext(inventory_path=path)
+    source = ctx.get_parameter_source("inventory")
+    origin = {"COMMANDLINE": "-i", "ENVIRONMENT": f"${INVENTORY_ENV}"}.get(
+        getattr(source, "name", ""))
+    ctx.obj = AppContext(inventory_path=inventory, inventory_origin=origin)
 
 
 def _register_commands() -> None:
@@ -71,34 +95,39 @@ def _register_commands() -> None:
 _register_commands()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point: run the app, map project errors to exit codes."""
+def report_error(exc: EltctlError) -> None:
+    """Print a project error to stderr the one way the CLI does: message, then hint."""
     from rich.console import Console
+    from rich.markup import escape
 
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    # Messages quote user text (paths, TOML keys like [job]): never read it as markup.
+    err.print(f"[bold red]error:[/] {escape(exc.message)}")
+    if exc.hint:
+        err.print(f"  [bold]hint:[/] {escape(exc.hint)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: run the app, map the outcome to an exit code.
+
+    typer's standalone mode already prints usage errors (exit 2) and turns Ctrl-C
+    into 130; project errors pass through it and are reported here.
+    """
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="eltctl")
     except EltctlError as exc:
-        err = Console(stderr=True, highlight=False)
-        err.print(f"[bold red]error:[/] {exc.message}", markup=True, soft_wrap=True)
-        if exc.hint:
-            err.print(f"  [bold]hint:[/] {exc.hint}", soft_wrap=True)
+        report_error(exc)
         return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
-    except SystemExit as exc:  # typer/click exits (e.g. --help) pass through
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            return 2 if isinstance(exc, click.exceptions.UsageError) else exc.exit_code
-        if isinstance(exc, click.exceptions.Exit):
-            return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
-            return 130
-        raise
-    return 0
+    except KeyboardInterrupt:  # raised outside a command (e.g. while importing)
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:
+        if exc.code is None:
+            return EXIT_OK
+        if isinstance(exc.code, int):
+            return exc.code
+        print(exc.code, file=sys.stderr)  # sys.exit("message"): a message, status 1
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 if __name__ == "__main__":

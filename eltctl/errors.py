@@ -43,6 +43,30 @@ class ConfigError(EltctlError):
         self.path = path
         self.key = key
         self.line = line
+        self.problems: tuple[ConfigError, ...] = (self,)  # every problem found, this one first
+
+    @classmethod
+    def several(cls, problems: list[ConfigError]) -> ConfigError:
+        """One error that reports every problem a check found, each on its own line.
+
+        Fixing a file one error per run is tedious; the parser checks everything in
+        one pass and hands all its findings to the user at once.
+        """
+        if not problems:
+            raise ValueError("no problems to report")
+        if len(problems) == 1:
+            return problems[0]
+        first = problems[0]
+        lines = [f"{first.path or '<inventory>'}: {len(problems)} problems"]
+        for p in problems:
+            lines.append(f"  {p.message}")
+            if p.hint:
+                lines.append(f"    hint: {p.hint}")
+        err = cls.__new__(cls)
+        EltctlError.__init__(err, "\n".join(lines))
+        err.path, err.key, err.line = first.path, first.key, first.line
+        err.problems = tuple(problems)
+        return err
 
 
 class HostError(EltctlError):

@@ -1,0 +1,259 @@
+"""The real `eltctl` as a user runs it: exit codes and the exact messages on stderr.
+
+Every test starts the console script (or `python -m eltctl`) in a fresh directory,
+with an environment cleared of ELTCTL_INVENTORY and colour settings, so that what
+is compared is exactly what a user reads in a terminal log.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from eltctl.commands.init import STARTER
+from eltctl.inventory import load_inventory
+
+SCRIPT = Path(sys.executable).with_name("eltctl")
+TIMEOUT = 120  # generous: the machine is shared
+
+JOB = '[job]\nname = "t"\ncommand = ["python", "train.py"]\n'
+HOST = '[[hosts]]\nname = "h1"\naddress = "10.0.0.1"\n'
+
+NO_FILE_HINT = ("  hint: write a commented starter with `eltctl init` and edit it, or choose another "
+                "file with `eltctl -i PATH ...` or ELTCTL_INVENTORY=PATH\n")
+
+
+def run(*args: str, cwd: Path, env: dict[str, str] | None = None, module: bool = False
+        ) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("ELTCTL_INVENTORY", "FORCE_COLOR", "CLICOLOR_FORCE", "COLUMNS")}
+    base.update({"NO_COLOR": "1", "TERM": "dumb"})
+    base.update(env or {})
+    argv = [sys.executable, "-m", "eltctl"] if module or not SCRIPT.exists() else [str(SCRIPT)]
+    return subprocess.run([*argv, *args], cwd=cwd, env=base, capture_output=True, text=True,
+                          timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+
+
+# ---------------------------------------------------------------- inventory mistakes, end to end
+
+MISTAKES = [
+    ("toml syntax error: file and line", JOB + "[[hosts]]\nname \"h\"\n",
+     "error: hosts.toml:5: invalid TOML: Expected '=' after a key in a key/value pair (column 6)\n"),
+    ("unknown key: nearest valid name", JOB + '[policy]\nidel_for = "10m"\n' + HOST,
+     "error: hosts.toml:5: policy.idel_for: unknown key; did you mean idle_for?\n"),
+    ("missing key: key path and host", JOB + HOST + '\n[[hosts]]\nname = "gpu4"\nport = 22\n',
+     'error: hosts.toml:8: hosts[1].address (host "gpu4"): missing; add address = "hostname or IP" '
+     '(or "local" for this machine)\n'),
+    ("wrong type: key path and fix", JOB + HOST + 'port = "22"\n',
+     'error: hosts.toml:7: hosts[0].port (host "h1"): must be an integer from 1 to 65535, got a '
+     'string ("22"); remove the quotes: port = 22\n'),
+    ("duplicate host names", JOB + HOST + HOST,
+     'error: hosts.toml:8: hosts[1].name (host "h1"): duplicate host name "h1" (also hosts[0], '
+     "line 5); give each host a unique name\n"),
+    ("brackets in a message are text, not markup", HOST,
+     'error: hosts.toml: job: missing the [job] section; add [job] with name = "..." and '
+     'command = "..."\n'),
+    ("several problems at once", JOB + "min_workers = 0\n" + HOST + "slots = 0\n",
+     "error: hosts.toml: 2 problems\n"
+     "  hosts.toml:4: job.min_workers: must be >= 1, got 0\n"
+     '  hosts.toml:8: hosts[0].slots (host "h1"): must be >= 1 (CPU workers on this host), got 0\n'),
+]
+
+
+@pytest.mark.parametrize("what, text, stderr", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_inventory_mistake_exits_2_with_the_exact_message(tmp_path, what, text, stderr):
+    (tmp_path / "hosts.toml").write_text(text)
+    r = run("probe", cwd=tmp_path)
+    assert (r.returncode, r.stderr, r.stdout) == (2, stderr, "")
+
+
+def test_doctor_reports_the_same_inventory_error(tmp_path):
+    (tmp_path / "hosts.toml").write_text(JOB + '[policy]\nidle_for = "soon"\n' + HOST)
+    r = run("doctor", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr == ('error: hosts.toml:5: policy.idle_for: "soon" is not a duration: write it like '
+                        '"90s", "10m", "1h30m", "500ms" or a number of seconds\n')
+
+
+def test_missing_inventory_names_the_file_and_suggests_init(tmp_path):
+    r = run("probe", cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == "error: hosts.toml: no such inventory file\n" + NO_FILE_HINT
+
+
+@pytest.mark.parametrize(
+    "args, env, first_line, init",
+    [
+        (["-i", "lab.toml", "probe"], {}, "error: lab.toml: no such inventory file (named by -i)",
+         "eltctl init lab.toml"),
+        (["probe"], {"ELTCTL_INVENTORY": "conf/lab.toml"},
+         "error: conf/lab.toml: no such inventory file (named by $ELTCTL_INVENTORY)",
+         "eltctl init conf/lab.toml"),
+    ],
+)
+def test_missing_inventory_says_who_named_it(tmp_path, args, env, first_line, init):
+    r = run(*args, cwd=tmp_path, env=env)
+    assert r.returncode == 2
+    first, hint = r.stderr.splitlines()
+    assert first == first_line
+    assert f"`{init}`" in hint
+
+
+def test_inventory_option_and_variable_are_read(tmp_path):
+    (tmp_path / "a.toml").write_text(JOB + "bogus = 1\n" + HOST)
+    (tmp_path / "b.toml").write_text(JOB + "bogus2 = 1\n" + HOST)
+    by_env = run("probe", cwd=tmp_path, env={"ELTCTL_INVENTORY": "a.toml"})
+    assert by_env.returncode == 2 and by_env.stderr.startswith("error: a.toml:4: job.bogus: ")
+    by_option = run("-i", "b.toml", "probe", cwd=tmp_path, env={"ELTCTL_INVENTORY": "a.toml"})
+    assert by_option.returncode == 2 and by_option.stderr.startswith("error: b.toml:4: job.bogus2: ")
+
+
+# ---------------------------------------------------------------- init
+
+
+def test_init_writes_the_starter_and_says_what_next(tmp_path):
+    r = run("init", cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout == textwrap.dedent("""\
+        Wrote hosts.toml, a commented starter inventory.
+        Next:
+          1. Edit it: the [job] to run and one [[hosts]] section per machine.
+          2. eltctl doctor  checks every host: SSH, host keys, Python and torch, nvidia-smi.
+          3. eltctl probe   shows every host's GPUs and which are free.
+        """)
+    written = tmp_path / "hosts.toml"
+    assert written.read_text() == STARTER
+    inv = load_inventory(written)  # the starter parses as written
+    assert inv.job.name == "my-job" and len(inv.hosts) == 4
+
+
+def test_init_refuses_to_overwrite_without_force(tmp_path):
+    mine = tmp_path / "hosts.toml"
+    mine.write_text("# my edited inventory\n")
+    r = run("init", cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == ("error: hosts.toml already exists; not overwriting it\n"
+                        "  hint: `eltctl init hosts.toml --force` replaces it, or name another file\n")
+    assert mine.read_text() == "# my edited inventory\n"
+    r = run("init", "--force", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert mine.read_text() == STARTER
+    assert [p.name for p in tmp_path.iterdir()] == ["hosts.toml"]  # no temporary left behind
+
+
+def test_init_writes_where_told_and_the_next_steps_name_it(tmp_path):
+    r = run("init", "conf/lab.toml", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "conf" / "lab.toml").read_text() == STARTER
+    assert "eltctl -i conf/lab.toml doctor" in r.stdout
+    r = run("-i", "other.toml", "init", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "other.toml").read_text() == STARTER
+    assert "eltctl -i other.toml probe" in r.stdout
+    r = run("init", cwd=tmp_path, env={"ELTCTL_INVENTORY": "env.toml"})
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "env.toml").read_text() == STARTER
+    assert "2. eltctl doctor" in r.stdout  # found through the variable: no -i needed
+
+
+def test_init_into_a_directory_is_refused(tmp_path):
+    (tmp_path / "d").mkdir()
+    r = run("init", "d", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: d is a directory\n")
+
+
+# ---------------------------------------------------------------- the edge: help, usage, exit codes
+
+
+def test_help_is_cheap_and_never_imports_torch_or_asyncssh(tmp_path):
+    start = time.perf_counter()
+    r = run("--help", cwd=tmp_path)
+    wall = time.perf_counter() - start
+    assert r.returncode == 0, r.stderr
+    assert "init" in r.stdout and "ELTCTL_INVENTORY" in r.stdout and "default: hosts.toml" in r.stdout
+    probe = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "eltctl", "--help"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert probe.returncode == 0
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                for line in probe.stderr.splitlines() if line.startswith("import time:")}
+    assert "typer" in imported  # the check itself works
+    assert not imported & {"torch", "asyncssh", "numpy"}
+    print(f"eltctl --help: {wall:.3f} s wall (target < 0.5 s)")
+
+
+@pytest.mark.parametrize("args", [[], ["--no-such-option"], ["no-such-command"], ["init", "a", "b"]])
+def test_usage_errors_exit_2(tmp_path, args):
+    r = run(*args, cwd=tmp_path)
+    assert r.returncode == 2
+    assert "Usage: eltctl" in (r.stdout + r.stderr)
+    assert "Traceback" not in r.stderr
+
+
+def test_python_dash_m_is_the_same_program(tmp_path):
+    r = run("probe", cwd=tmp_path, module=True)
+    assert r.returncode == 2
+    assert r.stderr == "error: hosts.toml: no such inventory file\n" + NO_FILE_HINT
+
+
+# A program built on the real entry point with one extra command that fails in each
+# way a command can; what is checked is how `main()` turns each into an exit code.
+EDGE = textwrap.dedent("""\
+    import sys, typer
+    from eltctl import cli
+    from eltctl.errors import ConfigError, EltctlError, HostError, UsageError
+
+    @cli.app.command("fail")
+    def fail(kind: str) -> None:
+        if kind == "runtime":
+            raise EltctlError("the job could not start", hint="see the log [x]")
+        if kind == "usage":
+            raise UsageError("--min-workers must be >= 1")
+        if kind == "config":
+            raise ConfigError("bad value", path="hosts.toml", key="job.name", line=3)
+        if kind == "host":
+            raise HostError("gpu1", "connection refused", kind="unreachable")
+        if kind == "interrupt":
+            raise KeyboardInterrupt
+        if kind == "exit":
+            raise typer.Exit(3)
+        if kind == "bug":
+            raise ZeroDivisionError("a bug")
+
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+EDGE_CASES = [
+    ("ok", 0, ""),
+    ("runtime", 1, "error: the job could not start\n  hint: see the log [x]\n"),
+    ("usage", 2, "error: --min-workers must be >= 1\n"),
+    ("config", 2, "error: hosts.toml:3: job.name: bad value\n"),
+    ("host", 3, "error: gpu1: connection refused\n"),
+    ("interrupt", 130, None),
+    ("exit", 3, ""),
+]
+
+
+@pytest.mark.parametrize("kind, code, stderr", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
+def test_errors_become_exit_codes_at_the_edge(tmp_path, kind, code, stderr):
+    r = subprocess.run([sys.executable, "-c", EDGE, "fail", kind], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=TIMEOUT, env={**os.environ, "NO_COLOR": "1"})
+    assert r.returncode == code, r.stderr
+    if stderr is not None:
+        assert r.stderr == stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_bug_keeps_its_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-c", EDGE, "fail", "bug"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    assert r.returncode == 1
+    assert "Traceback" in r.stderr and "ZeroDivisionError: a bug" in r.stderr
