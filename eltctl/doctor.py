@@ -1,0 +1,371 @@
+"""The doctor: per host, what would stop eltctl from using it, and how to fix it.
+
+For each host a list of `Check`s (name, ok/warn/fail/skip, detail, fix), in the order a
+person would fix them: reachable, host key, auth, then (once connected) the remote
+Python against the local major.minor, torch importable and its version against the
+local one, nvidia-smi, and a writable work directory `~/.eltctl`.
+
+The judgements are pure functions of what the host printed (`parse_remote_facts`,
+`check_python`, `check_torch`, ...), tested with tables; `diagnose` runs them over a
+`Fleet`. With `accept_new`, a host whose key is unknown gets its key recorded (trust
+on first use, with the fingerprint shown); a changed key is never replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Iterable
+
+from eltctl.errors import HostError
+from eltctl.inventory import Host, Inventory, Policy, SSHSettings
+from eltctl.probe import (HANG_STATUSES, NOT_FOUND_STATUS, HostProbe, parse_probe_output, probe_command,
+                          probe_timeout)
+from eltctl.transport import ErrorKind, Fleet, Transport
+
+MARK = ":::eltctl:"
+WORKDIR = "~/.eltctl"
+TORCH_IMPORT_TIMEOUT = 120.0  # seconds; a cold `import torch` on a loaded host is slow
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    WARN = "warn"  # usable, but worth a look
+    FAIL = "fail"  # eltctl cannot use this host until it is fixed
+    SKIP = "skip"  # not checked, because an earlier check failed
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str | None = None
+
+
+@dataclass(frozen=True)
+class HostDiagnosis:
+    host: str
+    address: str
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status is not Status.FAIL for c in self.checks)
+
+    def check(self, name: str) -> Check | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+
+@dataclass(frozen=True)
+class Versions:
+    """Python (major.minor.micro) and torch versions; torch None: not installed."""
+
+    python: str
+    torch: str | None
+
+
+def local_versions() -> Versions:
+    """This machine's versions, without importing torch (that would cost a second)."""
+    from importlib import metadata
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = None
+    return Versions(python="%d.%d.%d" % sys.version_info[:3], torch=torch)
+
+
+# --------------------------------------------------------------------------- connection
+
+def connection_checks(error: HostError | None, *, accepted: str | None = None) -> list[Check]:
+    """reachable / host key / auth from how connecting went (None: it worked)."""
+    accepted_detail = accepted or "verified against known_hosts"
+    if error is None:
+        return [Check("reachable", Status.OK, "sshd answered"),
+                Check("host key", Status.OK, accepted_detail),
+                Check("auth", Status.OK, "logged in")]
+    kind = str(error.kind)
+    detail = _bare(error)
+    if kind in (ErrorKind.UNREACHABLE, ErrorKind.TIMEOUT):
+        return [Check("reachable", Status.FAIL, detail, error.hint)]
+    if kind in (ErrorKind.HOST_KEY_UNKNOWN, ErrorKind.HOST_KEY_CHANGED):
+        return [Check("reachable", Status.OK, "sshd answered"),
+                Check("host key", Status.FAIL, detail, error.hint)]
+    if kind == ErrorKind.AUTH:
+        return [Check("reachable", Status.OK, "sshd answered"),
+                Check("host key", Status.OK, accepted_detail),
+                Check("auth", Status.FAIL, detail, error.hint)]
+    return [Check("connect", Status.FAIL, detail, error.hint)]
+
+
+def _bare(error: HostError) -> str:
+    """The message without the "host: " prefix (the output already groups by host)."""
+    prefix = f"{error.host}: "
+    return error.message[len(prefix):] if error.message.startswith(prefix) else error.message
+
+
+# --------------------------------------------------------------------------- remote facts
+
+@dataclass(frozen=True)
+class RemoteFacts:
+    python_path: str | None  # None: the interpreter was not found
+    python_version: str | None
+    python_error: str
+    torch_version: str | None  # None: `import torch` failed
+    torch_error: str
+    workdir_ok: bool
+    workdir_error: str
+
+
+def doctor_script(python: str) -> str:
+    """POSIX sh printing delimited sections about the interpreter, torch and ~/.eltctl."""
+    py = " ".join(shlex.quote(w) for w in shlex.split(python)) or "python3"
+    first = shlex.quote(shlex.split(python)[0]) if python.strip() else "python3"
+    t = f"{TORCH_IMPORT_TIMEOUT:g}"
+    return f"""\
+m='{MARK}'
+if command -v timeout >/dev/null 2>&1; then to="timeout -k 2 {t}"; else to=""; fi
+echo "${{m}}python-path"
+command -v {first} 2>/dev/null
+echo "${{m}}python"
+{py} -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' </dev/null 2>&1
+echo "${{m}}python-rc $?"
+echo "${{m}}torch"
+$to {py} -c 'import torch; print("torch=" + torch.__version__)' </dev/null 2>&1 | tail -n 5
+echo "${{m}}workdir"
+d="$HOME/.eltctl"
+if mkdir -p "$d" 2>&1 && t=$(mktemp "$d/.doctor.XXXXXX" 2>&1) && rm -f "$t"; then echo "ok"; else echo "failed: $t"; fi
+echo "${{m}}end"
+"""
+
+
+def _sections(text: str) -> dict[str, tuple[str, list[str]]]:
+    out: dict[str, tuple[str, list[str]]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            name, _, arg = line[len(MARK):].partition(" ")
+            current = []
+            out[name] = (arg.strip(), current)
+        elif current is not None:
+            current.append(line)
+    return out
+
+
+def _last_line(lines: list[str]) -> str:
+    lines = [ln.strip() for ln in lines if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def parse_remote_facts(text: str) -> RemoteFacts:
+    s = _sections(text)
+    path_lines = [ln.strip() for ln in s.get("python-path", ("", []))[1] if ln.strip()]
+    py_lines = s.get("python", ("", []))[1]
+    py_rc = s.get("python-rc", ("", []))[0]
+    version = None
+    for ln in py_lines:
+        parts = ln.strip().split(".")
+        if len(parts) == 3 and all(p.isdigit() for p in parts):
+            version = ln.strip()
+    torch_lines = s.get("torch", ("", []))[1]
+    torch = None
+    for ln in torch_lines:
+        if ln.startswith("torch="):
+            torch = ln[len("torch="):].strip()
+    wd = [ln.strip() for ln in s.get("workdir", ("", []))[1] if ln.strip()]
+    workdir_ok = bool(wd) and wd[0] == "ok"
+    return RemoteFacts(
+        python_path=path_lines[0] if path_lines else None,
+        python_version=version if py_rc == "0" else None,
+        python_error=_last_line(py_lines) if py_rc != "0" or version is None else "",
+        torch_version=torch,
+        torch_error="" if torch else (_last_line(torch_lines) or "no output"),
+        workdir_ok=workdir_ok,
+        workdir_error="" if workdir_ok else (" ".join(wd) or "no answer"),
+    )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'2.13.0+cu121' -> (2, 13, 0): the local build tag does not matter for compatibility."""
+    out = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+        if not part.isdigit():
+            break
+    return tuple(out)
+
+
+def check_python(facts: RemoteFacts, local: Versions, python: str) -> Check:
+    if facts.python_version is None:
+        where = f"`{python}` was not found on PATH" if facts.python_path is None else \
+            f"`{python}` ({facts.python_path}) does not run: {facts.python_error or 'no output'}"
+        return Check("python", Status.FAIL, where,
+                     f"install Python {local.python.rsplit('.', 1)[0]} there, or set this host's "
+                     "`python = \"/path/to/python\"` in the inventory")
+    remote, mine = _release(facts.python_version)[:2], _release(local.python)[:2]
+    if remote != mine:
+        return Check("python", Status.WARN,
+                     f"{facts.python_version} at {facts.python_path} (local {local.python}): "
+                     "major.minor differ",
+                     f"use Python {'.'.join(map(str, mine))} on the host if workers misbehave")
+    return Check("python", Status.OK, f"{facts.python_version} at {facts.python_path}")
+
+
+def check_torch(facts: RemoteFacts, local: Versions, python: str) -> Check:
+    want = f"torch=={local.torch.split('+')[0]}" if local.torch else "torch"
+    if facts.python_version is None:
+        return Check("torch", Status.SKIP, "no working Python")
+    if facts.torch_version is None:
+        return Check("torch", Status.FAIL, f"`import torch` failed: {facts.torch_error}",
+                     f"install it for that interpreter ({python} -m pip install {want}) or point "
+                     "this host's `python` at an interpreter that has it")
+    if local.torch is None:
+        return Check("torch", Status.OK, f"{facts.torch_version} (no local torch to compare with)")
+    remote, mine = _release(facts.torch_version), _release(local.torch)
+    if remote[:2] != mine[:2]:
+        return Check("torch", Status.FAIL,
+                     f"{facts.torch_version}, but local is {local.torch}: workers of different torch "
+                     "releases cannot be relied on to talk to each other",
+                     f"{python} -m pip install {want}")
+    if remote != mine:
+        return Check("torch", Status.WARN, f"{facts.torch_version} (local {local.torch})",
+                     f"{python} -m pip install {want}")
+    return Check("torch", Status.OK, facts.torch_version)
+
+
+def check_nvidia_smi(probe: HostProbe, policy: Policy, host: Host) -> Check:
+    t = f"{policy.nvidia_smi_timeout:g}"
+    if not probe.complete:
+        return Check("nvidia-smi", Status.FAIL, "the probe's output was cut short",
+                     "run the probe by hand: eltctl probe")
+    if probe.nvidia_smi is None or probe.gpu_status == NOT_FOUND_STATUS:
+        return Check("nvidia-smi", Status.OK,
+                     f"not installed: a CPU-only host ({host.slots} slot(s))")
+    if probe.gpu_status in HANG_STATUSES:
+        return Check("nvidia-smi", Status.FAIL, f"did not answer in {t} s (driver wedged?)",
+                     "check the NVIDIA driver on the host (nvidia-smi; dmesg); a reboot may be needed")
+    if probe.gpu_status != 0:
+        msg = next((ln.strip() for ln in probe.gpu_output.splitlines() if ln.strip()), "no output")
+        return Check("nvidia-smi", Status.FAIL, f"failed (exit {probe.gpu_status}): {msg[:200]}",
+                     "check the NVIDIA driver on the host (nvidia-smi; dmesg; is the module loaded?)")
+    if not probe.gpus:
+        return Check("nvidia-smi", Status.WARN, "answered but listed no GPUs",
+                     "check the GPUs with nvidia-smi -L on the host")
+    names = sorted({g.name for g in probe.gpus})
+    return Check("nvidia-smi", Status.OK, f"{len(probe.gpus)} GPU(s): {', '.join(names)}")
+
+
+def check_workdir(facts: RemoteFacts) -> Check:
+    if facts.workdir_ok:
+        return Check("work directory", Status.OK, f"{WORKDIR} is writable")
+    return Check("work directory", Status.FAIL, f"{WORKDIR} is not writable: {facts.workdir_error}",
+                 f"on the host: mkdir -p {WORKDIR} && chmod u+rwx {WORKDIR} (and check the disk is not full)")
+
+
+# --------------------------------------------------------------------------- running it
+
+async def _remote_checks(host: Host, transport: Transport, policy: Policy, local: Versions) -> list[Check]:
+    facts_cmd = "sh -c " + shlex.quote(doctor_script(host.python))
+    facts_res, probe_res = await asyncio.gather(
+        transport.run(facts_cmd, timeout=TORCH_IMPORT_TIMEOUT + 30),
+        transport.run(probe_command("", policy.nvidia_smi_timeout), timeout=probe_timeout(policy)),
+        return_exceptions=True)
+    checks: list[Check] = []
+    if isinstance(facts_res, HostError):
+        checks.append(Check("python", Status.FAIL, f"the check did not complete: {_bare(facts_res)}",
+                            facts_res.hint))
+    elif isinstance(facts_res, BaseException):
+        raise facts_res
+    else:
+        facts = parse_remote_facts(facts_res.stdout)
+        checks += [check_python(facts, local, host.python), check_torch(facts, local, host.python)]
+    if isinstance(probe_res, HostError):
+        checks.append(Check("nvidia-smi", Status.FAIL, f"the probe did not complete: {_bare(probe_res)}",
+                            "check the NVIDIA driver on the host"))
+    elif isinstance(probe_res, BaseException):
+        raise probe_res
+    else:
+        checks.append(check_nvidia_smi(parse_probe_output(probe_res.stdout), policy, host))
+    if not isinstance(facts_res, BaseException):
+        checks.append(check_workdir(facts))
+    return checks
+
+
+async def diagnose_host(fleet: Fleet, host: Host, *, policy: Policy, local: Versions,
+                        accept_new: bool = False) -> HostDiagnosis:
+    accepted: str | None = None
+    try:
+        transport = await fleet.transport(host)
+        error = None
+    except HostError as exc:
+        transport, error = None, exc
+    if error is not None and accept_new and str(error.kind) == ErrorKind.HOST_KEY_UNKNOWN and not host.is_local:
+        from eltctl.ssh import accept_new_host_key
+
+        try:
+            key = await accept_new_host_key(host, fleet.ssh)
+        except HostError as exc:
+            error = exc
+        else:
+            accepted = f"recorded new key {key.fingerprint} in {key.known_hosts} (first use, --accept-new)"
+            await fleet.forget(host.name)
+            try:
+                transport = await fleet.transport(host)
+                error = None
+            except HostError as exc:
+                error = exc
+    elif error is not None and accept_new and str(error.kind) == ErrorKind.HOST_KEY_CHANGED:
+        error = HostError(host.name, _bare(error) + "; --accept-new never replaces a changed key",
+                          kind=error.kind, hint=error.hint)
+
+    if host.is_local:
+        checks = [Check("reachable", Status.OK, "this machine (address = \"local\")")]
+    else:
+        checks = connection_checks(error, accepted=accepted)
+    if transport is not None:
+        checks += await _remote_checks(host, transport, policy, local)
+    return HostDiagnosis(host=host.name, address=host.address, checks=tuple(checks))
+
+
+async def diagnose_fleet(fleet: Fleet, *, policy: Policy, accept_new: bool = False,
+                         local: Versions | None = None,
+                         hosts: Iterable[Host] | None = None) -> list[HostDiagnosis]:
+    local = local or local_versions()
+    targets = fleet.hosts if hosts is None else tuple(hosts)
+    results = await asyncio.gather(*(
+        _guarded(diagnose_host(fleet, h, policy=policy, local=local, accept_new=accept_new), h)
+        for h in targets))
+    return list(results)
+
+
+async def _guarded(coro, host: Host) -> HostDiagnosis:
+    """One host's unexpected error is that host's failed check, never the batch's end."""
+    try:
+        return await coro
+    except HostError as exc:
+        return HostDiagnosis(host.name, host.address, (Check("connect", Status.FAIL, _bare(exc), exc.hint),))
+    except Exception as exc:  # noqa: BLE001 - reported per host, see docstring
+        return HostDiagnosis(host.name, host.address, (
+            Check("internal", Status.FAIL, f"{type(exc).__name__}: {exc}",
+                  "this is a bug in eltctl; please report it"),))
+
+
+def diagnose(inventory: Inventory, *, accept_new: bool = False,
+             ssh: SSHSettings | None = None) -> list[HostDiagnosis]:
+    """`eltctl doctor`: diagnose every host of the inventory."""
+
+    async def main() -> list[HostDiagnosis]:
+        async with Fleet(inventory, ssh=ssh) as fleet:
+            return await diagnose_fleet(fleet, policy=inventory.policy, accept_new=accept_new)
+
+    return asyncio.run(main())

@@ -1,0 +1,545 @@
+"""The probe: what each host can offer now, and why.
+
+One round trip per host runs `probe_script` (POSIX sh): it prints delimited sections
+with the CPU count, load average, logged-in users, whether `nvidia-smi` exists, the
+GPU query and the compute-apps query (each under `timeout`), and for each GPU process
+its owner and whether it belongs to this job (`ELTCTL_JOB=<job>` in its environment).
+
+The rest is pure and tested with tables: `parse_probe_output` turns that text into a
+`HostProbe` (facts), `classify_gpu` decides free / busy / ours for one GPU, and
+`assess_host` turns facts into a `HostReport` whose state is one of
+
+    ok         reachable, nvidia-smi answered; its GPUs are classified
+    cpu-only   reachable, no nvidia-smi: `slots` CPU workers
+    unhealthy  reachable, but nvidia-smi (or the probe) failed or hung
+    unreachable  not reachable (the HostError's kind and message say why)
+
+`probe_inventory` runs it all over a `Fleet`; `reports_to_json` is the documented
+`eltctl probe --json` format (see `JSON_FORMAT`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import shlex
+from dataclasses import dataclass
+from typing import Iterable
+
+from eltctl.errors import HostError
+from eltctl.inventory import Host, Inventory, Policy
+from eltctl.transport import ErrorKind, Fleet, Outcome, Transport
+
+MARK = ":::eltctl:"
+PROBE_VERSION = "1"
+GPU_FIELDS = "index,uuid,name,memory.used,memory.total,utilization.gpu"
+APP_FIELDS = "gpu_uuid,pid,used_memory,process_name"
+HANG_STATUSES = (124, 137)  # `timeout` gave up (TERM, then KILL)
+NOT_FOUND_STATUS = 127  # the shell's "command not found"
+MISSING_VALUES = {"[n/a]", "n/a", "[not supported]", "[unknown error]", "[insufficient permissions]",
+                  "[gpu is lost]", "[unknown]", ""}
+
+
+class HostState(str, enum.Enum):
+    OK = "ok"
+    CPU_ONLY = "cpu-only"
+    UNHEALTHY = "unhealthy"
+    UNREACHABLE = "unreachable"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class GpuState(str, enum.Enum):
+    FREE = "free"  # nothing runs on it and it looks idle
+    BUSY = "busy"  # a process that is not this job's, or memory/utilisation above the thresholds
+    OURS = "ours"  # only this job's processes run on it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    memory_used_mib: int | None  # None: the driver said [N/A] / [Not Supported]
+    memory_total_mib: int | None
+    utilization: int | None  # percent
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    gpu_uuid: str
+    used_memory_mib: int | None
+    name: str
+    user: str | None = None  # None: the owner could not be read (e.g. another pid namespace)
+    ours: bool = False  # its environment holds ELTCTL_JOB=<this job>
+
+
+@dataclass(frozen=True)
+class HostProbe:
+    """The facts one probe run printed, before any judgement."""
+
+    complete: bool = False  # the end marker arrived
+    cpu_count: int | None = None
+    load_avg: tuple[float, float, float] | None = None
+    users: tuple[str, ...] = ()
+    nvidia_smi: str | None = None  # its path; None: not installed (a CPU-only host)
+    gpu_status: int | None = None  # exit status of the GPU query
+    gpu_output: str = ""  # the query's text when it failed
+    gpus: tuple[Gpu, ...] = ()
+    apps_status: int | None = None
+    apps_output: str = ""
+    processes: tuple[GpuProcess, ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    gpu: Gpu
+    state: GpuState
+    reason: str
+    processes: tuple[GpuProcess, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostReport:
+    name: str
+    address: str
+    state: HostState
+    reason: str
+    error: HostError | None = None
+    gpus: tuple[GpuReport, ...] = ()
+    cpu_count: int | None = None
+    slots: int = 0
+    load_avg: tuple[float, float, float] | None = None
+    users: tuple[str, ...] = ()
+
+    @property
+    def reachable(self) -> bool:
+        return self.state is not HostState.UNREACHABLE
+
+    def gpus_in(self, state: GpuState) -> list[GpuReport]:
+        return [g for g in self.gpus if g.state is state]
+
+
+# --------------------------------------------------------------------------- the script
+
+def probe_script(job: str, nvidia_smi_timeout: float) -> str:
+    """The POSIX sh program a probe runs; the job name is its first argument."""
+    t = f"{nvidia_smi_timeout:g}"
+    return f"""\
+job="$1"
+m='{MARK}'
+echo "${{m}}probe {PROBE_VERSION}"
+tmp=$(mktemp 2>/dev/null || echo "/tmp/eltctl-probe.$$")
+trap 'rm -f "$tmp"' EXIT
+if command -v timeout >/dev/null 2>&1; then to="timeout -k 2 {t}"; else to=""; fi
+echo "${{m}}cpus"
+getconf _NPROCESSORS_ONLN 2>/dev/null || nproc 2>/dev/null
+echo "${{m}}loadavg"
+cat /proc/loadavg 2>/dev/null
+echo "${{m}}who"
+who 2>/dev/null
+echo "${{m}}smi"
+smi=$(command -v nvidia-smi 2>/dev/null)
+echo "$smi"
+if [ -n "$smi" ]; then
+  $to nvidia-smi --query-gpu={GPU_FIELDS} --format=csv,noheader,nounits </dev/null >"$tmp" 2>&1
+  rc=$?
+  echo "${{m}}gpus $rc"
+  cat "$tmp"
+  if [ "$rc" -eq 0 ]; then
+    $to nvidia-smi --query-compute-apps={APP_FIELDS} --format=csv,noheader,nounits </dev/null >"$tmp" 2>&1
+    rc=$?
+    echo "${{m}}apps $rc"
+    cat "$tmp"
+    echo "${{m}}owners"
+    if [ "$rc" -eq 0 ]; then
+      while IFS=, read -r _uuid pid _rest || [ -n "$pid" ]; do
+        pid=$(printf '%s' "$pid" | tr -d ' ')
+        case "$pid" in ''|*[!0-9]*) continue ;; esac
+        user=$(ps -o user= -p "$pid" 2>/dev/null | tr -d ' ')
+        ours=0
+        if [ -n "$job" ] && [ -r "/proc/$pid/environ" ] && \\
+           tr '\\000' '\\n' <"/proc/$pid/environ" 2>/dev/null | grep -qxF "ELTCTL_JOB=$job"; then
+          ours=1
+        fi
+        echo "$pid $ours ${{user:-?}}"
+      done <"$tmp"
+    fi
+  fi
+fi
+echo "${{m}}end"
+"""
+
+
+def probe_command(job: str, nvidia_smi_timeout: float) -> str:
+    """The one shell command a probe sends: `sh -c SCRIPT eltctl-probe JOB`."""
+    return ("sh -c " + shlex.quote(probe_script(job, nvidia_smi_timeout))
+            + " eltctl-probe " + shlex.quote(job))
+
+
+def probe_timeout(policy: Policy) -> float:
+    """How long a whole probe may take: two nvidia-smi calls plus the rest."""
+    return 2 * (policy.nvidia_smi_timeout + 2) + 10
+
+
+# --------------------------------------------------------------------------- parsing
+
+def _missing(text: str) -> bool:
+    return text.strip().lower() in MISSING_VALUES
+
+
+def parse_number(text: str) -> int | None:
+    """An nvidia-smi number, or None for [N/A], [Not Supported] and friends."""
+    text = text.strip()
+    if _missing(text):
+        return None
+    for suffix in (" MiB", " %", "MiB", "%"):
+        if text.endswith(suffix):
+            text = text[: -len(suffix)].strip()
+    try:
+        return int(round(float(text)))
+    except ValueError:
+        return None
+
+
+def parse_gpu_line(line: str) -> Gpu | None:
+    raw = line.split(",")
+    parts = [p.strip() for p in raw]
+    if len(parts) < 6:
+        return None
+    try:
+        index = int(parts[0])
+    except ValueError:
+        return None
+    return Gpu(index=index, uuid=parts[1], name=",".join(raw[2:-3]).strip(),
+               memory_used_mib=parse_number(parts[-3]), memory_total_mib=parse_number(parts[-2]),
+               utilization=parse_number(parts[-1]))
+
+
+def parse_app_line(line: str) -> GpuProcess | None:
+    raw = line.split(",")
+    parts = [p.strip() for p in raw]
+    if len(parts) < 3:
+        return None
+    try:
+        pid = int(parts[1])
+    except ValueError:
+        return None
+    return GpuProcess(pid=pid, gpu_uuid=parts[0], used_memory_mib=parse_number(parts[2]),
+                      name=",".join(raw[3:]).strip())
+
+
+def _sections(text: str) -> dict[str, tuple[str, list[str]]]:
+    """{name: (argument after the name, lines)} for each `:::eltctl:name arg` marker."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            name, _, arg = line[len(MARK):].partition(" ")
+            current = []
+            out[name] = (arg.strip(), current)
+        elif current is not None:
+            current.append(line)
+    return out
+
+
+def _status(arg: str) -> int | None:
+    try:
+        return int(arg)
+    except ValueError:
+        return None
+
+
+def parse_probe_output(text: str) -> HostProbe:
+    """The facts in a probe's output. Tolerates missing sections (a truncated run)."""
+    s = _sections(text)
+    cpu_count = None
+    for line in s.get("cpus", ("", []))[1]:
+        n = parse_number(line)
+        if n:
+            cpu_count = n
+            break
+    load_avg = None
+    la = " ".join(s.get("loadavg", ("", []))[1]).split()
+    if len(la) >= 3:
+        try:
+            load_avg = (float(la[0]), float(la[1]), float(la[2]))
+        except ValueError:
+            load_avg = None
+    users = sorted({line.split()[0] for line in s.get("who", ("", []))[1] if line.strip()})
+    smi_lines = [ln.strip() for ln in s.get("smi", ("", []))[1] if ln.strip()]
+    nvidia_smi = smi_lines[0] if smi_lines else None
+
+    gpu_status = gpu_output = None
+    gpus: list[Gpu] = []
+    if "gpus" in s:
+        arg, lines = s["gpus"]
+        gpu_status = _status(arg)
+        gpu_output = "\n".join(lines).strip()
+        if gpu_status == 0:
+            gpus = [g for g in map(parse_gpu_line, lines) if g is not None]
+
+    apps_status = apps_output = None
+    procs: list[GpuProcess] = []
+    if "apps" in s:
+        arg, lines = s["apps"]
+        apps_status = _status(arg)
+        apps_output = "\n".join(lines).strip()
+        if apps_status == 0:
+            procs = [p for p in map(parse_app_line, lines) if p is not None]
+    owners: dict[int, tuple[bool, str | None]] = {}
+    for line in s.get("owners", ("", []))[1]:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].isdigit():
+            user = parts[2] if len(parts) >= 3 and parts[2] != "?" else None
+            owners[int(parts[0])] = (parts[1] == "1", user)
+    procs = [GpuProcess(pid=p.pid, gpu_uuid=p.gpu_uuid, used_memory_mib=p.used_memory_mib, name=p.name,
+                        user=owners.get(p.pid, (False, None))[1], ours=owners.get(p.pid, (False, None))[0])
+             for p in procs]
+    return HostProbe(
+        complete="end" in s, cpu_count=cpu_count, load_avg=load_avg, users=tuple(users),
+        nvidia_smi=nvidia_smi, gpu_status=gpu_status, gpu_output=gpu_output or "", gpus=tuple(gpus),
+        apps_status=apps_status, apps_output=apps_output or "", processes=tuple(procs))
+
+
+# --------------------------------------------------------------------------- decisions
+
+def _describe_process(p: GpuProcess) -> str:
+    who = p.user or "unknown user"
+    name = f" {p.name}" if p.name else ""
+    return f"pid {p.pid}{name} ({who})"
+
+
+def classify_gpu(gpu: Gpu, processes: Iterable[GpuProcess], policy: Policy) -> tuple[GpuState, str]:
+    """free / busy / ours for one GPU, with the reason a person would want to read.
+
+    A process that is not this job's makes the GPU busy, even next to ours. With no
+    process listed, memory or utilisation above the policy's thresholds still means
+    busy (containers hide their processes from the host's driver view).
+    """
+    procs = [p for p in processes if p.gpu_uuid == gpu.uuid]
+    foreign = [p for p in procs if not p.ours]
+    ours = [p for p in procs if p.ours]
+    if foreign:
+        reason = "used by " + ", ".join(_describe_process(p) for p in foreign)
+        if ours:
+            reason += "; shares it with this job's " + ", ".join(f"pid {p.pid}" for p in ours)
+        return GpuState.BUSY, reason
+    if ours:
+        return GpuState.OURS, "runs this job's " + ", ".join(_describe_process(p) for p in ours)
+
+    mem, util = gpu.memory_used_mib, gpu.utilization
+    if mem is not None and mem > policy.memory_threshold_mib:
+        total = f" of {gpu.memory_total_mib}" if gpu.memory_total_mib is not None else ""
+        return GpuState.BUSY, (f"{mem}{total} MiB used (threshold {policy.memory_threshold_mib} MiB) "
+                               "with no process listed (another container?)")
+    if util is not None and util > policy.utilization_threshold:
+        return GpuState.BUSY, (f"{util}% utilisation (threshold {policy.utilization_threshold}%) "
+                               "with no process listed (another container?)")
+    facts = ["no processes"]
+    facts.append(f"{mem} MiB used" if mem is not None else "memory use not reported")
+    facts.append(f"{util}% utilisation" if util is not None else "utilisation not reported")
+    if mem is None and util is None:
+        facts.append("judged by the process list only")
+    elif mem is None:
+        facts.append("judged by utilisation and processes")
+    elif util is None:
+        facts.append("judged by memory and processes")
+    return GpuState.FREE, ", ".join(facts)
+
+
+def _first_line(text: str, default: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:200]
+    return default
+
+
+def assess_host(host: Host, probe: HostProbe, policy: Policy) -> HostReport:
+    """The host's state and its GPUs' states from the probe's facts."""
+    common = dict(name=host.name, address=host.address, cpu_count=probe.cpu_count,
+                  load_avg=probe.load_avg, users=probe.users)
+    t = f"{policy.nvidia_smi_timeout:g}"
+    if not probe.complete:
+        return HostReport(state=HostState.UNHEALTHY, reason="the probe's output was cut short", **common)
+    if probe.nvidia_smi is None:
+        return HostReport(state=HostState.CPU_ONLY, slots=host.slots,
+                          reason=f"no nvidia-smi on PATH: CPU-only host, {host.slots} slot(s)", **common)
+    if probe.gpu_status == NOT_FOUND_STATUS:
+        # On PATH but not runnable ("command not found"): as good as absent.
+        return HostReport(state=HostState.CPU_ONLY, slots=host.slots,
+                          reason=(f"nvidia-smi at {probe.nvidia_smi} cannot run (exit 127): "
+                                  f"CPU-only host, {host.slots} slot(s)"), **common)
+    if probe.gpu_status in HANG_STATUSES:
+        return HostReport(state=HostState.UNHEALTHY,
+                          reason=f"nvidia-smi did not answer in {t} s (driver wedged?)", **common)
+    if probe.gpu_status != 0:
+        msg = _first_line(probe.gpu_output, "no output")
+        return HostReport(state=HostState.UNHEALTHY,
+                          reason=f"nvidia-smi failed (exit {probe.gpu_status}): {msg}", **common)
+    if probe.apps_status in HANG_STATUSES:
+        return HostReport(state=HostState.UNHEALTHY,
+                          reason=f"nvidia-smi's process query did not answer in {t} s (driver wedged?)",
+                          **common)
+    if probe.apps_status != 0:
+        msg = _first_line(probe.apps_output, "no output")
+        return HostReport(state=HostState.UNHEALTHY,
+                          reason=f"nvidia-smi's process query failed (exit {probe.apps_status}): {msg}",
+                          **common)
+    if not probe.gpus:
+        return HostReport(state=HostState.UNHEALTHY, reason="nvidia-smi listed no GPUs", **common)
+
+    wanted = set(host.gpus) if host.gpus is not None else None
+    gpus = [g for g in probe.gpus if wanted is None or g.index in wanted]
+    reports = []
+    for g in sorted(gpus, key=lambda g: g.index):
+        state, why = classify_gpu(g, probe.processes, policy)
+        reports.append(GpuReport(gpu=g, state=state, reason=why,
+                                 processes=tuple(p for p in probe.processes if p.gpu_uuid == g.uuid)))
+    counts = {s: sum(1 for r in reports if r.state is s) for s in GpuState}
+    reason = ", ".join(f"{counts[s]} {s.value}" for s in GpuState if counts[s]) or "no GPUs considered"
+    if wanted is not None:
+        absent = sorted(wanted - {g.index for g in probe.gpus})
+        if absent:
+            reason += f"; GPU(s) {', '.join(map(str, absent))} from the inventory are not on this host"
+    return HostReport(state=HostState.OK, reason=reason, gpus=tuple(reports),
+                      slots=counts[GpuState.FREE], **common)
+
+
+def bare_message(error: HostError) -> str:
+    """The message without its "host: " prefix, for output already grouped by host."""
+    prefix = f"{error.host}: "
+    return error.message[len(prefix):] if error.message.startswith(prefix) else error.message
+
+
+def unreachable_report(host: Host, error: HostError) -> HostReport:
+    return HostReport(name=host.name, address=host.address, state=HostState.UNREACHABLE,
+                      reason=bare_message(error), error=error)
+
+
+# --------------------------------------------------------------------------- running it
+
+async def probe_host(host: Host, transport: Transport, *, job: str, policy: Policy) -> HostReport:
+    """One round trip; a probe that times out or fails to run makes the host unhealthy."""
+    limit = probe_timeout(policy)
+    try:
+        result = await transport.run(probe_command(job, policy.nvidia_smi_timeout), timeout=limit)
+    except HostError as exc:
+        if exc.kind in (ErrorKind.TIMEOUT, ErrorKind.COMMAND):  # str enum: equal to the plain strings too
+            return HostReport(name=host.name, address=host.address, state=HostState.UNHEALTHY,
+                              reason=f"the probe did not complete: {bare_message(exc)}", error=exc)
+        raise
+    probe = parse_probe_output(result.stdout)
+    if not probe.complete and result.exit_status != 0:
+        msg = _first_line(result.stderr, f"exit {result.exit_status}")
+        return HostReport(name=host.name, address=host.address, state=HostState.UNHEALTHY,
+                          reason=f"the probe script failed: {msg}")
+    return assess_host(host, probe, policy)
+
+
+async def probe_fleet(fleet: Fleet, *, job: str, policy: Policy,
+                      hosts: Iterable[Host] | None = None) -> list[HostReport]:
+    """Probe every host of the fleet at once; reports in the fleet's host order."""
+    targets = fleet.hosts if hosts is None else tuple(hosts)
+
+    async def one(host: Host, transport: Transport) -> HostReport:
+        return await probe_host(host, transport, job=job, policy=policy)
+
+    outcomes: dict[str, Outcome[HostReport]] = await fleet.each(targets, one)
+    reports = []
+    for host in targets:
+        o = outcomes[host.name]
+        reports.append(o.value if o.error is None else unreachable_report(host, o.error))
+    return reports
+
+
+def probe_inventory(inventory: Inventory, *, hosts: Iterable[Host] | None = None) -> list[HostReport]:
+    """`eltctl probe`: probe the inventory's hosts (all by default) and close everything."""
+
+    async def main() -> list[HostReport]:
+        async with Fleet(inventory) as fleet:
+            return await probe_fleet(fleet, job=inventory.job.name, policy=inventory.policy, hosts=hosts)
+
+    return asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- JSON
+
+JSON_FORMAT = """\
+`eltctl probe --json` prints one JSON array, one object per inventory host, in inventory order:
+
+| key | type | meaning |
+|---|---|---|
+| `name` | string | the host's name in the inventory |
+| `address` | string | its address (`local` for this machine) |
+| `state` | string | `ok`, `cpu-only`, `unhealthy` or `unreachable` |
+| `reachable` | bool | false only when `state` is `unreachable` |
+| `reason` | string | one line saying why the host is in that state |
+| `error` | object or null | when the host could not be used: `kind` (`unreachable`, `timeout`, `auth`, `host-key-unknown`, `host-key-changed`, `command`, `internal`), `message`, `hint` (how to fix it) |
+| `cpu_count` | int or null | online CPUs |
+| `slots` | int | workers the host can take now: free GPUs on an `ok` host, the inventory's `slots` on a `cpu-only` host, 0 otherwise |
+| `load_avg` | [float, float, float] or null | 1, 5 and 15 minute load average |
+| `users` | [string] | users logged in (from `who`), sorted, once each |
+| `gpus` | [object] | the GPUs considered (the host's `gpus` list, or all), by index; empty unless `state` is `ok` |
+
+Each GPU:
+
+| key | type | meaning |
+|---|---|---|
+| `index` | int | nvidia-smi's index |
+| `uuid` | string | |
+| `name` | string | the board's name |
+| `state` | string | `free`, `busy` (a process not of this job, or memory/utilisation over the policy's thresholds) or `ours` (only this job's processes) |
+| `reason` | string | why |
+| `memory_used_mib`, `memory_total_mib` | int or null | null when the driver says `[N/A]`/`[Not Supported]` |
+| `utilization` | int or null | percent; null when not reported |
+| `processes` | [object] | compute processes: `pid` (int), `user` (string or null when unreadable), `ours` (bool: its environment holds `ELTCTL_JOB=<job name>`), `used_memory_mib` (int or null), `name` (string) |
+"""
+
+
+def _error_json(err: HostError | None) -> dict | None:
+    if err is None:
+        return None
+    return {"kind": str(err.kind), "message": err.message, "hint": err.hint}
+
+
+def report_to_json(r: HostReport) -> dict:
+    return {
+        "name": r.name,
+        "address": r.address,
+        "state": r.state.value,
+        "reachable": r.reachable,
+        "reason": r.reason,
+        "error": _error_json(r.error),
+        "cpu_count": r.cpu_count,
+        "slots": r.slots,
+        "load_avg": list(r.load_avg) if r.load_avg is not None else None,
+        "users": list(r.users),
+        "gpus": [
+            {
+                "index": g.gpu.index,
+                "uuid": g.gpu.uuid,
+                "name": g.gpu.name,
+                "state": g.state.value,
+                "reason": g.reason,
+                "memory_used_mib": g.gpu.memory_used_mib,
+                "memory_total_mib": g.gpu.memory_total_mib,
+                "utilization": g.gpu.utilization,
+                "processes": [
+                    {"pid": p.pid, "user": p.user, "ours": p.ours,
+                     "used_memory_mib": p.used_memory_mib, "name": p.name}
+                    for p in g.processes
+                ],
+            }
+            for g in r.gpus
+        ],
+    }
+
+
+def reports_to_json(reports: Iterable[HostReport]) -> list[dict]:
+    return [report_to_json(r) for r in reports]

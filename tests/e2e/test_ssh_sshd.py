@@ -1,0 +1,149 @@
+"""The SSH transport against real sshd hosts: what the issue asks of the SSH layer.
+
+~/.ssh/config and ssh-agent honoured, one connection per host reused, the host's
+env applied to remote commands, per-host timeouts, and a changed host key reported
+as such with the command that fixes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eltctl.errors import HostError
+from eltctl.inventory import Host, load_inventory
+from eltctl.transport import ErrorKind, Fleet
+
+pytestmark = pytest.mark.sshd
+
+ELTCTL = [sys.executable, "-m", "eltctl"]
+ROOT = Path(__file__).parents[2]
+
+
+def accepted_logins(host) -> int:
+    return (host.dir / "sshd.log").read_text(errors="replace").count("Accepted publickey")
+
+
+def test_one_connection_per_host_is_reused_within_a_command(testbed):
+    h = testbed.add_host("h1")
+    inv = load_inventory(testbed.write_inventory())
+    before = accepted_logins(h)
+
+    async def main():
+        async with Fleet(inv) as fleet:
+            outs = []
+            for _ in range(3):
+                outs.append(await fleet.each(None, lambda host, t: t.run("echo $ELTSIM_HOST")))
+            # and several commands at once on the one connection
+            t = await fleet.transport(inv.hosts[0])
+            many = await asyncio.gather(*(t.run(f"echo {i}") for i in range(30)))
+            return outs, many
+
+    outs, many = asyncio.run(main())
+    assert [o["h1"].value.stdout.strip() for o in outs] == ["h1"] * 3
+    assert [r.stdout.strip() for r in many] == [str(i) for i in range(30)]
+    deadline = time.monotonic() + 5
+    while accepted_logins(h) - before < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert accepted_logins(h) - before == 1
+
+
+def test_hosts_env_reaches_remote_commands(testbed):
+    h = testbed.add_host("h1")
+    inv = load_inventory(testbed.write_inventory())
+    host = Host(name="h1", address=h.address, port=h.port,
+                env=(("ELT_GREETING", "hello 'world' $HOME"), ("ELT_N", "3")))
+
+    async def main():
+        async with Fleet([host], ssh=inv.ssh) as fleet:
+            return await fleet.each(None, lambda hh, t: t.run('printf "%s|%s" "$ELT_GREETING" "$ELT_N"'))
+
+    out = asyncio.run(main())
+    assert out["h1"].value.stdout == "hello 'world' $HOME|3"
+
+
+def test_a_slow_command_is_that_hosts_timeout_only(testbed):
+    a, b = testbed.add_hosts(2)
+    inv = load_inventory(testbed.write_inventory())
+
+    async def fn(host, t):
+        return await t.run("sleep 30" if host.name == a.name else "echo fine", timeout=1)
+
+    async def main():
+        async with Fleet(inv) as fleet:
+            return await fleet.each(None, fn)
+
+    started = time.monotonic()
+    out = asyncio.run(main())
+    assert out[a.name].error.kind == ErrorKind.TIMEOUT and "1 s" in out[a.name].error.message
+    assert out[b.name].value.stdout == "fine\n"
+    assert time.monotonic() - started < 30
+
+
+def test_changed_host_key_is_reported_with_the_fix_and_never_accepted(testbed):
+    h = testbed.add_host("h1")
+    h.change_host_key()
+    inv = load_inventory(testbed.write_inventory())
+    from eltctl import ssh
+
+    with pytest.raises(HostError) as err:
+        asyncio.run(ssh.connect(inv.hosts[0], inv.ssh))
+    e = err.value
+    assert e.kind == ErrorKind.HOST_KEY_CHANGED and "CHANGED" in e.message and "SHA256:" in e.message
+    assert f"ssh-keygen -R '[{h.address}]:{h.port}' -f {testbed.known_hosts}" in e.hint
+    with pytest.raises(HostError) as again:
+        asyncio.run(ssh.accept_new_host_key(inv.hosts[0], inv.ssh))
+    assert again.value.kind == ErrorKind.HOST_KEY_CHANGED
+    assert h.public_key.split()[1] not in testbed.known_hosts.read_text()
+
+
+def test_ssh_config_and_agent_are_honoured(testbed, tmp_path):
+    """No identity_file, no port in the inventory: the port comes from ~/.ssh/config and
+    the key from ssh-agent, as with the plain ssh client."""
+    h = testbed.add_host("h1")
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host {h.address}\n  Port {h.port}\n  User {testbed.user}\n")
+    inventory = tmp_path / "hosts.toml"
+    inventory.write_text(f"""
+[job]
+name = "test"
+command = ["python", "train.py"]
+workdir = "."
+
+[ssh]
+known_hosts = "{testbed.known_hosts}"
+connect_timeout = 10
+
+[[hosts]]
+name = "via-config"
+address = "{h.address}"
+""")
+    agent = subprocess.run(["ssh-agent", "-s", "-a", str(tmp_path / "agent.sock")], capture_output=True,
+                           text=True, check=True)
+    pid = int(agent.stdout.split("SSH_AGENT_PID=")[1].split(";")[0])
+    try:
+        env = {**os.environ, "HOME": str(home), "SSH_AUTH_SOCK": str(tmp_path / "agent.sock"),
+               "COLUMNS": "200"}
+        subprocess.run(["ssh-add", str(testbed.client_key)], env=env, capture_output=True, check=True)
+        out = subprocess.run([*ELTCTL, "-i", str(inventory), "probe", "--json"], capture_output=True,
+                             text=True, env=env, cwd=ROOT, timeout=120)
+        [doc] = json.loads(out.stdout)
+        assert doc["state"] == "ok", doc
+        # Without the agent the same inventory cannot log in: the key came from the agent.
+        env.pop("SSH_AUTH_SOCK")
+        out = subprocess.run([*ELTCTL, "-i", str(inventory), "probe", "--json"], capture_output=True,
+                             text=True, env=env, cwd=ROOT, timeout=120)
+        [doc] = json.loads(out.stdout)
+        assert doc["state"] == "unreachable" and doc["error"]["kind"] == "auth", doc
+    finally:
+        os.kill(pid, signal.SIGTERM)
