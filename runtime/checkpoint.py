@@ -1,0 +1,654 @@
+"""Atomic, self-verifying checkpoints on a worker's local disk.
+
+A checkpoint is a directory that either exists whole or does not exist at all.
+The on-disk layout is the contract with anything else that reads checkpoints
+(the restore path here, and a mirror to shared storage that copies and verifies
+directories on its own, in another process, with `verify_dir`)::
+
+    <directory>/
+      step-00001234/            one committed checkpoint (name = "step-" + step, >= 8 digits)
+        state.pt                torch.save() of the state (tensors and plain types only)
+        manifest.json           written last, see below
+      .tmp-step-00001240-<pid>-<hex>/   a write in progress, or the leftover of a failed one
+
+    manifest.json = {
+      "format": "eltctl-checkpoint", "version": 1,
+      "step": 1234,
+      "created": 1763740000.25,          # wall time the snapshot was taken (time.time())
+      "torch": "2.13.0+cpu",
+      "files": {"state.pt": {"size": 3613, "sha256": "<64 hex>"}}
+    }
+
+How a write commits: the state is serialised into `.tmp-.../state.pt` while its
+sha256 is computed on the fly, the file is fsynced, the manifest is written and
+fsynced, the temp directory is fsynced, renamed to `step-NNNNNNNN`, and the parent
+directory is fsynced. A crash or an error at any point leaves at most a `.tmp-*`
+directory, which nothing reads and the next write removes; the committed
+checkpoints are never touched by a failed write. Retention removes old
+checkpoints only after a newer one has committed, and removes them by renaming
+them to a `.tmp-*` name first, so a half-deleted checkpoint is never seen as one.
+
+`CheckpointStore.save_async` takes the snapshot (a CPU clone of every tensor) on
+the caller's thread, so the saved state is consistent with the step it names,
+and leaves serialisation, hashing, fsync and rename to one background thread.
+At most one write is in flight; a newer request replaces one still waiting.
+Errors of a background write are logged and kept in `last_error`; training
+goes on with the previous checkpoint still in place.
+
+One store (one process) writes a given directory; readers may be many.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = "eltctl-checkpoint"
+FORMAT_VERSION = 1
+STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
+TMP_PREFIX = ".tmp-"
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_OWNER = re.compile(r"^\.tmp-.*?-(\d+)-[0-9a-f]+$")
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written; the previous ones are intact."""
+
+
+class InvalidCheckpoint(Exception):
+    """A checkpoint directory fails verification; the message says why."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint: `path` is its directory, `size` and `sha256` are of state.pt."""
+
+    step: int
+    path: Path
+    created: float
+    size: int
+    sha256: str
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / STATE_FILE
+
+
+# ---------------------------------------------------------------------------
+# Pure decisions (tested by tables)
+
+
+def step_dirname(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"a checkpoint step must be >= 0, got {step}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step a committed checkpoint directory is named after, or None if the name is not one."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def expired_steps(steps: Iterable[int], keep: int) -> list[int]:
+    """Steps to delete so that the `keep` highest remain (highest step = newest)."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    ordered = sorted(set(steps), reverse=True)
+    return sorted(ordered[keep:])
+
+
+def tmp_owner_pid(name: str) -> int | None:
+    """The pid that created a `.tmp-*` directory, from its name, or None if unknown."""
+    m = _TMP_OWNER.match(name)
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------
+# Snapshot: a consistent CPU copy of the state, taken on the caller's thread
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def snapshot(state: Any, _where: str = "state") -> Any:
+    """Copy `state` so that later training steps cannot change what gets written.
+
+    Tensors are cloned to CPU (a fresh, compact storage: a view would otherwise
+    save its whole base). Containers are rebuilt; plain values are kept. Anything
+    else is refused here, on the caller's thread, because `torch.load(weights_only=True)`
+    could not read it back on restore.
+    """
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, _PLAIN):
+        return state
+    if isinstance(state, Mapping):
+        out = {}
+        for k, v in state.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{_where}: dict key {k!r} is a {type(k).__name__}; use str or int keys")
+            out[k] = snapshot(v, f"{_where}[{k!r}]")
+        return out
+    if isinstance(state, list):
+        return [snapshot(v, f"{_where}[{i}]") for i, v in enumerate(state)]
+    if isinstance(state, tuple):
+        return tuple(snapshot(v, f"{_where}[{i}]") for i, v in enumerate(state))
+    raise TypeError(
+        f"{_where} is a {type(state).__name__}; a checkpoint holds only tensors, "
+        "dicts, lists, tuples and plain values (int, float, str, bytes, bool, None)"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Verification (no store needed: a mirror calls verify_dir in its own process)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint directory, checked for shape; raises InvalidCheckpoint."""
+    try:
+        raw = (path / MANIFEST_FILE).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidCheckpoint(f"{path}: cannot read {MANIFEST_FILE}: {exc}") from exc
+    try:
+        m = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidCheckpoint(f"{path}: {MANIFEST_FILE} is not valid JSON: {exc}") from exc
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise InvalidCheckpoint(f"{path}: {MANIFEST_FILE} is not an {FORMAT} manifest")
+    if m.get("version") != FORMAT_VERSION:
+        raise InvalidCheckpoint(f"{path}: manifest version {m.get('version')!r}, this reader knows {FORMAT_VERSION}")
+    files = m.get("files")
+    if (
+        not isinstance(m.get("step"), int)
+        or not isinstance(m.get("created"), (int, float))
+        or not isinstance(files, dict)
+        or STATE_FILE not in files
+        or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values()
+        )
+    ):
+        raise InvalidCheckpoint(f"{path}: {MANIFEST_FILE} lacks step, created or files[{STATE_FILE}] size/sha256")
+    named = parse_step_dirname(path.name)
+    if named is not None and named != m["step"]:
+        raise InvalidCheckpoint(f"{path}: directory is named for step {named} but the manifest says {m['step']}")
+    return m
+
+
+def _info_from_manifest(path: Path, m: Mapping[str, Any]) -> CheckpointInfo:
+    entry = m["files"][STATE_FILE]
+    return CheckpointInfo(m["step"], path, float(m["created"]), entry["size"], entry["sha256"])
+
+
+def check_dir(path: Path | str) -> CheckpointInfo:
+    """Verify every file a checkpoint directory's manifest lists (size, then sha256).
+
+    Returns its CheckpointInfo; raises InvalidCheckpoint saying what is wrong.
+    """
+    path = Path(path)
+    m = read_manifest(path)
+    for name, entry in m["files"].items():
+        if "/" in name or name in ("", ".", ".."):
+            raise InvalidCheckpoint(f"{path}: manifest lists a file outside the directory: {name!r}")
+        f = path / name
+        try:
+            size = f.stat().st_size
+        except OSError as exc:
+            raise InvalidCheckpoint(f"{path}: {name} is missing: {exc}") from exc
+        if size != entry["size"]:
+            raise InvalidCheckpoint(f"{path}: {name} has {size} bytes, the manifest says {entry['size']} (truncated?)")
+        digest = _sha256_file(f)
+        if digest != entry["sha256"]:
+            raise InvalidCheckpoint(f"{path}: {name} sha256 {digest[:12]}... differs from the manifest's {entry['sha256'][:12]}...")
+    return _info_from_manifest(path, m)
+
+
+def verify_dir(path: Path | str) -> CheckpointInfo | None:
+    """The CheckpointInfo of a checkpoint directory if all its files match its manifest, else None."""
+    try:
+        return check_dir(path)
+    except InvalidCheckpoint as exc:
+        log.info("Checkpoint directory does not verify: %s", exc)
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Writing
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A file-like sink for torch.save that hashes and counts what passes through.
+
+    torch's zip writer ignores short writes and turns a Python exception from
+    `write` into an unrelated "unexpected pos" error, so this sink writes every
+    byte itself (looping on short writes) and keeps the first OSError (ENOSPC,
+    EIO...) so that the real cause is what gets reported.
+    """
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            done = 0
+            while done < len(view):
+                n = self._f.write(view[done:])
+                if not n:
+                    raise OSError(errno.EIO, "write made no progress")
+                done += n
+        except OSError as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+        self.sha256.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class _Request:
+    step: int
+    state: Any
+    created: float
+
+
+class CheckpointStore:
+    """Writes, retains, lists and restores the checkpoints of one directory.
+
+    Nothing happens in the constructor: the directory is created and the writer
+    thread started by the first save. Use `close()` (or `with store:`) to finish.
+
+    `on_committed(info)` runs right after a checkpoint is committed and old ones
+    are pruned: on the writer thread for save_async, on the caller's thread for
+    save. It must return quickly (enqueue, do not copy there): until it returns
+    the write counts as in flight for `wait()` and for the next save. Its
+    exceptions are logged and do not affect the store. A mirror that copies a
+    checkpoint later must expect retention to remove it meanwhile, and should
+    check its copy with `verify_dir`.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        keep: int = 3,
+        on_committed: Callable[[CheckpointInfo], None] | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self._on_committed = on_committed
+        self._cond = threading.Condition()
+        self._pending: _Request | None = None
+        self._writing = False  # a write (background or save()) owns the directory
+        self._writing_tmp: Path | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._last_error: str | None = None
+        self._last_committed: CheckpointInfo | None = None
+        self._superseded = 0
+        self._failures = 0
+
+    # -- status ------------------------------------------------------------
+
+    @property
+    def last_error(self) -> str | None:
+        """The message of the most recent failed write (not cleared by later successes), or None."""
+        with self._cond:
+            return self._last_error
+
+    @property
+    def failures(self) -> int:
+        """How many writes have failed so far."""
+        with self._cond:
+            return self._failures
+
+    @property
+    def superseded(self) -> int:
+        """How many pending requests were replaced by a newer one before being written."""
+        with self._cond:
+            return self._superseded
+
+    @property
+    def last_committed(self) -> CheckpointInfo | None:
+        """The checkpoint this store committed most recently, or None."""
+        with self._cond:
+            return self._last_committed
+
+    # -- writing -----------------------------------------------------------
+
+    def save_async(self, step: int, state: dict) -> None:
+        """Snapshot `state` now and write it as `step` in the background."""
+        step_dirname(step)  # validates
+        if self._closed:  # checked again below; this one spares the copy
+            raise RuntimeError(f"checkpoint store {self.directory} is closed")
+        req = _Request(step, snapshot(state), time.time())
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"checkpoint store {self.directory} is closed")
+            if self._pending is not None:
+                log.info(
+                    "Checkpoint of step %d in %s superseded by step %d before it was written.",
+                    self._pending.step, self.directory, step,
+                )
+                self._superseded += 1
+            self._pending = req
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"checkpoint-writer:{self.directory.name}", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def save(self, step: int, state: dict) -> CheckpointInfo:
+        """Write `state` as `step` now, on the caller's thread; raises CheckpointError on failure.
+
+        A request still pending from save_async is dropped (this one is newer);
+        one being written is waited for first.
+        """
+        step_dirname(step)
+        req = _Request(step, snapshot(state), time.time())
+        with self._cond:
+            if self._pending is not None:
+                log.info(
+                    "Checkpoint of step %d in %s superseded by a synchronous save of step %d.",
+                    self._pending.step, self.directory, step,
+                )
+                self._superseded += 1
+                self._pending = None
+            while self._writing:
+                self._cond.wait()
+            self._writing = True
+        try:
+            info, err = self._write(req)
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+        if info is None:
+            raise CheckpointError(err or "checkpoint write failed")
+        return info
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is pending or being written; False if `timeout` ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._writing:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, drain: bool = True) -> None:
+        """Stop the writer thread after the write in flight; with `drain`, a pending request is written first."""
+        with self._cond:
+            self._closed = True
+            if not drain and self._pending is not None:
+                log.warning(
+                    "Checkpoint of step %d in %s dropped unwritten at close.", self._pending.step, self.directory
+                )
+                self._pending = None
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:  # closed and drained
+                    return
+                while self._writing:  # a synchronous save() holds the directory
+                    self._cond.wait()
+                    if self._pending is None:
+                        break
+                if self._pending is None:
+                    continue
+                req, self._pending = self._pending, None
+                self._writing = True
+            try:
+                self._write(req)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+    def _write(self, req: _Request) -> tuple[CheckpointInfo | None, str | None]:
+        """Write one checkpoint; never raises. Returns (info, None) or (None, error message)."""
+        tmp = self.directory / f"{TMP_PREFIX}{step_dirname(req.step)}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        sink: _HashingWriter | None = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._cleanup_tmp(exclude=None)
+            self._writing_tmp = tmp
+            tmp.mkdir()
+            with open(tmp / STATE_FILE, "wb") as f:
+                sink = _HashingWriter(f)
+                torch.save(req.state, sink)
+                f.flush()
+                os.fsync(f.fileno())
+            written = (tmp / STATE_FILE).stat().st_size
+            if written != sink.size:
+                raise OSError(errno.EIO, f"{STATE_FILE} has {written} bytes on disk, {sink.size} were written")
+            manifest = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "step": req.step,
+                "created": req.created,
+                "torch": torch.__version__,
+                "files": {STATE_FILE: {"size": sink.size, "sha256": sink.sha256.hexdigest()}},
+            }
+            with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            final = self.directory / step_dirname(req.step)
+            self._commit(tmp, final)
+            info = _info_from_manifest(final, manifest)
+        except Exception as exc:  # the boundary: any failure of this write leaves old checkpoints as they were
+            if sink is not None and sink.error is not None and exc is not sink.error:
+                exc = sink.error  # the root cause, not torch's restatement of it
+            msg = f"checkpoint of step {req.step} in {self.directory} failed: {type(exc).__name__}: {exc}"
+            log.error("%s; the previous checkpoints are kept, training goes on.", msg)
+            shutil.rmtree(tmp, ignore_errors=True)
+            with self._cond:
+                self._last_error = msg
+                self._failures += 1
+            return None, msg
+        finally:
+            self._writing_tmp = None
+        with self._cond:
+            self._last_committed = info
+        log.info("Checkpoint of step %d committed to %s (%d bytes).", info.step, info.path, info.size)
+        self._apply_retention()
+        if self._on_committed is not None:
+            try:
+                self._on_committed(info)
+            except Exception:  # a mirror's bug must not stop checkpointing
+                log.exception("on_committed callback failed for checkpoint of step %d", info.step)
+        return info, None
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        """Rename the finished temp directory into place and make the rename durable."""
+        if final.exists():
+            # The same step again (e.g. after restoring from an older checkpoint).
+            # rename() cannot replace a non-empty directory: move the old one
+            # aside first; the window without it only exposes older checkpoints.
+            aside = self.directory / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            _fsync_dir(self.directory)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+            _fsync_dir(self.directory)
+
+    def _apply_retention(self) -> None:
+        try:
+            steps = {s: p for s, p in self._step_dirs()}
+            for step in expired_steps(steps, self.keep):
+                path = steps[step]
+                doomed = self.directory / f"{TMP_PREFIX}expired-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+                os.rename(path, doomed)  # atomic: never visible as a half-deleted checkpoint
+                shutil.rmtree(doomed, ignore_errors=True)
+                log.info("Checkpoint of step %d removed from %s (keeping the newest %d).", step, self.directory, self.keep)
+        except OSError as exc:
+            log.warning("Retention in %s failed, old checkpoints stay for now: %s", self.directory, exc)
+
+    def _cleanup_tmp(self, exclude: Path | None) -> list[Path]:
+        """Remove `.tmp-*` leftovers of failed or interrupted writes (not another live writer's)."""
+        removed = []
+        try:
+            entries = list(self.directory.iterdir())
+        except OSError:
+            return removed
+        for p in entries:
+            if not p.name.startswith(TMP_PREFIX) or p == exclude or p == self._writing_tmp:
+                continue
+            owner = tmp_owner_pid(p.name)
+            if owner is not None and owner != os.getpid() and _pid_alive(owner):
+                continue  # some other live process is writing it
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+            log.info("Removed leftover temporary checkpoint %s.", p)
+        return removed
+
+    def cleanup(self) -> list[Path]:
+        """Remove leftover `.tmp-*` entries now (writes do it anyway); returns what was removed."""
+        with self._cond:
+            if self._writing:
+                return []
+            self._writing = True
+        try:
+            return self._cleanup_tmp(exclude=None)
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+    # -- reading -----------------------------------------------------------
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        try:
+            entries = list(self.directory.iterdir())
+        except FileNotFoundError:
+            return []
+        out = []
+        for p in entries:
+            step = parse_step_dirname(p.name)
+            if step is not None and p.is_dir():
+                out.append((step, p))
+        out.sort(key=lambda sp: sp[0], reverse=True)
+        return out
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, newest (highest step) first, from their manifests; no hashing."""
+        infos = []
+        for _step, path in self._step_dirs():
+            try:
+                infos.append(_info_from_manifest(path, read_manifest(path)))
+            except InvalidCheckpoint as exc:
+                log.warning("Ignoring checkpoint directory: %s", exc)
+        return infos
+
+    def verify(self, info: CheckpointInfo) -> bool:
+        """Recompute the checksums of a checkpoint and compare them with its manifest and `info`."""
+        checked = verify_dir(info.path)
+        return checked is not None and checked.sha256 == info.sha256 and checked.size == info.size
+
+    def load(self, info: CheckpointInfo) -> dict:
+        """Load a checkpoint's state (weights_only, to CPU) without verifying it."""
+        return torch.load(info.state_file, map_location="cpu", weights_only=True)
+
+    def latest_valid(self) -> tuple[CheckpointInfo, dict] | None:
+        """The newest checkpoint that verifies and loads, with its state; older ones if newer are bad."""
+        with self._cond:
+            idle = not self._writing
+        if idle:
+            self.cleanup()
+        for info in self.list():
+            try:
+                check_dir(info.path)
+            except InvalidCheckpoint as exc:
+                log.warning("Skipping checkpoint of step %d: %s", info.step, exc)
+                continue
+            try:
+                state = self.load(info)
+            except Exception as exc:  # any unreadable payload: fall back to an older checkpoint
+                log.warning("Skipping checkpoint of step %d: %s does not load: %s", info.step, info.state_file, exc)
+                continue
+            log.info("Restoring from the checkpoint of step %d in %s.", info.step, info.path)
+            return info, state
+        log.info("No valid checkpoint in %s.", self.directory)
+        return None
