@@ -1,0 +1,229 @@
+"""The eltctl side of the resize benchmark: pauses of eltctl's runtime.
+
+`measure_eltctl` hosts a job store here, starts `examples/train.py` workers with
+the runtime's environment contract (3 workers, the ~3 M parameter toy model,
+global batch 64, SGD, one thread each: the same work as the torchrun/DDP
+baseline in _baselines.py), and applies a planned leave (a leave request
+through the store), a warm join (a new worker; it registers only once it is
+imported and built) and a crash (SIGKILL of a worker, reported dead by this
+launcher as the host daemon would). For each event:
+
+- pause_s: from the last step completed at the old size to the first step
+  completed at the new size (over every worker's per-step log);
+- runtime_pause_s: the same interval as the runtime itself measures it (rank 0,
+  in its membership event);
+- steps_lost: steps committed at the old size and committed again at the new one.
+
+`measure_eltctl_step_time` runs a fixed-size job and reports the steady-state
+step time of rank 0 (compare with `measure_ddp_step_time`). Figures are rough
+on a shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "train.py"
+
+
+class _Launcher:
+    """A store, worker processes (own sessions) and a death reporter."""
+
+    def __init__(self, workdir: Path, worker_args: list[str], min_workers: int, threads: int) -> None:
+        import torch.distributed as dist
+
+        import eltctl_runtime as elt
+
+        self.elt = elt
+        self.wd = workdir
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.job = f"bench-{uuid.uuid4().hex[:8]}"
+        self.args = worker_args
+        self.min_workers = min_workers
+        self.threads = threads
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self._reported: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def start(self) -> tuple[str, subprocess.Popen, Path]:
+        i = len(self.procs)
+        wid = f"bench{i}/cpu/{os.getpid()}"
+        progress = self.wd / f"w{i}.progress"
+        env = dict(os.environ, ELTCTL_STORE=f"127.0.0.1:{self.store.port}", ELTCTL_JOB=self.job,
+                   ELTCTL_WORKER_ID=wid, ELTCTL_DEVICE="cpu", ELTCTL_MIN_WORKERS=str(self.min_workers),
+                   OMP_NUM_THREADS=str(self.threads))
+        log = (self.wd / f"w{i}.log").open("w")
+        p = subprocess.Popen([sys.executable, str(TRAIN), *self.args, "--progress", str(progress)], env=env,
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True, cwd=REPO)
+        self.procs.append((wid, p, progress))
+        return self.procs[-1]
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for wid, p, _ in list(self.procs):
+                if p.poll() not in (None, 0) and wid not in self._reported:
+                    self._reported.add(wid)
+                    self.elt.report_dead(self.store, self.job, wid)
+            self._stop.wait(0.02)
+
+    def records(self) -> list[tuple[float, int, int, int]]:
+        """(time, step, generation, world_size) of every committed step of every worker."""
+        out = []
+        for _, _, path in self.procs:
+            try:
+                for line in path.read_text().splitlines():
+                    step, gen, world, t, _loss = line.split()
+                    out.append((float(t), int(step), int(gen), int(world)))
+            except FileNotFoundError:
+                pass
+        return out
+
+    def latest(self) -> tuple[int, int, int]:
+        recs = self.records()
+        if not recs:
+            return (0, -1, 0)
+        t, step, gen, world = max(recs, key=lambda r: (r[1], r[0]))
+        return step, gen, world
+
+    def wait(self, pred, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"eltctl benchmark: timed out waiting for {what}")
+
+    def close(self) -> None:
+        self._stop.set()
+        for _, p, _ in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _event_figures(records, old_gen: int) -> dict[str, Any]:
+    old = [r for r in records if r[2] == old_gen]
+    new = [r for r in records if r[2] > old_gen]
+    if not old or not new:
+        return {"resumed": bool(new)}
+    last_old = max(old)
+    first_new = min(new)
+    last_old_step = max(r[1] for r in old)
+    new_steps = {r[1] for r in new}
+    return {
+        "resumed": True,
+        "old_world": last_old[3],
+        "new_world": first_new[3],
+        "last_old_step": last_old_step,
+        "first_new_step": min(new_steps),
+        "pause_s": round(first_new[0] - last_old[0], 4),
+        "steps_lost": sum(1 for s in new_steps if s <= last_old_step),
+    }
+
+
+def measure_eltctl(
+    events: Sequence[str] = ("leave", "join", "kill"),
+    *,
+    nodes: int = 3,
+    settle_steps: int = 30,
+    resumed_steps: int = 5,
+    threads: int = 1,
+    event_cap_s: float = 120.0,
+    worker_args: Sequence[str] = ("--batch", "64", "--optimizer", "sgd", "--lr", "0.01", "--steps", "1000000"),
+    workdir: Path | None = None,
+) -> dict[str, Any]:
+    """Run an eltctl job through `events` ("leave", "join", "kill") and measure each one."""
+    wd = Path(workdir or tempfile.mkdtemp(prefix="eltctl-bench-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    la = _Launcher(wd, [*worker_args, "--threads", str(threads)], min_workers=nodes, threads=threads)
+    out: dict[str, Any] = {"system": "eltctl", "nodes": nodes, "events": []}
+    try:
+        for _ in range(nodes):
+            la.start()
+        la.wait(lambda: la.latest()[0] >= settle_steps, event_cap_s, f"{settle_steps} steps")
+        for ev in events:
+            step0, gen0, world0 = la.latest()
+            members = [p for p in la.procs if p[1].poll() is None]
+            t_event = time.time()
+            if ev == "leave":
+                victim = members[len(members) // 2]
+                la.elt.request_leave(la.store, la.job, victim[0])
+            elif ev == "join":
+                la.start()
+            elif ev == "kill":
+                victim = members[len(members) // 2]
+                os.kill(victim[1].pid, signal.SIGKILL)
+            else:
+                raise ValueError(f"unknown event {ev!r}")
+            la.wait(lambda: len({r[1] for r in la.records() if r[2] > gen0}) >= resumed_steps, event_cap_s,
+                    f"the job to resume after {ev}")
+            figs = _event_figures(la.records(), gen0) | {"event": ev, "applied_at_step": step0,
+                                                          "event_to_first_new_step_s": None}
+            runtime_events = [e for e in la.elt.read_events(la.store, la.job) if e["generation"] > gen0]
+            if runtime_events:
+                figs["runtime_pause_s"] = runtime_events[0].get("pause_s")
+                figs["runtime_kind"] = runtime_events[0].get("kind")
+            first_new = min((r[0] for r in la.records() if r[2] > gen0), default=None)
+            figs["event_to_first_new_step_s"] = round(first_new - t_event, 4) if first_new else None
+            out["events"].append(figs)
+            time.sleep(0.5)
+        la.elt.request_stop(la.store, la.job)
+        la.wait(lambda: all(p.poll() is not None for _, p, _ in la.procs), 60, "workers to stop")
+    finally:
+        la.close()
+    return out
+
+
+def measure_eltctl_step_time(world_size: int = 2, steps: int = 300, warmup: int = 30, *, threads: int = 1,
+                             timeout_s: float = 300.0) -> dict[str, Any]:
+    """A fixed-size eltctl job: steady-state step time of rank 0 after `warmup` steps."""
+    wd = Path(tempfile.mkdtemp(prefix="eltctl-steady-"))
+    la = _Launcher(wd, ["--batch", "64", "--optimizer", "sgd", "--lr", "0.01", "--steps", str(steps),
+                        "--threads", str(threads)], min_workers=world_size, threads=threads)
+    try:
+        for _ in range(world_size):
+            la.start()
+        la.wait(lambda: all(p.poll() is not None for _, p, _ in la.procs), timeout_s, f"{steps} steps")
+        _, p0, path0 = la.procs[0]
+        times = []
+        for line in path0.read_text().splitlines():
+            step, _gen, _world, t, _loss = line.split()
+            times.append((int(step), float(t)))
+        dts = sorted(b[1] - a[1] for a, b in zip(times, times[1:]) if a[0] >= warmup and b[0] == a[0] + 1)
+        if not dts:
+            return {"system": "eltctl", "world": world_size, "steps_measured": 0}
+        mean = statistics.fmean(dts)
+        return {"system": "eltctl", "world": world_size, "steps_measured": len(dts), "mean_step_s": round(mean, 5),
+                "median_step_s": round(statistics.median(dts), 5),
+                "p90_step_s": round(dts[min(len(dts) - 1, int(0.9 * len(dts)))], 5),
+                "steps_per_s": round(1.0 / mean, 2)}
+    finally:
+        la.close()
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps({"events": measure_eltctl(), "steady": measure_eltctl_step_time()}, indent=2))

@@ -1,0 +1,83 @@
+"""A complete elastic training script on the toy model (examples/toy.py).
+
+Launch it with the environment contract of runtime/README.md (ELTCTL_STORE,
+ELTCTL_JOB, ELTCTL_WORKER_ID, ...); start more copies to grow the job, send
+SIGTERM to one to make it leave at the next step boundary. Everything elastic
+is in the three lines marked (*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toy  # noqa: E402
+
+import eltctl_runtime as elt  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=64, help="global batch size (constant whatever the world size)")
+    ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=8192)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--checkpoint-every", type=int, default=None, help="steps")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step (tests)")
+    ap.add_argument("--result", type=Path, default=None, help="write final step, loss and state hash here (JSON)")
+    ap.add_argument("--progress", type=Path, default=None, help="append 'step generation world_size time loss' lines")
+    args = ap.parse_args(argv)
+
+    config = elt.RuntimeConfig.from_env()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {config.worker_id} %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = toy.make_model(hidden=args.hidden, layers=args.layers, seed=args.seed)
+    make_opt = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    optimizer = make_opt(model.parameters(), lr=args.lr)
+    dataset = toy.make_dataset(n_samples=args.samples)
+
+    job = elt.ElasticJob(  # (*)
+        model, optimizer, dataset, global_batch_size=args.batch, seed=args.seed, max_steps=args.steps,
+        epochs=args.epochs, micro_batch_size=args.micro_batch, checkpoint_every_steps=args.checkpoint_every,
+        config=config,
+    )
+    loss = None
+    progress = args.progress.open("a", buffering=1) if args.progress else None
+    with job:  # (*)
+        for batch in job:
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            step_loss = job.step(toy.loss_fn(model, batch))  # (*)
+            if step_loss is not None:
+                loss = step_loss
+                if progress:
+                    c = job.last_commit  # the step as committed (before a resize that followed it)
+                    progress.write(f"{c.step} {c.generation} {c.world_size} {c.time:.6f} {c.loss:.8g}\n")
+        if args.result:
+            args.result.write_text(json.dumps({
+                "worker": config.worker_id, "step": job.step_count, "loss": loss, "rank": job.rank,
+                "world_size": job.world_size, "generation": job.generation, "epoch": job.epoch,
+                "fingerprint": job.fingerprint(), "left": job.left,
+            }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

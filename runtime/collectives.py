@@ -1,0 +1,152 @@
+"""One process group per generation, and collectives that an abort can interrupt.
+
+Raw ProcessGroupGloo / ProcessGroupNCCL objects are built on the generation's
+fresh store prefix (re-using keys hangs, pytorch#55967) instead of
+init_process_group, and an aborted group is never destroyed on the training
+thread: a gloo group's destructor blocks until its stuck collective times out
+(58 s measured with a 60 s timeout, even after abort()). A daemon thread keeps
+the reference instead, so neither training nor interpreter exit waits for it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+# Collectives are waited on by the runtime, which aborts them itself; the
+# backend's own timeout only bounds how long a forgotten group lingers.
+BACKEND_TIMEOUT = timedelta(seconds=300)
+
+
+class Aborted(Exception):
+    """The current generation was aborted (peer died, hung, or reported an error).
+    `backend_error` is True when this rank's own collective failed (e.g. a ring
+    neighbour's connection was reset): positive evidence that a peer is gone."""
+
+    def __init__(self, message: str, backend_error: bool = False) -> None:
+        super().__init__(message)
+        self.backend_error = backend_error
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The local IP this machine uses to reach the store: gloo binds there, so
+    it works on multi-homed lab machines without naming an interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def make_group(store, rank: int, size: int, device: torch.device, bind_host: str):
+    if device.type == "cuda":
+        # Never tear the process down from the watchdog: the runtime aborts
+        # the communicator itself and moves to the next generation.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        # As torchft does (torchft/process_group.py): non-blocking communicators,
+        # so abort() can interrupt init and collectives; eager connect, so a
+        # joiner's NCCL init happens while the group forms, not in step one.
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = BACKEND_TIMEOUT
+        opts.config.blocking = False
+        opts.global_ranks_in_group = list(range(size))
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        pg._set_sequence_number_for_group()
+        pg.eager_connect_single_device(device)
+        return pg
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = BACKEND_TIMEOUT
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def bury(pg) -> None:
+    """Drop an aborted group without blocking anyone (see module docstring)."""
+    if pg is None:
+        return
+    abort = getattr(pg, "abort", None)
+    if abort is not None and pg.name() == "NCCL":
+        try:
+            abort()
+        except RuntimeError:
+            pass  # already aborted by the watchdog
+    threading.Thread(target=_hold, args=(pg,), name="eltctl-buried-pg", daemon=True).start()
+
+
+def _hold(pg) -> None:
+    time.sleep(BACKEND_TIMEOUT.total_seconds() + 30)
+    del pg  # its stuck work has timed out by now, so the destructor is quick
+
+
+def wait_work(work, abort: threading.Event, poll_s: float = 0.02) -> None:
+    """Wait for a collective, leaving at once (Aborted) when `abort` is set or
+    the backend reports an error (e.g. a ring neighbour's connection reset)."""
+    if not work.is_completed():
+        done = threading.Event()
+        try:
+            work.get_future().add_done_callback(lambda _f: done.set())
+            waiter = done.wait
+        except RuntimeError:  # backends without futures: poll
+            def waiter(t: float) -> bool:
+                time.sleep(min(t, 0.0005))
+                return work.is_completed()
+        while not work.is_completed() and not waiter(poll_s):
+            if abort.is_set():
+                raise Aborted("the generation was aborted while waiting for a collective")
+    try:
+        work.wait()
+    except Exception as e:  # noqa: BLE001 - every backend error means the same here
+        raise Aborted(f"collective failed: {e}", backend_error=True) from e
+
+
+def run_abortable(fn: Callable[[], T], abort: threading.Event, what: str) -> T:
+    """Run a blocking call (process group construction) in a helper thread so
+    an abort can leave it; an abandoned call finishes or times out on its own."""
+    box: dict = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=target, name=f"eltctl-{what}", daemon=True).start()
+    while not done.wait(0.02):
+        if abort.is_set():
+            raise Aborted(f"the generation was aborted during {what}")
+    if "error" in box:
+        raise Aborted(f"{what} failed: {box['error']}") from box["error"]
+    return box["value"]
+
+
+def allreduce(pg, t: torch.Tensor, abort: threading.Event, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    wait_work(pg.allreduce([t], opts), abort)
+    return t
+
+
+def broadcast(pg, t: torch.Tensor, root: int, abort: threading.Event) -> torch.Tensor:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    wait_work(pg.broadcast([t], opts), abort)
+    return t
+
+
+def allgather(pg, t: torch.Tensor, abort: threading.Event) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(pg.size())]
+    wait_work(pg.allgather([out], [t]), abort)
+    return out

@@ -1,0 +1,94 @@
+"""The runtime's environment contract, parsed once at the edge.
+
+Whoever launches a worker (the host daemon in production, the test launcher in
+tests) describes the job through environment variables. `RuntimeConfig.from_env`
+reads them once into a frozen value that is passed down; nothing deeper in the
+runtime reads `os.environ`. See runtime/README.md for the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Mapping
+
+
+class Device(str, Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+MAX_HANG_TIMEOUT_S = 30.0
+DEFAULT_HANG_TIMEOUT_S = 10.0
+
+
+class ConfigError(ValueError):
+    """An environment variable of the contract is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    store_host: str
+    store_port: int
+    job: str
+    worker_id: str
+    device: Device = Device.CPU
+    local_gpu: int = 0
+    checkpoint_dir: Path | None = None
+    audit_path: Path | None = None
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+    max_workers: int | None = None
+    min_workers: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeConfig":
+        env = os.environ if env is None else env
+
+        def need(name: str) -> str:
+            value = env.get(name, "").strip()
+            if not value:
+                raise ConfigError(f"{name} is not set; the launcher must set it (see runtime/README.md)")
+            return value
+
+        store = need("ELTCTL_STORE")
+        host, sep, port = store.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"ELTCTL_STORE={store!r} is not host:port")
+        try:
+            device = Device(env.get("ELTCTL_DEVICE", "cpu").strip() or "cpu")
+        except ValueError:
+            raise ConfigError(f"ELTCTL_DEVICE={env.get('ELTCTL_DEVICE')!r}: use 'cpu' or 'cuda'") from None
+
+        def number(name: str, default: float | None, kind=float):
+            raw = env.get(name, "").strip()
+            if not raw:
+                return default
+            try:
+                return kind(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not a number") from None
+
+        hang = number("ELTCTL_HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT_S)
+        if not 0 < hang <= MAX_HANG_TIMEOUT_S:
+            raise ConfigError(f"ELTCTL_HANG_TIMEOUT={hang} must be in (0, {MAX_HANG_TIMEOUT_S:g}] seconds")
+        max_workers = number("ELTCTL_MAX_WORKERS", None, int)
+        min_workers = number("ELTCTL_MIN_WORKERS", 1, int)
+        if min_workers < 1 or (max_workers is not None and max_workers < min_workers):
+            raise ConfigError(f"need 1 <= ELTCTL_MIN_WORKERS ({min_workers}) <= ELTCTL_MAX_WORKERS ({max_workers})")
+        ckpt = env.get("ELTCTL_CHECKPOINT_DIR", "").strip()
+        audit = env.get("ELTCTL_AUDIT", "").strip()
+        return cls(
+            store_host=host.strip("[]"),
+            store_port=int(port),
+            job=need("ELTCTL_JOB"),
+            worker_id=need("ELTCTL_WORKER_ID"),
+            device=device,
+            local_gpu=number("ELTCTL_LOCAL_GPU", 0, int),
+            checkpoint_dir=Path(ckpt) if ckpt else None,
+            audit_path=Path(audit) if audit else None,
+            hang_timeout_s=hang,
+            max_workers=max_workers,
+            min_workers=min_workers,
+        )

@@ -1,0 +1,172 @@
+"""The out-of-band control channel: a background thread per worker.
+
+It has its own store connection, so it keeps working while the training thread
+is blocked in a collective. Every poll (~30 ms) it writes this worker's
+heartbeat and reads: the job-wide stop key, a leave request for this worker, the
+join queue, the current generation's abort key, and (every ~150 ms) the
+heartbeats and death reports of the members. Anything that makes the
+generation unusable (a member reported dead, a member silent past the hang
+timeout, the abort key) sets the abort event that every collective wait
+watches, and writes the abort key so that every other member leaves its wait
+too. It decides nothing else: the training thread acts at the next boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from .membership import Keys, Plan
+
+log = logging.getLogger("eltctl_runtime")
+
+POLL_S = 0.03
+MEMBER_POLL_S = 0.15
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What is pending at the next step boundary, as seen by this worker."""
+
+    leave: bool = False
+    stop: bool = False
+    join: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.leave or self.stop or self.join
+
+
+class ControlThread:
+    def __init__(self, store_factory, worker_id: str, hang_timeout_s: float, max_workers: int | None) -> None:
+        self._store_factory = store_factory
+        self._me = worker_id
+        self._hang = hang_timeout_s
+        self._max_workers = max_workers
+        self._lock = threading.Lock()
+        self._plan: Plan | None = None
+        self._watch: tuple[str, ...] = ()
+        self._abort = threading.Event()
+        self._abort_reason = ""
+        self._seen: dict[str, tuple[bytes, float]] = {}  # worker -> (last heartbeat value, when it changed)
+        self._dead: set[str] = set()
+        self._local_leave = False
+        self._requests = Requests()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beat = 0
+
+    # -- lifecycle ------------------------------------------------------------
+    def start(self) -> None:
+        self._store = self._store_factory()
+        self._store.set(Keys.heartbeat(self._me), "0")
+        self._thread = threading.Thread(target=self._run, name="eltctl-control", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    # -- what the training thread tells it -----------------------------------
+    def watch(self, plan: Plan | None, others: tuple[str, ...] = ()) -> threading.Event:
+        """Follow generation `plan` (or, for a waiting joiner, just `others`):
+        returns the fresh abort event for it."""
+        with self._lock:
+            self._plan = plan
+            self._watch = tuple(w for w in (plan.members if plan else others) if w != self._me)
+            self._abort = threading.Event()
+            self._abort_reason = ""
+            now = time.monotonic()
+            for w in self._watch:  # silence is measured from when we start watching
+                v = self._seen.get(w)
+                self._seen[w] = (v[0] if v else b"", now)
+            return self._abort
+
+    def request_local_leave(self) -> None:
+        """SIGTERM: leave at the next boundary."""
+        self._local_leave = True
+
+    @property
+    def requests(self) -> Requests:
+        return self._requests
+
+    def silence(self, worker: str) -> float:
+        with self._lock:
+            v = self._seen.get(worker)
+            return time.monotonic() - v[1] if v else 0.0
+
+    def is_dead(self, worker: str) -> bool:
+        with self._lock:
+            return worker in self._dead
+
+    def abort_reason(self) -> str:
+        return self._abort_reason
+
+    # -- the loop -------------------------------------------------------------
+    def _run(self) -> None:
+        next_members = 0.0
+        dead_seq = -1
+        watched: tuple[str, ...] = ()
+        while not self._stop.is_set():
+            try:
+                self._beat += 1
+                st = self._store
+                st.set(Keys.heartbeat(self._me), str(self._beat))
+                with self._lock:
+                    plan, watch, abort = self._plan, self._watch, self._abort
+                if watch != watched:
+                    watched, dead_seq = watch, -1  # new members: look at death reports again
+                stop = st.check([Keys.STOP])
+                leave = self._local_leave or st.check([Keys.leave(self._me)])
+                join = False
+                if plan is not None:
+                    queued = st.add(Keys.JOIN_SEQ, 0)
+                    room = self._max_workers is None or plan.world_size < self._max_workers
+                    join = queued > plan.join_upto and room
+                    if not abort.is_set() and st.check([Keys.abort(plan.generation)]):
+                        self._set_abort(abort, st.get(Keys.abort(plan.generation)).decode(), write=None)
+                self._requests = Requests(leave=leave, stop=stop, join=join)
+                now = time.monotonic()
+                if now >= next_members and watch:
+                    next_members = now + MEMBER_POLL_S
+                    seq = st.add(Keys.DEAD_SEQ, 0)
+                    if seq != dead_seq:
+                        dead_seq = seq
+                        for w in watch:
+                            if w not in self._dead and st.check([Keys.dead(w)]):
+                                with self._lock:
+                                    self._dead.add(w)
+                    for w in watch:
+                        value = st.get(Keys.heartbeat(w)) if st.check([Keys.heartbeat(w)]) else b""
+                        with self._lock:
+                            old = self._seen.get(w)
+                            if old is None or old[0] != value:
+                                self._seen[w] = (value, now)
+                    if plan is not None and not abort.is_set():
+                        self._check_members(plan, watch, abort, now)
+            except Exception as e:  # noqa: BLE001 - the store went away: the job is over or unreachable
+                log.warning("worker %s: control channel error: %s", self._me, e)
+                time.sleep(0.5)
+            self._stop.wait(POLL_S)
+
+    def _check_members(self, plan: Plan, watch: tuple[str, ...], abort: threading.Event, now: float) -> None:
+        for w in watch:
+            if w in self._dead:
+                self._set_abort(abort, json.dumps({"reason": "crash", "worker": w}), write=plan.generation)
+                return
+            silent = now - self._seen[w][1]
+            if silent >= self._hang:
+                self._set_abort(abort, json.dumps({"reason": "hang", "worker": w, "silent_s": round(silent, 2)}),
+                                write=plan.generation)
+                return
+
+    def _set_abort(self, abort: threading.Event, reason: str, write: int | None) -> None:
+        if write is not None:
+            self._store.compare_set(Keys.abort(write), "", reason)
+            log.warning("worker %s: aborting generation %d: %s", self._me, write, reason)
+        self._abort_reason = reason
+        abort.set()

@@ -1,0 +1,243 @@
+"""The runtime tests' launcher: a TCPStore hosted here, workers as real processes.
+
+`cluster` plays the launcher's and the host daemon's parts: it hosts the job's
+store (port 0), starts `examples/train.py` workers with the environment contract,
+each in its own session so teardown kills all of them, and reports a worker
+whose process exits with an error or a signal as dead (report_dead), as the
+host daemon will.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+import eltctl_runtime as elt
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "train.py"
+PYTHON = sys.executable
+
+# Small model and data: the suite must stay fast on a busy 2-core machine.
+SMALL = ["--hidden", "32", "--layers", "2", "--samples", "480", "--batch", "24", "--lr", "3e-3"]
+
+
+@dataclass
+class Worker:
+    id: str
+    proc: subprocess.Popen
+    log: Path
+    result: Path
+    progress: Path
+    reported: bool = False
+
+    def read_result(self) -> dict | None:
+        return json.loads(self.result.read_text()) if self.result.exists() else None
+
+    def last_progress(self) -> tuple[int, int, int]:
+        """(step, generation, world_size) of this worker's last committed step."""
+        try:
+            lines = self.progress.read_text().splitlines()
+        except FileNotFoundError:
+            return (0, -1, 0)
+        if not lines:
+            return (0, -1, 0)
+        step, gen, world, _t, _loss = lines[-1].split()
+        return int(step), int(gen), int(world)
+
+    def log_text(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    hang_timeout: float = 10.0
+    min_workers: int = 1
+    report_deaths: bool = True  # False: a host that vanishes has no daemon to report it
+    args: list[str] = field(default_factory=lambda: list(SMALL))
+    workers: list[Worker] = field(default_factory=list)
+    job: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
+    _n: int = 0
+
+    def __post_init__(self) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.audit = self.tmp / "audit.jsonl"
+        self.ckpt = self.tmp / "ckpt"
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, daemon=True)
+        self._monitor.start()
+
+    def env(self, worker_id: str) -> dict:
+        env = dict(os.environ)
+        env.update({
+            "ELTCTL_STORE": f"127.0.0.1:{self.store.port}", "ELTCTL_JOB": self.job,
+            "ELTCTL_WORKER_ID": worker_id, "ELTCTL_DEVICE": "cpu", "ELTCTL_AUDIT": str(self.audit),
+            "ELTCTL_CHECKPOINT_DIR": str(self.ckpt), "ELTCTL_HANG_TIMEOUT": str(self.hang_timeout),
+            "OMP_NUM_THREADS": "1", "ELTCTL_MIN_WORKERS": str(self.min_workers),
+        })
+        return env
+
+    def start(self, n: int = 1, extra: list[str] | None = None) -> list[Worker]:
+        new = []
+        for _ in range(n):
+            wid = f"host{self._n}/cpu/{os.getpid()}"
+            i = self._n
+            self._n += 1
+            log = self.tmp / f"w{i}.log"
+            w = Worker(wid, None, log, self.tmp / f"w{i}.result.json", self.tmp / f"w{i}.progress")  # type: ignore[arg-type]
+            cmd = [PYTHON, str(TRAIN), *self.args, *(extra or []), "--result", str(w.result),
+                   "--progress", str(w.progress)]
+            w.proc = subprocess.Popen(cmd, env=self.env(wid), stdin=subprocess.DEVNULL, stdout=log.open("w"),
+                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+            new.append(w)
+        self.workers += new
+        return new
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for w in list(self.workers):
+                rc = w.proc.poll()
+                if rc is not None and rc != 0 and not w.reported and self.report_deaths:
+                    w.reported = True
+                    elt.report_dead(self.store, self.job, w.id)
+            self._stop.wait(0.05)
+
+    # -- faults and requests -------------------------------------------------
+    def leave(self, w: Worker) -> None:
+        elt.request_leave(self.store, self.job, w.id)
+
+    def stop(self) -> None:
+        elt.request_stop(self.store, self.job)
+
+    def kill(self, w: Worker, sig: int = signal.SIGKILL) -> None:
+        os.kill(w.proc.pid, sig)
+
+    # -- observation -------------------------------------------------------------
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers if w.proc.poll() is None]
+
+    def wait_for(self, pred, timeout: float = 90.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; logs:\n{self.dump_logs()}")
+
+    def progress(self) -> tuple[int, int, int]:
+        """Newest (step, generation, world_size) over all workers."""
+        return max((w.last_progress() for w in self.workers), default=(0, -1, 0))
+
+    def wait_step(self, step: int, timeout: float = 90.0) -> None:
+        self.wait_for(lambda: self.progress()[0] >= step, timeout, f"step {step}")
+
+    def wait_world(self, world: int, min_gen: int = 0, steps_after: int = 1, timeout: float = 90.0) -> int:
+        """Wait until steps commit at `world_size` in a generation >= min_gen; returns that generation."""
+        box = {}
+
+        def ok() -> bool:
+            step, gen, ws = self.progress()
+            if ws == world and gen >= min_gen:
+                box.setdefault("first", step)
+                return step >= box["first"] + steps_after
+            return False
+
+        self.wait_for(ok, timeout, f"world size {world} in generation >= {min_gen}")
+        return self.progress()[1]
+
+    def wait_exit(self, workers: list[Worker], timeout: float = 120.0) -> None:
+        self.wait_for(lambda: all(w.proc.poll() is not None for w in workers), timeout, "workers to exit")
+
+    def dump_logs(self) -> str:
+        return "\n".join(f"--- {w.id} rc={w.proc.poll()}\n{w.log_text()[-3000:]}" for w in self.workers)
+
+    def events(self) -> list[dict]:
+        return elt.read_events(self.store, self.job)
+
+    def close(self) -> None:
+        self._stop.set()
+        for w in self.workers:
+            if w.proc.poll() is None:
+                try:
+                    os.killpg(w.proc.pid, signal.SIGCONT)
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+# -- what must hold after every scenario ----------------------------------------
+
+
+def committed_lineage(audit: Path) -> dict[int, list[dict]]:
+    """step -> the audit records of the generation whose commit of that step
+    stands (a step redone after a crash or a restore is taken from the newest
+    generation)."""
+    by_step: dict[int, dict[int, list[dict]]] = {}
+    for line in audit.read_text().splitlines():
+        r = json.loads(line)
+        by_step.setdefault(r["step"], {}).setdefault(r["generation"], []).append(r)
+    return {s: gens[max(gens)] for s, gens in by_step.items()}
+
+
+def assert_exactly_once(audit: Path, n_samples: int, batch: int, final_step: int) -> dict[int, list[int]]:
+    """Every committed step 1..final_step is in the audit; within each epoch no
+    index repeats, every step took a full global batch (but an epoch's last),
+    and every completed epoch used every index exactly once.
+
+    Each rank records its own share and the step's whole slice. All ranks of
+    the generation must have recorded the step, with shares that tile the slice
+    in rank order, except at the last step of a generation that broke: a crash
+    can land after one rank's all-reduce finished (it commits: every share was
+    in the sum) and before another's did (it drops the step and adopts the
+    committed state), and the dead rank writes nothing."""
+    lineage = committed_lineage(audit)
+    assert sorted(lineage) == list(range(1, final_step + 1)), f"committed steps {sorted(lineage)[:5]}..."
+    last_of_gen: dict[int, int] = {}
+    for line in audit.read_text().splitlines():
+        r = json.loads(line)
+        last_of_gen[r["generation"]] = max(last_of_gen.get(r["generation"], 0), r["step"])
+    epochs: dict[int, list[int]] = {}
+    for step in sorted(lineage):
+        recs = sorted(lineage[step], key=lambda r: r["rank"])
+        world, gen = recs[0]["world_size"], recs[0]["generation"]
+        slice_ = recs[0]["step_indices"]
+        assert all(r["step_indices"] == slice_ and r["epoch"] == recs[0]["epoch"] for r in recs), step
+        ranks = [r["rank"] for r in recs]
+        assert len(set(ranks)) == len(ranks)
+        if ranks == list(range(world)):
+            assert [i for r in recs for i in r["indices"]] == slice_, f"step {step}: shares do not tile the slice"
+        else:
+            assert step == last_of_gen[gen], f"step {step}: ranks {ranks} of {world} recorded it"
+            assert all(set(r["indices"]) <= set(slice_) for r in recs)
+        seen = epochs.setdefault(recs[0]["epoch"], [])
+        assert len(slice_) == batch or len(seen) + len(slice_) == n_samples, f"step {step} took {len(slice_)}"
+        seen += slice_
+    for epoch, seen in epochs.items():
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample was used twice"
+        if epoch < max(epochs):
+            assert sorted(seen) == list(range(n_samples)), f"epoch {epoch} incomplete"
+    return epochs
+
+
+def assert_identical_state(results: list[dict]) -> None:
+    assert results, "no worker reported a result"
+    prints = {r["fingerprint"] for r in results}
+    assert len(prints) == 1, f"ranks disagree: {results}"
+    assert len({r["step"] for r in results}) == 1

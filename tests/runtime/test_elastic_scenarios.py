@@ -1,0 +1,169 @@
+"""Fault and resize scenarios with real worker processes (gloo on loopback).
+
+Each test reads as a plan: who starts, what happens at which step, and what must
+hold afterwards (the right world size, exactly-once data, identical state).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from eltctl_runtime import read_status
+from runtime_cluster import SMALL, assert_exactly_once, assert_identical_state
+
+N_SAMPLES = int(SMALL[SMALL.index("--samples") + 1])
+BATCH = int(SMALL[SMALL.index("--batch") + 1])
+
+pytestmark = pytest.mark.slow
+
+
+FOREVER = ["--steps", "100000", "--step-sleep", "0.03"]
+
+
+def finish(cluster, steps: int | None, members: list, world: int) -> list[dict]:
+    """Stop the job (steps=None) or let it reach `steps`; then check the
+    survivors agree bit for bit and the audit proves exactly-once."""
+    if steps is None:
+        cluster.stop()
+    cluster.wait_exit(members)
+    results = [w.read_result() for w in members]
+    assert all(w.proc.returncode == 0 for w in members), cluster.dump_logs()
+    results = [r for r in results if r and not r["left"]]
+    assert len(results) == world, cluster.dump_logs()
+    steps = steps or results[0]["step"]
+    assert all(r["step"] == steps and r["world_size"] == world for r in results), results
+    assert_identical_state(results)
+    assert_exactly_once(cluster.audit, N_SAMPLES, BATCH, steps)
+    status = read_status(cluster.store, cluster.job)
+    assert status["step"] == steps and status["world_size"] == world, status
+    assert sorted(status["members"]) == sorted(r["worker"] for r in results)
+    return results
+
+
+def test_planned_leaves_and_joins_keep_training(cluster_factory):
+    """3 workers; rank 1 leaves (store request), then rank 0 leaves (SIGTERM),
+    then one joins, then two join at once: 3 -> 2 -> 1 -> 2 -> 4."""
+    cluster = cluster_factory(min_workers=3)
+    steps = None
+    a, b, c = cluster.start(3, FOREVER)
+    cluster.wait_world(3, steps_after=3)
+    cluster.leave(b)
+    g = cluster.wait_world(2, steps_after=3)
+    cluster.kill(a, signal.SIGTERM)  # rank 0 of the current generation
+    g = cluster.wait_world(1, min_gen=g + 1, steps_after=3)
+    (d,) = cluster.start(1, FOREVER)
+    g = cluster.wait_world(2, min_gen=g + 1, steps_after=3)
+    e, f = cluster.start(2, FOREVER)
+    cluster.wait_world(4, min_gen=g + 1, steps_after=1, timeout=120)
+    for w in (a, b):
+        cluster.wait_exit([w])
+        assert w.proc.returncode == 0 and w.read_result()["left"], cluster.dump_logs()
+    finish(cluster, steps, [c, d, e, f], 4)
+    kinds = [ev["kind"] for ev in cluster.events()]
+    assert kinds.count("leave") == 2 and kinds.count("join") >= 2, kinds
+    assert all(ev["pause_s"] is not None for ev in cluster.events() if ev["kind"] in ("leave", "join"))
+
+
+def test_shrink_to_one_and_grow_back(cluster_factory):
+    cluster = cluster_factory(min_workers=2)
+    steps = None
+    a, b = cluster.start(2, FOREVER)
+    cluster.wait_world(2, steps_after=3)
+    cluster.leave(a)
+    g = cluster.wait_world(1, steps_after=3)
+    (c,) = cluster.start(1, FOREVER)
+    cluster.wait_world(2, min_gen=g + 1, steps_after=1)
+    finish(cluster, steps, [a, b, c], 2)
+
+
+def test_join_arriving_during_a_leave(cluster_factory):
+    """A joiner registers at the moment a member asks to leave: both happen at
+    the same boundary or at two consecutive ones; the job ends at 3."""
+    cluster = cluster_factory(min_workers=3)
+    steps = None
+    a, b, c = cluster.start(3, FOREVER)
+    cluster.wait_world(3, steps_after=3)
+    (d,) = cluster.start(1, FOREVER)
+    cluster.leave(c)
+    cluster.wait_exit([c])
+    cluster.wait_world(3, steps_after=3)
+    finish(cluster, steps, [a, b, c, d], 3)
+
+
+def test_sigkill_of_a_worker_mid_step(cluster_factory):
+    cluster = cluster_factory(min_workers=3)
+    steps = None
+    a, b, c = cluster.start(3, ["--steps", "100000", "--step-sleep", "0.05"])
+    cluster.wait_world(3, steps_after=5)
+    cluster.kill(b)  # during its step-sleep (the compute part of a step)
+    cluster.wait_world(2, steps_after=3)
+    finish(cluster, steps, [a, c], 2)
+    crash = [ev for ev in cluster.events() if ev["kind"] == "crash"]
+    assert crash and crash[0]["lost"] == [b.id], cluster.events()
+
+
+def test_sigkill_with_nobody_reporting_it_is_noticed_by_the_ring_neighbours(cluster_factory):
+    """A whole host vanishes: no daemon reports the death. The gloo error on the
+    dead rank's neighbours aborts the generation; the roll call then confirms the
+    silent member as gone after CRASH_CONFIRM_S rather than the hang timeout."""
+    cluster = cluster_factory(min_workers=3, report_deaths=False, hang_timeout=30.0)
+    a, b, c = cluster.start(3, ["--steps", "100000", "--step-sleep", "0.05"])
+    cluster.wait_world(3, steps_after=5)
+    cluster.kill(a)  # rank 0
+    cluster.wait_world(2, steps_after=3, timeout=25)  # well before the 30 s hang timeout
+    finish(cluster, None, [b, c], 2)
+    crash = [ev for ev in cluster.events() if ev["kind"] == "crash"]
+    assert crash and crash[0]["lost"] == [a.id], cluster.events()
+
+
+def test_sigstop_hang_is_detected_and_the_stopped_worker_exits_after_sigcont(cluster_factory):
+    cluster = cluster_factory(hang_timeout=3.0, min_workers=3)
+    steps = None
+    a, b, c = cluster.start(3, FOREVER)
+    cluster.wait_world(3, steps_after=5)
+    cluster.kill(c, signal.SIGSTOP)
+    g = cluster.wait_world(2, steps_after=3, timeout=60)
+    cluster.kill(c, signal.SIGCONT)
+    cluster.wait_exit([c])
+    assert c.proc.returncode != 0, "an excluded worker must fail, not carry on"
+    assert "not a member of generation" in c.log_text()
+    finish(cluster, steps, [a, b], 2)
+    # The stopped worker committed nothing after it was excluded.
+    import json
+
+    late = [json.loads(line) for line in cluster.audit.read_text().splitlines()]
+    assert not [r for r in late if r["worker"] == c.id and r["generation"] >= g]
+    assert any(ev["kind"] == "hang" and ev["lost"] == [c.id] for ev in cluster.events())
+
+
+def test_all_members_die_and_the_job_restarts_from_the_newest_checkpoint(cluster_factory):
+    cluster = cluster_factory(min_workers=2)
+    steps = 50
+    args = ["--steps", str(steps), "--step-sleep", "0.03", "--checkpoint-every", "5"]
+    a, b = cluster.start(2, args)
+    cluster.wait_step(17)
+    cluster.kill(a)
+    cluster.kill(b)
+    cluster.wait_exit([a, b])
+    # Damage the newest checkpoint: restore must fall back past it.
+    newest = sorted(p for p in cluster.ckpt.iterdir() if p.name.startswith("step-"))[-1]
+    state = newest / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    c, d = cluster.start(2, args)
+    finish(cluster, steps, [c, d], 2)
+    restore = [ev for ev in cluster.events() if ev["kind"] == "restore"]
+    assert restore and restore[0]["from_step"] < int(newest.name.split("-")[1]), cluster.events()
+
+
+def test_micro_batches_accumulate_to_the_same_training(cluster_factory):
+    """Gradient accumulation (shares of 12 in micro-batches of 5, 5, 2) trains
+    like whole shares: same data, same final loss up to float rounding."""
+    whole = cluster_factory(min_workers=2)
+    ws = whole.start(2, ["--steps", "15"])
+    ref = finish(whole, 15, ws, 2)[0]
+    micro = cluster_factory(min_workers=2)
+    ws = micro.start(2, ["--steps", "15", "--micro-batch", "5"])
+    got = finish(micro, 15, ws, 2)[0]
+    assert abs(got["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (got, ref)
