@@ -1,0 +1,709 @@
+"""The host daemon (membership daemon): runs one job's workers on one host.
+
+    python -m eltctl_runtime.daemon --config ~/.eltctl/jobs/<job>/<host>/daemon.json [--detach]
+
+The controller starts one per used host over SSH, detached (or with `--detach`,
+which starts the daemon again in a new session with stdin /dev/null and output
+appended to daemon.log, prints `ok PID` once it holds the pid file, and exits:
+0 started, 3 another daemon already runs (`running PID`), 2 bad configuration).
+The daemon
+
+* connects to the job's store (`daemon_store.StoreLink`, a background thread)
+  and applies the controller's desired state `daemon/<host>/desired`
+  (`{seq, slots, stop}`, polled every 0.25 s): one worker per desired slot
+  (a GPU index, or a CPU slot number), a planned leave (`leave/<worker_id>` and
+  SIGTERM) for a slot no longer desired, and on `stop` it waits for its workers
+  (the controller wrote the runtime's job-wide `stop` key) and exits;
+* reaps its workers: an exit that was not asked for is reported at once
+  (`membership.report_dead` and an event of kind `crash`) and never restarted
+  by the daemon itself: only a new desired seq listing the slot starts one;
+* watches its GPUs every `watch_interval` with `nvidia-smi` (gpuwatch.py): a
+  process that is not this job's on a GPU a worker uses makes that worker leave
+  at once (planned), records a `yield` (state and event, naming the user and pid),
+  and keeps the slot empty until a new seq lists it. Once the runtime's plan
+  lists that worker as left, a process still lingering after `evict_grace`
+  (interpreter teardown takes seconds) is SIGKILLed: the owner gets the GPU back
+  in about watch_interval + 2.5 s;
+* writes `daemon/<host>/state` about every second (below);
+* on SIGTERM makes all its workers leave in the planned way, waits, and exits;
+  SIGKILL leaves the workers running (own sessions), and the next daemon adopts
+  them through `workers/<slot>.pid` (alive, and /proc/<pid>/environ carries
+  ELTCTL_JOB=<job> and an ELTCTL_WORKER_ID of this host and slot), or, for a
+  worker whose pid file was never written, through that environment alone;
+* keeps its workers running whatever happens to the store or the controller.
+
+`daemon/<host>/state` (JSON, about once a second)::
+
+    {"time", "heartbeat": wall clock of the write, "pid", "started", "host", "job",
+     "phase": "running" | "stopping" | "stopped" | "failed",
+     "seq_applied": int | null, "wanted": [slots of that seq],
+     "workers": [{"slot", "worker_id", "pid", "state", "since", "adopted", "detail"[, "exit_code"]}],
+         # live states: running, stopping, leaving, killed, evicted; the last ended
+         # worker of an empty slot: left, finished, crashed, lost (daemon_logic.WorkerState)
+     "gpus": [{"index", "state": "ours" | "busy" | "free" | "unknown", "reason", "since"}],
+     "yielded": [{"slot", "user", "pid", "time"}], "crashes": int (this daemon's life),
+     "health": "ok" | "unhealthy" (nvidia-smi failed or hung),
+     "watch": {"health": "ok" | "none" | "failed" | "hung", "reason", "since", "last_s"},
+     "store": {"connected", "reconnects", "last_error"}}
+
+Events it appends to the runtime's `events/<n>`: `{time, kind, host, workers,
+pause_s: null, detail}` with kind `yield` or `crash`.
+
+Files under `job_dir` (`~/.eltctl/jobs/<job>/<host>/`): `daemon.json` (this
+configuration), `daemon.pid` (flocked for life: one daemon per job and host),
+`daemon.log`, `daemon.memory.json` (applied seq, yields, the next worker
+incarnation; removed on a clean stop), `workers/<slot>.pid`, `workers/<slot>.log`.
+
+`daemon.json` (written by the controller; `DaemonConfig.from_json`)::
+
+    {
+      "job": "mnist", "host": "ws1",          # names; the host name is the inventory's
+      "store": "10.0.0.5:29400",              # the job's TCPStore
+      "job_dir": "/home/u/.eltctl/jobs/mnist/ws1",
+      "code_dir": "/home/u/.eltctl/jobs/mnist/ws1/code",   # the workers' cwd
+      "python": "/usr/bin/python3",           # replaces "python"/"python3" as command[0]
+      "command": ["python", "train.py", "--epochs", "3"],
+      "env": {"NCCL_DEBUG": "WARN"},          # extra worker environment
+      "device": "cuda",                       # or "cpu" (also: simulated GPU hosts)
+      "gpus": [0, 1],                         # GPU indices the job may use; null: CPU slots
+      "slots": 1,                             # CPU workers when gpus is null and device is cpu
+      "checkpoint_dir": "/shared/ckpt/mnist", # or null
+      "hang_timeout": 10, "min_workers": 1, "max_workers": null,
+      "watch_interval": 1.0, "nvidia_smi_timeout": 10,
+      "leave_timeout": 120, "stop_timeout": 300,    # optional: graces before SIGKILL
+      "evict_grace": 2      # optional: how long a worker that left for a GPU's owner may linger
+    }
+
+The worker environment: the daemon's own (inherited), then `env`, then the
+runtime's contract (runtime/config.py): ELTCTL_STORE, ELTCTL_JOB,
+ELTCTL_WORKER_ID=`<host>/<slot>/<incarnation>` (never reused on this host),
+ELTCTL_DEVICE, ELTCTL_LOCAL_GPU (0: the one visible GPU), ELTCTL_CHECKPOINT_DIR,
+ELTCTL_HANG_TIMEOUT, ELTCTL_MIN_WORKERS, ELTCTL_MAX_WORKERS, and for a GPU slot
+CUDA_VISIBLE_DEVICES=<index> (also with device cpu: the GPU simulator sees a
+worker by it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import daemon_procs as procs
+from .daemon_logic import (
+    Decision, Exit, Foreign, Kill, Leave, MarkStopping, Memory, Note, RecordYield, Start, View,
+    WorkerState, WorkerView, decide, exit_outcome, incarnation_of,
+)
+from .daemon_store import StoreLink, append_event
+from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
+from .membership import Keys, report_dead
+
+log = logging.getLogger("eltctl_runtime.daemon")
+
+TICK_S = 0.1
+STATE_EVERY_S = 1.0
+EXIT_OK, EXIT_CONFIG, EXIT_RUNNING = 0, 2, 3
+
+
+class DaemonConfigError(ValueError):
+    """daemon.json is missing, unreadable or malformed."""
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    job: str
+    host: str
+    store: str  # host:port of the job's TCPStore
+    job_dir: Path
+    code_dir: Path
+    command: tuple[str, ...]
+    python: str = "python3"
+    env: Mapping[str, str] = field(default_factory=dict)
+    device: str = "cpu"  # "cpu" | "cuda"
+    gpus: tuple[int, ...] | None = None
+    slots: int = 1
+    checkpoint_dir: Path | None = None
+    hang_timeout: float = 10.0
+    min_workers: int = 1
+    max_workers: int | None = None
+    watch_interval: float = 1.0
+    nvidia_smi_timeout: float = 10.0
+    leave_timeout: float = 120.0
+    stop_timeout: float = 300.0
+    evict_grace: float = 2.0
+
+    @property
+    def gpu_host(self) -> bool:
+        """Slots are GPU indices (a real or simulated GPU host)."""
+        return self.gpus is not None or self.device == "cuda"
+
+    @property
+    def valid_slots(self) -> frozenset[int] | None:
+        if self.gpus is not None:
+            return frozenset(self.gpus)
+        return None if self.device == "cuda" else frozenset(range(self.slots))
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """The worker's argv: `python` or `python3` as the first word means this host's interpreter."""
+        first, *rest = self.command
+        return (self.python, *rest) if first in ("python", "python3") else self.command
+
+    @classmethod
+    def load(cls, path: Path) -> "DaemonConfig":
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise DaemonConfigError(f"cannot read the daemon configuration {path}: {e.strerror}") from None
+        return cls.from_json(text, source=str(path))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "daemon.json") -> "DaemonConfig":
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise DaemonConfigError(f"{source} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise DaemonConfigError(f"{source} must hold a JSON object")
+
+        def need(key: str, kind: type | tuple = str) -> Any:
+            if key not in d or d[key] is None:
+                raise DaemonConfigError(f"{source}: the key {key!r} is required")
+            if not isinstance(d[key], kind):
+                raise DaemonConfigError(f"{source}: {key!r} has the wrong type ({type(d[key]).__name__})")
+            return d[key]
+
+        def number(key: str, default: float, positive: bool = True) -> float:
+            value = d.get(key, default)
+            if value is None:
+                value = default
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or (positive and value <= 0):
+                raise DaemonConfigError(f"{source}: {key!r} must be a positive number, not {value!r}")
+            return float(value)
+
+        command = need("command", list)
+        if not command or not all(isinstance(a, str) for a in command):
+            raise DaemonConfigError(f"{source}: 'command' must be a non-empty list of strings")
+        store = need("store")
+        addr, sep, port = store.rpartition(":")
+        if not sep or not addr or not port.isdigit():
+            raise DaemonConfigError(f"{source}: 'store' must be host:port, not {store!r}")
+        env = d.get("env") or {}
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise DaemonConfigError(f"{source}: 'env' must map names to strings")
+        device = d.get("device", "cpu")
+        if device not in ("cpu", "cuda"):
+            raise DaemonConfigError(f"{source}: 'device' must be 'cpu' or 'cuda', not {device!r}")
+        gpus = d.get("gpus")
+        if gpus is not None and (not isinstance(gpus, list)
+                                 or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0
+                                            for g in gpus)):
+            raise DaemonConfigError(f"{source}: 'gpus' must be null or a list of GPU indices")
+        slots = d.get("slots", 1)
+        if not isinstance(slots, int) or slots < 1:
+            raise DaemonConfigError(f"{source}: 'slots' must be a positive integer")
+        min_workers = d.get("min_workers", 1) or 1
+        max_workers = d.get("max_workers")
+        if not isinstance(min_workers, int) or (max_workers is not None and not isinstance(max_workers, int)):
+            raise DaemonConfigError(f"{source}: 'min_workers' and 'max_workers' must be integers (or null)")
+        ckpt = d.get("checkpoint_dir")
+        return cls(
+            job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
+            code_dir=Path(need("code_dir")).expanduser(), command=tuple(command),
+            python=d.get("python") or "python3", env=dict(env), device=device,
+            gpus=tuple(gpus) if gpus is not None else None, slots=slots,
+            checkpoint_dir=Path(ckpt).expanduser() if ckpt else None,
+            hang_timeout=number("hang_timeout", 10.0), min_workers=min_workers, max_workers=max_workers,
+            watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),
+            leave_timeout=number("leave_timeout", 120.0), stop_timeout=number("stop_timeout", 300.0),
+            evict_grace=number("evict_grace", 2.0),
+        )
+
+
+def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id: str) -> dict[str, str]:
+    """The environment of the worker `worker_id` on `slot` (see the module docstring)."""
+    env = dict(base)
+    env.update(cfg.env)
+    env.update({
+        "ELTCTL_STORE": cfg.store, "ELTCTL_JOB": cfg.job, "ELTCTL_WORKER_ID": worker_id,
+        "ELTCTL_DEVICE": cfg.device, "ELTCTL_LOCAL_GPU": "0", "ELTCTL_HANG_TIMEOUT": f"{cfg.hang_timeout:g}",
+        "ELTCTL_MIN_WORKERS": str(cfg.min_workers),
+    })
+    if cfg.max_workers is not None:
+        env["ELTCTL_MAX_WORKERS"] = str(cfg.max_workers)
+    else:
+        env.pop("ELTCTL_MAX_WORKERS", None)
+    if cfg.checkpoint_dir is not None:
+        env["ELTCTL_CHECKPOINT_DIR"] = str(cfg.checkpoint_dir)
+    if cfg.gpu_host:
+        env["CUDA_VISIBLE_DEVICES"] = str(slot)
+    return env
+
+
+@dataclass
+class _Worker:
+    """The executor's record of one worker process (mutable: it is bookkeeping)."""
+
+    slot: int
+    worker_id: str
+    pid: int
+    proc: subprocess.Popen | None  # None: adopted from an earlier daemon (not our child)
+    state: WorkerState
+    since: float  # monotonic
+    since_wall: float
+    detail: str = ""
+
+    def view(self) -> WorkerView:
+        return WorkerView(self.slot, self.worker_id, self.pid, self.state, self.since)
+
+    def to_dict(self) -> dict:
+        return {"slot": self.slot, "worker_id": self.worker_id, "pid": self.pid, "state": self.state.value,
+                "since": round(self.since_wall, 3), "adopted": self.proc is None, "detail": self.detail}
+
+
+class Daemon:
+    """The executor: observes (workers, GPUs, the store), calls `decide`, acts.
+    Nothing happens until `run()`."""
+
+    def __init__(self, cfg: DaemonConfig, base_env: Mapping[str, str]) -> None:
+        self.cfg = cfg
+        self._base_env = dict(base_env)
+        self._dir = cfg.job_dir
+        self._workers_dir = cfg.job_dir / "workers"
+        self._memory_path = cfg.job_dir / "daemon.memory.json"
+        self._lock = procs.PidLock(cfg.job_dir / "daemon.pid")
+        self._link = StoreLink(cfg.store, cfg.job, cfg.host)
+        self._poller: SmiPoller | None = None
+        self._memory = Memory()
+        self._workers: dict[int, _Worker] = {}
+        self._ended: dict[int, dict] = {}  # slot -> the last ended worker (for the state document)
+        self._foreign: dict[int, Foreign] = {}
+        self._watch: dict[str, Any] = {"health": WatchHealth.NONE.value, "reason": "", "since": time.time()}
+        self._gpu_states: dict[int, tuple[str, str, float]] = {}  # index -> (state, reason, since)
+        self._last_watch: WatchResult | None = None
+        self._terminating = False
+        self._crashes = 0
+        self._phase = "running"
+        self._started = time.time()
+
+    # -- life ------------------------------------------------------------------
+    def run(self, ready=None) -> int:
+        """Run until stopped. `ready(message)` is called once the pid file is held
+        (or another daemon was found): --detach answers its parent with it."""
+        self._workers_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock.acquire()
+        except procs.AlreadyRunning as e:
+            log.error("host %s: another daemon of job %s already runs here (pid %s); this one exits",
+                      self.cfg.host, self.cfg.job, e.pid)
+            if ready:
+                ready(f"running {e.pid}")
+            return EXIT_RUNNING
+        clean = False
+        try:
+            log.info("host %s: daemon pid %d of job %s starts (store %s, %s)", self.cfg.host, os.getpid(),
+                     self.cfg.job, self.cfg.store,
+                     f"GPUs {list(self.cfg.gpus)}" if self.cfg.gpus is not None else
+                     ("any GPU" if self.cfg.device == "cuda" else f"{self.cfg.slots} CPU slot(s)"))
+            self._install_signals()
+            if ready:
+                ready(f"ok {os.getpid()}")
+            self._load_memory()
+            self._adopt()
+            smi = shutil.which("nvidia-smi", path=self._base_env.get("PATH", os.defpath))
+            if smi is None:
+                log.info("host %s: no nvidia-smi on PATH: a CPU-only host, no GPU watch", self.cfg.host)
+            elif not self.cfg.gpu_host:
+                smi = None  # CPU slots only: nothing of ours to watch
+            self._poller = SmiPoller(smi, self.cfg.watch_interval, self.cfg.nvidia_smi_timeout, self._base_env)
+            self._link.start()
+            clean = self._loop()
+        except Exception:
+            log.exception("host %s: the daemon failed; its workers keep running and the next daemon adopts them",
+                          self.cfg.host)
+            raise
+        finally:
+            if self._poller is not None:
+                self._poller.close()
+            self._phase = "stopped" if clean else "failed"
+            self._link.publish_state(self._state_doc(), urgent=True)
+            self._link.close(flush_s=5.0)
+            if clean:
+                procs.remove(self._memory_path)
+            self._lock.release()
+            log.info("host %s: daemon pid %d exits", self.cfg.host, os.getpid())
+        return EXIT_OK
+
+    def _install_signals(self) -> None:
+        def terminate(signum, _frame):
+            if not self._terminating:
+                log.info("host %s: %s received: the workers leave in the planned way, then the daemon exits",
+                         self.cfg.host, signal.Signals(signum).name)
+            self._terminating = True
+
+        signal.signal(signal.SIGTERM, terminate)
+        signal.signal(signal.SIGINT, terminate)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the SSH session that started us may end
+
+    def _loop(self) -> bool:
+        next_state = 0.0
+        while True:
+            now = time.monotonic()
+            self._reap(now)
+            self._observe_gpus(now)
+            decision = self._decide(now)
+            if decision.memory != self._memory:
+                self._memory = decision.memory
+                self._save_memory()
+            done = self._act(decision, now)
+            if self._terminating or (self._link.desired() and self._link.desired().stop):
+                self._phase = "stopping"
+            if done:
+                return True
+            if now >= next_state:
+                next_state = now + STATE_EVERY_S
+                self._link.publish_state(self._state_doc())
+            time.sleep(TICK_S)
+
+    # -- memory and adoption -----------------------------------------------------
+    def _load_memory(self) -> None:
+        raw = procs.read_json(self._memory_path)
+        if raw is not None:
+            try:
+                self._memory = Memory.from_json(json.dumps(raw))
+                log.info("host %s: resuming from memory: desired seq %s applied, next incarnation %d",
+                         self.cfg.host, self._memory.seq_applied, self._memory.next_incarnation)
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("host %s: ignoring unreadable %s: %s", self.cfg.host, self._memory_path, e)
+
+    def _save_memory(self) -> None:
+        procs.write_atomic(self._memory_path, self._memory.to_json())
+
+    def _adopt(self) -> None:
+        """Take over the workers an earlier daemon of this job and host left running."""
+        highest = 0
+        for pid_file in sorted(self._workers_dir.glob("*.pid")):
+            if not pid_file.stem.isdigit():
+                continue
+            slot = int(pid_file.stem)
+            pid = procs.read_pid_file(pid_file)
+            wid = procs.worker_identity(pid, self.cfg.job) if pid else None
+            if wid is None or not wid.startswith(f"{self.cfg.host}/{slot}/"):
+                log.info("host %s: %s names no live worker of this job (pid %s); removing it", self.cfg.host,
+                         pid_file.name, pid)
+                procs.remove(pid_file)
+                continue
+            state = WorkerState.LEAVING if wid in self._memory.leaving else WorkerState.RUNNING
+            self._workers[slot] = _Worker(slot, wid, pid, None, state, time.monotonic(), time.time(),
+                                          detail="adopted")
+            highest = max(highest, incarnation_of(wid) or 0)
+            log.info("host %s: adopted worker %s (pid %d) on slot %d, %s", self.cfg.host, wid, pid, slot,
+                     state.value)
+        # A daemon killed between starting a worker and writing its pid file leaves
+        # a worker without one: find it by its environment.
+        known = {w.pid for w in self._workers.values()}
+        for pid, wid in procs.session_leaders_of(self.cfg.job, f"{self.cfg.host}/").items():
+            parts = wid.split("/")
+            if pid in known or len(parts) < 3 or not parts[-2].isdigit() or int(parts[-2]) in self._workers:
+                continue
+            slot = int(parts[-2])
+            state = WorkerState.LEAVING if wid in self._memory.leaving else WorkerState.RUNNING
+            self._workers[slot] = _Worker(slot, wid, pid, None, state, time.monotonic(), time.time(),
+                                          detail="adopted")
+            procs.write_atomic(self._workers_dir / f"{slot}.pid", f"{pid}\n")
+            highest = max(highest, incarnation_of(wid) or 0)
+            log.info("host %s: adopted worker %s (pid %d) on slot %d, found without a pid file", self.cfg.host,
+                     wid, pid, slot)
+        if highest >= self._memory.next_incarnation:
+            self._memory = replace(self._memory, next_incarnation=highest + 1)
+            self._save_memory()
+
+    # -- observe -------------------------------------------------------------------
+    def _reap(self, now: float) -> None:
+        for slot, w in list(self._workers.items()):
+            if w.proc is not None:
+                rc = w.proc.poll()
+                if rc is None:
+                    continue
+            elif procs.worker_identity(w.pid, self.cfg.job) == w.worker_id:  # alive, and not a reused pid
+                continue
+            else:
+                rc = None
+            self._ended_worker(w, rc)
+
+    def _ended_worker(self, w: _Worker, rc: int | None) -> None:
+        out = exit_outcome(rc, w.state)
+        del self._workers[w.slot]
+        procs.remove(self._workers_dir / f"{w.slot}.pid")
+        cfg = self.cfg
+        if out.report_dead:
+            wid = w.worker_id
+            self._link.send(f"the death report of {wid}", lambda tcp, js: report_dead(tcp, cfg.job, wid))
+        if out.crash_event:
+            self._crashes += 1
+            self._event("crash", [w.worker_id], f"worker {w.worker_id} (pid {w.pid}) {out.detail}")
+        level = logging.WARNING if out.state in (WorkerState.CRASHED, WorkerState.KILLED, WorkerState.LOST) \
+            else logging.INFO
+        log.log(level, "host %s: worker %s (pid %d, slot %d) %s: %s%s", cfg.host, w.worker_id, w.pid, w.slot,
+                out.state.value, out.detail, "; reported dead" if out.report_dead else "")
+        self._ended[w.slot] = {"slot": w.slot, "worker_id": w.worker_id, "pid": w.pid, "state": out.state.value,
+                               "since": round(time.time(), 3), "adopted": w.proc is None, "detail": out.detail,
+                               "exit_code": rc}
+
+    def _observe_gpus(self, now: float) -> None:
+        if self._poller is None:
+            return
+        result = self._poller.poll(now)
+        if result is None:
+            return
+        previous = self._watch["health"]
+        if result.health.value != previous:
+            self._watch = {"health": result.health.value, "reason": result.reason, "since": time.time()}
+            if result.health in (WatchHealth.FAILED, WatchHealth.HUNG):
+                log.warning("host %s: the GPU watch is unhealthy: %s; the workers keep running", self.cfg.host,
+                            result.reason)
+            elif result.health is WatchHealth.OK and previous != WatchHealth.NONE.value:
+                log.info("host %s: the GPU watch answers again", self.cfg.host)
+        self._watch["last_s"] = round(result.duration_s, 3)
+        self._watch["reason"] = result.reason
+        if result.health is not WatchHealth.OK:
+            self._foreign = {}  # no information is not a reason to evict anyone
+            self._last_watch = result
+            return
+        self._last_watch = result
+        ours_roots = {w.pid for w in self._workers.values()}
+        closed: frozenset[int] | None = None
+        ownership: dict[int, Ownership] = {}
+        for app in result.apps:
+            if app.pid in ours_roots:
+                ownership[app.pid] = Ownership.OURS
+                continue
+            if closed is None:
+                closed = descendants(ours_roots, procs.parent_map())
+            env = procs.environ_of(app.pid)
+            ownership[app.pid] = classify_pid(app.pid, closed, procs.is_visible(app.pid),
+                                              env.get("ELTCTL_JOB") if env else None, self.cfg.job)
+        watched = {w.slot for w in self._workers.values() if w.state is WorkerState.RUNNING} | set(self._memory.armed)
+        found = intruders(result.gpus, result.apps, watched, ownership)
+        foreign: dict[int, Foreign] = {}
+        for i in found:
+            if i.gpu not in foreign:
+                foreign[i.gpu] = Foreign(i.pid, procs.user_of(i.pid) or "an unknown user")
+        self._foreign = foreign
+        # The GPUs' states for the state document.
+        by_uuid = {g.uuid: g.index for g in result.gpus}
+        foreign_on: dict[int, list[int]] = {}
+        for app in result.apps:
+            if ownership.get(app.pid) is Ownership.FOREIGN and app.gpu_uuid in by_uuid:
+                foreign_on.setdefault(by_uuid[app.gpu_uuid], []).append(app.pid)
+        for g in result.gpus:
+            w = self._workers.get(g.index)
+            if g.index in foreign_on:
+                state, reason = "busy", "used by pid " + ", ".join(map(str, sorted(foreign_on[g.index])))
+            elif w is not None:
+                state, reason = "ours", f"worker {w.worker_id}"
+            else:
+                state, reason = "free", ""
+            old = self._gpu_states.get(g.index)
+            since = old[2] if old and old[0] == state else time.time()
+            self._gpu_states[g.index] = (state, reason, since)
+
+    def _decide(self, now: float) -> Decision:
+        view = View(
+            now=now, wall=time.time(), host=self.cfg.host, desired=self._link.desired(), memory=self._memory,
+            workers=tuple(w.view() for w in self._workers.values()), foreign=dict(self._foreign),
+            terminating=self._terminating, valid_slots=self.cfg.valid_slots,
+            departed=self._link.departed(), leave_timeout=self.cfg.leave_timeout,
+            stop_timeout=self.cfg.stop_timeout, evict_grace=self.cfg.evict_grace,
+        )
+        return decide(view)
+
+    # -- act ---------------------------------------------------------------------
+    def _act(self, decision: Decision, now: float) -> bool:
+        done = False
+        for a in decision.actions:
+            if isinstance(a, Start):
+                self._start(a.slot, a.worker_id, now)
+            elif isinstance(a, Leave):
+                self._leave(a, now)
+            elif isinstance(a, MarkStopping):
+                w = self._workers[a.slot]
+                w.state, w.since, w.since_wall = WorkerState.STOPPING, now, time.time()
+                log.info("host %s: the job is stopping; waiting for worker %s (pid %d) to exit", self.cfg.host,
+                         a.worker_id, w.pid)
+            elif isinstance(a, Kill):
+                w = self._workers[a.slot]
+                log.log(logging.INFO if a.evict else logging.WARNING, "host %s: killing worker %s (pid %d): %s",
+                        self.cfg.host, a.worker_id, w.pid, a.reason)
+                procs.signal_group(w.pid, signal.SIGKILL)
+                w.state = WorkerState.EVICTED if a.evict else WorkerState.KILLED
+                w.since, w.since_wall = now, time.time()
+            elif isinstance(a, RecordYield):
+                r = a.record
+                if a.worker_id:
+                    detail = f"{r.user} (pid {r.pid}) took GPU {r.slot}; worker {a.worker_id} leaves"
+                else:
+                    detail = f"{r.user} (pid {r.pid}) holds GPU {r.slot}; no worker started there"
+                log.warning("host %s: %s", self.cfg.host, detail)
+                self._event("yield", [a.worker_id] if a.worker_id else [], detail)
+            elif isinstance(a, Note):
+                log.info("%s", a.message)
+            elif isinstance(a, Exit):
+                log.info("host %s: %s; the daemon stops", self.cfg.host, a.reason)
+                done = True
+        return done
+
+    def _start(self, slot: int, wid: str, now: float) -> None:
+        cfg = self.cfg
+        log_path = self._workers_dir / f"{slot}.log"
+        env = worker_env(cfg, self._base_env, slot, wid)
+        try:
+            proc = procs.start_worker(cfg.argv, env, cfg.code_dir, log_path)
+        except OSError as e:
+            detail = f"could not be started: {e.strerror or e} ({cfg.argv[0]}, in {cfg.code_dir})"
+            log.error("host %s: worker %s %s", cfg.host, wid, detail)
+            self._crashes += 1
+            self._event("crash", [wid], f"worker {wid} {detail}")
+            self._ended[slot] = {"slot": slot, "worker_id": wid, "pid": None, "state": WorkerState.CRASHED.value,
+                                 "since": round(time.time(), 3), "adopted": False, "detail": detail,
+                                 "exit_code": None}
+            return
+        procs.write_atomic(self._workers_dir / f"{slot}.pid", f"{proc.pid}\n")
+        self._workers[slot] = _Worker(slot, wid, proc.pid, proc, WorkerState.RUNNING, now, time.time())
+        self._ended.pop(slot, None)
+        log.info("host %s: started worker %s (pid %d) on %s %d; log %s", cfg.host, wid, proc.pid,
+                 "GPU" if cfg.gpu_host else "CPU slot", slot, log_path)
+
+    def _leave(self, a: Leave, now: float) -> None:
+        w = self._workers[a.slot]
+        wid = a.worker_id
+        self._link.send(f"the leave request of {wid}", lambda tcp, js: js.set(Keys.leave(wid), str(time.time())))
+        # SIGTERM too: the runtime leaves at the next step boundary even if the store is away.
+        try:
+            os.kill(w.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        w.state, w.since, w.since_wall = WorkerState.LEAVING, now, time.time()
+        log.info("host %s: worker %s (pid %d) leaves in the planned way: %s", self.cfg.host, wid, w.pid, a.reason)
+
+    def _event(self, kind: str, workers: list[str], detail: str) -> None:
+        ev = {"time": time.time(), "kind": kind, "host": self.cfg.host, "workers": workers, "pause_s": None,
+              "detail": detail}
+        self._link.send(f"a {kind} event", lambda tcp, js: append_event(js, ev))
+
+    # -- report ------------------------------------------------------------------
+    def _state_doc(self) -> dict:
+        now = time.time()
+        workers = [w.to_dict() for w in sorted(self._workers.values(), key=lambda w: w.slot)]
+        workers += [e for s, e in sorted(self._ended.items()) if s not in self._workers]
+        healthy = self._watch["health"] in (WatchHealth.OK.value, WatchHealth.NONE.value)
+        if self._poller is not None and self._poller.enabled and healthy:
+            gpus = [{"index": i, "state": s, "reason": r, "since": round(t, 3)}
+                    for i, (s, r, t) in sorted(self._gpu_states.items())]
+        elif not healthy:
+            known = sorted(self._gpu_states) or sorted(self.cfg.gpus or ())
+            gpus = [{"index": i, "state": "unknown", "reason": self._watch["reason"], "since": self._watch["since"]}
+                    for i in known]
+        else:
+            gpus = []
+        m = self._memory
+        return {
+            "time": now, "heartbeat": now, "pid": os.getpid(), "started": self._started, "phase": self._phase,
+            "host": self.cfg.host, "job": self.cfg.job, "seq_applied": m.seq_applied,
+            "wanted": sorted(m.wanted), "workers": workers, "gpus": gpus,
+            "yielded": [y.to_dict() for y in m.yielded], "crashes": self._crashes,
+            "health": "ok" if healthy else "unhealthy", "watch": dict(self._watch),
+            "store": {"connected": self._link.connected, "reconnects": 0, "last_error": self._link.error},
+        }
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def _setup_logging(job_dir: Path) -> None:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(job_dir / "daemon.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    root = logging.getLogger("eltctl_runtime")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def _detach(config: Path, job_dir: Path) -> int:
+    """Start the daemon again as a detached process (new session, stdin
+    /dev/null, output appended to daemon.log) and wait for its readiness line.
+    A fresh interpreter rather than a fork: torch is already imported here."""
+    r, w = os.pipe()
+    with open(job_dir / "daemon.log", "ab") as out:
+        subprocess.Popen([sys.executable, "-m", "eltctl_runtime.daemon", "--config", str(config),
+                          "--ready-fd", str(w)], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                         start_new_session=True, pass_fds=(w,), close_fds=True)
+    os.close(w)
+    try:
+        return _wait_ready(r)
+    finally:
+        os.close(r)
+
+
+def _ready_writer(fd: int):
+    def ready(message: str) -> None:
+        try:
+            os.write(fd, (message + "\n").encode())
+            os.close(fd)
+        except OSError:
+            pass
+    return ready
+
+
+def _wait_ready(r: int, timeout: float = 60.0) -> int:
+    import select
+
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and b"\n" not in buf:
+        ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(r, 256)
+        if not chunk:
+            break
+        buf += chunk
+    line = buf.decode(errors="replace").strip()
+    print(line or "failed: the daemon did not answer (see daemon.log)")
+    if line.startswith("ok"):
+        return EXIT_OK
+    return EXIT_RUNNING if line.startswith("running") else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eltctl_runtime.daemon",
+                                 description="eltctl's host daemon: runs one job's workers on this host.")
+    ap.add_argument("--config", type=Path, required=True, help="daemon.json written by the controller")
+    ap.add_argument("--detach", action="store_true",
+                    help="run detached (new session); print 'ok PID' (exit 0) or 'running PID' (exit 3)")
+    ap.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    try:
+        cfg = DaemonConfig.load(args.config)
+    except DaemonConfigError as e:
+        print(f"eltctl daemon: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.detach:
+        cfg.job_dir.mkdir(parents=True, exist_ok=True)
+        return _detach(args.config.resolve(), cfg.job_dir)
+    _setup_logging(cfg.job_dir)
+    ready = _ready_writer(args.ready_fd) if args.ready_fd is not None else None
+    return Daemon(cfg, dict(os.environ)).run(ready=ready)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The host daemon's link to the job's store (the controller's TCPStore).
+
+One background thread owns the connection, so a store that has gone away (the
+control machine rebooted, the store keeper was killed) never blocks the
+daemon's loop, which goes on watching GPUs and reaping workers. The thread:
+
+* connects as a client (the job's PrefixStore, `membership.job_store`), and on
+  any error drops the connection and retries with back-off (0.5 s doubling to
+  10 s), logging once per outage;
+* reads `daemon/<host>/desired` about every `poll_s` and hands the newest
+  value to the loop (`desired()`), and follows the runtime's generation plans
+  to learn which of this host's workers are out of the job (`departed()`);
+* writes the newest state document the loop published (`publish_state`; the
+  loop publishes about once a second), stamping its `time` and `store`
+  (`{connected, reconnects, last_error}`);
+* delivers queued messages (`send`: leave and death reports, events) in order;
+  while the store is away they wait (bounded), and are delivered on reconnect.
+
+The daemon never kills a worker because this link is down.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+from .daemon_logic import Desired
+from .membership import Keys, Plan, job_store
+
+log = logging.getLogger("eltctl_runtime.daemon")
+
+MAX_OUTBOX = 1000
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 10.0
+
+
+def desired_key(host: str) -> str:
+    return f"daemon/{host}/desired"
+
+
+def state_key(host: str) -> str:
+    return f"daemon/{host}/state"
+
+
+def append_event(js, event: dict) -> int:
+    """Append one event to the job's event log (the runtime's `events/<n>`
+    numbering, `events/seq` counter); returns its number."""
+    n = js.add(Keys.EVENTS_SEQ, 1)
+    js.set(Keys.event(n), json.dumps(event))
+    return n
+
+
+# An outbox message: (what, function(raw TCPStore, job PrefixStore)).
+Message = tuple[str, Callable[[object, object], None]]
+
+
+class StoreLink:
+    def __init__(self, address: str, job: str, host: str, *, poll_s: float = 0.25,
+                 connect_timeout_s: float = 5.0) -> None:
+        addr, _, port = address.rpartition(":")
+        self._addr = addr.strip("[]")
+        self._port = int(port)
+        self._job = job
+        self._host = host
+        self._poll_s = poll_s
+        self._connect_timeout = connect_timeout_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._desired: Desired | None = None
+        self._state: dict | None = None
+        self._state_dirty = False
+        self._outbox: collections.deque[Message] = collections.deque()
+        self._connected = False
+        self._last_ok: float | None = None  # wall time of the last successful exchange
+        self._error = ""
+        self._last_error = ""  # the cause of the last outage, kept after reconnecting
+        self._reconnects = 0
+        self._generation = -1  # the newest generation plan read from this store
+        self._departed: frozenset[str] = frozenset()  # this host's workers that a plan lists as left or lost
+        self._thread: threading.Thread | None = None
+
+    # -- the loop's side ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="eltctl-daemon-store", daemon=True)
+        self._thread.start()
+
+    def close(self, flush_s: float = 5.0) -> None:
+        """Deliver what is queued (waiting at most flush_s while connected), then stop."""
+        deadline = time.monotonic() + flush_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                idle = not self._outbox and not self._state_dirty
+                connected = self._connected
+            if idle or not connected:
+                break
+            self._wake.set()
+            time.sleep(0.02)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)  # a daemon thread: a connect attempt in flight dies with us
+
+    def desired(self) -> Desired | None:
+        with self._lock:
+            return self._desired
+
+    def departed(self) -> frozenset[str]:
+        """Worker ids of this host that a generation plan lists as left or lost:
+        they are out of the job, whatever their process still does."""
+        return self._departed
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def last_ok(self) -> float | None:
+        return self._last_ok
+
+    @property
+    def error(self) -> str:
+        return self._error
+
+    def publish_state(self, doc: dict, urgent: bool = False) -> None:
+        with self._lock:
+            self._state = doc
+            self._state_dirty = True
+        if urgent:
+            self._wake.set()
+
+    def send(self, what: str, fn: Callable[[object, object], None]) -> None:
+        with self._lock:
+            if len(self._outbox) >= MAX_OUTBOX:
+                dropped = self._outbox.popleft()
+                log.warning("host %s: the store has been away long enough that %s was dropped", self._host,
+                            dropped[0])
+            self._outbox.append((what, fn))
+        self._wake.set()
+
+    # -- the thread --------------------------------------------------------------
+    def _connect(self):
+        import torch.distributed as dist
+
+        tcp = dist.TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=self._connect_timeout))
+        return tcp, job_store(tcp, self._job)
+
+    def _run(self) -> None:
+        backoff = BACKOFF_START_S
+        conn = None
+        outage_logged = False
+        next_poll = 0.0
+        while not self._stop.is_set():
+            if conn is None:
+                try:
+                    conn = self._connect()
+                except Exception as e:  # noqa: BLE001 - any failure to connect means: try again later
+                    self._error = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    if not outage_logged:
+                        log.warning("host %s: the store at %s:%d is unreachable (%s); the workers keep running "
+                                    "and the daemon retries", self._host, self._addr, self._port, self._error)
+                        outage_logged = True
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    continue
+                self._connected = True
+                self._generation = -1  # a restarted store has its own history
+                if self._error:
+                    self._last_error = self._error
+                self._error = ""
+                backoff = BACKOFF_START_S
+                if outage_logged:
+                    self._reconnects += 1
+                    log.info("host %s: connected to the store at %s:%d again", self._host, self._addr, self._port)
+                else:
+                    log.info("host %s: connected to the store at %s:%d", self._host, self._addr, self._port)
+                outage_logged = False
+            tcp, js = conn
+            try:
+                self._flush(tcp, js)
+                now = time.monotonic()
+                if now >= next_poll:
+                    next_poll = now + self._poll_s
+                    key = desired_key(self._host)
+                    if js.check([key]):
+                        raw = js.get(key)
+                        try:
+                            desired = Desired.from_json(raw)
+                        except ValueError as e:
+                            log.error("host %s: ignoring a malformed desired state: %s", self._host, e)
+                        else:
+                            with self._lock:
+                                self._desired = desired
+                    self._follow_plans(js)
+                with self._lock:
+                    doc = self._state if self._state_dirty else None
+                    self._state_dirty = False
+                if doc is not None:
+                    link = {"connected": True, "reconnects": self._reconnects, "last_error": self._last_error}
+                    js.set(state_key(self._host), json.dumps(dict(doc, time=time.time(), store=link)))
+                self._last_ok = time.time()
+            except Exception as e:  # noqa: BLE001 - the store went away: reconnect with back-off
+                self._error = str(e).splitlines()[0] if str(e) else type(e).__name__
+                log.warning("host %s: lost the store at %s:%d (%s); the workers keep running and the daemon "
+                            "reconnects", self._host, self._addr, self._port, self._error)
+                outage_logged = True
+                self._connected = False
+                conn = None
+                continue
+            self._wake.wait(min(self._poll_s, 0.25))
+            self._wake.clear()
+        self._connected = False
+
+    def _follow_plans(self, js) -> None:
+        mine = f"{self._host}/"
+        while js.check([Keys.plan(self._generation + 1)]):
+            self._generation += 1
+            plan = Plan.from_json(js.get(Keys.plan(self._generation)))
+            gone = {w for w in plan.left + plan.lost if w.startswith(mine)}
+            if gone:
+                self._departed = self._departed | gone
+
+    def _flush(self, tcp, js) -> None:
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    return
+                what, fn = self._outbox[0]
+            try:
+                fn(tcp, js)
+            except RuntimeError:
+                raise  # c10d's store errors (DistError): the store is away; the message stays queued
+            except Exception as e:  # noqa: BLE001 - a message that can never be delivered must not block the rest
+                log.error("host %s: dropping %s that cannot be delivered: %r", self._host, what, e)
+            with self._lock:
+                if self._outbox and self._outbox[0][1] is fn:
+                    self._outbox.popleft()

@@ -1,0 +1,285 @@
+"""The host daemon's GPU watch: what `nvidia-smi` says runs on this host's GPUs,
+and which of those processes are not this job's.
+
+Two parts:
+
+* pure functions, tested by tables: `parse_gpu_query` / `parse_app_query` read
+  the CSV of `nvidia-smi --query-gpu=index,uuid,memory.used,memory.total,
+  utilization.gpu` and `--query-compute-apps=gpu_uuid,pid,used_memory,process_name`
+  (`--format=csv,noheader,nounits`; `[N/A]` and friends read as None),
+  `descendants` closes a set of pids over a parent map, `classify_pid` says
+  whether a GPU process is ours, foreign or invisible to us, and `intruders`
+  lists the foreign processes on GPUs our workers use;
+* `SmiPoller`, a non-blocking runner of the two queries under a timeout, polled
+  from the daemon's loop (no thread): a hung driver never blocks the daemon.
+
+The control side has its own copy of the parsing in eltctl/probe.py (the runtime
+cannot import eltctl); the two read the same format.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable, Mapping
+
+GPU_QUERY = "index,uuid,memory.used,memory.total,utilization.gpu"
+APP_QUERY = "gpu_uuid,pid,used_memory,process_name"
+FORMAT = "--format=csv,noheader,nounits"
+NOT_FOUND_STATUS = 127  # a shell's (and the simulator's) "command not found"
+MISSING_VALUES = {"[n/a]", "n/a", "[not supported]", "[unknown error]", "[insufficient permissions]",
+                  "[gpu is lost]", "[unknown]", ""}
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    memory_used_mib: int | None  # None: the driver said [N/A] / [Not Supported]
+    memory_total_mib: int | None
+    utilization: int | None  # percent
+
+
+@dataclass(frozen=True)
+class GpuApp:
+    gpu_uuid: str
+    pid: int
+    used_memory_mib: int | None
+    name: str
+
+
+class Ownership(str, Enum):
+    OURS = "ours"  # one of our workers, a descendant, or it carries ELTCTL_JOB=<job>
+    FOREIGN = "foreign"  # visible here and not ours: somebody else uses the GPU
+    INVISIBLE = "invisible"  # not in our /proc (another pid namespace): cannot tell
+
+
+@dataclass(frozen=True)
+class Intruder:
+    """A foreign process on a GPU that one of our slots uses (or is about to)."""
+
+    gpu: int
+    pid: int
+    name: str
+
+
+class WatchHealth(str, Enum):
+    """What the last watch round learnt.
+
+    OK: both queries answered. NONE: no nvidia-smi (a CPU-only host: nothing to
+    watch). FAILED: it answered with an error. HUNG: it did not answer within the
+    timeout and was killed. FAILED and HUNG make the host unhealthy in the
+    daemon's state; the workers keep running."""
+
+    OK = "ok"
+    NONE = "none"
+    FAILED = "failed"
+    HUNG = "hung"
+
+
+@dataclass(frozen=True)
+class WatchResult:
+    health: WatchHealth
+    gpus: tuple[GpuInfo, ...] = ()
+    apps: tuple[GpuApp, ...] = ()
+    reason: str = ""
+    duration_s: float = 0.0
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_number(text: str) -> int | None:
+    """An nvidia-smi number, or None for [N/A], [Not Supported] and friends."""
+    text = text.strip()
+    if text.lower() in MISSING_VALUES:
+        return None
+    for suffix in (" MiB", " %", "MiB", "%"):
+        if text.endswith(suffix):
+            text = text[: -len(suffix)].strip()
+    try:
+        return int(round(float(text)))
+    except ValueError:
+        return None
+
+
+def parse_gpu_query(text: str) -> tuple[GpuInfo, ...]:
+    """Lines of `index, uuid, memory.used, memory.total, utilization.gpu`;
+    malformed lines are skipped (a partial answer still tells about the rest)."""
+    out = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 5:
+            continue
+        try:
+            index = int(parts[0])
+        except ValueError:
+            continue
+        out.append(GpuInfo(index=index, uuid=parts[1], memory_used_mib=parse_number(parts[2]),
+                           memory_total_mib=parse_number(parts[3]), utilization=parse_number(parts[4])))
+    return tuple(out)
+
+
+def parse_app_query(text: str) -> tuple[GpuApp, ...]:
+    """Lines of `gpu_uuid, pid, used_memory, process_name` (a name may hold commas)."""
+    out = []
+    for line in text.splitlines():
+        raw = line.split(",")
+        parts = [p.strip() for p in raw]
+        if len(parts) < 3:
+            continue
+        try:
+            pid = int(parts[1])
+        except ValueError:
+            continue
+        out.append(GpuApp(gpu_uuid=parts[0], pid=pid, used_memory_mib=parse_number(parts[2]),
+                          name=",".join(raw[3:]).strip()))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------- decisions
+
+
+def descendants(roots: Iterable[int], parent_of: Mapping[int, int]) -> frozenset[int]:
+    """The roots and every process below them, given pid -> parent pid."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent_of.items():
+        children.setdefault(ppid, []).append(pid)
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo.extend(children.get(pid, ()))
+    return frozenset(seen)
+
+
+def classify_pid(pid: int, ours: frozenset[int], visible: bool, job_of_process: str | None, job: str) -> Ownership:
+    """Whether a GPU process is this job's.
+
+    `ours`: our worker pids and their descendants. `job_of_process`: the
+    ELTCTL_JOB in its environment (None when unreadable: another user's process).
+    A pid we cannot see at all is INVISIBLE, not FOREIGN: inside a container the
+    driver reports host pids, and yielding on those would evict our own workers."""
+    if pid in ours:
+        return Ownership.OURS
+    if not visible:
+        return Ownership.INVISIBLE
+    if job_of_process == job:
+        return Ownership.OURS
+    return Ownership.FOREIGN
+
+
+def intruders(gpus: Iterable[GpuInfo], apps: Iterable[GpuApp], watched: Iterable[int],
+              ownership: Mapping[int, Ownership]) -> tuple[Intruder, ...]:
+    """Foreign processes on the watched GPU indices (those our slots use).
+    An app whose GPU uuid is unknown, or whose pid is missing from `ownership`,
+    is ignored: only a process known to be foreign makes a worker leave."""
+    by_uuid = {g.uuid: g.index for g in gpus}
+    watched = set(watched)
+    out = []
+    for app in apps:
+        index = by_uuid.get(app.gpu_uuid)
+        if index is None or index not in watched:
+            continue
+        if ownership.get(app.pid) is Ownership.FOREIGN:
+            out.append(Intruder(gpu=index, pid=app.pid, name=app.name))
+    return tuple(sorted(set(out), key=lambda i: (i.gpu, i.pid)))
+
+
+# ---------------------------------------------------------------------------- the runner
+
+
+class SmiPoller:
+    """Runs both queries every `interval` seconds, each under `timeout`.
+
+    `poll(now)` never blocks: it starts a round when one is due and returns its
+    WatchResult once both processes have answered (or the timeout killed them).
+    `binary` is what to run (found on PATH by the caller); None: no watch."""
+
+    def __init__(self, binary: str | None, interval: float, timeout: float, env: Mapping[str, str]) -> None:
+        self._binary = binary
+        self._interval = interval
+        self._timeout = timeout
+        self._env = dict(env)
+        self._procs: list[subprocess.Popen] = []
+        self._started = 0.0
+        self._next = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self._binary is not None
+
+    def poll(self, now: float) -> WatchResult | None:
+        if self._binary is None:
+            return None
+        if not self._procs:
+            if now < self._next:
+                return None
+            self._start(now)
+            if not self._procs:
+                self._binary = None  # vanished: from now on a CPU-only host
+                return WatchResult(WatchHealth.NONE, reason="nvidia-smi is no longer installed")
+            return None
+        if all(p.poll() is not None for p in self._procs):
+            return self._collect(now)
+        if now - self._started >= self._timeout:
+            self._kill()
+            self._next = now + self._interval
+            return WatchResult(WatchHealth.HUNG, reason=f"nvidia-smi did not answer within {self._timeout:g} s",
+                               duration_s=now - self._started)
+        return None
+
+    def close(self) -> None:
+        self._kill()
+
+    def _start(self, now: float) -> None:
+        self._started = now
+        try:
+            for query in (f"--query-gpu={GPU_QUERY}", f"--query-compute-apps={APP_QUERY}"):
+                # Own session: a hung nvidia-smi (and anything it started) is killed as a group.
+                self._procs.append(subprocess.Popen(
+                    [self._binary, query, FORMAT], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, env=self._env, start_new_session=True))
+        except FileNotFoundError:
+            self._kill()
+
+    def _collect(self, now: float) -> WatchResult:
+        outs = []
+        for p in self._procs:
+            out, _ = p.communicate()  # already exited: the small output is in the pipe
+            outs.append((p.returncode, out.decode(errors="replace")))
+        self._procs = []
+        self._next = self._started + self._interval
+        took = now - self._started
+        (gpu_rc, gpu_out), (app_rc, app_out) = outs
+        if NOT_FOUND_STATUS in (gpu_rc, app_rc):
+            self._binary = None
+            return WatchResult(WatchHealth.NONE, reason="nvidia-smi is not installed", duration_s=took)
+        if gpu_rc != 0 or app_rc != 0:
+            text = (gpu_out if gpu_rc != 0 else app_out).strip().splitlines()
+            return WatchResult(WatchHealth.FAILED, duration_s=took,
+                               reason=f"nvidia-smi failed (status {gpu_rc if gpu_rc else app_rc}): "
+                                      f"{text[0] if text else 'no output'}")
+        return WatchResult(WatchHealth.OK, gpus=parse_gpu_query(gpu_out), apps=parse_app_query(app_out),
+                           duration_s=took)
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            if p.stdout is not None:
+                p.stdout.close()
+        self._procs = []
