@@ -49,6 +49,7 @@ class JobSpec:
     max_workers: int | None = None  # None: as many as are free
     device: DeviceKind = DeviceKind.AUTO
     env: tuple[tuple[str, str], ...] = ()  # extra environment for every worker
+    shared_filesystem: bool = False  # workdir is the same path on every host: no code sync
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,14 @@ class Policy:
     cooldown: float = 300.0  # seconds before a host that was left is used again
     probe_interval: float = 30.0  # seconds between probes of a host by the controller
     nvidia_smi_timeout: float = 10.0  # seconds; a slower nvidia-smi makes the host unhealthy
+    watch_interval: float = 1.0  # seconds between a host daemon's looks at its GPUs
+    bench_after: int = 3  # failures of a host's daemon or workers in a row before it is benched
+    hang_timeout: float = 10.0  # seconds of silence after which a worker counts as hung
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    address: str | None = None  # the address workers reach the store at (None: worked out)
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ class Inventory:
     policy: Policy
     storage: Storage
     hosts: tuple[Host, ...] = field(default_factory=tuple)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -117,13 +127,15 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SSH_URL = re.compile(r"ssh://(?:[^@/\s]+@)?[^:/\s]+(?::\d+)?/\S*")
 
 # The accepted keys, per table, in the order hosts.example.toml documents them.
-TOP_KEYS = ("job", "ssh", "policy", "storage", "hosts")
-JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device", "env")
+TOP_KEYS = ("job", "ssh", "policy", "storage", "controller", "hosts")
+JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device", "env",
+            "shared_filesystem")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
 POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
-               "probe_interval", "nvidia_smi_timeout")
+               "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout")
 STORAGE_KEYS = ("mirror", "keep")
+CONTROLLER_KEYS = ("address",)
 HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "env")
 
 DEFAULT_INVENTORY_NAME = "hosts.toml"
@@ -392,6 +404,17 @@ class _Table:
             return self.fail(key, f"must be{want}{meaning}, got {value}")
         return value
 
+    def boolean(self, key: str, default: bool) -> Any:
+        value = self.raw(key)
+        if value is _ABSENT:
+            return default
+        if not isinstance(value, bool):
+            fix = ""
+            if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+                fix = f"; remove the quotes: {key} = {value.strip().lower()}"
+            return self.fail(key, f"must be true or false, {_got(value)}{fix}")
+        return value
+
     def duration(self, key: str, default: float, *, positive: bool) -> Any:
         value = self.raw(key)
         if value is _ABSENT:
@@ -516,11 +539,13 @@ class _Checker:
         ssh = self.ssh(self.table(raw, "ssh", SSH_KEYS) or self.empty("ssh"))
         policy = self.policy(self.table(raw, "policy", POLICY_KEYS) or self.empty("policy"))
         storage = self.storage(self.table(raw, "storage", STORAGE_KEYS) or self.empty("storage"))
+        controller = self.controller(self.table(raw, "controller", CONTROLLER_KEYS)
+                                     or self.empty("controller"))
         hosts = self.hosts(raw.get("hosts", _ABSENT), ssh)
         if self.problems or job is None:
             return None
         return Inventory(path=Path(os.path.abspath(self.shown)), job=job, ssh=ssh,
-                         policy=policy, storage=storage, hosts=hosts)
+                         policy=policy, storage=storage, hosts=hosts, controller=controller)
 
     def empty(self, key: str) -> _Table:
         return _Table(self, {}, key, accepted=(), where=f"[{key}]")
@@ -540,10 +565,12 @@ class _Checker:
         device = t.choice("device", DeviceKind.AUTO.value, [d.value for d in DeviceKind],
                           aliases={"gpu": "cuda", "gpus": "cuda", "nvidia": "cuda"})
         env = t.env("env")
+        shared = t.boolean("shared_filesystem", False)
         if self.problems:
             return None
         return JobSpec(name=name, command=command, workdir=workdir, min_workers=min_workers,
-                       max_workers=max_workers, device=DeviceKind(device), env=env)
+                       max_workers=max_workers, device=DeviceKind(device), env=env,
+                       shared_filesystem=shared)
 
     def command(self, t: _Table) -> Any:
         value = t.raw("command", required='["python", "train.py"]')
@@ -592,8 +619,24 @@ class _Checker:
             cooldown=t.duration("cooldown", d.cooldown, positive=False),
             probe_interval=t.duration("probe_interval", d.probe_interval, positive=True),
             nvidia_smi_timeout=t.duration("nvidia_smi_timeout", d.nvidia_smi_timeout, positive=True),
+            watch_interval=t.duration("watch_interval", d.watch_interval, positive=True),
+            bench_after=t.integer("bench_after", d.bench_after, lo=1,
+                                  meaning=" (failures in a row before a host is benched)"),
+            hang_timeout=t.duration("hang_timeout", d.hang_timeout, positive=True),
         )
+        if isinstance(values["hang_timeout"], float) and values["hang_timeout"] > 30:
+            # The runtime caps it (runtime/config.py MAX_HANG_TIMEOUT_S): a longer
+            # silence would stall every survivor of a crash for that long.
+            values["hang_timeout"] = t.fail("hang_timeout", f"must be at most 30s, got "
+                                                            f"{_show(t.data['hang_timeout'])}")
         return Policy(**{k: (getattr(d, k) if v is _BAD else v) for k, v in values.items()})
+
+    def controller(self, t: _Table) -> ControllerSettings:
+        address = t.string("address")
+        if isinstance(address, str) and any(c.isspace() for c in address):
+            address = t.fail("address", f"{_show(address)} contains whitespace; write one IP "
+                                        "address of this machine that every host can reach")
+        return ControllerSettings(address=None if address is _BAD else address)
 
     def storage(self, t: _Table) -> Storage:
         d = Storage()

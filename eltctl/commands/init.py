@@ -103,6 +103,9 @@ max_workers = 8
 device = "auto"
 # Extra environment variables for every worker (values are strings).
 env = { OMP_NUM_THREADS = "4" }
+# true when workdir is the same directory on every host (NFS...): eltctl then does not
+# copy the code to the hosts; false: it syncs workdir to each host (only what changed).
+shared_filesystem = false
 
 [ssh]
 # Default login user for hosts that do not set `user` (unset: ~/.ssh/config, then your
@@ -135,6 +138,14 @@ cooldown = "5m"
 probe_interval = "30s"
 # How long nvidia-smi may take before the host counts as unhealthy (a wedged driver).
 nvidia_smi_timeout = "10s"
+# How often each host's daemon looks at its GPUs (an owner's process makes the job
+# leave that GPU within about this long).
+watch_interval = "1s"
+# After this many failures in a row (daemon or workers), a host is benched: left out
+# for a while that doubles at each benching.
+bench_after = 3
+# A worker silent this long (at most 30s) counts as hung and the others go on without it.
+hang_timeout = "10s"
 
 [storage]
 # Where checkpoints are mirrored: a shared directory, or ssh://[user@]host[:port]/path
@@ -142,6 +153,13 @@ nvidia_smi_timeout = "10s"
 # mirror = "/shared/checkpoints"
 # How many mirrored checkpoints are kept.
 keep = 3
+
+[controller]
+# The address of this machine that the hosts use to reach the job's store (the
+# controller binds the store to it alone; the store has no authentication, so keep it
+# on a trusted network). Unset: the address this machine uses to reach the hosts over
+# SSH (127.0.0.1 for "local" hosts); set it when hosts reach this machine differently.
+# address = "10.0.0.5"
 
 # One [[hosts]] section per machine. Each takes:
 #   name     unique name (letters, digits, '.', '_', '-'); defaults to the address

@@ -1,0 +1,228 @@
+"""`python -m eltctl.controller --inventory PATH [--down [--force]]`: run a job's controller.
+
+Normal mode (what `eltctl up` starts, detached): take the job's lock (another live
+controller: exit 0 at once), adopt the store keeper named by controller.json when it
+still serves (else start one bound to the one address the hosts use to reach this
+machine), write controller.json, serve control.sock and reconcile until `down`.
+SIGTERM or SIGINT end the controller alone: the workers keep training and the next
+`eltctl up` adopts them.
+
+`--down` (what `eltctl down` runs when no controller is alive): adopt what is there,
+take the job down, print the result as one JSON line and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from eltctl.controller import socket as csock
+from eltctl.controller.statedir import ControllerLock, StateDir, lock_holder, write_json_atomic
+from eltctl.errors import ConfigError, EltctlError
+from eltctl.inventory import Inventory, load_inventory
+
+log = logging.getLogger("eltctl.controller")
+
+
+class _NoStore:
+    """Stands in for the store when its keeper is gone (only `--down` runs without one)."""
+
+    def _gone(self, *_a, **_k):
+        raise RuntimeError("the job's store is not running")
+
+    set = get = add = check = _gone
+
+
+async def choose_address(inventory: Inventory, fleet) -> str:
+    """The one address the hosts reach this machine at (docs/control-plane.md)."""
+    from eltctl.hostops import local_address
+
+    if inventory.controller.address:
+        return inventory.controller.address
+    remote = [h for h in inventory.hosts if not h.is_local]
+    if not remote:
+        return "127.0.0.1"
+
+    async def one(host, t):
+        return local_address(t)
+
+    outcomes = await fleet.each(remote, one, timeout=inventory.ssh.connect_timeout + 15)
+    seen: dict[str, list[str]] = {}
+    for name, o in outcomes.items():
+        if o.ok and o.value:
+            seen.setdefault(o.value, []).append(name)
+        elif not o.ok:
+            await fleet.forget(name)
+    if len(seen) == 1:
+        return next(iter(seen))
+    if not seen:
+        raise EltctlError("no host answered over SSH, so the address the workers should use to reach "
+                          "the store is unknown", hint="check the hosts with `eltctl doctor`, or set "
+                          "[controller] address in the inventory")
+    listed = "; ".join(f"{a} (to {', '.join(n)})" for a, n in seen.items())
+    raise ConfigError(f"the hosts are reached from different local addresses: {listed}; the store can "
+                      "be bound to one address only", path=str(inventory.path), key="controller.address",
+                      hint="set [controller] address to an address of this machine every host can reach")
+
+
+async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: bool) -> int:
+    from eltctl.controller import store as kstore
+    from eltctl.controller.loop import Controller, Phase
+    from eltctl.transport import Fleet
+
+    ctl: Controller | None = None
+    shutdown = asyncio.Event()
+    connecting_message = ["connecting to the hosts"]
+
+    async def handle(req: dict) -> dict:
+        op = req.get("op")
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid(), "phase": ctl.phase if ctl else Phase.CONNECTING,
+                    "message": ctl.message if ctl else connecting_message[0]}
+        if ctl is None:
+            if op == "status":
+                return {"job": inventory.job.name, "state": "starting", "phase": Phase.CONNECTING,
+                        "message": connecting_message[0], "updated": time.time(), "hosts": [], "events": [],
+                        "controller": {"pid": os.getpid(), "alive": True}}
+            if op == "reconcile":  # a controller still starting reconciles first thing anyway
+                return {"ok": True, "phase": Phase.CONNECTING, "message": connecting_message[0]}
+            return {"ok": False, "error": f"the controller is still {connecting_message[0]}; try again"}
+        if op == "status":
+            return ctl.status_document()
+        if op == "reconcile":
+            if req.get("reload", True):
+                try:
+                    new = load_inventory(inventory.path)
+                    if new.job.name == inventory.job.name:
+                        ctl.reload_inventory(new)
+                except ConfigError as exc:
+                    return {"ok": False, "error": str(exc)}
+            await ctl.reconcile()
+            ctl.write_status()
+            return {"ok": True, "phase": ctl.phase, "message": ctl.message}
+        if op == "scale":
+            return await ctl.scale(list(req.get("add") or []), list(req.get("remove") or []),
+                                   bool(req.get("force", False)))
+        if op == "down":
+            result = await ctl.down(bool(req.get("force", False)))
+            shutdown.set()
+            return result
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    server = await csock.serve(state.socket, handle)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, shutdown.set)
+    fleet = Fleet(inventory)
+    keeper = None
+    run_task = None
+    try:
+        keeper = kstore.live_keeper(state, inventory.job.name)
+        if keeper is not None:
+            log.info("Adopting the store keeper %d on %s.", keeper.pid, keeper.endpoint)
+        elif not down:
+            while keeper is None and not shutdown.is_set():
+                try:
+                    address = await choose_address(inventory, fleet)
+                except ConfigError:
+                    raise
+                except EltctlError as exc:
+                    connecting_message[0] = f"waiting for a host to answer: {exc.message}"
+                    log.warning("%s; retrying.", exc.message)
+                    try:
+                        await asyncio.wait_for(shutdown.wait(), inventory.policy.probe_interval)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                keeper = await loop.run_in_executor(None, kstore.start_keeper, state, address)
+                log.info("Started the store keeper %d on %s.", keeper.pid, keeper.endpoint)
+            if keeper is None:
+                return 0
+        if keeper is not None:
+            client = await loop.run_in_executor(None, kstore.connect_client, keeper.address, keeper.port,
+                                                inventory.job.name)
+            endpoint = keeper.endpoint
+        else:
+            client, endpoint = _NoStore(), ""
+        store = kstore.JobStore(client)
+        write_json_atomic(state.controller_json, {
+            "pid": os.getpid(), "started": time.time(), "inventory": str(inventory.path),
+            "store": keeper.to_json() if keeper else None, "socket": str(state.socket)})
+        ctl = Controller(inventory, state, store, fleet, endpoint)
+        ctl.load_records()
+        if keeper is not None:
+            await ctl.adopt_desired()
+        if down:
+            result = await ctl.down(force)
+            print(json.dumps(result), flush=True)
+            kstore.stop_keeper(keeper)
+            return 0 if result["ok"] else 1
+        run_task = asyncio.ensure_future(ctl.run())
+        await shutdown.wait()
+        await asyncio.sleep(0.3)  # let the answer to `down` reach its caller
+        if ctl.stopping:
+            kstore.stop_keeper(keeper)
+            log.info("The job is down; the controller exits.")
+        else:
+            log.info("The controller exits on a signal; the workers keep training.")
+        return 0
+    finally:
+        if ctl is not None:
+            ctl.stopped.set()
+            ctl.write_status()
+        if run_task is not None:
+            try:
+                await asyncio.wait_for(run_task, 10)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - exiting anyway
+                pass
+        server.close()
+        try:
+            state.socket.unlink()
+        except FileNotFoundError:
+            pass
+        await fleet.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eltctl.controller", description=__doc__.split("\n")[0])
+    ap.add_argument("--inventory", required=True, type=Path)
+    ap.add_argument("--down", action="store_true", help="take the job down and exit")
+    ap.add_argument("--force", action="store_true", help="with --down: kill what does not stop")
+    args = ap.parse_args(argv)
+    try:
+        inventory = load_inventory(args.inventory)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    state = StateDir.for_job(inventory.job.name)
+    state.create()
+    lock = ControllerLock(state.lock)
+    if not lock.acquire():
+        holder = lock_holder(state.lock)
+        print(f"another controller{f' (pid {holder})' if holder else ''} runs job {inventory.job.name}; "
+              "nothing to do", file=sys.stderr)
+        return 3 if args.down else 0
+    handler = logging.FileHandler(state.controller_log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)  # one line per channel otherwise
+    log.info("Controller %d of job %s starts (inventory %s).", os.getpid(), inventory.job.name, inventory.path)
+    try:
+        return asyncio.run(amain(inventory, state, down=args.down, force=args.force))
+    except EltctlError as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    finally:
+        lock.release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The commands' side of the controller: start it, talk to it, take the job down.
+
+`eltctl up`, `scale` and `down` call these. Nothing here imports torch (a test
+checks): the commands start the controller as a process of its own and talk to it
+over control.sock; `down` checks the hosts itself over SSH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from eltctl.controller import socket as csock
+from eltctl.controller.statedir import StateDir, pid_alive, read_json
+from eltctl.errors import EltctlError
+from eltctl.inventory import Inventory
+
+Progress = Callable[[str], None]
+SPAWN_TIMEOUT_S = 90.0  # python + torch import on a busy machine
+UP_TIMEOUT_S = 600.0
+DOWN_TIMEOUT_S = 600.0
+
+
+def state_of(inventory: Inventory) -> StateDir:
+    return StateDir.for_job(inventory.job.name)
+
+
+def ping(state: StateDir, timeout: float = 5.0) -> dict | None:
+    """The live controller's answer to ping, or None when none answers."""
+    if not state.socket.exists():
+        return None
+    try:
+        answer = csock.request(state.socket, {"op": "ping"}, timeout=timeout)
+    except (csock.SocketError, OSError, ValueError):
+        return None
+    return answer if answer.get("ok") else None
+
+
+def ask(state: StateDir, message: dict, timeout: float = 60.0) -> dict:
+    try:
+        return csock.request(state.socket, message, timeout=timeout)
+    except csock.SocketError as exc:
+        raise EltctlError(f"the controller did not answer: {exc}",
+                          hint="`eltctl up` starts (or adopts) the controller") from None
+
+
+def spawn_controller(inventory: Inventory, state: StateDir) -> int:
+    """Start `python -m eltctl.controller` detached: new session, stdin /dev/null."""
+    state.create()
+    with open(state.controller_log, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eltctl.controller", "--inventory", str(inventory.path)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            close_fds=True)
+    return proc.pid
+
+
+def _log_tail(state: StateDir, n: int = 6) -> str:
+    try:
+        lines = state.controller_log.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def ensure_controller(inventory: Inventory, progress: Progress) -> tuple[dict, bool]:
+    """(ping answer, started now): the live controller, or a new one once it answers."""
+    state = state_of(inventory)
+    answer = ping(state)
+    if answer is not None:
+        return answer, False
+    progress("starting the controller")
+    pid = spawn_controller(inventory, state)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        answer = ping(state)
+        if answer is not None:
+            return answer, answer.get("pid") == pid
+        # Our controller may have lost the race for the lock to another `up`'s:
+        # then that one answers soon. If ours died for another reason, say why.
+        if not pid_alive(pid) and ping(state) is None:
+            doc = read_json(state.controller_json) or {}
+            if not pid_alive(doc.get("pid")):
+                time.sleep(0.5)
+                if ping(state) is None and not pid_alive((read_json(state.controller_json) or {}).get("pid")):
+                    raise EltctlError("the controller exited at once:\n" + _log_tail(state),
+                                      hint=f"see {state.controller_log}")
+        time.sleep(0.2)
+    raise EltctlError(f"the controller did not answer within {SPAWN_TIMEOUT_S:g} s",
+                      hint=f"see {state.controller_log}")
+
+
+@dataclass(frozen=True)
+class UpResult:
+    controller_pid: int
+    started: bool  # a new controller was started (else a live one was asked to reconcile)
+    state: str  # the job's state when `up` returned
+    message: str
+    status: dict = field(default_factory=dict)
+
+
+def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOUT_S,
+       progress: Progress = lambda _m: None) -> UpResult:
+    """Start what is missing and return when the job trains (or waits for GPUs)."""
+    state = state_of(inventory)
+    answer, started = ensure_controller(inventory, progress)
+    pid = int(answer["pid"])
+    if not started:
+        progress(f"controller {pid} is running; reconciling")
+        result = ask(state, {"op": "reconcile"}, timeout=120)
+        if not result.get("ok", False):
+            raise EltctlError(f"the controller refused: {result.get('error')}")
+    if detach:
+        return UpResult(pid, started, answer.get("phase", ""), "detached", {})
+    deadline = time.monotonic() + timeout
+    last = None
+    doc: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            doc = csock.request(state.socket, {"op": "status"}, timeout=30)
+        except csock.SocketError:
+            if not pid_alive(pid):
+                raise EltctlError("the controller died:\n" + _log_tail(state),
+                                  hint=f"see {state.controller_log}") from None
+            time.sleep(0.5)
+            continue
+        phase, message = doc.get("phase", ""), doc.get("message", "")
+        shown = (phase, message)
+        if shown != last:
+            last = shown
+            progress(f"{phase}{': ' + message if message else ''}")
+        if doc.get("state") == "training" and (doc.get("step") or 0) >= 1:
+            return UpResult(pid, started, "training",
+                            f"training: world size {doc.get('world_size')}, step {doc.get('step')}", doc)
+        if doc.get("state") == "waiting":
+            return UpResult(pid, started, "waiting", message or "waiting for free GPUs", doc)
+        if doc.get("state") in ("stopping", "stopped"):
+            raise EltctlError(f"the job is {doc.get('state')} (an `eltctl down` is under way)")
+        time.sleep(0.5)
+    raise EltctlError(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
+                      "the controller goes on", hint="`eltctl status` shows why; `eltctl logs HOST` the hosts' logs")
+
+
+def scale(inventory: Inventory, add: list[str], remove: list[str], force: bool) -> dict:
+    state = state_of(inventory)
+    if ping(state) is None:
+        raise EltctlError(f"no controller runs job {inventory.job.name}",
+                          hint="`eltctl up` starts it; then scale")
+    return ask(state, {"op": "scale", "add": add, "remove": remove, "force": force}, timeout=180)
+
+
+# --------------------------------------------------------------------------- down
+
+@dataclass(frozen=True)
+class DownResult:
+    ok: bool
+    message: str
+    checkpoint: dict | None
+    left: dict[str, list[tuple[int, str]]]  # host -> (pid, command) still running
+    unchecked: dict[str, str]  # host -> why it could not be checked
+    killed: dict[str, list[int]]
+
+
+def down(inventory: Inventory, *, force: bool = False, progress: Progress = lambda _m: None) -> DownResult:
+    """Take the job down through its controller (or a one-shot one), then check every host."""
+    state = state_of(inventory)
+    answer = ping(state)
+    result: dict = {}
+    if answer is not None:
+        progress(f"asking controller {answer['pid']} for a final checkpoint and a stop")
+        result = ask(state, {"op": "down", "force": force}, timeout=DOWN_TIMEOUT_S)
+        deadline = time.monotonic() + 30
+        while pid_alive(int(answer["pid"])) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    else:
+        progress("no controller is running: taking the job down directly")
+        state.create()
+        cmd = [sys.executable, "-m", "eltctl.controller", "--inventory", str(inventory.path), "--down"]
+        if force:
+            cmd.append("--force")
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=DOWN_TIMEOUT_S)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+        if lines:
+            result = json.loads(lines[-1])
+        elif done.returncode == 3 and ping(state) is not None:
+            return down(inventory, force=force, progress=progress)  # a controller appeared meanwhile
+        else:
+            result = {"ok": False, "message": (done.stderr.strip() or "the one-shot controller failed")[-500:]}
+    progress("checking every host for processes of the job")
+    left, unchecked, killed = asyncio.run(_verify(inventory, force))
+    ok = not any(left.values()) and not unchecked
+    return DownResult(ok=ok, message=str(result.get("message", "")), checkpoint=result.get("checkpoint"),
+                      left={h: v for h, v in left.items() if v}, unchecked=unchecked,
+                      killed={h: v for h, v in killed.items() if v})
+
+
+async def _verify(inventory: Inventory, force: bool):
+    from eltctl import hostops
+    from eltctl.transport import Fleet
+
+    async def one(host, t):
+        procs = await hostops.job_processes(t, inventory.job.name)
+        killed: list[int] = []
+        if procs and force:
+            killed = [p.pid for p in procs]
+            await hostops.kill_pids(t, killed, "KILL")
+            await asyncio.sleep(0.5)
+            procs = await hostops.job_processes(t, inventory.job.name)
+        return [(p.pid, p.command) for p in procs], killed
+
+    async with Fleet(inventory) as fleet:
+        outcomes = await fleet.each(None, one, timeout=inventory.ssh.connect_timeout + 60)
+    left, unchecked, killed = {}, {}, {}
+    for name, o in outcomes.items():
+        if o.error is not None:
+            unchecked[name] = o.error.message
+        else:
+            left[name], killed[name] = o.value
+    return left, unchecked, killed
+
+
+def controller_pid(inventory: Inventory) -> int | None:
+    answer = ping(state_of(inventory))
+    return int(answer["pid"]) if answer else None

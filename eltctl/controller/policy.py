@@ -1,0 +1,407 @@
+"""The policy: which hosts and GPUs the job uses now. Pure functions of a view and a clock.
+
+The controller observes each host (`HostView`: probe results and the daemon's
+state), remembers things about it across observations (`HostRecord`: when each GPU
+was first seen free, cooldowns, benching, removal), and asks `decide` what to do.
+`track` folds a new observation into the records; `decide` turns views and records
+into actions; `host_state` says how a host looks to a person. None of them does I/O,
+so tables of cases test them (tests/control/test_policy.py).
+
+The rules (the README's "Policy"):
+
+- A slot is a GPU index (or a CPU slot number on a host without GPUs). A free GPU is
+  used only after it has looked free for `idle_for`; a busy one never (except once
+  after `scale --add --force`).
+- At most `max_workers` slots are used; fewer than `min_workers` usable slots and the
+  job waits (nothing new starts; what runs keeps running).
+- A host whose worker left (its owner came back, a crash, the host vanished) rests for
+  `cooldown` before new slots start there; the slots still running there stay.
+- `bench_after` failures in a row (a worker crash, a daemon that would not start, the
+  host vanishing while used) bench the host for `max(cooldown, 30 s) * 2**n` (n: how
+  often it was benched before), capped at a day. A host that runs cleanly for that
+  long has its failure count reset.
+- `scale --remove` keeps a host out until `scale --add`; an add waives `idle_for`,
+  cooldown and benching once (`--force` also takes GPUs that look busy).
+
+Host state graph (what `host_state` shows)::
+
+    idle --free for idle_for--> starting --daemon reports workers--> running
+    running --owner/crash/vanished--> cooldown --cooldown over--> idle
+    any --bench_after failures--> benched --back-off over--> idle
+    any --scale --remove--> removed --scale --add--> idle
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping
+
+from eltctl.inventory import Inventory
+
+BENCH_BASE_S = 30.0
+BENCH_MAX_S = 24 * 3600.0
+
+
+class GpuUse(str, enum.Enum):
+    FREE = "free"
+    BUSY = "busy"  # someone else's process, or memory/utilisation above the thresholds
+    OURS = "ours"  # this job's worker runs there
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Reach(str, enum.Enum):
+    OK = "ok"  # reachable, GPUs listed
+    CPU_ONLY = "cpu-only"  # reachable, no nvidia-smi: `slots` CPU slots
+    UNHEALTHY = "unhealthy"  # reachable, nvidia-smi failed or hung
+    UNREACHABLE = "unreachable"
+    UNKNOWN = "unknown"  # not observed yet
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class HostState(str, enum.Enum):
+    """How a host looks in `eltctl status` (docs/control-plane.md)."""
+
+    RUNNING = "running"
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+    COOLDOWN = "cooldown"
+    BENCHED = "benched"
+    REMOVED = "removed"
+    UNREACHABLE = "unreachable"
+    UNHEALTHY = "unhealthy"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class SlotView:
+    index: int
+    use: GpuUse
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class HostView:
+    """One observation of one host."""
+
+    name: str
+    reach: Reach = Reach.UNKNOWN
+    reason: str = ""
+    slots: tuple[SlotView, ...] = ()  # its GPUs (or CPU slots), by index
+    daemon_alive: bool = False  # its daemon's state heartbeat is fresh
+    workers: tuple[int, ...] = ()  # slots where one of our workers runs now
+    yielded: tuple[int, ...] = ()  # slots the daemon gave back to their owner
+    crashed: tuple[int, ...] = ()  # slots whose worker crashed since the last observation
+    seq_applied: int = -1  # the desired seq its daemon has acted on (-1: no daemon state)
+
+    def slot(self, index: int) -> SlotView | None:
+        for s in self.slots:
+            if s.index == index:
+                return s
+        return None
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    """What the controller remembers about a host (hosts.json)."""
+
+    removed: bool = False
+    desired: tuple[int, ...] = ()  # the slots last asked of its daemon
+    seq: int = 0  # the sequence number of that request
+    free_since: tuple[tuple[int, float], ...] = ()  # slot -> since when it looks free (or ours)
+    cooldown_until: float = 0.0
+    failures: int = 0  # in a row
+    ok_since: float | None = None  # running cleanly since (resets `failures` after a while)
+    bench_count: int = 0
+    benched_until: float = 0.0
+    last_problem: str = ""  # why it was benched or cooled down
+    join_now: bool = False  # `scale --add`: waive idle_for, cooldown and benching once
+    force: bool = False  # `scale --add --force`: also take busy GPUs once
+
+    def free_since_of(self, index: int) -> float | None:
+        for i, t in self.free_since:
+            if i == index:
+                return t
+        return None
+
+    def to_json(self) -> dict:
+        return {"removed": self.removed, "desired": list(self.desired), "seq": self.seq,
+                "free_since": {str(i): t for i, t in self.free_since},
+                "cooldown_until": self.cooldown_until, "failures": self.failures, "ok_since": self.ok_since,
+                "bench_count": self.bench_count, "benched_until": self.benched_until,
+                "last_problem": self.last_problem, "join_now": self.join_now, "force": self.force}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "HostRecord":
+        return cls(removed=bool(d.get("removed", False)), desired=tuple(int(x) for x in d.get("desired", ())),
+                   seq=int(d.get("seq", 0)),
+                   free_since=tuple(sorted((int(k), float(v)) for k, v in dict(d.get("free_since", {})).items())),
+                   cooldown_until=float(d.get("cooldown_until", 0.0)), failures=int(d.get("failures", 0)),
+                   ok_since=d.get("ok_since"), bench_count=int(d.get("bench_count", 0)),
+                   benched_until=float(d.get("benched_until", 0.0)), last_problem=str(d.get("last_problem", "")),
+                   join_now=bool(d.get("join_now", False)), force=bool(d.get("force", False)))
+
+
+@dataclass(frozen=True)
+class Action:
+    host: str
+
+
+@dataclass(frozen=True)
+class StartDaemon(Action):
+    """Ship the runtime and code if needed, write daemon.json and start the daemon."""
+
+
+@dataclass(frozen=True)
+class SetDesired(Action):
+    """Write `daemon/<host>/desired` with these slots and a new sequence number."""
+
+    slots: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    actions: tuple[Action, ...]
+    desired: Mapping[str, tuple[int, ...]]  # every host's slots after the actions
+    usable: int  # slots the job could use now (kept plus eligible)
+    # (`waiting` counts free slots that only wait for idle_for as good as usable)
+    waiting: bool  # fewer than min_workers usable and nothing running: the job waits
+    message: str = ""
+
+
+# --------------------------------------------------------------------------- tracking
+
+def bench_duration(cooldown: float, bench_count: int) -> float:
+    """Exponential back-off: the n-th benching (from 0) lasts base * 2**n, capped."""
+    return min(BENCH_MAX_S, max(cooldown, BENCH_BASE_S) * (2 ** bench_count))
+
+
+def record_failure(record: HostRecord, inventory: Inventory, now: float, problem: str) -> HostRecord:
+    """One more failure in a row; benches the host when there are `bench_after` of them."""
+    policy = inventory.policy
+    failures = record.failures + 1
+    record = replace(record, failures=failures, ok_since=None, last_problem=problem,
+                     cooldown_until=max(record.cooldown_until, now + policy.cooldown))
+    if failures >= policy.bench_after:
+        until = now + bench_duration(policy.cooldown, record.bench_count)
+        record = replace(record, failures=0, bench_count=record.bench_count + 1, benched_until=until,
+                         last_problem=f"benched after {failures} failures in a row; last: {problem}")
+    return record
+
+
+def track(records: Mapping[str, HostRecord], views: Mapping[str, HostView], inventory: Inventory,
+          now: float) -> dict[str, HostRecord]:
+    """Fold one observation into the records (free clocks, yields, crashes, lost hosts)."""
+    policy = inventory.policy
+    out: dict[str, HostRecord] = {}
+    for host in inventory.hosts:
+        rec = records.get(host.name, HostRecord())
+        view = views.get(host.name)
+        if view is None or view.reach is Reach.UNKNOWN:
+            out[host.name] = rec
+            continue
+        # Free clocks: a slot that looks free or ours keeps its clock; busy resets it.
+        # An unreachable or unhealthy host tells us nothing about its GPUs: the clocks
+        # restart when it is seen again.
+        since = dict(rec.free_since)
+        if view.reach in (Reach.OK, Reach.CPU_ONLY):
+            since = {s.index: since.get(s.index, now) for s in view.slots if s.use is not GpuUse.BUSY}
+        elif view.reach is Reach.UNREACHABLE:
+            since = {}
+        rec = replace(rec, free_since=tuple(sorted(since.items())))
+
+        # A yield reported for an older request is history: the slot was asked for again.
+        yielded = [s for s in view.yielded if s in rec.desired] if view.seq_applied >= rec.seq else []
+        gone = yielded + [s for s in view.crashed if s in rec.desired]
+        if yielded:
+            slots = ", ".join(map(str, yielded))
+            rec = replace(rec, cooldown_until=max(rec.cooldown_until, now + policy.cooldown),
+                          last_problem=f"its owner took GPU {slots}")
+        crashed = [s for s in view.crashed if s in rec.desired]
+        if crashed:
+            rec = record_failure(rec, inventory, now, f"worker on slot {', '.join(map(str, crashed))} crashed")
+        if view.reach is Reach.UNREACHABLE and rec.desired:
+            rec = record_failure(rec, inventory, now, f"host became unreachable while used: {view.reason}")
+            gone = list(rec.desired)
+        if gone:
+            rec = replace(rec, desired=tuple(s for s in rec.desired if s not in gone))
+
+        # Clean running resets the failure count after a bench-length period.
+        healthy = bool(rec.desired) and view.daemon_alive and set(rec.desired) <= set(view.workers)
+        if healthy:
+            ok_since = rec.ok_since if rec.ok_since is not None else now
+            rec = replace(rec, ok_since=ok_since)
+            if rec.failures and now - ok_since >= bench_duration(policy.cooldown, 0):
+                rec = replace(rec, failures=0)
+        elif not rec.desired:
+            rec = replace(rec, ok_since=None)
+        out[host.name] = rec
+    return out
+
+
+# --------------------------------------------------------------------------- deciding
+
+def _slot_indices(view: HostView) -> list[int]:
+    return sorted(s.index for s in view.slots)
+
+
+def eligible_slots(view: HostView, record: HostRecord, inventory: Inventory, now: float) -> list[int]:
+    """Slots of this host that may start a worker now (not counting those it runs)."""
+    if record.removed or view.reach not in (Reach.OK, Reach.CPU_ONLY):
+        return []
+    waived = record.join_now
+    if not waived and (record.benched_until > now or record.cooldown_until > now):
+        return []
+    out = []
+    for s in sorted(view.slots, key=lambda s: s.index):
+        if s.index in record.desired:
+            continue
+        if s.use is GpuUse.BUSY:
+            if record.force:
+                out.append(s.index)
+            continue
+        since = record.free_since_of(s.index)
+        if waived or (since is not None and now - since >= inventory.policy.idle_for):
+            out.append(s.index)
+    return out
+
+
+def maturing_slots(view: HostView, record: HostRecord, inventory: Inventory, now: float) -> list[int]:
+    """Free slots that only wait for their `idle_for` to pass (usable soon)."""
+    if record.removed or record.join_now or view.reach not in (Reach.OK, Reach.CPU_ONLY):
+        return []
+    if record.benched_until > now or record.cooldown_until > now:
+        return []
+    out = []
+    for s in view.slots:
+        since = record.free_since_of(s.index)
+        if (s.use is not GpuUse.BUSY and s.index not in record.desired and since is not None
+                and now - since < inventory.policy.idle_for):
+            out.append(s.index)
+    return out
+
+
+def kept_slots(view: HostView | None, record: HostRecord, now: float) -> list[int]:
+    """Slots asked of this host before that it keeps: not removed or benched, not taken by someone."""
+    if record.removed or view is None or not record.desired:
+        return []
+    if record.benched_until > now and not record.join_now:
+        return []
+    if view.reach is Reach.UNREACHABLE:
+        return []
+    out = []
+    for index in record.desired:
+        s = view.slot(index)
+        if s is not None and s.use is GpuUse.BUSY and not record.force:
+            continue  # the owner is back: leave it (the daemon may already have)
+        out.append(index)
+    return out
+
+
+def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inventory: Inventory,
+           now: float) -> Decision:
+    """What to do now: the slots each host should run, and the daemon starts and stops."""
+    job = inventory.job
+    cap = job.max_workers if job.max_workers is not None else 1 << 30
+    kept: dict[str, list[int]] = {}
+    candidates: list[tuple[str, int]] = []
+    maturing = 0
+    for host in inventory.hosts:
+        view = views.get(host.name)
+        rec = records.get(host.name, HostRecord())
+        kept[host.name] = kept_slots(view, rec, now)
+        if view is not None:
+            candidates += [(host.name, i) for i in eligible_slots(view, rec, inventory, now)
+                           if i not in kept[host.name]]
+            maturing += len(maturing_slots(view, rec, inventory, now))
+    n_kept = sum(len(v) for v in kept.values())
+    usable = n_kept + len(candidates)
+    waiting = False
+    message = ""
+    desired = {name: list(slots) for name, slots in kept.items()}
+    if n_kept > cap:  # max_workers was lowered: drop from the last hosts first
+        extra = n_kept - cap
+        for host in reversed(inventory.hosts):
+            while extra and desired[host.name]:
+                desired[host.name].pop()
+                extra -= 1
+    elif usable < job.min_workers and n_kept == 0:
+        # Free GPUs that only wait for idle_for will do: the job is starting, not waiting.
+        waiting = usable + maturing < job.min_workers
+        if waiting:
+            message = (f"{usable + maturing} GPU/slot(s) free, min_workers is {job.min_workers}: "
+                       "waiting for more to be free")
+        else:
+            message = (f"{maturing} free GPU/slot(s) are used once they have been free for "
+                       f"idle_for ({inventory.policy.idle_for:g} s)")
+    else:
+        room = cap - n_kept
+        for name, index in candidates:
+            if room <= 0:
+                break
+            desired[name].append(index)
+            room -= 1
+    actions: list[Action] = []
+    for host in inventory.hosts:
+        view = views.get(host.name)
+        rec = records.get(host.name, HostRecord())
+        want = tuple(sorted(desired[host.name]))
+        alive = view is not None and view.daemon_alive
+        if want and not alive and view is not None and view.reach in (Reach.OK, Reach.CPU_ONLY, Reach.UNHEALTHY):
+            actions.append(StartDaemon(host.name))
+        if want != tuple(rec.desired):
+            actions.append(SetDesired(host.name, want))
+        # An idle daemon is left running (it costs one sleeping process): a daemon
+        # restarted after a clean stop would start its worker ids over, and a reused
+        # id finds its old `leave/<id>` key in the store and leaves at once.
+    return Decision(actions=tuple(actions), desired={k: tuple(sorted(v)) for k, v in desired.items()},
+                    usable=usable, waiting=waiting, message=message)
+
+
+def applied(record: HostRecord, slots: tuple[int, ...]) -> HostRecord:
+    """The record once `SetDesired(slots)` was written: a new seq, the one-shot waivers used."""
+    return replace(record, desired=tuple(slots), seq=record.seq + 1,
+                   join_now=False if slots else record.join_now,
+                   force=False if slots else record.force)
+
+
+# --------------------------------------------------------------------------- showing
+
+def host_state(view: HostView | None, record: HostRecord, now: float) -> tuple[HostState, str]:
+    """The host's state for `eltctl status`, with the reason a person wants."""
+    if record.removed:
+        return HostState.REMOVED, "removed by `eltctl scale --remove`; `scale --add` brings it back"
+    if view is None or view.reach is Reach.UNKNOWN:
+        return HostState.STARTING, "not observed yet"
+    if view.reach is Reach.UNREACHABLE:
+        return HostState.UNREACHABLE, view.reason
+    if record.benched_until > now:
+        return HostState.BENCHED, f"{record.last_problem} (for {record.benched_until - now:.0f} s more)"
+    if view.workers:
+        return HostState.RUNNING, f"{len(view.workers)} worker(s)"
+    if record.desired:
+        return HostState.STARTING, f"starting {len(record.desired)} worker(s)"
+    if view.reach is Reach.UNHEALTHY:
+        return HostState.UNHEALTHY, view.reason
+    if record.cooldown_until > now:
+        return HostState.COOLDOWN, f"{record.last_problem} (usable again in {record.cooldown_until - now:.0f} s)"
+    if view.slots and all(s.use is GpuUse.BUSY for s in view.slots):
+        return HostState.BUSY, "; ".join(f"GPU {s.index}: {s.reason}" for s in view.slots)
+    return HostState.IDLE, view.reason or "usable, not used"
+
+
+def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
+    order = {h.name: i for i, h in enumerate(inventory.hosts)}
+    return sorted(names, key=lambda n: order.get(n, 1 << 30))
+
+
+__all__ = ["Action", "Decision", "GpuUse", "HostRecord", "HostState", "HostView", "Reach", "SetDesired",
+           "SlotView", "StartDaemon", "applied", "decide", "eligible_slots", "host_state",
+           "record_failure", "track"]

@@ -1,0 +1,183 @@
+"""The controller's connection to the job's store, and the store keeper's life.
+
+`JobStore` is the controller's client of the TCPStore served by the store keeper
+(eltctl/storekeeper.py), scoped to the job's prefix exactly as the runtime scopes it
+(`eltctl_runtime.job_store`). TCPStore calls block, so they run on one thread of
+their own (the store client is not shared between threads); the asyncio loop awaits
+them. `StoreLike` is the seam a test can fill with a dict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+from eltctl.controller.statedir import StateDir, pid_alive, read_json
+
+STORE_TIMEOUT_S = 10.0
+KEEPER_START_TIMEOUT_S = 60.0
+
+
+class StoreLike(Protocol):
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, amount: int) -> int: ...
+    def check(self, keys: list[str]) -> bool: ...
+
+
+@dataclass(frozen=True)
+class KeeperInfo:
+    address: str
+    port: int
+    pid: int
+
+    def to_json(self) -> dict:
+        return {"address": self.address, "port": self.port, "pid": self.pid}
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.port}"
+
+
+def connect_client(address: str, port: int, job: str, timeout: float = STORE_TIMEOUT_S) -> StoreLike:
+    """A TCPStore client under the job's prefix (blocking; raises when nothing answers)."""
+    import torch.distributed as dist
+
+    tcp = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"eltctl/{job}", tcp)
+
+
+class JobStore:
+    """Async access to one store client; every call runs on the store's own thread."""
+
+    def __init__(self, client: StoreLike) -> None:
+        self._client = client
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eltctl-store")
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def get_json(self, key: str) -> Any | None:
+        def read():
+            if not self._client.check([key]):
+                return None
+            return self._client.get(key)
+
+        raw = await self._call(read)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+
+    async def get_raw(self, key: str) -> bytes | None:
+        def read():
+            return self._client.get(key) if self._client.check([key]) else None
+
+        return await self._call(read)
+
+    async def set_json(self, key: str, value: Any) -> None:
+        await self._call(self._client.set, key, json.dumps(value))
+
+    async def set_raw(self, key: str, value: str) -> None:
+        await self._call(self._client.set, key, value)
+
+    async def add(self, key: str, amount: int) -> int:
+        return await self._call(self._client.add, key, amount)
+
+    async def event(self, document: dict) -> None:
+        """Append to the job's event log (events/<n>, the runtime's format)."""
+        def write():
+            n = self._client.add("events/seq", 1)
+            self._client.set(f"events/{n}", json.dumps(document))
+
+        await self._call(write)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------- the keeper
+
+def live_keeper(state: StateDir, job: str) -> KeeperInfo | None:
+    """The store keeper named by controller.json, if its pid lives and its store answers."""
+    doc = read_json(state.controller_json) or {}
+    store = doc.get("store") or {}
+    try:
+        info = KeeperInfo(address=str(store["address"]), port=int(store["port"]), pid=int(store["pid"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not pid_alive(info.pid):
+        return None
+    try:
+        client = connect_client(info.address, info.port, job, timeout=3.0)
+        client.check(["storekeeper"])
+    except Exception:  # noqa: BLE001 - any failure means "not usable": a new keeper is started
+        return None
+    return info
+
+
+def start_keeper(state: StateDir, address: str) -> KeeperInfo:
+    """Start a store keeper bound to `address` (detached) and wait until it serves."""
+    info_path = state.path / "storekeeper.json"
+    try:
+        info_path.unlink()
+    except FileNotFoundError:
+        pass
+    log = open(state.storekeeper_log, "ab")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eltctl.storekeeper", "--address", address, "--info", str(info_path)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            close_fds=True)
+    finally:
+        log.close()
+    deadline = time.monotonic() + KEEPER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        doc = read_json(info_path)
+        if doc and doc.get("pid") == proc.pid:
+            return KeeperInfo(address=str(doc["address"]), port=int(doc["port"]), pid=proc.pid)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    if proc.poll() is None:
+        proc.kill()
+    tail = _tail(state.storekeeper_log)
+    raise RuntimeError(f"the store keeper did not start on {address}: {tail}")
+
+
+def stop_keeper(info: KeeperInfo | None, timeout: float = 10.0) -> None:
+    if info is None or not pid_alive(info.pid):
+        return
+    try:
+        os.kill(info.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and pid_alive(info.pid):
+        time.sleep(0.05)
+    if pid_alive(info.pid):
+        try:
+            os.kill(info.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _tail(path: Path, n: int = 5) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return " | ".join(lines[-n:]) or "no output"

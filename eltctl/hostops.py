@@ -1,0 +1,428 @@
+"""Operations on one host of a job, over its `Transport`: the control plane's hands.
+
+Each is one or two round trips on the host and needs only `/bin/sh` and the host's
+Python there (docs/control-plane.md, "Files"):
+
+- `ensure_runtime`: the runtime (`eltctl_runtime`, runtime/*.py) lives in
+  `~/.eltctl/runtime/<hash>/` where the hash covers its files' contents; it is sent
+  (a base64 tar on stdin) only when that directory is missing.
+- `sync_code`: the job's code directory goes to `~/.eltctl/jobs/<job>/<host>/code/`;
+  the host's Python lists what is there with SHA-256 sums and only changed files are
+  sent, removed ones deleted. Skipped when the inventory says the hosts share a
+  filesystem (the workers then run in `workdir` itself).
+- `start_daemon`: writes `daemon.json` and starts `python -m eltctl_runtime.daemon`
+  detached (`setsid nohup`, stdin from /dev/null, output to `daemon.log`).
+- `daemon_pid`, `job_processes`, `kill_pids`: what runs there, found on the host
+  itself (pid files and `/proc/<pid>/environ` holding `ELTCTL_JOB=<job>`), whatever
+  the controller remembers.
+
+Errors a host raises are `HostError`s (the transport's); a command that ran and
+failed is a `HostError` of kind `command` with its stderr, so a Fleet outcome says why.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import shlex
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from eltctl.errors import HostError
+from eltctl.inventory import DeviceKind, Host, Inventory
+from eltctl.transport import ErrorKind, RunResult, Transport
+
+RUNTIME_PACKAGE = "eltctl_runtime"
+DAEMON_MODULE = "eltctl_runtime.daemon"
+# Never synced: version control, caches, environments, our own state.
+SYNC_EXCLUDE_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".eltctl",
+                               ".mypy_cache", ".pytest_cache", ".ipynb_checkpoints", "node_modules"})
+SYNC_EXCLUDE_SUFFIXES = (".pyc", ".pyo")
+TRANSFER_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Where a job lives on one host (absolute: the host's HOME is asked once)."""
+
+    home: str
+    job: str
+    host: str
+
+    @property
+    def job_dir(self) -> str:
+        return f"{self.home}/.eltctl/jobs/{self.job}/{self.host}"
+
+    @property
+    def code_dir(self) -> str:
+        return f"{self.job_dir}/code"
+
+    @property
+    def daemon_json(self) -> str:
+        return f"{self.job_dir}/daemon.json"
+
+    @property
+    def daemon_pid(self) -> str:
+        return f"{self.job_dir}/daemon.pid"
+
+    @property
+    def daemon_log(self) -> str:
+        return f"{self.job_dir}/daemon.log"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return f"{self.job_dir}/checkpoints"
+
+    def runtime_dir(self, digest: str) -> str:
+        return f"{self.home}/.eltctl/runtime/{digest}"
+
+
+def _check(host: Host, what: str, result: RunResult) -> RunResult:
+    if not result.ok:
+        detail = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_status}")
+        raise HostError(host.name, f"{what} failed: {detail.splitlines()[-1][:300]}", kind=ErrorKind.COMMAND)
+    return result
+
+
+def _py(host: Host, script: str, *args: str) -> str:
+    """A command running `script` with the host's Python (quoted for any sh)."""
+    return " ".join([shlex.quote(host.python), "-c", shlex.quote(script), *map(shlex.quote, args)])
+
+
+async def remote_home(t: Transport) -> str:
+    result = _check(t.host, "reading $HOME", await t.run('printf "%s" "$HOME"'))
+    home = result.stdout.strip()
+    if not home.startswith("/"):
+        raise HostError(t.host.name, f"$HOME is {home!r}, not an absolute path", kind=ErrorKind.COMMAND)
+    return home
+
+
+async def host_paths(t: Transport, job: str) -> HostPaths:
+    return HostPaths(home=await remote_home(t), job=job, host=t.host.name)
+
+
+# --------------------------------------------------------------------------- the runtime
+
+def runtime_source_dir() -> Path:
+    """The directory of the runtime package, found without importing it (it imports torch)."""
+    spec = importlib.util.find_spec(RUNTIME_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the {RUNTIME_PACKAGE} package is not installed next to eltctl")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def runtime_files(source: Path | None = None) -> dict[str, bytes]:
+    source = source or runtime_source_dir()
+    return {p.name: p.read_bytes() for p in sorted(source.glob("*.py"))}
+
+
+def runtime_digest(files: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
+    return h.hexdigest()[:16]
+
+
+def _tar_b64(members: dict[str, bytes]) -> str:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in sorted(members.items()):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# Reads a base64 tar on stdin, extracts it into a temporary directory beside the
+# target and renames it into place: a half-sent runtime is never used.
+_UNPACK_RUNTIME = r"""
+import base64, io, os, shutil, sys, tarfile, tempfile
+target = sys.argv[1]
+if os.path.isdir(target):
+    sys.exit(0)
+parent = os.path.dirname(target)
+os.makedirs(parent, exist_ok=True)
+tmp = tempfile.mkdtemp(dir=parent, prefix=".incoming-")
+with tarfile.open(fileobj=io.BytesIO(base64.b64decode(sys.stdin.read())), mode="r:gz") as tar:
+    for m in tar.getmembers():
+        if not m.isfile() or m.name.startswith("/") or ".." in m.name.split("/"):
+            sys.exit("unsafe member " + m.name)
+    tar.extractall(os.path.join(tmp, "eltctl_runtime"))
+try:
+    os.rename(tmp, target)
+except OSError:
+    shutil.rmtree(tmp, ignore_errors=True)  # another controller was faster
+    if not os.path.isdir(target):
+        raise
+"""
+
+
+async def ensure_runtime(t: Transport, paths: HostPaths, files: dict[str, bytes] | None = None) -> tuple[str, bool]:
+    """(the runtime directory to put on PYTHONPATH, whether it was sent now)."""
+    files = files if files is not None else runtime_files()
+    digest = runtime_digest(files)
+    target = paths.runtime_dir(digest)
+    probe = await t.run(f"test -f {shlex.quote(target + '/eltctl_runtime/__init__.py')}")
+    if probe.ok:
+        return target, False
+    _check(t.host, "shipping the runtime",
+           await t.run(_py(t.host, _UNPACK_RUNTIME, target), input=_tar_b64(files), timeout=TRANSFER_TIMEOUT))
+    return target, True
+
+
+# --------------------------------------------------------------------------- the code
+
+_MANIFEST = r"""
+import hashlib, json, os, sys
+root, excluded, suffixes = sys.argv[1], set(json.loads(sys.argv[2])), tuple(json.loads(sys.argv[3]))
+out = {}
+for d, dirs, files in os.walk(root):
+    dirs[:] = [x for x in dirs if x not in excluded]
+    for f in files:
+        if f.endswith(suffixes):
+            continue
+        p = os.path.join(d, f)
+        try:
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
+        except OSError:
+            pass
+print(json.dumps(out))
+"""
+
+_APPLY = r"""
+import base64, io, json, os, sys, tarfile
+root = sys.argv[1]
+doc = json.loads(sys.stdin.read())
+os.makedirs(root, exist_ok=True)
+for rel in doc["delete"]:
+    p = os.path.join(root, rel)
+    if os.path.commonpath([os.path.realpath(p), os.path.realpath(root)]) == os.path.realpath(root):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+if doc["tar"]:
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(doc["tar"])), mode="r:gz") as tar:
+        for m in tar.getmembers():
+            if not m.isfile() or m.name.startswith("/") or ".." in m.name.split("/"):
+                sys.exit("unsafe member " + m.name)
+        for m in tar.getmembers():
+            dest = os.path.join(root, m.name)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            tmp = dest + ".eltctl-tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(tar.extractfile(m).read())
+            os.chmod(tmp, m.mode & 0o777)
+            os.replace(tmp, dest)
+"""
+
+
+def local_manifest(workdir: Path) -> dict[str, str]:
+    """{relative path: sha256} of the code directory, with the same exclusions as the host's."""
+    out: dict[str, str] = {}
+    for d, dirs, files in os.walk(workdir):
+        dirs[:] = sorted(x for x in dirs if x not in SYNC_EXCLUDE_DIRS)
+        for f in sorted(files):
+            if f.endswith(SYNC_EXCLUDE_SUFFIXES):
+                continue
+            p = Path(d) / f
+            if not p.is_file():
+                continue
+            out[str(p.relative_to(workdir))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    sent: tuple[str, ...]
+    deleted: tuple[str, ...]
+
+
+def plan_sync(local: dict[str, str], remote: dict[str, str]) -> SyncResult:
+    """Pure: what to send (new or changed) and what to delete (gone locally)."""
+    sent = tuple(sorted(p for p, h in local.items() if remote.get(p) != h))
+    deleted = tuple(sorted(p for p in remote if p not in local))
+    return SyncResult(sent=sent, deleted=deleted)
+
+
+async def sync_code(t: Transport, workdir: Path, code_dir: str) -> SyncResult:
+    """Make `code_dir` on the host hold exactly `workdir`'s files; send only the changes."""
+    host = t.host
+    got = _check(host, "listing the code on the host",
+                 await t.run(_py(host, _MANIFEST, code_dir, json.dumps(sorted(SYNC_EXCLUDE_DIRS)),
+                                 json.dumps(list(SYNC_EXCLUDE_SUFFIXES))), timeout=TRANSFER_TIMEOUT))
+    try:
+        remote = json.loads(got.stdout.strip().splitlines()[-1]) if got.stdout.strip() else {}
+    except ValueError as exc:
+        raise HostError(host.name, f"unreadable code listing from the host: {exc}", kind=ErrorKind.COMMAND) from exc
+    local = local_manifest(workdir)
+    plan = plan_sync(local, remote)
+    if not plan.sent and not plan.deleted:
+        return plan
+    tar = ""
+    if plan.sent:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as archive:
+            for rel in plan.sent:
+                src = workdir / rel
+                info = tarfile.TarInfo(rel)
+                data = src.read_bytes()
+                info.size = len(data)
+                info.mode = src.stat().st_mode & 0o777
+                archive.addfile(info, io.BytesIO(data))
+        tar = base64.b64encode(buf.getvalue()).decode()
+    _check(host, "sending the code",
+           await t.run(_py(host, _APPLY, code_dir), input=json.dumps({"delete": list(plan.deleted), "tar": tar}),
+                       timeout=TRANSFER_TIMEOUT))
+    return plan
+
+
+# --------------------------------------------------------------------------- the daemon
+
+def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str,
+                  gpus: tuple[int, ...] | None) -> dict:
+    """daemon.json (runtime/daemon.py documents each key).
+
+    `gpus`: the GPU indices the job may use on this host (the inventory's list, else
+    what the probe found); None on a host without GPUs (then `slots` CPU workers).
+    """
+    job, policy = inventory.job, inventory.policy
+    code_dir = str(job.workdir) if job.shared_filesystem else paths.code_dir
+    if job.device is DeviceKind.AUTO:
+        device = "cuda" if gpus else "cpu"
+    else:
+        device = job.device.value
+    return {
+        "job": job.name,
+        "host": host.name,
+        "store": store,
+        "job_dir": paths.job_dir,
+        "code_dir": code_dir,
+        "python": host.python,
+        "command": list(job.command),
+        "env": dict(job.env),
+        "device": device,
+        "gpus": list(gpus) if gpus else None,
+        "slots": host.slots,
+        "checkpoint_dir": paths.checkpoint_dir,
+        "hang_timeout": policy.hang_timeout,
+        "min_workers": job.min_workers,
+        "max_workers": job.max_workers,
+        "watch_interval": policy.watch_interval,
+        "nvidia_smi_timeout": policy.nvidia_smi_timeout,
+    }
+
+
+def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: str) -> str:
+    """Write daemon.json from stdin, then start the daemon detached from the session.
+
+    `--detach` makes the daemon start itself again in a new session (stdin from
+    /dev/null, output to daemon.log) and answer once it holds its pid file: "ok PID"
+    (exit 0), or "running PID" (exit 3) when one runs already. ELTCTL_JOB and
+    ELTCTL_HOST in its environment (and so its workers') mark the job's processes.
+    """
+    q = shlex.quote
+    env = (f"ELTCTL_JOB={q(job)} ELTCTL_HOST={q(host.name)} "
+           f"PYTHONPATH={q(runtime_dir)}${{PYTHONPATH:+:$PYTHONPATH}}")
+    return (
+        f"mkdir -p {q(paths.job_dir)}/workers && cd {q(paths.job_dir)} && "
+        f"cat > daemon.json.tmp && mv daemon.json.tmp daemon.json && "
+        f"{env} {q(host.python)} -m {DAEMON_MODULE} --config {q(paths.daemon_json)} --detach </dev/null"
+    )
+
+
+DAEMON_START_TIMEOUT = 90.0
+
+
+async def start_daemon(t: Transport, paths: HostPaths, runtime_dir: str, config: dict) -> int | None:
+    """Start the daemon; its pid (None if it did not say). One running already is fine."""
+    cmd = start_daemon_command(t.host, paths, runtime_dir, config["job"])
+    result = await t.run(cmd, input=json.dumps(config, indent=1) + "\n", timeout=DAEMON_START_TIMEOUT)
+    if result.exit_status not in (0, 3):
+        log = await tail_log(t, paths.daemon_log, 5)
+        detail = (result.stdout.strip() + " " + result.stderr.strip()).strip() or f"exit {result.exit_status}"
+        raise HostError(t.host.name, f"the daemon did not start: {detail[-300:]}"
+                        + (f"; daemon.log: {' | '.join(log.strip().splitlines()[-3:])}" if log.strip() else ""),
+                        kind=ErrorKind.COMMAND)
+    words = result.stdout.split()
+    return int(words[1]) if len(words) >= 2 and words[1].isdigit() else None
+
+
+async def daemon_pid(t: Transport, paths: HostPaths) -> int | None:
+    """The pid in daemon.pid when that process is alive and is our daemon, else None."""
+    q = shlex.quote
+    result = await t.run(
+        f"p=$(cat {q(paths.daemon_pid)} 2>/dev/null) && [ -n \"$p\" ] && kill -0 \"$p\" 2>/dev/null && "
+        f"tr '\\000' ' ' </proc/$p/cmdline 2>/dev/null | grep -q {q(DAEMON_MODULE)} && echo \"$p\"")
+    text = result.stdout.strip()
+    return int(text) if result.ok and text.isdigit() else None
+
+
+async def tail_log(t: Transport, path: str, lines: int = 20) -> str:
+    result = await t.run(f"tail -n {int(lines)} {shlex.quote(path)} 2>/dev/null")
+    return result.stdout
+
+
+# --------------------------------------------------------------------------- processes
+
+_LIST = r"""
+import json, os, sys
+job, host = sys.argv[1].encode(), sys.argv[2].encode()
+me = os.getpid()
+out = []
+for name in os.listdir("/proc"):
+    if not name.isdigit() or int(name) == me:
+        continue
+    try:
+        with open("/proc/%s/environ" % name, "rb") as f:
+            env = f.read().split(b"\0")
+        with open("/proc/%s/cmdline" % name, "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        continue
+    if b"ELTCTL_JOB=" + job not in env:
+        continue
+    hosts = [e[len(b"ELTCTL_HOST="):] for e in env if e.startswith(b"ELTCTL_HOST=")]
+    if hosts and hosts[0] != host:
+        continue  # another inventory host sharing this machine
+    out.append([int(name), cmd])
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class JobProcess:
+    pid: int
+    command: str
+
+
+async def job_processes(t: Transport, job: str) -> list[JobProcess]:
+    """This job's processes on the host: `ELTCTL_JOB=<job>` in their environment (and,
+    when set, `ELTCTL_HOST` naming this host: several inventory hosts may share a machine)."""
+    result = _check(t.host, "listing the job's processes", await t.run(_py(t.host, _LIST, job, t.host.name)))
+    try:
+        rows = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError) as exc:
+        raise HostError(t.host.name, f"unreadable process list: {exc}", kind=ErrorKind.COMMAND) from exc
+    return [JobProcess(pid=int(p), command=str(c)) for p, c in rows]
+
+
+async def kill_pids(t: Transport, pids: list[int], signal_name: str = "TERM") -> None:
+    if pids:
+        await t.run(f"kill -{signal_name} {' '.join(str(int(p)) for p in pids)} 2>/dev/null; true")
+
+
+def local_address(t: Transport) -> str | None:
+    """The address this machine uses on its connection to the host (None: local host)."""
+    conn = getattr(t, "connection", None)
+    if conn is None:
+        return None
+    sock = conn.get_extra_info("sockname")
+    return sock[0] if sock else None

@@ -1,0 +1,78 @@
+"""The store keeper: the process that serves one job's c10d TCPStore.
+
+    python -m eltctl.storekeeper --address ADDR [--port N] --info PATH
+
+It binds a listening socket to ADDR alone (never 0.0.0.0: the store has no
+authentication) and hands it to torch's TCPStore with `master_listen_fd`, writes
+`{"pid", "address", "port"}` to PATH (atomically) once the store answers, and then
+only waits for SIGTERM. It is a process of its own, not a thread of the controller,
+so a controller crash loses no store state and no worker notices it; the next
+controller finds it through controller.json and reconnects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+
+def _write_atomic(path: Path, document: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(document, f)
+    os.replace(tmp, path)
+
+
+def serve(address: str, port: int, info: Path) -> None:
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.listen(512)
+    port = sock.getsockname()[1]
+    # use_libuv=False: the libuv backend does not take a listening fd.
+    store = dist.TCPStore(address, port, is_master=True, master_listen_fd=sock.fileno(), use_libuv=False,
+                          wait_for_workers=False, timeout=timedelta(seconds=30))
+    store.set("eltctl/storekeeper", str(os.getpid()))
+    _write_atomic(info, {"pid": os.getpid(), "address": address, "port": port, "started": time.time()})
+    print(f"store keeper {os.getpid()}: serving the store on {address}:{port}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(3600):
+        pass
+    print(f"store keeper {os.getpid()}: stopping", flush=True)
+    # Leave without running finalizers: closing the listening socket under the
+    # store's server thread makes torch abort with a core dump.
+    sys.stdout.flush()
+    os._exit(0)
+    del store  # unreachable; keeps the store referenced until the exit
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eltctl.storekeeper", description=__doc__.split("\n")[0])
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--info", type=Path, required=True, help="where to write pid, address and port (JSON)")
+    args = ap.parse_args(argv)
+    try:
+        serve(args.address, args.port, args.info)
+    except OSError as exc:
+        print(f"store keeper: cannot serve the store on {args.address}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Fixtures for the control plane's end-to-end tests: a job on real sshd hosts.
+
+`job_env` gives a test bed of three simulated GPU hosts (2 GPUs each), a job
+directory holding the example training (tiny model, CPU workers on simulated GPUs),
+an inventory with short policy times, a private XDG_STATE_HOME, and `eltctl(...)`
+to run the real CLI. Its finalizer takes the job down with `--force` and then kills,
+by pid, every process whose environment still names the job, pass or fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ELTCTL = [sys.executable, "-m", "eltctl"]
+
+# Short times so the suite fits a busy 2-core machine.
+POLICY = """\
+[policy]
+idle_for = "1s"
+cooldown = "2s"
+probe_interval = "1s"
+watch_interval = "0.5s"
+hang_timeout = "4s"
+nvidia_smi_timeout = "5s"
+bench_after = 5
+"""
+
+
+def job_pids(job: str) -> list[int]:
+    """Every live process whose environment holds ELTCTL_JOB=<job> (this machine runs all hosts)."""
+    needle = f"ELTCTL_JOB={job}".encode()
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:
+            continue
+        if needle in env:
+            out.append(int(name))
+    return sorted(out)
+
+
+def proc_env(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
+
+
+def worker_pids(job: str) -> dict[str, int]:
+    """worker id -> pid of the job's live workers."""
+    out = {}
+    for pid in job_pids(job):
+        wid = proc_env(pid).get("ELTCTL_WORKER_ID")
+        if wid:
+            out[wid] = pid
+    return out
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+
+
+@dataclass
+class JobEnv:
+    bed: object
+    hosts: list
+    job: str
+    inventory: Path
+    state_home: Path
+    workdir: Path
+    env: dict = field(default_factory=dict)
+
+    def eltctl(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        result = subprocess.run([*ELTCTL, "-i", str(self.inventory), *args], env=self.env, capture_output=True,
+                                text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if check and result.returncode != 0:
+            raise AssertionError(f"eltctl {' '.join(args)} exited {result.returncode}\n"
+                                 f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\n"
+                                 f"controller.log:\n{self.controller_log()}")
+        return result
+
+    @property
+    def state_dir(self) -> Path:
+        return self.state_home / "eltctl" / self.job
+
+    def status(self) -> dict:
+        try:
+            return json.loads((self.state_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def controller_pid(self) -> int | None:
+        try:
+            return int(json.loads((self.state_dir / "controller.json").read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def controller_log(self, n: int = 40) -> str:
+        try:
+            return "\n".join((self.state_dir / "controller.log").read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def training_at(self, world_size: int, *, after_step: int = 0, timeout: float = 120) -> dict:
+        """Wait until status.json shows training at `world_size` past `after_step`."""
+        def ok():
+            st = self.status()
+            if (st.get("state") == "training" and st.get("world_size") == world_size
+                    and (st.get("step") or 0) > after_step):
+                return st
+            return None
+        try:
+            return wait_for(ok, timeout, f"training at world size {world_size} after step {after_step}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nstatus: {json.dumps(self.status())[:3000]}\n"
+                                 f"controller.log:\n{self.controller_log()}\n{self.host_logs()}") from None
+
+    def host_logs(self, n: int = 6) -> str:
+        """The tails of every daemon and worker log on the hosts (for failure messages)."""
+        out = []
+        for f in sorted(Path(self.bed.dir).glob(f"*/home/.eltctl/jobs/{self.job}/*/*.log")) + \
+                sorted(Path(self.bed.dir).glob(f"*/home/.eltctl/jobs/{self.job}/*/workers/*.log")):
+            try:
+                lines = f.read_text(errors="replace").splitlines()[-n:]
+            except OSError:
+                continue
+            out.append(f"--- {f.relative_to(self.bed.dir)}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+
+def _kill_job(job: str) -> list[int]:
+    pids = job_pids(job)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pids
+
+
+def _kill_pid(pid: int | None) -> None:
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.fixture
+def job_env(testbed):
+    hosts = testbed.add_hosts(3, gpus=2)
+    job = f"t{uuid.uuid4().hex[:8]}"
+    root = Path(tempfile.mkdtemp(prefix="eltc-"))  # short: unix socket paths are limited to 108 bytes
+    workdir = root / "code"
+    workdir.mkdir()
+    for f in ("train.py", "toy.py"):
+        shutil.copy(REPO / "examples" / f, workdir / f)
+    command = ["python", "train.py", "--steps", "1000000", "--hidden", "16", "--layers", "1", "--samples", "4096",
+               "--batch", "24", "--step-sleep", "0.05", "--checkpoint-every", "25"]
+    inventory = testbed.write_inventory(root / "hosts.toml", job={
+        "name": job, "command": command, "workdir": str(workdir), "device": "cpu", "min_workers": 1,
+        "env": {"OMP_NUM_THREADS": "1"}}, extra=POLICY)
+    state_home = root / "state"
+    env = {**os.environ, "XDG_STATE_HOME": str(state_home), "PYTHONUNBUFFERED": "1"}
+    je = JobEnv(bed=testbed, hosts=hosts, job=job, inventory=inventory, state_home=state_home, workdir=workdir,
+                env=env)
+    try:
+        yield je
+    finally:
+        keeper = None
+        try:
+            doc = json.loads((je.state_dir / "controller.json").read_text())
+            keeper = (doc.get("store") or {}).get("pid")
+        except (OSError, ValueError):
+            pass
+        ctl = je.controller_pid()
+        if job_pids(job) or (ctl and os.path.exists(f"/proc/{ctl}")):
+            for h in hosts:  # `down` must be able to reach every host
+                try:
+                    h.restore()
+                except Exception:  # noqa: BLE001 - best effort in teardown
+                    pass
+            try:
+                je.eltctl("down", "--force", timeout=120, check=False)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_pid(ctl)
+        _kill_pid(keeper)
+        _kill_job(job)
+        shutil.rmtree(root, ignore_errors=True)

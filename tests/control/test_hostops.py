@@ -1,0 +1,182 @@
+"""Host operations on a real host through the local transport, the state directory, and the
+commands' side of the controller (no SSH needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from eltctl import hostops
+from eltctl.controller.statedir import ControllerLock, StateDir, read_json, state_root, write_json_atomic
+from eltctl.inventory import Host
+from eltctl.transport import LocalTransport
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+@pytest.fixture
+def host_t(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    host = Host(name="here", address="local", python=sys.executable, env=(("HOME", str(home)),))
+    return host, LocalTransport(host, default_timeout=60), home
+
+
+# ------------------------------------------------------------------- sync plan (pure)
+
+@pytest.mark.parametrize("local, remote, sent, deleted", [
+    ({}, {}, (), ()),
+    ({"a.py": "1"}, {}, ("a.py",), ()),
+    ({"a.py": "1"}, {"a.py": "1"}, (), ()),
+    ({"a.py": "2"}, {"a.py": "1"}, ("a.py",), ()),
+    ({"a.py": "1"}, {"a.py": "1", "old.py": "9"}, (), ("old.py",)),
+    ({"d/b.py": "1", "a.py": "1"}, {"a.py": "0"}, ("a.py", "d/b.py"), ()),
+])
+def test_plan_sync_sends_only_changes_and_deletes_what_is_gone(local, remote, sent, deleted):
+    plan = hostops.plan_sync(local, remote)
+    assert (plan.sent, plan.deleted) == (sent, deleted)
+
+
+def test_runtime_digest_follows_contents():
+    files = {"a.py": b"x", "b.py": b"y"}
+    assert hostops.runtime_digest(files) == hostops.runtime_digest(dict(files))
+    assert hostops.runtime_digest(files) != hostops.runtime_digest({"a.py": b"x", "b.py": b"z"})
+    assert hostops.runtime_digest(files) != hostops.runtime_digest({"a.py": b"x"})
+
+
+# ------------------------------------------------------------------- on a real host
+
+def test_runtime_is_shipped_once_and_importable(host_t):
+    host, t, home = host_t
+    paths = run(hostops.host_paths(t, "j"))
+    assert paths.home == str(home)
+    target, sent = run(hostops.ensure_runtime(t, paths))
+    assert sent and target.startswith(f"{home}/.eltctl/runtime/")
+    shipped = sorted(p.name for p in (Path(target) / "eltctl_runtime").glob("*.py"))
+    assert shipped == sorted(hostops.runtime_files())
+    assert run(hostops.ensure_runtime(t, paths)) == (target, False)  # present: not sent again
+    r = subprocess.run([sys.executable, "-c", "import eltctl_runtime.membership as m; print(m.__file__)"],
+                       env={**os.environ, "PYTHONPATH": target}, capture_output=True, text=True, cwd=home)
+    assert r.stdout.strip().startswith(target)
+
+
+def test_code_sync_sends_changes_and_deletes_removed_files(host_t, tmp_path):
+    host, t, home = host_t
+    work = tmp_path / "work"
+    (work / "pkg").mkdir(parents=True)
+    (work / "train.py").write_text("print(1)\n")
+    (work / "pkg" / "m.py").write_text("X = 1\n")
+    (work / "__pycache__").mkdir()
+    (work / "__pycache__" / "junk.pyc").write_bytes(b"\0")
+    (work / "run.sh").write_text("#!/bin/sh\n")
+    (work / "run.sh").chmod(0o755)
+    dest = f"{home}/code"
+    first = run(hostops.sync_code(t, work, dest))
+    assert first.sent == ("pkg/m.py", "run.sh", "train.py") and first.deleted == ()
+    assert (Path(dest) / "pkg" / "m.py").read_text() == "X = 1\n"
+    assert os.access(Path(dest) / "run.sh", os.X_OK)
+    assert not (Path(dest) / "__pycache__").exists()
+    assert run(hostops.sync_code(t, work, dest)) == hostops.SyncResult((), ())
+    (work / "train.py").write_text("print(2)\n")
+    (work / "pkg" / "m.py").unlink()
+    third = run(hostops.sync_code(t, work, dest))
+    assert third == hostops.SyncResult(("train.py",), ("pkg/m.py",))
+    assert (Path(dest) / "train.py").read_text() == "print(2)\n" and not (Path(dest) / "pkg" / "m.py").exists()
+
+
+def test_job_processes_finds_the_job_by_its_environment_and_host(host_t):
+    host, t, home = host_t
+    job = f"j{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "ELTCTL_JOB": job}
+    mine = subprocess.Popen(["sleep", "60"], env={**env, "ELTCTL_HOST": "here"})
+    other_host = subprocess.Popen(["sleep", "60"], env={**env, "ELTCTL_HOST": "elsewhere"})
+    no_host = subprocess.Popen(["sleep", "60"], env=env)
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        found = {p.pid for p in run(hostops.job_processes(t, job))}
+        assert found == {mine.pid, no_host.pid}
+        run(hostops.kill_pids(t, [mine.pid, no_host.pid], "KILL"))
+        mine.wait(10), no_host.wait(10)
+        assert run(hostops.job_processes(t, job)) == []
+    finally:
+        for p in (mine, other_host, no_host, stranger):
+            p.kill()
+            p.wait()
+
+
+def test_daemon_config_names_the_gpus_or_cpu_slots(tmp_path):
+    from eltctl.inventory import parse_inventory
+
+    inv = parse_inventory('[job]\nname = "j"\ncommand = "python t.py"\n[policy]\nhang_timeout = "5s"\n'
+                          '[[hosts]]\nname = "a"\naddress = "a"\nslots = 3\n', tmp_path / "hosts.toml")
+    paths = hostops.HostPaths(home="/h", job="j", host="a")
+    gpu = hostops.daemon_config(inv, inv.hosts[0], paths, "10.0.0.5:1234", (0, 1))
+    cpu = hostops.daemon_config(inv, inv.hosts[0], paths, "10.0.0.5:1234", None)
+    assert (gpu["device"], gpu["gpus"], cpu["device"], cpu["gpus"], cpu["slots"]) == ("cuda", [0, 1], "cpu", None, 3)
+    assert gpu["job_dir"] == "/h/.eltctl/jobs/j/a" and gpu["code_dir"] == "/h/.eltctl/jobs/j/a/code"
+    assert gpu["hang_timeout"] == 5.0 and gpu["store"] == "10.0.0.5:1234"
+
+
+# ------------------------------------------------------------------- the state directory
+
+def test_state_dir_follows_xdg_state_home():
+    assert state_root({"XDG_STATE_HOME": "/x/state", "HOME": "/h"}) == Path("/x/state/eltctl")
+    assert state_root({"HOME": "/h"}) == Path("/h/.local/state/eltctl")
+    assert state_root({"XDG_STATE_HOME": "relative", "HOME": "/h"}) == Path("/h/.local/state/eltctl")
+    assert StateDir.for_job("j", {"HOME": "/h"}).socket == Path("/h/.local/state/eltctl/j/control.sock")
+
+
+def test_atomic_json_and_the_controller_lock(tmp_path):
+    write_json_atomic(tmp_path / "a.json", {"x": 1})
+    assert read_json(tmp_path / "a.json") == {"x": 1}
+    assert read_json(tmp_path / "missing.json") is None
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]  # no temporary file left
+    lock = ControllerLock(tmp_path / "controller.lock")
+    assert lock.acquire()
+    other = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from pathlib import Path
+        from eltctl.controller.statedir import ControllerLock
+        print(ControllerLock(Path({str(tmp_path / 'controller.lock')!r})).acquire())""")],
+        capture_output=True, text=True, timeout=60)
+    assert other.stdout.strip() == "False"  # a second controller of the job does not run
+    lock.release()
+    assert ControllerLock(tmp_path / "controller.lock").acquire()
+
+
+# ------------------------------------------------------------------- the commands
+
+def test_down_of_a_job_that_never_ran_checks_the_hosts_and_imports_no_torch(tmp_path):
+    job = f"j{uuid.uuid4().hex[:8]}"
+    (tmp_path / "hosts.toml").write_text(
+        f'[job]\nname = "{job}"\ncommand = "python t.py"\n[[hosts]]\nname = "here"\naddress = "local"\n'
+        f'python = "{sys.executable}"\n')
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "eltctl", "-i", str(tmp_path / "hosts.toml"),
+                        "down"], env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert f"no process of job {job} left on here" in r.stdout
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "rich" in imported and "torch" not in imported and "numpy" not in imported
+
+
+def test_scale_without_a_controller_says_how_to_start_one(tmp_path):
+    (tmp_path / "hosts.toml").write_text(
+        '[job]\nname = "nojob"\ncommand = "python t.py"\n[[hosts]]\nname = "here"\naddress = "local"\n')
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "eltctl", "-i", str(tmp_path / "hosts.toml"),
+                        "scale", "--add", "here"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "no controller runs job nojob" in r.stderr and "eltctl up" in r.stderr
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"torch", "asyncssh", "numpy"}

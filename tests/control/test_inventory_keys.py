@@ -1,0 +1,45 @@
+"""The inventory keys the control plane added: [job] shared_filesystem, [policy]
+watch_interval / bench_after / hang_timeout, [controller] address."""
+
+from __future__ import annotations
+
+import pytest
+
+from eltctl.errors import ConfigError
+from eltctl.inventory import parse_inventory
+
+BASE = '[job]\nname = "j"\ncommand = "python t.py"\n'
+HOST = '[[hosts]]\nname = "a"\naddress = "a.lab"\n'
+
+
+def test_defaults():
+    inv = parse_inventory(BASE + HOST, "hosts.toml")
+    assert inv.job.shared_filesystem is False
+    assert (inv.policy.watch_interval, inv.policy.bench_after, inv.policy.hang_timeout) == (1.0, 3, 10.0)
+    assert inv.controller.address is None
+
+
+def test_every_new_key_is_read():
+    inv = parse_inventory(BASE + 'shared_filesystem = true\n[policy]\nwatch_interval = "500ms"\nbench_after = 5\n'
+                          'hang_timeout = "20s"\n[controller]\naddress = "10.0.0.5"\n' + HOST, "hosts.toml")
+    assert inv.job.shared_filesystem is True
+    assert (inv.policy.watch_interval, inv.policy.bench_after, inv.policy.hang_timeout) == (0.5, 5, 20.0)
+    assert inv.controller.address == "10.0.0.5"
+
+
+@pytest.mark.parametrize("text, message", [
+    (BASE + 'shared_filesystem = "true"\n' + HOST,
+     "hosts.toml:4: job.shared_filesystem: must be true or false, got a string (\"true\"); remove the quotes: "
+     "shared_filesystem = true"),
+    (BASE + '[policy]\nhang_timeout = "1m"\n' + HOST, "hosts.toml:5: policy.hang_timeout: must be at most 30s, got \"1m\""),
+    (BASE + '[policy]\nbench_after = 0\n' + HOST,
+     "hosts.toml:5: policy.bench_after: must be >= 1 (failures in a row before a host is benched), got 0"),
+    (BASE + '[controller]\naddress = "10.0.0.5 10.0.0.6"\n' + HOST,
+     "hosts.toml:5: controller.address: \"10.0.0.5 10.0.0.6\" contains whitespace; write one IP address of this "
+     "machine that every host can reach"),
+    (BASE + '[controller]\nadress = "10.0.0.5"\n' + HOST, "hosts.toml:5: controller.adress: unknown key; did you mean address?"),
+])
+def test_mistakes_have_exact_messages(text, message):
+    with pytest.raises(ConfigError) as info:
+        parse_inventory(text, "hosts.toml")
+    assert info.value.message == message
