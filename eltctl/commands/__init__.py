@@ -6,7 +6,7 @@ import importlib
 from types import ModuleType
 
 # Order is the order in `eltctl --help`.
-COMMANDS = ["init", "doctor", "probe"]
+COMMANDS = ["init", "doctor", "probe", "up", "scale", "down", "status", "logs", "checkpoints", "demo"]
 
 
 def load_all() -> list[ModuleType]:

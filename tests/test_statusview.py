@@ -1,0 +1,483 @@
+"""`eltctl status`: the view drawn from fixed documents (exact text), where the
+document comes from (a live controller's socket or the last status.json), and the
+command as a user runs it (--json, no job, --watch and Ctrl-C, import cost)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from eltctl.statusview import (
+    CONTROLLER_DOWN,
+    NoJobError,
+    Snapshot,
+    Source,
+    ViewOptions,
+    ask_controller,
+    format_age,
+    format_pause,
+    job_state_dir,
+    read_snapshot,
+    render_status,
+    utc,
+)
+
+NOW = 1790000000.0  # 2026-09-21 14:13:20 UTC
+TIMEOUT = 120
+
+TRAINING = {
+    "job": "mnist", "state": "training", "phase": "training", "message": "",
+    "updated": NOW,
+    "generation": 7, "world_size": 3, "min_workers": 2, "max_workers": 8,
+    "step": 1234, "epoch": 3, "samples_per_s": 812.5, "loss": 0.0312,
+    "checkpoint": {"step": 1200, "time": NOW - 10.0, "age_s": 10.0},
+    "controller": {"pid": 4242, "alive": True},
+    "hosts": [
+        {"name": "ws1", "state": "running", "reason": "", "workers": 2, "heartbeat_age_s": 0.4,
+         "benched_until": None,
+         "gpus": [{"index": 0, "state": "ours", "reason": "worker ws1/0/1"},
+                  {"index": 1, "state": "ours", "reason": "worker ws1/1/1"}]},
+        {"name": "ws2", "state": "busy", "reason": "its owner is back", "workers": 0,
+         "heartbeat_age_s": 0.7, "benched_until": None,
+         "gpus": [{"index": 0, "state": "busy", "reason": "alice (pid 999): 6000 MiB, 90%"}]},
+        {"name": "ws3", "state": "running", "reason": "", "workers": 1, "heartbeat_age_s": 1.2,
+         "benched_until": None, "gpus": [{"index": 0, "state": "ours", "reason": "worker ws3/0/1"}]},
+        {"name": "cpu1", "state": "benched", "reason": "daemon failed 3 times", "workers": 0,
+         "heartbeat_age_s": None, "benched_until": NOW + 100.0, "gpus": []},
+    ],
+    "events": [
+        {"time": NOW - 60.0, "kind": "start", "host": "", "workers": ["ws1/0/1", "ws1/1/1", "ws2/0/1", "ws3/0/1"],
+         "pause_s": 2.5, "detail": ""},
+        {"time": NOW - 20.0, "kind": "yield", "host": "ws2", "workers": ["ws2/0/1"],
+         "pause_s": None, "detail": "alice (pid 999) took GPU 0"},
+        # The runtime's own membership events name workers, not hosts.
+        {"kind": "leave", "generation": 6, "world_size": 3, "members": ["ws1/0/1", "ws1/1/1", "ws3/0/1"],
+         "joined": [], "left": ["ws2/0/1"], "lost": [], "from_step": 51, "pause_s": 0.021, "step": 52,
+         "time": NOW - 19.5},
+        {"time": NOW - 5.0, "kind": "crash", "host": "cpu1", "workers": ["cpu1/0/2"],
+         "pause_s": 1.75, "detail": "exit status 1"},
+    ],
+}
+
+WAITING = {
+    "job": "mnist", "state": "waiting", "message": "2 of 3 workers free",
+    "updated": NOW, "generation": 2, "world_size": 0, "min_workers": 3, "max_workers": None,
+    "step": 40, "epoch": 0, "samples_per_s": None, "loss": None, "checkpoint": None,
+    "controller": {"pid": 77, "alive": True}, "hosts": [], "events": [],
+}
+
+
+def view_text(doc, source: Source, now: float, **options) -> str:
+    console = Console(width=100, record=True, file=io.StringIO(), color_system=None,
+                      highlight=False, force_terminal=False)
+    console.print(render_status(Snapshot(doc, source, now), ViewOptions(now=now, tz=utc(), **options)))
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines())
+
+
+# ------------------------------------------------------------------------ the view, exact
+
+def test_training_job_from_a_live_controller():
+    assert view_text(TRAINING, Source.CONTROLLER, NOW + 0.5) == textwrap.dedent("""\
+        job         mnist training
+        workers     3 (min 2, max 8)   generation 7
+        progress    step 1234   epoch 3   812.5 samples/s   loss 0.0312
+        checkpoint  step 1200, 10 s ago
+        controller  running (pid 4242), status 0.5 s old
+
+          host   state     workers   heartbeat   GPUs                          note
+         ──────────────────────────────────────────────────────────────────────────────────────────────────
+          ws1    running         2       0.9 s   0 ours worker ws1/0/1
+                                                 1 ours worker ws1/1/1
+          ws2    busy            0       1.2 s   0 busy alice (pid 999):       its owner is back
+                                                 6000 MiB, 90%
+          ws3    running         1       1.7 s   0 ours worker ws3/0/1
+          cpu1   benched         0           -   no GPUs (CPU slots)           daemon failed 3 times
+                                                                               benched until 14:15:00 (in
+                                                                               1 min 39 s)
+
+        recent events (4 of 4)
+
+          time       event   host             pause   detail
+         ────────────────────────────────────────────────────────────────────────────────
+          14:12:20   start   ws1, ws2, ws3   2.50 s   ws1/0/1, ws1/1/1, ws2/0/1, ws3/0/1
+          14:13:00   yield   ws2                      alice (pid 999) took GPU 0
+          14:13:00   leave   ws2              21 ms   left ws2/0/1; now 3 worker(s)
+          14:13:15   crash   cpu1            1.75 s   exit status 1
+        """).rstrip("\n") + "\n"
+
+
+def test_dead_controller_shows_the_last_document_with_its_age():
+    text = view_text(TRAINING, Source.FILE, NOW + 130.0)
+    lines = text.splitlines()
+    assert lines[3] == "checkpoint  step 1200, 2 min 20 s ago"
+    assert lines[4] == f"controller  {CONTROLLER_DOWN}"
+    assert lines[5] == "            showing the last status it wrote, 2 min 10 s old"
+    # Heartbeats were that old when written, and the document has aged since.
+    assert "ws1    running         2   2 min 10 s" in text
+
+
+def test_waiting_job_without_hosts_or_events():
+    assert view_text(WAITING, Source.CONTROLLER, NOW + 1) == textwrap.dedent("""\
+        job         mnist waiting (2 of 3 workers free)
+        workers     0 (min 3, max any)   generation 2
+        progress    step 40   epoch 0
+        checkpoint  none yet
+        controller  running (pid 77), status 1.0 s old
+
+          host       state   workers   heartbeat   GPUs   note
+         ──────────────────────────────────────────────────────────────────────
+          no hosts
+
+        recent events (0 of 0)
+
+          time       event   host   pause   detail
+         ──────────────────────────────────────────
+          none yet
+        """).rstrip("\n") + "\n"
+
+
+def test_a_cooling_host_says_until_when_and_its_failures():
+    doc = copy.deepcopy(WAITING)
+    doc["hosts"] = [{"name": "ws9", "state": "cooldown", "reason": "its owner left", "workers": 0,
+                     "heartbeat_age_s": 0.5, "cooldown_until": NOW + 30, "failures": 2, "gpus": []}]
+    text = view_text(doc, Source.CONTROLLER, NOW)
+    row = text[text.index("  ws9"):]
+    assert "cooldown" in row and "its owner left" in row
+    assert "cooling down until 14:13:50" in " ".join(row.split())
+    assert "2 failure(s) in a row" in " ".join(row.split())
+
+
+def test_only_the_last_events_are_shown():
+    text = view_text(TRAINING, Source.CONTROLLER, NOW, events=1)
+    assert "recent events (1 of 4)" in text
+    assert "crash" in text and "yield" not in text
+
+
+def test_a_document_with_missing_fields_still_renders():
+    text = view_text({"job": "x"}, Source.FILE, NOW)
+    assert text.splitlines()[0] == "job         x ?"
+    assert "no hosts" in text and "none yet" in text
+
+
+def test_markup_in_names_and_reasons_is_text():
+    doc = copy.deepcopy(TRAINING)
+    doc["hosts"][1]["reason"] = "[bold]not markup[/]"
+    doc["events"][1]["detail"] = "[red]x"
+    text = view_text(doc, Source.CONTROLLER, NOW)
+    assert "[bold]not" in text and "[red]x" in text
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (None, "?"), (0.04, "0.0 s"), (0.4, "0.4 s"), (9.94, "9.9 s"), (12.4, "12 s"), (59.4, "59 s"),
+    (60, "1 min 00 s"), (185, "3 min 05 s"), (3600, "1 h 00 min"), (7380, "2 h 03 min"), (-3, "0.0 s"),
+])
+def test_format_age(seconds, text):
+    assert format_age(seconds) == text
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (None, ""), (0.0004, "0 ms"), (0.021, "21 ms"), (0.999, "999 ms"), (1.0, "1.00 s"),
+    (48.04, "48.04 s"), (75, "1 min 15 s"),
+])
+def test_format_pause(seconds, text):
+    assert format_pause(seconds) == text
+
+
+def test_json_view_says_whether_the_controller_answered():
+    stale = Snapshot(TRAINING, Source.FILE, NOW)
+    assert stale.as_json()["controller"] == {"pid": 4242, "alive": False}
+    assert stale.as_json()["hosts"] == TRAINING["hosts"]
+    assert Snapshot(TRAINING, Source.CONTROLLER, NOW).as_json()["controller"]["alive"] is True
+
+
+# ------------------------------------------------------------------------ where the document comes from
+
+class FakeControllerSocket:
+    """A unix socket that answers the documented protocol with a fixed document:
+    it stands for the controller so the client side is tested on its own."""
+
+    def __init__(self, path: Path, answer: bytes) -> None:
+        self.path, self.answer = path, answer
+        self.requests: list[dict] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self):
+        old = os.getcwd()
+        os.chdir(self.path.parent)  # a short name: pytest's tmp paths can exceed sun_path
+        try:
+            self.sock.bind(self.path.name)
+        finally:
+            os.chdir(old)
+        self.sock.listen(4)
+        self.thread.start()
+        return self
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while not data.endswith(b"\n"):
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+                self.requests.append(json.loads(data))
+                conn.sendall(self.answer)
+
+    def __exit__(self, *exc):
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+def state_dir(tmp_path: Path, job: str = "mnist") -> Path:
+    d = job_state_dir(job, {"XDG_STATE_HOME": str(tmp_path / "state"), "HOME": "/nonexistent"})
+    d.mkdir(parents=True)
+    return d
+
+
+def test_state_dir_follows_xdg():
+    assert job_state_dir("j", {"XDG_STATE_HOME": "/s", "HOME": "/h"}) == Path("/s/eltctl/j")
+    assert job_state_dir("j", {"HOME": "/h"}) == Path("/h/.local/state/eltctl/j")
+    assert job_state_dir("j", {"XDG_STATE_HOME": "rel", "HOME": "/h"}) == Path("/h/.local/state/eltctl/j")
+
+
+def test_live_controller_is_asked_first(tmp_path):
+    d = state_dir(tmp_path)
+    (d / "status.json").write_text(json.dumps({**TRAINING, "step": 1}))
+    with FakeControllerSocket(d / "control.sock", json.dumps(TRAINING).encode() + b"\n") as fake:
+        snap = read_snapshot("mnist", d)
+    assert fake.requests == [{"op": "status"}]
+    assert snap.source is Source.CONTROLLER and snap.document["step"] == 1234
+
+
+def test_socket_of_a_dead_controller_falls_back_to_the_file(tmp_path):
+    d = state_dir(tmp_path)
+    (d / "status.json").write_text(json.dumps(TRAINING))
+    # A socket file nobody listens on: what a killed controller leaves behind.
+    with FakeControllerSocket(d / "control.sock", b"") as fake:
+        fake.sock.close()
+    snap = read_snapshot("mnist", d)
+    assert snap.source is Source.FILE and snap.document["step"] == 1234
+    assert "control.sock" in snap.why_file
+
+
+def test_controller_that_answers_garbage_falls_back_to_the_file(tmp_path):
+    d = state_dir(tmp_path)
+    (d / "status.json").write_text(json.dumps(TRAINING))
+    with FakeControllerSocket(d / "control.sock", b"not json\n"):
+        snap = read_snapshot("mnist", d)
+    assert snap.source is Source.FILE
+
+
+def test_long_socket_paths_are_reached(tmp_path):
+    deep = tmp_path.joinpath(*["d" * 20] * 6)
+    deep.mkdir(parents=True)
+    assert len(str(deep / "control.sock")) > 108
+    with FakeControllerSocket(deep / "control.sock", b'{"ok": true, "pid": 1}\n'):
+        assert ask_controller(deep, {"op": "ping"}) == {"ok": True, "pid": 1}
+
+
+def test_no_job_is_an_error(tmp_path):
+    with pytest.raises(NoJobError) as info:
+        read_snapshot("mnist", tmp_path / "nothing")
+    assert info.value.exit_code == 1
+    assert "eltctl up" in info.value.hint
+
+
+# ------------------------------------------------------------------------ the command
+
+def write_inventory(tmp_path: Path, job: str = "mnist") -> Path:
+    path = tmp_path / "hosts.toml"
+    path.write_text(f'[job]\nname = "{job}"\ncommand = "python train.py"\n\n'
+                    '[[hosts]]\nname = "here"\naddress = "local"\n')
+    return path
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ELTCTL_INVENTORY", "FORCE_COLOR", "CLICOLOR_FORCE", "COLUMNS")}
+    env.update({"NO_COLOR": "1", "TERM": "dumb", "XDG_STATE_HOME": str(tmp_path / "state"),
+                "COLUMNS": "100"})
+    return env
+
+
+def eltctl(tmp_path: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eltctl", *args], cwd=tmp_path, env=cli_env(tmp_path),
+                          capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL, **kw)
+
+
+def test_status_without_a_job_exits_1_with_a_hint(tmp_path):
+    write_inventory(tmp_path)
+    r = eltctl(tmp_path, "status")
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: no status of job 'mnist' on this machine")
+    assert "hint: `eltctl up` starts the job" in r.stderr
+    assert eltctl(tmp_path, "status", "--json").returncode == 1
+
+
+def test_status_json_prints_the_document(tmp_path):
+    write_inventory(tmp_path)
+    d = state_dir(tmp_path)
+    (d / "status.json").write_text(json.dumps(TRAINING))
+    r = eltctl(tmp_path, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    for key in ("job", "state", "generation", "world_size", "step", "hosts", "events"):
+        assert doc[key] == TRAINING[key]
+    assert doc["controller"]["alive"] is False  # nothing answers on control.sock
+    assert {"name", "state", "workers"} <= set(doc["hosts"][0])
+    assert {"time", "kind", "host", "pause_s"} <= set(doc["events"][0])
+
+
+def test_status_of_a_dead_controller_says_how_to_restart_it(tmp_path):
+    write_inventory(tmp_path)
+    d = state_dir(tmp_path)
+    (d / "status.json").write_text(json.dumps({**TRAINING, "updated": time.time() - 30}))
+    r = eltctl(tmp_path, "status")
+    assert r.returncode == 0, r.stderr
+    assert CONTROLLER_DOWN in r.stdout
+    assert "showing the last status it wrote, 30 s old" in r.stdout or \
+        "showing the last status it wrote, 31 s old" in r.stdout
+
+
+def test_status_watch_refreshes_and_ctrl_c_exits_0(tmp_path):
+    write_inventory(tmp_path)
+    d = state_dir(tmp_path)
+    (d / "status.json").write_text(json.dumps({**TRAINING, "updated": time.time()}))
+    proc = subprocess.Popen([sys.executable, "-m", "eltctl", "status", "--watch"], cwd=tmp_path,
+                            env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        time.sleep(4)  # the watch redraws about once a second
+        (d / "status.json").write_text(json.dumps({**TRAINING, "step": 99999, "updated": time.time()}))
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "step 99999" in out  # the new document was drawn without restarting the command
+
+
+def test_status_imports_neither_torch_nor_asyncssh(tmp_path):
+    write_inventory(tmp_path)
+    d = state_dir(tmp_path)
+    (d / "status.json").write_text(json.dumps(TRAINING))
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "eltctl", "status"], cwd=tmp_path,
+                       env=cli_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "rich" in imported  # the check itself works
+    assert not imported & {"torch", "asyncssh", "numpy"}
+
+
+# ------------------------------------------------------------------------ eltctl logs (the other reading command)
+
+from eltctl.inventory import Host  # noqa: E402
+from eltctl.logs import Chunk, LogReader, parse_read_output, show_logs  # noqa: E402
+from eltctl.transport import LocalTransport  # noqa: E402
+
+
+def test_log_reader_shows_whole_lines_with_their_source():
+    reader = LogReader()
+    lines = reader.feed([Chunk("workers/10.log", 4, b"ten\n"), Chunk("workers/2.log", 9, b"a\nb\npart"),
+                         Chunk("daemon.log", 6, b"start\n")])
+    assert lines == ["[daemon] start", "[worker 2] a", "[worker 2] b", "[worker 10] ten"]
+    assert reader.offsets == {"workers/10.log": 4, "workers/2.log": 9, "daemon.log": 6}
+    assert reader.feed([Chunk("workers/2.log", 13, b"ial\n")]) == ["[worker 2] partial"]
+    # A file that shrank was rewritten: its unfinished line is dropped, not glued on.
+    reader.feed([Chunk("daemon.log", 10, b"half")])
+    assert reader.feed([Chunk("daemon.log", 3, b"new\n")]) == ["[daemon] new"]
+    reader.feed([Chunk("daemon.log", 8, b"tail")])
+    assert reader.flush() == ["[daemon] tail"]
+
+
+def test_read_output_without_the_job_directory_is_none():
+    assert parse_read_output("@@eltctl-nodir\n") is None
+    assert parse_read_output("motd noise\n@@eltctl-log daemon.log 3 YWIK\n") == [Chunk("daemon.log", 3, b"ab\n")]
+    assert parse_read_output("@@eltctl-log workers/0.log 0 \n") == [Chunk("workers/0.log", 0, b"")]
+
+
+def _job_logs(home: Path, job: str = "j1", host: str = "here") -> Path:
+    d = home / ".eltctl" / "jobs" / job / host
+    (d / "workers").mkdir(parents=True)
+    (d / "daemon.log").write_text("d1\nd2\nd3\n")
+    (d / "workers" / "0.log").write_bytes("w0 a\nw0 \xe9\n".encode() + b"\xff raw\n")
+    return d
+
+
+def test_logs_of_a_local_host_last_lines_then_follow(tmp_path):
+    import asyncio
+
+    home = tmp_path / "home"
+    d = _job_logs(home)
+    transport = LocalTransport(Host(name="here", address="local", env=(("HOME", str(home)),)))
+    seen: list[str] = []
+
+    async def scenario():
+        await show_logs(transport, "j1", "here", lines=2, follow=False, emit=seen.append)
+        assert seen == ["[daemon] d2", "[daemon] d3", "[worker 0] w0 \xe9", "[worker 0] \ufffd raw"]
+        seen.clear()
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(show_logs(transport, "j1", "here", lines=1, follow=True,
+                                               emit=seen.append, interval=0.2, stop=stop))
+        await asyncio.sleep(1.5)
+        with open(d / "daemon.log", "a") as f:
+            f.write("d4\nd5 no newline yet")
+        (d / "workers" / "1.log").write_text("w1 first\nw1 second\n")
+        await asyncio.sleep(1.5)
+        with open(d / "daemon.log", "a") as f:
+            f.write(" - now\n")
+        await asyncio.sleep(1.5)
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+    asyncio.run(scenario())
+    assert seen == ["[daemon] d3", "[worker 0] \ufffd raw", "[daemon] d4", "[worker 1] w1 first",
+                    "[worker 1] w1 second", "[daemon] d5 no newline yet - now"]
+
+
+def test_logs_command_unknown_host_exits_2_naming_the_hosts(tmp_path):
+    write_inventory(tmp_path)
+    r = eltctl(tmp_path, "logs", "nope")
+    assert r.returncode == 2
+    assert r.stderr == f"error: no host 'nope' in {tmp_path / 'hosts.toml'}\n  hint: hosts: here\n"
+
+
+def test_logs_command_prints_the_hosts_logs(tmp_path):
+    write_inventory(tmp_path, job="j1")
+    home = tmp_path / "home"
+    _job_logs(home)
+    env = {**cli_env(tmp_path), "HOME": str(home)}
+    r = subprocess.run([sys.executable, "-m", "eltctl", "logs", "here", "-n", "1"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "[daemon] d3\n[worker 0] \ufffd raw\n"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = subprocess.run([sys.executable, "-m", "eltctl", "logs", "here"], cwd=tmp_path,
+                       env={**env, "HOME": str(empty)}, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: host here has no logs of job 'j1'")
