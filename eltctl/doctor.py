@@ -22,11 +22,11 @@ from typing import Iterable
 
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy, SSHSettings
+from eltctl.probe import MARK, sections as _sections
 from eltctl.probe import (HANG_STATUSES, NOT_FOUND_STATUS, HostProbe, parse_probe_output, probe_command,
                           probe_timeout)
 from eltctl.transport import ErrorKind, Fleet, Transport
 
-MARK = ":::eltctl:"
 WORKDIR = "~/.eltctl"
 TORCH_IMPORT_TIMEOUT = 120.0  # seconds; a cold `import torch` on a loaded host is slow
 
@@ -144,19 +144,6 @@ d="$HOME/.eltctl"
 if mkdir -p "$d" 2>&1 && t=$(mktemp "$d/.doctor.XXXXXX" 2>&1) && rm -f "$t"; then echo "ok"; else echo "failed: $t"; fi
 echo "${{m}}end"
 """
-
-
-def _sections(text: str) -> dict[str, tuple[str, list[str]]]:
-    out: dict[str, tuple[str, list[str]]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines():
-        if line.startswith(MARK):
-            name, _, arg = line[len(MARK):].partition(" ")
-            current = []
-            out[name] = (arg.strip(), current)
-        elif current is not None:
-            current.append(line)
-    return out
 
 
 def _last_line(lines: list[str]) -> str:

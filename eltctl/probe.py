@@ -234,7 +234,7 @@ def parse_app_line(line: str) -> GpuProcess | None:
                       name=",".join(raw[3:]).strip())
 
 
-def _sections(text: str) -> dict[str, tuple[str, list[str]]]:
+def sections(text: str) -> dict[str, tuple[str, list[str]]]:
     """{name: (argument after the name, lines)} for each `:::eltctl:name arg` marker."""
     out: dict[str, tuple[str, list[str]]] = {}
     current: list[str] | None = None
@@ -257,7 +257,7 @@ def _status(arg: str) -> int | None:
 
 def parse_probe_output(text: str) -> HostProbe:
     """The facts in a probe's output. Tolerates missing sections (a truncated run)."""
-    s = _sections(text)
+    s = sections(text)
     cpu_count = None
     for line in s.get("cpus", ("", []))[1]:
         n = parse_number(line)
