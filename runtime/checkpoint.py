@@ -53,9 +53,14 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+# torch is imported inside the functions that need it: the control side (eltctl's
+# mirror and `eltctl checkpoints`) reads and verifies checkpoints with this module
+# and must not pay for, or even have, torch.
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +131,13 @@ def tmp_owner_pid(name: str) -> int | None:
 # ---------------------------------------------------------------------------
 # Snapshot: a consistent CPU copy of the state, taken on the caller's thread
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_PLAIN_BASE = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _plain_types() -> tuple[type, ...]:
+    import torch
+
+    return _PLAIN_BASE + (torch.dtype, torch.device, torch.Size)
 
 
 def snapshot(state: Any, _where: str = "state") -> Any:
@@ -137,9 +148,11 @@ def snapshot(state: Any, _where: str = "state") -> Any:
     else is refused here, on the caller's thread, because `torch.load(weights_only=True)`
     could not read it back on restore.
     """
+    import torch
+
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
-    if isinstance(state, _PLAIN):
+    if isinstance(state, _plain_types()):
         return state
     if isinstance(state, Mapping):
         out = {}
@@ -481,6 +494,8 @@ class CheckpointStore:
 
     def _write(self, req: _Request) -> tuple[CheckpointInfo | None, str | None]:
         """Write one checkpoint; never raises. Returns (info, None) or (None, error message)."""
+        import torch
+
         tmp = self.directory / f"{TMP_PREFIX}{step_dirname(req.step)}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         sink: _HashingWriter | None = None
         try:
@@ -629,6 +644,8 @@ class CheckpointStore:
 
     def load(self, info: CheckpointInfo) -> dict:
         """Load a checkpoint's state (weights_only, to CPU) without verifying it."""
+        import torch
+
         return torch.load(info.state_file, map_location="cpu", weights_only=True)
 
     def latest_valid(self) -> tuple[CheckpointInfo, dict] | None:
