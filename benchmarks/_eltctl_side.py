@@ -197,11 +197,12 @@ def measure_eltctl(
 
 
 def measure_eltctl_step_time(world_size: int = 2, steps: int = 300, warmup: int = 30, *, threads: int = 1,
-                             timeout_s: float = 300.0) -> dict[str, Any]:
-    """A fixed-size eltctl job: steady-state step time of rank 0 after `warmup` steps."""
+                             timeout_s: float = 300.0, extra_args: Sequence[str] = ()) -> dict[str, Any]:
+    """A fixed-size eltctl job: steady-state step time of rank 0 after `warmup` steps.
+    `extra_args` go to examples/train.py (e.g. "--bucket-mb", "0")."""
     wd = Path(tempfile.mkdtemp(prefix="eltctl-steady-"))
     la = _Launcher(wd, ["--batch", "64", "--optimizer", "sgd", "--lr", "0.01", "--steps", str(steps),
-                        "--threads", str(threads)], min_workers=world_size, threads=threads)
+                        "--threads", str(threads), *extra_args], min_workers=world_size, threads=threads)
     try:
         for _ in range(world_size):
             la.start()

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--bucket-mb", type=float, default=4.0,
+                    help="gradient all-reduce bucket size; 0: one all-reduce after backward")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="steps")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step (tests)")
     ap.add_argument("--result", type=Path, default=None, help="write final step, loss and state hash here (JSON)")
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     job = elt.ElasticJob(  # (*)
         model, optimizer, dataset, global_batch_size=args.batch, seed=args.seed, max_steps=args.steps,
         epochs=args.epochs, micro_batch_size=args.micro_batch, checkpoint_every_steps=args.checkpoint_every,
-        config=config,
+        config=config, bucket_mb=args.bucket_mb,
     )
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None

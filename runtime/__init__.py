@@ -5,14 +5,24 @@ writes an ordinary loop; workers can join and leave at step boundaries, crashes
 and hangs shrink the job, and every sample of an epoch is used exactly once.
 Needs only the standard library and torch. See README.md in this directory for
 the environment contract and the store keys.
+
+Importing the package is light: the configuration and the store helpers
+(membership.py) need only the standard library; the training machinery
+(`ElasticJob`, the sampler) imports torch on first use (PEP 562), so the host
+daemon and the control plane start without it.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .config import ConfigError, Device, RuntimeConfig
-from .job import Commit, ElasticJob, ExcludedFromJob
 from .membership import (
     EventKind,
     Keys,
     Plan,
+    append_event,
     job_store,
     read_events,
     read_status,
@@ -20,10 +30,33 @@ from .membership import (
     request_leave,
     request_stop,
 )
-from .sampler import SamplerState, epoch_order, share_bounds
+
+# name -> the submodule that defines it, imported on first access.
+_LAZY = {
+    "Commit": "job", "ElasticJob": "job", "ExcludedFromJob": "job",
+    "SamplerState": "sampler", "epoch_order": "sampler", "share_bounds": "sampler",
+}
+
+if TYPE_CHECKING:
+    from .job import Commit, ElasticJob, ExcludedFromJob
+    from .sampler import SamplerState, epoch_order, share_bounds
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "Commit", "ConfigError", "Device", "ElasticJob", "EventKind", "ExcludedFromJob", "Keys", "Plan", "RuntimeConfig",
-    "SamplerState", "epoch_order", "job_store", "read_events", "read_status", "report_dead", "request_leave",
-    "request_stop", "share_bounds",
+    "SamplerState", "append_event", "epoch_order", "job_store", "read_events", "read_status", "report_dead",
+    "request_leave", "request_stop", "share_bounds",
 ]

@@ -138,6 +138,13 @@ def allreduce(pg, t: torch.Tensor, abort: threading.Event, op=dist.ReduceOp.SUM)
     return t
 
 
+def allreduce_async(pg, t: torch.Tensor, op=dist.ReduceOp.SUM):
+    """Launch an all-reduce and return its work (wait on it with wait_work)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return pg.allreduce([t], opts)
+
+
 def broadcast(pg, t: torch.Tensor, root: int, abort: threading.Event) -> torch.Tensor:
     opts = dist.BroadcastOptions()
     opts.rootRank = root

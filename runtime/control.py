@@ -66,10 +66,13 @@ class ControlThread:
         self._thread = threading.Thread(target=self._run, name="eltctl-control", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.1) -> None:
+        """Stop the thread. It is a daemon thread with nothing to hand over: one
+        blocked in a store call (the store is slow or gone) is left behind
+        rather than waited for, so a leaving worker exits at once."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2)
+            self._thread.join(timeout=wait_s)
 
     # -- what the training thread tells it -----------------------------------
     def watch(self, plan: Plan | None, others: tuple[str, ...] = ()) -> threading.Event:
@@ -150,7 +153,7 @@ class ControlThread:
                         self._check_members(plan, watch, abort, now)
             except Exception as e:  # noqa: BLE001 - the store went away: the job is over or unreachable
                 log.warning("worker %s: control channel error: %s", self._me, e)
-                time.sleep(0.5)
+                self._stop.wait(0.5)
             self._stop.wait(POLL_S)
 
     def _check_members(self, plan: Plan, watch: tuple[str, ...], abort: threading.Event, now: float) -> None:

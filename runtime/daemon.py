@@ -21,9 +21,11 @@ The daemon
   process that is not this job's on a GPU a worker uses makes that worker leave
   at once (planned), records a `yield` (state and event, naming the user and pid),
   and keeps the slot empty until a new seq lists it. Once the runtime's plan
-  lists that worker as left, a process still lingering after `evict_grace`
-  (interpreter teardown takes seconds) is SIGKILLed: the owner gets the GPU back
-  in about watch_interval + 2.5 s;
+  lists that worker as left, the worker normally exits within ~0.3 s (the
+  runtime skips the interpreter's teardown, exiting.py), so the owner gets the
+  GPU back in about watch_interval + one step + 0.3 s; a process still
+  lingering after `evict_grace` (a script that hangs after its loop) is
+  SIGKILLed, a backstop;
 * writes `daemon/<host>/state` about every second (below);
 * on SIGTERM makes all its workers leave in the planned way, waits, and exits;
   SIGKILL leaves the workers running (own sessions), and the next daemon adopts
@@ -76,7 +78,8 @@ incarnation; removed on a clean stop), `workers/<slot>.pid`, `workers/<slot>.log
 
 The worker environment: the daemon's own (inherited), then `env`, then the
 runtime's contract (runtime/config.py): ELTCTL_STORE, ELTCTL_JOB,
-ELTCTL_WORKER_ID=`<host>/<slot>/<incarnation>` (never reused on this host),
+ELTCTL_WORKER_ID=`<host>/<slot>/<incarnation>` (never reused: the incarnation
+counts up from the daemon's start time in ms, daemon_logic.first_incarnation),
 ELTCTL_DEVICE, ELTCTL_LOCAL_GPU (0: the one visible GPU), ELTCTL_CHECKPOINT_DIR,
 ELTCTL_HANG_TIMEOUT, ELTCTL_MIN_WORKERS, ELTCTL_MAX_WORKERS, and for a GPU slot
 CUDA_VISIBLE_DEVICES=<index> (also with device cpu: the GPU simulator sees a
@@ -101,15 +104,16 @@ from typing import Any, Mapping
 from . import daemon_procs as procs
 from .daemon_logic import (
     Decision, Exit, Foreign, Kill, Leave, MarkStopping, Memory, Note, RecordYield, Start, View,
-    WorkerState, WorkerView, decide, exit_outcome, incarnation_of,
+    WorkerState, WorkerView, decide, exit_outcome, first_incarnation, incarnation_of,
 )
-from .daemon_store import StoreLink, append_event
+from .daemon_store import StoreLink
 from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
-from .membership import Keys, report_dead
+from .membership import EventKind, Keys, append_event, report_dead
 
 log = logging.getLogger("eltctl_runtime.daemon")
 
 TICK_S = 0.1
+ADOPTED_VERDICT_S = 1.0  # a few store polls (0.25 s each)
 STATE_EVERY_S = 1.0
 EXIT_OK, EXIT_CONFIG, EXIT_RUNNING = 0, 2, 3
 
@@ -261,6 +265,7 @@ class _Worker:
     since: float  # monotonic
     since_wall: float
     detail: str = ""
+    gone_since: float | None = None  # monotonic: when an adopted worker was first seen gone
 
     def view(self) -> WorkerView:
         return WorkerView(self.slot, self.worker_id, self.pid, self.state, self.since)
@@ -319,6 +324,9 @@ class Daemon:
                 ready(f"ok {os.getpid()}")
             self._load_memory()
             self._adopt()
+            self._memory = replace(self._memory, next_incarnation=first_incarnation(
+                self._memory.next_incarnation, 0, self._started))
+            self._save_memory()
             smi = shutil.which("nvidia-smi", path=self._base_env.get("PATH", os.defpath))
             if smi is None:
                 log.info("host %s: no nvidia-smi on PATH: a CPU-only host, no GPU watch", self.cfg.host)
@@ -438,10 +446,18 @@ class Daemon:
                 continue
             else:
                 rc = None
+                # An adopted worker's exit status is unknown: before calling it lost,
+                # give the store link a moment to learn that it left or the job ended.
+                known = w.worker_id in self._link.departed() or self._link.job_done
+                if not known and not w.state.asked_to_go:
+                    w.gone_since = now if w.gone_since is None else w.gone_since
+                    if now - w.gone_since < ADOPTED_VERDICT_S:
+                        continue
             self._ended_worker(w, rc)
 
     def _ended_worker(self, w: _Worker, rc: int | None) -> None:
-        out = exit_outcome(rc, w.state)
+        out = exit_outcome(rc, w.state, left_job=w.worker_id in self._link.departed(),
+                           job_done=self._link.job_done)
         del self._workers[w.slot]
         procs.remove(self._workers_dir / f"{w.slot}.pid")
         cfg = self.cfg
@@ -450,7 +466,7 @@ class Daemon:
             self._link.send(f"the death report of {wid}", lambda tcp, js: report_dead(tcp, cfg.job, wid))
         if out.crash_event:
             self._crashes += 1
-            self._event("crash", [w.worker_id], f"worker {w.worker_id} (pid {w.pid}) {out.detail}")
+            self._event(EventKind.CRASH, [w.worker_id], f"worker {w.worker_id} (pid {w.pid}) {out.detail}")
         level = logging.WARNING if out.state in (WorkerState.CRASHED, WorkerState.KILLED, WorkerState.LOST) \
             else logging.INFO
         log.log(level, "host %s: worker %s (pid %d, slot %d) %s: %s%s", cfg.host, w.worker_id, w.pid, w.slot,
@@ -554,7 +570,7 @@ class Daemon:
                 else:
                     detail = f"{r.user} (pid {r.pid}) holds GPU {r.slot}; no worker started there"
                 log.warning("host %s: %s", self.cfg.host, detail)
-                self._event("yield", [a.worker_id] if a.worker_id else [], detail)
+                self._event(EventKind.YIELD, [a.worker_id] if a.worker_id else [], detail)
             elif isinstance(a, Note):
                 log.info("%s", a.message)
             elif isinstance(a, Exit):
@@ -572,7 +588,7 @@ class Daemon:
             detail = f"could not be started: {e.strerror or e} ({cfg.argv[0]}, in {cfg.code_dir})"
             log.error("host %s: worker %s %s", cfg.host, wid, detail)
             self._crashes += 1
-            self._event("crash", [wid], f"worker {wid} {detail}")
+            self._event(EventKind.CRASH, [wid], f"worker {wid} {detail}")
             self._ended[slot] = {"slot": slot, "worker_id": wid, "pid": None, "state": WorkerState.CRASHED.value,
                                  "since": round(time.time(), 3), "adopted": False, "detail": detail,
                                  "exit_code": None}
@@ -595,10 +611,11 @@ class Daemon:
         w.state, w.since, w.since_wall = WorkerState.LEAVING, now, time.time()
         log.info("host %s: worker %s (pid %d) leaves in the planned way: %s", self.cfg.host, wid, w.pid, a.reason)
 
-    def _event(self, kind: str, workers: list[str], detail: str) -> None:
-        ev = {"time": time.time(), "kind": kind, "host": self.cfg.host, "workers": workers, "pause_s": None,
+    def _event(self, kind: EventKind, workers: list[str], detail: str) -> None:
+        ev = {"time": time.time(), "kind": kind.value, "host": self.cfg.host, "workers": workers, "pause_s": None,
               "detail": detail}
-        self._link.send(f"a {kind} event", lambda tcp, js: append_event(js, ev))
+        job = self.cfg.job
+        self._link.send(f"a {kind.value} event", lambda tcp, js: append_event(tcp, job, ev))
 
     # -- report ------------------------------------------------------------------
     def _state_doc(self) -> dict:

@@ -35,7 +35,7 @@ class WorkerState(str, Enum):
 
     The first five are live states, the last four end states:
     left: exited after being asked to go (leave or stop), or evicted: it had left
-    the job but its process lingered (interpreter teardown takes seconds) while
+    the job but its process lingered (past evict_grace: normally it exits in ~0.3 s) while
     the GPU's owner waited, so we killed it. finished: exited 0 unasked (its
     training ended). crashed: a non-zero status or a signal (unasked, or while
     leaving), or killed after the grace. lost: an adopted worker (started by an
@@ -227,6 +227,19 @@ def worker_id(host: str, slot: int, incarnation: int) -> str:
     return f"{host}/{slot}/{incarnation}"
 
 
+def first_incarnation(remembered: int, highest_adopted: int, started_wall: float) -> int:
+    """The first worker incarnation a daemon started at `started_wall` may use.
+
+    Worker ids must never repeat in a job: a stale `leave/<id>` or `dead/<id>`
+    key of an earlier worker would act on a new one. The daemon's memory file
+    is removed on a clean stop and may be lost otherwise, so the start time in
+    milliseconds is a floor: a later daemon starts above any id an earlier one
+    could have reached (that would take more than one worker start per
+    millisecond of its life). The memory and the adopted workers still count,
+    for a clock that went back."""
+    return max(remembered, highest_adopted + 1, int(started_wall * 1000))
+
+
 def incarnation_of(worker: str) -> int | None:
     tail = worker.rsplit("/", 1)[-1]
     return int(tail) if tail.isdigit() else None
@@ -350,13 +363,21 @@ def describe_status(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
-def exit_outcome(returncode: int | None, state: WorkerState) -> ExitOutcome:
+def exit_outcome(returncode: int | None, state: WorkerState, *, left_job: bool = False,
+                 job_done: bool = False) -> ExitOutcome:
     """What the exit of a worker in `state` means. returncode None: unknown
     (an adopted worker is not our child). A death is reported whenever it might
     matter: a worker killed by SIGTERM before the runtime installed its handler
     may still sit in the join queue; an adopted worker that was asked to go and
-    is gone is taken to have left (it was started long ago, well past that)."""
+    is gone is taken to have left (it was started long ago, well past that).
+    For an adopted worker the store tells the rest: `left_job` (a generation
+    plan lists it as left or lost) or `job_done` (the runtime's `done` key):
+    then its exit is an end, not a loss (a finished worker exits in ~0.3 s,
+    often before the daemon has seen a stop request)."""
     status = describe_status(returncode)
+    if returncode is None and state in (WorkerState.RUNNING, WorkerState.STOPPING) and (left_job or job_done):
+        return ExitOutcome(WorkerState.LEFT if left_job else WorkerState.FINISHED, False, False,
+                           f"{status}; it had " + ("left the job" if left_job else "seen the job end"))
     if state is WorkerState.EVICTED:
         return ExitOutcome(WorkerState.LEFT, False, False, f"{status} after it had left the job")
     if state is WorkerState.KILLED:

@@ -9,7 +9,8 @@ daemon's loop, which goes on watching GPUs and reaping workers. The thread:
   10 s), logging once per outage;
 * reads `daemon/<host>/desired` about every `poll_s` and hands the newest
   value to the loop (`desired()`), and follows the runtime's generation plans
-  to learn which of this host's workers are out of the job (`departed()`);
+  and its `done` key to learn which of this host's workers are out of the job
+  (`departed()`, `job_done`);
 * writes the newest state document the loop published (`publish_state`; the
   loop publishes about once a second), stamping its `time` and `store`
   (`{connected, reconnects, last_error}`);
@@ -47,14 +48,6 @@ def state_key(host: str) -> str:
     return f"daemon/{host}/state"
 
 
-def append_event(js, event: dict) -> int:
-    """Append one event to the job's event log (the runtime's `events/<n>`
-    numbering, `events/seq` counter); returns its number."""
-    n = js.add(Keys.EVENTS_SEQ, 1)
-    js.set(Keys.event(n), json.dumps(event))
-    return n
-
-
 # An outbox message: (what, function(raw TCPStore, job PrefixStore)).
 Message = tuple[str, Callable[[object, object], None]]
 
@@ -83,6 +76,7 @@ class StoreLink:
         self._reconnects = 0
         self._generation = -1  # the newest generation plan read from this store
         self._departed: frozenset[str] = frozenset()  # this host's workers that a plan lists as left or lost
+        self._job_done = False  # the runtime wrote `done` (the job finished or stopped)
         self._thread: threading.Thread | None = None
 
     # -- the loop's side ---------------------------------------------------------
@@ -114,6 +108,11 @@ class StoreLink:
         """Worker ids of this host that a generation plan lists as left or lost:
         they are out of the job, whatever their process still does."""
         return self._departed
+
+    @property
+    def job_done(self) -> bool:
+        """The runtime's `done` key is set: every worker of the job ends."""
+        return self._job_done
 
     @property
     def connected(self) -> bool:
@@ -171,6 +170,7 @@ class StoreLink:
                     continue
                 self._connected = True
                 self._generation = -1  # a restarted store has its own history
+                self._job_done = False
                 if self._error:
                     self._last_error = self._error
                 self._error = ""
@@ -218,6 +218,8 @@ class StoreLink:
         self._connected = False
 
     def _follow_plans(self, js) -> None:
+        if not self._job_done and js.check([Keys.DONE]):
+            self._job_done = True
         mine = f"{self._host}/"
         while js.check([Keys.plan(self._generation + 1)]):
             self._generation += 1

@@ -20,10 +20,12 @@ next generation (membership.py) and agree on the state (state.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,11 +36,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset, default_collate
 
-from . import collectives, state as state_mod
+from . import collectives, exiting, state as state_mod
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
-from .membership import EventKind, Keys, Plan, Verdict, choose_source, job_store, propose, roll_call
+from .membership import (
+    EventKind, Keys, Plan, Verdict, append_event, choose_source, job_store, propose, roll_call,
+)
 from .sampler import SamplerState
 
 log = logging.getLogger("eltctl_runtime")
@@ -49,6 +53,36 @@ STATUS_EVERY_S = 1.0
 # full hang timeout. A host that vanishes has no daemon left to report it.
 CRASH_CONFIRM_S = 2.0
 _N_CTRL = 4  # pending, stop, local sample count, local loss sum; then one leave flag per rank
+# Megabytes of gradients per all-reduce bucket. DDP's default is 25 MB; smaller
+# buckets start sooner in backward.
+BUCKET_MB = 4.0
+
+
+Bucket = tuple[int, int, tuple[int, ...]]  # (start, end) in the flat buffer, parameter indices
+
+
+def bucket_layout(numels: list[int], bucket_elems: int) -> tuple[list[tuple[int, int]], list[Bucket]]:
+    """Where each gradient lives in the flat buffer, and the buckets.
+
+    Gradients are laid out in reverse parameter order, the order backward
+    produces them, and cut into contiguous buckets of at least `bucket_elems`
+    elements (the last one may be smaller). Returns (offset, numel) per
+    parameter and (start, end, parameter indices) per bucket, in launch order.
+    Pure: tested by table."""
+    offsets: list[tuple[int, int]] = [(0, 0)] * len(numels)
+    buckets: list[Bucket] = []
+    start = pos = 0
+    members: list[int] = []
+    for i in reversed(range(len(numels))):
+        offsets[i] = (pos, numels[i])
+        pos += numels[i]
+        members.append(i)
+        if pos - start >= bucket_elems:
+            buckets.append((start, pos, tuple(members)))
+            start, members = pos, []
+    if members or not buckets:
+        buckets.append((start, pos, tuple(members)))
+    return offsets, buckets
 
 
 @dataclass(frozen=True)
@@ -84,6 +118,8 @@ class ElasticJob:
         keep_checkpoints: int = 3,
         collate_fn: Callable[[list], Any] | None = None,
         config: RuntimeConfig | None = None,
+        fast_exit: bool = True,
+        bucket_mb: float = BUCKET_MB,
     ) -> None:
         if max_steps is None and epochs is None:
             raise ValueError("give max_steps or epochs (or both)")
@@ -99,15 +135,26 @@ class ElasticJob:
         self._ckpt_seconds = checkpoint_every_seconds
         self._keep = keep_checkpoints
         self._collate = collate_fn or default_collate
+        self._fast_exit = fast_exit
         self._params = [p for p in model.parameters() if p.requires_grad]
         if len({p.dtype for p in self._params}) > 1:
             raise ValueError("all trainable parameters must share one dtype (one flat gradient buffer)")
-        self._offsets: list[tuple[int, int]] = []  # (offset, numel) of each gradient in the flat buffer
-        self._n_grad = 0
-        for p in self._params:
-            self._offsets.append((self._n_grad, p.numel()))
-            self._n_grad += p.numel()
+        # The flat buffer holds the gradients in reverse parameter order (backward
+        # produces the last layers' gradients first), cut into buckets of about
+        # bucket_mb; the control tail follows the last bucket. 0: one bucket,
+        # all-reduced after backward.
+        elem = self._params[0].element_size() if self._params else 4
+        per_bucket = max(1, int(bucket_mb * 2**20) // elem) if bucket_mb > 0 else sys.maxsize
+        self._offsets, self._buckets = bucket_layout([p.numel() for p in self._params], per_bucket)
+        self._n_grad = self._buckets[-1][1]
+        self._bucket_of = {i: b for b, (_s, _e, members) in enumerate(self._buckets) for i in members}
         self._flat: torch.Tensor | None = None
+        self._hooks: list = []
+        self._launching = False  # inside the backward of a step's last micro-batch
+        self._ready: list[int] = []  # per bucket: gradients ready in this backward
+        self._fired: set[int] = set()  # parameters whose gradient is ready in this backward
+        self._works: list = []  # the all-reduces launched for this step, in bucket order
+        self._launch_error: Exception | None = None
 
         self._plan: Plan | None = None
         self._rank = -1
@@ -134,7 +181,8 @@ class ElasticJob:
         self._audit_fd: int | None = None
         self._ckpt = None
         self._control: ControlThread | None = None
-        self._store = None
+        self._store = None  # the job's PrefixStore over _tcp
+        self._tcp = None
         self._old_sigterm = None
 
     # -- public view -------------------------------------------------------
@@ -194,7 +242,8 @@ class ElasticJob:
         else:
             self._device = torch.device("cpu")
         self._bind_host = collectives.local_address_towards(cfg.store_host, cfg.store_port)
-        self._store = self._connect()
+        self._tcp = self._connect_raw()
+        self._store = job_store(self._tcp, cfg.job)
         if cfg.audit_path is not None:
             self._audit_fd = os.open(cfg.audit_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if cfg.checkpoint_dir is not None:
@@ -203,6 +252,8 @@ class ElasticJob:
             self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
         self._control = ControlThread(self._connect, cfg.worker_id, cfg.hang_timeout_s, cfg.max_workers)
         self._control.start()
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+                       for i, p in enumerate(self._params)]
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self._control.request_local_leave())
         self._admit()
@@ -225,6 +276,9 @@ class ElasticJob:
             if self._ckpt is not None:
                 self._ckpt.close()
         finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
             if self._control is not None:
                 self._control.close()
             if self._old_sigterm is not None:
@@ -233,11 +287,18 @@ class ElasticJob:
                 os.close(self._audit_fd)
             collectives.bury(self._pg)  # never block the exit on a group
             self._pg = None
+            if self._fast_exit and exc is None and (self._left or self._finished):
+                # Out of the job: the script's code after the loop still runs,
+                # but the interpreter's teardown (seconds, GPU memory held) is
+                # skipped. See exiting.py.
+                exiting.arm()
+
+    def _connect_raw(self):
+        cfg = self.config
+        return dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False, timeout=timedelta(seconds=60))
 
     def _connect(self):
-        cfg = self.config
-        tcp = dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False, timeout=timedelta(seconds=60))
-        return job_store(tcp, cfg.job)
+        return job_store(self._connect_raw(), self.config.job)
 
     # -- the loop ------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -288,13 +349,69 @@ class ElasticJob:
             raise RuntimeError("job.step() called outside an iteration of the job")
         self._in_step = False
         n = self._mb_count
-        if n > 0:
-            (loss * (n / self._global_count)).backward()
-            self._loss_sum += float(loss.detach()) * n
+        if self._mb_left == 1:
+            self._begin_reduce()  # buckets are all-reduced as backward fills them
+        try:
+            if n > 0:
+                (loss * (n / self._global_count)).backward()
+                self._loss_sum += float(loss.detach()) * n
+        finally:
+            self._launching = False
         self._mb_left -= 1
         if self._mb_left > 0:
             return None
         return self._reduce_and_commit()
+
+    def _begin_reduce(self) -> None:
+        """Bind every .grad to its view of the flat buffer (so backward
+        accumulates in place) and arm the gradient hooks for this backward."""
+        flat = self._grad_buffer()
+        with torch.no_grad():
+            for p, (o, k) in zip(self._params, self._offsets):
+                if p.grad is not None and p.grad.data_ptr() == flat[o:o + k].data_ptr():
+                    continue
+                view = flat[o : o + k].view_as(p)
+                if p.grad is None:
+                    view.zero_()
+                else:  # the script replaced .grad (e.g. zero_grad), or a new buffer after a resize
+                    view.copy_(p.grad)
+                p.grad = view
+        self._ready = [0] * len(self._buckets)
+        self._fired = set()
+        self._works = []
+        self._launch_error = None
+        self._launching = True
+
+    def _grad_ready(self, index: int, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of parameter `index`: launch every bucket
+        that is complete, in bucket order (every rank issues the same
+        collectives in the same order). The last bucket, which carries the
+        control tail, is launched by _reduce_and_commit."""
+        if not self._launching or index in self._fired:
+            return
+        self._fired.add(index)
+        o, k = self._offsets[index]
+        view = self._flat[o : o + k]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():  # not a view (should not happen): reduce a copy and adopt the view
+                view.view_as(p).copy_(p.grad)
+                p.grad = view.view_as(p)
+        self._ready[self._bucket_of[index]] += 1
+        while len(self._works) < len(self._buckets) - 1:
+            b = len(self._works)
+            if self._ready[b] < len(self._buckets[b][2]):
+                break
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        start, end, _ = self._buckets[b]
+        if b == len(self._buckets) - 1:
+            end = self._flat.numel()  # the control tail rides with the last bucket
+        try:
+            self._works.append(collectives.allreduce_async(self._pg, self._flat[start:end]))
+        except Exception as e:  # noqa: BLE001 - a broken group: the step is dropped in _reduce_and_commit
+            self._launch_error = e
+            self._works.append(None)
 
     def _reduce_and_commit(self) -> float | None:
         W = self.world_size
@@ -305,22 +422,24 @@ class ElasticJob:
         ctrl[2] = float(len(self._local_indices))
         ctrl[3] = self._loss_sum
         ctrl[_N_CTRL + self._rank] = 1.0 if req.leave else 0.0
-        flat = self._grad_buffer()
+        flat = self._flat
         offset = self._n_grad
         with torch.no_grad():
-            for p, (o, k) in zip(self._params, self._offsets):
-                view = flat[o : o + k].view_as(p)
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():  # the script replaced .grad (e.g. zero_grad)
-                    view.copy_(p.grad)
-                p.grad = view
             flat[offset:].copy_(ctrl)
+        # Buckets whose gradients never came (parameters unused in this step, a
+        # rank with no samples) go now, in order; then the last one, with the tail.
+        while len(self._works) < len(self._buckets):
+            self._launch(len(self._works))
         try:
-            collectives.allreduce(self._pg, flat, self._abort)
+            if self._launch_error is not None:
+                raise Aborted(f"an all-reduce could not be launched: {self._launch_error}", backend_error=True)
+            for work in self._works:
+                collectives.wait_work(work, self._abort)
         except Aborted as e:
+            self._works = []
             self._drop_step(str(e), e.backend_error)
             return None
+        self._works = []
         tail = flat[offset:].to("cpu", copy=True)  # the buffer is zeroed below
         self.optimizer.step()
         flat.zero_()  # the gradients stay views of the buffer: next backward accumulates in place
@@ -339,9 +458,10 @@ class ElasticJob:
         return global_loss
 
     def _grad_buffer(self) -> torch.Tensor:
-        """The flat all-reduce buffer: every gradient, then the control tail.
-        Parameters' .grad are views into it (as DDP's gradient_as_bucket_view),
-        so backward accumulates in place and nothing is copied in or out."""
+        """The flat all-reduce buffer: every gradient (bucket by bucket), then the
+        control tail. Parameters' .grad are views into it (as DDP's
+        gradient_as_bucket_view), so backward accumulates in place and nothing
+        is copied in or out."""
         n = self._n_grad + _N_CTRL + self.world_size
         if self._flat is None or self._flat.numel() != n:
             # The caller copies the current gradients in (they are not views of this one).
@@ -658,8 +778,7 @@ class ElasticJob:
 
     def _event(self, ev: dict) -> None:
         ev.setdefault("time", time.time())
-        n = self._store.add(Keys.EVENTS_SEQ, 1)
-        self._store.set(Keys.event(n), json.dumps(ev))
+        append_event(self._tcp, self.config.job, ev)
         log.info("worker %s: event %s", self.worker_id, json.dumps(ev))
 
 

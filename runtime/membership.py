@@ -34,6 +34,14 @@ class Store(Protocol):
 
 
 class EventKind(str, Enum):
+    """The kind of an entry of the job's event log (`events/<n>`).
+
+    Written by the runtime's rank 0 at the first step of a new generation:
+    START, JOIN, LEAVE, CRASH, HANG, RESTORE; and STOP when the job stops.
+    Written by a host daemon: YIELD (a GPU's owner is back; the worker there
+    leaves) and CRASH (a worker process exited without being asked). DONE is
+    a plan kind only (never logged today)."""
+
     START = "start"
     JOIN = "join"
     LEAVE = "leave"
@@ -42,6 +50,7 @@ class EventKind(str, Enum):
     RESTORE = "restore"
     STOP = "stop"
     DONE = "done"
+    YIELD = "yield"
 
 
 class Keys:
@@ -235,6 +244,19 @@ def request_leave(store, job: str, worker_id: str) -> None:
 def request_stop(store, job: str) -> None:
     """Ask the whole job to checkpoint and exit cleanly at the next boundary."""
     job_store(store, job).set(Keys.STOP, str(time.time()))
+
+
+def append_event(store, job: str, event: dict) -> int:
+    """Append one event to the job's log (`events/seq` counter, `events/<n>`)
+    and return its number. `event["kind"]` must be an EventKind value; `time`
+    (wall clock) is added when missing. Used by the runtime and the host
+    daemon alike, so the log has one numbering and one vocabulary."""
+    doc = dict(event, kind=EventKind(event["kind"]).value)  # ValueError for an unknown kind
+    doc.setdefault("time", time.time())
+    js = job_store(store, job)
+    n = js.add(Keys.EVENTS_SEQ, 1)
+    js.set(Keys.event(n), json.dumps(doc))
+    return n
 
 
 def read_status(store, job: str) -> dict | None:

@@ -39,7 +39,7 @@ from eltctl.sim.gpustate import ForeignProcess, GpuMode, GpuState, install_nvidi
 from eltctl_runtime.daemon import DaemonConfig, DaemonConfigError, worker_env
 from eltctl_runtime.daemon_logic import (
     Decision, Desired, Exit, Foreign, Memory, Note, RecordYield, View, WorkerState, WorkerView, Yield, decide,
-    exit_outcome,
+    exit_outcome, first_incarnation, incarnation_of,
 )
 from eltctl_runtime.daemon_procs import AlreadyRunning, PidLock
 from eltctl_runtime.gpuwatch import (
@@ -235,6 +235,29 @@ def test_decide_forgets_leavers_that_are_gone():
 def test_exit_outcome(rc, state, expected):
     out = exit_outcome(rc, state)
     assert (out.state, out.report_dead, out.crash_event) == expected
+
+
+@pytest.mark.parametrize("rc, state, left_job, job_done, expected", [
+    (None, WorkerState.RUNNING, False, True, (WorkerState.FINISHED, False, False)),  # stop seen by the runtime first
+    (None, WorkerState.RUNNING, True, False, (WorkerState.LEFT, False, False)),  # a plan lists it as left
+    (None, WorkerState.STOPPING, False, True, (WorkerState.FINISHED, False, False)),
+    (None, WorkerState.RUNNING, False, False, (WorkerState.LOST, True, True)),  # nothing known: lost
+    (-9, WorkerState.RUNNING, False, True, (WorkerState.CRASHED, True, True)),  # a known status decides
+    (3, WorkerState.RUNNING, True, False, (WorkerState.CRASHED, True, True)),
+])
+def test_exit_outcome_of_adopted_worker_uses_what_the_store_says(rc, state, left_job, job_done, expected):
+    out = exit_outcome(rc, state, left_job=left_job, job_done=job_done)
+    assert (out.state, out.report_dead, out.crash_event) == expected
+
+
+@pytest.mark.parametrize("remembered, adopted, started, expected", [
+    (1, 0, 1000.0, 1_000_000),                    # no memory: the start time in ms is the floor
+    (1_000_007, 0, 1000.0, 1_000_007),            # memory of a daemon started in the same second
+    (5, 2_000_000, 1000.0, 2_000_001),            # an adopted worker from a clock that went back
+    (1_000_010, 0, 1000.5, 1_000_500),            # a later start is above any id the earlier one reached
+])
+def test_first_incarnation_never_goes_back(remembered, adopted, started, expected):
+    assert first_incarnation(remembered, adopted, started) == expected
 
 
 def test_memory_round_trips_through_json():
@@ -558,15 +581,17 @@ def test_cpu_host_crash_is_reported_once_and_sigterm_ends_everything(tmp_path):
         daemon = host.start_daemon()
         host.desire([0, 1, 2])  # slot 2 does not exist here: ignored
         crash = host.wait_for(lambda: host.events("crash"), "a crash event", timeout=60)
-        assert crash[0]["workers"] == ["h1/1/2"] and "status 3" in crash[0]["detail"]
-        assert host.dead_reported("h1/1/2")
+        (crashed,) = crash[0]["workers"]
+        assert crashed.startswith("h1/1/") and "status 3" in crash[0]["detail"]
+        assert host.dead_reported(crashed)
         time.sleep(1.5)
         st = host.state()
         assert [(w["slot"], w["state"]) for w in st["workers"]] == [(0, "running"), (1, "crashed")]
         assert st["gpus"] == [] and st["watch"]["health"] == "none" and st["health"] == "ok"
         assert st["wanted"] == [0, 1] and "does not have" in host.log()
         env = procs_environ(st["workers"][0]["pid"])
-        assert env["ELTCTL_WORKER_ID"] == "h1/0/1" and env["ELTCTL_JOB"] == host.job
+        assert env["ELTCTL_WORKER_ID"].startswith("h1/0/") and env["ELTCTL_JOB"] == host.job
+        assert incarnation_of(env["ELTCTL_WORKER_ID"]) + 1 == incarnation_of(crashed)  # slot 0 started first
         assert "CUDA_VISIBLE_DEVICES" not in env or env["CUDA_VISIBLE_DEVICES"] == os.environ.get(
             "CUDA_VISIBLE_DEVICES")
         daemon.send_signal(signal.SIGTERM)
@@ -624,5 +649,37 @@ def test_restarted_daemon_adopts_by_pid_file_and_by_environment(tmp_path):
         assert sorted(job_pids(host.job, workers_only=True)) == sorted(w["pid"] for w in first.values())
         assert int((host.job_dir / "workers" / "1.pid").read_text()) == first[1]["pid"]
         assert "found without a pid file" in host.log()
+    finally:
+        host.close()
+
+
+@pytest.mark.slow
+def test_restarted_daemon_never_repeats_a_worker_id(tmp_path):
+    """A daemon stops cleanly (its memory file is removed) and a stale leave
+    request for its worker stays in the store; a new daemon on the same host
+    and job starts a training worker with a new id, which the stale key does
+    not touch: it trains on."""
+    host = SimHost(tmp_path)
+    try:
+        daemon = host.start_daemon()
+        host.desire([0])
+        host.wait_world(1)
+        first = host.live_workers()[0]
+        daemon.send_signal(signal.SIGTERM)
+        assert wait_exit(daemon, 90) == 0
+        assert not (host.job_dir / "daemon.memory.json").exists()
+        elt.request_leave(host.store, host.job, first["worker_id"])  # stale, as a colleague saw
+        second_daemon = host.start_daemon()
+        host.desire([0])
+        second = host.wait_for(lambda: (s := host.state()) and s["pid"] == second_daemon.pid
+                               and host.live_workers().get(0), "a new worker on slot 0", timeout=60)
+        assert second["worker_id"] != first["worker_id"]
+        assert incarnation_of(second["worker_id"]) > incarnation_of(first["worker_id"])
+        status = host.wait_for(lambda: (s := host.status()) and s["members"] == [second["worker_id"]] and s,
+                               "the new worker to train", timeout=120)
+        step = status["step"]
+        host.wait_for(lambda: host.status()["step"] >= step + 5, "five more steps", timeout=60)
+        assert host.live_workers()[0]["worker_id"] == second["worker_id"]  # it did not obey the stale key
+        assert all(second["worker_id"] not in e.get("left", ()) for e in host.events("leave"))
     finally:
         host.close()

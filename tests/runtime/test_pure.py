@@ -11,6 +11,7 @@ import torch
 from eltctl_runtime import ConfigError, RuntimeConfig, SamplerState, epoch_order, share_bounds
 from eltctl_runtime.membership import EventKind, Plan, Transfer, Verdict, choose_source, propose, roll_call
 from eltctl_runtime import state as st
+from eltctl_runtime.job import bucket_layout
 
 
 @pytest.mark.parametrize("total,world", [(10, 3), (7, 7), (3, 5), (64, 4), (65, 4), (0, 2)])
@@ -148,3 +149,20 @@ def test_config_rejects_bad_values_naming_the_variable(extra):
     with pytest.raises(ConfigError) as e:
         RuntimeConfig.from_env({**BASE, **extra})
     assert list(extra)[0] in str(e.value) or "ELTCTL_" in str(e.value)
+
+
+@pytest.mark.parametrize("numels, per_bucket, offsets, buckets", [
+    # reverse parameter order; a bucket closes once it holds at least per_bucket elements
+    ([10, 20, 30], 25, [(50, 10), (30, 20), (0, 30)], [(0, 30, (2,)), (30, 60, (1, 0))]),
+    ([10, 20, 30], 1000, [(50, 10), (30, 20), (0, 30)], [(0, 60, (2, 1, 0))]),  # one bucket
+    ([5, 5, 5, 5], 10, [(15, 5), (10, 5), (5, 5), (0, 5)], [(0, 10, (3, 2)), (10, 20, (1, 0))]),
+    ([7], 1, [(0, 7)], [(0, 7, (0,))]),
+    ([], 4, [], [(0, 0, ())]),
+])
+def test_bucket_layout(numels, per_bucket, offsets, buckets):
+    got_offsets, got_buckets = bucket_layout(numels, per_bucket)
+    assert got_offsets == offsets and got_buckets == buckets
+    # every gradient lies inside exactly one bucket, and the buckets tile the buffer
+    assert [b[0] for b in got_buckets[1:]] == [b[1] for b in got_buckets[:-1]]
+    for start, end, members in got_buckets:
+        assert all(start <= offsets[i][0] and offsets[i][0] + offsets[i][1] <= end for i in members)

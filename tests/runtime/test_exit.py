@@ -1,0 +1,85 @@
+"""A worker that is out of the job (finished or left) ends at once, and the
+script's own code after the loop still runs: its files are flushed, its atexit
+callbacks run once, and the process keeps the exit status the script asked for.
+The interpreter's slow teardown (torch, gloo, the garbage collector) is skipped:
+a finalizer that only teardown would run does not run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import eltctl_runtime as elt
+from eltctl_runtime.exiting import exit_code_of
+
+SCRIPT = textwrap.dedent("""
+    import atexit, sys, torch
+    import eltctl_runtime as elt
+
+    class Teardown:  # only an ordinary interpreter teardown calls this
+        def __del__(self, _open=open, _path=sys.argv[1] + ".teardown"):
+            _open(_path, "w").write("ran")
+
+    KEEP = Teardown()
+    model = torch.nn.Linear(4, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    job = elt.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=4,
+                         max_steps=3)
+    with job:
+        for x, y in job:
+            job.step(((model(x) - y) ** 2).mean())
+    out = open(sys.argv[1], "w")          # never closed, never flushed by the script
+    out.write(f"steps={job.step_count}")
+    atexit.register(lambda: open(sys.argv[1] + ".atexit", "a").write("once\\n"))
+    if sys.argv[2] == "raise":
+        raise ValueError("after the loop")
+    sys.exit(int(sys.argv[2]))
+""")
+
+
+@pytest.fixture
+def store():
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    yield s
+
+
+def run_script(store, tmp_path, how: str) -> tuple[subprocess.CompletedProcess, str]:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.txt"
+    job = f"x{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, ELTCTL_STORE=f"127.0.0.1:{store.port}", ELTCTL_JOB=job,
+               ELTCTL_WORKER_ID=f"h/0/{uuid.uuid4().hex[:6]}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), str(out), how], env=env, capture_output=True,
+                          text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert (elt.read_status(store, job) or {}).get("step") == 3, proc.stderr
+    return proc, str(out)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_finished_worker_keeps_its_code_after_the_loop_and_exit_status(store, tmp_path, code):
+    proc, out = run_script(store, tmp_path, str(code))
+    assert proc.returncode == code, proc.stderr
+    assert open(out).read() == "steps=3"
+    assert open(out + ".atexit").read() == "once\n"
+    assert not os.path.exists(out + ".teardown"), "the interpreter's teardown ran: the exit was not shortened"
+
+
+def test_uncaught_error_after_the_loop_still_exits_with_status_1(store, tmp_path):
+    proc, out = run_script(store, tmp_path, "raise")
+    assert proc.returncode == 1
+    assert "ValueError: after the loop" in proc.stderr
+    assert open(out).read() == "steps=3"
+    assert open(out + ".atexit").read() == "once\n"
+
+
+@pytest.mark.parametrize("code, status", [(None, 0), (0, 0), (3, 3), (True, 1), (256, 0), ("bye", 1)])
+def test_exit_status_is_what_python_gives_system_exit(code, status):
+    assert exit_code_of(code) == status
