@@ -284,6 +284,10 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     else:
         grid.add_row("checkpoint", "[dim]none yet[/]")
 
+    mirror = mirror_line(doc.get("mirror"), now, staleness)
+    if mirror is not None:
+        grid.add_row("mirror", mirror)
+
     controller = doc.get("controller") if isinstance(doc.get("controller"), dict) else {}
     pid = controller.get("pid")
     if snapshot.controller_alive:
@@ -294,6 +298,29 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
                 f"[dim]showing the last status it wrote, {format_age(staleness)} old[/]")
     grid.add_row("controller", line)
     return grid
+
+
+def mirror_line(mirror: Any, now: float, staleness: float = 0.0) -> str | None:
+    """The `mirror` row: target, newest mirrored step and its age, lag, last error
+    (None when the job has no `[storage] mirror`)."""
+    from rich.markup import escape
+
+    if not isinstance(mirror, dict):
+        return None
+    line = escape(str(mirror.get("target", "?")))
+    if mirror.get("step") is None:
+        line += ": [dim]nothing mirrored yet[/]"
+    else:
+        t = _num(mirror.get("time"))
+        age = now - t if t is not None else (
+            _num(mirror.get("age_s")) + staleness if _num(mirror.get("age_s")) is not None else None)
+        line += f": step {mirror.get('step')}, {format_age(age)} old"
+    lag = mirror.get("lag_steps")
+    if isinstance(lag, int):
+        line += "   [green]up to date[/]" if lag == 0 else f"   [yellow]{lag} steps behind[/]"
+    if mirror.get("last_error"):
+        line += f"\n[red]last error: {escape(str(mirror['last_error']))}[/]"
+    return line
 
 
 def _gpu_lines(host: Mapping[str, Any]) -> str:

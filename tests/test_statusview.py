@@ -481,3 +481,36 @@ def test_logs_command_prints_the_hosts_logs(tmp_path):
                        env={**env, "HOME": str(empty)}, capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 1
     assert r.stderr.startswith("error: host here has no logs of job 'j1'")
+
+
+# ------------------------------------------------------------------------ the mirror line
+
+def _with_mirror(**mirror):
+    return {**TRAINING, "mirror": {"target": "/mnt/nfs/ckpt", "step": None, "time": None, "age_s": None,
+                                   "lag_steps": None, "last_error": None, **mirror}}
+
+
+def test_mirror_line_shows_target_step_age_and_lag():
+    doc = _with_mirror(step=1175, time=NOW - 40.0, age_s=40.0, lag_steps=25)
+    lines = view_text(doc, Source.CONTROLLER, NOW + 0.5).splitlines()
+    assert lines[3] == "checkpoint  step 1200, 10 s ago"
+    assert lines[4] == "mirror      /mnt/nfs/ckpt: step 1175, 40 s old   25 steps behind"
+    assert lines[5].startswith("controller  running (pid 4242)")
+
+
+def test_mirror_up_to_date_and_its_age_grows_in_a_stale_file():
+    doc = _with_mirror(step=1200, time=None, age_s=10.0, lag_steps=0)
+    lines = view_text(doc, Source.FILE, NOW + 60.0).splitlines()
+    assert lines[4] == "mirror      /mnt/nfs/ckpt: step 1200, 1 min 10 s old   up to date"
+
+
+def test_mirror_with_nothing_mirrored_and_an_error_says_both():
+    doc = _with_mirror(target="ssh://backup:2222/srv/ckpt", lag_steps=1200,
+                       last_error="step 1200 from ws1: mkdir: No space left on device")
+    lines = view_text(doc, Source.CONTROLLER, NOW).splitlines()
+    assert lines[4] == "mirror      ssh://backup:2222/srv/ckpt: nothing mirrored yet   1200 steps behind"
+    assert lines[5] == "            last error: step 1200 from ws1: mkdir: No space left on device"
+
+
+def test_no_mirror_no_mirror_line():
+    assert "mirror" not in view_text({**TRAINING, "mirror": None}, Source.CONTROLLER, NOW)

@@ -23,6 +23,9 @@ def register(app: typer.Typer) -> None:
         ck = result.checkpoint
         if ck and ck.get("step") is not None:
             out.print(f"final checkpoint: step {ck['step']}" + (f" at {escape(str(ck['path']))}" if ck.get("path") else ""))
+        mirror_line = describe_mirror(result.mirror, ck)
+        if mirror_line:
+            out.print(mirror_line)
         for host, pids in result.killed.items():
             out.print(f"[yellow]{escape(host)}: killed {', '.join(map(str, pids))}[/]")
         names = ", ".join(h.name for h in inventory.hosts)
@@ -39,3 +42,24 @@ def register(app: typer.Typer) -> None:
         hint = "" if force else " (`eltctl down --force` kills what is left)"
         out.print(f"job {escape(inventory.job.name)} is not fully down{hint}")
         raise typer.Exit(1)
+
+
+def describe_mirror(mirror: dict | None, checkpoint: dict | None) -> str | None:
+    """The line `down` prints about the final checkpoint's copy on the mirror (rich markup)."""
+    from rich.markup import escape
+
+    if not mirror:
+        return None
+    target = escape(str(mirror.get("target")))
+    step = (checkpoint or {}).get("step")
+    if step is None:  # no final checkpoint is known (the store was gone): say what the mirror holds
+        newest = mirror.get("step")
+        return (f"newest checkpoint on the mirror {target}: step {newest}" if newest is not None
+                else f"no checkpoint on the mirror {target}")
+    if mirror.get("ok") and mirror.get("step") is not None:
+        return f"[green]final checkpoint step {mirror['step']} mirrored and verified to {target}[/]"
+    why = mirror.get("last_error") or "the copy did not finish in time"
+    newest = mirror.get("step")
+    have = f"; the newest mirrored step is {newest}" if newest is not None else ""
+    what = f"final checkpoint step {step}" if step is not None else "the final checkpoint"
+    return f"[red]{what} NOT mirrored to {target}: {escape(str(why))}{have}[/]"

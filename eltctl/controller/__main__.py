@@ -72,6 +72,22 @@ async def choose_address(inventory: Inventory, fleet) -> str:
                       hint="set [controller] address to an address of this machine every host can reach")
 
 
+async def start_mirror_worker(inventory: Inventory, source):
+    """The background copier of committed checkpoints to `[storage] mirror` (None without one).
+
+    `source` is the controller's `checkpoint_place`: a checkpoint's host is reached over
+    the controller's own connection, looked up in the inventory as it is now."""
+    from eltctl.mirror import Mirror, MirrorWorker
+
+    mirror = Mirror.from_inventory(inventory)
+    if mirror is None:
+        return None
+    worker = MirrorWorker(mirror, source=source)
+    await worker.start()
+    log.info("Mirroring checkpoints to %s.", mirror.target)
+    return worker
+
+
 async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: bool) -> int:
     from eltctl.controller import store as kstore
     from eltctl.controller.loop import Controller, Phase
@@ -121,6 +137,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, shutdown.set)
     fleet = Fleet(inventory)
+    mirror_worker = None
     keeper = None
     run_task = None
     try:
@@ -156,6 +173,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             "pid": os.getpid(), "started": time.time(), "inventory": str(inventory.path),
             "store": keeper.to_json() if keeper else None, "socket": str(state.socket)})
         ctl = Controller(inventory, state, store, fleet, endpoint)
+        ctl.mirror_worker = mirror_worker = await start_mirror_worker(inventory, ctl.checkpoint_place)
         ctl.load_records()
         if keeper is not None:
             await ctl.adopt_desired()
@@ -177,6 +195,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         if ctl is not None:
             ctl.stopped.set()
             ctl.write_status()
+        if mirror_worker is not None:
+            await mirror_worker.stop()  # idempotent: `down` has stopped it already
         if run_task is not None:
             try:
                 await asyncio.wait_for(run_task, 10)

@@ -164,6 +164,9 @@ class DownResult:
     left: dict[str, list[tuple[int, str]]]  # host -> (pid, command) still running
     unchecked: dict[str, str]  # host -> why it could not be checked
     killed: dict[str, list[int]]
+    # {"ok", "target", "step", "last_error", ...}: the final checkpoint's copy on
+    # `[storage] mirror` (MirrorWorker.status() plus ok); None without a mirror
+    mirror: dict | None = None
 
 
 def down(inventory: Inventory, *, force: bool = False, progress: Progress = lambda _m: None) -> DownResult:
@@ -197,7 +200,8 @@ def down(inventory: Inventory, *, force: bool = False, progress: Progress = lamb
     ok = not any(left.values()) and not unchecked
     return DownResult(ok=ok, message=str(result.get("message", "")), checkpoint=result.get("checkpoint"),
                       left={h: v for h, v in left.items() if v}, unchecked=unchecked,
-                      killed={h: v for h, v in killed.items() if v})
+                      killed={h: v for h, v in killed.items() if v},
+                      mirror=result.get("mirror") if isinstance(result.get("mirror"), dict) else None)
 
 
 async def _verify(inventory: Inventory, force: bool):

@@ -9,6 +9,14 @@ so a failing host never blocks the others; its failure is recorded against it.
 
 `Controller` is driven by `controller/__main__.py` and answers the command socket
 (`controller/socket.py`): `status_document`, `reconcile`, `scale`, `down`.
+
+Checkpoint mirror (`eltctl/mirror.py`, when `[storage] mirror` is set): every
+committed checkpoint rank 0 reports in the runtime's status is handed to a
+`MirrorWorker`, which copies it in the background. Before workers start while no
+survivor holds the job's state (the first `up`, or every host lost), the newest
+valid checkpoint among the hosts' and the mirror's is delivered into the checkpoint
+directory of every host about to run workers (`prepare_restore`), because the
+runtime restores from its own host's directory; no worker starts until that is done.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from eltctl import hostops
+from eltctl import mirror as mir
 from eltctl.controller import policy as pol
 from eltctl.controller.statedir import StateDir, read_json, write_json_atomic
 from eltctl.controller.store import JobStore
@@ -37,6 +46,7 @@ TICK_S = 0.5
 STATUS_EVERY_S = 1.0
 DAEMON_START_GRACE_S = 45.0  # python + torch import on a loaded host
 DOWN_TIMEOUT_S = 90.0
+MIRROR_FLUSH_S = 120.0  # `down` waits this long for the final checkpoint to be mirrored
 EVENTS_KEPT = 50
 # Worker states (runtime/daemon_logic.py WorkerState) of a worker that has ended.
 FINISHED_WORKER_STATES = {"left", "finished", "crashed", "lost"}
@@ -71,7 +81,8 @@ class Controller:
     """One job's controller. The constructor stores its arguments; `run` does the work."""
 
     def __init__(self, inventory: Inventory, state: StateDir, store: JobStore, fleet: Fleet,
-                 store_endpoint: str, *, clock: Callable[[], float] = time.time) -> None:
+                 store_endpoint: str, *, clock: Callable[[], float] = time.time,
+                 mirror_worker: mir.MirrorWorker | None = None) -> None:
         self.inventory = inventory
         self.state = state
         self.store = store
@@ -100,6 +111,13 @@ class Controller:
         self._status_written = 0.0
         self._runtime_files: dict[str, bytes] | None = None
         self._born: float | None = None  # when this controller first read the store
+        self.mirror_worker = mirror_worker  # started and stopped by __main__
+        self._restore_task: asyncio.Task | None = None
+        # Set once the checkpoint was delivered for the current cold start; cleared
+        # when a survivor holds the state again (so a later loss of every host restores anew).
+        self._restored = False
+        self._restored_at = 0.0  # runtime statuses older than this are of the run before it
+        self._final_mirror: dict | None = None  # what `down` reported, once the worker is stopped
 
     # ----------------------------------------------------------------- memory
 
@@ -167,6 +185,26 @@ class Controller:
                         self.crashed.setdefault(h, set()).add(slot)
         status = await self.store.get_json("status")
         self.runtime_status = status if isinstance(status, dict) else None
+        self._notify_mirror(now)
+
+    def runtime_fresh(self, now: float) -> bool:
+        rs = self.runtime_status or {}
+        t = rs.get("time")
+        return bool(t) and now - float(t) < self.runtime_fresh_for()
+
+    def _notify_mirror(self, now: float) -> None:
+        """Hand rank 0's newest committed checkpoint to the mirror worker. Only a fresh
+        status of the current run counts: after a restore the old run's status (a step
+        the new run will commit again) must not be taken for a new checkpoint."""
+        rs = self.runtime_status or {}
+        ck = rs.get("checkpoint")
+        if self.mirror_worker is None or not isinstance(ck, dict) or not self.runtime_fresh(now):
+            return
+        if float(rs.get("time") or 0) < self._restored_at or not isinstance(ck.get("step"), int):
+            return
+        host = mir.checkpoint_host(str(ck.get("path") or ""), self.inventory.job.name)
+        if host is not None and any(h.name == host for h in self.inventory.hosts):
+            self.mirror_worker.notify(host, ck["step"])
 
     def daemon_alive(self, name: str, now: float) -> bool:
         seen = self.seen.get(name)
@@ -190,7 +228,8 @@ class Controller:
 
     async def _probe(self) -> None:
         try:
-            reports = await probe_fleet(self.fleet, job=self.inventory.job.name, policy=self.inventory.policy)
+            reports = await probe_fleet(self.fleet, job=self.inventory.job.name, policy=self.inventory.policy,
+                                        hosts=self.inventory.hosts)
         except Exception:  # noqa: BLE001 - a probe bug must not end the controller
             log.exception("The probe failed.")
             return
@@ -273,11 +312,76 @@ class Controller:
                 return None
             decision = pol.decide(views, self.records, self.inventory, now)
             self.decision = decision
+            if not await self._restore_ready(decision, views, now):
+                self.phase, self.message = Phase.STARTING, "restoring the newest checkpoint onto the hosts"
+                if self.records != before:
+                    self.save_records()
+                return decision
             await self.act(decision, views, now)
             if self.records != before:
                 self.save_records()
             self._update_phase(views, decision)
             return decision
+
+    def runtime_fresh_for(self) -> float:
+        """Rank 0 writes its status about every second; this long without one, it is gone."""
+        return max(10.0, 2 * self.inventory.policy.hang_timeout)
+
+    async def _restore_ready(self, decision: pol.Decision, views: dict[str, pol.HostView], now: float) -> bool:
+        """False while the checkpoint is being delivered to the hosts about to start
+        workers with no survivor (then nothing is acted on); True once it has been, or
+        when no restore is needed."""
+        if pol.survivor_holds_state(views, self.runtime_status, now, self.runtime_fresh_for()):
+            self._restored = False
+            return True
+        targets = [name for name, slots in decision.desired.items() if slots]
+        if self._restored or not targets:
+            return True
+        if self._restore_task is None:
+            self._restore_task = asyncio.ensure_future(self._restore(targets))
+            return False
+        if not self._restore_task.done():
+            return False
+        self._restore_task = None
+        self._restored = True
+        self._restored_at = self.clock()
+        return True
+
+    async def _restore(self, names: list[str]) -> None:
+        """Choose the newest valid checkpoint among these hosts' and the mirror's and
+        deliver it to each of them (mirror.prepare_restore). A failure is logged and the
+        start goes on: the runtime then restores whatever its host holds."""
+        job = self.inventory.job.name
+        mirror = self.mirror_worker.mirror if self.mirror_worker is not None else None
+        try:
+            places = []
+            for name in names:
+                try:
+                    places.append(await mir.host_place(await self.fleet.transport(self.inventory.host(name)), job))
+                except HostError as exc:
+                    log.warning("Restore: host %s is left out: %s", name, exc)
+            plan = await mir.prepare_restore(places, mirror)
+        except Exception as exc:  # noqa: BLE001 - a failed restore must not end the controller
+            log.exception("Restore: choosing or delivering the checkpoint failed.")
+            await self._event("restore", None, f"restore failed: {exc}; the hosts restore what they hold")
+            return
+        if plan.choice is None:
+            log.info("Restore: no checkpoint on %s%s; the job starts from step 0.", ", ".join(names),
+                     " or the mirror" if mirror is not None else "")
+            return
+        c = plan.choice
+        detail = f"step {c.step} from {c.where}, delivered to {', '.join(plan.ready) or 'no host'}"
+        if plan.failed:
+            detail += "; not delivered to " + "; ".join(f"{h}: {why}" for h, why in plan.failed)
+        if c.skipped:
+            detail += "; skipped " + "; ".join(c.skipped)
+        log.info("Restore: %s.", detail)
+        await self._event("restore", None, detail, step=c.step, where=c.where, skipped=list(c.skipped),
+                          ready=list(plan.ready))
+        if self.mirror_worker is not None:
+            # Steps after c.step will be committed anew by this run: count from c.step
+            # again (also when the newer ones were not skipped but lost with their hosts).
+            self.mirror_worker.rewind(c.step)
 
     async def _check_starts(self, views: dict[str, pol.HostView], now: float) -> None:
         """A daemon we started that never reported within the grace is a failure."""
@@ -407,7 +511,19 @@ class Controller:
     # ----------------------------------------------------------------- requests
 
     def reload_inventory(self, inventory: Inventory) -> None:
+        """Apply an edited inventory. The Fleet learns the new host list too (the probe
+        and `down` go over `fleet.hosts`); a host removed or moved loses its connection."""
+        old = {h.name: h for h in self.inventory.hosts}
         self.inventory = inventory
+        self.fleet.hosts = tuple(inventory.hosts)
+        for name, host in old.items():
+            if host != next((h for h in inventory.hosts if h.name == name), None):
+                self.paths.pop(name, None)
+                asyncio.ensure_future(self.fleet.forget(name))
+
+    async def checkpoint_place(self, name: str) -> mir.Place:
+        """A host's checkpoint directory over the controller's connection (the mirror's source)."""
+        return await mir.host_place(await self.fleet.transport(self.inventory.host(name)), self.inventory.job.name)
 
     async def scale(self, add: list[str], remove: list[str], force: bool) -> dict:
         names = {h.name for h in self.inventory.hosts}
@@ -498,6 +614,7 @@ class Controller:
                 checkpoint = {"step": ck.get("step"), "path": ck.get("path"), "time": ck.get("time")}
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
+        mirrored = await self._mirror_final(checkpoint)
         remaining = {h: [p.pid for p in ps] for h, ps in left.items() if ps}
         ok = not remaining
         if ok:
@@ -510,7 +627,29 @@ class Controller:
         self.message = msg
         self.write_status()
         return {"ok": ok, "checkpoint": checkpoint, "message": msg, "left": remaining,
-                "killed": {h: p for h, p in killed.items() if p}}
+                "killed": {h: p for h, p in killed.items() if p}, "mirror": mirrored}
+
+    async def _mirror_final(self, checkpoint: dict | None) -> dict | None:
+        """`down`: the final checkpoint onto the mirror, verified, before the answer."""
+        worker = self.mirror_worker
+        if worker is None:
+            return None
+        if checkpoint and isinstance(checkpoint.get("step"), int):
+            host = mir.checkpoint_host(str(checkpoint.get("path") or ""), self.inventory.job.name)
+            if host is not None:
+                worker.notify(host, checkpoint["step"])
+        self.message = "mirroring the final checkpoint"
+        self.write_status()
+        try:
+            ok = await worker.flush(timeout=MIRROR_FLUSH_S)
+            result = {"ok": ok, **worker.status()}
+            await worker.stop()
+        except Exception as exc:  # noqa: BLE001 - `down` answers whatever the mirror does
+            log.exception("Mirroring the final checkpoint failed.")
+            result = {**worker.status(), "ok": False, "last_error": f"mirror worker failed: {exc}"}
+        self.mirror_worker = None  # stopped: the status document shows it no more
+        self._final_mirror = result
+        return result
 
     async def leftovers(self) -> dict[str, list[hostops.JobProcess]]:
         """This job's processes on every host (an unreachable host: an empty list and a log line)."""
@@ -591,6 +730,8 @@ class Controller:
             "store": self.store_endpoint,
             "hosts": hosts,
             "events": list(self.events)[-20:],
+            "mirror": (self.mirror_worker.status() if self.mirror_worker is not None
+                       else self._final_mirror),
         }
 
     def write_status(self) -> None:

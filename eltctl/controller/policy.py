@@ -397,6 +397,29 @@ def host_state(view: HostView | None, record: HostRecord, now: float) -> tuple[H
     return HostState.IDLE, view.reason or "usable, not used"
 
 
+def survivor_holds_state(views: Mapping[str, HostView], runtime_status: Mapping | None, now: float,
+                         fresh_for: float) -> bool:
+    """Does some worker of the job still hold its state? (If not, a start must restore a
+    checkpoint first.) Yes when a daemon reports a live worker, or when rank 0's status
+    was written within `fresh_for` and names a worker on a host of `views` (the
+    inventory) that is not known to be unreachable: workers outlive a dead daemon,
+    while a status naming only lost or removed hosts is the last word of a dead run."""
+    if any(v.workers for v in views.values()):
+        return True
+    rs = runtime_status or {}
+    try:
+        written = float(rs.get("time") or 0.0)
+    except (TypeError, ValueError):
+        return False
+    if not written or now - written >= fresh_for:
+        return False
+    for member in rs.get("members") or []:
+        view = views.get(str(member).split("/")[0])
+        if view is not None and view.reach is not Reach.UNREACHABLE:
+            return True
+    return False
+
+
 def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
     order = {h.name: i for i, h in enumerate(inventory.hosts)}
     return sorted(names, key=lambda n: order.get(n, 1 << 30))
@@ -404,4 +427,4 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
 
 __all__ = ["Action", "Decision", "GpuUse", "HostRecord", "HostState", "HostView", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "applied", "decide", "eligible_slots", "host_state",
-           "record_failure", "track"]
+           "record_failure", "survivor_holds_state", "track"]
