@@ -10,11 +10,4 @@ COMMANDS = ["init", "doctor", "probe", "up", "scale", "down", "status", "logs", 
 
 
 def load_all() -> list[ModuleType]:
-    modules = []
-    for name in COMMANDS:
-        try:
-            modules.append(importlib.import_module(f"eltctl.commands.{name}"))
-        except ModuleNotFoundError as exc:  # a command not written yet
-            if exc.name != f"eltctl.commands.{name}":
-                raise
-    return modules
+    return [importlib.import_module(f"eltctl.commands.{name}") for name in COMMANDS]
