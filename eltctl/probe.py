@@ -26,6 +26,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Iterable
 
+from eltctl_runtime.gpuwatch import parse_number  # shared with the host daemon; stdlib only
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy
 from eltctl.transport import ErrorKind, Fleet, Outcome, Transport
@@ -36,8 +37,6 @@ GPU_FIELDS = "index,uuid,name,memory.used,memory.total,utilization.gpu"
 APP_FIELDS = "gpu_uuid,pid,used_memory,process_name"
 HANG_STATUSES = (124, 137)  # `timeout` gave up (TERM, then KILL)
 NOT_FOUND_STATUS = 127  # the shell's "command not found"
-MISSING_VALUES = {"[n/a]", "n/a", "[not supported]", "[unknown error]", "[insufficient permissions]",
-                  "[gpu is lost]", "[unknown]", ""}
 
 
 class HostState(str, enum.Enum):
@@ -188,24 +187,6 @@ def probe_timeout(policy: Policy) -> float:
 
 
 # --------------------------------------------------------------------------- parsing
-
-def _missing(text: str) -> bool:
-    return text.strip().lower() in MISSING_VALUES
-
-
-def parse_number(text: str) -> int | None:
-    """An nvidia-smi number, or None for [N/A], [Not Supported] and friends."""
-    text = text.strip()
-    if _missing(text):
-        return None
-    for suffix in (" MiB", " %", "MiB", "%"):
-        if text.endswith(suffix):
-            text = text[: -len(suffix)].strip()
-    try:
-        return int(round(float(text)))
-    except ValueError:
-        return None
-
 
 def parse_gpu_line(line: str) -> Gpu | None:
     raw = line.split(",")
