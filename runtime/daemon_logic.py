@@ -297,6 +297,14 @@ def decide(v: View) -> Decision:
             elif age >= v.stop_timeout:
                 actions.append(Leave(w.slot, w.worker_id, f"it did not stop within {v.stop_timeout:g} s"))
         elif w.state is WorkerState.LEAVING:
+            if w.slot in v.foreign and not any(y.slot == w.slot for y in yielded):
+                # Asked to leave before this daemon saw the owner (the controller's
+                # probe was first): it is still a yield, and the owner waits.
+                f = v.foreign[w.slot]
+                rec = Yield(w.slot, f.pid, f.user, v.wall)
+                yielded.append(rec)
+                actions.append(RecordYield(rec, w.worker_id))
+                urgent.add(w.worker_id)
             departed = w.worker_id in v.departed
             if departed and w.worker_id in urgent and age >= v.evict_grace:
                 actions.append(Kill(w.slot, w.worker_id, "it has left the job and the GPU's owner is waiting",

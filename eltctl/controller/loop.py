@@ -262,6 +262,7 @@ class Controller:
         workers: tuple[int, ...] = ()
         yielded: tuple[int, ...] = ()
         seq_applied = -1
+        watched = False
         if alive and seen is not None:
             st = seen.state
             if reach is pol.Reach.UNREACHABLE or reach is pol.Reach.UNKNOWN:
@@ -276,6 +277,7 @@ class Controller:
                                     if isinstance(y, dict) and y.get("slot") is not None}))
             seq_applied = int(st.get("seq_applied", -1) if st.get("seq_applied") is not None else -1)
             daemon_gpus = {int(g["index"]): g for g in st.get("gpus", []) if isinstance(g, dict) and "index" in g}
+            watched = bool(daemon_gpus) and st.get("health") == "ok"
             if daemon_gpus and slots:
                 merged = []
                 for s in slots:
@@ -286,7 +288,8 @@ class Controller:
                         merged.append(s)
                 slots = tuple(merged)
         return pol.HostView(name=host.name, reach=reach, reason=reason, slots=slots, daemon_alive=alive,
-                            workers=workers, yielded=yielded, crashed=crashed, seq_applied=seq_applied)
+                            workers=workers, yielded=yielded, crashed=crashed, seq_applied=seq_applied,
+                            watched=watched)
 
     # ----------------------------------------------------------------- one pass
 

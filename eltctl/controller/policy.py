@@ -100,6 +100,9 @@ class HostView:
     yielded: tuple[int, ...] = ()  # slots the daemon gave back to their owner
     crashed: tuple[int, ...] = ()  # slots whose worker crashed since the last observation
     seq_applied: int = -1  # the desired seq its daemon has acted on (-1: no daemon state)
+    # Its live daemon watches the GPUs itself (it reports their states): an owner on a
+    # GPU we use is the daemon's to yield, so one yield is recorded, not two races.
+    watched: bool = False
 
     def slot(self, index: int) -> SlotView | None:
         for s in self.slots:
@@ -219,6 +222,10 @@ def track(records: Mapping[str, HostRecord], views: Mapping[str, HostView], inve
 
         # A yield reported for an older request is history: the slot was asked for again.
         yielded = [s for s in view.yielded if s in rec.desired] if view.seq_applied >= rec.seq else []
+        if view.reach is Reach.OK and not view.watched and not rec.force:
+            # No daemon watching: the probe's view of an owner on a GPU we use is the yield.
+            yielded += [s.index for s in view.slots
+                        if s.use is GpuUse.BUSY and s.index in rec.desired and s.index not in yielded]
         gone = yielded + [s for s in view.crashed if s in rec.desired]
         if yielded:
             slots = ", ".join(map(str, yielded))
@@ -299,8 +306,8 @@ def kept_slots(view: HostView | None, record: HostRecord, now: float) -> list[in
     out = []
     for index in record.desired:
         s = view.slot(index)
-        if s is not None and s.use is GpuUse.BUSY and not record.force:
-            continue  # the owner is back: leave it (the daemon may already have)
+        if s is not None and s.use is GpuUse.BUSY and not record.force and not view.watched:
+            continue  # the owner is back and no daemon watches: leave it
         out.append(index)
     return out
 

@@ -164,6 +164,38 @@ def test_yield_drops_the_slot_and_cools_the_host_down():
     assert "owner took GPU 1" in r.last_problem
 
 
+def test_owner_seen_by_the_probe_with_no_daemon_watching_counts_as_a_yield():
+    inv = inventory(hosts=("a",), cooldown=60)
+    rec = HostRecord(desired=(0, 1), seq=2)
+    r = track({"a": rec}, {"a": view("a", "ours", "busy", alive=True, workers=(0, 1), seq_applied=2)}, inv, NOW)["a"]
+    assert r.desired == (0,)
+    assert r.cooldown_until == NOW + 60
+    assert "owner took GPU 1" in r.last_problem
+
+
+def test_owner_on_a_watched_host_is_left_to_its_daemon():
+    # The probe saw the owner before the daemon did: the daemon yields (one yield
+    # event, an urgent leave); the controller neither drops the slot nor cools down yet.
+    from dataclasses import replace
+    inv = inventory(hosts=("a",), cooldown=60)
+    rec = HostRecord(desired=(0, 1), seq=2)
+    v = replace(view("a", "ours", "busy", alive=True, workers=(0, 1), seq_applied=2), watched=True)
+    r = track({"a": rec}, {"a": v}, inv, NOW)["a"]
+    assert r.desired == (0, 1) and r.cooldown_until == 0.0
+    assert decide({"a": v}, {"a": r}, inv, NOW).desired == {"a": (0, 1)}
+    # Once the daemon reports the yield, the slot goes and the host cools down.
+    v2 = replace(v, workers=(0,), yielded=(1,))
+    r2 = track({"a": r}, {"a": v2}, inv, NOW)["a"]
+    assert r2.desired == (0,) and r2.cooldown_until == NOW + 60
+
+
+def test_a_busy_gpu_that_was_not_asked_for_is_no_yield():
+    inv = inventory(hosts=("a",), cooldown=60)
+    rec = HostRecord(desired=(0,), seq=2)
+    r = track({"a": rec}, {"a": view("a", "ours", "busy", alive=True, workers=(0,), seq_applied=2)}, inv, NOW)["a"]
+    assert r.desired == (0,) and r.cooldown_until == 0.0
+
+
 def test_yield_reported_for_an_older_request_is_ignored():
     inv = inventory(hosts=("a",))
     rec = HostRecord(desired=(0, 1), seq=3)  # slot 1 asked for again in seq 3
