@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import json
 import logging
 import os
@@ -329,13 +330,18 @@ async def verify_located(place: Place, c: Located) -> Located:
 
 async def read_located(place: Place, step: int) -> Located:
     """The manifest of one checkpoint of a place; MirrorError(source_gone) if it is not there."""
+    return (await _read_manifest(place, step))[0]
+
+
+async def _read_manifest(place: Place, step: int) -> tuple[Located, str]:
+    """read_located, and the manifest's text."""
     name = ckpt.step_dirname(step)
     result = await place.transport.run(f"cat {_q(place.step_path(step))}/{ckpt.MANIFEST_FILE}", timeout=LIST_TIMEOUT)
     if not result.ok:
         raise MirrorError(f"checkpoint of step {step} is not on {place.label} any more "
                           f"({(result.stderr.strip() or 'no manifest').splitlines()[-1][:200]})", source_gone=True)
     s, created, files = manifest_files(result.stdout, name)
-    return Located(s, place.label, place.step_path(step), created, sum(f[1] for f in files), files)
+    return Located(s, place.label, place.step_path(step), created, sum(f[1] for f in files), files), result.stdout
 
 
 # --------------------------------------------------------------------------- binary streams
@@ -509,14 +515,94 @@ def _tmp_name(step: int) -> str:
     return f"{ckpt.TMP_PREFIX}{ckpt.step_dirname(step)}-mirror-{uuid.uuid4().hex[:12]}"
 
 
+_NO_PYTHON = "@@ELTCTL-NO-PYTHON@@"
+
+
+def _one_shot_command(python: str, mode: str, src: str | None, dst: Place, step: int, tmp_name: str,
+                      expected: dict[str, Any]) -> str:
+    """Shell: run mirror_copy.py with the host's Python (or print _NO_PYTHON where it has none)."""
+    args = " ".join(_q(a) for a in (mode, src or "-", dst.directory, ckpt.step_dirname(step), tmp_name,
+                                    json.dumps(expected, separators=(",", ":"))))
+    return (f"if command -v {_q(python)} >/dev/null 2>&1; then exec {NICE} {_q(python)} -c {_q(_mirror_copy_source())} "
+            f"{args}; else echo {_NO_PYTHON}; fi")
+
+
+_SCRIPT: str | None = None
+
+
+def _mirror_copy_source() -> str:
+    global _SCRIPT
+    if _SCRIPT is None:
+        from pathlib import Path
+
+        _SCRIPT = (Path(__file__).with_name("mirror_copy.py")).read_text(encoding="utf-8")
+    return _SCRIPT
+
+
+def _one_shot_result(result: RunResult, what: str, host: str) -> dict[str, Any] | None:
+    """mirror_copy.py's answer; None if the host has no Python; MirrorError on failure."""
+    if result.stdout.strip() == _NO_PYTHON:
+        return None
+    line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    try:
+        out = json.loads(line) if line.startswith("{") else None
+    except ValueError:
+        out = None
+    if not isinstance(out, dict):
+        err = result.stderr.strip() or f"exit {result.exit_status}"
+        raise MirrorError(f"{what} on {host} failed: {err.splitlines()[-1][:300]}")
+    if not out.get("ok"):
+        problem = str(out.get("problem") or f"exit {result.exit_status}")
+        if out.get("source_gone"):
+            raise MirrorError(f"{what} on {host}: the source is gone ({problem[:200]})", source_gone=True)
+        raise MirrorError(f"{what} on {host}: the copy does not verify: {problem[:300]}")
+    return out
+
+
 async def copy_checkpoint(src: Place, step: int, dst: Place) -> Located:
     """Copy one checkpoint from src to dst atomically; returns it as it now is at dst, verified.
 
     Written under `.tmp-*` in dst's directory, hashed where it was written, compared with
     the SOURCE manifest (not the copy's), then renamed. An existing valid copy is kept
     (idempotent); an existing invalid one is replaced.
+
+    Where the host doing the work has Python (job hosts do), all of that is one command
+    running eltctl/mirror_copy.py there (copy, hash, compare, fsync, rename: one round
+    trip); elsewhere the same steps run as separate shell commands.
     """
-    source = await read_located(src, step)
+    source, manifest_text = await _read_manifest(src, step)
+    expected = {"files": [list(f) for f in source.files], "manifest_name": ckpt.MANIFEST_FILE,
+                "manifest": hashlib.sha256(manifest_text.encode("utf-8")).hexdigest()}
+    done = replace(source, where=dst.label, path=dst.step_path(step), verified=True, problem=None)
+    what = f"mirroring step {step} from {src.label} to {dst.label}"
+    if dst.shared or src.shared:
+        runner = src.transport if dst.shared else dst.transport
+        tmp_name = _tmp_name(step)
+        cmd = _one_shot_command(runner.host.python, "copy", source.path, dst, step, tmp_name, expected)
+        try:
+            if await _try_one_shot(runner, cmd, what):
+                return done
+        except BaseException:
+            # The script removes its temporary directory itself, unless it was cut off
+            # (the host vanished): then best effort from here; retention sweeps the rest.
+            try:
+                await asyncio.wait_for(dst.transport.run(f"rm -rf -- {_q(dst.directory + '/' + tmp_name)}",
+                                                         timeout=60), 65)
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the first error is the one to report
+                pass
+            raise
+    return await _copy_checkpoint_steps(src, source, step, dst, expected)
+
+
+async def _try_one_shot(runner: Transport, cmd: str, what: str) -> bool:
+    """Run a mirror_copy.py command: True when it published, False when the host has no Python."""
+    result = await runner.run(cmd, timeout=COPY_TIMEOUT)
+    return _one_shot_result(result, what, runner.host.name) is not None
+
+
+async def _copy_checkpoint_steps(src: Place, source: Located, step: int, dst: Place,
+                                 expected: dict[str, Any]) -> Located:
+    """copy_checkpoint one shell command at a time (a relay, or a host without Python)."""
     final = dst.step_path(step)
     try:
         existing = await read_located(dst, step)
@@ -547,6 +633,10 @@ async def copy_checkpoint(src: Place, step: int, dst: Place) -> Located:
             runner = dst.transport
             await _relay(src.transport, f"cd {_q(source.path)} && exec {NICE} tar -cf - -- {quoted}",
                          dst.transport, f"set -e; mkdir -p {_q(tmp)}; tar -C {_q(tmp)} -xf -")
+            cmd = _one_shot_command(dst.transport.host.python, "publish", None, dst, step, tmp.rsplit("/", 1)[1],
+                                    expected)
+            if await _try_one_shot(dst.transport, cmd, f"verifying the copy of step {step} on {dst.label}"):
+                return replace(source, where=dst.label, path=final, verified=True, problem=None)
             sums_text = (await _run(dst.transport, _copy_hash_command(dst.transport.host.python, None, tmp, names),
                                     f"hashing the copy of step {step}", HASH_TIMEOUT)).stdout
         sums = _parse_sums(sums_text)

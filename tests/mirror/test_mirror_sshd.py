@@ -124,6 +124,39 @@ def test_mirror_copies_verifies_and_keeps_the_newest(testbed, kind):
     assert step == 30 and torch.equal(state["w"], torch.full((1000,), 30.0))
 
 
+def test_a_host_without_python_mirrors_with_plain_shell_tools(testbed):
+    # The one-command copy needs the host's Python; without it, cp + sha256sum + mv.
+    import re
+
+    h1 = testbed.add_host("h1")
+    spec, where = mirror_spec(testbed, "dir")
+    path = testbed.write_inventory()
+    path.write_text(re.sub(r'(?m)^python = .*$', 'python = "/nonexistent/python3"', path.read_text()))
+    inv = load_inventory(path)
+    assert inv.host("h1").python == "/nonexistent/python3"
+    commit(h1, 10)
+    commit(h1, 20)
+    flip_byte(ckpt_dir(h1) / "step-00000020" / "state.pt")
+
+    async def main():
+        mirror = Mirror(parse_target(spec), JOB, keep=2, ssh=inv.ssh)
+        async with Fleet(inv) as fleet:
+            src = await host_place(await fleet.transport(inv.host("h1")), JOB)
+            try:
+                copied = await mirror.mirror_checkpoint(src, 10)
+                again = await mirror.mirror_checkpoint(src, 10)
+                with pytest.raises(MirrorError, match="does not verify"):
+                    await mirror.mirror_checkpoint(src, 20)
+            finally:
+                await mirror.close()
+        return copied, again
+
+    copied, again = asyncio.run(main())
+    assert copied.verified and again.verified
+    assert sorted(os.listdir(where / JOB)) == ["step-00000010"]
+    assert verify_dir(where / JOB / "step-00000010") is not None
+
+
 def test_a_reader_never_sees_a_partial_mirror_copy(testbed, kind):
     h1 = testbed.add_host("h1")
     spec, where = mirror_spec(testbed, kind)

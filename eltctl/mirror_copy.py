@@ -1,0 +1,223 @@
+"""Copy, verify and publish one checkpoint in one run on the host that sees both paths.
+
+This file is not imported on the hosts: `eltctl.mirror` sends its source text with
+`python -c` to the host that does the copying (the host holding the checkpoint for a
+shared-directory mirror; the mirror host after an ssh:// relay), so it uses the
+standard library only and works on any Python 3.8+.
+
+    python -c <this file> copy    SRC  PARENT STEPNAME TMPNAME EXPECTED
+    python -c <this file> publish -    PARENT STEPNAME TMPNAME EXPECTED
+
+`copy`: if PARENT/STEPNAME already holds a copy whose manifest and files match
+EXPECTED, keep it. Otherwise copy every file of SRC into the new directory
+PARENT/TMPNAME, hashing each byte as it is written (a hashing thread runs beside the
+copy, so the copy costs about max(copy, hash), not their sum), fsync, compare with
+EXPECTED, then rename into place: the old PARENT/STEPNAME, if any, is set aside
+first and removed after. A reader of PARENT never sees a partial checkpoint.
+`publish`: PARENT/TMPNAME was filled by someone else (a tar stream); hash it,
+compare, fsync, rename as above.
+
+EXPECTED is JSON: {"files": [[name, size, sha256], ...], "manifest": sha256 of
+manifest.json, "manifest_name": "manifest.json"}: what the SOURCE's manifest says,
+read by the controller, so the copy is checked against the source, not itself.
+
+Prints one JSON line: {"ok", "kept", "sums", "problem", "source_gone", "bytes"};
+exit 0 when published or kept, 3 when the source is gone, 4 when the copy does not
+verify (the temporary directory is then removed).
+"""
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import sys
+import threading
+import uuid
+
+CHUNK = 1 << 20
+BUFFERS = 4
+
+
+class Problem(Exception):
+    pass
+
+
+def _hash_pipeline(read_into, write):
+    """sha256 of everything `read_into` yields, `write` called on each chunk.
+
+    The hashing runs in a second thread (hashlib releases the GIL on large buffers),
+    so reading and writing chunk k+1 overlap hashing chunk k. Returns (hex, bytes)."""
+    h = hashlib.sha256()
+    free = queue.Queue()
+    for _ in range(BUFFERS):
+        free.put(bytearray(CHUNK))
+    work = queue.Queue()
+
+    def hasher():
+        while True:
+            item = work.get()
+            if item is None:
+                return
+            buf, n = item
+            h.update(memoryview(buf)[:n])
+            free.put(buf)
+
+    t = threading.Thread(target=hasher, daemon=True)
+    t.start()
+    total = 0
+    try:
+        while True:
+            buf = free.get()
+            n = read_into(buf)
+            if not n:
+                free.put(buf)
+                break
+            if write is not None:
+                write(memoryview(buf)[:n])
+            total += n
+            work.put((buf, n))
+    finally:
+        work.put(None)
+        t.join()
+    return h.hexdigest(), total
+
+
+def hash_file(path):
+    with open(path, "rb") as f:
+        return _hash_pipeline(f.readinto, None)
+
+
+def copy_file(src, dst):
+    with open(src, "rb") as f, open(dst, "xb") as g:
+        def write(view):
+            while view:
+                n = g.write(view)
+                view = view[n:]
+        digest, total = _hash_pipeline(f.readinto, write)
+        g.flush()
+        os.fsync(g.fileno())
+        if os.fstat(g.fileno()).st_size != total:
+            raise Problem("%s: short write" % dst)
+    return digest, total
+
+
+def fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory
+    finally:
+        os.close(fd)
+
+
+def check(expected, sums, sizes):
+    for name, size, sha in expected["files"]:
+        if name not in sums:
+            return "%s is missing" % name
+        if sizes.get(name) != size:
+            return "%s has %s bytes, the manifest says %d" % (name, sizes.get(name), size)
+        if sums[name] != sha:
+            return "%s sha256 %s... differs from the manifest's %s..." % (name, sums[name][:12], sha[:12])
+    mname = expected["manifest_name"]
+    if sums.get(mname) != expected["manifest"]:
+        return "%s of the copy differs from the source's" % mname
+    return None
+
+
+def names_of(expected):
+    return [e[0] for e in expected["files"]] + [expected["manifest_name"]]
+
+
+def verify_dir(path, expected):
+    sums, sizes = {}, {}
+    for name in names_of(expected):
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            continue
+        sums[name], sizes[name] = hash_file(p)
+    return sums, sizes, check(expected, sums, sizes)
+
+
+def publish(parent, stepname, tmp):
+    final = os.path.join(parent, stepname)
+    aside = os.path.join(parent, ".tmp-replaced-" + uuid.uuid4().hex[:12])
+    fsync_dir(tmp)
+    if os.path.lexists(final):
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    fsync_dir(parent)
+    if os.path.lexists(aside):
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def run(mode, src, parent, stepname, tmpname, expected):
+    out = {"ok": False, "kept": False, "sums": {}, "problem": None, "source_gone": False, "bytes": 0}
+    tmp = os.path.join(parent, tmpname)
+    final = os.path.join(parent, stepname)
+    mname = expected["manifest_name"]
+    if mode == "copy":
+        if not os.path.isfile(os.path.join(src, mname)):
+            out["source_gone"] = True
+            out["problem"] = "No such file: %s" % os.path.join(src, mname)
+            return out, 3
+        os.makedirs(parent, exist_ok=True)
+        if os.path.isfile(os.path.join(final, mname)):
+            sums, sizes, problem = verify_dir(final, expected)
+            if problem is None:
+                out.update(ok=True, kept=True, sums=sums)
+                return out, 0
+        os.mkdir(tmp)
+        sums, sizes = {}, {}
+        try:
+            for name in names_of(expected):
+                try:
+                    sums[name], sizes[name] = copy_file(os.path.join(src, name), os.path.join(tmp, name))
+                except FileNotFoundError as exc:
+                    if exc.filename and exc.filename.startswith(src):
+                        out["source_gone"] = True
+                        out["problem"] = "No such file: %s" % exc.filename
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        return out, 3
+                    raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    else:
+        sums, sizes = {}, {}
+        for name in names_of(expected):
+            p = os.path.join(tmp, name)
+            if os.path.isfile(p):
+                sums[name], sizes[name] = hash_file(p)
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+    out["sums"] = sums
+    out["bytes"] = sum(sizes.values())
+    problem = check(expected, sums, sizes)
+    if problem is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        out["problem"] = problem
+        return out, 4
+    publish(parent, stepname, tmp)
+    out["ok"] = True
+    return out, 0
+
+
+def main(argv):
+    mode, src, parent, stepname, tmpname, expected = argv[:6]
+    if mode not in ("copy", "publish"):
+        sys.exit("mode must be copy or publish, not %r" % mode)
+    if "/" in stepname or "/" in tmpname or not tmpname.startswith(".tmp-"):
+        sys.exit("bad names %r %r" % (stepname, tmpname))
+    out, code = run(mode, src, parent, stepname, tmpname, json.loads(expected))
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
