@@ -258,9 +258,12 @@ def test_ctrl_c_stops_everything_the_demo_started():
 
     root = Path(tempfile.mkdtemp(prefix="eltdemo-", dir="/tmp"))
     env = {**os.environ, "NO_COLOR": "1", "TERM": "dumb"}
+    # SIGINT back to its default in the child: a test run started in the background
+    # (`cmd &` without job control) ignores SIGINT, and the child would inherit that.
     proc = subprocess.Popen([sys.executable, "-m", "eltctl", "demo", "--plain", "--dir", str(root)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # Interrupt once the hosts' daemons run: the most there is to clean up before training.
         daemons = lambda: list(root.glob("home/.eltctl/jobs/*/*/daemon.pid"))  # noqa: E731

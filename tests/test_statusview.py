@@ -364,7 +364,9 @@ def test_status_watch_refreshes_and_ctrl_c_exits_0(tmp_path):
     (d / "status.json").write_text(json.dumps({**TRAINING, "updated": time.time()}))
     proc = subprocess.Popen([sys.executable, "-m", "eltctl", "status", "--watch"], cwd=tmp_path,
                             env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True)
+                            stdin=subprocess.DEVNULL, text=True,
+                            # default SIGINT even when the test run itself ignores it (started with `&`)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         time.sleep(4)  # the watch redraws about once a second
         (d / "status.json").write_text(json.dumps({**TRAINING, "step": 99999, "updated": time.time()}))
