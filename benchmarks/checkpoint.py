@@ -2,13 +2,20 @@
 
 (a) Throughput, on one ~100 MB checkpoint written by runtime/checkpoint.py on a
     simulated host (tests/testbed, real sshd on loopback), median of --runs:
-      - shared directory: `Mirror.mirror_checkpoint` (the host runs `cp -R`, `sha256sum`
-        and `sync` on the copy, the controller compares and renames) against a plain
-        `cp -R` of the same directory;
+      - shared directory on the local disk: `Mirror.mirror_checkpoint` (the host runs
+        eltctl/mirror_copy.py: copy + sha256 in two threads, fsync, compare with the
+        source manifest, rename) against `cp -R` (fills the page cache, verifies
+        nothing), `cp -R && sync` (durable) and `cp -R && sha256sum` (the same
+        verification done the plain way); with this machine's one-core sha256 speed,
+        the floor of any verified copy;
+      - shared directory on a network filesystem: the same into an sshfs mount of
+        another simulated host (FUSE over SSH, standing in for a lab's NFS: this
+        machine has no nfsd), against `cp -R` into the same mount. Skipped (and said
+        so) without `sshfs` (apt-get install sshfs) or with --no-netfs;
       - ssh://: `Mirror.mirror_checkpoint` (tar stream relayed by this process from the
-        host's sshd to the mirror host's sshd, then `sha256sum` there and rename) against
-        `scp -3 -r` (OpenSSH routing the same copy host -> here -> mirror host) and a
-        plain `scp -r` from this machine to the mirror host.
+        host's sshd to the mirror host's sshd, then hash, check and rename there in one
+        command) against `scp -3 -r` (OpenSSH routing the same copy host -> here ->
+        mirror host) and a plain `scp -r` from this machine to the mirror host.
     Target: mirror at least 0.8x the plain copy.
 
 (b) Step time, two workers of the elastic runtime (real processes, gloo) training the
@@ -22,9 +29,13 @@
     runtime's checkpoint cost from the mirror's), alternating (off, ckpt, on, on, ckpt,
     off) against load drift.
     The first 10 s of each run are not measured. Target: at most 5% slower.
+    Two figures: the mean step time of each arm over its runs (drift of the machine's
+    load between runs shows in it), and a load-normalized one: each run's mean step
+    over its own median step (a checkpoint and a copy show as slow steps, load that
+    drifts over minutes moves the median too), on against off.
 
     .venv/bin/python benchmarks/checkpoint.py [--json] [--runs 3] [--seconds 75] [--pairs 2]
-        [--checkpoint-seconds 60] [--skip-steps] [--skip-throughput]
+        [--checkpoint-seconds 60] [--skip-steps] [--skip-throughput] [--no-netfs]
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -77,7 +89,52 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def throughput(runs: int, mb: int) -> dict:
+NETFS_SKIPPED = ""
+
+
+class NetFs:
+    """A network filesystem mounted here: sshfs (FUSE over SSH) from the simulated
+    host `store`, standing in for the NFS mount of a lab (this machine has no nfsd).
+    Every byte written to `mount` crosses a real network protocol to `server_dir`."""
+
+    def __init__(self, mount: Path, server_dir: Path) -> None:
+        self.mount, self.server_dir = mount, server_dir
+
+    def unmount(self) -> None:
+        subprocess.run(["fusermount", "-u", str(self.mount)], check=False, capture_output=True)
+        if os.path.ismount(self.mount):
+            subprocess.run(["umount", "-l", str(self.mount)], check=False, capture_output=True)
+
+
+def mount_sshfs(bed, store) -> NetFs | None:
+    global NETFS_SKIPPED
+    if shutil.which("sshfs") is None:
+        NETFS_SKIPPED = "sshfs is not installed (apt-get install sshfs)"
+        return None
+    server_dir = store.dir / "home" / "export"
+    server_dir.mkdir(parents=True, exist_ok=True)
+    mount = bed.dir / "netfs"
+    mount.mkdir(exist_ok=True)
+    cmd = ["sshfs", f"{bed.user}@{store.address}:{server_dir}", str(mount), "-p", str(store.port),
+           "-o", f"IdentityFile={bed.client_key},UserKnownHostsFile={bed.known_hosts},StrictHostKeyChecking=yes,"
+                 "BatchMode=yes,allow_other"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if r.returncode != 0 or not os.path.ismount(mount):
+        NETFS_SKIPPED = f"sshfs mount failed: {(r.stderr or r.stdout).strip()[-300:]}"
+        return None
+    return NetFs(mount, server_dir)
+
+
+def sha256_speed() -> float:
+    """This machine's sha256 speed on one core (MB/s): the floor of a verified copy."""
+    import hashlib
+
+    data = os.urandom(64 << 20)
+    best = min(timed(lambda: hashlib.sha256(data).digest()) for _ in range(3))
+    return round(len(data) / best / 1e6, 1)
+
+
+def throughput(runs: int, mb: int, use_netfs: bool = True) -> dict:
     from eltctl.inventory import load_inventory
     from eltctl.mirror import Mirror, host_place, parse_target
     from eltctl.transport import Fleet
@@ -119,16 +176,9 @@ def throughput(runs: int, mb: int) -> dict:
 
         def fresh(path: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
-            path.mkdir(parents=True)
+            path.mkdir(parents=True, exist_ok=True)
 
-        figures = {"dir_mirror_s": [], "dir_cp_s": [], "ssh_mirror_s": [], "ssh_scp3_s": [], "ssh_scp_s": []}
-        for i in range(runs):
-            log(f"throughput run {i + 1}/{runs}")
-            fresh(shared)
-            figures["dir_cp_s"].append(timed(lambda: subprocess.run(
-                ["cp", "-R", str(src_step), str(shared / "copy")], check=True)))
-            fresh(shared)
-            figures["dir_mirror_s"].append(run_mirror(str(shared)))
+        def one_ssh_run(_i: int) -> None:
             fresh(ssh_root)
             figures["ssh_scp3_s"].append(timed(lambda: subprocess.run(
                 ["scp", "-3", "-r", *ssh_opts, uri(h1, src_step), uri(store, ssh_root / "copy")], check=True)))
@@ -137,12 +187,53 @@ def throughput(runs: int, mb: int) -> dict:
                 ["scp", "-r", *ssh_opts, str(src_step), uri(store, ssh_root / "copy")], check=True)))
             fresh(ssh_root)
             figures["ssh_mirror_s"].append(run_mirror(f"ssh://{bed.user}@{store.address}:{store.port}{ssh_root}"))
+
+        figures = {"dir_mirror_s": [], "dir_cp_s": [], "dir_cp_sync_s": [], "dir_cp_sha_s": [],
+                   "ssh_mirror_s": [], "ssh_scp3_s": [], "ssh_scp_s": []}
+        netfs = mount_sshfs(bed, store) if use_netfs else None
+        if netfs is not None:
+            figures.update({"netfs_mirror_s": [], "netfs_cp_s": []})
+        else:
+            out["netfs_skipped"] = NETFS_SKIPPED or "--no-netfs"
+
+        def sh(cmd: str) -> float:
+            return timed(lambda: subprocess.run(["sh", "-c", cmd], check=True, stdout=subprocess.DEVNULL))
+
+        copy = shlex.quote(str(shared / "copy"))
+        src = shlex.quote(str(src_step))
+        try:
+            for i in range(runs):
+                log(f"throughput run {i + 1}/{runs}")
+                fresh(shared)
+                figures["dir_cp_s"].append(sh(f"cp -R {src} {copy}"))
+                fresh(shared)
+                figures["dir_cp_sync_s"].append(sh(f"cp -R {src} {copy} && sync -f {copy}/*"))
+                fresh(shared)
+                figures["dir_cp_sha_s"].append(sh(f"cp -R {src} {copy} && sha256sum {copy}/*"))
+                fresh(shared)
+                figures["dir_mirror_s"].append(run_mirror(str(shared)))
+                if netfs is not None:
+                    # emptied through the mount: behind its back, sshfs's caches go stale
+                    fresh(netfs.mount)
+                    figures["netfs_cp_s"].append(sh(f"cp -R {src} {shlex.quote(str(netfs.mount / 'copy'))}"))
+                    fresh(netfs.mount)
+                    figures["netfs_mirror_s"].append(run_mirror(str(netfs.mount)))
+                    fresh(netfs.mount)
+                one_ssh_run(i)
+        finally:
+            if netfs is not None:
+                netfs.unmount()
         med = {k: statistics.median(v) for k, v in figures.items()}
         out.update({k: round(v, 3) for k, v in med.items()})
         out["runs"] = {k: [round(x, 3) for x in v] for k, v in figures.items()}
         mbps = {k[:-2] + "_MBps": round(nbytes / v / 1e6, 1) for k, v in med.items()}
         out.update(mbps)
         out["dir_ratio_vs_cp"] = round(med["dir_cp_s"] / med["dir_mirror_s"], 3)
+        out["dir_ratio_vs_cp_sync"] = round(med["dir_cp_sync_s"] / med["dir_mirror_s"], 3)
+        out["dir_ratio_vs_cp_sha"] = round(med["dir_cp_sha_s"] / med["dir_mirror_s"], 3)
+        if netfs is not None:
+            out["netfs_ratio_vs_cp"] = round(med["netfs_cp_s"] / med["netfs_mirror_s"], 3)
+        out["sha256_MBps"] = sha256_speed()
         out["ssh_ratio_vs_scp3"] = round(med["ssh_scp3_s"] / med["ssh_mirror_s"], 3)
         out["ssh_ratio_vs_scp"] = round(med["ssh_scp_s"] / med["ssh_mirror_s"], 3)
     return out
@@ -210,8 +301,14 @@ def train_run(tmp: Path, seconds: float, checkpoint_seconds: float | None, mirro
     t0 = times[0][1] + 10.0  # skip warm-up (process start, first allocations)
     window = [(s, t) for s, t in times if t0 <= t <= times[0][1] + seconds - 1.0]
     step_s = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+    # The run's typical step (median) against its mean: checkpoints and copies show as
+    # slow steps, load that drifts over minutes moves the median as well, so
+    # mean/median of one run is its own overhead at that run's load.
+    dts = [(t1 - t0_) / max(1, s1 - s0) for (s0, t0_), (s1, t1) in zip(window, window[1:])]
+    typical = statistics.median(dts)
     checkpoints = sorted(p.name for p in ckpt.glob("step-*")) if checkpoint_seconds else []
-    return {"step_s": step_s, "steps_measured": window[-1][0] - window[0][0],
+    return {"step_s": step_s, "median_step_s": typical, "mean_over_median": step_s / typical,
+            "steps_measured": window[-1][0] - window[0][0],
             "window_s": round(window[-1][1] - window[0][1], 1), "checkpoints": len(checkpoints),
             "mirrored_steps": mirrored, "mirror_status": status}
 
@@ -287,7 +384,15 @@ def step_times(seconds: float, checkpoint_seconds: float, pairs: int) -> dict:
         return sum(r["step_s"] * r["steps_measured"] for r in runs[arm]) / steps
 
     off, ck, on = mean_step("off"), mean_step("ckpt"), mean_step("on")
+
+    def spread(arm: str) -> float:
+        return statistics.mean(r["mean_over_median"] for r in runs[arm])
+
     return {"seconds_per_run": seconds, "checkpoint_every_s": checkpoint_seconds, "pairs": pairs,
+            # each run against its own median step: insensitive to load drifting between runs
+            "slowdown_load_normalized": round(spread("on") / spread("off"), 4),
+            "slowdown_ckpt_only_load_normalized": round(spread("ckpt") / spread("off"), 4),
+            "mean_over_median": {arm: [round(r["mean_over_median"], 4) for r in runs[arm]] for arm in runs},
             "step_s_off": round(off, 4), "step_s_ckpt_only": round(ck, 4), "step_s_on": round(on, 4),
             "slowdown": round(on / off, 4), "slowdown_ckpt_only": round(ck / off, 4),
             "mirror_share": round(on / ck, 4),
@@ -315,6 +420,7 @@ def main() -> int:
     ap.add_argument("--checkpoint-seconds", type=float, default=60.0)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--no-netfs", action="store_true", help="skip the sshfs (network filesystem) mirror")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--progress", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -322,7 +428,7 @@ def main() -> int:
         return worker_main(args)
     result: dict = {}
     if not args.skip_throughput:
-        result["throughput"] = throughput(args.runs, args.mb)
+        result["throughput"] = throughput(args.runs, args.mb, not args.no_netfs)
     if not args.skip_steps:
         result["step_time"] = step_times(args.seconds, args.checkpoint_seconds, args.pairs)
     if args.json:
@@ -331,9 +437,20 @@ def main() -> int:
     if "throughput" in result:
         t = result["throughput"]
         print(f"Mirror throughput, one checkpoint of {t['bytes'] / 1e6:.1f} MB (median of {args.runs}):")
-        print(f"  shared dir : mirror {t['dir_mirror_s']:.3f} s ({t['dir_mirror_MBps']} MB/s)  "
-              f"cp -R {t['dir_cp_s']:.3f} s ({t['dir_cp_MBps']} MB/s)  ratio {t['dir_ratio_vs_cp']:.2f}x "
-              f"(target >= {TARGET_THROUGHPUT})")
+        print(f"  shared dir, local disk: mirror {t['dir_mirror_s']:.3f} s ({t['dir_mirror_MBps']} MB/s)")
+        print(f"      vs cp -R            {t['dir_cp_s']:.3f} s ({t['dir_cp_MBps']} MB/s)  ratio "
+              f"{t['dir_ratio_vs_cp']:.2f}x (target >= {TARGET_THROUGHPUT}; cp only fills the page cache)")
+        print(f"      vs cp -R && sync    {t['dir_cp_sync_s']:.3f} s ({t['dir_cp_sync_MBps']} MB/s)  ratio "
+              f"{t['dir_ratio_vs_cp_sync']:.2f}x")
+        print(f"      vs cp -R && sha256sum {t['dir_cp_sha_s']:.3f} s ({t['dir_cp_sha_MBps']} MB/s)  ratio "
+              f"{t['dir_ratio_vs_cp_sha']:.2f}x (the same verification, done after the copy)")
+        print(f"      sha256 on one core here: {t['sha256_MBps']} MB/s (a verified copy cannot beat it)")
+        if "netfs_mirror_s" in t:
+            print(f"  shared dir, network filesystem (sshfs): mirror {t['netfs_mirror_s']:.3f} s "
+                  f"({t['netfs_mirror_MBps']} MB/s)  cp -R {t['netfs_cp_s']:.3f} s ({t['netfs_cp_MBps']} MB/s)  "
+                  f"ratio {t['netfs_ratio_vs_cp']:.2f}x (target >= {TARGET_THROUGHPUT})")
+        else:
+            print(f"  shared dir, network filesystem: skipped ({t.get('netfs_skipped')})")
         print(f"  ssh://     : mirror {t['ssh_mirror_s']:.3f} s ({t['ssh_mirror_MBps']} MB/s)  "
               f"scp -3 {t['ssh_scp3_s']:.3f} s ({t['ssh_scp3_MBps']} MB/s)  ratio {t['ssh_ratio_vs_scp3']:.2f}x; "
               f"scp from here {t['ssh_scp_s']:.3f} s ({t['ssh_scp_MBps']} MB/s)  ratio {t['ssh_ratio_vs_scp']:.2f}x "
@@ -346,6 +463,9 @@ def main() -> int:
         print(f"  off: {s['step_s_off'] * 1000:.1f} ms/step ({s['steps_measured_off']} steps)   "
               f"on (checkpoint every {s['checkpoint_every_s']:g} s + mirror): {s['step_s_on'] * 1000:.1f} ms/step "
               f"({s['steps_measured_on']} steps)   ratio {s['slowdown']:.3f} (target <= {TARGET_SLOWDOWN})")
+        print(f"  load-normalized (each run's mean step over its own median step, on vs off): "
+              f"{s['slowdown_load_normalized']:.3f} (target <= {TARGET_SLOWDOWN}); checkpoint only: "
+              f"{s['slowdown_ckpt_only_load_normalized']:.3f}; per run {s['mean_over_median']}")
         print(f"  checkpoint only (no mirror): {s['step_s_ckpt_only'] * 1000:.1f} ms/step, ratio "
               f"{s['slowdown_ckpt_only']:.3f}; the mirror's own share (on / checkpoint only): {s['mirror_share']:.3f}")
         print(f"  checkpoints on the host: {s['checkpoints_written']}, mirrored: {s['mirrored_steps']}, "

@@ -12,13 +12,14 @@ so the hosts need no credentials or packages of their own (only /bin/sh, cp, tar
 sha256sum, mv):
 
 - a shared directory (`/mnt/nfs/ckpt`): the host holding the checkpoint copies it into
-  the directory itself (`cp -R`, one hop, it is mounted there), hashes the copy with
-  `sha256sum`, and the controller compares the sums with the source's manifest before
-  the copy is renamed into place;
+  the directory itself (one hop, it is mounted there) with eltctl/mirror_copy.py, ONE
+  command: copy while a second thread hashes, compare with the source manifest's sums
+  (read by the controller first), fsync, rename into place. A host without Python does
+  the same with `cp -R`, `sha256sum` and `mv`, the controller comparing;
 - `ssh://[user@]host[:port]/path`: the controller opens `tar -cf -` on the holding host
   and `tar -xf -` on the mirror host and relays the bytes between the two SSH channels
-  (nothing lands on the control machine), then hashes on the mirror host, compares,
-  renames.
+  (nothing lands on the control machine), then the mirror host hashes, compares and
+  renames (mirror_copy.py's `publish`, or the shell tools).
 
 Guarantees: a copy is written under `.tmp-*`, verified, then renamed (`mv` within
 one directory is atomic), so a reader never sees a partial checkpoint; retention
@@ -523,8 +524,9 @@ def _one_shot_command(python: str, mode: str, src: str | None, dst: Place, step:
     """Shell: run mirror_copy.py with the host's Python (or print _NO_PYTHON where it has none)."""
     args = " ".join(_q(a) for a in (mode, src or "-", dst.directory, ckpt.step_dirname(step), tmp_name,
                                     json.dumps(expected, separators=(",", ":"))))
-    return (f"if command -v {_q(python)} >/dev/null 2>&1; then exec {NICE} {_q(python)} -c {_q(_mirror_copy_source())} "
-            f"{args}; else echo {_NO_PYTHON}; fi")
+    return (f"if command -v {_q(python)} >/dev/null 2>&1; then "
+            f"if command -v ionice >/dev/null 2>&1; then io='ionice -c 3'; else io=; fi; "
+            f"exec {NICE} $io {_q(python)} -c {_q(_mirror_copy_source())} {args}; else echo {_NO_PYTHON}; fi")
 
 
 _SCRIPT: str | None = None

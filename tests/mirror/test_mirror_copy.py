@@ -77,6 +77,11 @@ def test_a_valid_copy_is_kept_and_an_invalid_one_replaced(tmp_path):
     assert code == 0 and not out["kept"]
     assert (parent / STEP / "small").read_bytes() == b"abc"
     assert sorted(os.listdir(parent)) == [STEP]
+    (parent / STEP / "state.pt").unlink()  # a file of the mirror's copy lost
+    code, out, _ = run("copy", src, parent, expected, tmp=".tmp-x-mirror-5")
+    assert code == 0 and not out["kept"]
+    assert (parent / STEP / "state.pt").read_bytes() == FILES["state.pt"]
+    assert sorted(os.listdir(parent)) == [STEP]
 
 
 def test_a_rotten_source_is_refused_and_the_last_good_copy_stays(tmp_path):
