@@ -89,9 +89,6 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-NETFS_SKIPPED = ""
-
-
 class NetFs:
     """A network filesystem mounted here: sshfs (FUSE over SSH) from the simulated
     host `store`, standing in for the NFS mount of a lab (this machine has no nfsd).
@@ -106,11 +103,10 @@ class NetFs:
             subprocess.run(["umount", "-l", str(self.mount)], check=False, capture_output=True)
 
 
-def mount_sshfs(bed, store) -> NetFs | None:
-    global NETFS_SKIPPED
+def mount_sshfs(bed, store) -> tuple[NetFs | None, str]:
+    """(the mount, "") or (None, why not)."""
     if shutil.which("sshfs") is None:
-        NETFS_SKIPPED = "sshfs is not installed (apt-get install sshfs)"
-        return None
+        return None, "sshfs is not installed (apt-get install sshfs)"
     server_dir = store.dir / "home" / "export"
     server_dir.mkdir(parents=True, exist_ok=True)
     mount = bed.dir / "netfs"
@@ -120,9 +116,8 @@ def mount_sshfs(bed, store) -> NetFs | None:
                  "BatchMode=yes,allow_other"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     if r.returncode != 0 or not os.path.ismount(mount):
-        NETFS_SKIPPED = f"sshfs mount failed: {(r.stderr or r.stdout).strip()[-300:]}"
-        return None
-    return NetFs(mount, server_dir)
+        return None, f"sshfs mount failed: {(r.stderr or r.stdout).strip()[-300:]}"
+    return NetFs(mount, server_dir), ""
 
 
 def sha256_speed() -> float:
@@ -190,11 +185,11 @@ def throughput(runs: int, mb: int, use_netfs: bool = True) -> dict:
 
         figures = {"dir_mirror_s": [], "dir_cp_s": [], "dir_cp_sync_s": [], "dir_cp_sha_s": [],
                    "ssh_mirror_s": [], "ssh_scp3_s": [], "ssh_scp_s": []}
-        netfs = mount_sshfs(bed, store) if use_netfs else None
+        netfs, why_not = mount_sshfs(bed, store) if use_netfs else (None, "--no-netfs")
         if netfs is not None:
             figures.update({"netfs_mirror_s": [], "netfs_cp_s": []})
         else:
-            out["netfs_skipped"] = NETFS_SKIPPED or "--no-netfs"
+            out["netfs_skipped"] = why_not
 
         def sh(cmd: str) -> float:
             return timed(lambda: subprocess.run(["sh", "-c", cmd], check=True, stdout=subprocess.DEVNULL))

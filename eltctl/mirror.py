@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -462,54 +463,15 @@ async def _relay(src: Transport, src_cmd: str, dst: Transport, dst_cmd: str) -> 
 # --------------------------------------------------------------------------- copy one checkpoint
 
 
-# Copy (or only hash) the listed files, fsync them, print `sha256  name` per file, in ONE
-# pass over the bytes: the hash is of exactly what was written, so it catches a source
-# that changed or rotted after its commit, and costs one read instead of copy + re-read
-# (reading a fresh copy back only reads the page cache anyway). Runs with the host's
-# Python (the hosts have one for the runtime); `_copy_hash_command` falls back to
-# cp + sha256sum where there is none (e.g. a bare ssh:// mirror host).
-_COPY_HASH_PY = r"""
-import hashlib, os, sys
-src, dst, names = sys.argv[1], sys.argv[2], sys.argv[3:]
-if src != "-":
-    os.mkdir(dst)
-buf = bytearray(1 << 20)
-view = memoryview(buf)
-for name in names:
-    h, total = hashlib.sha256(), 0
-    target = os.path.join(dst, name)
-    if src == "-":
-        with open(target, "rb") as f:
-            while True:
-                n = f.readinto(buf)
-                if not n:
-                    break
-                h.update(view[:n])
-            os.fsync(f.fileno())
-    else:
-        with open(os.path.join(src, name), "rb") as f, open(target, "wb") as g:
-            while True:
-                n = f.readinto(buf)
-                if not n:
-                    break
-                g.write(view[:n])
-                h.update(view[:n])
-                total += n
-            g.flush()
-            os.fsync(g.fileno())
-            if os.fstat(g.fileno()).st_size != total:
-                sys.exit("%s: short write" % target)
-    sys.stdout.write("%s  %s\n" % (h.hexdigest(), name))
-"""
-
-
 def _copy_hash_command(python: str, src: str | None, dst: str, names: Sequence[str]) -> str:
-    """Shell: copy src/names into the new directory dst (or, src None, hash dst/names), printing sums."""
+    """Shell: copy src into the new directory dst (src None: only hash dst), fsync the
+    files and print `sha256  name` per file; the hashing is eltctl/mirror_copy.py's
+    (`sums`) where the host has Python, else `sha256sum`."""
     quoted = " ".join(map(_q, names))
-    py = f"{NICE} {_q(python)} -c {_q(_COPY_HASH_PY)} {_q(src or '-')} {_q(dst)} {quoted}"
-    plain = (f"{NICE} cp -R -- {_q(src)} {_q(dst)} && " if src else "") + \
-        f"cd {_q(dst)} && {{ sync -- {quoted} 2>/dev/null; {NICE} sha256sum -- {quoted}; }}"
-    return f"if command -v {_q(python)} >/dev/null 2>&1; then {py}; else {plain}; fi"
+    copy = f"{NICE} cp -R -- {_q(src)} {_q(dst)} && " if src else ""
+    py = f"{NICE} {_q(python)} -c {_q(_mirror_copy_source())} sums {_q(dst)} {quoted}"
+    plain = f"cd {_q(dst)} && {{ sync -- {quoted} 2>/dev/null; {NICE} sha256sum -- {quoted}; }}"
+    return f"{copy}if command -v {_q(python)} >/dev/null 2>&1; then {py}; else {plain}; fi"
 
 
 def _tmp_name(step: int) -> str:
@@ -529,16 +491,11 @@ def _one_shot_command(python: str, mode: str, src: str | None, dst: Place, step:
             f"exec {NICE} $io {_q(python)} -c {_q(_mirror_copy_source())} {args}; else echo {_NO_PYTHON}; fi")
 
 
-_SCRIPT: str | None = None
-
-
+@functools.cache
 def _mirror_copy_source() -> str:
-    global _SCRIPT
-    if _SCRIPT is None:
-        from pathlib import Path
-
-        _SCRIPT = (Path(__file__).with_name("mirror_copy.py")).read_text(encoding="utf-8")
-    return _SCRIPT
+    """eltctl/mirror_copy.py's text, sent to the hosts with `python -c`."""
+    with open(os.path.join(os.path.dirname(__file__), "mirror_copy.py"), encoding="utf-8") as f:
+        return f.read()
 
 
 def _one_shot_result(result: RunResult, what: str, host: str) -> dict[str, Any] | None:

@@ -7,6 +7,7 @@ standard library only and works on any Python 3.8+.
 
     python -c <this file> copy    SRC  PARENT STEPNAME TMPNAME EXPECTED
     python -c <this file> publish -    PARENT STEPNAME TMPNAME EXPECTED
+    python -c <this file> sums    DIR  NAME...
 
 `copy`: if PARENT/STEPNAME already holds a copy whose manifest and files match
 EXPECTED, keep it. Otherwise copy every file of SRC into the new directory
@@ -21,7 +22,11 @@ EXPECTED is JSON: {"files": [[name, size, sha256], ...], "manifest": sha256 of
 manifest.json, "manifest_name": "manifest.json"}: what the SOURCE's manifest says,
 read by the controller, so the copy is checked against the source, not itself.
 
-Prints one JSON line: {"ok", "kept", "sums", "problem", "source_gone", "bytes"};
+`sums`: fsync and hash DIR/NAME for each NAME, printing `sha256  NAME` lines as
+`sha256sum` does (a file that cannot be read is left out, which the caller reports
+as missing); exit 0.
+
+copy and publish print one JSON line: {"ok", "kept", "sums", "problem", "source_gone", "bytes"};
 exit 0 when published or kept, 3 when the source is gone, 4 when the copy does not
 verify (the temporary directory is then removed).
 """
@@ -83,9 +88,12 @@ def _hash_pipeline(read_into, write):
     return h.hexdigest(), total
 
 
-def hash_file(path):
+def hash_file(path, fsync=False):
     with open(path, "rb") as f:
-        return _hash_pipeline(f.readinto, None)
+        result = _hash_pipeline(f.readinto, None)
+        if fsync:
+            os.fsync(f.fileno())
+        return result
 
 
 def copy_file(src, dst):
@@ -194,9 +202,7 @@ def run(mode, src, parent, stepname, tmpname, expected):
         for name in names_of(expected):
             p = os.path.join(tmp, name)
             if os.path.isfile(p):
-                sums[name], sizes[name] = hash_file(p)
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
+                sums[name], sizes[name] = hash_file(p, fsync=True)
     out["sums"] = sums
     out["bytes"] = sum(sizes.values())
     problem = check(expected, sums, sizes)
@@ -219,8 +225,20 @@ def idle_priority():
         pass
 
 
+def print_sums(directory, names):
+    for name in names:
+        try:
+            digest, _size = hash_file(os.path.join(directory, name), fsync=True)
+        except OSError:
+            continue
+        sys.stdout.write("%s  %s\n" % (digest, name))
+    return 0
+
+
 def main(argv):
     idle_priority()
+    if argv[:1] == ["sums"]:
+        return print_sums(argv[1], argv[2:])
     mode, src, parent, stepname, tmpname, expected = argv[:6]
     if mode not in ("copy", "publish"):
         sys.exit("mode must be copy or publish, not %r" % mode)

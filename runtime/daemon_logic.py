@@ -270,6 +270,14 @@ def decide(v: View) -> Decision:
     leaving = set(m.leaving)
     urgent = set(m.urgent)
     yielded = list(m.yielded)
+
+    def record_yield(slot: int, wid: str | None) -> None:
+        """The owner (v.foreign[slot]) has the GPU: remember it (the newest per slot) and say so."""
+        f = v.foreign[slot]
+        rec = Yield(slot, f.pid, f.user, v.wall)
+        yielded[:] = [y for y in yielded if y.slot != slot] + [rec]
+        actions.append(RecordYield(rec, wid))
+
     by_slot = {w.slot: w for w in v.workers}
     for w in v.workers:
         age = v.now - w.since
@@ -282,9 +290,7 @@ def decide(v: View) -> Decision:
                 leaving.add(w.worker_id)
             elif w.slot in v.foreign:
                 f = v.foreign[w.slot]
-                rec = Yield(w.slot, f.pid, f.user, v.wall)
-                yielded = [y for y in yielded if y.slot != w.slot] + [rec]
-                actions.append(RecordYield(rec, w.worker_id))
+                record_yield(w.slot, w.worker_id)
                 actions.append(Leave(w.slot, w.worker_id, f"{f.user} (pid {f.pid}) took GPU {w.slot}"))
                 leaving.add(w.worker_id)
                 urgent.add(w.worker_id)
@@ -298,12 +304,9 @@ def decide(v: View) -> Decision:
                 actions.append(Leave(w.slot, w.worker_id, f"it did not stop within {v.stop_timeout:g} s"))
         elif w.state is WorkerState.LEAVING:
             if w.slot in v.foreign and not any(y.slot == w.slot for y in yielded):
-                # Asked to leave before this daemon saw the owner (the controller's
-                # probe was first): it is still a yield, and the owner waits.
-                f = v.foreign[w.slot]
-                rec = Yield(w.slot, f.pid, f.user, v.wall)
-                yielded.append(rec)
-                actions.append(RecordYield(rec, w.worker_id))
+                # Asked to leave before this daemon saw the owner (a scale-down at the
+                # same moment): it is still a yield, and the owner waits.
+                record_yield(w.slot, w.worker_id)
                 urgent.add(w.worker_id)
             departed = w.worker_id in v.departed
             if departed and w.worker_id in urgent and age >= v.evict_grace:
@@ -328,10 +331,7 @@ def decide(v: View) -> Decision:
             continue  # the old worker is on its way out: start after it exits
         armed.discard(slot)
         if slot in v.foreign:
-            f = v.foreign[slot]
-            rec = Yield(slot, f.pid, f.user, v.wall)
-            yielded = [y for y in yielded if y.slot != slot] + [rec]
-            actions.append(RecordYield(rec, None))
+            record_yield(slot, None)
             continue
         wid = worker_id(v.host, slot, incarnation)
         incarnation += 1

@@ -150,3 +150,13 @@ def test_hash_pipeline_matches_hashlib(tmp_path, size):
     digest, total = mirror_copy.copy_file(str(p), str(tmp_path / "g"))
     assert (digest, total) == (hashlib.sha256(data).hexdigest(), size)
     assert (tmp_path / "g").read_bytes() == data
+
+
+def test_sums_prints_sha256sum_lines_and_leaves_out_what_is_missing(tmp_path):
+    (tmp_path / "a").write_bytes(b"abc")
+    (tmp_path / "b").write_bytes(b"")
+    r = subprocess.run([sys.executable, "-c", SOURCE, "sums", str(tmp_path), "a", "b", "gone"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"{hashlib.sha256(b'abc').hexdigest()}  a",
+                                     f"{hashlib.sha256(b'').hexdigest()}  b"]
