@@ -653,7 +653,7 @@ class ElasticJob:
             hbuf = collectives.broadcast(self._pg, hbuf.to(self._device), transfer.source, self._abort).cpu()
             flat = collectives.broadcast(self._pg, flat.to(self._device), transfer.source, self._abort).cpu()
         if self._rank != transfer.source:
-            progress = state_mod.apply(state_mod.unpack(bytes(hbuf.numpy()), flat), self.model, self.optimizer)
+            progress = state_mod.apply(state_mod.unpack(state_mod.tensor_bytes(hbuf), flat), self.model, self.optimizer)
             self._set_progress(progress)
         self._has_state = True
         return bool(sizes[2])

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up a development environment in ./.venv: torch 2.13.0 (CPU build where that is
-# what the machine has), eltctl itself (editable) and its test tools. With --sshd it
+# what the machine has), eltctl itself (editable) and its test tools; and ./.venv-host,
+# the interpreter the test bed's simulated hosts run the runtime with: what
+# `pip install torch==2.13.0` leaves on a lab host, nothing more (no numpy). With --sshd it
 # also installs Debian's openssh-server/openssh-client when missing (the multi-host
 # tests start real sshd servers on loopback). Idempotent: a second run is quick.
 set -euo pipefail
@@ -35,5 +37,15 @@ if ! .venv/bin/python -c 'import importlib.metadata as m; assert m.version("torc
   pip install "torch==2.13.0"
 fi
 echo "setup: installing eltctl (editable) with its test tools"
-pip install numpy -e '.[test]'
+pip install -e '.[test]'
+
+# The simulated hosts' interpreter: Python and torch only, as on a lab host.
+if [ ! -x .venv-host/bin/python ]; then
+  echo "setup: creating .venv-host (Python and torch only, for the simulated hosts)"
+  "$PY" -m venv .venv-host
+fi
+if ! .venv-host/bin/python -c 'import importlib.metadata as m; assert m.version("torch").startswith("2.13.0")' 2>/dev/null; then
+  echo "setup: installing torch==2.13.0 into .venv-host"
+  .venv-host/bin/python -m pip --disable-pip-version-check -q install "torch==2.13.0" 2>&1 | { grep -v -e 'is ignored: it is neither a file nor a directory' || true; }
+fi
 echo "setup: ready (.venv/bin/eltctl)"

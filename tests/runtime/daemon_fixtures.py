@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import eltctl_runtime as elt
 from eltctl.sim.gpustate import ForeignProcess, GpuState, install_nvidia_smi
 from eltctl_runtime.daemon_store import desired_key, state_key
+from tests.testbed.hostpython import HOST_PYTHON, host_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train.py"
@@ -107,7 +107,7 @@ class SimHost:
     def write_config(self) -> None:
         cfg = {
             "job": self.job, "host": self.name, "store": f"127.0.0.1:{self.port}", "job_dir": str(self.job_dir),
-            "code_dir": str(ROOT), "python": sys.executable, "command": ["python", str(TRAIN), *TRAIN_ARGS],
+            "code_dir": str(ROOT), "python": HOST_PYTHON, "command": ["python", str(TRAIN), *TRAIN_ARGS],
             "env": {"OMP_NUM_THREADS": "1"}, "device": "cpu", "gpus": list(range(self.n_gpus)), "slots": 1,
             "checkpoint_dir": str(self.tmp / "ckpt"), "hang_timeout": self.hang_timeout, "min_workers": 1,
             "max_workers": None, "watch_interval": 0.5, "nvidia_smi_timeout": 3, "leave_timeout": 60,
@@ -117,7 +117,7 @@ class SimHost:
         self.config_path.write_text(json.dumps(cfg, indent=1))
 
     def env(self) -> dict:
-        env = dict(os.environ)
+        env = host_env(dict(os.environ))
         # ELTCTL_JOB and ELTCTL_HOST as eltctl/hostops.py starts the daemon: they mark the job's processes.
         env.update({"ELTSIM_STATE": str(self.gpu.path), "ELTSIM_HOST": self.name, "ELTCTL_JOB": self.job,
                     "ELTCTL_HOST": self.name})
@@ -126,7 +126,7 @@ class SimHost:
         return env
 
     def start_daemon(self) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", "eltctl_runtime.daemon", "--config", str(self.config_path)],
+        p = subprocess.Popen([HOST_PYTHON, "-m", "eltctl_runtime.daemon", "--config", str(self.config_path)],
                              env=self.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
         self.daemons.append(p)
@@ -134,7 +134,7 @@ class SimHost:
 
     def start_detached(self) -> subprocess.CompletedProcess:
         """`--detach`: the command answers once the daemon holds its pid file."""
-        return subprocess.run([sys.executable, "-m", "eltctl_runtime.daemon", "--config", str(self.config_path),
+        return subprocess.run([HOST_PYTHON, "-m", "eltctl_runtime.daemon", "--config", str(self.config_path),
                                "--detach"], env=self.env(), stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=120, cwd=ROOT)
 

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -24,10 +23,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 import eltctl_runtime as elt
+from tests.testbed.hostpython import HOST_PYTHON, host_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train.py"
-PYTHON = sys.executable
+PYTHON = HOST_PYTHON  # workers run as on a host: Python and torch only
 
 # Small model and data: the suite must stay fast on a busy 2-core machine.
 SMALL = ["--hidden", "32", "--layers", "2", "--samples", "480", "--batch", "24", "--lr", "3e-3"]
@@ -81,7 +81,7 @@ class Cluster:
         self._monitor.start()
 
     def env(self, worker_id: str) -> dict:
-        env = dict(os.environ)
+        env = host_env(dict(os.environ))
         env.update({
             "ELTCTL_STORE": f"127.0.0.1:{self.store.port}", "ELTCTL_JOB": self.job,
             "ELTCTL_WORKER_ID": worker_id, "ELTCTL_DEVICE": "cpu", "ELTCTL_AUDIT": str(self.audit),

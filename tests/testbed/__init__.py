@@ -50,7 +50,6 @@ import pwd
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -68,6 +67,7 @@ from eltctl.sim.gpustate import (
 )
 
 from . import procs
+from .hostpython import HOST_PYTHON
 from .silent import SilentListener
 from .sshd import (
     INSTALL_HINT,
@@ -83,8 +83,8 @@ from .sshd import (
 
 __all__ = ["SimHost", "Testbed", "TestbedError", "make_testbed", "sshd_missing_reason", "INSTALL_HINT", "GpuMode"]
 
-# The interpreter with torch that inventories name as each host's `python`.
-PYTHON = sys.executable
+# The interpreter inventories name as each host's `python`: Python and torch only.
+PYTHON = HOST_PYTHON
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
