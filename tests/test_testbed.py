@@ -15,7 +15,7 @@ import pytest
 
 from eltctl.sim import nvidia_smi
 from eltctl.sim.gpustate import DRIVER_FAILURE_MESSAGE, GpuState, install_nvidia_smi
-from tests.testbed import make_testbed, sshd_missing_reason
+from tests.testbed import PYTHON, make_testbed, sshd_missing_reason
 from tests.testbed.sshd import SshdConfig, banner_ready
 
 pytestmark = pytest.mark.sshd
@@ -76,10 +76,13 @@ def test_session_environment_is_per_host(testbed):
     assert h1.home != h2.home and h1.address != h2.address
 
 
-def test_host_python_is_the_test_python(testbed):
+def test_host_python_has_torch_and_nothing_else(testbed):
+    """A host has what `pip install torch==2.13.0` leaves: the host interpreter, not the test tools'."""
     host = testbed.add_host()
-    out = ssh(host, "python -c 'import sys; print(sys.prefix)'; python3 -c 'import asyncssh'").stdout
-    assert out.strip() == sys.prefix
+    out = ssh(host, "python -c 'import sys, torch; print(sys.prefix)'; python3 -c 'import numpy'", check=False)
+    prefix = subprocess.run([PYTHON, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True)
+    assert out.stdout.strip() == prefix.stdout.strip() != sys.prefix
+    assert "No module named 'numpy'" in out.stderr
 
 
 def test_asyncssh_sees_the_host_environment(testbed):
@@ -112,7 +115,7 @@ def test_inventory_lists_hosts_with_test_credentials(testbed):
     assert data["ssh"]["known_hosts"] == str(testbed.known_hosts)
     assert [(h["name"], h["address"], h["port"]) for h in data["hosts"]] == \
         [(h.name, h.address, h.port) for h in hosts]
-    assert data["hosts"][0]["python"] == sys.executable
+    assert data["hosts"][0]["python"] == PYTHON
     assert data["policy"]["idle_for"] == 0
 
 

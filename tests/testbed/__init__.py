@@ -9,7 +9,7 @@ read by the stand-in `nvidia-smi` of `eltctl.sim`). Only the GPU is simulated.
 Layout of a host directory (`host.dir`):
 
     bin/nvidia-smi   the stand-in (absent in mode "missing")
-    bin/python, bin/python3   run the test's python (the venv with torch)
+    bin/python, bin/python3   run the host interpreter (Python and torch only: hostpython.py)
     home/            HOME of every session on this host (.bashrc cds there)
     gpus.json        the GPU state (ELTSIM_STATE)
     sshd_config, ssh_host_ed25519_key(.pub), sshd.pid, sshd.log, authorized_keys
