@@ -30,22 +30,14 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-from .daemon_logic import Desired
-from .membership import Keys, Plan, job_store
+from ..membership import Plan, job_store
+from ..protocol import Desired, Keys, get_desired, state_key
 
 log = logging.getLogger("eltctl_runtime.daemon")
 
 MAX_OUTBOX = 1000
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 10.0
-
-
-def desired_key(host: str) -> str:
-    return f"daemon/{host}/desired"
-
-
-def state_key(host: str) -> str:
-    return f"daemon/{host}/state"
 
 
 # An outbox message: (what, function(raw TCPStore, job PrefixStore)).
@@ -187,14 +179,12 @@ class StoreLink:
                 now = time.monotonic()
                 if now >= next_poll:
                     next_poll = now + self._poll_s
-                    key = desired_key(self._host)
-                    if js.check([key]):
-                        raw = js.get(key)
-                        try:
-                            desired = Desired.from_json(raw)
-                        except ValueError as e:
-                            log.error("host %s: ignoring a malformed desired state: %s", self._host, e)
-                        else:
+                    try:
+                        desired = get_desired(js, self._host)
+                    except ValueError as e:
+                        log.error("host %s: ignoring a malformed desired state: %s", self._host, e)
+                    else:
+                        if desired is not None:
                             with self._lock:
                                 self._desired = desired
                     self._follow_plans(js)
