@@ -3,8 +3,10 @@
 A training script wraps its model, optimizer and dataset in an `ElasticJob` and
 writes an ordinary loop; workers can join and leave at step boundaries, crashes
 and hangs shrink the job, and every sample of an epoch is used exactly once.
-Needs only the standard library and torch. See README.md in this directory for
-the environment contract and the store keys.
+Needs only the standard library and torch. This folder, `runtime/`, installs as
+the package `eltctl_runtime`. See README.md in this directory for the
+environment contract, the store keys and the layout; the keys and documents
+shared with the controller and the host daemon (`daemon/`) are in protocol.py.
 
 Importing the package is light: the configuration, the wire protocol (store
 keys, event kinds and the store helpers: protocol.py) and membership.py need
