@@ -248,7 +248,7 @@ class Daemon:
         cfg = self.cfg
         if out.report_dead:
             wid = w.worker_id
-            self._link.send(f"the death report of {wid}", lambda tcp, js: put_dead(js, wid))
+            self._link.send(f"the death report of {wid}", lambda js: put_dead(js, wid))
         if out.crash_event:
             self._crashes += 1
             self._event(EventKind.CRASH, [w.worker_id], f"worker {w.worker_id} (pid {w.pid}) {out.detail}")
@@ -387,7 +387,7 @@ class Daemon:
     def _leave(self, a: Leave, now: float) -> None:
         w = self._workers[a.slot]
         wid = a.worker_id
-        self._link.send(f"the leave request of {wid}", lambda tcp, js: put_leave(js, wid))
+        self._link.send(f"the leave request of {wid}", lambda js: put_leave(js, wid))
         # SIGTERM too: the runtime leaves at the next step boundary even if the store is away.
         try:
             os.kill(w.pid, signal.SIGTERM)
@@ -398,7 +398,7 @@ class Daemon:
 
     def _event(self, kind: EventKind, workers: list[str], detail: str) -> None:
         ev = event_document(kind, host=self.cfg.host, workers=workers, detail=detail)
-        self._link.send(f"a {kind.value} event", lambda tcp, js: add_event(js, ev))
+        self._link.send(f"a {kind.value} event", lambda js: add_event(js, ev))
 
     # -- report ------------------------------------------------------------------
     def _state_doc(self) -> dict:
