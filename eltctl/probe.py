@@ -26,7 +26,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Iterable
 
-from eltctl_runtime.gpuwatch import parse_number  # shared with the host daemon; stdlib only
+from eltctl_runtime.nvsmi import parse_number  # shared with the host daemon; stdlib only
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy
 from eltctl.transport import ErrorKind, Fleet, Outcome, Transport

@@ -3,11 +3,14 @@
 A training script wraps its model, optimizer and dataset in an `ElasticJob` and
 writes an ordinary loop; workers can join and leave at step boundaries, crashes
 and hangs shrink the job, and every sample of an epoch is used exactly once.
-Needs only the standard library and torch. See README.md in this directory for
-the environment contract and the store keys.
+Needs only the standard library and torch. This folder, `runtime/`, installs as
+the package `eltctl_runtime`. See README.md in this directory for the
+environment contract, the store keys and the layout; the keys and documents
+shared with the controller and the host daemon (`daemon/`) are in protocol.py.
 
-Importing the package is light: the configuration and the store helpers
-(membership.py) need only the standard library; the training machinery
+Importing the package is light: the configuration, the wire protocol (store
+keys, event kinds and the store helpers: protocol.py) and membership.py need
+only the standard library; the training machinery
 (`ElasticJob`, the sampler) imports torch on first use (PEP 562), so the host
 daemon and the control plane start without it.
 """
@@ -18,12 +21,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, Device, RuntimeConfig
-from .membership import (
+from .membership import Plan, job_store
+from .protocol import (
+    Desired,
     EventKind,
     Keys,
-    Plan,
     append_event,
-    job_store,
     read_events,
     read_status,
     report_dead,
@@ -56,7 +59,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Commit", "ConfigError", "Device", "ElasticJob", "EventKind", "ExcludedFromJob", "Keys", "Plan", "RuntimeConfig",
+    "Commit", "ConfigError", "Desired", "Device", "ElasticJob", "EventKind", "ExcludedFromJob", "Keys", "Plan", "RuntimeConfig",
     "SamplerState", "append_event", "epoch_order", "job_store", "read_events", "read_status", "report_dead",
     "request_leave", "request_stop", "share_bounds",
 ]

@@ -55,6 +55,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .files import fsync_dir
+from .pids import pid_alive
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -256,14 +259,6 @@ def verify_dir(path: Path | str) -> CheckpointInfo | None:
 # Writing
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _HashingWriter:
     """A file-like sink for torch.save that hashes and counts what passes through.
 
@@ -303,16 +298,6 @@ class _HashingWriter:
             if self.error is None:
                 self.error = exc
             raise
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -524,7 +509,7 @@ class CheckpointStore:
                 f.write("\n")
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             final = self.directory / step_dirname(req.step)
             self._commit(tmp, final)
             info = _info_from_manifest(final, manifest)
@@ -560,11 +545,11 @@ class CheckpointStore:
             aside = self.directory / f"{TMP_PREFIX}replaced-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             os.rename(final, aside)
             os.rename(tmp, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     def _apply_retention(self) -> None:
         try:
@@ -589,7 +574,7 @@ class CheckpointStore:
             if not p.name.startswith(TMP_PREFIX) or p == exclude or p == self._writing_tmp:
                 continue
             owner = tmp_owner_pid(p.name)
-            if owner is not None and owner != os.getpid() and _pid_alive(owner):
+            if owner is not None and owner != os.getpid() and pid_alive(owner):
                 continue  # some other live process is writing it
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)

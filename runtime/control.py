@@ -19,7 +19,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .membership import Keys, Plan
+from .membership import Plan
+from .protocol import Keys
 
 log = logging.getLogger("eltctl_runtime")
 

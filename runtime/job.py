@@ -40,9 +40,8 @@ from . import collectives, exiting, state as state_mod
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
-from .membership import (
-    EventKind, Keys, Plan, Verdict, append_event, choose_source, job_store, propose, roll_call,
-)
+from .membership import Plan, Verdict, choose_source, job_store, propose, roll_call
+from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .sampler import SamplerState
 
 log = logging.getLogger("eltctl_runtime")
@@ -269,8 +268,7 @@ class ElasticJob:
                 log.error("worker %s: leaving generation %d abruptly: %s", self.worker_id, self.generation,
                           exc if exc is not None else "the script left the loop before the job ended")
                 try:
-                    self._store.set(Keys.dead(self.worker_id), str(time.time()))
-                    self._store.add(Keys.DEAD_SEQ, 1)
+                    put_dead(self._store, self.worker_id)
                 except Exception:  # noqa: BLE001 - best effort on the way out
                     pass
             if self._ckpt is not None:
@@ -758,10 +756,10 @@ class ElasticJob:
         rate = n / (now - since) if now > since else 0.0
         self._samples_since = (0, now)
         self._last_status_t = now
-        status = {"generation": self.generation, "world_size": self.world_size, "members": list(self._plan.members),
-                  "step": self._step, "epoch": self._sampler.epoch, "position": self._sampler.position,
-                  "samples_per_s": round(rate, 2), "loss": self._last_loss, "checkpoint": self._last_ckpt,
-                  "time": time.time()}
+        status = status_document(generation=self.generation, world_size=self.world_size,
+                                 members=self._plan.members, step=self._step, epoch=self._sampler.epoch,
+                                 position=self._sampler.position, samples_per_s=round(rate, 2),
+                                 loss=self._last_loss, checkpoint=self._last_ckpt)
         try:
             self._store.set(Keys.STATUS, json.dumps(status))
         except Exception as e:  # noqa: BLE001 - status is advisory
@@ -778,7 +776,7 @@ class ElasticJob:
 
     def _event(self, ev: dict) -> None:
         ev.setdefault("time", time.time())
-        append_event(self._tcp, self.config.job, ev)
+        add_event(self._store, ev)
         log.info("worker %s: event %s", self.worker_id, json.dumps(ev))
 
 

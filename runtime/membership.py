@@ -1,11 +1,14 @@
-"""Membership by generations: the store keys, the plan of a generation, and the
-pure decisions about who is in the next one.
+"""Membership by generations: the plan of a generation, and the pure decisions
+about who is in the next one.
 
 A generation is an immutable plan, written once (compare_set, so exactly one
 proposer wins) under `gen/<g>/plan`: the worker ids in rank order, who joined,
 who left or died, and how far the join queue has been consumed. Each generation
 gets its own process group on the fresh store prefix `gen/<g>/pg`. Everything
 here is pure or a thin store helper; the executor lives in job.py.
+
+The store keys themselves (`Keys`), the event kinds and the store helpers are
+the wire protocol: protocol.py.
 
 Generation life::
 
@@ -17,87 +20,11 @@ Generation life::
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Iterable, Protocol
+from typing import Iterable
 
-
-class Store(Protocol):
-    """The part of c10d's Store the runtime uses (TCPStore, PrefixStore)."""
-
-    def set(self, key: str, value: str | bytes) -> None: ...
-    def get(self, key: str) -> bytes: ...
-    def add(self, key: str, amount: int) -> int: ...
-    def check(self, keys: list[str]) -> bool: ...
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
-
-
-class EventKind(str, Enum):
-    """The kind of an entry of the job's event log (`events/<n>`).
-
-    Written by the runtime's rank 0 at the first step of a new generation:
-    START, JOIN, LEAVE, CRASH, HANG, RESTORE; and STOP when the job stops.
-    Written by a host daemon: YIELD (a GPU's owner is back; the worker there
-    leaves) and CRASH (a worker process exited without being asked). DONE is
-    a plan kind only (never logged today)."""
-
-    START = "start"
-    JOIN = "join"
-    LEAVE = "leave"
-    CRASH = "crash"
-    HANG = "hang"
-    RESTORE = "restore"
-    STOP = "stop"
-    DONE = "done"
-    YIELD = "yield"
-
-
-class Keys:
-    """Store keys, relative to the job's PrefixStore (documented in README.md)."""
-
-    JOIN_SEQ = "join/seq"
-    DEAD_SEQ = "dead/seq"
-    STOP = "stop"
-    DONE = "done"
-    STATUS = "status"
-    EVENTS_SEQ = "events/seq"
-
-    @staticmethod
-    def heartbeat(worker: str) -> str:
-        return f"hb/{worker}"
-
-    @staticmethod
-    def join(seq: int) -> str:
-        return f"join/{seq}"
-
-    @staticmethod
-    def leave(worker: str) -> str:
-        return f"leave/{worker}"
-
-    @staticmethod
-    def dead(worker: str) -> str:
-        return f"dead/{worker}"
-
-    @staticmethod
-    def plan(gen: int) -> str:
-        return f"gen/{gen}/plan"
-
-    @staticmethod
-    def abort(gen: int) -> str:
-        return f"gen/{gen}/abort"
-
-    @staticmethod
-    def alive(gen: int, worker: str) -> str:
-        return f"gen/{gen}/alive/{worker}"
-
-    @staticmethod
-    def pg_prefix(gen: int) -> str:
-        return f"gen/{gen}/pg"
-
-    @staticmethod
-    def event(n: int) -> str:
-        return f"events/{n}"
+from .protocol import EventKind, job_prefix
 
 
 @dataclass(frozen=True)
@@ -217,59 +144,13 @@ def choose_source(reports: list[tuple[bool, int]]) -> Transfer:
     return Transfer(source=-neg_rank, needed=needed, restore=False)
 
 
-# ---- thin helpers for launchers, daemons and the control plane -------------
+# ---- the job's PrefixStore -------------------------------------------------
 
 
 def job_store(store, job: str):
-    """The PrefixStore every key of `job` lives under."""
+    """The PrefixStore every key of `job` lives under (a real c10d Store: the
+    generations' process groups nest their own PrefixStore in it). The
+    protocol's helpers need no torch: protocol.scope."""
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"eltctl/{job}", store)
-
-
-def report_dead(store, job: str, worker_id: str) -> None:
-    """Tell the job that a worker process is gone (the launcher or host daemon
-    saw it exit). Survivors abort the current generation at once instead of
-    waiting for a collective timeout."""
-    js = job_store(store, job)
-    js.set(Keys.dead(worker_id), str(time.time()))
-    js.add(Keys.DEAD_SEQ, 1)
-
-
-def request_leave(store, job: str, worker_id: str) -> None:
-    """Ask a worker to leave at the next step boundary (planned: no step lost)."""
-    job_store(store, job).set(Keys.leave(worker_id), str(time.time()))
-
-
-def request_stop(store, job: str) -> None:
-    """Ask the whole job to checkpoint and exit cleanly at the next boundary."""
-    job_store(store, job).set(Keys.STOP, str(time.time()))
-
-
-def append_event(store, job: str, event: dict) -> int:
-    """Append one event to the job's log (`events/seq` counter, `events/<n>`)
-    and return its number. `event["kind"]` must be an EventKind value; `time`
-    (wall clock) is added when missing. Used by the runtime and the host
-    daemon alike, so the log has one numbering and one vocabulary."""
-    doc = dict(event, kind=EventKind(event["kind"]).value)  # ValueError for an unknown kind
-    doc.setdefault("time", time.time())
-    js = job_store(store, job)
-    n = js.add(Keys.EVENTS_SEQ, 1)
-    js.set(Keys.event(n), json.dumps(doc))
-    return n
-
-
-def read_status(store, job: str) -> dict | None:
-    js = job_store(store, job)
-    return json.loads(js.get(Keys.STATUS)) if js.check([Keys.STATUS]) else None
-
-
-def read_events(store, job: str, start: int = 1) -> list[dict]:
-    """Membership events from number `start` on (numbers begin at 1)."""
-    js = job_store(store, job)
-    last = js.add(Keys.EVENTS_SEQ, 0)
-    out = []
-    for n in range(start, last + 1):
-        if js.check([Keys.event(n)]):
-            out.append(json.loads(js.get(Keys.event(n))))
-    return out
+    return dist.PrefixStore(job_prefix(job), store)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import eltctl_runtime as elt
 from eltctl.sim.gpustate import ForeignProcess, GpuState, install_nvidia_smi
-from eltctl_runtime.daemon_store import desired_key, state_key
+from eltctl_runtime.protocol import desired_key, state_key
 from tests.testbed.hostpython import HOST_PYTHON, host_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,12 +37,13 @@ from daemon_fixtures import SimHost, alive, job_pids
 import eltctl_runtime as elt
 from eltctl.sim.gpustate import ForeignProcess, GpuMode, GpuState, install_nvidia_smi
 from eltctl_runtime.daemon import DaemonConfig, DaemonConfigError, worker_env
-from eltctl_runtime.daemon_logic import (
-    Decision, Desired, Exit, Foreign, Memory, Note, RecordYield, View, WorkerState, WorkerView, Yield, decide,
+from eltctl_runtime.protocol import Desired
+from eltctl_runtime.daemon.logic import (
+    Decision, Exit, Foreign, Memory, Note, RecordYield, View, WorkerState, WorkerView, Yield, decide,
     exit_outcome, first_incarnation, incarnation_of,
 )
-from eltctl_runtime.daemon_procs import AlreadyRunning, PidLock
-from eltctl_runtime.gpuwatch import (
+from eltctl_runtime.daemon.procs import AlreadyRunning, PidLock
+from eltctl_runtime.daemon.gpuwatch import (
     GpuApp, GpuInfo, Intruder, Ownership, SmiPoller, WatchHealth, classify_pid, descendants, intruders,
     parse_app_query, parse_gpu_query,
 )
@@ -629,7 +630,7 @@ def test_a_worker_that_cannot_start_is_a_crash_not_a_retry_loop(tmp_path):
 
 
 def procs_environ(pid: int) -> dict:
-    from eltctl_runtime.daemon_procs import environ_of
+    from eltctl_runtime.daemon.procs import environ_of
 
     return environ_of(pid) or {}
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from eltctl_runtime import ConfigError, RuntimeConfig, SamplerState, epoch_order, share_bounds
-from eltctl_runtime.membership import EventKind, Plan, Transfer, Verdict, choose_source, propose, roll_call
+from eltctl_runtime.membership import Plan, Transfer, Verdict, choose_source, propose, roll_call
+from eltctl_runtime.protocol import EventKind
 from eltctl_runtime import state as st
 from eltctl_runtime.job import bucket_layout
 

@@ -1,62 +1,28 @@
-"""The host daemon's view of local processes and files: the single-instance
-lock, pid files, /proc lookups, and starting and signalling worker processes.
+"""The host daemon's view of local processes: the single-instance lock, /proc
+lookups, and starting and signalling worker processes.
 
 Thin and Linux-specific (it reads /proc); every decision about what to do with
-processes lives in daemon_logic.py. Nothing here keeps state except `PidLock`,
-which holds its file descriptor (and so its flock) for the daemon's life.
+processes lives in logic.py. Whether a pid is alive and what a pid file says
+are the runtime's shared helpers (pids.py). Nothing here keeps state except
+`PidLock`, which holds its file descriptor (and so its flock) for the daemon's
+life.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import pwd
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
-
-# ---------------------------------------------------------------------------- files
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Temp file in the same directory + rename: a reader sees the old or the new file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+from ..files import remove
+from ..pids import pid_alive, read_pid_file
 
 
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def read_pid_file(path: Path) -> int | None:
-    try:
-        text = path.read_text(encoding="ascii").split()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return int(text[0]) if text and text[0].isdigit() else None
-
-
-def remove(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+# ---------------------------------------------------------------------------- the pid lock
 
 
 class AlreadyRunning(RuntimeError):
@@ -137,12 +103,6 @@ def _stat_fields(pid: int) -> list[bytes] | None:
         return None
 
 
-def is_alive(pid: int) -> bool:
-    """Running or sleeping; a zombie is dead (its memory and GPU are gone)."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in (b"Z", b"X")
-
-
 def is_visible(pid: int) -> bool:
     """Whether the pid exists in our pid namespace at all."""
     return os.path.exists(f"/proc/{pid}")
@@ -180,7 +140,7 @@ def user_of(pid: int) -> str | None:
 def worker_identity(pid: int, job: str) -> str | None:
     """ELTCTL_WORKER_ID of a live process of `job`, or None if the pid is gone,
     not ours, or was reused by an unrelated process."""
-    if not is_alive(pid):
+    if not pid_alive(pid):
         return None
     env = environ_of(pid)
     if not env or env.get("ELTCTL_JOB") != job:

@@ -3,11 +3,12 @@
 `decide(view)` takes what the daemon knows at one tick (the controller's desired
 state, its own memory, its live workers, the foreign processes on its GPUs, the
 clock) and returns its new memory plus the actions to carry out; `exit_outcome`
-says what a worker's exit means. daemon.py observes and acts; nothing here does
+says what a worker's exit means. service.py observes and acts; nothing here does
 I/O, so both are tested with tables (tests/runtime/test_daemon.py).
 
 A slot is a GPU index (or a CPU slot number on a host without GPUs). The
-controller writes `daemon/<host>/desired` = {seq, slots, stop}. A new seq *arms*
+controller writes `daemon/<host>/desired` = {seq, slots, stop} (`Desired`,
+defined with the rest of the wire protocol in protocol.py). A new seq *arms*
 each desired slot: an armed slot without a worker gets exactly one new worker.
 Nothing re-arms a slot but a new seq that lists it: a crashed worker or a slot
 whose GPU its owner took stays empty until the controller decides again (the
@@ -22,6 +23,8 @@ import signal
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Mapping
+
+from ..protocol import Desired
 
 
 class WorkerState(str, Enum):
@@ -59,28 +62,6 @@ class WorkerState(str, Enum):
     @property
     def asked_to_go(self) -> bool:
         return self in (WorkerState.STOPPING, WorkerState.LEAVING, WorkerState.KILLED, WorkerState.EVICTED)
-
-
-@dataclass(frozen=True)
-class Desired:
-    """`daemon/<host>/desired`, written by the controller."""
-
-    seq: int
-    slots: tuple[int, ...] = ()
-    stop: bool = False
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> "Desired":
-        d = json.loads(raw)
-        if not isinstance(d, dict) or not isinstance(d.get("seq"), int):
-            raise ValueError(f"desired state needs an integer seq: {raw!r}")
-        slots = d.get("slots") or []
-        if not isinstance(slots, list) or not all(isinstance(s, int) and s >= 0 for s in slots):
-            raise ValueError(f"desired slots must be a list of non-negative integers: {slots!r}")
-        return cls(seq=d["seq"], slots=tuple(sorted(set(slots))), stop=bool(d.get("stop", False)))
-
-    def to_json(self) -> str:
-        return json.dumps({"seq": self.seq, "slots": list(self.slots), "stop": self.stop})
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-from .daemon_logic import Desired
-from .membership import Keys, Plan, job_store
+from ..membership import Plan, job_store
+from ..protocol import Desired, Keys, get_desired, state_key
 
 log = logging.getLogger("eltctl_runtime.daemon")
 
@@ -40,16 +40,8 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 10.0
 
 
-def desired_key(host: str) -> str:
-    return f"daemon/{host}/desired"
-
-
-def state_key(host: str) -> str:
-    return f"daemon/{host}/state"
-
-
-# An outbox message: (what, function(raw TCPStore, job PrefixStore)).
-Message = tuple[str, Callable[[object, object], None]]
+# An outbox message: (what, function(the job's PrefixStore)), e.g. protocol.put_dead.
+Message = tuple[str, Callable[[object], None]]
 
 
 class StoreLink:
@@ -133,7 +125,7 @@ class StoreLink:
         if urgent:
             self._wake.set()
 
-    def send(self, what: str, fn: Callable[[object, object], None]) -> None:
+    def send(self, what: str, fn: Callable[[object], None]) -> None:
         with self._lock:
             if len(self._outbox) >= MAX_OUTBOX:
                 dropped = self._outbox.popleft()
@@ -148,7 +140,7 @@ class StoreLink:
 
         tcp = dist.TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
                             timeout=timedelta(seconds=self._connect_timeout))
-        return tcp, job_store(tcp, self._job)
+        return job_store(tcp, self._job)  # it keeps the client alive
 
     def _run(self) -> None:
         backoff = BACKOFF_START_S
@@ -181,20 +173,18 @@ class StoreLink:
                 else:
                     log.info("host %s: connected to the store at %s:%d", self._host, self._addr, self._port)
                 outage_logged = False
-            tcp, js = conn
+            js = conn
             try:
-                self._flush(tcp, js)
+                self._flush(js)
                 now = time.monotonic()
                 if now >= next_poll:
                     next_poll = now + self._poll_s
-                    key = desired_key(self._host)
-                    if js.check([key]):
-                        raw = js.get(key)
-                        try:
-                            desired = Desired.from_json(raw)
-                        except ValueError as e:
-                            log.error("host %s: ignoring a malformed desired state: %s", self._host, e)
-                        else:
+                    try:
+                        desired = get_desired(js, self._host)
+                    except ValueError as e:
+                        log.error("host %s: ignoring a malformed desired state: %s", self._host, e)
+                    else:
+                        if desired is not None:
                             with self._lock:
                                 self._desired = desired
                     self._follow_plans(js)
@@ -228,14 +218,14 @@ class StoreLink:
             if gone:
                 self._departed = self._departed | gone
 
-    def _flush(self, tcp, js) -> None:
+    def _flush(self, js) -> None:
         while True:
             with self._lock:
                 if not self._outbox:
                     return
                 what, fn = self._outbox[0]
             try:
-                fn(tcp, js)
+                fn(js)
             except RuntimeError:
                 raise  # c10d's store errors (DistError): the store is away; the message stays queued
             except Exception as e:  # noqa: BLE001 - a message that can never be delivered must not block the rest

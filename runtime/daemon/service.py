@@ -1,114 +1,34 @@
-"""The host daemon (membership daemon): runs one job's workers on one host.
+"""The host daemon's executor: each tick it observes (its workers, the GPU watch,
+the store link), calls the pure `logic.decide`, and acts (starts, signals and
+reaps workers, writes pid and memory files, queues store messages).
 
-    python -m eltctl_runtime.daemon --config ~/.eltctl/jobs/<job>/<host>/daemon.json [--detach]
-
-The controller starts one per used host over SSH, detached (or with `--detach`,
-which starts the daemon again in a new session with stdin /dev/null and output
-appended to daemon.log, prints `ok PID` once it holds the pid file, and exits:
-0 started, 3 another daemon already runs (`running PID`), 2 bad configuration).
-The daemon
-
-* connects to the job's store (`daemon_store.StoreLink`, a background thread)
-  and applies the controller's desired state `daemon/<host>/desired`
-  (`{seq, slots, stop}`, polled every 0.25 s): one worker per desired slot
-  (a GPU index, or a CPU slot number), a planned leave (`leave/<worker_id>` and
-  SIGTERM) for a slot no longer desired, and on `stop` it waits for its workers
-  (the controller wrote the runtime's job-wide `stop` key) and exits;
-* reaps its workers: an exit that was not asked for is reported at once
-  (`membership.report_dead` and an event of kind `crash`) and never restarted
-  by the daemon itself: only a new desired seq listing the slot starts one;
-* watches its GPUs every `watch_interval` with `nvidia-smi` (gpuwatch.py): a
-  process that is not this job's on a GPU a worker uses makes that worker leave
-  at once (planned), records a `yield` (state and event, naming the user and pid),
-  and keeps the slot empty until a new seq lists it. Once the runtime's plan
-  lists that worker as left, the worker normally exits within ~0.3 s (the
-  runtime skips the interpreter's teardown, exiting.py), so the owner gets the
-  GPU back in about watch_interval + one step + 0.3 s; a process still
-  lingering after `evict_grace` (a script that hangs after its loop) is
-  SIGKILLed, a backstop;
-* writes `daemon/<host>/state` about every second (below);
-* on SIGTERM makes all its workers leave in the planned way, waits, and exits;
-  SIGKILL leaves the workers running (own sessions), and the next daemon adopts
-  them through `workers/<slot>.pid` (alive, and /proc/<pid>/environ carries
-  ELTCTL_JOB=<job> and an ELTCTL_WORKER_ID of this host and slot), or, for a
-  worker whose pid file was never written, through that environment alone;
-* keeps its workers running whatever happens to the store or the controller.
-
-`daemon/<host>/state` (JSON, about once a second)::
-
-    {"time", "heartbeat": wall clock of the write, "pid", "started", "host", "job",
-     "phase": "running" | "stopping" | "stopped" | "failed",
-     "seq_applied": int | null, "wanted": [slots of that seq],
-     "workers": [{"slot", "worker_id", "pid", "state", "since", "adopted", "detail"[, "exit_code"]}],
-         # live states: running, stopping, leaving, killed, evicted; the last ended
-         # worker of an empty slot: left, finished, crashed, lost (daemon_logic.WorkerState)
-     "gpus": [{"index", "state": "ours" | "busy" | "free" | "unknown", "reason", "since"}],
-     "yielded": [{"slot", "user", "pid", "time"}], "crashes": int (this daemon's life),
-     "health": "ok" | "unhealthy" (nvidia-smi failed or hung),
-     "watch": {"health": "ok" | "none" | "failed" | "hung", "reason", "since", "last_s"},
-     "store": {"connected", "reconnects", "last_error"}}
-
-Events it appends to the runtime's `events/<n>`: `{time, kind, host, workers,
-pause_s: null, detail}` with kind `yield` or `crash`.
-
-Files under `job_dir` (`~/.eltctl/jobs/<job>/<host>/`): `daemon.json` (this
-configuration), `daemon.pid` (flocked for life: one daemon per job and host),
-`daemon.log`, `daemon.memory.json` (applied seq, yields, the next worker
-incarnation; removed on a clean stop), `workers/<slot>.pid`, `workers/<slot>.log`.
-
-`daemon.json` (written by the controller; `DaemonConfig.from_json`)::
-
-    {
-      "job": "mnist", "host": "ws1",          # names; the host name is the inventory's
-      "store": "10.0.0.5:29400",              # the job's TCPStore
-      "job_dir": "/home/u/.eltctl/jobs/mnist/ws1",
-      "code_dir": "/home/u/.eltctl/jobs/mnist/ws1/code",   # the workers' cwd
-      "python": "/usr/bin/python3",           # replaces "python"/"python3" as command[0]
-      "command": ["python", "train.py", "--epochs", "3"],
-      "env": {"NCCL_DEBUG": "WARN"},          # extra worker environment
-      "device": "cuda",                       # or "cpu" (also: simulated GPU hosts)
-      "gpus": [0, 1],                         # GPU indices the job may use; null: CPU slots
-      "slots": 1,                             # CPU workers when gpus is null and device is cpu
-      "checkpoint_dir": "/shared/ckpt/mnist", # or null
-      "hang_timeout": 10, "min_workers": 1, "max_workers": null,
-      "watch_interval": 1.0, "nvidia_smi_timeout": 10,
-      "leave_timeout": 120, "stop_timeout": 300,    # optional: graces before SIGKILL
-      "evict_grace": 2      # optional: how long a worker that left for a GPU's owner may linger
-    }
-
-The worker environment: the daemon's own (inherited), then `env`, then the
-runtime's contract (runtime/config.py): ELTCTL_STORE, ELTCTL_JOB,
-ELTCTL_WORKER_ID=`<host>/<slot>/<incarnation>` (never reused: the incarnation
-counts up from the daemon's start time in ms, daemon_logic.first_incarnation),
-ELTCTL_DEVICE, ELTCTL_LOCAL_GPU (0: the one visible GPU), ELTCTL_CHECKPOINT_DIR,
-ELTCTL_HANG_TIMEOUT, ELTCTL_MIN_WORKERS, ELTCTL_MAX_WORKERS, and for a GPU slot
-CUDA_VISIBLE_DEVICES=<index> (also with device cpu: the GPU simulator sees a
-worker by it).
+The state document it publishes (`daemon/<host>/state`) and the events it
+appends are described in the package docstring (__init__.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from . import daemon_procs as procs
-from .daemon_logic import (
+from .. import files
+from ..pids import read_pid_file
+from ..protocol import EventKind, add_event, event_document, put_dead, put_leave
+from . import procs
+from .config import DaemonConfig, worker_env
+from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
+from .link import StoreLink
+from .logic import (
     Decision, Exit, Foreign, Kill, Leave, MarkStopping, Memory, Note, RecordYield, Start, View,
     WorkerState, WorkerView, decide, exit_outcome, first_incarnation, incarnation_of,
 )
-from .daemon_store import StoreLink
-from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
-from .membership import EventKind, Keys, append_event, report_dead
 
 log = logging.getLogger("eltctl_runtime.daemon")
 
@@ -116,141 +36,6 @@ TICK_S = 0.1
 ADOPTED_VERDICT_S = 1.0  # a few store polls (0.25 s each)
 STATE_EVERY_S = 1.0
 EXIT_OK, EXIT_CONFIG, EXIT_RUNNING = 0, 2, 3
-
-
-class DaemonConfigError(ValueError):
-    """daemon.json is missing, unreadable or malformed."""
-
-
-@dataclass(frozen=True)
-class DaemonConfig:
-    job: str
-    host: str
-    store: str  # host:port of the job's TCPStore
-    job_dir: Path
-    code_dir: Path
-    command: tuple[str, ...]
-    python: str = "python3"
-    env: Mapping[str, str] = field(default_factory=dict)
-    device: str = "cpu"  # "cpu" | "cuda"
-    gpus: tuple[int, ...] | None = None
-    slots: int = 1
-    checkpoint_dir: Path | None = None
-    hang_timeout: float = 10.0
-    min_workers: int = 1
-    max_workers: int | None = None
-    watch_interval: float = 1.0
-    nvidia_smi_timeout: float = 10.0
-    leave_timeout: float = 120.0
-    stop_timeout: float = 300.0
-    evict_grace: float = 2.0
-
-    @property
-    def gpu_host(self) -> bool:
-        """Slots are GPU indices (a real or simulated GPU host)."""
-        return self.gpus is not None or self.device == "cuda"
-
-    @property
-    def valid_slots(self) -> frozenset[int] | None:
-        if self.gpus is not None:
-            return frozenset(self.gpus)
-        return None if self.device == "cuda" else frozenset(range(self.slots))
-
-    @property
-    def argv(self) -> tuple[str, ...]:
-        """The worker's argv: `python` or `python3` as the first word means this host's interpreter."""
-        first, *rest = self.command
-        return (self.python, *rest) if first in ("python", "python3") else self.command
-
-    @classmethod
-    def load(cls, path: Path) -> "DaemonConfig":
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as e:
-            raise DaemonConfigError(f"cannot read the daemon configuration {path}: {e.strerror}") from None
-        return cls.from_json(text, source=str(path))
-
-    @classmethod
-    def from_json(cls, text: str, source: str = "daemon.json") -> "DaemonConfig":
-        try:
-            d = json.loads(text)
-        except ValueError as e:
-            raise DaemonConfigError(f"{source} is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise DaemonConfigError(f"{source} must hold a JSON object")
-
-        def need(key: str, kind: type | tuple = str) -> Any:
-            if key not in d or d[key] is None:
-                raise DaemonConfigError(f"{source}: the key {key!r} is required")
-            if not isinstance(d[key], kind):
-                raise DaemonConfigError(f"{source}: {key!r} has the wrong type ({type(d[key]).__name__})")
-            return d[key]
-
-        def number(key: str, default: float, positive: bool = True) -> float:
-            value = d.get(key, default)
-            if value is None:
-                value = default
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or (positive and value <= 0):
-                raise DaemonConfigError(f"{source}: {key!r} must be a positive number, not {value!r}")
-            return float(value)
-
-        command = need("command", list)
-        if not command or not all(isinstance(a, str) for a in command):
-            raise DaemonConfigError(f"{source}: 'command' must be a non-empty list of strings")
-        store = need("store")
-        addr, sep, port = store.rpartition(":")
-        if not sep or not addr or not port.isdigit():
-            raise DaemonConfigError(f"{source}: 'store' must be host:port, not {store!r}")
-        env = d.get("env") or {}
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise DaemonConfigError(f"{source}: 'env' must map names to strings")
-        device = d.get("device", "cpu")
-        if device not in ("cpu", "cuda"):
-            raise DaemonConfigError(f"{source}: 'device' must be 'cpu' or 'cuda', not {device!r}")
-        gpus = d.get("gpus")
-        if gpus is not None and (not isinstance(gpus, list)
-                                 or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0
-                                            for g in gpus)):
-            raise DaemonConfigError(f"{source}: 'gpus' must be null or a list of GPU indices")
-        slots = d.get("slots", 1)
-        if not isinstance(slots, int) or slots < 1:
-            raise DaemonConfigError(f"{source}: 'slots' must be a positive integer")
-        min_workers = d.get("min_workers", 1) or 1
-        max_workers = d.get("max_workers")
-        if not isinstance(min_workers, int) or (max_workers is not None and not isinstance(max_workers, int)):
-            raise DaemonConfigError(f"{source}: 'min_workers' and 'max_workers' must be integers (or null)")
-        ckpt = d.get("checkpoint_dir")
-        return cls(
-            job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
-            code_dir=Path(need("code_dir")).expanduser(), command=tuple(command),
-            python=d.get("python") or "python3", env=dict(env), device=device,
-            gpus=tuple(gpus) if gpus is not None else None, slots=slots,
-            checkpoint_dir=Path(ckpt).expanduser() if ckpt else None,
-            hang_timeout=number("hang_timeout", 10.0), min_workers=min_workers, max_workers=max_workers,
-            watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),
-            leave_timeout=number("leave_timeout", 120.0), stop_timeout=number("stop_timeout", 300.0),
-            evict_grace=number("evict_grace", 2.0),
-        )
-
-
-def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id: str) -> dict[str, str]:
-    """The environment of the worker `worker_id` on `slot` (see the module docstring)."""
-    env = dict(base)
-    env.update(cfg.env)
-    env.update({
-        "ELTCTL_STORE": cfg.store, "ELTCTL_JOB": cfg.job, "ELTCTL_WORKER_ID": worker_id,
-        "ELTCTL_DEVICE": cfg.device, "ELTCTL_LOCAL_GPU": "0", "ELTCTL_HANG_TIMEOUT": f"{cfg.hang_timeout:g}",
-        "ELTCTL_MIN_WORKERS": str(cfg.min_workers),
-    })
-    if cfg.max_workers is not None:
-        env["ELTCTL_MAX_WORKERS"] = str(cfg.max_workers)
-    else:
-        env.pop("ELTCTL_MAX_WORKERS", None)
-    if cfg.checkpoint_dir is not None:
-        env["ELTCTL_CHECKPOINT_DIR"] = str(cfg.checkpoint_dir)
-    if cfg.gpu_host:
-        env["CUDA_VISIBLE_DEVICES"] = str(slot)
-    return env
 
 
 @dataclass
@@ -346,7 +131,7 @@ class Daemon:
             self._link.publish_state(self._state_doc(), urgent=True)
             self._link.close(flush_s=5.0)
             if clean:
-                procs.remove(self._memory_path)
+                files.remove(self._memory_path)
             self._lock.release()
             log.info("host %s: daemon pid %d exits", self.cfg.host, os.getpid())
         return EXIT_OK
@@ -384,7 +169,7 @@ class Daemon:
 
     # -- memory and adoption -----------------------------------------------------
     def _load_memory(self) -> None:
-        raw = procs.read_json(self._memory_path)
+        raw = files.read_json(self._memory_path)
         if raw is not None:
             try:
                 self._memory = Memory.from_json(json.dumps(raw))
@@ -394,7 +179,7 @@ class Daemon:
                 log.warning("host %s: ignoring unreadable %s: %s", self.cfg.host, self._memory_path, e)
 
     def _save_memory(self) -> None:
-        procs.write_atomic(self._memory_path, self._memory.to_json())
+        files.write_atomic(self._memory_path, self._memory.to_json())
 
     def _adopt(self) -> None:
         """Take over the workers an earlier daemon of this job and host left running."""
@@ -403,12 +188,12 @@ class Daemon:
             if not pid_file.stem.isdigit():
                 continue
             slot = int(pid_file.stem)
-            pid = procs.read_pid_file(pid_file)
+            pid = read_pid_file(pid_file)
             wid = procs.worker_identity(pid, self.cfg.job) if pid else None
             if wid is None or not wid.startswith(f"{self.cfg.host}/{slot}/"):
                 log.info("host %s: %s names no live worker of this job (pid %s); removing it", self.cfg.host,
                          pid_file.name, pid)
-                procs.remove(pid_file)
+                files.remove(pid_file)
                 continue
             state = WorkerState.LEAVING if wid in self._memory.leaving else WorkerState.RUNNING
             self._workers[slot] = _Worker(slot, wid, pid, None, state, time.monotonic(), time.time(),
@@ -427,7 +212,7 @@ class Daemon:
             state = WorkerState.LEAVING if wid in self._memory.leaving else WorkerState.RUNNING
             self._workers[slot] = _Worker(slot, wid, pid, None, state, time.monotonic(), time.time(),
                                           detail="adopted")
-            procs.write_atomic(self._workers_dir / f"{slot}.pid", f"{pid}\n")
+            files.write_atomic(self._workers_dir / f"{slot}.pid", f"{pid}\n")
             highest = max(highest, incarnation_of(wid) or 0)
             log.info("host %s: adopted worker %s (pid %d) on slot %d, found without a pid file", self.cfg.host,
                      wid, pid, slot)
@@ -459,11 +244,11 @@ class Daemon:
         out = exit_outcome(rc, w.state, left_job=w.worker_id in self._link.departed(),
                            job_done=self._link.job_done)
         del self._workers[w.slot]
-        procs.remove(self._workers_dir / f"{w.slot}.pid")
+        files.remove(self._workers_dir / f"{w.slot}.pid")
         cfg = self.cfg
         if out.report_dead:
             wid = w.worker_id
-            self._link.send(f"the death report of {wid}", lambda tcp, js: report_dead(tcp, cfg.job, wid))
+            self._link.send(f"the death report of {wid}", lambda js: put_dead(js, wid))
         if out.crash_event:
             self._crashes += 1
             self._event(EventKind.CRASH, [w.worker_id], f"worker {w.worker_id} (pid {w.pid}) {out.detail}")
@@ -593,7 +378,7 @@ class Daemon:
                                  "since": round(time.time(), 3), "adopted": False, "detail": detail,
                                  "exit_code": None}
             return
-        procs.write_atomic(self._workers_dir / f"{slot}.pid", f"{proc.pid}\n")
+        files.write_atomic(self._workers_dir / f"{slot}.pid", f"{proc.pid}\n")
         self._workers[slot] = _Worker(slot, wid, proc.pid, proc, WorkerState.RUNNING, now, time.time())
         self._ended.pop(slot, None)
         log.info("host %s: started worker %s (pid %d) on %s %d; log %s", cfg.host, wid, proc.pid,
@@ -602,7 +387,7 @@ class Daemon:
     def _leave(self, a: Leave, now: float) -> None:
         w = self._workers[a.slot]
         wid = a.worker_id
-        self._link.send(f"the leave request of {wid}", lambda tcp, js: js.set(Keys.leave(wid), str(time.time())))
+        self._link.send(f"the leave request of {wid}", lambda js: put_leave(js, wid))
         # SIGTERM too: the runtime leaves at the next step boundary even if the store is away.
         try:
             os.kill(w.pid, signal.SIGTERM)
@@ -612,10 +397,8 @@ class Daemon:
         log.info("host %s: worker %s (pid %d) leaves in the planned way: %s", self.cfg.host, wid, w.pid, a.reason)
 
     def _event(self, kind: EventKind, workers: list[str], detail: str) -> None:
-        ev = {"time": time.time(), "kind": kind.value, "host": self.cfg.host, "workers": workers, "pause_s": None,
-              "detail": detail}
-        job = self.cfg.job
-        self._link.send(f"a {kind.value} event", lambda tcp, js: append_event(tcp, job, ev))
+        ev = event_document(kind, host=self.cfg.host, workers=workers, detail=detail)
+        self._link.send(f"a {kind.value} event", lambda js: add_event(js, ev))
 
     # -- report ------------------------------------------------------------------
     def _state_doc(self) -> dict:
@@ -641,86 +424,3 @@ class Daemon:
             "health": "ok" if healthy else "unhealthy", "watch": dict(self._watch),
             "store": {"connected": self._link.connected, "reconnects": 0, "last_error": self._link.error},
         }
-
-
-# ---------------------------------------------------------------------------- entry point
-
-
-def _setup_logging(job_dir: Path) -> None:
-    job_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(job_dir / "daemon.log", encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    root = logging.getLogger("eltctl_runtime")
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-
-
-def _detach(config: Path, job_dir: Path) -> int:
-    """Start the daemon again as a detached process (new session, stdin
-    /dev/null, output appended to daemon.log) and wait for its readiness line.
-    A fresh interpreter rather than a fork: torch is already imported here."""
-    r, w = os.pipe()
-    with open(job_dir / "daemon.log", "ab") as out:
-        subprocess.Popen([sys.executable, "-m", "eltctl_runtime.daemon", "--config", str(config),
-                          "--ready-fd", str(w)], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                         start_new_session=True, pass_fds=(w,), close_fds=True)
-    os.close(w)
-    try:
-        return _wait_ready(r)
-    finally:
-        os.close(r)
-
-
-def _ready_writer(fd: int):
-    def ready(message: str) -> None:
-        try:
-            os.write(fd, (message + "\n").encode())
-            os.close(fd)
-        except OSError:
-            pass
-    return ready
-
-
-def _wait_ready(r: int, timeout: float = 60.0) -> int:
-    import select
-
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and b"\n" not in buf:
-        ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        chunk = os.read(r, 256)
-        if not chunk:
-            break
-        buf += chunk
-    line = buf.decode(errors="replace").strip()
-    print(line or "failed: the daemon did not answer (see daemon.log)")
-    if line.startswith("ok"):
-        return EXIT_OK
-    return EXIT_RUNNING if line.startswith("running") else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eltctl_runtime.daemon",
-                                 description="eltctl's host daemon: runs one job's workers on this host.")
-    ap.add_argument("--config", type=Path, required=True, help="daemon.json written by the controller")
-    ap.add_argument("--detach", action="store_true",
-                    help="run detached (new session); print 'ok PID' (exit 0) or 'running PID' (exit 3)")
-    ap.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    try:
-        cfg = DaemonConfig.load(args.config)
-    except DaemonConfigError as e:
-        print(f"eltctl daemon: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    if args.detach:
-        cfg.job_dir.mkdir(parents=True, exist_ok=True)
-        return _detach(args.config.resolve(), cfg.job_dir)
-    _setup_logging(cfg.job_dir)
-    ready = _ready_writer(args.ready_fd) if args.ready_fd is not None else None
-    return Daemon(cfg, dict(os.environ)).run(ready=ready)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,17 +4,15 @@ and which of those processes are not this job's.
 Two parts:
 
 * pure functions, tested by tables: `parse_gpu_query` / `parse_app_query` read
-  the CSV of `nvidia-smi --query-gpu=index,uuid,memory.used,memory.total,
-  utilization.gpu` and `--query-compute-apps=gpu_uuid,pid,used_memory,process_name`
-  (`--format=csv,noheader,nounits`; `[N/A]` and friends read as None),
-  `descendants` closes a set of pids over a parent map, `classify_pid` says
-  whether a GPU process is ours, foreign or invisible to us, and `intruders`
-  lists the foreign processes on GPUs our workers use;
+  the answers to the watch's two queries (`--query-gpu=index,uuid,memory.used,
+  memory.total,utilization.gpu` and `--query-compute-apps=gpu_uuid,pid,
+  used_memory,process_name`) with the runtime's one nvidia-smi parser
+  (nvsmi.py, which the controller's probe uses too), `descendants` closes a
+  set of pids over a parent map, `classify_pid` says whether a GPU process is
+  ours, foreign or invisible to us, and `intruders` lists the foreign
+  processes on GPUs our workers use;
 * `SmiPoller`, a non-blocking runner of the two queries under a timeout, polled
   from the daemon's loop (no thread): a hung driver never blocks the daemon.
-
-The control side has its own copy of the parsing in eltctl/probe.py (the runtime
-cannot import eltctl); the two read the same format.
 """
 
 from __future__ import annotations
@@ -26,29 +24,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterable, Mapping
 
-GPU_QUERY = "index,uuid,memory.used,memory.total,utilization.gpu"
-APP_QUERY = "gpu_uuid,pid,used_memory,process_name"
-FORMAT = "--format=csv,noheader,nounits"
+from .. import nvsmi
+from ..nvsmi import GpuApp, GpuInfo
+
+# What the watch asks (no GPU name: the daemon has no use for it).
+GPU_FIELDS = ("index", "uuid", "memory.used", "memory.total", "utilization.gpu")
+APP_FIELDS = nvsmi.APP_FIELDS
 NOT_FOUND_STATUS = 127  # a shell's (and the simulator's) "command not found"
-MISSING_VALUES = {"[n/a]", "n/a", "[not supported]", "[unknown error]", "[insufficient permissions]",
-                  "[gpu is lost]", "[unknown]", ""}
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    index: int
-    uuid: str
-    memory_used_mib: int | None  # None: the driver said [N/A] / [Not Supported]
-    memory_total_mib: int | None
-    utilization: int | None  # percent
-
-
-@dataclass(frozen=True)
-class GpuApp:
-    gpu_uuid: str
-    pid: int
-    used_memory_mib: int | None
-    name: str
 
 
 class Ownership(str, Enum):
@@ -92,52 +74,14 @@ class WatchResult:
 # ---------------------------------------------------------------------------- parsing
 
 
-def parse_number(text: str) -> int | None:
-    """An nvidia-smi number, or None for [N/A], [Not Supported] and friends."""
-    text = text.strip()
-    if text.lower() in MISSING_VALUES:
-        return None
-    for suffix in (" MiB", " %", "MiB", "%"):
-        if text.endswith(suffix):
-            text = text[: -len(suffix)].strip()
-    try:
-        return int(round(float(text)))
-    except ValueError:
-        return None
-
-
 def parse_gpu_query(text: str) -> tuple[GpuInfo, ...]:
-    """Lines of `index, uuid, memory.used, memory.total, utilization.gpu`;
-    malformed lines are skipped (a partial answer still tells about the rest)."""
-    out = []
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 5:
-            continue
-        try:
-            index = int(parts[0])
-        except ValueError:
-            continue
-        out.append(GpuInfo(index=index, uuid=parts[1], memory_used_mib=parse_number(parts[2]),
-                           memory_total_mib=parse_number(parts[3]), utilization=parse_number(parts[4])))
-    return tuple(out)
+    """The answer to the watch's GPU query (nvsmi.py reads it)."""
+    return nvsmi.parse_gpus(text, GPU_FIELDS)
 
 
 def parse_app_query(text: str) -> tuple[GpuApp, ...]:
-    """Lines of `gpu_uuid, pid, used_memory, process_name` (a name may hold commas)."""
-    out = []
-    for line in text.splitlines():
-        raw = line.split(",")
-        parts = [p.strip() for p in raw]
-        if len(parts) < 3:
-            continue
-        try:
-            pid = int(parts[1])
-        except ValueError:
-            continue
-        out.append(GpuApp(gpu_uuid=parts[0], pid=pid, used_memory_mib=parse_number(parts[2]),
-                          name=",".join(raw[3:]).strip()))
-    return tuple(out)
+    """The answer to the watch's compute-process query (nvsmi.py reads it)."""
+    return nvsmi.parse_apps(text, APP_FIELDS)
 
 
 # ---------------------------------------------------------------------------- decisions
@@ -241,10 +185,10 @@ class SmiPoller:
     def _start(self, now: float) -> None:
         self._started = now
         try:
-            for query in (f"--query-gpu={GPU_QUERY}", f"--query-compute-apps={APP_QUERY}"):
+            for args in (nvsmi.query_gpus(GPU_FIELDS), nvsmi.query_apps(APP_FIELDS)):
                 # Own session: a hung nvidia-smi (and anything it started) is killed as a group.
                 self._procs.append(subprocess.Popen(
-                    [self._binary, query, FORMAT], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    [self._binary, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, env=self._env, start_new_session=True))
         except FileNotFoundError:
             self._kill()

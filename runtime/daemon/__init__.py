@@ -1,0 +1,70 @@
+"""The host daemon (membership daemon): runs one job's workers on one host.
+
+    python -m eltctl_runtime.daemon --config ~/.eltctl/jobs/<job>/<host>/daemon.json [--detach]
+
+The controller starts one per used host over SSH, detached (or with `--detach`,
+which starts the daemon again in a new session with stdin /dev/null and output
+appended to daemon.log, prints `ok PID` once it holds the pid file, and exits:
+0 started, 3 another daemon already runs (`running PID`), 2 bad configuration).
+The daemon
+
+* connects to the job's store (`link.StoreLink`, a background thread)
+  and applies the controller's desired state `daemon/<host>/desired`
+  (`{seq, slots, stop}`, polled every 0.25 s): one worker per desired slot
+  (a GPU index, or a CPU slot number), a planned leave (`leave/<worker_id>` and
+  SIGTERM) for a slot no longer desired, and on `stop` it waits for its workers
+  (the controller wrote the runtime's job-wide `stop` key) and exits;
+* reaps its workers: an exit that was not asked for is reported at once
+  (`protocol.report_dead` and an event of kind `crash`) and never restarted
+  by the daemon itself: only a new desired seq listing the slot starts one;
+* watches its GPUs every `watch_interval` with `nvidia-smi` (gpuwatch.py): a
+  process that is not this job's on a GPU a worker uses makes that worker leave
+  at once (planned), records a `yield` (state and event, naming the user and pid),
+  and keeps the slot empty until a new seq lists it. Once the runtime's plan
+  lists that worker as left, the worker normally exits within ~0.3 s (the
+  runtime skips the interpreter's teardown, exiting.py), so the owner gets the
+  GPU back in about watch_interval + one step + 0.3 s; a process still
+  lingering after `evict_grace` (a script that hangs after its loop) is
+  SIGKILLed, a backstop;
+* writes `daemon/<host>/state` about every second (below);
+* on SIGTERM makes all its workers leave in the planned way, waits, and exits;
+  SIGKILL leaves the workers running (own sessions), and the next daemon adopts
+  them through `workers/<slot>.pid` (alive, and /proc/<pid>/environ carries
+  ELTCTL_JOB=<job> and an ELTCTL_WORKER_ID of this host and slot), or, for a
+  worker whose pid file was never written, through that environment alone;
+* keeps its workers running whatever happens to the store or the controller.
+
+`daemon/<host>/state` (JSON, about once a second)::
+
+    {"time", "heartbeat": wall clock of the write, "pid", "started", "host", "job",
+     "phase": "running" | "stopping" | "stopped" | "failed",
+     "seq_applied": int | null, "wanted": [slots of that seq],
+     "workers": [{"slot", "worker_id", "pid", "state", "since", "adopted", "detail"[, "exit_code"]}],
+         # live states: running, stopping, leaving, killed, evicted; the last ended
+         # worker of an empty slot: left, finished, crashed, lost (logic.WorkerState)
+     "gpus": [{"index", "state": "ours" | "busy" | "free" | "unknown", "reason", "since"}],
+     "yielded": [{"slot", "user", "pid", "time"}], "crashes": int (this daemon's life),
+     "health": "ok" | "unhealthy" (nvidia-smi failed or hung),
+     "watch": {"health": "ok" | "none" | "failed" | "hung", "reason", "since", "last_s"},
+     "store": {"connected", "reconnects", "last_error"}}
+
+Events it appends to the runtime's `events/<n>`: `{time, kind, host, workers,
+pause_s: null, detail}` with kind `yield` or `crash` (`protocol.event_document`).
+
+Files under `job_dir` (`~/.eltctl/jobs/<job>/<host>/`): `daemon.json` (this
+configuration), `daemon.pid` (flocked for life: one daemon per job and host),
+`daemon.log`, `daemon.memory.json` (applied seq, yields, the next worker
+incarnation; removed on a clean stop), `workers/<slot>.pid`, `workers/<slot>.log`.
+
+The modules: `config` (daemon.json, the worker environment), `logic` (the
+decisions, pure), `service` (the executor: observe, decide, act), `link` (the
+store link thread), `procs` (/proc, the pid lock, worker processes),
+`gpuwatch` (the nvidia-smi watch), `main` (the command line). The store keys
+and documents it shares with the controller and the runtime: protocol.py.
+"""
+
+from .config import DaemonConfig, DaemonConfigError, worker_env
+from .main import main
+from .service import Daemon
+
+__all__ = ["Daemon", "DaemonConfig", "DaemonConfigError", "main", "worker_env"]

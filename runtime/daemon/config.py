@@ -1,0 +1,173 @@
+"""The host daemon's configuration and its workers' environment.
+
+`daemon.json` (written by the controller; `DaemonConfig.from_json`)::
+
+    {
+      "job": "mnist", "host": "ws1",          # names; the host name is the inventory's
+      "store": "10.0.0.5:29400",              # the job's TCPStore
+      "job_dir": "/home/u/.eltctl/jobs/mnist/ws1",
+      "code_dir": "/home/u/.eltctl/jobs/mnist/ws1/code",   # the workers' cwd
+      "python": "/usr/bin/python3",           # replaces "python"/"python3" as command[0]
+      "command": ["python", "train.py", "--epochs", "3"],
+      "env": {"NCCL_DEBUG": "WARN"},          # extra worker environment
+      "device": "cuda",                       # or "cpu" (also: simulated GPU hosts)
+      "gpus": [0, 1],                         # GPU indices the job may use; null: CPU slots
+      "slots": 1,                             # CPU workers when gpus is null and device is cpu
+      "checkpoint_dir": "/shared/ckpt/mnist", # or null
+      "hang_timeout": 10, "min_workers": 1, "max_workers": null,
+      "watch_interval": 1.0, "nvidia_smi_timeout": 10,
+      "leave_timeout": 120, "stop_timeout": 300,    # optional: graces before SIGKILL
+      "evict_grace": 2      # optional: how long a worker that left for a GPU's owner may linger
+    }
+
+The worker environment: the daemon's own (inherited), then `env`, then the
+runtime's contract (runtime/config.py): ELTCTL_STORE, ELTCTL_JOB,
+ELTCTL_WORKER_ID=`<host>/<slot>/<incarnation>` (never reused: the incarnation
+counts up from the daemon's start time in ms, logic.first_incarnation),
+ELTCTL_DEVICE, ELTCTL_LOCAL_GPU (0: the one visible GPU), ELTCTL_CHECKPOINT_DIR,
+ELTCTL_HANG_TIMEOUT, ELTCTL_MIN_WORKERS, ELTCTL_MAX_WORKERS, and for a GPU slot
+CUDA_VISIBLE_DEVICES=<index> (also with device cpu: the GPU simulator sees a
+worker by it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class DaemonConfigError(ValueError):
+    """daemon.json is missing, unreadable or malformed."""
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    job: str
+    host: str
+    store: str  # host:port of the job's TCPStore
+    job_dir: Path
+    code_dir: Path
+    command: tuple[str, ...]
+    python: str = "python3"
+    env: Mapping[str, str] = field(default_factory=dict)
+    device: str = "cpu"  # "cpu" | "cuda"
+    gpus: tuple[int, ...] | None = None
+    slots: int = 1
+    checkpoint_dir: Path | None = None
+    hang_timeout: float = 10.0
+    min_workers: int = 1
+    max_workers: int | None = None
+    watch_interval: float = 1.0
+    nvidia_smi_timeout: float = 10.0
+    leave_timeout: float = 120.0
+    stop_timeout: float = 300.0
+    evict_grace: float = 2.0
+
+    @property
+    def gpu_host(self) -> bool:
+        """Slots are GPU indices (a real or simulated GPU host)."""
+        return self.gpus is not None or self.device == "cuda"
+
+    @property
+    def valid_slots(self) -> frozenset[int] | None:
+        if self.gpus is not None:
+            return frozenset(self.gpus)
+        return None if self.device == "cuda" else frozenset(range(self.slots))
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """The worker's argv: `python` or `python3` as the first word means this host's interpreter."""
+        first, *rest = self.command
+        return (self.python, *rest) if first in ("python", "python3") else self.command
+
+    @classmethod
+    def load(cls, path: Path) -> "DaemonConfig":
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise DaemonConfigError(f"cannot read the daemon configuration {path}: {e.strerror}") from None
+        return cls.from_json(text, source=str(path))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "daemon.json") -> "DaemonConfig":
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise DaemonConfigError(f"{source} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise DaemonConfigError(f"{source} must hold a JSON object")
+
+        def need(key: str, kind: type | tuple = str) -> Any:
+            if key not in d or d[key] is None:
+                raise DaemonConfigError(f"{source}: the key {key!r} is required")
+            if not isinstance(d[key], kind):
+                raise DaemonConfigError(f"{source}: {key!r} has the wrong type ({type(d[key]).__name__})")
+            return d[key]
+
+        def number(key: str, default: float, positive: bool = True) -> float:
+            value = d.get(key, default)
+            if value is None:
+                value = default
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or (positive and value <= 0):
+                raise DaemonConfigError(f"{source}: {key!r} must be a positive number, not {value!r}")
+            return float(value)
+
+        command = need("command", list)
+        if not command or not all(isinstance(a, str) for a in command):
+            raise DaemonConfigError(f"{source}: 'command' must be a non-empty list of strings")
+        store = need("store")
+        addr, sep, port = store.rpartition(":")
+        if not sep or not addr or not port.isdigit():
+            raise DaemonConfigError(f"{source}: 'store' must be host:port, not {store!r}")
+        env = d.get("env") or {}
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise DaemonConfigError(f"{source}: 'env' must map names to strings")
+        device = d.get("device", "cpu")
+        if device not in ("cpu", "cuda"):
+            raise DaemonConfigError(f"{source}: 'device' must be 'cpu' or 'cuda', not {device!r}")
+        gpus = d.get("gpus")
+        if gpus is not None and (not isinstance(gpus, list)
+                                 or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0
+                                            for g in gpus)):
+            raise DaemonConfigError(f"{source}: 'gpus' must be null or a list of GPU indices")
+        slots = d.get("slots", 1)
+        if not isinstance(slots, int) or slots < 1:
+            raise DaemonConfigError(f"{source}: 'slots' must be a positive integer")
+        min_workers = d.get("min_workers", 1) or 1
+        max_workers = d.get("max_workers")
+        if not isinstance(min_workers, int) or (max_workers is not None and not isinstance(max_workers, int)):
+            raise DaemonConfigError(f"{source}: 'min_workers' and 'max_workers' must be integers (or null)")
+        ckpt = d.get("checkpoint_dir")
+        return cls(
+            job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
+            code_dir=Path(need("code_dir")).expanduser(), command=tuple(command),
+            python=d.get("python") or "python3", env=dict(env), device=device,
+            gpus=tuple(gpus) if gpus is not None else None, slots=slots,
+            checkpoint_dir=Path(ckpt).expanduser() if ckpt else None,
+            hang_timeout=number("hang_timeout", 10.0), min_workers=min_workers, max_workers=max_workers,
+            watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),
+            leave_timeout=number("leave_timeout", 120.0), stop_timeout=number("stop_timeout", 300.0),
+            evict_grace=number("evict_grace", 2.0),
+        )
+
+
+def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id: str) -> dict[str, str]:
+    """The environment of the worker `worker_id` on `slot` (see the module docstring)."""
+    env = dict(base)
+    env.update(cfg.env)
+    env.update({
+        "ELTCTL_STORE": cfg.store, "ELTCTL_JOB": cfg.job, "ELTCTL_WORKER_ID": worker_id,
+        "ELTCTL_DEVICE": cfg.device, "ELTCTL_LOCAL_GPU": "0", "ELTCTL_HANG_TIMEOUT": f"{cfg.hang_timeout:g}",
+        "ELTCTL_MIN_WORKERS": str(cfg.min_workers),
+    })
+    if cfg.max_workers is not None:
+        env["ELTCTL_MAX_WORKERS"] = str(cfg.max_workers)
+    else:
+        env.pop("ELTCTL_MAX_WORKERS", None)
+    if cfg.checkpoint_dir is not None:
+        env["ELTCTL_CHECKPOINT_DIR"] = str(cfg.checkpoint_dir)
+    if cfg.gpu_host:
+        env["CUDA_VISIBLE_DEVICES"] = str(slot)
+    return env

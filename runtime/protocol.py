@@ -1,0 +1,341 @@
+"""The wire protocol between the controller, the host daemons and the workers.
+
+Every key of the job's store, every document that crosses a process boundary
+through it, and the vocabulary of the job's event log live here, and nowhere
+else: the controller (eltctl/controller), the host daemon (daemon/) and the
+training runtime (job.py, control.py, membership.py) all import this module.
+It needs only the standard library (the control side imports it without torch).
+
+The store is the job's c10d TCPStore, hosted by the store keeper on the control
+machine. Every key of a job lives under `eltctl/<job>/` (`job_prefix`); the
+helpers here take either the raw store and the job (`append_event(store, job,
+event)`, the public API of `eltctl_runtime`) or a store already scoped to the
+job (`add_event(js, event)`: a `torch.distributed.PrefixStore`, the
+controller's client, or `scope(store, job)`). A store is anything with
+`set`, `get`, `add` and `check` (`Store`), so tests can use a dict-backed fake.
+
+Who writes what (the keys relative to `eltctl/<job>/`; runtime/README.md has
+the full table)::
+
+    join/seq, join/<n>          worker (registers when warm)
+    hb/<worker>                 worker's control thread
+    leave/<worker>              anyone (request_leave), the host daemon
+    dead/<worker>, dead/seq     host daemon, launcher, a worker leaving abruptly (report_dead)
+    stop                        controller (request_stop)
+    done                        rank 0: {step, reason}
+    gen/<g>/plan, abort, alive  workers (membership.py)
+    status                      rank 0, about once a second (`status_document`)
+    events/seq, events/<n>      rank 0, host daemons, controller (`append_event`, `EventKind`)
+    daemon/<host>/desired       controller: `Desired` {seq, slots, stop}
+    daemon/<host>/state         host daemon, about once a second (daemon/service.py)
+
+and, outside any job's prefix, `eltctl/storekeeper` (`KEEPER_KEY`): the store
+keeper's pid, written on the raw store when it starts serving.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Iterable, Protocol
+
+ROOT = "eltctl"
+KEEPER_KEY = f"{ROOT}/storekeeper"
+
+
+class Store(Protocol):
+    """The part of c10d's Store the protocol uses (TCPStore, PrefixStore, a test's fake)."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, amount: int) -> int: ...
+    def check(self, keys: list[str]) -> bool: ...
+
+
+def job_prefix(job: str) -> str:
+    """The prefix every key of `job` lives under (c10d's PrefixStore adds the `/`)."""
+    return f"{ROOT}/{job}"
+
+
+class Keys:
+    """Store keys, relative to the job's prefix (the module docstring says who writes each)."""
+
+    JOIN_SEQ = "join/seq"
+    DEAD_SEQ = "dead/seq"
+    STOP = "stop"
+    DONE = "done"
+    STATUS = "status"
+    EVENTS_SEQ = "events/seq"
+
+    @staticmethod
+    def heartbeat(worker: str) -> str:
+        return f"hb/{worker}"
+
+    @staticmethod
+    def join(seq: int) -> str:
+        return f"join/{seq}"
+
+    @staticmethod
+    def leave(worker: str) -> str:
+        return f"leave/{worker}"
+
+    @staticmethod
+    def dead(worker: str) -> str:
+        return f"dead/{worker}"
+
+    @staticmethod
+    def plan(gen: int) -> str:
+        return f"gen/{gen}/plan"
+
+    @staticmethod
+    def abort(gen: int) -> str:
+        return f"gen/{gen}/abort"
+
+    @staticmethod
+    def alive(gen: int, worker: str) -> str:
+        return f"gen/{gen}/alive/{worker}"
+
+    @staticmethod
+    def pg_prefix(gen: int) -> str:
+        return f"gen/{gen}/pg"
+
+    @staticmethod
+    def event(n: int) -> str:
+        return f"events/{n}"
+
+    @staticmethod
+    def desired(host: str) -> str:
+        return f"daemon/{host}/desired"
+
+    @staticmethod
+    def daemon_state(host: str) -> str:
+        return f"daemon/{host}/state"
+
+
+def desired_key(host: str) -> str:
+    """`daemon/<host>/desired`: the controller's `Desired` document for one host's daemon."""
+    return Keys.desired(host)
+
+
+def state_key(host: str) -> str:
+    """`daemon/<host>/state`: the host daemon's state document."""
+    return Keys.daemon_state(host)
+
+
+# ---------------------------------------------------------------------------- the event log
+
+
+class EventKind(str, Enum):
+    """The kind of an entry of the job's event log (`events/<n>`). Who writes which:
+
+    * the runtime's rank 0, at the first step committed in a new generation:
+      START, JOIN, LEAVE, CRASH, HANG, RESTORE; and STOP when a stop request
+      ends the job (`{kind, generation, world_size, members, joined, left,
+      lost, from_step, step, pause_s, time}`; STOP: `{kind, generation, step, time}`);
+    * a host daemon: YIELD (a GPU's owner is back; the worker there leaves) and
+      CRASH (a worker process exited without being asked, or could not start);
+    * the controller: BENCH (a host whose workers keep failing is benched),
+      ADD and REMOVE (`eltctl scale --add/--remove`), and RESTORE (it chose and
+      delivered a checkpoint before the job starts, or failed to).
+
+    Daemon and controller entries share one shape (`event_document`):
+    `{time, kind, host, workers, pause_s: null, detail, ...extra}`. DONE is a
+    plan kind only (never logged today)."""
+
+    START = "start"
+    JOIN = "join"
+    LEAVE = "leave"
+    CRASH = "crash"
+    HANG = "hang"
+    RESTORE = "restore"
+    STOP = "stop"
+    DONE = "done"
+    YIELD = "yield"
+    BENCH = "bench"
+    ADD = "add"
+    REMOVE = "remove"
+
+
+def event_document(kind: EventKind | str, *, host: str | None, detail: str, workers: Iterable[str] = (),
+                   time: float | None = None, **extra: Any) -> dict:
+    """An event as the host daemon and the controller write it:
+    `{time, kind, host, workers, pause_s: null, detail, **extra}` (in that order).
+    `time` defaults to now (wall clock); an unknown kind raises ValueError."""
+    return {"time": _now() if time is None else time, "kind": EventKind(kind).value, "host": host,
+            "workers": list(workers), "pause_s": None, "detail": detail, **extra}
+
+
+def _now() -> float:
+    return time.time()
+
+
+# ---------------------------------------------------------------------------- documents
+
+
+@dataclass(frozen=True)
+class Desired:
+    """`daemon/<host>/desired`, written by the controller, read by the host daemon.
+
+    A new `seq` arms each listed slot (a GPU index, or a CPU slot number): the
+    daemon starts one worker per armed slot; `stop`: the job is stopping, the
+    daemon waits for its workers and exits (daemon/logic.py)."""
+
+    seq: int
+    slots: tuple[int, ...] = ()
+    stop: bool = False
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "Desired":
+        d = json.loads(raw)
+        if not isinstance(d, dict) or not isinstance(d.get("seq"), int):
+            raise ValueError(f"desired state needs an integer seq: {raw!r}")
+        slots = d.get("slots") or []
+        if not isinstance(slots, list) or not all(isinstance(s, int) and s >= 0 for s in slots):
+            raise ValueError(f"desired slots must be a list of non-negative integers: {slots!r}")
+        return cls(seq=d["seq"], slots=tuple(sorted(set(slots))), stop=bool(d.get("stop", False)))
+
+    def to_dict(self) -> dict:
+        return {"seq": self.seq, "slots": list(self.slots), "stop": self.stop}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def status_document(*, generation: int, world_size: int, members: Iterable[str], step: int, epoch: int,
+                    position: int, samples_per_s: float, loss: float | None, checkpoint: dict | None,
+                    time: float | None = None) -> dict:
+    """The runtime's `status` document, written by rank 0 about once a second:
+    `{generation, world_size, members, step, epoch, position, samples_per_s,
+    loss, checkpoint: {step, time, path} | null, time}`."""
+    return {"generation": generation, "world_size": world_size, "members": list(members), "step": step,
+            "epoch": epoch, "position": position, "samples_per_s": samples_per_s, "loss": loss,
+            "checkpoint": checkpoint, "time": _now() if time is None else time}
+
+
+# ---------------------------------------------------------------------------- on a job-scoped store
+
+
+class JobScope:
+    """A store seen through one job's prefix, with no torch: the same keys a
+    `torch.distributed.PrefixStore(job_prefix(job), store)` reads and writes
+    (`<prefix>/<key>`). For helpers only; process groups need the real PrefixStore."""
+
+    def __init__(self, store: Store, prefix: str) -> None:
+        self._store = store
+        self._prefix = prefix
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}/{key}"
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(self._key(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(self._key(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(self._key(key), amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check([self._key(k) for k in keys])
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._store.compare_set(self._key(key), expected, desired)  # type: ignore[attr-defined]
+
+
+def scope(store: Store, job: str) -> JobScope:
+    """`store` (the raw TCPStore) seen through `job`'s prefix."""
+    return JobScope(store, job_prefix(job))
+
+
+def add_event(js: Store, event: dict) -> int:
+    """Append one event to the log of the job `js` is scoped to (`events/seq`
+    counter, `events/<n>`) and return its number. `event["kind"]` must be an
+    EventKind value (ValueError otherwise); `time` (wall clock) is added when
+    missing; the rest is written as given, in its order."""
+    doc = dict(event, kind=EventKind(event["kind"]).value)
+    doc.setdefault("time", _now())
+    n = js.add(Keys.EVENTS_SEQ, 1)
+    js.set(Keys.event(n), json.dumps(doc))
+    return n
+
+
+def get_events(js: Store, start: int = 1) -> list[dict]:
+    """The job's events from number `start` on (numbers begin at 1)."""
+    last = js.add(Keys.EVENTS_SEQ, 0)
+    out = []
+    for n in range(start, last + 1):
+        if js.check([Keys.event(n)]):
+            out.append(json.loads(js.get(Keys.event(n))))
+    return out
+
+
+def get_status(js: Store) -> dict | None:
+    """Rank 0's newest `status` document, or None before the first."""
+    return json.loads(js.get(Keys.STATUS)) if js.check([Keys.STATUS]) else None
+
+
+def put_dead(js: Store, worker_id: str) -> None:
+    """`dead/<worker>` and a tick of `dead/seq`: survivors abort at once."""
+    js.set(Keys.dead(worker_id), str(_now()))
+    js.add(Keys.DEAD_SEQ, 1)
+
+
+def put_leave(js: Store, worker_id: str) -> None:
+    """`leave/<worker>`: that worker leaves at the next step boundary."""
+    js.set(Keys.leave(worker_id), str(_now()))
+
+
+def put_stop(js: Store) -> None:
+    """`stop`: the job checkpoints and exits at the next step boundary."""
+    js.set(Keys.STOP, str(_now()))
+
+
+def get_desired(js: Store, host: str) -> Desired | None:
+    """The controller's desired document for `host`; None when none was written.
+    A malformed one raises ValueError."""
+    key = Keys.desired(host)
+    return Desired.from_json(js.get(key)) if js.check([key]) else None
+
+
+def put_desired(js: Store, host: str, desired: Desired) -> None:
+    js.set(Keys.desired(host), desired.to_json())
+
+
+# ---------------------------------------------------------------------------- the public helpers
+# For launchers and the control plane: the raw store and the job id.
+
+
+def report_dead(store: Store, job: str, worker_id: str) -> None:
+    """Tell the job that a worker process is gone (the launcher or host daemon
+    saw it exit). Survivors abort the current generation at once instead of
+    waiting for a collective timeout."""
+    put_dead(scope(store, job), worker_id)
+
+
+def request_leave(store: Store, job: str, worker_id: str) -> None:
+    """Ask a worker to leave at the next step boundary (planned: no step lost)."""
+    put_leave(scope(store, job), worker_id)
+
+
+def request_stop(store: Store, job: str) -> None:
+    """Ask the whole job to checkpoint and exit cleanly at the next boundary."""
+    put_stop(scope(store, job))
+
+
+def append_event(store: Store, job: str, event: dict) -> int:
+    """Append one event to the job's log and return its number (`add_event`).
+    Used by the runtime, the host daemon and the controller alike, so the log
+    has one numbering and one vocabulary."""
+    return add_event(scope(store, job), event)
+
+
+def read_status(store: Store, job: str) -> dict | None:
+    return get_status(scope(store, job))
+
+
+def read_events(store: Store, job: str, start: int = 1) -> list[dict]:
+    """Membership events from number `start` on (numbers begin at 1)."""
+    return get_events(scope(store, job), start)
