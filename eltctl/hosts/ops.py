@@ -45,7 +45,7 @@ from eltctl.inventory import DeviceKind, Host, Inventory
 RUNTIME_PACKAGE = "eltctl_runtime"
 DAEMON_MODULE = "eltctl_runtime.daemon"
 # Never synced: version control, caches, environments, our own state.
-SYNC_EXCLUDE_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".eltctl",
+SYNC_EXCLUDE_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", layout.STATE_DIR,
                                ".mypy_cache", ".pytest_cache", ".ipynb_checkpoints", "node_modules"})
 SYNC_EXCLUDE_SUFFIXES = (".pyc", ".pyo")
 TRANSFER_TIMEOUT = 120.0

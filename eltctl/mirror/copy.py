@@ -182,8 +182,9 @@ async def _copy_checkpoint_steps(src: Place, source: Located, step: int, dst: Pl
                                     expected)
             if await _try_one_shot(dst.transport, cmd, f"verifying the copy of step {step} on {dst.label}"):
                 return replace(source, where=dst.label, path=final, verified=True, problem=None)
-            sums_text = (await run_checked(dst.transport, copy_hash_command(dst.transport.host.python, None, tmp, names),
-                                    f"hashing the copy of step {step}", HASH_TIMEOUT)).stdout
+            hashing = copy_hash_command(dst.transport.host.python, None, tmp, names)
+            sums_text = (await run_checked(dst.transport, hashing, f"hashing the copy of step {step}",
+                                           HASH_TIMEOUT)).stdout
         sums = parse_sums(sums_text)
         problem = compare_sums(source.files, sums)
         if problem is None:
@@ -198,9 +199,10 @@ async def _copy_checkpoint_steps(src: Place, source: Located, step: int, dst: Pl
         # The old copy of this step, if any, was invalid: set it aside, then publish.
         aside = f"{dst.directory}/{ckpt.TMP_PREFIX}replaced-{uuid.uuid4().hex[:12]}"
         await run_checked(dst.transport,
-                   f"set -e; if [ -e {_q(final)} ]; then mv -- {_q(final)} {_q(aside)}; fi; "
-                   f"mv -- {_q(tmp)} {_q(final)}; rm -rf -- {_q(aside)}; sync -- {_q(dst.directory)} 2>/dev/null || true",
-                   f"publishing step {step}", LIST_TIMEOUT)
+                          f"set -e; if [ -e {_q(final)} ]; then mv -- {_q(final)} {_q(aside)}; fi; "
+                          f"mv -- {_q(tmp)} {_q(final)}; rm -rf -- {_q(aside)}; "
+                          f"sync -- {_q(dst.directory)} 2>/dev/null || true",
+                          f"publishing step {step}", LIST_TIMEOUT)
     except BaseException:
         try:  # best effort: a leftover is harmless (nothing reads .tmp-*) and retention sweeps it
             await asyncio.wait_for(dst.transport.run(f"rm -rf -- {_q(tmp)}", timeout=60), 65)

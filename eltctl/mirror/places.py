@@ -40,7 +40,8 @@ async def list_place(place: Place, *, verify: bool = False) -> list[Located]:
     cmd = (f"cd {_q(place.directory)} 2>/dev/null || exit 0; for d in step-*; do "
            f"[ -d \"$d\" ] || continue; printf '\\n@@ELTCTL@@ %s\\n' \"$d\"; "
            f"cat \"$d/{ckpt.MANIFEST_FILE}\" 2>/dev/null; done; exit 0")
-    listing = parse_listing((await run_checked(place.transport, cmd, "listing checkpoints", LIST_TIMEOUT)).stdout, place)
+    found = await run_checked(place.transport, cmd, "listing checkpoints", LIST_TIMEOUT)
+    listing = parse_listing(found.stdout, place)
     if not verify:
         return listing
     return [await verify_located(place, c) if c.verified is None else c for c in listing]

@@ -13,7 +13,6 @@ from eltctl_runtime import checkpoint as ckpt
 STALE_TMP_MINUTES = 120  # `.tmp-*` on the mirror older than this are leftovers of a dead copy
 
 
-
 async def apply_retention(place: Place, keep: int, verified: int) -> list[int]:
     """Delete what `retention_plan` says (renamed to `.tmp-*` first) and sweep stale temps."""
     present = [c.step for c in await list_place(place)]
