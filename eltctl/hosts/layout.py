@@ -46,9 +46,14 @@ def worker_pid(slot: int | str) -> str:
     return f"{WORKERS_DIR}/{slot}.pid"
 
 
+def job_root_in(home: Path, job: str) -> Path:
+    """A job's directories of every inventory host sharing a HOME seen from this machine."""
+    return home / JOBS_DIR / job
+
+
 def job_dir_in(home: Path, job: str, host: str) -> Path:
     """A job's directory under a HOME seen from this machine (a local or simulated host)."""
-    return home / JOBS_DIR / job / host
+    return job_root_in(home, job) / host
 
 
 def shell_job_dir(job: str, host: str) -> str:
