@@ -132,7 +132,7 @@ def sha256_speed() -> float:
 def throughput(runs: int, mb: int, use_netfs: bool = True) -> dict:
     from eltctl.inventory import load_inventory
     from eltctl.mirror import Mirror, host_place, parse_target
-    from eltctl.transport import Fleet
+    from eltctl.hosts.fleet import Fleet
     from tests.testbed import make_testbed
 
     out: dict = {}
@@ -314,7 +314,7 @@ async def _drive(procs, progress: Path, seconds: float, ckpt: Path, mirror_dir: 
     import eltctl_runtime as elt
     from eltctl.inventory import Host
     from eltctl.mirror import Mirror, MirrorWorker, Place, parse_target
-    from eltctl.transport import LocalTransport
+    from eltctl.hosts.local import LocalTransport
 
     while not (progress.exists() and progress.stat().st_size > 0):
         if any(p.poll() is not None for p in procs):

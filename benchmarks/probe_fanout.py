@@ -41,7 +41,7 @@ def probe_time(inventory, hosts) -> tuple[float, float, dict[str, int]]:
     """One library probe of `hosts` with fresh connections: its seconds, the seconds of
     a second probe over the same (reused) connections, and the host states found."""
     from eltctl.probe import probe_fleet
-    from eltctl.transport import Fleet
+    from eltctl.hosts.fleet import Fleet
 
     async def main():
         async with Fleet(hosts, ssh=inventory.ssh) as fleet:

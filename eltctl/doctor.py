@@ -25,7 +25,8 @@ from eltctl.inventory import Host, Inventory, Policy, SSHSettings
 from eltctl.probe import MARK, sections as _sections
 from eltctl.probe import (HANG_STATUSES, NOT_FOUND_STATUS, HostProbe, parse_probe_output, probe_command,
                           probe_timeout)
-from eltctl.transport import ErrorKind, Fleet, Transport
+from eltctl.hosts.fleet import Fleet
+from eltctl.hosts.transport import ErrorKind, Transport
 
 WORKDIR = "~/.eltctl"
 TORCH_IMPORT_TIMEOUT = 120.0  # seconds; a cold `import torch` on a loaded host is slow
@@ -297,7 +298,7 @@ async def diagnose_host(fleet: Fleet, host: Host, *, policy: Policy, local: Vers
     except HostError as exc:
         transport, error = None, exc
     if error is not None and accept_new and str(error.kind) == ErrorKind.HOST_KEY_UNKNOWN and not host.is_local:
-        from eltctl.ssh import accept_new_host_key
+        from eltctl.hosts.ssh import accept_new_host_key
 
         try:
             key = await accept_new_host_key(host, fleet.ssh)

@@ -1,6 +1,6 @@
 """A host's logs of the job: the daemon's and each worker's, read over the host's transport.
 
-On each host the job's files sit in `~/.eltctl/jobs/<job>/<host>/` (docs/control-plane.md):
+On each host the job's files sit in `~/.eltctl/jobs/<job>/<host>/` (`eltctl.hosts.layout`):
 `daemon.log` and `workers/<slot>.log`. One shell command (`read_command`) reports,
 for every log there, its new size and the bytes since the offset we already have
 (base64, so any byte survives the trip and chunk boundaries are exact); the first
@@ -19,17 +19,18 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from eltctl.errors import EltctlError, HostError
-from eltctl.transport import Transport
+from eltctl.hosts import layout
+from eltctl.hosts.transport import ErrorKind, Transport
 
 MARK = "@@eltctl-log"
 NO_DIR = "@@eltctl-nodir"
 FOLLOW_INTERVAL_S = 1.0
-_WORKER_LOG = re.compile(r"workers/(\d+)\.log")
+_WORKER_LOG = re.compile(re.escape(layout.WORKERS_DIR) + r"/(\d+)\.log")
 
 
 def job_dir(job: str, host: str) -> str:
     """The job's directory on the host, as the host's shell writes it."""
-    return f"$HOME/.eltctl/jobs/{shlex.quote(job)}/{shlex.quote(host)}"
+    return layout.shell_job_dir(job, host)
 
 
 def read_command(job: str, host: str, offsets: Mapping[str, int], *, last_lines: int | None) -> str:
@@ -47,7 +48,7 @@ def read_command(job: str, host: str, offsets: Mapping[str, int], *, last_lines:
 d={job_dir(job, host)}
 [ -d "$d" ] || {{ echo {NO_DIR}; exit 0; }}
 cd "$d" || exit 1
-for f in daemon.log workers/*.log; do
+for f in {layout.DAEMON_LOG} {layout.worker_log("*")}; do
   [ -f "$f" ] || continue
   size=$(wc -c < "$f" | tr -d ' ')
   off=-1
@@ -92,7 +93,7 @@ def parse_read_output(stdout: str) -> list[Chunk] | None:
 
 def source_name(path: str) -> str:
     """How a line's source is shown: `daemon`, `worker 0`."""
-    if path == "daemon.log":
+    if path == layout.DAEMON_LOG:
         return "daemon"
     m = _WORKER_LOG.fullmatch(path)
     return f"worker {m.group(1)}" if m else path
@@ -100,7 +101,7 @@ def source_name(path: str) -> str:
 
 def _order(path: str) -> tuple[int, int, str]:
     m = _WORKER_LOG.fullmatch(path)
-    return (0, 0, path) if path == "daemon.log" else (1, int(m.group(1)), path) if m else (2, 0, path)
+    return (0, 0, path) if path == layout.DAEMON_LOG else (1, int(m.group(1)), path) if m else (2, 0, path)
 
 
 @dataclass
@@ -146,7 +147,7 @@ async def read_new(transport: Transport, job: str, host: str, reader: LogReader,
     result = await transport.run(read_command(job, host, reader.offsets, last_lines=last_lines))
     if not result.ok:
         raise HostError(host, f"reading the logs failed (exit {result.exit_status}): "
-                              f"{result.stderr.strip()[:300]}", kind="command")
+                              f"{result.stderr.strip()[:300]}", kind=ErrorKind.COMMAND)
     chunks = parse_read_output(result.stdout)
     return None if chunks is None else reader.feed(chunks)
 

@@ -29,7 +29,8 @@ from typing import Iterable
 from eltctl_runtime.nvsmi import parse_number  # shared with the host daemon; stdlib only
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy
-from eltctl.transport import ErrorKind, Fleet, Outcome, Transport
+from eltctl.hosts.fleet import Fleet, Outcome
+from eltctl.hosts.transport import ErrorKind, Transport
 
 MARK = ":::eltctl:"
 PROBE_VERSION = "1"

@@ -28,7 +28,8 @@ from eltctl.doctor import (
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Policy
 from eltctl.probe import parse_probe_output
-from eltctl.transport import ErrorKind, Fleet
+from eltctl.hosts.fleet import Fleet
+from eltctl.hosts.transport import ErrorKind
 
 LOCAL = Versions(python="3.11.7", torch="2.13.0+cpu")
 

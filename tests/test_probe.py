@@ -30,7 +30,7 @@ from eltctl.probe import (
     probe_fleet,
     report_to_json,
 )
-from eltctl.transport import Fleet
+from eltctl.hosts.fleet import Fleet
 
 POLICY = Policy(memory_threshold_mib=500, utilization_threshold=10, nvidia_smi_timeout=2.0)
 U0, U1 = "GPU-aaaa", "GPU-bbbb"

@@ -399,7 +399,7 @@ def test_status_imports_neither_torch_nor_asyncssh(tmp_path):
 
 from eltctl.inventory import Host  # noqa: E402
 from eltctl.logs import Chunk, LogReader, parse_read_output, show_logs  # noqa: E402
-from eltctl.transport import LocalTransport  # noqa: E402
+from eltctl.hosts.local import LocalTransport  # noqa: E402
 
 
 def test_log_reader_shows_whole_lines_with_their_source():

@@ -16,8 +16,10 @@ import pytest
 
 from eltctl.errors import HostError
 from eltctl.inventory import Host, SSHSettings
-from eltctl.ssh import Endpoint, endpoint
-from eltctl.transport import ErrorKind, Fleet, LocalTransport, RunResult, Transport, wrap_env
+from eltctl.hosts.ssh import Endpoint, endpoint
+from eltctl.hosts.fleet import Fleet
+from eltctl.hosts.local import LocalTransport
+from eltctl.hosts.transport import ErrorKind, RunResult, Transport, wrap_env
 
 LOCAL = Host(name="here", address="local")
 
@@ -38,6 +40,42 @@ def test_local_transport_returns_output_and_exit_status():
 def test_local_transport_feeds_input():
     r = run(LocalTransport(LOCAL).run("tr a-z A-Z", input="hello"))
     assert r.ok and r.stdout == "HELLO"
+
+
+def test_local_byte_stream_carries_any_bytes_and_reports_the_exit():
+    data = bytes(range(256)) * 5000  # every byte value, more than one pipe buffer
+
+    async def main():
+        t = LocalTransport(LOCAL)
+        s = await t.open_stream("cat; echo done >&2; exit 4")
+        writer = asyncio.ensure_future(_write_all(s, data))
+        got = bytearray()
+        while chunk := await s.read(1 << 16):
+            got += chunk
+        await writer
+        return bytes(got), await s.wait(), t.local_address()
+
+    got, (status, err), address = run(main())
+    assert got == data and (status, err) == (4, "done\n") and address is None
+
+
+def test_local_byte_stream_kill_ends_the_command():
+    async def main():
+        s = await LocalTransport(LOCAL).open_stream("sleep 60")
+        started = time.monotonic()
+        s.kill()
+        status, _err = await s.wait()
+        s.kill()  # again, after it ended: harmless
+        return status, time.monotonic() - started
+
+    status, took = run(main())
+    assert status < 0 and took < 10
+
+
+async def _write_all(stream, data: bytes) -> None:
+    for i in range(0, len(data), 100_000):
+        await stream.write(data[i:i + 100_000])
+    await stream.close_stdin()
 
 
 def test_local_transport_applies_the_hosts_env():
@@ -250,7 +288,7 @@ def _free_port() -> int:
 
 
 def test_nothing_listening_is_unreachable_with_a_fix(tmp_path):
-    from eltctl import ssh
+    from eltctl.hosts import ssh
 
     host = Host("dead", "127.0.0.1", port=_free_port())
     with pytest.raises(HostError) as err:
@@ -260,7 +298,7 @@ def test_nothing_listening_is_unreachable_with_a_fix(tmp_path):
 
 
 def test_a_listener_that_never_speaks_ssh_times_out(tmp_path):
-    from eltctl import ssh
+    from eltctl.hosts import ssh
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -294,7 +332,7 @@ def test_a_listener_that_never_speaks_ssh_times_out(tmp_path):
 
 
 def test_an_unreadable_identity_file_is_a_clear_auth_error(tmp_path):
-    from eltctl import ssh
+    from eltctl.hosts import ssh
 
     host = Host("h", "127.0.0.1", port=_free_port())
     settings = SSHSettings(identity_file=tmp_path / "missing_key", known_hosts=tmp_path / "kh")

@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
 
         from eltctl.errors import UsageError
         from eltctl.logs import show_logs
-        from eltctl.transport import Fleet
+        from eltctl.hosts.fleet import Fleet
 
         inventory = ctx.obj.inventory()
         try:

@@ -42,7 +42,7 @@ class _NoStore:
 
 async def choose_address(inventory: Inventory, fleet) -> str:
     """The one address the hosts reach this machine at (docs/control-plane.md)."""
-    from eltctl.hostops import local_address
+    from eltctl.hosts.ops import local_address
 
     if inventory.controller.address:
         return inventory.controller.address
@@ -91,7 +91,7 @@ async def start_mirror_worker(inventory: Inventory, source):
 async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: bool) -> int:
     from eltctl.controller import store as kstore
     from eltctl.controller.loop import Controller, Phase
-    from eltctl.transport import Fleet
+    from eltctl.hosts.fleet import Fleet
 
     ctl: Controller | None = None
     shutdown = asyncio.Event()

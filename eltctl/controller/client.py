@@ -205,8 +205,8 @@ def down(inventory: Inventory, *, force: bool = False, progress: Progress = lamb
 
 
 async def _verify(inventory: Inventory, force: bool):
-    from eltctl import hostops
-    from eltctl.transport import Fleet
+    from eltctl.hosts import ops as hostops
+    from eltctl.hosts.fleet import Fleet
 
     async def one(host, t):
         procs = await hostops.job_processes(t, inventory.job.name)

@@ -30,15 +30,15 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from eltctl import hostops
 from eltctl import mirror as mir
 from eltctl.controller import policy as pol
 from eltctl.controller.statedir import StateDir, read_json, write_json_atomic
 from eltctl.controller.store import JobStore
 from eltctl.errors import HostError
+from eltctl.hosts import ops as hostops
+from eltctl.hosts.fleet import Fleet
 from eltctl.inventory import Host, Inventory
 from eltctl.probe import GpuState, HostReport, HostState, probe_fleet
-from eltctl.transport import Fleet
 
 log = logging.getLogger("eltctl.controller")
 

@@ -4,6 +4,7 @@ commands' side of the controller (no SSH needed)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from eltctl import hostops
 from eltctl.controller.statedir import ControllerLock, StateDir, read_json, state_root, write_json_atomic
+from eltctl.hosts import ops as hostops
+from eltctl.hosts.layout import HostPaths
+from eltctl.hosts.local import LocalTransport
 from eltctl.inventory import Host
-from eltctl.transport import LocalTransport
 
 
 def run(coro):
@@ -61,12 +63,42 @@ def test_runtime_is_shipped_once_and_importable(host_t):
     assert paths.home == str(home)
     target, sent = run(hostops.ensure_runtime(t, paths))
     assert sent and target.startswith(f"{home}/.eltctl/runtime/")
-    shipped = sorted(p.name for p in (Path(target) / "eltctl_runtime").glob("*.py"))
+    package = Path(target) / "eltctl_runtime"
+    shipped = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py"))
     assert shipped == sorted(hostops.runtime_files())
     assert run(hostops.ensure_runtime(t, paths)) == (target, False)  # present: not sent again
     r = subprocess.run([sys.executable, "-c", "import eltctl_runtime.membership as m; print(m.__file__)"],
                        env={**os.environ, "PYTHONPATH": target}, capture_output=True, text=True, cwd=home)
     assert r.stdout.strip().startswith(target)
+
+
+def test_runtime_files_take_subpackages_and_skip_caches(tmp_path):
+    src = tmp_path / "runtime"
+    (src / "daemon" / "__pycache__").mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "daemon" / "__init__.py").write_text("")
+    (src / "daemon" / "logic.py").write_text("X = 1\n")
+    (src / "daemon" / "__pycache__" / "logic.cpython-312.py").write_text("junk\n")
+    (src / "notes.txt").write_text("not shipped\n")
+    assert sorted(hostops.runtime_files(src)) == ["__init__.py", "daemon/__init__.py", "daemon/logic.py"]
+
+
+def test_a_nested_runtime_module_is_shipped_and_importable(host_t, tmp_path):
+    host, t, home = host_t
+    src = tmp_path / "runtime"
+    (src / "daemon").mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "daemon" / "__init__.py").write_text("")
+    (src / "daemon" / "logic.py").write_text("ANSWER = 42\n")
+    files = hostops.runtime_files(src)
+    paths = run(hostops.host_paths(t, "j"))
+    target, sent = run(hostops.ensure_runtime(t, paths, files))
+    assert sent and (Path(target) / "eltctl_runtime" / "daemon" / "logic.py").read_text() == "ANSWER = 42\n"
+    r = subprocess.run([sys.executable, "-c", "import eltctl_runtime.daemon.logic as m; print(m.ANSWER, m.__file__)"],
+                       env={**os.environ, "PYTHONPATH": target}, capture_output=True, text=True, cwd=home)
+    assert r.returncode == 0, r.stderr
+    answer, where = r.stdout.split()
+    assert answer == "42" and where.startswith(target)
 
 
 def test_code_sync_sends_changes_and_deletes_removed_files(host_t, tmp_path):
@@ -118,12 +150,39 @@ def test_daemon_config_names_the_gpus_or_cpu_slots(tmp_path):
 
     inv = parse_inventory('[job]\nname = "j"\ncommand = "python t.py"\n[policy]\nhang_timeout = "5s"\n'
                           '[[hosts]]\nname = "a"\naddress = "a"\nslots = 3\n', tmp_path / "hosts.toml")
-    paths = hostops.HostPaths(home="/h", job="j", host="a")
+    paths = HostPaths(home="/h", job="j", host="a")
     gpu = hostops.daemon_config(inv, inv.hosts[0], paths, "10.0.0.5:1234", (0, 1))
     cpu = hostops.daemon_config(inv, inv.hosts[0], paths, "10.0.0.5:1234", None)
     assert (gpu["device"], gpu["gpus"], cpu["device"], cpu["gpus"], cpu["slots"]) == ("cuda", [0, 1], "cpu", None, 3)
     assert gpu["job_dir"] == "/h/.eltctl/jobs/j/a" and gpu["code_dir"] == "/h/.eltctl/jobs/j/a/code"
     assert gpu["hang_timeout"] == 5.0 and gpu["store"] == "10.0.0.5:1234"
+
+
+# ------------------------------------------------------------------- the layout and the programs
+
+def test_layout_names_the_files_the_runtime_writes():
+    from eltctl.hosts import layout
+
+    runtime = "\n".join(data.decode() for data in hostops.runtime_files().values())
+    for name in (layout.DAEMON_PID, layout.DAEMON_LOG, layout.DAEMON_MEMORY, layout.WORKERS_DIR):
+        assert f'"{name}"' in runtime, name
+    paths = HostPaths(home="/h", job="j", host="a")
+    assert (paths.job_dir, paths.daemon_json, paths.checkpoint_dir, paths.runtime_dir("ab")) == (
+        "/h/.eltctl/jobs/j/a", "/h/.eltctl/jobs/j/a/daemon.json", "/h/.eltctl/jobs/j/a/checkpoints",
+        "/h/.eltctl/runtime/ab")
+    assert layout.checkpoint_host(f"{paths.checkpoint_dir}/step-00000001", "j") == "a"
+    assert layout.job_dir_in(Path("/h"), "j", "a") == Path(paths.job_dir)
+
+
+def test_host_programs_run_from_their_source_with_python_c(tmp_path):
+    from eltctl.hosts import programs
+
+    (tmp_path / "a.py").write_text("x\n")
+    cmd = programs.command(sys.executable, "manifest", str(tmp_path), "[]", "[]")
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True)
+    assert r.returncode == 0 and list(json.loads(r.stdout)) == ["a.py"]
+    with pytest.raises(ValueError):
+        programs.source("nonexistent")
 
 
 # ------------------------------------------------------------------- the state directory

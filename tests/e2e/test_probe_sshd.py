@@ -167,7 +167,7 @@ def test_slow_hosts_do_not_hold_up_the_others(bed):
     off by its timeout; the healthy hosts' results come in first; the batch is bounded."""
     from eltctl.inventory import load_inventory
     from eltctl.probe import probe_host
-    from eltctl.transport import Fleet
+    from eltctl.hosts.fleet import Fleet
 
     _, path = bed
     inv = load_inventory(path)

@@ -20,7 +20,8 @@ import pytest
 
 from eltctl.errors import HostError
 from eltctl.inventory import Host, load_inventory
-from eltctl.transport import ErrorKind, Fleet
+from eltctl.hosts.fleet import Fleet
+from eltctl.hosts.transport import ErrorKind
 
 pytestmark = pytest.mark.sshd
 
@@ -88,11 +89,38 @@ def test_a_slow_command_is_that_hosts_timeout_only(testbed):
     assert time.monotonic() - started < 30
 
 
+def test_ssh_byte_stream_carries_any_bytes_and_reports_the_exit(testbed):
+    testbed.add_host("h1")
+    inv = load_inventory(testbed.write_inventory())
+    data = bytes(range(256)) * 8000  # every byte value, several SSH window sizes
+
+    async def main():
+        async with Fleet(inv) as fleet:
+            t = await fleet.transport(inv.hosts[0])
+            s = await t.open_stream("cat; echo done >&2; exit 4")
+
+            async def feed():
+                for i in range(0, len(data), 100_000):
+                    await s.write(data[i:i + 100_000])
+                await s.close_stdin()
+
+            writer = asyncio.ensure_future(feed())
+            got = bytearray()
+            while chunk := await s.read(1 << 16):
+                got += chunk
+            await writer
+            return bytes(got), await s.wait(), t.local_address()
+
+    got, (status, err), address = asyncio.run(main())
+    assert got == data and (status, err) == (4, "done\n")
+    assert address is not None and address.startswith("127.")
+
+
 def test_changed_host_key_is_reported_with_the_fix_and_never_accepted(testbed):
     h = testbed.add_host("h1")
     h.change_host_key()
     inv = load_inventory(testbed.write_inventory())
-    from eltctl import ssh
+    from eltctl.hosts import ssh
 
     with pytest.raises(HostError) as err:
         asyncio.run(ssh.connect(inv.hosts[0], inv.ssh))

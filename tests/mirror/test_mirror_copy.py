@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from eltctl import mirror_copy
+from eltctl.hosts.programs import mirror_copy
 
 SOURCE = Path(mirror_copy.__file__).read_text(encoding="utf-8")
 STEP = "step-00000007"

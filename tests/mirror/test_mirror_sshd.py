@@ -40,7 +40,7 @@ from eltctl.mirror import (
     prepare_restore,
 )
 from eltctl.errors import HostError
-from eltctl.transport import Fleet
+from eltctl.hosts.fleet import Fleet
 from eltctl_runtime.checkpoint import CheckpointStore, verify_dir
 
 pytestmark = pytest.mark.sshd

@@ -1,6 +1,6 @@
 """SSH, the one place that knows asyncssh.
 
-`SSHTransport` is the `Transport` (see `eltctl.transport`) for a remote host; `connect`
+`SSHTransport` is the `Transport` (see `eltctl.hosts.transport`) for a remote host; `connect`
 opens one with the inventory's `[ssh]` settings on top of what `~/.ssh/config` and the
 ssh-agent provide. Host keys are always verified against `known_hosts`; nothing here
 ever turns that off. Everything asyncssh raises is turned into a `HostError` whose kind
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from eltctl.errors import HostError
 from eltctl.inventory import Host, SSHSettings
-from eltctl.transport import ErrorKind, RunResult, wrap_env
+from eltctl.hosts.transport import ErrorKind, RunResult, wrap_env
 
 if TYPE_CHECKING:  # pragma: no cover
     import asyncssh
@@ -93,10 +93,20 @@ class SSHTransport:
         self._default_timeout = default_timeout
         self._sessions = asyncio.Semaphore(MAX_SESSIONS)
 
-    @property
-    def connection(self) -> "asyncssh.SSHClientConnection":
-        """The asyncssh connection, for later layers (sftp, detached launches)."""
-        return self._conn
+    def local_address(self) -> str | None:
+        """The address of this machine's end of the connection (what the host sees)."""
+        sock = self._conn.get_extra_info("sockname")
+        return sock[0] if sock else None
+
+    async def open_stream(self, command: str) -> "SSHStream":
+        """A channel of this connection running `command` with binary stdin and stdout."""
+        import asyncssh
+
+        try:
+            proc = await self._conn.create_process(wrap_env(command, self.host.env), encoding=None)
+        except (asyncssh.Error, OSError) as exc:
+            raise HostError(self.host.name, f"could not start a copy: {exc}", kind=ErrorKind.UNREACHABLE) from exc
+        return SSHStream(proc)
 
     async def run(self, command: str, *, timeout: float | None = None,
                   input: str | None = None) -> RunResult:
@@ -144,6 +154,32 @@ class SSHTransport:
             await asyncio.wait_for(self._conn.wait_closed(), timeout=5)
         except (asyncio.TimeoutError, OSError):
             pass  # closing is best effort; the socket is gone either way
+
+
+class SSHStream:
+    """The `ByteStream` of one SSH channel (an asyncssh client process, bytes mode)."""
+
+    def __init__(self, proc: "asyncssh.SSHClientProcess") -> None:
+        self._p = proc
+
+    async def write(self, data: bytes) -> None:
+        self._p.stdin.write(data)
+        await self._p.stdin.drain()
+
+    async def close_stdin(self) -> None:
+        self._p.stdin.write_eof()
+
+    async def read(self, n: int) -> bytes:
+        return await self._p.stdout.read(n)
+
+    async def wait(self) -> tuple[int, str]:
+        err = await self._p.stderr.read()
+        done = await self._p.wait()
+        status = done.exit_status if done.exit_status is not None else -1
+        return status, _text(err)
+
+    def kill(self) -> None:
+        self._p.close()
 
 
 def _text(data: object) -> str:

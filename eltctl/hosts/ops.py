@@ -3,9 +3,9 @@
 Each is one or two round trips on the host and needs only `/bin/sh` and the host's
 Python there (docs/control-plane.md, "Files"):
 
-- `ensure_runtime`: the runtime (`eltctl_runtime`, runtime/*.py) lives in
-  `~/.eltctl/runtime/<hash>/` where the hash covers its files' contents; it is sent
-  (a base64 tar on stdin) only when that directory is missing.
+- `ensure_runtime`: the runtime (`eltctl_runtime`, every runtime/**/*.py) lives in
+  `~/.eltctl/runtime/<hash>/` where the hash covers its files' paths and contents; it
+  is sent (a base64 tar on stdin) only when that directory is missing.
 - `sync_code`: the job's code directory goes to `~/.eltctl/jobs/<job>/<host>/code/`;
   the host's Python lists what is there with SHA-256 sums and only changed files are
   sent, removed ones deleted. Skipped when the inventory says the hosts share a
@@ -15,6 +15,9 @@ Python there (docs/control-plane.md, "Files"):
 - `daemon_pid`, `job_processes`, `kill_pids`: what runs there, found on the host
   itself (pid files and `/proc/<pid>/environ` holding `ELTCTL_JOB=<job>`), whatever
   the controller remembers.
+
+Where things are on the host is `eltctl.hosts.layout`; the Python programs run there
+are the files of `eltctl.hosts.programs`.
 
 Errors a host raises are `HostError`s (the transport's); a command that ran and
 failed is a `HostError` of kind `command` with its stderr, so a Fleet outcome says why.
@@ -34,52 +37,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eltctl.errors import HostError
+from eltctl.hosts import layout, programs
+from eltctl.hosts.layout import HostPaths
+from eltctl.hosts.transport import ErrorKind, RunResult, Transport
 from eltctl.inventory import DeviceKind, Host, Inventory
-from eltctl.transport import ErrorKind, RunResult, Transport
 
 RUNTIME_PACKAGE = "eltctl_runtime"
 DAEMON_MODULE = "eltctl_runtime.daemon"
 # Never synced: version control, caches, environments, our own state.
-SYNC_EXCLUDE_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".eltctl",
+SYNC_EXCLUDE_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", layout.STATE_DIR,
                                ".mypy_cache", ".pytest_cache", ".ipynb_checkpoints", "node_modules"})
 SYNC_EXCLUDE_SUFFIXES = (".pyc", ".pyo")
 TRANSFER_TIMEOUT = 120.0
-
-
-@dataclass(frozen=True)
-class HostPaths:
-    """Where a job lives on one host (absolute: the host's HOME is asked once)."""
-
-    home: str
-    job: str
-    host: str
-
-    @property
-    def job_dir(self) -> str:
-        return f"{self.home}/.eltctl/jobs/{self.job}/{self.host}"
-
-    @property
-    def code_dir(self) -> str:
-        return f"{self.job_dir}/code"
-
-    @property
-    def daemon_json(self) -> str:
-        return f"{self.job_dir}/daemon.json"
-
-    @property
-    def daemon_pid(self) -> str:
-        return f"{self.job_dir}/daemon.pid"
-
-    @property
-    def daemon_log(self) -> str:
-        return f"{self.job_dir}/daemon.log"
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return f"{self.job_dir}/checkpoints"
-
-    def runtime_dir(self, digest: str) -> str:
-        return f"{self.home}/.eltctl/runtime/{digest}"
 
 
 def _check(host: Host, what: str, result: RunResult) -> RunResult:
@@ -87,11 +56,6 @@ def _check(host: Host, what: str, result: RunResult) -> RunResult:
         detail = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_status}")
         raise HostError(host.name, f"{what} failed: {detail.splitlines()[-1][:300]}", kind=ErrorKind.COMMAND)
     return result
-
-
-def _py(host: Host, script: str, *args: str) -> str:
-    """A command running `script` with the host's Python (quoted for any sh)."""
-    return " ".join([shlex.quote(host.python), "-c", shlex.quote(script), *map(shlex.quote, args)])
 
 
 async def remote_home(t: Transport) -> str:
@@ -117,8 +81,11 @@ def runtime_source_dir() -> Path:
 
 
 def runtime_files(source: Path | None = None) -> dict[str, bytes]:
+    """{relative POSIX path: contents} of every `*.py` under the runtime directory
+    (subpackages included, `__pycache__` left out)."""
     source = source or runtime_source_dir()
-    return {p.name: p.read_bytes() for p in sorted(source.glob("*.py"))}
+    return {p.relative_to(source).as_posix(): p.read_bytes() for p in sorted(source.rglob("*.py"))
+            if "__pycache__" not in p.relative_to(source).parts}
 
 
 def runtime_digest(files: dict[str, bytes]) -> str:
@@ -139,30 +106,6 @@ def _tar_b64(members: dict[str, bytes]) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-# Reads a base64 tar on stdin, extracts it into a temporary directory beside the
-# target and renames it into place: a half-sent runtime is never used.
-_UNPACK_RUNTIME = r"""
-import base64, io, os, shutil, sys, tarfile, tempfile
-target = sys.argv[1]
-if os.path.isdir(target):
-    sys.exit(0)
-parent = os.path.dirname(target)
-os.makedirs(parent, exist_ok=True)
-tmp = tempfile.mkdtemp(dir=parent, prefix=".incoming-")
-with tarfile.open(fileobj=io.BytesIO(base64.b64decode(sys.stdin.read())), mode="r:gz") as tar:
-    for m in tar.getmembers():
-        if not m.isfile() or m.name.startswith("/") or ".." in m.name.split("/"):
-            sys.exit("unsafe member " + m.name)
-    tar.extractall(os.path.join(tmp, "eltctl_runtime"))
-try:
-    os.rename(tmp, target)
-except OSError:
-    shutil.rmtree(tmp, ignore_errors=True)  # another controller was faster
-    if not os.path.isdir(target):
-        raise
-"""
-
-
 async def ensure_runtime(t: Transport, paths: HostPaths, files: dict[str, bytes] | None = None) -> tuple[str, bool]:
     """(the runtime directory to put on PYTHONPATH, whether it was sent now)."""
     files = files if files is not None else runtime_files()
@@ -172,57 +115,12 @@ async def ensure_runtime(t: Transport, paths: HostPaths, files: dict[str, bytes]
     if probe.ok:
         return target, False
     _check(t.host, "shipping the runtime",
-           await t.run(_py(t.host, _UNPACK_RUNTIME, target), input=_tar_b64(files), timeout=TRANSFER_TIMEOUT))
+           await t.run(programs.command(t.host.python, "unpack_runtime", target), input=_tar_b64(files),
+                       timeout=TRANSFER_TIMEOUT))
     return target, True
 
 
 # --------------------------------------------------------------------------- the code
-
-_MANIFEST = r"""
-import hashlib, json, os, sys
-root, excluded, suffixes = sys.argv[1], set(json.loads(sys.argv[2])), tuple(json.loads(sys.argv[3]))
-out = {}
-for d, dirs, files in os.walk(root):
-    dirs[:] = [x for x in dirs if x not in excluded]
-    for f in files:
-        if f.endswith(suffixes):
-            continue
-        p = os.path.join(d, f)
-        try:
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
-        except OSError:
-            pass
-print(json.dumps(out))
-"""
-
-_APPLY = r"""
-import base64, io, json, os, sys, tarfile
-root = sys.argv[1]
-doc = json.loads(sys.stdin.read())
-os.makedirs(root, exist_ok=True)
-for rel in doc["delete"]:
-    p = os.path.join(root, rel)
-    if os.path.commonpath([os.path.realpath(p), os.path.realpath(root)]) == os.path.realpath(root):
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
-if doc["tar"]:
-    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(doc["tar"])), mode="r:gz") as tar:
-        for m in tar.getmembers():
-            if not m.isfile() or m.name.startswith("/") or ".." in m.name.split("/"):
-                sys.exit("unsafe member " + m.name)
-        for m in tar.getmembers():
-            dest = os.path.join(root, m.name)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            tmp = dest + ".eltctl-tmp"
-            with open(tmp, "wb") as fh:
-                fh.write(tar.extractfile(m).read())
-            os.chmod(tmp, m.mode & 0o777)
-            os.replace(tmp, dest)
-"""
-
 
 def local_manifest(workdir: Path) -> dict[str, str]:
     """{relative path: sha256} of the code directory, with the same exclusions as the host's."""
@@ -255,9 +153,9 @@ def plan_sync(local: dict[str, str], remote: dict[str, str]) -> SyncResult:
 async def sync_code(t: Transport, workdir: Path, code_dir: str) -> SyncResult:
     """Make `code_dir` on the host hold exactly `workdir`'s files; send only the changes."""
     host = t.host
-    got = _check(host, "listing the code on the host",
-                 await t.run(_py(host, _MANIFEST, code_dir, json.dumps(sorted(SYNC_EXCLUDE_DIRS)),
-                                 json.dumps(list(SYNC_EXCLUDE_SUFFIXES))), timeout=TRANSFER_TIMEOUT))
+    listing = programs.command(host.python, "manifest", code_dir, json.dumps(sorted(SYNC_EXCLUDE_DIRS)),
+                               json.dumps(list(SYNC_EXCLUDE_SUFFIXES)))
+    got = _check(host, "listing the code on the host", await t.run(listing, timeout=TRANSFER_TIMEOUT))
     try:
         remote = json.loads(got.stdout.strip().splitlines()[-1]) if got.stdout.strip() else {}
     except ValueError as exc:
@@ -279,8 +177,8 @@ async def sync_code(t: Transport, workdir: Path, code_dir: str) -> SyncResult:
                 archive.addfile(info, io.BytesIO(data))
         tar = base64.b64encode(buf.getvalue()).decode()
     _check(host, "sending the code",
-           await t.run(_py(host, _APPLY, code_dir), input=json.dumps({"delete": list(plan.deleted), "tar": tar}),
-                       timeout=TRANSFER_TIMEOUT))
+           await t.run(programs.command(host.python, "apply", code_dir),
+                       input=json.dumps({"delete": list(plan.deleted), "tar": tar}), timeout=TRANSFER_TIMEOUT))
     return plan
 
 
@@ -332,8 +230,8 @@ def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: st
     env = (f"ELTCTL_JOB={q(job)} ELTCTL_HOST={q(host.name)} "
            f"PYTHONPATH={q(runtime_dir)}${{PYTHONPATH:+:$PYTHONPATH}}")
     return (
-        f"mkdir -p {q(paths.job_dir)}/workers && cd {q(paths.job_dir)} && "
-        f"cat > daemon.json.tmp && mv daemon.json.tmp daemon.json && "
+        f"mkdir -p {q(paths.workers_dir)} && cd {q(paths.job_dir)} && "
+        f"cat > {layout.DAEMON_JSON}.tmp && mv {layout.DAEMON_JSON}.tmp {layout.DAEMON_JSON} && "
         f"{env} {q(host.python)} -m {DAEMON_MODULE} --config {q(paths.daemon_json)} --detach </dev/null"
     )
 
@@ -372,31 +270,6 @@ async def tail_log(t: Transport, path: str, lines: int = 20) -> str:
 
 # --------------------------------------------------------------------------- processes
 
-_LIST = r"""
-import json, os, sys
-job, host = sys.argv[1].encode(), sys.argv[2].encode()
-me = os.getpid()
-out = []
-for name in os.listdir("/proc"):
-    if not name.isdigit() or int(name) == me:
-        continue
-    try:
-        with open("/proc/%s/environ" % name, "rb") as f:
-            env = f.read().split(b"\0")
-        with open("/proc/%s/cmdline" % name, "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
-    except OSError:
-        continue
-    if b"ELTCTL_JOB=" + job not in env:
-        continue
-    hosts = [e[len(b"ELTCTL_HOST="):] for e in env if e.startswith(b"ELTCTL_HOST=")]
-    if hosts and hosts[0] != host:
-        continue  # another inventory host sharing this machine
-    out.append([int(name), cmd])
-print(json.dumps(out))
-"""
-
-
 @dataclass(frozen=True)
 class JobProcess:
     pid: int
@@ -406,7 +279,8 @@ class JobProcess:
 async def job_processes(t: Transport, job: str) -> list[JobProcess]:
     """This job's processes on the host: `ELTCTL_JOB=<job>` in their environment (and,
     when set, `ELTCTL_HOST` naming this host: several inventory hosts may share a machine)."""
-    result = _check(t.host, "listing the job's processes", await t.run(_py(t.host, _LIST, job, t.host.name)))
+    result = _check(t.host, "listing the job's processes",
+                    await t.run(programs.command(t.host.python, "list_processes", job, t.host.name)))
     try:
         rows = json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:
@@ -421,8 +295,4 @@ async def kill_pids(t: Transport, pids: list[int], signal_name: str = "TERM") ->
 
 def local_address(t: Transport) -> str | None:
     """The address this machine uses on its connection to the host (None: local host)."""
-    conn = getattr(t, "connection", None)
-    if conn is None:
-        return None
-    sock = conn.get_extra_info("sockname")
-    return sock[0] if sock else None
+    return t.local_address()

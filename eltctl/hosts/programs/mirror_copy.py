@@ -1,9 +1,9 @@
 """Copy, verify and publish one checkpoint in one run on the host that sees both paths.
 
 This file is not imported on the hosts: `eltctl.mirror` sends its source text with
-`python -c` to the host that does the copying (the host holding the checkpoint for a
-shared-directory mirror; the mirror host after an ssh:// relay), so it uses the
-standard library only and works on any Python 3.8+.
+`python -c` (`eltctl.hosts.programs.command`) to the host that does the copying (the
+host holding the checkpoint for a shared-directory mirror; the mirror host after an
+ssh:// relay), so it uses the standard library only and works on any Python 3.8+.
 
     python -c <this file> copy    SRC  PARENT STEPNAME TMPNAME EXPECTED
     python -c <this file> publish -    PARENT STEPNAME TMPNAME EXPECTED

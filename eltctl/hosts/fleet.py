@@ -1,137 +1,39 @@
-"""Running commands on hosts: the `Transport` seam, the local transport and the `Fleet`.
+"""The `Fleet`: the hosts of one CLI command (or of the controller) and their connections.
 
-A `Transport` runs shell commands on one host. There are two: `LocalTransport`
-(`address = "local"`, a subprocess of `/bin/sh`) and `SSHTransport` (`eltctl.ssh`,
-asyncssh). Later layers add file transfer and detached launches to the same seam.
-
-A `Fleet` talks to many hosts at once within one CLI command: it opens at most one
-connection per host, lazily, with at most `max_parallel` connecting at a time, and
-closes them all on exit. `Fleet.each` runs a coroutine on every host concurrently and
-returns one `Outcome` per host; an unreachable, slow or failing host becomes its own
-outcome and never aborts the others.
+A `Fleet` talks to many hosts at once: it opens at most one connection per host,
+lazily, with at most `max_parallel` connecting at a time, and closes them all on
+exit. `Fleet.each` runs a coroutine on every host concurrently and returns one
+`Outcome` per host; an unreachable, slow or failing host becomes its own outcome and
+never aborts the others.
 
     async with Fleet(inventory) as fleet:
         outcomes = await fleet.each(None, lambda host, t: t.run("uptime"))
+
+`open_transport` is the one place that picks the implementation for a host (local or
+SSH); the mirror uses it too for its own host.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import os
-import shlex
-import signal
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Generic, Iterable, Mapping, Protocol, TypeVar, runtime_checkable
+from typing import Awaitable, Callable, Generic, Iterable, TypeVar
 
 from eltctl.errors import HostError
+from eltctl.hosts.local import LocalTransport
+from eltctl.hosts.transport import ErrorKind, Transport
 from eltctl.inventory import Host, Inventory, SSHSettings
 
 T = TypeVar("T")
 
 
-class ErrorKind(str, enum.Enum):
-    """Why a host could not be used; `HostError.kind` holds one of these."""
+async def open_transport(host: Host, settings: SSHSettings) -> Transport:
+    """A transport to `host`: local for `address = "local"`, else an SSH connection."""
+    if host.is_local:
+        return LocalTransport(host, default_timeout=settings.command_timeout)
+    from eltctl.hosts import ssh  # asyncssh is imported only when a remote host is used
 
-    UNREACHABLE = "unreachable"  # refused, no route, DNS, connection lost
-    TIMEOUT = "timeout"  # no answer in time (connect or command)
-    AUTH = "auth"  # reached, but no key was accepted
-    HOST_KEY_UNKNOWN = "host-key-unknown"  # reached, key not in known_hosts
-    HOST_KEY_CHANGED = "host-key-changed"  # reached, key differs from known_hosts
-    COMMAND = "command"  # connected, but a command could not be run
-    INTERNAL = "internal"  # a bug in eltctl while handling this host
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What one command left behind. A non-zero exit is a result, not an exception."""
-
-    exit_status: int  # negative: killed by that signal
-    stdout: str
-    stderr: str
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_status == 0
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """Runs commands on one host.
-
-    `run` returns a RunResult for any exit status and raises `HostError` only when the
-    command could not be run or did not finish (kind `timeout`) within `timeout`
-    seconds (None: the transport's default).
-    """
-
-    host: Host
-
-    async def run(self, command: str, *, timeout: float | None = None,
-                  input: str | None = None) -> RunResult: ...
-
-    async def close(self) -> None: ...
-
-
-def wrap_env(command: str, env: Iterable[tuple[str, str]]) -> str:
-    """The command with the host's extra environment, for any login shell.
-
-    `env K=V sh -c CMD` works whatever shell the account has and does not depend on
-    sshd's AcceptEnv.
-    """
-    pairs = [f"{k}={v}" for k, v in env]
-    if not pairs:
-        return command
-    return "env " + " ".join(shlex.quote(p) for p in pairs) + " /bin/sh -c " + shlex.quote(command)
-
-
-class LocalTransport:
-    """`address = "local"`: commands run as subprocesses of `/bin/sh` on this machine."""
-
-    def __init__(self, host: Host, *, default_timeout: float | None = None,
-                 base_env: Mapping[str, str] | None = None) -> None:
-        self.host = host
-        self._default_timeout = default_timeout
-        # The environment eltctl itself runs with, plus the host's `env`; read once here
-        # because a local shell inherits it anyway.
-        self._env = {**(os.environ if base_env is None else base_env), **dict(host.env)}
-
-    async def run(self, command: str, *, timeout: float | None = None,
-                  input: str | None = None) -> RunResult:
-        timeout = self._default_timeout if timeout is None else timeout
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", command,
-                stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=self._env, start_new_session=True)  # own group: a timeout kills it all
-        except OSError as exc:
-            raise HostError(self.host.name, f"cannot start /bin/sh: {exc}", kind=ErrorKind.COMMAND) from exc
-        try:
-            out, err = await asyncio.wait_for(
-                proc.communicate(input.encode() if input is not None else None), timeout=timeout)
-        except asyncio.TimeoutError as exc:
-            _kill_group(proc.pid)
-            await proc.wait()
-            raise HostError(self.host.name, f"command did not finish in {timeout:g} s",
-                            kind=ErrorKind.TIMEOUT) from exc
-        except BaseException:
-            _kill_group(proc.pid)
-            raise
-        return RunResult(exit_status=proc.returncode if proc.returncode is not None else -1,
-                         stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"))
-
-    async def close(self) -> None:
-        return None
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # already gone
+    return await ssh.connect(host, settings)
 
 
 @dataclass(frozen=True)
@@ -178,11 +80,7 @@ class Fleet:
         await self.close()
 
     async def _default_connect(self, host: Host) -> Transport:
-        if host.is_local:
-            return LocalTransport(host, default_timeout=self.ssh.command_timeout)
-        from eltctl import ssh
-
-        return await ssh.connect(host, self.ssh)
+        return await open_transport(host, self.ssh)
 
     async def _open(self, host: Host) -> Transport:
         if self._connecting is None:

@@ -1,0 +1,111 @@
+"""Where eltctl keeps things on a host: the one place that spells the directory layout.
+
+    ~/.eltctl/
+      runtime/<hash>/eltctl_runtime/...   the shipped runtime (hash of its files)
+      jobs/<job>/<host>/                  one job on one inventory host (`job_dir`)
+        daemon.json                       the daemon's configuration (written by the controller)
+        daemon.pid                        flocked by the daemon for its life
+        daemon.log                        the daemon's log
+        daemon.memory.json                the daemon's memory across restarts
+        workers/<slot>.pid, <slot>.log    each worker's pid and log
+        code/                             the job's code, synced (unless shared_filesystem)
+        checkpoints/step-NNNNNNNN/        checkpoints committed by rank 0 on this host
+
+The file names under `job_dir` are the ones runtime/daemon.py writes; the runtime is
+given `job_dir` itself in daemon.json. Several inventory hosts may share a machine
+(and a HOME): the `<host>` level keeps them apart.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+STATE_DIR = ".eltctl"  # under the account's HOME
+JOBS_DIR = f"{STATE_DIR}/jobs"
+RUNTIME_DIR = f"{STATE_DIR}/runtime"
+
+# Names under a job's directory.
+DAEMON_JSON = "daemon.json"
+DAEMON_PID = "daemon.pid"
+DAEMON_LOG = "daemon.log"
+DAEMON_MEMORY = "daemon.memory.json"
+WORKERS_DIR = "workers"
+CODE_DIR = "code"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def worker_log(slot: int | str) -> str:
+    """A worker's log, relative to the job's directory (`workers/0.log`)."""
+    return f"{WORKERS_DIR}/{slot}.log"
+
+
+def worker_pid(slot: int | str) -> str:
+    """A worker's pid file, relative to the job's directory (`workers/0.pid`)."""
+    return f"{WORKERS_DIR}/{slot}.pid"
+
+
+def job_root_in(home: Path, job: str) -> Path:
+    """A job's directories of every inventory host sharing a HOME seen from this machine."""
+    return home / JOBS_DIR / job
+
+
+def job_dir_in(home: Path, job: str, host: str) -> Path:
+    """A job's directory under a HOME seen from this machine (a local or simulated host)."""
+    return job_root_in(home, job) / host
+
+
+def shell_job_dir(job: str, host: str) -> str:
+    """A job's directory as the host's shell writes it (`$HOME/...`, quoted)."""
+    return f"$HOME/{JOBS_DIR}/{shlex.quote(job)}/{shlex.quote(host)}"
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Where a job lives on one host (absolute: the host's HOME is asked once)."""
+
+    home: str
+    job: str
+    host: str
+
+    @property
+    def job_dir(self) -> str:
+        return f"{self.home}/{JOBS_DIR}/{self.job}/{self.host}"
+
+    @property
+    def code_dir(self) -> str:
+        return f"{self.job_dir}/{CODE_DIR}"
+
+    @property
+    def daemon_json(self) -> str:
+        return f"{self.job_dir}/{DAEMON_JSON}"
+
+    @property
+    def daemon_pid(self) -> str:
+        return f"{self.job_dir}/{DAEMON_PID}"
+
+    @property
+    def daemon_log(self) -> str:
+        return f"{self.job_dir}/{DAEMON_LOG}"
+
+    @property
+    def workers_dir(self) -> str:
+        return f"{self.job_dir}/{WORKERS_DIR}"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return f"{self.job_dir}/{CHECKPOINTS_DIR}"
+
+    def runtime_dir(self, digest: str) -> str:
+        return f"{self.home}/{RUNTIME_DIR}/{digest}"
+
+
+def checkpoint_host(path: str, job: str) -> str | None:
+    """The host a runtime checkpoint path belongs to, from the layout
+    (`.../.eltctl/jobs/<job>/<host>/checkpoints/step-N`); None if it is not one."""
+    parts = [p for p in path.split("/") if p]
+    for i in range(len(parts) - 3):
+        if parts[i] == "jobs" and parts[i + 1] == job and parts[i + 3] == CHECKPOINTS_DIR:
+            return parts[i + 2]
+    return None

@@ -1,0 +1,129 @@
+"""`Mirror`: the mirror of one job, its connection, and what it does with it (mirror a
+checkpoint, list, choose and deliver a restore)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable, Iterable
+
+from eltctl.errors import HostError
+from eltctl.hosts.fleet import open_transport
+from eltctl.hosts.transport import Transport
+from eltctl.inventory import Inventory, SSHSettings
+from eltctl.mirror.copy import copy_checkpoint
+from eltctl.mirror.decisions import restore_order
+from eltctl.mirror.places import list_place, read_located, verify_located
+from eltctl.mirror.retention import apply_retention
+from eltctl.mirror.target import MirrorTarget, TargetKind, parse_target
+from eltctl.mirror.values import MIRROR_LABEL, Located, MirrorError, Place, RestoreChoice
+
+log = logging.getLogger("eltctl.mirror")
+
+MirrorConnector = Callable[[], Awaitable[Transport]]
+
+
+class Mirror:
+    """The mirror of one job. No I/O in the constructor; `close()` drops its connection.
+
+    Hosts are given as Places (`host_place(transport, job)`), so the same code runs
+    with the controller's connections, a CLI command's Fleet, or a test's.
+    """
+
+    def __init__(self, target: MirrorTarget, job: str, *, keep: int = 3,
+                 ssh: SSHSettings | None = None, connector: MirrorConnector | None = None) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.target = target
+        self.job = job
+        self.keep = keep
+        self._ssh = ssh or SSHSettings()
+        self._connector = connector or self._default_connect
+        self._transport: Transport | None = None
+        self._lock: asyncio.Lock | None = None
+
+    @classmethod
+    def from_inventory(cls, inventory: Inventory) -> "Mirror | None":
+        """The job's mirror, or None when `[storage] mirror` is not set."""
+        if not inventory.storage.mirror:
+            return None
+        return cls(parse_target(inventory.storage.mirror), inventory.job.name,
+                   keep=inventory.storage.keep, ssh=inventory.ssh)
+
+    async def _default_connect(self) -> Transport:
+        return await open_transport(self.target.host(self._ssh), self._ssh)
+
+    async def place(self) -> Place:
+        """The mirror's job directory, connecting on first use (or after a failure)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._transport is None:
+                self._transport = await self._connector()
+        return Place(MIRROR_LABEL, self._transport, self.target.job_dir(self.job),
+                     shared=self.target.kind is TargetKind.DIRECTORY)
+
+    async def reset(self) -> None:
+        """Drop the connection (after an error), so that the next use reconnects."""
+        t, self._transport = self._transport, None
+        if t is not None:
+            try:
+                await t.close()
+            except Exception:  # noqa: BLE001 - the connection is being dropped anyway
+                pass
+
+    async def close(self) -> None:
+        await self.reset()
+
+    async def mirror_checkpoint(self, host: Place, step: int) -> Located:
+        """Copy step `step` from `host` to the mirror, verified, then apply retention."""
+        dst = await self.place()
+        copied = await copy_checkpoint(host, step, dst)
+        try:
+            removed = await apply_retention(dst, self.keep, step)
+            if removed:
+                log.info("Mirror %s: removed steps %s (keeping the newest %d).", self.target, removed, self.keep)
+        except (MirrorError, HostError) as exc:
+            log.warning("Mirror %s: retention failed, old copies stay for now: %s", self.target, exc)
+        return copied
+
+    async def list_mirrored(self, *, verify: bool = False) -> list[Located]:
+        return await list_place(await self.place(), verify=verify)
+
+    async def list_local(self, hosts: Iterable[Place], *, verify: bool = False) -> dict[str, list[Located] | Exception]:
+        """Each host's checkpoints; a host that fails gives its exception, not a failed batch."""
+        hosts = list(hosts)
+        results = await asyncio.gather(*(list_place(h, verify=verify) for h in hosts), return_exceptions=True)
+        return {h.label: r for h, r in zip(hosts, results)}  # type: ignore[misc]
+
+    async def choose_restore(self, hosts: Iterable[Place], *, use_mirror: bool = True) -> RestoreChoice | None:
+        """The newest checkpoint that verifies where it lies, among the hosts' and the mirror's."""
+        places = {h.label: h for h in hosts}
+        candidates: list[Located] = []
+        skipped: list[str] = []
+        for label, found in (await self.list_local(places.values())).items():
+            if isinstance(found, BaseException):
+                skipped.append(f"{label}: not listed: {found}")
+            else:
+                candidates += found
+        if use_mirror:
+            try:
+                mirror = await self.place()
+                places[MIRROR_LABEL] = mirror
+                candidates += await list_place(mirror)
+            except (MirrorError, HostError) as exc:
+                await self.reset()
+                skipped.append(f"mirror: not listed: {exc}")
+        for c in restore_order(candidates):
+            checked = c if c.verified is False else await verify_located(places[c.where], c)
+            if checked.verified:
+                return RestoreChoice(c.step, c.where, c.path, tuple(skipped))
+            log.warning("Restore: skipping step %d on %s: %s", c.step, c.where, checked.problem)
+            skipped.append(f"step {c.step} on {c.where}: {checked.problem}")
+        return None
+
+    async def deliver(self, choice: RestoreChoice, source: Place, to_host: Place) -> Located:
+        """Put the chosen checkpoint into a host's checkpoint directory (for the runtime's restore)."""
+        if source.label == to_host.label and source.directory == to_host.directory:
+            return await verify_located(source, await read_located(source, choice.step))
+        return await copy_checkpoint(source, choice.step, to_host)

@@ -1,0 +1,179 @@
+"""`MirrorWorker`: mirrors committed checkpoints in the background, never blocking training."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from eltctl.errors import HostError
+from eltctl.mirror.decisions import backoff_delay, lag
+from eltctl.mirror.job import Mirror
+from eltctl.mirror.values import MirrorError, Place
+
+log = logging.getLogger("eltctl.mirror")
+
+SourceLookup = Callable[[str], Awaitable[Place]]
+
+
+@dataclass
+class _State:
+    committed: int | None = None  # newest step rank 0 reported committed
+    committed_host: str | None = None
+    mirrored: int | None = None  # newest step verified on the mirror
+    mirrored_time: float | None = None  # its `created`
+    last_error: str | None = None
+    last_attempt: float | None = None
+    attempts: int = 0  # failed attempts in a row at the current step
+    failures: int = 0
+    mirrored_count: int = 0
+    history: list[str] = field(default_factory=list)
+
+
+class MirrorWorker:
+    """Mirrors committed checkpoints in the background (an asyncio task, started explicitly).
+
+        worker = MirrorWorker(mirror, source=lambda name: host_place(fleet_transport(name), job))
+        await worker.start()
+        worker.notify("gpu3", 1200)       # rank 0 on gpu3 committed step 1200
+        worker.status()                   # for `eltctl status`
+        await worker.flush(timeout=120)   # `eltctl down`: the final checkpoint mirrored?
+        await worker.stop()
+
+    Only the newest notice matters: one still waiting is replaced by a newer one, and a
+    failed copy is retried with back-off until it succeeds or a newer step is notified.
+    A step whose source disappeared (host gone, retention) is dropped, not retried.
+    """
+
+    def __init__(self, mirror: Mirror, source: SourceLookup, *, clock: Callable[[], float] = time.time,
+                 backoff_base: float = 2.0, backoff_cap: float = 60.0) -> None:
+        self.mirror = mirror
+        self._source = source
+        self._clock = clock
+        self._base = backoff_base
+        self._cap = backoff_cap
+        self._state = _State()
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._wake, self._idle = asyncio.Event(), asyncio.Event()
+        self._idle.set()
+        try:  # learn what the mirror already holds (a restarted controller); best effort
+            found = [c for c in await self.mirror.list_mirrored() if c.verified is not False]
+            if found:
+                self._state.mirrored, self._state.mirrored_time = found[0].step, found[0].created
+        except (MirrorError, HostError) as exc:
+            self._state.last_error = f"listing the mirror: {exc}"
+            await self.mirror.reset()
+        self._task = asyncio.create_task(self._loop(), name=f"mirror:{self.mirror.job}")
+
+    def notify(self, host: str, step: int) -> None:
+        """Checkpoint `step` was committed on `host` (from rank 0's status). Never blocks."""
+        s = self._state
+        if s.committed is not None and step <= s.committed:
+            return
+        s.committed, s.committed_host, s.attempts = step, host, 0
+        if self._idle is not None and (s.mirrored is None or step > s.mirrored):
+            self._idle.clear()
+        if self._wake is not None:
+            self._wake.set()
+
+    def rewind(self, step: int) -> None:
+        """The job restarted from checkpoint `step` (a restore that skipped newer, bad ones):
+        notices count from there again, and a mirrored copy of a later step of the old
+        run no longer counts as mirrored (its step will be committed anew and replaced)."""
+        s = self._state
+        s.committed, s.committed_host, s.attempts = step, None, 0
+        if s.mirrored is not None and s.mirrored > step:
+            s.mirrored, s.mirrored_time = step, None
+
+    def status(self) -> dict[str, Any]:
+        """{target, step, time, age_s, lag_steps, last_error, last_attempt} (+ pending, failures)."""
+        s = self._state
+        now = self._clock()
+        return {
+            "target": str(self.mirror.target),
+            "step": s.mirrored,
+            "time": s.mirrored_time,
+            "age_s": None if s.mirrored_time is None else max(0.0, now - s.mirrored_time),
+            "lag_steps": lag(s.committed, s.mirrored),
+            "last_error": s.last_error,
+            "last_attempt": s.last_attempt,
+            "pending": s.committed if s.committed is not None and s.committed != s.mirrored else None,
+            "failures": s.failures,
+            "mirrored": s.mirrored_count,
+        }
+
+    def _todo(self) -> tuple[str, int] | None:
+        s = self._state
+        if s.committed is None or s.committed_host is None:
+            return None
+        if s.mirrored is not None and s.committed <= s.mirrored:
+            return None
+        return s.committed_host, s.committed
+
+    async def _loop(self) -> None:
+        assert self._wake is not None and self._idle is not None
+        while True:
+            todo = self._todo()
+            if todo is None:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            host, step = todo
+            s = self._state
+            s.last_attempt = self._clock()
+            try:
+                copied = await self.mirror.mirror_checkpoint(await self._source(host), step)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure is recorded and retried; training goes on
+                s.failures += 1
+                s.last_error = f"step {step} from {host}: {exc}"
+                log.warning("Mirror %s: %s", self.mirror.target, s.last_error)
+                await self.mirror.reset()
+                if isinstance(exc, MirrorError) and exc.source_gone and self._todo() == todo:
+                    s.committed_host = None  # gone from its host: wait for the next notice
+                    continue
+                s.attempts += 1
+                delay = backoff_delay(s.attempts, base=self._base, cap=self._cap)
+                self._wake.clear()
+                try:  # a newer notice ends the wait early
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            if s.mirrored is None or copied.step >= s.mirrored:
+                s.mirrored, s.mirrored_time = copied.step, copied.created
+            s.mirrored_count += 1
+            s.attempts = 0
+            s.last_error = None
+            log.info("Mirror %s: step %d from %s mirrored and verified.", self.mirror.target, step, host)
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait until the newest notified checkpoint is on the mirror, verified; False on timeout."""
+        if self._idle is not None and self._wake is not None:
+            self._wake.set()  # skip a back-off wait
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                return False
+        s = self._state
+        return s.committed is None or (s.mirrored is not None and s.mirrored >= s.committed)
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        await self.mirror.close()
