@@ -1,4 +1,4 @@
-"""`eltctl demo`: the real system on this machine, no SSH server (see eltctl/demo.py)."""
+"""`eltctl demo`: the real system on this machine, no SSH server (see eltctl/demo/)."""
 
 from __future__ import annotations
 
