@@ -1,8 +1,8 @@
 """The `eltctl` command line: global options, command registration, the error edge.
 
-Commands live one per module in `eltctl.commands`; each exposes
-`register(app: typer.Typer) -> None` and stays thin: parse, call the library,
-render with rich. A command ends with a non-zero status by raising an `EltctlError`
+Commands live one per module in `eltctl.commands`, each a plain function that
+`eltctl.commands.register` adds to the app; each stays thin: parse, call the
+library, render with rich. A command ends with a non-zero status by raising an `EltctlError`
 or `typer.Exit(code)`; it never returns a status.
 
 Exit codes (README, "Exit codes"), decided here and nowhere else:
@@ -88,8 +88,7 @@ def _global(
 def _register_commands() -> None:
     from eltctl import commands
 
-    for module in commands.load_all():
-        module.register(app)
+    commands.register(app)
 
 
 _register_commands()

@@ -257,3 +257,25 @@ def test_a_bug_keeps_its_traceback(tmp_path):
                        text=True, timeout=TIMEOUT)
     assert r.returncode == 1
     assert "Traceback" in r.stderr and "ZeroDivisionError: a bug" in r.stderr
+
+
+def test_the_repository_example_is_the_packaged_starter():
+    example = Path(__file__).resolve().parents[1] / "hosts.example.toml"
+    template = Path(__file__).resolve().parents[1] / "eltctl" / "templates" / "hosts.example.toml"
+    assert example.is_symlink() and example.resolve() == template.resolve()
+    assert template.read_text(encoding="utf-8") == STARTER
+
+
+def test_each_command_is_a_plain_function_registered_in_help_order():
+    import typer
+
+    from eltctl.commands import register
+    from eltctl.commands.down import down
+    from eltctl.commands.up import up
+
+    app = typer.Typer()
+    register(app)
+    names = [c.name for c in app.registered_commands]
+    assert names == ["init", "doctor", "probe", "up", "scale", "down", "status", "logs", "checkpoints", "demo"]
+    callbacks = {c.name: c.callback for c in app.registered_commands}
+    assert callbacks["up"] is up and callbacks["down"] is down

@@ -1,13 +1,27 @@
-"""One module per command. Each exposes `register(app)`; add new ones to COMMANDS."""
+"""The CLI's commands: one module per command, each a plain function registered here.
+
+A command parses its options, calls one library function and renders the result; its
+heavy imports stay inside the function body, so importing this package (and
+`eltctl --help`) stays cheap. Each function can be imported and called on its own
+(`from eltctl.commands.up import up`).
+"""
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+import typer
 
-# Order is the order in `eltctl --help`.
-COMMANDS = ["init", "doctor", "probe", "up", "scale", "down", "status", "logs", "checkpoints", "demo"]
+from eltctl.commands import checkpoints, demo, doctor, down, init, logs, probe, scale, status, up
 
 
-def load_all() -> list[ModuleType]:
-    return [importlib.import_module(f"eltctl.commands.{name}") for name in COMMANDS]
+def register(app: typer.Typer) -> None:
+    """Add every command to `app`, in the order `eltctl --help` lists them."""
+    app.command("init")(init.init)
+    app.command("doctor")(doctor.doctor)
+    app.command("probe")(probe.probe)
+    app.command("up")(up.up)
+    app.command("scale")(scale.scale)
+    app.command("down")(down.down)
+    app.command("status")(status.status)
+    app.command("logs")(logs.logs)
+    app.command("checkpoints")(checkpoints.checkpoints)
+    app.command("demo")(demo.demo)

@@ -9,30 +9,28 @@ from __future__ import annotations
 import typer
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("checkpoints")
-    def checkpoints(
-        ctx: typer.Context,
-        json_out: bool = typer.Option(False, "--json", help="Print {mirror, checkpoints, errors} as JSON."),
-        no_verify: bool = typer.Option(
-            False, "--no-verify", help="Trust the manifests; skip recomputing sha256 where the files are."),
-    ) -> None:
-        """Local (per host) and mirrored checkpoints: step, time, size, where, verified."""
-        import asyncio
-        import json
-        import sys
+def checkpoints(
+    ctx: typer.Context,
+    json_out: bool = typer.Option(False, "--json", help="Print {mirror, checkpoints, errors} as JSON."),
+    no_verify: bool = typer.Option(
+        False, "--no-verify", help="Trust the manifests; skip recomputing sha256 where the files are."),
+) -> None:
+    """Local (per host) and mirrored checkpoints: step, time, size, where, verified."""
+    import asyncio
+    import json
+    import sys
 
-        from eltctl.mirror import list_all
+    from eltctl.mirror import list_all
 
-        inventory = ctx.obj.inventory()
-        listing = asyncio.run(list_all(inventory, verify=not no_verify,
-                                       timeout=inventory.ssh.connect_timeout + 600))
-        if json_out:
-            sys.stdout.write(json.dumps(listing.as_json(), indent=2) + "\n")
-        else:
-            render(listing)
-        if listing.errors:
-            raise typer.Exit(3)
+    inventory = ctx.obj.inventory()
+    listing = asyncio.run(list_all(inventory, verify=not no_verify,
+                                   timeout=inventory.ssh.connect_timeout + 600))
+    if json_out:
+        sys.stdout.write(json.dumps(listing.as_json(), indent=2) + "\n")
+    else:
+        render(listing)
+    if listing.errors:
+        raise typer.Exit(3)
 
 
 def _size(n: int) -> str:

@@ -7,24 +7,22 @@ import typer
 STATUS_MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("doctor")
-    def doctor(
-        ctx: typer.Context,
-        accept_new: bool = typer.Option(
-            False, "--accept-new",
-            help="Record the host key of hosts not yet in known_hosts (shows its fingerprint). "
-                 "A changed key is never replaced."),
-    ) -> None:
-        """Check each host: reachable, host key, login, Python and torch versions, nvidia-smi, ~/.eltctl."""
-        from eltctl.doctor import diagnose
-        from eltctl.errors import HostError
+def doctor(
+    ctx: typer.Context,
+    accept_new: bool = typer.Option(
+        False, "--accept-new",
+        help="Record the host key of hosts not yet in known_hosts (shows its fingerprint). "
+             "A changed key is never replaced."),
+) -> None:
+    """Check each host: reachable, host key, login, Python and torch versions, nvidia-smi, ~/.eltctl."""
+    from eltctl.doctor import diagnose
+    from eltctl.errors import HostError
 
-        inventory = ctx.obj.inventory()
-        results = diagnose(inventory, accept_new=accept_new)
-        render(results)
-        if not all(r.ok for r in results):
-            raise typer.Exit(HostError.exit_code)
+    inventory = ctx.obj.inventory()
+    results = diagnose(inventory, accept_new=accept_new)
+    render(results)
+    if not all(r.ok for r in results):
+        raise typer.Exit(HostError.exit_code)
 
 
 def render(results) -> None:

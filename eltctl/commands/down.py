@@ -5,43 +5,41 @@ from __future__ import annotations
 import typer
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("down")
-    def down(
-        ctx: typer.Context,
-        force: bool = typer.Option(False, "--force", help="Kill what does not stop (a broken job)."),
-    ) -> None:
-        """Stop the job, then check that no process of it is left on any host."""
-        from rich.console import Console
-        from rich.markup import escape
+def down(
+    ctx: typer.Context,
+    force: bool = typer.Option(False, "--force", help="Kill what does not stop (a broken job)."),
+) -> None:
+    """Stop the job, then check that no process of it is left on any host."""
+    from rich.console import Console
+    from rich.markup import escape
 
-        from eltctl.controller import client
+    from eltctl.controller import client
 
-        out = Console(highlight=False, soft_wrap=True)
-        inventory = ctx.obj.inventory()
-        result = client.down(inventory, force=force, progress=lambda m: out.print(f"[dim]·[/] {escape(m)}"))
-        ck = result.checkpoint
-        if ck and ck.get("step") is not None:
-            out.print(f"final checkpoint: step {ck['step']}" + (f" at {escape(str(ck['path']))}" if ck.get("path") else ""))
-        mirror_line = describe_mirror(result.mirror, ck)
-        if mirror_line:
-            out.print(mirror_line)
-        for host, pids in result.killed.items():
-            out.print(f"[yellow]{escape(host)}: killed {', '.join(map(str, pids))}[/]")
-        names = ", ".join(h.name for h in inventory.hosts)
-        if result.ok:
-            out.print(f"[green]no process of job {escape(inventory.job.name)} left on {escape(names)}[/]")
-            return
-        for host, procs in result.left.items():
-            for pid, cmd in procs:
-                out.print(f"[red]{escape(host)}: pid {pid} still runs:[/] {escape(cmd[:120])}")
-        for host, why in result.unchecked.items():
-            out.print(f"[red]{escape(host)}: could not be checked:[/] {escape(why)}")
-        if result.message:
-            out.print(escape(result.message))
-        hint = "" if force else " (`eltctl down --force` kills what is left)"
-        out.print(f"job {escape(inventory.job.name)} is not fully down{hint}")
-        raise typer.Exit(1)
+    out = Console(highlight=False, soft_wrap=True)
+    inventory = ctx.obj.inventory()
+    result = client.down(inventory, force=force, progress=lambda m: out.print(f"[dim]·[/] {escape(m)}"))
+    ck = result.checkpoint
+    if ck and ck.get("step") is not None:
+        out.print(f"final checkpoint: step {ck['step']}" + (f" at {escape(str(ck['path']))}" if ck.get("path") else ""))
+    mirror_line = describe_mirror(result.mirror, ck)
+    if mirror_line:
+        out.print(mirror_line)
+    for host, pids in result.killed.items():
+        out.print(f"[yellow]{escape(host)}: killed {', '.join(map(str, pids))}[/]")
+    names = ", ".join(h.name for h in inventory.hosts)
+    if result.ok:
+        out.print(f"[green]no process of job {escape(inventory.job.name)} left on {escape(names)}[/]")
+        return
+    for host, procs in result.left.items():
+        for pid, cmd in procs:
+            out.print(f"[red]{escape(host)}: pid {pid} still runs:[/] {escape(cmd[:120])}")
+    for host, why in result.unchecked.items():
+        out.print(f"[red]{escape(host)}: could not be checked:[/] {escape(why)}")
+    if result.message:
+        out.print(escape(result.message))
+    hint = "" if force else " (`eltctl down --force` kills what is left)"
+    out.print(f"job {escape(inventory.job.name)} is not fully down{hint}")
+    raise typer.Exit(1)
 
 
 def describe_mirror(mirror: dict | None, checkpoint: dict | None) -> str | None:

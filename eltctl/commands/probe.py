@@ -8,24 +8,22 @@ STATE_STYLE = {"ok": "green", "cpu-only": "cyan", "unhealthy": "yellow", "unreac
                "free": "green", "busy": "red", "ours": "blue"}
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("probe")
-    def probe(
-        ctx: typer.Context,
-        json_out: bool = typer.Option(
-            False, "--json", help="Print the JSON document (a list of hosts; see README) instead of a table."),
-    ) -> None:
-        """Probe every host: reachable or why not, and each GPU free / busy / ours with the reason."""
-        from eltctl.probe import probe_inventory, reports_to_json
+def probe(
+    ctx: typer.Context,
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the JSON document (a list of hosts; see README) instead of a table."),
+) -> None:
+    """Probe every host: reachable or why not, and each GPU free / busy / ours with the reason."""
+    from eltctl.probe import probe_inventory, reports_to_json
 
-        reports = probe_inventory(ctx.obj.inventory())
-        if json_out:
-            import json
-            import sys
+    reports = probe_inventory(ctx.obj.inventory())
+    if json_out:
+        import json
+        import sys
 
-            sys.stdout.write(json.dumps(reports_to_json(reports), indent=2) + "\n")
-            return
-        render(reports)
+        sys.stdout.write(json.dumps(reports_to_json(reports), indent=2) + "\n")
+        return
+    render(reports)
 
 
 def render(reports) -> None:

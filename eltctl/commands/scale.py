@@ -7,29 +7,27 @@ from typing import List
 import typer
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("scale")
-    def scale(
-        ctx: typer.Context,
-        add: List[str] = typer.Option([], "--add", help="A host to use now (repeatable)."),
-        remove: List[str] = typer.Option([], "--remove", help="A host to leave now and keep out (repeatable)."),
-        force: bool = typer.Option(False, "--force", help="Add a host even if its GPUs look busy."),
-    ) -> None:
-        """Add or remove hosts now; a removed host stays out until it is added again."""
-        from rich.console import Console
-        from rich.markup import escape
+def scale(
+    ctx: typer.Context,
+    add: List[str] = typer.Option([], "--add", help="A host to use now (repeatable)."),
+    remove: List[str] = typer.Option([], "--remove", help="A host to leave now and keep out (repeatable)."),
+    force: bool = typer.Option(False, "--force", help="Add a host even if its GPUs look busy."),
+) -> None:
+    """Add or remove hosts now; a removed host stays out until it is added again."""
+    from rich.console import Console
+    from rich.markup import escape
 
-        from eltctl.controller import client
-        from eltctl.errors import EltctlError, UsageError
+    from eltctl.controller import client
+    from eltctl.errors import EltctlError, UsageError
 
-        if not add and not remove:
-            raise UsageError("nothing to do", hint="name hosts with --add HOST and/or --remove HOST")
-        out = Console(highlight=False, soft_wrap=True)
-        answer = client.scale(ctx.obj.inventory(), list(add), list(remove), force)
-        if "results" not in answer:
-            raise EltctlError(f"the controller refused: {answer.get('error')}")
-        for r in answer["results"]:
-            mark = "[green]ok[/]" if r["ok"] else "[red]refused[/]"
-            out.print(f"{escape(r['host'])}: {mark} {escape(r['message'])}")
-        if not answer.get("ok"):
-            raise typer.Exit(1)
+    if not add and not remove:
+        raise UsageError("nothing to do", hint="name hosts with --add HOST and/or --remove HOST")
+    out = Console(highlight=False, soft_wrap=True)
+    answer = client.scale(ctx.obj.inventory(), list(add), list(remove), force)
+    if "results" not in answer:
+        raise EltctlError(f"the controller refused: {answer.get('error')}")
+    for r in answer["results"]:
+        mark = "[green]ok[/]" if r["ok"] else "[red]refused[/]"
+        out.print(f"{escape(r['host'])}: {mark} {escape(r['message'])}")
+    if not answer.get("ok"):
+        raise typer.Exit(1)

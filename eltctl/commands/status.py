@@ -11,33 +11,31 @@ import typer
 WATCH_INTERVAL_S = 1.0
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("status")
-    def status(
-        ctx: typer.Context,
-        watch: bool = typer.Option(False, "--watch", "-w", help="Keep the view live (about once a second); Ctrl-C ends it."),
-        json_out: bool = typer.Option(
-            False, "--json", help="Print the status document (docs/control-plane.md) as JSON."),
-        events: int = typer.Option(8, "--events", min=0, help="How many recent events to show."),
-    ) -> None:
-        """The job: state, generation, workers, step, loss, checkpoint; each host and GPU; recent events."""
-        import os
+def status(
+    ctx: typer.Context,
+    watch: bool = typer.Option(False, "--watch", "-w", help="Keep the view live (about once a second); Ctrl-C ends it."),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the status document (docs/control-plane.md) as JSON."),
+    events: int = typer.Option(8, "--events", min=0, help="How many recent events to show."),
+) -> None:
+    """The job: state, generation, workers, step, loss, checkpoint; each host and GPU; recent events."""
+    import os
 
-        from eltctl.statusview import job_state_dir, read_snapshot
+    from eltctl.statusview import job_state_dir, read_snapshot
 
-        job = ctx.obj.inventory().job.name
-        state_dir = job_state_dir(job, os.environ)
-        if json_out:
-            import json
-            import sys
+    job = ctx.obj.inventory().job.name
+    state_dir = job_state_dir(job, os.environ)
+    if json_out:
+        import json
+        import sys
 
-            snapshot = read_snapshot(job, state_dir)
-            sys.stdout.write(json.dumps(snapshot.as_json(), indent=2) + "\n")
-            return
-        if watch:
-            _watch(job, state_dir, events)
-            return
-        _show_once(job, state_dir, events)
+        snapshot = read_snapshot(job, state_dir)
+        sys.stdout.write(json.dumps(snapshot.as_json(), indent=2) + "\n")
+        return
+    if watch:
+        _watch(job, state_dir, events)
+        return
+    _show_once(job, state_dir, events)
 
 
 def _show_once(job, state_dir, events: int) -> None:

@@ -5,30 +5,28 @@ from __future__ import annotations
 import typer
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("up")
-    def up(
-        ctx: typer.Context,
-        detach: bool = typer.Option(False, "--detach", "-d",
-                                    help="Return once the controller runs; do not wait for training."),
-        timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the first step."),
-    ) -> None:
-        """Start (or adopt) the job's controller; idempotent: a healthy job is left as it is."""
-        from rich.console import Console
-        from rich.markup import escape
+def up(
+    ctx: typer.Context,
+    detach: bool = typer.Option(False, "--detach", "-d",
+                                help="Return once the controller runs; do not wait for training."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the first step."),
+) -> None:
+    """Start (or adopt) the job's controller; idempotent: a healthy job is left as it is."""
+    from rich.console import Console
+    from rich.markup import escape
 
-        from eltctl.controller import client
+    from eltctl.controller import client
 
-        out = Console(highlight=False, soft_wrap=True)
-        inventory = ctx.obj.inventory()
-        result = client.up(inventory, detach=detach, timeout=timeout,
-                           progress=lambda m: out.print(f"[dim]·[/] {escape(m)}"))
-        who = "started" if result.started else "already running"
-        out.print(f"controller {result.controller_pid} ({who})")
-        if result.state == "waiting":
-            out.print(f"[yellow]waiting:[/] {escape(result.message)}; the controller starts the job "
-                      "when enough GPUs are free (`eltctl status` shows them)")
-        elif result.state == "training":
-            out.print(f"[green]{escape(result.message)}[/]")
-        else:
-            out.print(f"{escape(result.message)}; `eltctl status` follows it")
+    out = Console(highlight=False, soft_wrap=True)
+    inventory = ctx.obj.inventory()
+    result = client.up(inventory, detach=detach, timeout=timeout,
+                       progress=lambda m: out.print(f"[dim]·[/] {escape(m)}"))
+    who = "started" if result.started else "already running"
+    out.print(f"controller {result.controller_pid} ({who})")
+    if result.state == "waiting":
+        out.print(f"[yellow]waiting:[/] {escape(result.message)}; the controller starts the job "
+                  "when enough GPUs are free (`eltctl status` shows them)")
+    elif result.state == "training":
+        out.print(f"[green]{escape(result.message)}[/]")
+    else:
+        out.print(f"{escape(result.message)}; `eltctl status` follows it")

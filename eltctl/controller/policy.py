@@ -63,7 +63,7 @@ class Reach(str, enum.Enum):
         return self.value
 
 
-class HostState(str, enum.Enum):
+class HostPhase(str, enum.Enum):
     """How a host looks in `eltctl status` (docs/control-plane.md)."""
 
     RUNNING = "running"
@@ -381,27 +381,27 @@ def applied(record: HostRecord, slots: tuple[int, ...]) -> HostRecord:
 
 # --------------------------------------------------------------------------- showing
 
-def host_state(view: HostView | None, record: HostRecord, now: float) -> tuple[HostState, str]:
+def host_state(view: HostView | None, record: HostRecord, now: float) -> tuple[HostPhase, str]:
     """The host's state for `eltctl status`, with the reason a person wants."""
     if record.removed:
-        return HostState.REMOVED, "removed by `eltctl scale --remove`; `scale --add` brings it back"
+        return HostPhase.REMOVED, "removed by `eltctl scale --remove`; `scale --add` brings it back"
     if view is None or view.reach is Reach.UNKNOWN:
-        return HostState.STARTING, "not observed yet"
+        return HostPhase.STARTING, "not observed yet"
     if view.reach is Reach.UNREACHABLE:
-        return HostState.UNREACHABLE, view.reason
+        return HostPhase.UNREACHABLE, view.reason
     if record.benched_until > now:
-        return HostState.BENCHED, f"{record.last_problem} (for {record.benched_until - now:.0f} s more)"
+        return HostPhase.BENCHED, f"{record.last_problem} (for {record.benched_until - now:.0f} s more)"
     if view.workers:
-        return HostState.RUNNING, f"{len(view.workers)} worker(s)"
+        return HostPhase.RUNNING, f"{len(view.workers)} worker(s)"
     if record.desired:
-        return HostState.STARTING, f"starting {len(record.desired)} worker(s)"
+        return HostPhase.STARTING, f"starting {len(record.desired)} worker(s)"
     if view.reach is Reach.UNHEALTHY:
-        return HostState.UNHEALTHY, view.reason
+        return HostPhase.UNHEALTHY, view.reason
     if record.cooldown_until > now:
-        return HostState.COOLDOWN, f"{record.last_problem} (usable again in {record.cooldown_until - now:.0f} s)"
+        return HostPhase.COOLDOWN, f"{record.last_problem} (usable again in {record.cooldown_until - now:.0f} s)"
     if view.slots and all(s.use is GpuUse.BUSY for s in view.slots):
-        return HostState.BUSY, "; ".join(f"GPU {s.index}: {s.reason}" for s in view.slots)
-    return HostState.IDLE, view.reason or "usable, not used"
+        return HostPhase.BUSY, "; ".join(f"GPU {s.index}: {s.reason}" for s in view.slots)
+    return HostPhase.IDLE, view.reason or "usable, not used"
 
 
 def survivor_holds_state(views: Mapping[str, HostView], runtime_status: Mapping | None, now: float,
@@ -432,6 +432,6 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
     return sorted(names, key=lambda n: order.get(n, 1 << 30))
 
 
-__all__ = ["Action", "Decision", "GpuUse", "HostRecord", "HostState", "HostView", "Reach", "SetDesired",
+__all__ = ["Action", "Decision", "GpuUse", "HostRecord", "HostPhase", "HostView", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "applied", "decide", "eligible_slots", "host_state",
            "record_failure", "survivor_holds_state", "track"]

@@ -8,7 +8,7 @@ from eltctl.controller.policy import (
     BENCH_BASE_S,
     GpuUse,
     HostRecord,
-    HostState,
+    HostPhase,
     HostView,
     Reach,
     SetDesired,
@@ -223,7 +223,7 @@ def test_repeated_crashes_bench_the_host_with_growing_back_off():
         rec = track({"a": HostRecord(**{**rec.__dict__, "desired": (0,)})}, crashed, inv, NOW + 2)["a"]
     assert rec.benched_until == NOW + 2 + 2 * BENCH_BASE_S and rec.bench_count == 2
     state, why = host_state(view("a", "free"), rec, NOW + 3)
-    assert state is HostState.BENCHED and "crashed" in why
+    assert state is HostPhase.BENCHED and "crashed" in why
 
 
 def test_host_lost_while_used_counts_as_a_failure_and_gives_up_its_slots():
@@ -242,14 +242,14 @@ def test_clean_running_resets_the_failure_count():
 
 
 @pytest.mark.parametrize("v, rec, state", [
-    (view("a", "ours", alive=True, workers=(0,)), HostRecord(desired=(0,)), HostState.RUNNING),
-    (view("a", "free"), HostRecord(desired=(0,)), HostState.STARTING),
-    (view("a", "free"), HostRecord(), HostState.IDLE),
-    (view("a", "busy", "busy"), HostRecord(), HostState.BUSY),
-    (view("a", "free"), HostRecord(cooldown_until=NOW + 9), HostState.COOLDOWN),
-    (view("a", "free"), HostRecord(removed=True), HostState.REMOVED),
-    (view("a", reach=Reach.UNREACHABLE), HostRecord(), HostState.UNREACHABLE),
-    (HostView("a", reach=Reach.UNHEALTHY), HostRecord(), HostState.UNHEALTHY),
+    (view("a", "ours", alive=True, workers=(0,)), HostRecord(desired=(0,)), HostPhase.RUNNING),
+    (view("a", "free"), HostRecord(desired=(0,)), HostPhase.STARTING),
+    (view("a", "free"), HostRecord(), HostPhase.IDLE),
+    (view("a", "busy", "busy"), HostRecord(), HostPhase.BUSY),
+    (view("a", "free"), HostRecord(cooldown_until=NOW + 9), HostPhase.COOLDOWN),
+    (view("a", "free"), HostRecord(removed=True), HostPhase.REMOVED),
+    (view("a", reach=Reach.UNREACHABLE), HostRecord(), HostPhase.UNREACHABLE),
+    (HostView("a", reach=Reach.UNHEALTHY), HostRecord(), HostPhase.UNHEALTHY),
 ])
 def test_host_state(v, rec, state):
     assert host_state(v, rec, NOW)[0] is state

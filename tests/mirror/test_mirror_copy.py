@@ -1,4 +1,4 @@
-"""eltctl/mirror_copy.py, run as the hosts run it (`python -c <source> ...`), on real files.
+"""eltctl/hosts/programs/mirror_copy.py, run as the hosts run it (`python -c <source> ...`), on real files.
 
 - copy: the files land, verified against the SOURCE manifest's sums, under the final
   name; no `.tmp-*` is left;

@@ -118,7 +118,7 @@ class SimHost:
 
     def env(self) -> dict:
         env = host_env(dict(os.environ))
-        # ELTCTL_JOB and ELTCTL_HOST as eltctl/hostops.py starts the daemon: they mark the job's processes.
+        # ELTCTL_JOB and ELTCTL_HOST as eltctl/hosts/ops.py starts the daemon: they mark the job's processes.
         env.update({"ELTSIM_STATE": str(self.gpu.path), "ELTSIM_HOST": self.name, "ELTCTL_JOB": self.job,
                     "ELTCTL_HOST": self.name})
         if self.nvidia_smi:

@@ -1,0 +1,301 @@
+"""Acting: what the controller does to the hosts and the store once the policy decided.
+
+Thin, over the hosts' transports (`eltctl.hosts.ops`, the `Fleet`) and the job's store:
+write a host's desired slots (or withdraw them), record an event, start a daemon
+(ship the runtime, sync the code, start it; `DaemonStarter`, one background task
+per host so a failing host never blocks the others), deliver the newest checkpoint
+before a cold start (`Restorer`, over `eltctl.mirror`), and for `down`: ask every
+daemon to stop, list and signal or kill what is left, mirror the final checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable, Mapping
+
+from eltctl.hosts import ops as hostops
+from eltctl import mirror as mir
+from eltctl.controller import policy as pol
+from eltctl.errors import HostError
+from eltctl.inventory import Host, Inventory
+from eltctl.hosts.fleet import Fleet
+
+log = logging.getLogger("eltctl.controller")
+
+DAEMON_START_GRACE_S = 45.0  # python + torch import on a loaded host
+MIRROR_FLUSH_S = 120.0  # `down` waits this long for the final checkpoint to be mirrored
+
+# The store keys this module writes and the controller's own event kinds
+# (the merge: eltctl_runtime.protocol).
+STOP_KEY = "stop"
+BENCH_EVENT = "bench"
+ADD_EVENT = "add"
+REMOVE_EVENT = "remove"
+RESTORE_EVENT = "restore"
+
+
+def desired_key(host: str) -> str:
+    return f"daemon/{host}/desired"
+
+
+def desired_document(seq: int, slots, stop: bool) -> dict:
+    """What a host's daemon is asked to run (runtime/daemon_logic.py `Desired`)."""
+    return {"seq": seq, "slots": list(slots), "stop": stop}
+
+
+# --------------------------------------------------------------------------- the store
+
+
+async def read_desired(store, host: str) -> Any:
+    return await store.get_json(desired_key(host))
+
+
+async def set_desired(store, host: str, record: pol.HostRecord, slots: tuple[int, ...]) -> pol.HostRecord:
+    """Ask the host's daemon for `slots` (the next seq); returns the record that remembers it."""
+    new = pol.applied(record, slots)
+    await store.set_json(desired_key(host), desired_document(new.seq, slots, stop=False))
+    log.info("Host %s: asked for slots %s (seq %d).", host, list(slots) or "none", new.seq)
+    return new
+
+
+async def write_withdrawn(store, name: str, record: pol.HostRecord) -> None:
+    """Withdraw a failed host's slots in the store too: a daemon that comes up late must
+    not start workers nobody wants."""
+    try:
+        await store.set_json(desired_key(name), desired_document(record.seq, (), stop=False))
+    except Exception as exc:  # noqa: BLE001 - the next pass writes it when the store is back
+        log.warning("Host %s: cannot withdraw its slots: %s", name, exc)
+
+
+async def request_stop(store, records: dict[str, pol.HostRecord], inventory: Inventory, now: float) -> None:
+    """`down`: the job's stop key, and every daemon told to stop; `records` remember each
+    request as it is made (raises when the store is gone)."""
+    await store.set_raw(STOP_KEY, str(now))
+    for host in inventory.hosts:
+        rec = records.get(host.name, pol.HostRecord())
+        seq = rec.seq + 1
+        await store.set_json(desired_key(host.name), desired_document(seq, rec.desired, stop=True))
+        records[host.name] = replace(rec, seq=seq, desired=())
+
+
+def event_document(now: float, kind: str, host: str | None, detail: str, **extra: Any) -> dict:
+    return {"time": now, "kind": kind, "host": host, "workers": [], "pause_s": None, "detail": detail, **extra}
+
+
+# --------------------------------------------------------------------------- daemons
+
+
+@dataclass
+class DaemonStarter:
+    """Starts hosts' daemons, one background task per host, and remembers when."""
+
+    fleet: Fleet
+    store_endpoint: str
+    clock: Callable[[], float]
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    started_at: dict[str, float] = field(default_factory=dict)  # when we last started each daemon
+    paths: dict[str, hostops.HostPaths] = field(default_factory=dict)
+    _runtime_files: dict[str, bytes] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.tasks)
+
+    def forget(self, name: str) -> None:
+        """A host lost or changed: its paths are learned again over a new connection."""
+        self.paths.pop(name, None)
+
+    def overdue(self, views: Mapping[str, pol.HostView], now: float) -> list[str]:
+        """The hosts whose daemon, started more than the grace ago, never reported."""
+        late = []
+        for name, t0 in list(self.started_at.items()):
+            if views[name].daemon_alive:
+                del self.started_at[name]
+            elif now - t0 > DAEMON_START_GRACE_S and name not in self.tasks:
+                del self.started_at[name]
+                log.warning("Host %s: the daemon started %.0f s ago never reported.", name, now - t0)
+                late.append(name)
+        return late
+
+    def start(self, inventory: Inventory, host: Host, gpus: Callable[[], tuple[int, ...] | None], now: float, *,
+              on_shipping: Callable[[], None], on_started: Callable[[], None],
+              on_failure: Callable[[str, str], Awaitable[None]]) -> None:
+        """Start the host's daemon in the background, unless it is being started already."""
+        if host.name in self.tasks or (host.name in self.started_at
+                                       and now - self.started_at[host.name] < DAEMON_START_GRACE_S):
+            return
+        self.tasks[host.name] = asyncio.ensure_future(
+            self._start(inventory, host, gpus, on_shipping, on_started, on_failure))
+
+    async def _start(self, inventory: Inventory, host: Host, gpus: Callable[[], tuple[int, ...] | None],
+                     on_shipping: Callable[[], None], on_started: Callable[[], None],
+                     on_failure: Callable[[str, str], Awaitable[None]]) -> None:
+        try:
+            on_shipping()
+            t = await self.fleet.transport(host)
+            paths = self.paths.get(host.name) or await hostops.host_paths(t, inventory.job.name)
+            self.paths[host.name] = paths
+            running = await hostops.daemon_pid(t, paths)
+            if running is not None:
+                log.info("Host %s: its daemon (pid %d) runs already; waiting for its state.", host.name, running)
+                self.started_at[host.name] = self.clock()
+                return
+            if self._runtime_files is None:
+                self._runtime_files = hostops.runtime_files()
+            runtime_dir, sent = await hostops.ensure_runtime(t, paths, self._runtime_files)
+            if sent:
+                log.info("Host %s: shipped the runtime to %s.", host.name, runtime_dir)
+            if not inventory.job.shared_filesystem:
+                synced = await hostops.sync_code(t, inventory.job.workdir, paths.code_dir)
+                if synced.sent or synced.deleted:
+                    log.info("Host %s: code synced (%d sent, %d deleted).", host.name, len(synced.sent),
+                             len(synced.deleted))
+            config = hostops.daemon_config(inventory, host, paths, self.store_endpoint, gpus())
+            pid = await hostops.start_daemon(t, paths, runtime_dir, config)
+            self.started_at[host.name] = self.clock()
+            log.info("Host %s: daemon started (pid %s).", host.name, pid)
+            on_started()
+        except HostError as exc:
+            log.warning("Host %s: could not start its daemon: %s", host.name, exc)
+            await on_failure(host.name, exc.message)
+            await self.fleet.forget(host.name)
+            self.forget(host.name)
+        except Exception:  # noqa: BLE001 - one host's bug must not end the controller
+            log.exception("Host %s: starting its daemon failed.", host.name)
+        finally:
+            self.tasks.pop(host.name, None)
+
+
+# --------------------------------------------------------------------------- restoring
+
+
+@dataclass
+class Restorer:
+    """Delivers the newest valid checkpoint before workers start with no survivor.
+
+    `ready` is asked every pass: False while the checkpoint is being delivered to the
+    hosts about to start workers (then nothing is acted on); True once it has been, or
+    when no restore is needed. Done once per cold start: a survivor holding the state
+    again re-arms it, so a later loss of every host restores anew."""
+
+    clock: Callable[[], float]
+    restored: bool = False
+    restored_at: float = 0.0  # runtime statuses older than this are of the run before it
+    _task: asyncio.Task | None = None
+
+    def ready(self, survivor: bool, targets: list[str], restore: Callable[[list[str]], Awaitable[None]]) -> bool:
+        if survivor:
+            self.restored = False
+            return True
+        if self.restored or not targets:
+            return True
+        if self._task is None:
+            self._task = asyncio.ensure_future(restore(targets))
+            return False
+        if not self._task.done():
+            return False
+        self._task = None
+        self.restored = True
+        self.restored_at = self.clock()
+        return True
+
+
+async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_worker,
+                  event: Callable[..., Awaitable[None]]) -> None:
+    """Choose the newest valid checkpoint among these hosts' and the mirror's and
+    deliver it to each of them (mirror.prepare_restore). A failure is logged and the
+    start goes on: the runtime then restores whatever its host holds."""
+    job = inventory.job.name
+    mirror = mirror_worker.mirror if mirror_worker is not None else None
+    try:
+        places = []
+        for name in names:
+            try:
+                places.append(await mir.host_place(await fleet.transport(inventory.host(name)), job))
+            except HostError as exc:
+                log.warning("Restore: host %s is left out: %s", name, exc)
+        plan = await mir.prepare_restore(places, mirror)
+    except Exception as exc:  # noqa: BLE001 - a failed restore must not end the controller
+        log.exception("Restore: choosing or delivering the checkpoint failed.")
+        await event(RESTORE_EVENT, None, f"restore failed: {exc}; the hosts restore what they hold")
+        return
+    if plan.choice is None:
+        log.info("Restore: no checkpoint on %s%s; the job starts from step 0.", ", ".join(names),
+                 " or the mirror" if mirror is not None else "")
+        return
+    c = plan.choice
+    detail = f"step {c.step} from {c.where}, delivered to {', '.join(plan.ready) or 'no host'}"
+    if plan.failed:
+        detail += "; not delivered to " + "; ".join(f"{h}: {why}" for h, why in plan.failed)
+    if c.skipped:
+        detail += "; skipped " + "; ".join(c.skipped)
+    log.info("Restore: %s.", detail)
+    await event(RESTORE_EVENT, None, detail, step=c.step, where=c.where, skipped=list(c.skipped),
+                ready=list(plan.ready))
+    if mirror_worker is not None:
+        # Steps after c.step will be committed anew by this run: count from c.step
+        # again (also when the newer ones were not skipped but lost with their hosts).
+        mirror_worker.rewind(c.step)
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+async def leftovers(fleet: Fleet, job: str) -> dict[str, list[hostops.JobProcess]]:
+    """This job's processes on every host (an unreachable host: an empty list and a log line)."""
+    async def one(host: Host, t) -> list[hostops.JobProcess]:
+        return await hostops.job_processes(t, job)
+
+    outcomes = await fleet.each(None, one, timeout=60)
+    out = {}
+    for name, o in outcomes.items():
+        if o.error is not None:
+            log.warning("Host %s: cannot list the job's processes: %s", name, o.error)
+            await fleet.forget(name)
+            out[name] = []
+        else:
+            out[name] = o.value or []
+    return out
+
+
+async def signal_daemons(fleet: Fleet, left: Mapping[str, list[hostops.JobProcess]]) -> None:
+    """SIGTERM to each host's daemon (when the store cannot tell them to stop)."""
+    async def one(host: Host, t) -> None:
+        pids = [p.pid for p in left.get(host.name, []) if hostops.DAEMON_MODULE in p.command]
+        await hostops.kill_pids(t, pids, "TERM")
+
+    await fleet.each(None, one, timeout=30)
+
+
+async def kill(fleet: Fleet, job: str, left: Mapping[str, list[hostops.JobProcess]]) -> dict[str, list[int]]:
+    """SIGTERM to every process left, SIGKILL two seconds later to those still there."""
+    async def one(host: Host, t) -> list[int]:
+        pids = [p.pid for p in left.get(host.name, [])]
+        await hostops.kill_pids(t, pids, "TERM")
+        await asyncio.sleep(2.0)
+        still = {p.pid for p in await hostops.job_processes(t, job)}
+        await hostops.kill_pids(t, [p for p in pids if p in still], "KILL")
+        return pids
+
+    outcomes = await fleet.each(None, one, timeout=60)
+    return {n: (o.value or []) for n, o in outcomes.items()}
+
+
+async def mirror_final(worker, checkpoint: dict | None, job: str, announce: Callable[[], None]) -> dict:
+    """`down`: the final checkpoint onto the mirror, verified; then the worker stops.
+    `announce` is called once the copy is asked for, before waiting on it."""
+    if checkpoint and isinstance(checkpoint.get("step"), int):
+        host = mir.checkpoint_host(str(checkpoint.get("path") or ""), job)
+        if host is not None:
+            worker.notify(host, checkpoint["step"])
+    announce()
+    try:
+        ok = await worker.flush(timeout=MIRROR_FLUSH_S)
+        result = {"ok": ok, **worker.status()}
+        await worker.stop()
+    except Exception as exc:  # noqa: BLE001 - `down` answers whatever the mirror does
+        log.exception("Mirroring the final checkpoint failed.")
+        result = {**worker.status(), "ok": False, "last_error": f"mirror worker failed: {exc}"}
+    return result

@@ -1,0 +1,286 @@
+"""Observing: store data and probe results turned into the views the policy decides on.
+
+Every function here except `Observer.read_store` is a pure function of what was
+observed and a clock, so tables of cases test them (tests/control/test_observe.py):
+whether a daemon is alive, whether rank 0's status is fresh, which slots crashed, how
+a host looks (`policy.HostView`) from its probe report and its daemon's state, and
+which checkpoint the mirror should copy. `Observer` holds what was seen so far (the
+daemons' states, the event log read up to `events_read`, rank 0's status, the probe
+reports); the controller's loop (`loop.py`) feeds it and asks it for views.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from eltctl.controller import policy as pol
+from eltctl.inventory import Host, Policy
+from eltctl.probe import GpuState, HostReport, HostState
+
+EVENTS_KEPT = 50
+# Worker states (runtime/daemon_logic.py WorkerState) of a worker that has ended.
+FINISHED_WORKER_STATES = {"left", "finished", "crashed", "lost"}
+
+# The store keys this module reads (the merge: eltctl_runtime.protocol).
+EVENTS_SEQ_KEY = "events/seq"
+RUNTIME_STATUS_KEY = "status"
+CRASH_EVENT = "crash"
+
+
+def daemon_state_key(host: str) -> str:
+    return f"daemon/{host}/state"
+
+
+def event_key(n: int) -> str:
+    return f"events/{n}"
+
+
+@dataclass
+class DaemonSeen:
+    """A daemon's last state document as read from the store."""
+
+    raw: bytes
+    changed: float  # controller clock: when the state value last changed
+    state: dict
+
+
+# --------------------------------------------------------------------------- pure views
+
+
+def seen_state(old: DaemonSeen | None, raw: bytes, now: float) -> DaemonSeen:
+    """Fold a freshly read state value in: a value that did not change keeps its time."""
+    if old is not None and old.raw == raw:
+        return old
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = {}
+    return DaemonSeen(raw=raw, changed=now, state=parsed if isinstance(parsed, dict) else {})
+
+
+def slot_of(worker_id: str) -> int | None:
+    """The slot in a worker id `<host>/<slot>/<n>` (None if it has none)."""
+    parts = str(worker_id).split("/")
+    if len(parts) >= 2 and parts[-2].lstrip("-").isdigit():
+        return int(parts[-2])
+    return None
+
+
+def crashed_slots(event: Mapping[str, Any], born: float) -> list[tuple[str, int]]:
+    """The (host, slot)s a crash event names. A crash reported before this controller
+    started was handled by the one before it (an adopted job): counting it again would
+    drop a running slot, so it names none."""
+    if event.get("kind") != CRASH_EVENT or float(event.get("time") or 0) < born - 1.0:
+        return []
+    host = event.get("host")
+    out = []
+    for w in event.get("workers") or ([event.get("worker")] if event.get("worker") else []):
+        slot = slot_of(w)
+        h = host or (str(w).split("/")[0] if w else None)
+        if slot is not None and h:
+            out.append((h, slot))
+    return out
+
+
+def daemon_alive(seen: DaemonSeen | None, now: float, policy: Policy) -> bool:
+    """The daemon's state changed recently, was written recently, and is not a last word."""
+    if seen is None:
+        return False
+    fresh_for = max(5.0, 5 * policy.watch_interval)
+    if now - seen.changed > fresh_for:
+        return False
+    # A state written long ago by a daemon that has died looks new to a controller
+    # that has just started; its own timestamp tells (clocks agree within seconds).
+    if now - float(seen.state.get("time") or now) > 6 * fresh_for:
+        return False
+    return seen.state.get("phase") not in ("stopped", "failed")
+
+
+def runtime_fresh_for(policy: Policy) -> float:
+    """Rank 0 writes its status about every second; this long without one, it is gone."""
+    return max(10.0, 2 * policy.hang_timeout)
+
+
+def runtime_fresh(runtime_status: Mapping | None, now: float, policy: Policy) -> bool:
+    t = (runtime_status or {}).get("time")
+    return bool(t) and now - float(t) < runtime_fresh_for(policy)
+
+
+def checkpoint_to_mirror(runtime_status: Mapping | None, now: float, policy: Policy, restored_at: float,
+                         job: str, host_names: Iterable[str]) -> tuple[str, int] | None:
+    """(host, step) of rank 0's newest committed checkpoint, for the mirror worker. Only a
+    fresh status of the current run counts: after a restore the old run's status (a step
+    the new run will commit again) must not be taken for a new checkpoint."""
+    from eltctl.mirror import checkpoint_host
+
+    rs = runtime_status or {}
+    ck = rs.get("checkpoint")
+    if not isinstance(ck, dict) or not runtime_fresh(rs, now, policy):
+        return None
+    if float(rs.get("time") or 0) < restored_at or not isinstance(ck.get("step"), int):
+        return None
+    host = checkpoint_host(str(ck.get("path") or ""), job)
+    if host is None or host not in set(host_names):
+        return None
+    return host, ck["step"]
+
+
+def final_checkpoint(runtime_status: Mapping | None) -> dict | None:
+    """What `down` reports of rank 0's last checkpoint."""
+    ck = (runtime_status or {}).get("checkpoint")
+    if isinstance(ck, dict):
+        return {"step": ck.get("step"), "path": ck.get("path"), "time": ck.get("time")}
+    return None
+
+
+_REACH = {HostState.OK: pol.Reach.OK, HostState.CPU_ONLY: pol.Reach.CPU_ONLY,
+          HostState.UNHEALTHY: pol.Reach.UNHEALTHY, HostState.UNREACHABLE: pol.Reach.UNREACHABLE}
+
+
+def cpu_slots(host: Host) -> tuple[pol.SlotView, ...]:
+    return tuple(pol.SlotView(i, pol.GpuUse.FREE, "CPU slot") for i in range(host.slots))
+
+
+def probed(host: Host, report: HostReport | None) -> tuple[pol.Reach, str, tuple[pol.SlotView, ...]]:
+    """How the probe saw a host: reach, reason, slots."""
+    if report is None:
+        return pol.Reach.UNKNOWN, "", ()
+    if report.state is HostState.OK:
+        slots = tuple(pol.SlotView(g.gpu.index, pol.GpuUse(g.state.value), g.reason) for g in report.gpus)
+    elif report.state is HostState.CPU_ONLY:
+        slots = cpu_slots(host)
+    else:
+        slots = ()
+    return _REACH[report.state], report.reason, slots
+
+
+def _slots_in(entries: Any) -> set[int]:
+    return {int(e["slot"]) for e in entries or [] if isinstance(e, dict) and e.get("slot") is not None}
+
+
+def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, alive: bool,
+              crashed: Iterable[int] = ()) -> pol.HostView:
+    """One host as the policy sees it: the probe's view, corrected by its live daemon's state."""
+    reach, reason, slots = probed(host, report)
+    workers: tuple[int, ...] = ()
+    yielded: tuple[int, ...] = ()
+    seq_applied = -1
+    watched = False
+    if alive and seen is not None:
+        st = seen.state
+        if reach is pol.Reach.UNREACHABLE or reach is pol.Reach.UNKNOWN:
+            # SSH is down (or not probed yet) but the daemon reports: the host works.
+            reach, reason = pol.Reach.OK if st.get("gpus") else pol.Reach.CPU_ONLY, "daemon reporting"
+            if reach is pol.Reach.CPU_ONLY:
+                slots = cpu_slots(host)
+        workers = tuple(sorted(_slots_in(w for w in st.get("workers", []) if isinstance(w, dict)
+                                         and str(w.get("state", "running")) not in FINISHED_WORKER_STATES)))
+        yielded = tuple(sorted(_slots_in(st.get("yielded", []))))
+        seq_applied = int(st.get("seq_applied", -1) if st.get("seq_applied") is not None else -1)
+        daemon_gpus = {int(g["index"]): g for g in st.get("gpus", []) if isinstance(g, dict) and "index" in g}
+        watched = bool(daemon_gpus) and st.get("health") == "ok"
+        if daemon_gpus and slots:
+            merged = []
+            for s in slots:
+                g = daemon_gpus.get(s.index)
+                if g is not None and str(g.get("state")) == "busy":
+                    merged.append(pol.SlotView(s.index, pol.GpuUse.BUSY, str(g.get("reason", ""))))
+                else:
+                    merged.append(s)
+            slots = tuple(merged)
+    return pol.HostView(name=host.name, reach=reach, reason=reason, slots=slots, daemon_alive=alive,
+                        workers=workers, yielded=yielded, crashed=tuple(sorted(crashed)),
+                        seq_applied=seq_applied, watched=watched)
+
+
+def gpus_of(host: Host, report: HostReport | None) -> tuple[int, ...] | None:
+    """The GPUs a host's daemon is to watch: the inventory's, else the probe's, else all."""
+    if host.gpus is not None:
+        return host.gpus
+    if report is not None and report.state is HostState.OK:
+        return tuple(sorted(g.gpu.index for g in report.gpus))
+    return None
+
+
+def add_refusal(report: HostReport, force: bool) -> str | None:
+    """Why `scale --add` refuses a probed host, or None when it may join."""
+    if report.state is HostState.UNREACHABLE:
+        return f"unreachable: {report.reason}"
+    usable = (report.state is HostState.CPU_ONLY or bool(report.gpus_in(GpuState.FREE))
+              or bool(report.gpus_in(GpuState.OURS)))
+    if not usable and not force:
+        why = "; ".join(f"GPU {g.gpu.index}: {g.reason}" for g in report.gpus) or report.reason
+        return f"refused: no free GPU ({why}); --force adds it anyway"
+    return None
+
+
+def adopted(record: pol.HostRecord, desired: Any) -> pol.HostRecord:
+    """A host's memory seeded from the desired document in the store (a controller that
+    lost hosts.json continues exactly what the daemons were told)."""
+    if not isinstance(desired, dict):
+        return record
+    seq = int(desired.get("seq", 0))
+    if seq < record.seq:
+        return record
+    slots = () if desired.get("stop") else tuple(int(s) for s in desired.get("slots", ()))
+    return replace(record, seq=seq, desired=slots)
+
+
+# --------------------------------------------------------------------------- what was seen
+
+
+@dataclass
+class Observer:
+    """What the controller has seen of the job so far; `read_store` adds to it."""
+
+    seen: dict[str, DaemonSeen] = field(default_factory=dict)
+    reports: dict[str, HostReport] = field(default_factory=dict)
+    crashed: dict[str, set[int]] = field(default_factory=dict)  # since the last decision
+    events: deque = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
+    events_read: int = 0  # the event log's sequence number read up to (kept in hosts.json)
+    runtime_status: dict | None = None  # rank 0's status document
+    born: float | None = None  # when this controller first read the store
+
+    async def read_store(self, store, host_names: Iterable[str], now: float) -> None:
+        """The daemons' states, the new events and rank 0's status."""
+        if self.born is None:
+            self.born = now
+        for name in host_names:
+            raw = await store.get_raw(daemon_state_key(name))
+            if raw is not None:
+                self.seen[name] = seen_state(self.seen.get(name), raw, now)
+        last = await store.add(EVENTS_SEQ_KEY, 0)
+        if last < self.events_read:  # a new store: its log starts again
+            self.events_read = 0
+        for n in range(self.events_read + 1, last + 1):
+            ev = await store.get_json(event_key(n))
+            self.events_read = n
+            if not isinstance(ev, dict):
+                continue
+            self.events.append(ev)
+            for host, slot in crashed_slots(ev, self.born):
+                self.crashed.setdefault(host, set()).add(slot)
+        status = await store.get_json(RUNTIME_STATUS_KEY)
+        self.runtime_status = status if isinstance(status, dict) else None
+
+    def take_reports(self, reports: Iterable[HostReport]) -> list[str]:
+        """Keep new probe reports; returns the names of the hosts found unreachable."""
+        lost = []
+        for r in reports:
+            self.reports[r.name] = r
+            if r.state is HostState.UNREACHABLE:
+                lost.append(r.name)
+        return lost
+
+    def daemon_alive(self, name: str, now: float, policy: Policy) -> bool:
+        return daemon_alive(self.seen.get(name), now, policy)
+
+    def view(self, host: Host, now: float, policy: Policy) -> pol.HostView:
+        return host_view(host, self.reports.get(host.name), self.seen.get(host.name),
+                         self.daemon_alive(host.name, now, policy), self.crashed.get(host.name, ()))
+
+    def views(self, hosts: Iterable[Host], now: float, policy: Policy) -> dict[str, pol.HostView]:
+        return {h.name: self.view(h, now, policy) for h in hosts}

@@ -1,0 +1,1 @@
+"""Files the CLI writes for the user: the starter inventory (`eltctl init`)."""

@@ -1,0 +1,287 @@
+"""The controller's observations as tables: store data and probe reports turned into views."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eltctl.controller.observe import (
+    DaemonSeen,
+    Observer,
+    add_refusal,
+    adopted,
+    checkpoint_to_mirror,
+    crashed_slots,
+    daemon_alive,
+    final_checkpoint,
+    gpus_of,
+    host_view,
+    runtime_fresh,
+    seen_state,
+    slot_of,
+)
+from eltctl.controller.policy import GpuUse, HostRecord, Reach, SlotView
+from eltctl.inventory import parse_inventory
+from eltctl.probe import Gpu, GpuReport, GpuState, HostReport, HostState
+
+NOW = 10_000.0
+INV = parse_inventory(
+    '[job]\nname = "j"\ncommand = "python t.py"\n[policy]\nhang_timeout = 10\nwatch_interval = 0.5\n'
+    '[[hosts]]\nname = "a"\naddress = "a.lab"\n'
+    '[[hosts]]\nname = "b"\naddress = "b.lab"\ngpus = [1]\n'
+    '[[hosts]]\nname = "c"\naddress = "c.lab"\nslots = 2\n', "hosts.toml")
+A, B, C = INV.hosts
+POLICY = INV.policy  # daemon fresh for max(5, 5 * 0.5) = 5 s; rank 0 fresh for max(10, 2 * 10) = 20 s
+
+
+def seen(changed_ago: float = 0.0, **state) -> DaemonSeen:
+    state.setdefault("time", NOW - changed_ago)
+    return DaemonSeen(raw=json.dumps(state).encode(), changed=NOW - changed_ago, state=state)
+
+
+def gpu(index: int, state: str, reason: str = "") -> GpuReport:
+    return GpuReport(Gpu(index, f"GPU-{index}", "T4", 0, 15000, 0), GpuState(state), reason)
+
+
+def report(name: str, state: HostState, *gpus: GpuReport, reason: str = "") -> HostReport:
+    return HostReport(name=name, address=f"{name}.lab", state=state, reason=reason, gpus=tuple(gpus))
+
+
+# ---------------------------------------------------------------- the daemon's heartbeat
+
+# (case, seen, alive)
+ALIVE = [
+    ("never seen: not alive", None, False),
+    ("state changed just now: alive", seen(0.0, phase="running"), True),
+    ("state unchanged for longer than 5 watch intervals: not alive", seen(6.0, phase="running"), False),
+    ("a state written long ago (a dead daemon's) that looks new: not alive",
+     DaemonSeen(b"{}", NOW, {"time": NOW - 31.0, "phase": "running"}), False),
+    ("the daemon's last word 'stopped': not alive", seen(0.0, phase="stopped"), False),
+    ("the daemon's last word 'failed': not alive", seen(0.0, phase="failed"), False),
+    ("a state without a time counts by when it changed", DaemonSeen(b"{}", NOW - 1.0, {}), True),
+]
+
+
+@pytest.mark.parametrize("case, s, expected", ALIVE, ids=[c[0] for c in ALIVE])
+def test_daemon_alive(case, s, expected):
+    assert daemon_alive(s, NOW, POLICY) is expected
+
+
+def test_an_unchanged_state_keeps_the_time_it_changed():
+    first = seen_state(None, b'{"phase": "running"}', NOW - 3)
+    assert first.changed == NOW - 3 and first.state == {"phase": "running"}
+    assert seen_state(first, b'{"phase": "running"}', NOW) is first
+    assert seen_state(first, b'{"phase": "idle"}', NOW).changed == NOW
+    assert seen_state(None, b"not json", NOW).state == {}
+    assert seen_state(None, b"[1, 2]", NOW).state == {}
+
+
+# ---------------------------------------------------------------- rank 0's status
+
+# (case, runtime status, fresh)
+FRESH = [
+    ("no status", None, False),
+    ("a status without a time", {"step": 3}, False),
+    ("written 19 s ago (fresh for 20 s)", {"time": NOW - 19}, True),
+    ("written 21 s ago", {"time": NOW - 21}, False),
+]
+
+
+@pytest.mark.parametrize("case, rs, expected", FRESH, ids=[c[0] for c in FRESH])
+def test_runtime_fresh(case, rs, expected):
+    assert runtime_fresh(rs, NOW, POLICY) is expected
+
+
+def ck_status(step=40, host="a", age=1.0, **extra):
+    return {"time": NOW - age, "checkpoint": {"step": step, "path": f"/home/u/.eltctl/jobs/j/{host}/checkpoints/step-{step}"},
+            **extra}
+
+
+# (case, runtime status, restored_at, expected)
+MIRROR = [
+    ("rank 0's newest checkpoint goes to the mirror", ck_status(), 0.0, ("a", 40)),
+    ("no checkpoint yet", {"time": NOW}, 0.0, None),
+    ("a stale status is not the current run's", ck_status(age=30.0), 0.0, None),
+    ("a status older than the last restore is the old run's", ck_status(age=5.0), NOW - 2.0, None),
+    ("a step that is not a number is ignored", ck_status(step="40"), 0.0, None),
+    ("a checkpoint on a host not in the inventory is ignored", ck_status(host="zz"), 0.0, None),
+]
+
+
+@pytest.mark.parametrize("case, rs, restored_at, expected", MIRROR, ids=[c[0] for c in MIRROR])
+def test_checkpoint_to_mirror(case, rs, restored_at, expected):
+    assert checkpoint_to_mirror(rs, NOW, POLICY, restored_at, "j", ["a", "b", "c"]) == expected
+
+
+def test_final_checkpoint_is_what_down_reports():
+    rs = {"checkpoint": {"step": 7, "path": "/p", "time": 5.0, "extra": 1}}
+    assert final_checkpoint(rs) == {"step": 7, "path": "/p", "time": 5.0}
+    assert final_checkpoint({"checkpoint": "?"}) is None and final_checkpoint(None) is None
+
+
+# ---------------------------------------------------------------- the event log
+
+# (case, event, born, crashed (host, slot)s)
+CRASHES = [
+    ("a crash names its workers' slots", {"kind": "crash", "time": NOW, "host": "a", "workers": ["a/1/0", "a/0/3"]},
+     NOW - 5, [("a", 1), ("a", 0)]),
+    ("a crash with one worker and no host", {"kind": "crash", "time": NOW, "worker": "b/1/2"}, NOW - 5, [("b", 1)]),
+    ("a crash from before this controller started is the last one's", {"kind": "crash", "time": NOW - 10,
+                                                                      "host": "a", "workers": ["a/0/1"]}, NOW, []),
+    ("within a second of the start it still counts", {"kind": "crash", "time": NOW - 0.5, "host": "a",
+                                                      "workers": ["a/0/1"]}, NOW, [("a", 0)]),
+    ("other kinds name no crash", {"kind": "leave", "time": NOW, "host": "a", "workers": ["a/0/1"]}, NOW - 5, []),
+    ("a worker id without a slot is skipped", {"kind": "crash", "time": NOW, "workers": ["a"]}, NOW - 5, []),
+]
+
+
+@pytest.mark.parametrize("case, ev, born, expected", CRASHES, ids=[c[0] for c in CRASHES])
+def test_crashed_slots(case, ev, born, expected):
+    assert crashed_slots(ev, born) == expected
+
+
+@pytest.mark.parametrize("worker, slot", [("a/1/0", 1), ("host/-1/2", -1), ("a", None), ("a/x/1", None)])
+def test_slot_of(worker, slot):
+    assert slot_of(worker) == slot
+
+
+# ---------------------------------------------------------------- a host's view
+
+def slots(*specs) -> tuple[SlotView, ...]:
+    return tuple(SlotView(i, GpuUse(u), r) for i, u, r in specs)
+
+
+DAEMON = dict(phase="running", health="ok", seq_applied=3,
+              gpus=[{"index": 0, "state": "ours"}, {"index": 1, "state": "busy", "reason": "owner pid 9"}],
+              workers=[{"slot": 0, "state": "running"}, {"slot": 2, "state": "left"}], yielded=[{"slot": 1}])
+
+# (case, host, report, seen, alive, expected fields of the view)
+VIEWS = [
+    ("not probed, no daemon: unknown", A, None, None, False,
+     dict(reach=Reach.UNKNOWN, slots=(), workers=(), seq_applied=-1, watched=False)),
+    ("probed with GPUs: their uses and reasons", A, report("a", HostState.OK, gpu(0, "free"), gpu(1, "busy", "x")),
+     None, False, dict(reach=Reach.OK, slots=slots((0, "free", ""), (1, "busy", "x")))),
+    ("a CPU-only host has its CPU slots, free", C, report("c", HostState.CPU_ONLY), None, False,
+     dict(reach=Reach.CPU_ONLY, slots=slots((0, "free", "CPU slot"), (1, "free", "CPU slot")))),
+    ("unhealthy: no slots, the probe's reason", A, report("a", HostState.UNHEALTHY, reason="nvidia-smi hung"), None,
+     False, dict(reach=Reach.UNHEALTHY, reason="nvidia-smi hung", slots=())),
+    ("unreachable but its daemon reports GPUs: the host works", A,
+     report("a", HostState.UNREACHABLE, reason="timeout"), seen(0.0, **DAEMON), True,
+     dict(reach=Reach.OK, reason="daemon reporting", slots=(), workers=(0,), daemon_alive=True)),
+    ("not probed, its daemon reports no GPUs: CPU slots", C, None, seen(0.0, phase="running"), True,
+     dict(reach=Reach.CPU_ONLY, reason="daemon reporting", slots=slots((0, "free", "CPU slot"),
+                                                                       (1, "free", "CPU slot")))),
+    ("a live daemon: its running workers, yields, seq, and the GPUs it sees busy", A,
+     report("a", HostState.OK, gpu(0, "ours"), gpu(1, "free")), seen(0.0, **DAEMON), True,
+     dict(workers=(0,), yielded=(1,), seq_applied=3, watched=True,
+          slots=slots((0, "ours", ""), (1, "busy", "owner pid 9")))),
+    ("a dead daemon's state is ignored", A, report("a", HostState.OK, gpu(0, "free")), seen(9.0, **DAEMON), False,
+     dict(workers=(), yielded=(), seq_applied=-1, watched=False, slots=slots((0, "free", "")))),
+    ("a daemon with unhealthy GPUs does not watch them", A, report("a", HostState.OK, gpu(0, "ours")),
+     seen(0.0, **{**DAEMON, "health": "failed"}), True, dict(watched=False)),
+]
+
+
+@pytest.mark.parametrize("case, host, rep, s, alive, expected", VIEWS, ids=[c[0] for c in VIEWS])
+def test_host_view(case, host, rep, s, alive, expected):
+    v = host_view(host, rep, s, alive)
+    assert v.name == host.name
+    assert {k: getattr(v, k) for k in expected} == expected
+
+
+def test_crashed_slots_reach_the_view_sorted():
+    assert host_view(A, None, None, False, {2, 0}).crashed == (0, 2)
+
+
+# (case, host, report, gpus for its daemon)
+GPUS_OF = [
+    ("the inventory's GPUs win", B, report("b", HostState.OK, gpu(0, "free"), gpu(1, "free")), (1,)),
+    ("else the probed ones, sorted", A, report("a", HostState.OK, gpu(1, "free"), gpu(0, "busy")), (0, 1)),
+    ("else all (the daemon finds them)", A, report("a", HostState.UNREACHABLE), None),
+    ("not probed: all", A, None, None),
+]
+
+
+@pytest.mark.parametrize("case, host, rep, expected", GPUS_OF, ids=[c[0] for c in GPUS_OF])
+def test_gpus_of(case, host, rep, expected):
+    assert gpus_of(host, rep) == expected
+
+
+# ---------------------------------------------------------------- requests
+
+# (case, report, force, refusal or None)
+ADDS = [
+    ("a free GPU: it joins", report("a", HostState.OK, gpu(0, "free")), False, None),
+    ("a GPU already ours: it joins", report("a", HostState.OK, gpu(0, "ours")), False, None),
+    ("a CPU-only host joins", report("c", HostState.CPU_ONLY), False, None),
+    ("unreachable: refused even with force", report("a", HostState.UNREACHABLE, reason="timeout"), True,
+     "unreachable: timeout"),
+    ("every GPU busy: refused, with each reason", report("a", HostState.OK, gpu(0, "busy", "pid 7"), gpu(1, "busy", "x")),
+     False, "refused: no free GPU (GPU 0: pid 7; GPU 1: x); --force adds it anyway"),
+    ("every GPU busy, forced: it joins", report("a", HostState.OK, gpu(0, "busy", "pid 7")), True, None),
+    ("unhealthy: refused with the probe's reason", report("a", HostState.UNHEALTHY, reason="smi hung"), False,
+     "refused: no free GPU (smi hung); --force adds it anyway"),
+]
+
+
+@pytest.mark.parametrize("case, rep, force, expected", ADDS, ids=[c[0] for c in ADDS])
+def test_add_refusal(case, rep, force, expected):
+    assert add_refusal(rep, force) == expected
+
+
+# (case, record, desired document in the store, expected record)
+ADOPT = [
+    ("no document: the record as it was", HostRecord(seq=2), None, HostRecord(seq=2)),
+    ("a newer document: its seq and slots", HostRecord(seq=2), {"seq": 5, "slots": [0, 1], "stop": False},
+     HostRecord(seq=5, desired=(0, 1))),
+    ("a stop request: no slots", HostRecord(), {"seq": 1, "slots": [0], "stop": True}, HostRecord(seq=1)),
+    ("an older document is ignored", HostRecord(seq=9, desired=(1,)), {"seq": 5, "slots": [0]},
+     HostRecord(seq=9, desired=(1,))),
+]
+
+
+@pytest.mark.parametrize("case, rec, doc, expected", ADOPT, ids=[c[0] for c in ADOPT])
+def test_adopted(case, rec, doc, expected):
+    assert adopted(rec, doc) == expected
+
+
+# ---------------------------------------------------------------- reading the store
+
+class FakeStore:
+    def __init__(self, values: dict) -> None:
+        self.values = values
+
+    async def get_raw(self, key):
+        v = self.values.get(key)
+        return None if v is None else json.dumps(v).encode()
+
+    async def get_json(self, key):
+        return self.values.get(key)
+
+    async def add(self, key, amount):
+        return int(self.values.get(key, 0)) + amount
+
+
+def test_reading_the_store_folds_states_events_and_status():
+    import asyncio
+
+    store = FakeStore({
+        "daemon/a/state": {"time": NOW, "phase": "running"},
+        "events/seq": 3,
+        "events/1": {"kind": "join", "time": NOW},
+        "events/2": "not a document",
+        "events/3": {"kind": "crash", "time": NOW, "host": "a", "workers": ["a/1/0"]},
+        "status": {"time": NOW, "step": 4},
+    })
+    o = Observer()
+    asyncio.run(o.read_store(store, ["a", "b"], NOW))
+    assert set(o.seen) == {"a"} and o.seen["a"].changed == NOW
+    assert o.events_read == 3 and [e["kind"] for e in o.events] == ["join", "crash"]
+    assert o.crashed == {"a": {1}}
+    assert o.runtime_status == {"time": NOW, "step": 4}
+    # A new store (its log shorter than what was read): the log is read from the start.
+    o.events_read = 10
+    store.values["events/seq"] = 1
+    asyncio.run(o.read_store(store, ["a"], NOW + 1))
+    assert o.events_read == 1 and len(o.events) == 3
