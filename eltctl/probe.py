@@ -26,7 +26,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Iterable
 
-from eltctl_runtime.nvsmi import parse_number  # shared with the host daemon; stdlib only
+from eltctl_runtime import nvsmi  # the one nvidia-smi parser, shared with the host daemon; stdlib only
+from eltctl_runtime.nvsmi import parse_number
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy
 from eltctl.hosts.fleet import Fleet, Outcome
@@ -34,8 +35,8 @@ from eltctl.hosts.transport import ErrorKind, Transport
 
 MARK = ":::eltctl:"
 PROBE_VERSION = "1"
-GPU_FIELDS = "index,uuid,name,memory.used,memory.total,utilization.gpu"
-APP_FIELDS = "gpu_uuid,pid,used_memory,process_name"
+GPU_FIELDS = ",".join(nvsmi.GPU_FIELDS)
+APP_FIELDS = ",".join(nvsmi.APP_FIELDS)
 HANG_STATUSES = (124, 137)  # `timeout` gave up (TERM, then KILL)
 NOT_FOUND_STATUS = 127  # the shell's "command not found"
 
@@ -190,30 +191,20 @@ def probe_timeout(policy: Policy) -> float:
 # --------------------------------------------------------------------------- parsing
 
 def parse_gpu_line(line: str) -> Gpu | None:
-    raw = line.split(",")
-    parts = [p.strip() for p in raw]
-    if len(parts) < 6:
+    """One `--query-gpu` line, through the parser the host daemon uses too."""
+    g = nvsmi.parse_gpu_line(line)
+    if g is None:
         return None
-    try:
-        index = int(parts[0])
-    except ValueError:
-        return None
-    return Gpu(index=index, uuid=parts[1], name=",".join(raw[2:-3]).strip(),
-               memory_used_mib=parse_number(parts[-3]), memory_total_mib=parse_number(parts[-2]),
-               utilization=parse_number(parts[-1]))
+    return Gpu(index=g.index, uuid=g.uuid, name=g.name, memory_used_mib=g.memory_used_mib,
+               memory_total_mib=g.memory_total_mib, utilization=g.utilization)
 
 
 def parse_app_line(line: str) -> GpuProcess | None:
-    raw = line.split(",")
-    parts = [p.strip() for p in raw]
-    if len(parts) < 3:
+    """One `--query-compute-apps` line, likewise."""
+    a = nvsmi.parse_app_line(line)
+    if a is None:
         return None
-    try:
-        pid = int(parts[1])
-    except ValueError:
-        return None
-    return GpuProcess(pid=pid, gpu_uuid=parts[0], used_memory_mib=parse_number(parts[2]),
-                      name=",".join(raw[3:]).strip())
+    return GpuProcess(pid=a.pid, gpu_uuid=a.gpu_uuid, used_memory_mib=a.used_memory_mib, name=a.name)
 
 
 def sections(text: str) -> dict[str, tuple[str, list[str]]]:

@@ -18,18 +18,13 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
-
-def _write_atomic(path: Path, document: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(document, f)
-    os.replace(tmp, path)
+from eltctl_runtime.files import write_atomic
+from eltctl_runtime.protocol import KEEPER_KEY
 
 
 def serve(address: str, port: int, info: Path) -> None:
@@ -44,8 +39,8 @@ def serve(address: str, port: int, info: Path) -> None:
     # use_libuv=False: the libuv backend does not take a listening fd.
     store = dist.TCPStore(address, port, is_master=True, master_listen_fd=sock.fileno(), use_libuv=False,
                           wait_for_workers=False, timeout=timedelta(seconds=30))
-    store.set("eltctl/storekeeper", str(os.getpid()))
-    _write_atomic(info, {"pid": os.getpid(), "address": address, "port": port, "started": time.time()})
+    store.set(KEEPER_KEY, str(os.getpid()))
+    write_atomic(info, json.dumps({"pid": os.getpid(), "address": address, "port": port, "started": time.time()}))
     print(f"store keeper {os.getpid()}: serving the store on {address}:{port}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -6,9 +6,7 @@ The starter documents every key with a comment and parses as it is, so the first
 
 from __future__ import annotations
 
-import os
 import shlex
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -54,16 +52,10 @@ def write_starter(path: Path, *, force: bool = False) -> Path:
             raise UsageError(f"{path} already exists; not overwriting it",
                              hint="`eltctl init --force` replaces it") from None
         return path
+    from eltctl_runtime.files import write_atomic
+
     # A temporary file renamed into place: an interrupted --force never leaves half a file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomic(path, text, mode=0o644)
     return path
 
 

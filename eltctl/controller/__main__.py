@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from eltctl.controller import socket as csock
-from eltctl.controller.statedir import ControllerLock, StateDir, lock_holder, write_json_atomic
+from eltctl.controller.statedir import ControllerLock, StateDir, lock_holder
+from eltctl_runtime.files import write_json_atomic
 from eltctl.errors import ConfigError, EltctlError
 from eltctl.inventory import Inventory, load_inventory
 

@@ -21,28 +21,17 @@ from eltctl.controller import policy as pol
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory
 from eltctl.hosts.fleet import Fleet
+from eltctl_runtime.protocol import Desired, EventKind, Keys, desired_key
 
 log = logging.getLogger("eltctl.controller")
 
 DAEMON_START_GRACE_S = 45.0  # python + torch import on a loaded host
 MIRROR_FLUSH_S = 120.0  # `down` waits this long for the final checkpoint to be mirrored
 
-# The store keys this module writes and the controller's own event kinds
-# (the merge: eltctl_runtime.protocol).
-STOP_KEY = "stop"
-BENCH_EVENT = "bench"
-ADD_EVENT = "add"
-REMOVE_EVENT = "remove"
-RESTORE_EVENT = "restore"
-
-
-def desired_key(host: str) -> str:
-    return f"daemon/{host}/desired"
-
 
 def desired_document(seq: int, slots, stop: bool) -> dict:
-    """What a host's daemon is asked to run (runtime/daemon_logic.py `Desired`)."""
-    return {"seq": seq, "slots": list(slots), "stop": stop}
+    """What a host's daemon is asked to run (`protocol.Desired`)."""
+    return Desired(seq=seq, slots=tuple(slots), stop=stop).to_dict()
 
 
 # --------------------------------------------------------------------------- the store
@@ -72,16 +61,12 @@ async def write_withdrawn(store, name: str, record: pol.HostRecord) -> None:
 async def request_stop(store, records: dict[str, pol.HostRecord], inventory: Inventory, now: float) -> None:
     """`down`: the job's stop key, and every daemon told to stop; `records` remember each
     request as it is made (raises when the store is gone)."""
-    await store.set_raw(STOP_KEY, str(now))
+    await store.set_raw(Keys.STOP, str(now))
     for host in inventory.hosts:
         rec = records.get(host.name, pol.HostRecord())
         seq = rec.seq + 1
         await store.set_json(desired_key(host.name), desired_document(seq, rec.desired, stop=True))
         records[host.name] = replace(rec, seq=seq, desired=())
-
-
-def event_document(now: float, kind: str, host: str | None, detail: str, **extra: Any) -> dict:
-    return {"time": now, "kind": kind, "host": host, "workers": [], "pause_s": None, "detail": detail, **extra}
 
 
 # --------------------------------------------------------------------------- daemons
@@ -219,7 +204,7 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
         plan = await mir.prepare_restore(places, mirror)
     except Exception as exc:  # noqa: BLE001 - a failed restore must not end the controller
         log.exception("Restore: choosing or delivering the checkpoint failed.")
-        await event(RESTORE_EVENT, None, f"restore failed: {exc}; the hosts restore what they hold")
+        await event(EventKind.RESTORE, None, f"restore failed: {exc}; the hosts restore what they hold")
         return
     if plan.choice is None:
         log.info("Restore: no checkpoint on %s%s; the job starts from step 0.", ", ".join(names),
@@ -232,7 +217,7 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
     if c.skipped:
         detail += "; skipped " + "; ".join(c.skipped)
     log.info("Restore: %s.", detail)
-    await event(RESTORE_EVENT, None, detail, step=c.step, where=c.where, skipped=list(c.skipped),
+    await event(EventKind.RESTORE, None, detail, step=c.step, where=c.where, skipped=list(c.skipped),
                 ready=list(plan.ready))
     if mirror_worker is not None:
         # Steps after c.step will be committed anew by this run: count from c.step

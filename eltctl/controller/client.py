@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from eltctl.controller import socket as csock
-from eltctl.controller.statedir import StateDir, pid_alive, read_json
+from eltctl.controller.statedir import StateDir
+from eltctl_runtime.files import read_json
+from eltctl_runtime.pids import pid_alive
 from eltctl.errors import EltctlError
 from eltctl.inventory import Inventory
 

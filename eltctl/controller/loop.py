@@ -33,12 +33,14 @@ from eltctl import mirror as mir
 from eltctl.controller import act, observe
 from eltctl.controller import policy as pol
 from eltctl.controller import status
-from eltctl.controller.statedir import StateDir, read_json, write_json_atomic
+from eltctl.controller.statedir import StateDir
 from eltctl.controller.status import Phase
 from eltctl.controller.store import JobStore
 from eltctl.inventory import Inventory
 from eltctl.probe import probe_fleet
 from eltctl.hosts.fleet import Fleet
+from eltctl_runtime.files import read_json, write_json_atomic
+from eltctl_runtime.protocol import EventKind, event_document
 
 log = logging.getLogger("eltctl.controller")
 
@@ -195,10 +197,10 @@ class Controller:
             if rec.benched_until > now and before.get(name, pol.HostRecord()).benched_until <= now:
                 log.warning("Host %s is benched until %s: %s.", name, time.ctime(rec.benched_until),
                             rec.last_problem)
-                await self._event(act.BENCH_EVENT, name, rec.last_problem)
+                await self._event(EventKind.BENCH, name, rec.last_problem)
 
-    async def _event(self, kind: str, host: str | None, detail: str, **extra: Any) -> None:
-        ev = act.event_document(self.clock(), kind, host, detail, **extra)
+    async def _event(self, kind: EventKind, host: str | None, detail: str, **extra: Any) -> None:
+        ev = event_document(kind, host=host, detail=detail, time=self.clock(), **extra)
         try:
             await self.store.event(ev)
         except Exception:  # noqa: BLE001 - events are advisory
@@ -258,7 +260,7 @@ class Controller:
                 continue
             rec = self.records.get(name, pol.HostRecord())
             self.records[name] = replace(rec, removed=True, join_now=False, force=False)
-            await self._event(act.REMOVE_EVENT, name, "removed by eltctl scale --remove")
+            await self._event(EventKind.REMOVE, name, "removed by eltctl scale --remove")
             results.append({"host": name, "ok": True,
                             "message": "removed; its workers leave at the next step boundary"})
         probe_targets = [self.inventory.host(n) for n in add if n in names]
@@ -278,7 +280,7 @@ class Controller:
             self.records[host.name] = replace(rec, removed=False, join_now=True, force=force,
                                               benched_until=0.0 if force else rec.benched_until,
                                               failures=0)
-            await self._event(act.ADD_EVENT, host.name, "added by eltctl scale --add" + (" --force" if force else ""))
+            await self._event(EventKind.ADD, host.name, "added by eltctl scale --add" + (" --force" if force else ""))
             results.append({"host": host.name, "ok": True, "message": "added; its free GPUs join now"})
         self.save_records()
         await self.reconcile()

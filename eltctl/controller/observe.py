@@ -19,23 +19,11 @@ from typing import Any, Iterable, Mapping
 from eltctl.controller import policy as pol
 from eltctl.inventory import Host, Policy
 from eltctl.probe import GpuState, HostReport, HostState
+from eltctl_runtime.protocol import EventKind, Keys, state_key
 
 EVENTS_KEPT = 50
-# Worker states (runtime/daemon_logic.py WorkerState) of a worker that has ended.
+# Worker states (runtime/daemon/logic.py WorkerState) of a worker that has ended.
 FINISHED_WORKER_STATES = {"left", "finished", "crashed", "lost"}
-
-# The store keys this module reads (the merge: eltctl_runtime.protocol).
-EVENTS_SEQ_KEY = "events/seq"
-RUNTIME_STATUS_KEY = "status"
-CRASH_EVENT = "crash"
-
-
-def daemon_state_key(host: str) -> str:
-    return f"daemon/{host}/state"
-
-
-def event_key(n: int) -> str:
-    return f"events/{n}"
 
 
 @dataclass
@@ -73,7 +61,7 @@ def crashed_slots(event: Mapping[str, Any], born: float) -> list[tuple[str, int]
     """The (host, slot)s a crash event names. A crash reported before this controller
     started was handled by the one before it (an adopted job): counting it again would
     drop a running slot, so it names none."""
-    if event.get("kind") != CRASH_EVENT or float(event.get("time") or 0) < born - 1.0:
+    if event.get("kind") != EventKind.CRASH.value or float(event.get("time") or 0) < born - 1.0:
         return []
     host = event.get("host")
     out = []
@@ -249,21 +237,21 @@ class Observer:
         if self.born is None:
             self.born = now
         for name in host_names:
-            raw = await store.get_raw(daemon_state_key(name))
+            raw = await store.get_raw(state_key(name))
             if raw is not None:
                 self.seen[name] = seen_state(self.seen.get(name), raw, now)
-        last = await store.add(EVENTS_SEQ_KEY, 0)
+        last = await store.add(Keys.EVENTS_SEQ, 0)
         if last < self.events_read:  # a new store: its log starts again
             self.events_read = 0
         for n in range(self.events_read + 1, last + 1):
-            ev = await store.get_json(event_key(n))
+            ev = await store.get_json(Keys.event(n))
             self.events_read = n
             if not isinstance(ev, dict):
                 continue
             self.events.append(ev)
             for host, slot in crashed_slots(ev, self.born):
                 self.crashed.setdefault(host, set()).add(slot)
-        status = await store.get_json(RUNTIME_STATUS_KEY)
+        status = await store.get_json(Keys.STATUS)
         self.runtime_status = status if isinstance(status, dict) else None
 
     def take_reports(self, reports: Iterable[HostReport]) -> list[str]:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
+
+from eltctl_runtime.pids import pid_alive
 
 
 def state_root(environ: Mapping[str, str] | None = None) -> Path:
@@ -78,32 +78,6 @@ class StateDir:
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
-def write_json_atomic(path: Path, document: Any) -> None:
-    """Write `document` as JSON to `path` so that readers see the old or the new file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=1, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def read_json(path: Path) -> Any | None:
-    """The document at `path`, or None when it is missing or not valid JSON."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 class ControllerLock:
     """The flock that makes a controller the only one of its job.
 
@@ -148,20 +122,3 @@ def lock_holder(path: Path) -> int | None:
     except (OSError, ValueError):
         return None
     return pid if pid_alive(pid) else None
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (our own exited child not yet reaped) is not alive for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 from eltctl.controller import policy as pol
 from eltctl.controller.observe import DaemonSeen
-from eltctl.controller.statedir import write_json_atomic
+from eltctl_runtime.files import write_json_atomic
 from eltctl.inventory import Inventory
 
 log = logging.getLogger("eltctl.controller")
@@ -106,6 +106,6 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
 def write_status(path: Path, document: dict) -> None:
     """status.json, replaced whole (a reader never sees half a document)."""
     try:
-        write_json_atomic(path, document)
+        write_json_atomic(path, document, mkdir=True, sync=False)  # rewritten every second
     except OSError as exc:
         log.warning("Cannot write %s: %s", path, exc)

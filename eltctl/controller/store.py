@@ -22,7 +22,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
-from eltctl.controller.statedir import StateDir, pid_alive, read_json
+from eltctl.controller.statedir import StateDir
+from eltctl_runtime.files import read_json
+from eltctl_runtime.pids import pid_alive
+from eltctl_runtime.protocol import Keys, add_event, job_prefix
 
 STORE_TIMEOUT_S = 10.0
 KEEPER_START_TIMEOUT_S = 60.0
@@ -55,7 +58,7 @@ def connect_client(address: str, port: int, job: str, timeout: float = STORE_TIM
     import torch.distributed as dist
 
     tcp = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
-    return dist.PrefixStore(f"eltctl/{job}", tcp)
+    return dist.PrefixStore(job_prefix(job), tcp)
 
 
 class JobStore:
@@ -99,11 +102,7 @@ class JobStore:
 
     async def event(self, document: dict) -> None:
         """Append to the job's event log (events/<n>, the runtime's format)."""
-        def write():
-            n = self._client.add("events/seq", 1)
-            self._client.set(f"events/{n}", json.dumps(document))
-
-        await self._call(write)
+        await self._call(add_event, self._client, document)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -123,7 +122,7 @@ def live_keeper(state: StateDir, job: str) -> KeeperInfo | None:
         return None
     try:
         client = connect_client(info.address, info.port, job, timeout=3.0)
-        client.check(["storekeeper"])
+        client.check([Keys.STATUS])  # a round trip: whether the key exists does not matter
     except Exception:  # noqa: BLE001 - any failure means "not usable": a new keeper is started
         return None
     return info

@@ -3,43 +3,17 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from eltctl.demo.setup import DemoSetup
+from eltctl.hosts import layout
+from eltctl_runtime.pids import pid_alive, read_pid_file
 
-
-def read_pid_file(path: Path) -> int | None:
-    """The pid in a daemon or worker pid file (a number, or JSON with "pid"), else None."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text.startswith("{"):
-        import json
-
-        try:
-            value = json.loads(text).get("pid")
-        except (ValueError, AttributeError):
-            return None
-        return value if isinstance(value, int) else None
-    head = text.split()[0] if text else ""
-    return int(head) if head.isdigit() else None
-
-
-def pid_alive(pid: int | None) -> bool:
-    """Alive and not a zombie."""
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
+__all__ = ["PidWatch", "pid_alive", "read_pid_file", "wait_pid_exit", "worker_pid"]
 
 
 def worker_pid(setup: DemoSetup, host: str, slot: int) -> int | None:
     """The live worker of `slot` on `host`, from the daemon's pid file."""
-    pid = read_pid_file(setup.host_dir(host) / "workers" / f"{slot}.pid")
+    pid = read_pid_file(setup.host_dir(host) / layout.worker_pid(slot))
     return pid if pid_alive(pid) else None
 
 

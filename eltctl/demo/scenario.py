@@ -17,6 +17,7 @@ from eltctl.demo.pids import PidWatch, worker_pid
 from eltctl.demo.runner import EltctlRunner, sweep
 from eltctl.demo.setup import DemoError, DemoPlan, DemoSetup, prepare
 from eltctl.demo.summary import DemoSummary, has_yielded, is_training, summarize
+from eltctl.hosts import layout
 
 
 def torch_missing_reason() -> str | None:
@@ -108,7 +109,7 @@ class Scenario:
                 raise DemoError(f"the demo waited {timeout or self.plan.wait_s:.0f} s for {what}; "
                                 f"the job is {state} at world size {self.last_doc.get('world_size')}",
                                 hint=f"logs: {self.setup.state_home / 'eltctl' / self.setup.job} and "
-                                     f"{self.setup.home / '.eltctl' / 'jobs' / self.setup.job}")
+                                     f"{layout.job_root_in(self.setup.home, self.setup.job)}")
             time.sleep(0.5)
 
     def _check_up(self) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from eltctl.errors import EltctlError
+from eltctl.hosts import layout
 
 MARKER_ENV = "ELTCTL_DEMO_ROOT"  # in the environment of every process the demo starts
 OWNER_USER_LABEL = "owner"
@@ -70,7 +71,7 @@ class DemoSetup:
 
     def host_dir(self, host: str) -> Path:
         """The job's directory on a demo host (`~/.eltctl/jobs/<job>/<host>/`)."""
-        return self.home / ".eltctl" / "jobs" / self.job / host
+        return layout.job_dir_in(self.home, self.job, host)
 
 
 def example_dir() -> Path:

@@ -57,11 +57,12 @@ from __future__ import annotations
 import enum
 import json
 import os
-import tempfile
 import uuid as uuidlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from eltctl_runtime.files import write_atomic
 
 STATE_ENV = "ELTSIM_STATE"
 HOST_ENV = "ELTSIM_HOST"
@@ -147,17 +148,7 @@ class GpuState:
     def write(self, state: dict[str, Any]) -> None:
         # Temp file in the same directory + rename: a concurrent nvidia-smi sees
         # either the old file or the new one, never half of one.
-        fd, tmp = tempfile.mkstemp(prefix=".gpus-", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(state, f, indent=1)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_atomic(self.path, json.dumps(state, indent=1), sync=False)
 
     def initialize(self, n_gpus: int = 2, *, memory_total_mib: int = DEFAULT_MEMORY_TOTAL_MIB,
                    name: str = DEFAULT_GPU_NAME) -> None:
@@ -265,10 +256,7 @@ def install_nvidia_smi(bin_dir: Path, *, python: str | None = None) -> Path:
         f"#!{python or find_system_python()} -IS\n"
         f"import sys; sys.path.insert(0, {str(src_dir)!r}); import nvidia_smi; sys.exit(nvidia_smi.main(sys.argv[1:]))\n"
     )
-    tmp = bin_dir / ".nvidia-smi.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    tmp.chmod(0o755)
-    os.replace(tmp, launcher)
+    write_atomic(launcher, text, mode=0o755, sync=False)
     return launcher
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from eltctl.controller.statedir import ControllerLock, StateDir, read_json, state_root, write_json_atomic
+from eltctl.controller.statedir import ControllerLock, StateDir, state_root
+from eltctl_runtime.files import read_json, write_json_atomic
 from eltctl.hosts import ops as hostops
 from eltctl.hosts.layout import HostPaths
 from eltctl.hosts.local import LocalTransport

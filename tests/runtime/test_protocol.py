@@ -61,7 +61,6 @@ def test_no_runtime_module_but_protocol_spells_a_store_key():
     assert spelled_keys("runtime") == []
 
 
-@pytest.mark.xfail(strict=False, reason="the controller switches to protocol.py in the merge")
 def test_no_control_side_module_spells_a_store_key():
     assert spelled_keys("eltctl") == []
 
