@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import enum
 import json
-import os
-import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone, tzinfo
 from pathlib import Path
 from typing import Any, Mapping
 
+from eltctl.controller.statedir import SOCKET_NAME
 from eltctl.errors import EltctlError
 
 STATUS_FILE = "status.json"
-SOCKET_FILE = "control.sock"
+SOCKET_FILE = SOCKET_NAME
 SOCKET_TIMEOUT_S = 3.0  # the controller answers from memory; longer means it is wedged
 EVENTS_SHOWN = 8
 
@@ -79,50 +78,6 @@ def job_state_dir(job: str, environ: Mapping[str, str]) -> Path:
     return StateDir.for_job(job, environ).path
 
 
-def ask_controller(state_dir: Path, request: Mapping[str, Any], *,
-                   timeout: float = SOCKET_TIMEOUT_S) -> dict[str, Any]:
-    """Send one JSON request line on `control.sock`, return the one-line JSON answer.
-
-    Raises OSError (no socket, refused, timeout) or ValueError (not JSON).
-    """
-    path = state_dir / SOCKET_FILE
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        _connect_unix(sock, path)
-        sock.sendall(json.dumps(dict(request)).encode() + b"\n")
-        chunks: list[bytes] = []
-        deadline = time.monotonic() + timeout
-        while True:
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            if b"\n" in chunk:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no complete answer on {path} in {timeout:g} s")
-    line = b"".join(chunks).split(b"\n", 1)[0]
-    if not line:
-        raise ConnectionError(f"{path}: the controller closed the connection without answering")
-    answer = json.loads(line)
-    if not isinstance(answer, dict):
-        raise ValueError(f"{path}: answer is not a JSON object")
-    return answer
-
-
-def _connect_unix(sock: socket.socket, path: Path) -> None:
-    # sun_path holds 107 bytes; a deep XDG_STATE_HOME (pytest's tmp dirs) exceeds it.
-    # Going through the directory's descriptor keeps the name short.
-    if len(os.fsencode(str(path))) < 100:
-        sock.connect(str(path))
-        return
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        sock.connect(f"/proc/self/fd/{fd}/{path.name}")
-    finally:
-        os.close(fd)
-
-
 def read_status_file(state_dir: Path) -> dict[str, Any] | None:
     """status.json, or None when there is none (or it is not a JSON object)."""
     try:
@@ -144,7 +99,9 @@ def read_snapshot(job: str, state_dir: Path, *, clock=time.time,
     why = "no control.sock"
     if (state_dir / SOCKET_FILE).exists():
         try:
-            answer = ask_controller(state_dir, {"op": "status"}, timeout=timeout)
+            from eltctl.controller.socket import request
+
+            answer = request(state_dir / SOCKET_FILE, {"op": "status"}, timeout=timeout)
         except (OSError, ValueError) as exc:
             why = f"control.sock: {exc}"
         else:

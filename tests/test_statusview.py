@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from eltctl.controller.socket import request
 from eltctl.statusview import (
     CONTROLLER_DOWN,
     NoJobError,
     Snapshot,
     Source,
     ViewOptions,
-    ask_controller,
     format_age,
     format_pause,
     job_state_dir,
@@ -292,7 +292,7 @@ def test_long_socket_paths_are_reached(tmp_path):
     deep.mkdir(parents=True)
     assert len(str(deep / "control.sock")) > 108
     with FakeControllerSocket(deep / "control.sock", b'{"ok": true, "pid": 1}\n'):
-        assert ask_controller(deep, {"op": "ping"}) == {"ok": True, "pid": 1}
+        assert request(deep / "control.sock", {"op": "ping"}) == {"ok": True, "pid": 1}
 
 
 def test_no_job_is_an_error(tmp_path):

@@ -70,12 +70,13 @@ class SocketError(OSError):
 
 
 def request(path: Path, message: dict, *, timeout: float = 10.0) -> dict[str, Any]:
-    """Send one request and return the answer; SocketError when no controller answers."""
+    """Send one request and return the answer (a JSON object); SocketError when no
+    controller answers, ValueError when the answer is not a JSON object."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
         try:
-            s.connect(str(path))
+            _connect(s, path)
         except OSError as exc:
             raise SocketError(f"no controller answers on {path}: {exc.strerror or exc}") from exc
         s.sendall(json.dumps(message).encode() + b"\n")
@@ -88,6 +89,22 @@ def request(path: Path, message: dict, *, timeout: float = 10.0) -> dict[str, An
             if not chunk:
                 raise SocketError("the controller closed the connection without an answer")
             buf += chunk
-        return json.loads(buf)
+        answer = json.loads(buf)
+        if not isinstance(answer, dict):
+            raise ValueError(f"{path}: the answer is not a JSON object")
+        return answer
     finally:
         s.close()
+
+
+def _connect(sock: socket.socket, path: Path) -> None:
+    # sun_path holds 107 bytes; a deep XDG_STATE_HOME (pytest's tmp dirs) exceeds it.
+    # Going through the directory's descriptor keeps the name short.
+    if len(os.fsencode(str(path))) < MAX_SOCKET_PATH - 8:
+        sock.connect(str(path))
+        return
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sock.connect(f"/proc/self/fd/{fd}/{path.name}")
+    finally:
+        os.close(fd)

@@ -27,6 +27,8 @@ from typing import Mapping
 from eltctl_runtime.pids import pid_alive
 
 
+SOCKET_NAME = "control.sock"
+
 def state_root(environ: Mapping[str, str] | None = None) -> Path:
     """`$XDG_STATE_HOME/eltctl`, or `~/.local/state/eltctl` (the XDG default)."""
     env = os.environ if environ is None else environ
@@ -56,7 +58,7 @@ class StateDir:
 
     @property
     def socket(self) -> Path:
-        return self.path / "control.sock"
+        return self.path / SOCKET_NAME
 
     @property
     def status_json(self) -> Path:
