@@ -51,7 +51,7 @@ class HostState(str, enum.Enum):
         return self.value
 
 
-class GpuState(str, enum.Enum):
+class GpuUse(str, enum.Enum):
     FREE = "free"  # nothing runs on it and it looks idle
     BUSY = "busy"  # a process that is not this job's, or memory/utilisation above the thresholds
     OURS = "ours"  # only this job's processes run on it
@@ -100,7 +100,7 @@ class HostProbe:
 @dataclass(frozen=True)
 class GpuReport:
     gpu: Gpu
-    state: GpuState
+    state: GpuUse
     reason: str
     processes: tuple[GpuProcess, ...] = ()
 
@@ -122,7 +122,7 @@ class HostReport:
     def reachable(self) -> bool:
         return self.state is not HostState.UNREACHABLE
 
-    def gpus_in(self, state: GpuState) -> list[GpuReport]:
+    def gpus_in(self, state: GpuUse) -> list[GpuReport]:
         return [g for g in self.gpus if g.state is state]
 
 
@@ -288,7 +288,7 @@ def _describe_process(p: GpuProcess) -> str:
     return f"pid {p.pid}{name} ({who})"
 
 
-def classify_gpu(gpu: Gpu, processes: Iterable[GpuProcess], policy: Policy) -> tuple[GpuState, str]:
+def classify_gpu(gpu: Gpu, processes: Iterable[GpuProcess], policy: Policy) -> tuple[GpuUse, str]:
     """free / busy / ours for one GPU, with the reason a person would want to read.
 
     A process that is not this job's makes the GPU busy, even next to ours. With no
@@ -302,17 +302,17 @@ def classify_gpu(gpu: Gpu, processes: Iterable[GpuProcess], policy: Policy) -> t
         reason = "used by " + ", ".join(_describe_process(p) for p in foreign)
         if ours:
             reason += "; shares it with this job's " + ", ".join(f"pid {p.pid}" for p in ours)
-        return GpuState.BUSY, reason
+        return GpuUse.BUSY, reason
     if ours:
-        return GpuState.OURS, "runs this job's " + ", ".join(_describe_process(p) for p in ours)
+        return GpuUse.OURS, "runs this job's " + ", ".join(_describe_process(p) for p in ours)
 
     mem, util = gpu.memory_used_mib, gpu.utilization
     if mem is not None and mem > policy.memory_threshold_mib:
         total = f" of {gpu.memory_total_mib}" if gpu.memory_total_mib is not None else ""
-        return GpuState.BUSY, (f"{mem}{total} MiB used (threshold {policy.memory_threshold_mib} MiB) "
+        return GpuUse.BUSY, (f"{mem}{total} MiB used (threshold {policy.memory_threshold_mib} MiB) "
                                "with no process listed (another container?)")
     if util is not None and util > policy.utilization_threshold:
-        return GpuState.BUSY, (f"{util}% utilisation (threshold {policy.utilization_threshold}%) "
+        return GpuUse.BUSY, (f"{util}% utilisation (threshold {policy.utilization_threshold}%) "
                                "with no process listed (another container?)")
     facts = ["no processes"]
     facts.append(f"{mem} MiB used" if mem is not None else "memory use not reported")
@@ -323,7 +323,7 @@ def classify_gpu(gpu: Gpu, processes: Iterable[GpuProcess], policy: Policy) -> t
         facts.append("judged by utilisation and processes")
     elif util is None:
         facts.append("judged by memory and processes")
-    return GpuState.FREE, ", ".join(facts)
+    return GpuUse.FREE, ", ".join(facts)
 
 
 def _first_line(text: str, default: str) -> str:
@@ -374,14 +374,14 @@ def assess_host(host: Host, probe: HostProbe, policy: Policy) -> HostReport:
         state, why = classify_gpu(g, probe.processes, policy)
         reports.append(GpuReport(gpu=g, state=state, reason=why,
                                  processes=tuple(p for p in probe.processes if p.gpu_uuid == g.uuid)))
-    counts = {s: sum(1 for r in reports if r.state is s) for s in GpuState}
-    reason = ", ".join(f"{counts[s]} {s.value}" for s in GpuState if counts[s]) or "no GPUs considered"
+    counts = {s: sum(1 for r in reports if r.state is s) for s in GpuUse}
+    reason = ", ".join(f"{counts[s]} {s.value}" for s in GpuUse if counts[s]) or "no GPUs considered"
     if wanted is not None:
         absent = sorted(wanted - {g.index for g in probe.gpus})
         if absent:
             reason += f"; GPU(s) {', '.join(map(str, absent))} from the inventory are not on this host"
     return HostReport(state=HostState.OK, reason=reason, gpus=tuple(reports),
-                      slots=counts[GpuState.FREE], **common)
+                      slots=counts[GpuUse.FREE], **common)
 
 
 def bare_message(error: HostError) -> str:

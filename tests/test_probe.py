@@ -19,7 +19,7 @@ from eltctl.probe import (
     MARK,
     Gpu,
     GpuProcess,
-    GpuState,
+    GpuUse,
     HostState,
     assess_host,
     classify_gpu,
@@ -121,30 +121,30 @@ def test_owner_unknown_is_parsed_as_none():
 # --------------------------------------------------------------------------- classify_gpu
 
 @pytest.mark.parametrize("case, g, procs, state, words", [
-    ("idle", gpu(3, 0), [], GpuState.FREE, ["no processes", "3 MiB", "0%"]),
-    ("a clean GPU at the memory threshold", gpu(500, 10), [], GpuState.FREE, ["no processes"]),
-    ("process of another user", gpu(2000, 50), [proc(111, user="alice")], GpuState.BUSY,
+    ("idle", gpu(3, 0), [], GpuUse.FREE, ["no processes", "3 MiB", "0%"]),
+    ("a clean GPU at the memory threshold", gpu(500, 10), [], GpuUse.FREE, ["no processes"]),
+    ("process of another user", gpu(2000, 50), [proc(111, user="alice")], GpuUse.BUSY,
      ["pid 111", "alice"]),
     ("foreign process even while idle-looking", gpu(0, 0), [proc(5, user="bob", mem=None)],
-     GpuState.BUSY, ["pid 5", "bob"]),
-    ("owner unreadable", gpu(0, 0), [proc(5, user=None)], GpuState.BUSY, ["unknown user"]),
-    ("ours", gpu(600, 0), [proc(9, ours=True, user="root")], GpuState.OURS, ["this job", "pid 9"]),
-    ("ours busy by numbers is still ours", gpu(39000, 100), [proc(9, ours=True)], GpuState.OURS,
+     GpuUse.BUSY, ["pid 5", "bob"]),
+    ("owner unreadable", gpu(0, 0), [proc(5, user=None)], GpuUse.BUSY, ["unknown user"]),
+    ("ours", gpu(600, 0), [proc(9, ours=True, user="root")], GpuUse.OURS, ["this job", "pid 9"]),
+    ("ours busy by numbers is still ours", gpu(39000, 100), [proc(9, ours=True)], GpuUse.OURS,
      ["this job"]),
     ("ours and foreign together", gpu(3000, 60), [proc(9, ours=True), proc(10, user="carol")],
-     GpuState.BUSY, ["pid 10", "carol", "shares it with this job", "pid 9"]),
-    ("memory over threshold, no process (container)", gpu(501, 0), [], GpuState.BUSY,
+     GpuUse.BUSY, ["pid 10", "carol", "shares it with this job", "pid 9"]),
+    ("memory over threshold, no process (container)", gpu(501, 0), [], GpuUse.BUSY,
      ["501 of 40960 MiB", "no process listed"]),
-    ("utilisation over threshold, no process", gpu(0, 11), [], GpuState.BUSY, ["11%", "threshold 10%"]),
-    ("utilisation N/A: judged by memory", gpu(3, None), [], GpuState.FREE,
+    ("utilisation over threshold, no process", gpu(0, 11), [], GpuUse.BUSY, ["11%", "threshold 10%"]),
+    ("utilisation N/A: judged by memory", gpu(3, None), [], GpuUse.FREE,
      ["utilisation not reported", "judged by memory and processes"]),
-    ("utilisation N/A, memory high", gpu(8000, None), [], GpuState.BUSY, ["8000"]),
-    ("memory N/A: judged by utilisation", gpu(None, 0), [], GpuState.FREE,
+    ("utilisation N/A, memory high", gpu(8000, None), [], GpuUse.BUSY, ["8000"]),
+    ("memory N/A: judged by utilisation", gpu(None, 0), [], GpuUse.FREE,
      ["memory use not reported", "judged by utilisation and processes"]),
-    ("everything N/A", gpu(None, None), [], GpuState.FREE, ["judged by the process list only"]),
-    ("everything N/A with a foreign process", gpu(None, None), [proc(3, user="dave")], GpuState.BUSY,
+    ("everything N/A", gpu(None, None), [], GpuUse.FREE, ["judged by the process list only"]),
+    ("everything N/A with a foreign process", gpu(None, None), [proc(3, user="dave")], GpuUse.BUSY,
      ["dave"]),
-    ("a process on another GPU does not count", gpu(0, 0), [proc(3, uuid=U1)], GpuState.FREE,
+    ("a process on another GPU does not count", gpu(0, 0), [proc(3, uuid=U1)], GpuUse.FREE,
      ["no processes"]),
 ])
 def test_classify_gpu(case, g, procs, state, words):
@@ -156,9 +156,9 @@ def test_classify_gpu(case, g, procs, state, words):
 
 def test_thresholds_come_from_the_policy():
     strict = Policy(memory_threshold_mib=10, utilization_threshold=0)
-    assert classify_gpu(gpu(11, 0), [], strict)[0] is GpuState.BUSY
-    assert classify_gpu(gpu(0, 1), [], strict)[0] is GpuState.BUSY
-    assert classify_gpu(gpu(11, 0), [], POLICY)[0] is GpuState.FREE
+    assert classify_gpu(gpu(11, 0), [], strict)[0] is GpuUse.BUSY
+    assert classify_gpu(gpu(0, 1), [], strict)[0] is GpuUse.BUSY
+    assert classify_gpu(gpu(11, 0), [], POLICY)[0] is GpuUse.FREE
 
 
 # --------------------------------------------------------------------------- assess_host
@@ -247,7 +247,7 @@ def test_probe_script_classifies_a_local_simulated_host(sim_host):
     state.set_gpu(1, memory_used_mib=3000)
     [r] = _probe([host])
     assert r.state is HostState.OK
-    assert [(g.gpu.index, g.state) for g in r.gpus] == [(0, GpuState.FREE), (1, GpuState.BUSY)]
+    assert [(g.gpu.index, g.state) for g in r.gpus] == [(0, GpuUse.FREE), (1, GpuUse.BUSY)]
     assert r.cpu_count and r.load_avg is not None
 
 
@@ -261,14 +261,14 @@ def test_probe_script_finds_our_worker_by_its_job_variable(sim_host, tmp_path):
         deadline = time.monotonic() + 10
         while True:  # /proc/<pid>/environ is there once exec is done
             [r] = _probe([host])
-            if r.gpus[1].state is not GpuState.FREE or time.monotonic() > deadline:
+            if r.gpus[1].state is not GpuUse.FREE or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert r.gpus[1].state is GpuState.OURS, r.gpus[1].reason
+        assert r.gpus[1].state is GpuUse.OURS, r.gpus[1].reason
         assert r.gpus[1].processes[0].pid == worker.pid and r.gpus[1].processes[0].ours
-        assert r.gpus[0].state is GpuState.FREE
+        assert r.gpus[0].state is GpuUse.FREE
         [other] = _probe([host], job="another-job")
-        assert other.gpus[1].state is GpuState.BUSY
+        assert other.gpus[1].state is GpuUse.BUSY
     finally:
         worker.kill()
         worker.wait()

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 
 from eltctl.controller import policy as pol
 from eltctl.inventory import Host, Policy
-from eltctl.probe import GpuState, HostReport, HostState
+from eltctl.probe import GpuUse, HostReport, HostState
 from eltctl_runtime.protocol import EventKind, Keys, state_key
 
 EVENTS_KEPT = 50
@@ -129,7 +129,7 @@ _REACH = {HostState.OK: pol.Reach.OK, HostState.CPU_ONLY: pol.Reach.CPU_ONLY,
 
 
 def cpu_slots(host: Host) -> tuple[pol.SlotView, ...]:
-    return tuple(pol.SlotView(i, pol.GpuUse.FREE, "CPU slot") for i in range(host.slots))
+    return tuple(pol.SlotView(i, GpuUse.FREE, "CPU slot") for i in range(host.slots))
 
 
 def probed(host: Host, report: HostReport | None) -> tuple[pol.Reach, str, tuple[pol.SlotView, ...]]:
@@ -137,7 +137,7 @@ def probed(host: Host, report: HostReport | None) -> tuple[pol.Reach, str, tuple
     if report is None:
         return pol.Reach.UNKNOWN, "", ()
     if report.state is HostState.OK:
-        slots = tuple(pol.SlotView(g.gpu.index, pol.GpuUse(g.state.value), g.reason) for g in report.gpus)
+        slots = tuple(pol.SlotView(g.gpu.index, g.state, g.reason) for g in report.gpus)
     elif report.state is HostState.CPU_ONLY:
         slots = cpu_slots(host)
     else:
@@ -175,7 +175,7 @@ def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, al
             for s in slots:
                 g = daemon_gpus.get(s.index)
                 if g is not None and str(g.get("state")) == "busy":
-                    merged.append(pol.SlotView(s.index, pol.GpuUse.BUSY, str(g.get("reason", ""))))
+                    merged.append(pol.SlotView(s.index, GpuUse.BUSY, str(g.get("reason", ""))))
                 else:
                     merged.append(s)
             slots = tuple(merged)
@@ -197,8 +197,8 @@ def add_refusal(report: HostReport, force: bool) -> str | None:
     """Why `scale --add` refuses a probed host, or None when it may join."""
     if report.state is HostState.UNREACHABLE:
         return f"unreachable: {report.reason}"
-    usable = (report.state is HostState.CPU_ONLY or bool(report.gpus_in(GpuState.FREE))
-              or bool(report.gpus_in(GpuState.OURS)))
+    usable = (report.state is HostState.CPU_ONLY or bool(report.gpus_in(GpuUse.FREE))
+              or bool(report.gpus_in(GpuUse.OURS)))
     if not usable and not force:
         why = "; ".join(f"GPU {g.gpu.index}: {g.reason}" for g in report.gpus) or report.reason
         return f"refused: no free GPU ({why}); --force adds it anyway"

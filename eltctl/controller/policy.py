@@ -38,18 +38,10 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
 from eltctl.inventory import Inventory
+from eltctl.probe import GpuUse  # one vocabulary: what the probe classified a GPU as
 
 BENCH_BASE_S = 30.0
 BENCH_MAX_S = 24 * 3600.0
-
-
-class GpuUse(str, enum.Enum):
-    FREE = "free"
-    BUSY = "busy"  # someone else's process, or memory/utilisation above the thresholds
-    OURS = "ours"  # this job's worker runs there
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Reach(str, enum.Enum):

@@ -21,9 +21,9 @@ from eltctl.controller.observe import (
     seen_state,
     slot_of,
 )
-from eltctl.controller.policy import GpuUse, HostRecord, Reach, SlotView
+from eltctl.controller.policy import HostRecord, Reach, SlotView
 from eltctl.inventory import parse_inventory
-from eltctl.probe import Gpu, GpuReport, GpuState, HostReport, HostState
+from eltctl.probe import Gpu, GpuReport, GpuUse, HostReport, HostState
 
 NOW = 10_000.0
 INV = parse_inventory(
@@ -41,7 +41,7 @@ def seen(changed_ago: float = 0.0, **state) -> DaemonSeen:
 
 
 def gpu(index: int, state: str, reason: str = "") -> GpuReport:
-    return GpuReport(Gpu(index, f"GPU-{index}", "T4", 0, 15000, 0), GpuState(state), reason)
+    return GpuReport(Gpu(index, f"GPU-{index}", "T4", 0, 15000, 0), GpuUse(state), reason)
 
 
 def report(name: str, state: HostState, *gpus: GpuReport, reason: str = "") -> HostReport:
