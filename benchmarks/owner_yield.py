@@ -3,7 +3,7 @@
 Runs the real system on this machine: `eltctl up` (controller, store keeper, host
 daemons, workers running examples/train.py on CPU) on local hosts (`address =
 "local"`, no SSH) with simulated GPUs, the same setup as `eltctl demo`
-(eltctl/demo.py). Then, --reps times:
+(eltctl/demo/). Then, --reps times:
 
   1. wait until the job trains at full size with a worker on the owner's GPU;
   2. start a process of "the owner" and register it on that GPU (the stand-in

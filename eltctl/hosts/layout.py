@@ -11,7 +11,7 @@
         code/                             the job's code, synced (unless shared_filesystem)
         checkpoints/step-NNNNNNNN/        checkpoints committed by rank 0 on this host
 
-The file names under `job_dir` are the ones runtime/daemon.py writes; the runtime is
+The file names under `job_dir` are the ones runtime/daemon/ writes; the runtime is
 given `job_dir` itself in daemon.json. Several inventory hosts may share a machine
 (and a HOME): the `<host>` level keeps them apart.
 """

@@ -186,7 +186,7 @@ async def sync_code(t: Transport, workdir: Path, code_dir: str) -> SyncResult:
 
 def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str,
                   gpus: tuple[int, ...] | None) -> dict:
-    """daemon.json (runtime/daemon.py documents each key).
+    """daemon.json (runtime/daemon/config.py documents each key).
 
     `gpus`: the GPU indices the job may use on this host (the inventory's list, else
     what the probe found); None on a host without GPUs (then `slots` CPU workers).
