@@ -1,7 +1,17 @@
-"""Shared fixtures: the multi-host test bed (tests/testbed).
+"""Shared fixtures and the markers' rules.
 
-Helpers add their own fixtures in conftest files of their subdirectories; this
-file only registers the test bed.
+The tests mirror the source tree: the tests of `eltctl/hosts/ssh.py` are in
+tests/hosts/test_ssh.py, those of `eltctl_runtime.daemon` (runtime/daemon/) in
+tests/runtime/daemon/. A module's tests on real sshd hosts, when it also has
+in-process ones, sit beside them as `test_<module>_sshd.py`. What a test needs is a
+marker, not a folder:
+
+- `sshd`: starts real sshd hosts (the `testbed` or `job_env` fixture, or tests.testbed
+  directly). A test using `testbed` or `job_env` without it is a collection error.
+- `slow`: a multi-process scenario that takes more than a few seconds.
+
+`-m "not sshd"` and `-m "not slow"` leave them out. Fixtures: `testbed` (here) and
+`job_env` (tests/testbed/jobenv.py, registered below as a plugin).
 """
 
 from __future__ import annotations
@@ -19,6 +29,11 @@ if _ROOT not in sys.path:
 
 from tests.testbed import Testbed, make_testbed, sshd_missing_reason  # noqa: F401  (re-exported)
 
+pytest_plugins = ["tests.testbed.jobenv"]
+
+# The fixtures that start real sshd hosts: a test that uses one must be marked `sshd`.
+SSHD_FIXTURES = ("testbed", "job_env")
+
 
 @pytest.fixture
 def testbed():
@@ -32,3 +47,32 @@ def testbed():
         yield bed
     finally:
         bed.close()
+
+
+def _direct_params(item) -> set[str]:
+    """Argument names a test gets from `@pytest.mark.parametrize` itself (not fixtures)."""
+    names: set[str] = set()
+    for mark in item.iter_markers("parametrize"):
+        if mark.kwargs.get("indirect") is True:
+            continue
+        argnames = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        if isinstance(argnames, str):
+            argnames = [n.strip() for n in argnames.split(",")]
+        indirect = mark.kwargs.get("indirect") or ()
+        names.update(n for n in argnames if n not in indirect)
+    return names
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep the `sshd` marker true: every test that uses an sshd fixture carries it
+    (checked before `-m`/`-k` deselect anything)."""
+    unmarked = []
+    for item in items:
+        uses = set(getattr(item, "fixturenames", ())) - _direct_params(item)
+        needs = sorted(uses.intersection(SSHD_FIXTURES))
+        if needs and item.get_closest_marker("sshd") is None:
+            unmarked.append(f"{item.nodeid} (uses {', '.join(needs)})")
+    if unmarked:
+        raise pytest.UsageError("tests that start sshd hosts must be marked `sshd` "
+                                "(e.g. `pytestmark = pytest.mark.sshd`):\n  " + "\n  ".join(unmarked))

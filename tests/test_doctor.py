@@ -1,6 +1,6 @@
 """The doctor's judgements (tables of cases) and a local host diagnosed for real.
 
-Hosts behind real sshd (unknown/changed keys, --accept-new) are in tests/e2e/.
+Hosts behind real sshd (unknown/changed keys, --accept-new) are in tests/test_doctor_sshd.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The probe's pure parts (tables of cases) and the script itself on this machine.
 
 The script runs here through the local transport with the simulated nvidia-smi on
-PATH, so these tests need no sshd; tests/e2e/test_probe_sshd.py runs it over SSH.
+PATH, so these tests need no sshd; tests/test_probe_sshd.py runs it over SSH.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Observing: store data and probe results turned into the views the policy decides on.
 
 Every function here except `Observer.read_store` is a pure function of what was
-observed and a clock, so tables of cases test them (tests/control/test_observe.py):
+observed and a clock, so tables of cases test them (tests/controller/test_observe.py):
 whether a daemon is alive, whether rank 0's status is fresh, which slots crashed, how
 a host looks (`policy.HostView`) from its probe report and its daemon's state, and
 which checkpoint the mirror should copy. `Observer` holds what was seen so far (the

@@ -5,7 +5,7 @@ state), remembers things about it across observations (`HostRecord`: when each G
 was first seen free, cooldowns, benching, removal), and asks `decide` what to do.
 `track` folds a new observation into the records; `decide` turns views and records
 into actions; `host_state` says how a host looks to a person. None of them does I/O,
-so tables of cases test them (tests/control/test_policy.py).
+so tables of cases test them (tests/controller/test_policy.py).
 
 The rules (the README's "Policy"):
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from eltctl.controller.policy import HostView, Reach, survivor_holds_state
-from tests.control.conftest import POLICY, job_pids, wait_for, worker_pids
+from tests.testbed.jobenv import POLICY, job_pids, wait_for, worker_pids
 from tests.runtime.runtime_cluster import assert_exactly_once, committed_lineage
 
 SAMPLES, BATCH = 960, 24

@@ -7,7 +7,7 @@ status shows the GPU busy, and the GPU stays unused while the owner holds it. Th
 owner's process ends: after idle_for and the cooldown, h2 rejoins with a new worker
 on GPU 1 and the job is back at six. `eltctl status` and `eltctl logs h2` show it.
 
-The `job_env` fixture (tests/control/conftest.py) gives the hosts, a private
+The `job_env` fixture (tests/testbed/jobenv.py) gives the hosts, a private
 XDG_STATE_HOME and a finalizer that takes the job down and kills leftovers by pid.
 """
 
@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.control.conftest import wait_for, worker_pids
+from tests.testbed.jobenv import wait_for, worker_pids
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(600)]
 

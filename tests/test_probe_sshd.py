@@ -137,7 +137,7 @@ def test_probe_json_cli_classifies_every_kind_of_host(bed):
     _, inventory = bed
     started = time.monotonic()
     out = subprocess.run([*ELTCTL, "-i", str(inventory), "probe", "--json"], capture_output=True,
-                         text=True, timeout=300, cwd=Path(__file__).parents[2])
+                         text=True, timeout=300, cwd=Path(__file__).parents[1])
     took = time.monotonic() - started
     assert out.returncode == 0, out.stderr
     check_document(json.loads(out.stdout))
@@ -155,7 +155,7 @@ def test_probe_library_gives_the_same_answers(bed):
 def test_probe_table_names_states_and_fixes(bed):
     _, inventory = bed
     out = subprocess.run([*ELTCTL, "-i", str(inventory), "probe"], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "COLUMNS": "200"}, cwd=Path(__file__).parents[2])
+                         timeout=300, env={**os.environ, "COLUMNS": "200"}, cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr
     for word in ("h-free", "free", "busy", "ours", "cpu-only", "unhealthy", "unreachable",
                  "eltsim", "--accept-new", "did not answer"):

@@ -217,6 +217,7 @@ def _has_up() -> bool:
     return importlib.util.find_spec("eltctl.commands.up") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not _has_up(), reason="`eltctl up` (the controller) is not in this tree yet")
 def test_demo_runs_the_whole_story_and_leaves_nothing():
@@ -249,6 +250,7 @@ def test_demo_runs_the_whole_story_and_leaves_nothing():
     assert left == [], f"processes of the demo were still running after it ended: {left}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not _has_up(), reason="`eltctl up` (the controller) is not in this tree yet")
 def test_ctrl_c_stops_everything_the_demo_started():

@@ -23,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.sshd
 
 ELTCTL = [sys.executable, "-m", "eltctl"]
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[1]
 
 
 def doctor(inventory: Path, *args: str) -> subprocess.CompletedProcess:

@@ -29,7 +29,7 @@ from eltctl.sim.gpustate import ForeignProcess, GpuState, install_nvidia_smi
 from eltctl_runtime.protocol import desired_key, state_key
 from tests.testbed.hostpython import HOST_PYTHON, host_env
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TRAIN = ROOT / "examples" / "train.py"
 # Small model and data, and a short sleep per step so that a run never ends by itself.
 TRAIN_ARGS = ["--hidden", "32", "--layers", "2", "--samples", "480", "--batch", "24", "--lr", "3e-3",

@@ -1,5 +1,6 @@
-"""Host operations on a real host through the local transport, the state directory, and the
-commands' side of the controller (no SSH needed)."""
+"""Host operations on a real host through the local transport (no SSH needed).
+The state directory's tests are in tests/controller/test_statedir.py, `down` and `scale`
+without a controller in tests/commands/."""
 
 from __future__ import annotations
 
@@ -8,14 +9,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import uuid
 from pathlib import Path
 
 import pytest
 
-from eltctl.controller.statedir import ControllerLock, StateDir, state_root
-from eltctl_runtime.files import read_json, write_json_atomic
 from eltctl.hosts import ops as hostops
 from eltctl.hosts.layout import HostPaths
 from eltctl.hosts.local import LocalTransport
@@ -184,59 +182,3 @@ def test_host_programs_run_from_their_source_with_python_c(tmp_path):
     assert r.returncode == 0 and list(json.loads(r.stdout)) == ["a.py"]
     with pytest.raises(ValueError):
         programs.source("nonexistent")
-
-
-# ------------------------------------------------------------------- the state directory
-
-def test_state_dir_follows_xdg_state_home():
-    assert state_root({"XDG_STATE_HOME": "/x/state", "HOME": "/h"}) == Path("/x/state/eltctl")
-    assert state_root({"HOME": "/h"}) == Path("/h/.local/state/eltctl")
-    assert state_root({"XDG_STATE_HOME": "relative", "HOME": "/h"}) == Path("/h/.local/state/eltctl")
-    assert StateDir.for_job("j", {"HOME": "/h"}).socket == Path("/h/.local/state/eltctl/j/control.sock")
-
-
-def test_atomic_json_and_the_controller_lock(tmp_path):
-    write_json_atomic(tmp_path / "a.json", {"x": 1})
-    assert read_json(tmp_path / "a.json") == {"x": 1}
-    assert read_json(tmp_path / "missing.json") is None
-    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]  # no temporary file left
-    lock = ControllerLock(tmp_path / "controller.lock")
-    assert lock.acquire()
-    other = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        from pathlib import Path
-        from eltctl.controller.statedir import ControllerLock
-        print(ControllerLock(Path({str(tmp_path / 'controller.lock')!r})).acquire())""")],
-        capture_output=True, text=True, timeout=60)
-    assert other.stdout.strip() == "False"  # a second controller of the job does not run
-    lock.release()
-    assert ControllerLock(tmp_path / "controller.lock").acquire()
-
-
-# ------------------------------------------------------------------- the commands
-
-def test_down_of_a_job_that_never_ran_checks_the_hosts_and_imports_no_torch(tmp_path):
-    job = f"j{uuid.uuid4().hex[:8]}"
-    (tmp_path / "hosts.toml").write_text(
-        f'[job]\nname = "{job}"\ncommand = "python t.py"\n[[hosts]]\nname = "here"\naddress = "local"\n'
-        f'python = "{sys.executable}"\n')
-    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "eltctl", "-i", str(tmp_path / "hosts.toml"),
-                        "down"], env=env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert f"no process of job {job} left on here" in r.stdout
-    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
-                for line in r.stderr.splitlines() if line.startswith("import time:")}
-    assert "rich" in imported and "torch" not in imported and "numpy" not in imported
-
-
-def test_scale_without_a_controller_says_how_to_start_one(tmp_path):
-    (tmp_path / "hosts.toml").write_text(
-        '[job]\nname = "nojob"\ncommand = "python t.py"\n[[hosts]]\nname = "here"\naddress = "local"\n')
-    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "eltctl", "-i", str(tmp_path / "hosts.toml"),
-                        "scale", "--add", "here"], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1
-    assert "no controller runs job nojob" in r.stderr and "eltctl up" in r.stderr
-    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
-                for line in r.stderr.splitlines() if line.startswith("import time:")}
-    assert not imported & {"torch", "asyncssh", "numpy"}

@@ -1,7 +1,7 @@
 """The transport seam: the local transport, the Fleet's fan-out rules, and SSH errors
 that need no sshd (nothing listening, a listener that never speaks SSH).
 
-Real sshd hosts are in tests/e2e/.
+Real sshd hosts are in tests/hosts/test_ssh.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.control.conftest import ELTCTL, job_pids, proc_env, wait_for, worker_pids
+from tests.testbed.jobenv import ELTCTL, job_pids, proc_env, wait_for, worker_pids
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(900)]
 

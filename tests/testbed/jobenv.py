@@ -1,4 +1,5 @@
-"""Fixtures for the control plane's end-to-end tests: a job on real sshd hosts.
+"""The `job_env` fixture (a pytest plugin, registered in tests/conftest.py): a job on
+real sshd hosts, for the end-to-end tests that drive the controller through the CLI.
 
 `job_env` gives a test bed of three simulated GPU hosts (2 GPUs each), a job
 directory holding the example training (tiny model, CPU workers on simulated GPUs),
