@@ -22,12 +22,12 @@ from eltctl.inventory import (
     SSH_KEYS,
     STORAGE_KEYS,
     DeviceKind,
-    KeyLines,
     load_inventory,
     parse_inventory,
 )
+from eltctl.inventory.tables import KeyLines
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 JOB = '[job]\nname = "t"\ncommand = ["python", "train.py"]\n'
 HOST = '[[hosts]]\nname = "h1"\naddress = "10.0.0.1"\n'

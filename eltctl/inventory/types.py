@@ -1,0 +1,95 @@
+"""The inventory's values: frozen dataclasses made once by `parse.py`, passed down everywhere."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOCAL = "local"  # `address = "local"`: run on this machine, no SSH
+
+
+class DeviceKind(str, enum.Enum):
+    AUTO = "auto"  # CUDA where the host has free GPUs, CPU workers (slots) elsewhere
+    CUDA = "cuda"
+    CPU = "cpu"  # one CPU worker per free GPU slot (how GPU hosts are simulated in tests)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    command: tuple[str, ...]  # argv run by each worker (a string is split with shlex)
+    workdir: Path  # the job's code directory on the control machine
+    min_workers: int = 1
+    max_workers: int | None = None  # None: as many as are free
+    device: DeviceKind = DeviceKind.AUTO
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for every worker
+    shared_filesystem: bool = False  # workdir is the same path on every host: no code sync
+
+
+@dataclass(frozen=True)
+class SSHSettings:
+    user: str | None = None  # default user for hosts (None: ~/.ssh/config or local user)
+    port: int = 22
+    identity_file: Path | None = None
+    known_hosts: Path | None = None  # None: ~/.ssh/known_hosts (asyncssh's default)
+    connect_timeout: float = 10.0  # seconds
+    command_timeout: float = 30.0  # seconds, per remote command unless a caller says otherwise
+    max_parallel: int = 64  # connections opened at once
+
+
+@dataclass(frozen=True)
+class Policy:
+    idle_for: float = 600.0  # seconds a GPU must look free before it is used
+    memory_threshold_mib: int = 500  # a GPU using more memory than this (not ours) is busy
+    utilization_threshold: int = 10  # percent; a GPU busier than this (not ours) is busy
+    cooldown: float = 300.0  # seconds before a host that was left is used again
+    probe_interval: float = 30.0  # seconds between probes of a host by the controller
+    nvidia_smi_timeout: float = 10.0  # seconds; a slower nvidia-smi makes the host unhealthy
+    watch_interval: float = 1.0  # seconds between a host daemon's looks at its GPUs
+    bench_after: int = 3  # failures of a host's daemon or workers in a row before it is benched
+    hang_timeout: float = 10.0  # seconds of silence after which a worker counts as hung
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    address: str | None = None  # the address workers reach the store at (None: worked out)
+
+
+@dataclass(frozen=True)
+class Storage:
+    mirror: str | None = None  # a shared directory or ssh://[user@]host[:port]/path
+    keep: int = 3  # mirrored checkpoints kept
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str  # hostname, IP, or "local"
+    port: int = 22
+    user: str | None = None
+    python: str = "python3"  # interpreter with torch on that host
+    gpus: tuple[int, ...] | None = None  # None: all GPUs the host has
+    slots: int = 1  # CPU workers on a host without GPUs
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for commands on this host
+
+    @property
+    def is_local(self) -> bool:
+        return self.address == LOCAL
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path  # the file it was read from
+    job: JobSpec
+    ssh: SSHSettings
+    policy: Policy
+    storage: Storage
+    hosts: tuple[Host, ...] = field(default_factory=tuple)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
