@@ -141,8 +141,12 @@ class EventKind(str, Enum):
       delivered a checkpoint before the job starts, or failed to).
 
     Daemon and controller entries share one shape (`event_document`):
-    `{time, kind, host, workers, pause_s: null, detail, ...extra}`. DONE is a
-    plan kind only (never logged today)."""
+    `{time, kind, host, workers, pause_s: null, detail, ...extra}`. A daemon's
+    CRASH adds `cause` (the line of the worker's output that says why: a
+    traceback's exception line, else its last line; "" if none), `at_start`
+    (it exited before any generation plan listed it: it failed at start, before
+    its first step), `exit_code` (null: unknown or never started) and `ran_s`
+    (seconds it ran, when at_start). DONE is a plan kind only (never logged today)."""
 
     START = "start"
     JOIN = "join"

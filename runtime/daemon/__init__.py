@@ -39,7 +39,11 @@ The daemon
     {"time", "heartbeat": wall clock of the write, "pid", "started", "host", "job",
      "phase": "running" | "stopping" | "stopped" | "failed",
      "seq_applied": int | null, "wanted": [slots of that seq],
-     "workers": [{"slot", "worker_id", "pid", "state", "since", "adopted", "detail"[, "exit_code"]}],
+     "workers": [{"slot", "worker_id", "pid", "state", "since", "adopted", "detail"
+                  [, "exit_code", "cause", "at_start"]}],
+         # an ended worker: cause is the line of its log that says why (the last
+         # traceback's exception line, else its last line; "" if none), at_start
+         # whether it failed before any generation plan listed it (its first step)
          # live states: running, stopping, leaving, killed, evicted; the last ended
          # worker of an empty slot: left, finished, crashed, lost (logic.WorkerState)
      "gpus": [{"index", "state": "ours" | "busy" | "free" | "unknown", "reason", "since"}],
@@ -49,7 +53,8 @@ The daemon
      "store": {"connected", "reconnects", "last_error"}}
 
 Events it appends to the runtime's `events/<n>`: `{time, kind, host, workers,
-pause_s: null, detail}` with kind `yield` or `crash` (`protocol.event_document`).
+pause_s: null, detail}` with kind `yield` or `crash` (`protocol.event_document`);
+a crash adds `cause`, `at_start`, `exit_code` and `ran_s` (seconds it ran, when at_start).
 
 Files under `job_dir` (`~/.eltctl/jobs/<job>/<host>/`): `daemon.json` (this
 configuration), `daemon.pid` (flocked for life: one daemon per job and host),

@@ -10,7 +10,7 @@ daemon's loop, which goes on watching GPUs and reaping workers. The thread:
 * reads `daemon/<host>/desired` about every `poll_s` and hands the newest
   value to the loop (`desired()`), and follows the runtime's generation plans
   and its `done` key to learn which of this host's workers are out of the job
-  (`departed()`, `job_done`);
+  (`departed()`, `job_done`) and which reached it (`joined()`: listed as members);
 * writes the newest state document the loop published (`publish_state`; the
   loop publishes about once a second), stamping its `time` and `store`
   (`{connected, reconnects, last_error}`);
@@ -68,6 +68,7 @@ class StoreLink:
         self._reconnects = 0
         self._generation = -1  # the newest generation plan read from this store
         self._departed: frozenset[str] = frozenset()  # this host's workers that a plan lists as left or lost
+        self._joined: frozenset[str] = frozenset()  # this host's workers that a plan lists as members
         self._job_done = False  # the runtime wrote `done` (the job finished or stopped)
         self._thread: threading.Thread | None = None
 
@@ -100,6 +101,11 @@ class StoreLink:
         """Worker ids of this host that a generation plan lists as left or lost:
         they are out of the job, whatever their process still does."""
         return self._departed
+
+    def joined(self) -> frozenset[str]:
+        """Worker ids of this host that a generation plan lists as members: they
+        reached the job (a worker that exits before is one that failed at start)."""
+        return self._joined
 
     @property
     def job_done(self) -> bool:
@@ -217,6 +223,9 @@ class StoreLink:
             gone = {w for w in plan.left + plan.lost if w.startswith(mine)}
             if gone:
                 self._departed = self._departed | gone
+            members = {w for w in plan.members if w.startswith(mine)}
+            if not members <= self._joined:
+                self._joined = self._joined | members
 
     def _flush(self, js) -> None:
         while True:

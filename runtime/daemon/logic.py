@@ -339,6 +339,33 @@ class ExitOutcome:
     report_dead: bool  # dead/<worker_id> for the runtime (survivors abort at once)
     crash_event: bool  # an event of kind crash
     detail: str
+    # A crash before its first step: it exited unasked with a non-zero status (or a
+    # signal) before any generation plan the daemon read listed it as a member.
+    at_start: bool = False
+
+
+CAUSE_MAX = 300  # characters of a cause line kept in events and the state document
+TAIL_BYTES = 64 * 1024  # how much of the end of a worker's log is read for its cause
+
+
+def cause_line(output: str) -> str:
+    """The line of a failed worker's output that says why: the exception line of
+    the last Python traceback (`ModuleNotFoundError: No module named 'foo'`), else
+    the last non-empty line (`python: can't open file '/x/trian.py': [Errno 2] No
+    such file or directory`); "" for no output. Cut to CAUSE_MAX characters."""
+    lines = [ln.rstrip() for ln in output.replace("\r", "\n").splitlines()]
+    lines = [ln for ln in lines if ln.strip()]
+    if not lines:
+        return ""
+    found = ""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
+    if starts:
+        for ln in lines[starts[-1] + 1:]:
+            if not ln[0].isspace():
+                found = ln  # the first unindented line after the frames: the exception
+                break
+    line = (found or lines[-1]).strip()
+    return line if len(line) <= CAUSE_MAX else line[:CAUSE_MAX - 1] + "…"
 
 
 def describe_status(returncode: int | None) -> str:
@@ -353,7 +380,7 @@ def describe_status(returncode: int | None) -> str:
 
 
 def exit_outcome(returncode: int | None, state: WorkerState, *, left_job: bool = False,
-                 job_done: bool = False) -> ExitOutcome:
+                 job_done: bool = False, joined: bool = True) -> ExitOutcome:
     """What the exit of a worker in `state` means. returncode None: unknown
     (an adopted worker is not our child). A death is reported whenever it might
     matter: a worker killed by SIGTERM before the runtime installed its handler
@@ -362,7 +389,9 @@ def exit_outcome(returncode: int | None, state: WorkerState, *, left_job: bool =
     For an adopted worker the store tells the rest: `left_job` (a generation
     plan lists it as left or lost) or `job_done` (the runtime's `done` key):
     then its exit is an end, not a loss (a finished worker exits in ~0.3 s,
-    often before the daemon has seen a stop request)."""
+    often before the daemon has seen a stop request). `joined`: a generation plan
+    listed it as a member (it reached the job); an unasked crash of one that never
+    did failed at start (`at_start`)."""
     status = describe_status(returncode)
     if returncode is None and state in (WorkerState.RUNNING, WorkerState.STOPPING) and (left_job or job_done):
         return ExitOutcome(WorkerState.LEFT if left_job else WorkerState.FINISHED, False, False,
@@ -383,4 +412,7 @@ def exit_outcome(returncode: int | None, state: WorkerState, *, left_job: bool =
         return ExitOutcome(WorkerState.FINISHED, False, False, status)
     if returncode is None:
         return ExitOutcome(WorkerState.LOST, True, True, status)
+    if not joined:
+        return ExitOutcome(WorkerState.CRASHED, True, True, f"failed at start ({status} before its first step)",
+                           at_start=True)
     return ExitOutcome(WorkerState.CRASHED, True, True, status)

@@ -27,7 +27,7 @@ from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_p
 from .link import StoreLink
 from .logic import (
     Decision, Exit, Foreign, Kill, Leave, MarkStopping, Memory, Note, RecordYield, Start, View,
-    WorkerState, WorkerView, decide, exit_outcome, first_incarnation, incarnation_of,
+    TAIL_BYTES, WorkerState, WorkerView, cause_line, decide, exit_outcome, first_incarnation, incarnation_of,
 )
 
 log = logging.getLogger("eltctl_runtime.daemon")
@@ -51,6 +51,7 @@ class _Worker:
     since_wall: float
     detail: str = ""
     gone_since: float | None = None  # monotonic: when an adopted worker was first seen gone
+    log_offset: int = 0  # the size of its log when it started: its own output begins there
 
     def view(self) -> WorkerView:
         return WorkerView(self.slot, self.worker_id, self.pid, self.state, self.since)
@@ -242,23 +243,41 @@ class Daemon:
 
     def _ended_worker(self, w: _Worker, rc: int | None) -> None:
         out = exit_outcome(rc, w.state, left_job=w.worker_id in self._link.departed(),
-                           job_done=self._link.job_done)
+                           job_done=self._link.job_done,
+                           joined=w.proc is None or w.worker_id in self._link.joined())
+        cause = self._cause(w) if out.crash_event else ""
+        ran_s = round(time.monotonic() - w.since, 1) if out.at_start else None
         del self._workers[w.slot]
         files.remove(self._workers_dir / f"{w.slot}.pid")
         cfg = self.cfg
         if out.report_dead:
             wid = w.worker_id
             self._link.send(f"the death report of {wid}", lambda js: put_dead(js, wid))
+        detail = f"{out.detail}: {cause}" if cause else out.detail
         if out.crash_event:
             self._crashes += 1
-            self._event(EventKind.CRASH, [w.worker_id], f"worker {w.worker_id} (pid {w.pid}) {out.detail}")
+            self._event(EventKind.CRASH, [w.worker_id], f"worker {w.worker_id} (pid {w.pid}) {detail}",
+                        cause=cause, at_start=out.at_start, exit_code=rc, ran_s=ran_s)
         level = logging.WARNING if out.state in (WorkerState.CRASHED, WorkerState.KILLED, WorkerState.LOST) \
             else logging.INFO
         log.log(level, "host %s: worker %s (pid %d, slot %d) %s: %s%s", cfg.host, w.worker_id, w.pid, w.slot,
-                out.state.value, out.detail, "; reported dead" if out.report_dead else "")
+                out.state.value, detail, "; reported dead" if out.report_dead else "")
         self._ended[w.slot] = {"slot": w.slot, "worker_id": w.worker_id, "pid": w.pid, "state": out.state.value,
-                               "since": round(time.time(), 3), "adopted": w.proc is None, "detail": out.detail,
-                               "exit_code": rc}
+                               "since": round(time.time(), 3), "adopted": w.proc is None, "detail": detail,
+                               "exit_code": rc, "cause": cause, "at_start": out.at_start}
+
+    def _cause(self, w: _Worker) -> str:
+        """The line of its log (from where its own output began) that says why it ended."""
+        path = self._workers_dir / f"{w.slot}.log"
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                start = w.log_offset if w.proc is not None and w.log_offset <= size else 0
+                f.seek(max(start, size - TAIL_BYTES))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return cause_line(text)
 
     def _observe_gpus(self, now: float) -> None:
         if self._poller is None:
@@ -368,18 +387,25 @@ class Daemon:
         log_path = self._workers_dir / f"{slot}.log"
         env = worker_env(cfg, self._base_env, slot, wid)
         try:
+            offset = log_path.stat().st_size
+        except OSError:
+            offset = 0
+        try:
             proc = procs.start_worker(cfg.argv, env, cfg.code_dir, log_path)
         except OSError as e:
             detail = f"could not be started: {e.strerror or e} ({cfg.argv[0]}, in {cfg.code_dir})"
             log.error("host %s: worker %s %s", cfg.host, wid, detail)
             self._crashes += 1
-            self._event(EventKind.CRASH, [wid], f"worker {wid} {detail}")
+            cause = f"{cfg.argv[0]}: {e.strerror or e}"
+            self._event(EventKind.CRASH, [wid], f"worker {wid} {detail}", cause=cause, at_start=True,
+                        exit_code=None, ran_s=0.0)
             self._ended[slot] = {"slot": slot, "worker_id": wid, "pid": None, "state": WorkerState.CRASHED.value,
                                  "since": round(time.time(), 3), "adopted": False, "detail": detail,
-                                 "exit_code": None}
+                                 "exit_code": None, "cause": cause, "at_start": True}
             return
         files.write_atomic(self._workers_dir / f"{slot}.pid", f"{proc.pid}\n")
-        self._workers[slot] = _Worker(slot, wid, proc.pid, proc, WorkerState.RUNNING, now, time.time())
+        self._workers[slot] = _Worker(slot, wid, proc.pid, proc, WorkerState.RUNNING, now, time.time(),
+                                      log_offset=offset)
         self._ended.pop(slot, None)
         log.info("host %s: started worker %s (pid %d) on %s %d; log %s", cfg.host, wid, proc.pid,
                  "GPU" if cfg.gpu_host else "CPU slot", slot, log_path)
@@ -396,8 +422,8 @@ class Daemon:
         w.state, w.since, w.since_wall = WorkerState.LEAVING, now, time.time()
         log.info("host %s: worker %s (pid %d) leaves in the planned way: %s", self.cfg.host, wid, w.pid, a.reason)
 
-    def _event(self, kind: EventKind, workers: list[str], detail: str) -> None:
-        ev = event_document(kind, host=self.cfg.host, workers=workers, detail=detail)
+    def _event(self, kind: EventKind, workers: list[str], detail: str, **extra: Any) -> None:
+        ev = event_document(kind, host=self.cfg.host, workers=workers, detail=detail, **extra)
         self._link.send(f"a {kind.value} event", lambda js: add_event(js, ev))
 
     # -- report ------------------------------------------------------------------

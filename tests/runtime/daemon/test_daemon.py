@@ -694,3 +694,80 @@ def test_restarted_daemon_never_repeats_a_worker_id(tmp_path):
         assert all(second["worker_id"] not in e.get("left", ()) for e in host.events("leave"))
     finally:
         host.close()
+
+
+# ---- failed at start: the cause line --------------------------------------------
+
+from eltctl_runtime.daemon.logic import CAUSE_MAX, cause_line  # noqa: E402
+
+TRACEBACK = """\
+some output of the job
+Traceback (most recent call last):
+  File "/x/code/train.py", line 3, in <module>
+    import foo
+    ^^^^^^^^^^
+ModuleNotFoundError: No module named 'foo'
+"""
+CHAINED = """\
+Traceback (most recent call last):
+  File "t.py", line 2, in <module>
+KeyError: 'a'
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "t.py", line 4, in <module>
+RuntimeError: boom
+  second line of the message
+"""
+
+
+@pytest.mark.parametrize("output, expected", [
+    ("python: can't open file '/h/code/trian.py': [Errno 2] No such file or directory\n",
+     "python: can't open file '/h/code/trian.py': [Errno 2] No such file or directory"),
+    (TRACEBACK, "ModuleNotFoundError: No module named 'foo'"),
+    (CHAINED, "RuntimeError: boom"),
+    ("line one\n\n  last words  \n\n", "last words"),
+    ("/usr/bin/python3: No module named nosuch\n", "/usr/bin/python3: No module named nosuch"),
+    ("", ""),
+    ("\n \n", ""),
+    ("x" * 1000, "x" * (CAUSE_MAX - 1) + "…"),
+])
+def test_cause_line(output, expected):
+    assert cause_line(output) == expected
+
+
+@pytest.mark.parametrize("rc, state, joined, at_start", [
+    (1, WorkerState.RUNNING, False, True),  # never in a plan: failed at start
+    (-9, WorkerState.RUNNING, False, True),
+    (1, WorkerState.RUNNING, True, False),  # a member of a generation: a crash mid-training
+    (0, WorkerState.RUNNING, False, False),  # exit 0: finished, not a failure
+    (3, WorkerState.LEAVING, False, False),  # asked to go: not a start failure
+    (-9, WorkerState.KILLED, False, False),
+])
+def test_exit_outcome_tells_a_failure_at_start(rc, state, joined, at_start):
+    out = exit_outcome(rc, state, joined=joined)
+    assert out.at_start is at_start
+    if at_start:
+        assert out.state is WorkerState.CRASHED and "failed at start" in out.detail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, cause", [
+    (["python", "trian.py"], "can't open file"),
+    (["python", "-c", "import no_such_module_xyz"], "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+])
+def test_a_worker_that_fails_at_start_reports_its_cause(tmp_path, command, cause):
+    host = SimHost(tmp_path, nvidia_smi=False, overrides={"gpus": None, "slots": 1, "command": command})
+    try:
+        daemon = host.start_daemon()
+        host.desire([0])
+        crash = host.wait_for(lambda: host.events("crash"), "a crash event", timeout=60)[0]
+        assert cause in crash["cause"] and cause in crash["detail"], crash
+        assert crash["at_start"] is True and crash["exit_code"] not in (0, None) and crash["ran_s"] >= 0
+        assert "failed at start" in crash["detail"]
+        ended = host.wait_for(lambda: [w for w in host.state()["workers"] if w.get("cause")], "the state", 30)[0]
+        assert ended["state"] == "crashed" and ended["at_start"] is True and cause in ended["cause"]
+        assert daemon.poll() is None
+    finally:
+        host.close()
