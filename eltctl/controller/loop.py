@@ -104,7 +104,7 @@ class Controller:
             if not self._probed_once.is_set():
                 return None
             views = self.observed.views(self.inventory.hosts, now, self.inventory.policy)
-            self.observed.crashed.clear()
+            self.observed.clear_crashes()
             before = dict(self.records)
             self.records = pol.track(self.records, views, self.inventory, now)
             await self._announce_benched(before, now)

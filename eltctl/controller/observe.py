@@ -73,6 +73,21 @@ def crashed_slots(event: Mapping[str, Any], born: float) -> list[tuple[str, int]
     return out
 
 
+def crash_info(event: Mapping[str, Any], born: float) -> list[tuple[str, pol.Crash]]:
+    """(host, Crash) for each slot a crash event names (`crashed_slots`), with the cause
+    and the at-start verdict its daemon gave (runtime/protocol.py, EventKind)."""
+    cause = str(event.get("cause") or "")
+    at_start = bool(event.get("at_start"))
+    return [(h, pol.Crash(slot, cause, at_start)) for h, slot in crashed_slots(event, born)]
+
+
+def in_job(host: str, runtime_status: Mapping | None, now: float, policy: Policy) -> bool:
+    """A worker of `host` is a member in rank 0's fresh status: the host reached a step."""
+    if not runtime_fresh(runtime_status, now, policy):
+        return False
+    return any(str(m).split("/")[0] == host for m in (runtime_status or {}).get("members") or [])
+
+
 def daemon_alive(seen: DaemonSeen | None, now: float, policy: Policy) -> bool:
     """The daemon's state changed recently, was written recently, and is not a last word."""
     if seen is None:
@@ -150,7 +165,7 @@ def _slots_in(entries: Any) -> set[int]:
 
 
 def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, alive: bool,
-              crashed: Iterable[int] = ()) -> pol.HostView:
+              crashed: Iterable[int] = (), crashes: Iterable[pol.Crash] = (), joined: bool = False) -> pol.HostView:
     """One host as the policy sees it: the probe's view, corrected by its live daemon's state."""
     reach, reason, slots = probed(host, report)
     workers: tuple[int, ...] = ()
@@ -181,7 +196,7 @@ def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, al
             slots = tuple(merged)
     return pol.HostView(name=host.name, reach=reach, reason=reason, slots=slots, daemon_alive=alive,
                         workers=workers, yielded=yielded, crashed=tuple(sorted(crashed)),
-                        seq_applied=seq_applied, watched=watched)
+                        seq_applied=seq_applied, watched=watched, crash_info=tuple(crashes), in_job=joined)
 
 
 def gpus_of(host: Host, report: HostReport | None) -> tuple[int, ...] | None:
@@ -227,6 +242,7 @@ class Observer:
     seen: dict[str, DaemonSeen] = field(default_factory=dict)
     reports: dict[str, HostReport] = field(default_factory=dict)
     crashed: dict[str, set[int]] = field(default_factory=dict)  # since the last decision
+    crashes: dict[str, dict[int, pol.Crash]] = field(default_factory=dict)  # the same, with causes
     events: deque = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     events_read: int = 0  # the event log's sequence number read up to (kept in hosts.json)
     runtime_status: dict | None = None  # rank 0's status document
@@ -249,10 +265,16 @@ class Observer:
             if not isinstance(ev, dict):
                 continue
             self.events.append(ev)
-            for host, slot in crashed_slots(ev, self.born):
-                self.crashed.setdefault(host, set()).add(slot)
+            for host, crash in crash_info(ev, self.born):
+                self.crashed.setdefault(host, set()).add(crash.slot)
+                self.crashes.setdefault(host, {})[crash.slot] = crash
         status = await store.get_json(Keys.STATUS)
         self.runtime_status = status if isinstance(status, dict) else None
+
+    def clear_crashes(self) -> None:
+        """The crashes seen were decided on."""
+        self.crashed.clear()
+        self.crashes.clear()
 
     def take_reports(self, reports: Iterable[HostReport]) -> list[str]:
         """Keep new probe reports; returns the names of the hosts found unreachable."""
@@ -268,7 +290,9 @@ class Observer:
 
     def view(self, host: Host, now: float, policy: Policy) -> pol.HostView:
         return host_view(host, self.reports.get(host.name), self.seen.get(host.name),
-                         self.daemon_alive(host.name, now, policy), self.crashed.get(host.name, ()))
+                         self.daemon_alive(host.name, now, policy), self.crashed.get(host.name, ()),
+                         tuple(self.crashes.get(host.name, {}).values()),
+                         in_job(host.name, self.runtime_status, now, policy))
 
     def views(self, hosts: Iterable[Host], now: float, policy: Policy) -> dict[str, pol.HostView]:
         return {h.name: self.view(h, now, policy) for h in hosts}

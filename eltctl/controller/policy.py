@@ -15,7 +15,12 @@ The rules (the README's "Policy"):
 - At most `max_workers` slots are used; fewer than `min_workers` usable slots and the
   job waits (nothing new starts; what runs keeps running).
 - A host whose worker left (its owner came back, a crash, the host vanished) rests for
-  `cooldown` before new slots start there; the slots still running there stay.
+  `cooldown` before new slots start there; the slots still running there stay. The
+  two cooldowns are kept apart: a failure's (`cooldown_until`) and an owner's
+  (`owner_until`: it protects a person).
+- A fix takes effect at once: when the job's code, its [job] or [ssh] settings or a
+  host's entry change, the failures, failure cooldown and benching of the hosts
+  concerned are forgotten (`after_fix`); an owner's cooldown stays.
 - `bench_after` failures in a row (a worker crash, a daemon that would not start, the
   host vanishing while used) bench the host for `max(cooldown, 30 s) * 2**n` (n: how
   often it was benched before), capped at a day. A host that runs cleanly for that
@@ -80,6 +85,16 @@ class SlotView:
 
 
 @dataclass(frozen=True)
+class Crash:
+    """A worker crash a host's daemon reported: its slot, the line of its output that
+    says why, and whether it failed at start (before its first step)."""
+
+    slot: int
+    cause: str = ""
+    at_start: bool = False
+
+
+@dataclass(frozen=True)
 class HostView:
     """One observation of one host."""
 
@@ -95,6 +110,8 @@ class HostView:
     # Its live daemon watches the GPUs itself (it reports their states): an owner on a
     # GPU we use is the daemon's to yield, so one yield is recorded, not two races.
     watched: bool = False
+    crash_info: tuple[Crash, ...] = ()  # what the daemon said of the crashes in `crashed`
+    in_job: bool = False  # a worker of this host is a member in rank 0's fresh status (it reached a step)
 
     def slot(self, index: int) -> SlotView | None:
         for s in self.slots:
@@ -111,14 +128,21 @@ class HostRecord:
     desired: tuple[int, ...] = ()  # the slots last asked of its daemon
     seq: int = 0  # the sequence number of that request
     free_since: tuple[tuple[int, float], ...] = ()  # slot -> since when it looks free (or ours)
-    cooldown_until: float = 0.0
+    cooldown_until: float = 0.0  # after a failure (cleared by a fix)
     failures: int = 0  # in a row
     ok_since: float | None = None  # running cleanly since (resets `failures` after a while)
     bench_count: int = 0
     benched_until: float = 0.0
-    last_problem: str = ""  # why it was benched or cooled down
+    last_problem: str = ""  # the last failure: why it was benched or cooled down
     join_now: bool = False  # `scale --add`: waive idle_for, cooldown and benching once
     force: bool = False  # `scale --add --force`: also take busy GPUs once
+    owner_until: float = 0.0  # an owner took a GPU back: rest until then (a fix keeps it)
+    owner_note: str = ""  # which GPU its owner took
+    start_failure: str = ""  # its workers failed at start (none reached a first step): the cause
+
+    def cooling(self, now: float) -> bool:
+        """In a cooldown, after a failure or an owner's return."""
+        return self.cooldown_until > now or self.owner_until > now
 
     def free_since_of(self, index: int) -> float | None:
         for i, t in self.free_since:
@@ -131,17 +155,25 @@ class HostRecord:
                 "free_since": {str(i): t for i, t in self.free_since},
                 "cooldown_until": self.cooldown_until, "failures": self.failures, "ok_since": self.ok_since,
                 "bench_count": self.bench_count, "benched_until": self.benched_until,
-                "last_problem": self.last_problem, "join_now": self.join_now, "force": self.force}
+                "last_problem": self.last_problem, "join_now": self.join_now, "force": self.force,
+                "owner_until": self.owner_until, "owner_note": self.owner_note,
+                "start_failure": self.start_failure}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "HostRecord":
+        if "owner_until" not in d and str(d.get("last_problem", "")).startswith("its owner took"):
+            # hosts.json of an older controller: its one cooldown was an owner's
+            d = {**d, "owner_until": d.get("cooldown_until", 0.0), "owner_note": d.get("last_problem", ""),
+                 "cooldown_until": 0.0, "last_problem": ""}
         return cls(removed=bool(d.get("removed", False)), desired=tuple(int(x) for x in d.get("desired", ())),
                    seq=int(d.get("seq", 0)),
                    free_since=tuple(sorted((int(k), float(v)) for k, v in dict(d.get("free_since", {})).items())),
                    cooldown_until=float(d.get("cooldown_until", 0.0)), failures=int(d.get("failures", 0)),
                    ok_since=d.get("ok_since"), bench_count=int(d.get("bench_count", 0)),
                    benched_until=float(d.get("benched_until", 0.0)), last_problem=str(d.get("last_problem", "")),
-                   join_now=bool(d.get("join_now", False)), force=bool(d.get("force", False)))
+                   join_now=bool(d.get("join_now", False)), force=bool(d.get("force", False)),
+                   owner_until=float(d.get("owner_until", 0.0)), owner_note=str(d.get("owner_note", "")),
+                   start_failure=str(d.get("start_failure", "")))
 
 
 @dataclass(frozen=True)
@@ -221,11 +253,15 @@ def track(records: Mapping[str, HostRecord], views: Mapping[str, HostView], inve
         gone = yielded + [s for s in view.crashed if s in rec.desired]
         if yielded:
             slots = ", ".join(map(str, yielded))
-            rec = replace(rec, cooldown_until=max(rec.cooldown_until, now + policy.cooldown),
-                          last_problem=f"its owner took GPU {slots}")
+            rec = replace(rec, owner_until=max(rec.owner_until, now + policy.cooldown),
+                          owner_note=f"its owner took GPU {slots}")
         crashed = [s for s in view.crashed if s in rec.desired]
         if crashed:
-            rec = record_failure(rec, inventory, now, f"worker on slot {', '.join(map(str, crashed))} crashed")
+            problem, at_start = crash_problem(crashed, view.crash_info)
+            rec = record_failure(rec, inventory, now, problem)
+            rec = replace(rec, start_failure=problem if at_start else "")
+        if view.in_job and rec.start_failure:
+            rec = replace(rec, start_failure="")
         if view.reach is Reach.UNREACHABLE and rec.desired:
             rec = record_failure(rec, inventory, now, f"host became unreachable while used: {view.reason}")
             gone = list(rec.desired)
@@ -245,6 +281,59 @@ def track(records: Mapping[str, HostRecord], views: Mapping[str, HostView], inve
     return out
 
 
+def crash_problem(slots: list[int], info: Iterable[Crash]) -> tuple[str, bool]:
+    """What a host's crashed slots say as its last problem, and whether every one of
+    them failed at start: `worker on slot 0 failed at start: <cause>`, `worker on
+    slot 1 crashed: <cause>`, or `worker on slot 0, 1 crashed` when the daemon gave no cause."""
+    by_slot = {c.slot: c for c in info}
+    known = [by_slot[s] for s in slots if s in by_slot]
+    at_start = bool(known) and len(known) == len(slots) and all(c.at_start for c in known)
+    what = "failed at start" if at_start else "crashed"
+    cause = next((c.cause for c in known if c.cause), "")
+    text = f"worker on slot {', '.join(map(str, slots))} {what}"
+    return (f"{text}: {cause}" if cause else text), at_start
+
+
+def after_fix(record: HostRecord) -> HostRecord:
+    """A host whose setup changed (the code, the job, its entry): its failures, failure
+    cooldown and benching are forgotten, so the fix is tried at once. An owner's
+    cooldown stays: it protects a person, not a mistake."""
+    return replace(record, failures=0, cooldown_until=0.0, bench_count=0, benched_until=0.0, last_problem="",
+                   start_failure="", ok_since=None)
+
+
+def fingerprint(inventory: Inventory, code: str) -> dict:
+    """What a fix can change, hashed: the job's code (`code`, a digest of its
+    directory), its [job] and [ssh] settings (every host), and each host's entry."""
+    import hashlib
+
+    def h(x: object) -> str:
+        return hashlib.sha256(repr(x).encode()).hexdigest()[:16]
+
+    return {"code": code, "job": h((inventory.job, inventory.ssh)),
+            "hosts": {host.name: h(host) for host in inventory.hosts}}
+
+
+def changed_hosts(old: Mapping | None, new: Mapping) -> list[str]:
+    """The hosts a change between two fingerprints concerns (none without an old one)."""
+    if not old:
+        return []
+    names = list(new.get("hosts", {}))
+    if old.get("code") != new.get("code") or old.get("job") != new.get("job"):
+        return names
+    before = old.get("hosts") or {}
+    return [n for n in names if before.get(n) != new["hosts"][n]]
+
+
+def fixed(records: Mapping[str, HostRecord], names: Iterable[str]) -> dict[str, HostRecord]:
+    """The records once the hosts `names` were fixed (`after_fix`)."""
+    out = dict(records)
+    for name in names:
+        if name in out:
+            out[name] = after_fix(out[name])
+    return out
+
+
 # --------------------------------------------------------------------------- deciding
 
 def _slot_indices(view: HostView) -> list[int]:
@@ -256,7 +345,7 @@ def eligible_slots(view: HostView, record: HostRecord, inventory: Inventory, now
     if record.removed or view.reach not in (Reach.OK, Reach.CPU_ONLY):
         return []
     waived = record.join_now
-    if not waived and (record.benched_until > now or record.cooldown_until > now):
+    if not waived and (record.benched_until > now or record.cooling(now)):
         return []
     out = []
     for s in sorted(view.slots, key=lambda s: s.index):
@@ -276,7 +365,7 @@ def maturing_slots(view: HostView, record: HostRecord, inventory: Inventory, now
     """Free slots that only wait for their `idle_for` to pass (usable soon)."""
     if record.removed or record.join_now or view.reach not in (Reach.OK, Reach.CPU_ONLY):
         return []
-    if record.benched_until > now or record.cooldown_until > now:
+    if record.benched_until > now or record.cooling(now):
         return []
     out = []
     for s in view.slots:
@@ -391,6 +480,8 @@ def host_state(view: HostView | None, record: HostRecord, now: float) -> tuple[H
         return HostPhase.UNHEALTHY, view.reason
     if record.cooldown_until > now:
         return HostPhase.COOLDOWN, f"{record.last_problem} (usable again in {record.cooldown_until - now:.0f} s)"
+    if record.owner_until > now:
+        return HostPhase.COOLDOWN, f"{record.owner_note} (usable again in {record.owner_until - now:.0f} s)"
     if view.slots and all(s.use is GpuUse.BUSY for s in view.slots):
         return HostPhase.BUSY, "; ".join(f"GPU {s.index}: {s.reason}" for s in view.slots)
     return HostPhase.IDLE, view.reason or "usable, not used"
@@ -424,6 +515,6 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
     return sorted(names, key=lambda n: order.get(n, 1 << 30))
 
 
-__all__ = ["Action", "Decision", "GpuUse", "HostRecord", "HostPhase", "HostView", "Reach", "SetDesired",
-           "SlotView", "StartDaemon", "applied", "decide", "eligible_slots", "host_state",
-           "record_failure", "survivor_holds_state", "track"]
+__all__ = ["Action", "Crash", "Decision", "GpuUse", "HostRecord", "HostPhase", "HostView", "Reach", "SetDesired",
+           "SlotView", "StartDaemon", "after_fix", "applied", "changed_hosts", "crash_problem", "decide",
+           "eligible_slots", "fingerprint", "fixed", "host_state", "record_failure", "survivor_holds_state", "track"]

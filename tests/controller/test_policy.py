@@ -160,8 +160,8 @@ def test_yield_drops_the_slot_and_cools_the_host_down():
     r = track({"a": rec}, {"a": view("a", "ours", "busy", alive=True, workers=(0,), yielded=(1,), seq_applied=2)},
               inv, NOW)["a"]
     assert r.desired == (0,)
-    assert r.cooldown_until == NOW + 60
-    assert "owner took GPU 1" in r.last_problem
+    assert r.owner_until == NOW + 60 and r.cooldown_until == 0.0  # an owner's cooldown, not a failure's
+    assert "owner took GPU 1" in r.owner_note
 
 
 def test_owner_seen_by_the_probe_with_no_daemon_watching_counts_as_a_yield():
@@ -169,8 +169,8 @@ def test_owner_seen_by_the_probe_with_no_daemon_watching_counts_as_a_yield():
     rec = HostRecord(desired=(0, 1), seq=2)
     r = track({"a": rec}, {"a": view("a", "ours", "busy", alive=True, workers=(0, 1), seq_applied=2)}, inv, NOW)["a"]
     assert r.desired == (0,)
-    assert r.cooldown_until == NOW + 60
-    assert "owner took GPU 1" in r.last_problem
+    assert r.owner_until == NOW + 60 and r.cooldown_until == 0.0  # an owner's cooldown, not a failure's
+    assert "owner took GPU 1" in r.owner_note
 
 
 def test_owner_on_a_watched_host_is_left_to_its_daemon():
@@ -181,12 +181,12 @@ def test_owner_on_a_watched_host_is_left_to_its_daemon():
     rec = HostRecord(desired=(0, 1), seq=2)
     v = replace(view("a", "ours", "busy", alive=True, workers=(0, 1), seq_applied=2), watched=True)
     r = track({"a": rec}, {"a": v}, inv, NOW)["a"]
-    assert r.desired == (0, 1) and r.cooldown_until == 0.0
+    assert r.desired == (0, 1) and r.cooldown_until == 0.0 and r.owner_until == 0.0
     assert decide({"a": v}, {"a": r}, inv, NOW).desired == {"a": (0, 1)}
     # Once the daemon reports the yield, the slot goes and the host cools down.
     v2 = replace(v, workers=(0,), yielded=(1,))
     r2 = track({"a": r}, {"a": v2}, inv, NOW)["a"]
-    assert r2.desired == (0,) and r2.cooldown_until == NOW + 60
+    assert r2.desired == (0,) and r2.owner_until == NOW + 60
 
 
 def test_a_busy_gpu_that_was_not_asked_for_is_no_yield():
@@ -259,3 +259,110 @@ def test_records_round_trip_through_json():
     rec = HostRecord(removed=True, desired=(1, 3), seq=7, free_since=((1, 5.0),), cooldown_until=9.0, failures=2,
                      bench_count=1, benched_until=99.0, last_problem="x", join_now=True, force=True)
     assert HostRecord.from_json(rec.to_json()) == rec
+
+
+# ----------------------------------------------------------------------- failures at start and fixes
+
+from dataclasses import replace  # noqa: E402
+
+from eltctl.controller.policy import (  # noqa: E402
+    Crash, after_fix, changed_hosts, crash_problem, eligible_slots, fingerprint, fixed,
+)
+
+CANT_OPEN = "python: can't open file '/h/code/trian.py': [Errno 2] No such file or directory"
+
+
+@pytest.mark.parametrize("slots, info, problem, at_start", [
+    ([0], [Crash(0, CANT_OPEN, True)], f"worker on slot 0 failed at start: {CANT_OPEN}", True),
+    ([0, 1], [Crash(0, "E: x", True), Crash(1, "E: x", True)], "worker on slot 0, 1 failed at start: E: x", True),
+    ([0], [Crash(0, "RuntimeError: boom", False)], "worker on slot 0 crashed: RuntimeError: boom", False),
+    ([0, 1], [Crash(0, "E: x", True), Crash(1, "", False)], "worker on slot 0, 1 crashed: E: x", False),
+    ([0], [], "worker on slot 0 crashed", False),  # an older daemon: no cause
+])
+def test_crash_problem(slots, info, problem, at_start):
+    assert crash_problem(slots, info) == (problem, at_start)
+
+
+def test_a_failure_at_start_is_remembered_with_its_cause_until_the_host_reaches_a_step():
+    inv = inventory(hosts=("a",), cooldown=60)
+    v = replace(view("a", "free", alive=True, crashed=(0,)), crash_info=(Crash(0, CANT_OPEN, True),))
+    r = track({"a": HostRecord(desired=(0,), seq=1)}, {"a": v}, inv, NOW)["a"]
+    assert r.start_failure == r.last_problem == f"worker on slot 0 failed at start: {CANT_OPEN}"
+    assert r.cooldown_until == NOW + 60 and r.failures == 1 and r.desired == ()
+    assert host_state(view("a", "free"), r, NOW + 1) == (HostPhase.COOLDOWN, f"{r.last_problem} (usable again in 59 s)")
+    # a worker of the host in rank 0's status: it reached a step
+    r2 = track({"a": r}, {"a": replace(view("a", "ours", alive=True, workers=(0,)), in_job=True)}, inv, NOW + 70)["a"]
+    assert r2.start_failure == ""
+    # a crash mid-training is no failure at start
+    v3 = replace(view("a", "free", alive=True, crashed=(0,)), crash_info=(Crash(0, "RuntimeError: boom", False),))
+    r3 = track({"a": replace(r, desired=(0,))}, {"a": v3}, inv, NOW + 80)["a"]
+    assert r3.start_failure == "" and r3.last_problem == "worker on slot 0 crashed: RuntimeError: boom"
+
+
+BAD = HostRecord(failures=2, cooldown_until=NOW + 50, bench_count=3, benched_until=NOW + 900,
+                 last_problem="benched after 3 failures", start_failure="worker on slot 0 failed at start: x")
+
+
+# (case, record before the fix, what the fix leaves)
+FIXES = [
+    ("failures, failure cooldown, benching and the start failure are forgotten", BAD,
+     HostRecord()),
+    ("an owner's cooldown stays: it protects a person",
+     replace(BAD, owner_until=NOW + 30, owner_note="its owner took GPU 1"),
+     HostRecord(owner_until=NOW + 30, owner_note="its owner took GPU 1")),
+    ("what the host runs and was asked stays", replace(BAD, desired=(0,), seq=4, removed=True),
+     HostRecord(desired=(0,), seq=4, removed=True)),
+]
+
+
+@pytest.mark.parametrize("case, before, after", FIXES, ids=[c[0] for c in FIXES])
+def test_after_fix(case, before, after):
+    assert after_fix(before) == after
+
+
+def test_a_fixed_host_is_usable_at_once_but_an_owner_cooldown_still_holds():
+    inv = inventory(hosts=("a", "b"))
+    v = view("a", "free")
+    recs = {"a": replace(BAD, free_since=free_for(99, 0)),
+            "b": replace(BAD, free_since=free_for(99, 0), owner_until=NOW + 30)}
+    assert eligible_slots(v, recs["a"], inv, NOW) == []
+    out = fixed(recs, ["a", "b", "c"])
+    assert eligible_slots(v, out["a"], inv, NOW) == [0]
+    assert eligible_slots(v, out["b"], inv, NOW) == []  # its owner came back 30 s ago
+    assert eligible_slots(v, out["b"], inv, NOW + 31) == [0]
+    assert "c" not in out
+
+
+def _fp(text_change=lambda t: t, code="c1"):
+    text = ('[job]\nname = "j"\ncommand = "python trian.py"\n[[hosts]]\nname = "a"\naddress = "a.lab"\n'
+            '[[hosts]]\nname = "b"\naddress = "b.lab"\n')
+    from eltctl.inventory import parse_inventory as parse
+    return fingerprint(parse(text_change(text), "hosts.toml"), code)
+
+
+# (case, new fingerprint, hosts concerned)
+CHANGES = [
+    ("nothing changed", _fp(), []),
+    ("the code changed: every host", _fp(code="c2"), ["a", "b"]),
+    ("the job's command changed: every host", _fp(lambda t: t.replace("trian", "train")), ["a", "b"]),
+    ("one host's entry changed: that host", _fp(lambda t: t.replace('address = "b.lab"',
+                                                                    'address = "b.lab"\npython = "/opt/py"')), ["b"]),
+    ("a host added: that host", _fp(lambda t: t + '[[hosts]]\nname = "c"\naddress = "c.lab"\n'), ["c"]),
+    ("the policy changed: no host", _fp(lambda t: t + "[policy]\ncooldown = 5\n"), []),
+]
+
+
+@pytest.mark.parametrize("case, new, expected", CHANGES, ids=[c[0] for c in CHANGES])
+def test_changed_hosts(case, new, expected):
+    assert changed_hosts(_fp(), new) == expected
+
+
+def test_no_fingerprint_before_means_no_change():
+    assert changed_hosts(None, _fp()) == [] and changed_hosts({}, _fp()) == []
+
+
+def test_records_with_the_new_fields_round_trip_and_an_old_owner_cooldown_is_read_as_one():
+    rec = HostRecord(cooldown_until=5.0, owner_until=9.0, owner_note="its owner took GPU 0", start_failure="x")
+    assert HostRecord.from_json(rec.to_json()) == rec
+    old = {"cooldown_until": 9.0, "last_problem": "its owner took GPU 1"}
+    assert HostRecord.from_json(old) == HostRecord(owner_until=9.0, owner_note="its owner took GPU 1")
