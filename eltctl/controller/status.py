@@ -1,6 +1,9 @@
 """The job's status as the controller tells it: its phase and the status document.
 
-`next_phase` says which phase the job is in after a pass (pure); `status_document`
+`next_phase` says which phase the job is in after a pass (pure); `waiting_message`
+what a waiting job waits for (pure: it counts why slots are held back);
+`start_failures` whether the job's workers failed at start on every host given
+slots, so that `eltctl up` stops waiting (pure); `status_document`
 builds the document `eltctl status` shows and the controller writes to status.json
 and answers on its socket (its shape: docs/control-plane.md); `write_status` writes it.
 """
@@ -45,7 +48,7 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     if fresh and int(rs.get("world_size", 0)) > 0 and running:
         return Phase.TRAINING, ""
     if decision.waiting and not running:
-        return Phase.WAITING, decision.message
+        return Phase.WAITING, waiting_message(now=now, inventory=inventory, views=views, records=records)
     if decision.message and not running and not desired:
         return Phase.STARTING, decision.message
     if starting_daemons:
@@ -53,6 +56,116 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     if desired:
         return Phase.STARTING, "waiting for the first step" if running else "starting workers"
     return phase, message
+
+
+def _n(count: int, one: str, many: str | None = None) -> str:
+    return f"{count} {one if count == 1 else (many or one + 's')}"
+
+
+def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol.HostView],
+                    records: Mapping[str, pol.HostRecord]) -> str:
+    """What a job that waits for slots waits for: the free slots and, counted, why the
+    others are held back (a failure's cooldown with its cause, an owner's, benching,
+    busy GPUs, hosts unreachable, unhealthy, not probed yet, removed); then min_workers."""
+    free = busy = 0
+    cooling: list[tuple[int, pol.HostRecord]] = []
+    owner: list[int] = []
+    benched: list[tuple[int, pol.HostRecord]] = []
+    unreachable: list[str] = []
+    unhealthy: list[str] = []
+    unknown = removed = 0
+    for host in inventory.hosts:
+        view = views.get(host.name)
+        rec = records.get(host.name, pol.HostRecord())
+        if rec.removed:
+            removed += 1
+            continue
+        if view is None or view.reach is pol.Reach.UNKNOWN:
+            unknown += 1
+            continue
+        if view.reach is pol.Reach.UNREACHABLE:
+            unreachable.append(f"{host.name}: {view.reason}" if view.reason else host.name)
+            continue
+        if view.reach is pol.Reach.UNHEALTHY:
+            unhealthy.append(f"{host.name}: {view.reason}" if view.reason else host.name)
+            continue
+        slots = [s for s in view.slots if s.index not in rec.desired and s.index not in view.workers]
+        n_busy = sum(1 for s in slots if s.use is pol.GpuUse.BUSY and not rec.force)
+        others = len(slots) - n_busy
+        busy += n_busy
+        waived = rec.join_now
+        if not others:
+            continue
+        if rec.benched_until > now and not waived:
+            benched.append((others, rec))
+        elif rec.cooldown_until > now and not waived:
+            cooling.append((others, rec))
+        elif rec.owner_until > now and not waived:
+            owner.append(others)
+        else:
+            free += others
+    parts = [f"{_n(free, 'slot')} free"] if free else []
+    if cooling:
+        n = sum(c for c, _ in cooling)
+        first = cooling[0][1]
+        parts.append(f"{_n(n, 'slot')} cooling down after a failure ({first.last_problem}; "
+                     f"{first.cooldown_until - now:.0f} s more)")
+    if owner:
+        parts.append(f"{_n(sum(owner), 'slot')} cooling down after an owner came back")
+    if benched:
+        n = sum(c for c, _ in benched)
+        first = benched[0][1]
+        parts.append(f"{_n(n, 'slot')} on a benched host ({first.last_problem}; "
+                     f"{first.benched_until - now:.0f} s more)")
+    if busy:
+        parts.append(f"{_n(busy, 'GPU')} busy " + ("(its owner's process)" if busy == 1 else
+                                                  "(their owners' processes)"))
+    if unreachable:
+        parts.append(f"{_n(len(unreachable), 'host')} unreachable ({'; '.join(unreachable)})")
+    if unhealthy:
+        parts.append(f"{_n(len(unhealthy), 'host')} unhealthy ({'; '.join(unhealthy)})")
+    if unknown:
+        parts.append(f"{_n(unknown, 'host')} not probed yet")
+    if removed:
+        parts.append(f"{_n(removed, 'host')} removed (`eltctl scale --add` brings it back)")
+    return f"{', '.join(parts) or 'no slot free'}; min_workers is {inventory.job.min_workers}"
+
+
+def start_failures(*, now: float, inventory: Inventory, views: Mapping[str, pol.HostView],
+                   records: Mapping[str, pol.HostRecord]) -> dict[str, str]:
+    """{host: cause} when the job's workers failed at start on every host given slots
+    (none reached a first step) and no other host runs, starts or soon will start
+    workers; {} otherwise. A failed host tried again counts as failed until one of its
+    workers reaches a step (or a fix clears it): `up` then says why instead of waiting."""
+    failed = {h.name: records[h.name].start_failure for h in inventory.hosts
+              if h.name in records and records[h.name].start_failure and not records[h.name].removed}
+    if not failed or any(v.in_job for v in views.values()):
+        return {}
+    for host in inventory.hosts:
+        if host.name in failed:
+            continue
+        rec = records.get(host.name, pol.HostRecord())
+        view = views.get(host.name)
+        if rec.removed:
+            continue
+        if rec.desired or (view is not None and view.workers):
+            return {}  # a host that did not fail runs or starts workers
+        if view is not None and (pol.eligible_slots(view, rec, inventory, now)
+                                 or pol.maturing_slots(view, rec, inventory, now)):
+            return {}  # it is about to be given slots
+    return failed
+
+
+def fix_hint(cause: str) -> str:
+    """What to do about a worker's failure at start, from its cause line."""
+    if "can't open file" in cause or "No such file or directory" in cause:
+        return ("check the script in [job] command: it runs in the job's workdir, synced to each host's "
+                "code directory")
+    if "ModuleNotFoundError" in cause or "No module named" in cause:
+        return "install the module in the host's python (hosts.python), or add it to the job's workdir"
+    if "command not found" in cause or "Permission denied" in cause:
+        return "check [job] command and the host's PATH"
+    return "fix the job's command or code (`eltctl logs HOST` shows the worker's output)"
 
 
 def job_state(phase: str) -> str:
@@ -63,14 +176,17 @@ def job_state(phase: str) -> str:
 
 def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | None, now: float) -> dict:
     phase, reason = pol.host_state(view, record, now)
+    cooling = max(record.cooldown_until, record.owner_until)
     gpus = [{"index": s.index, "state": "ours" if s.index in view.workers else s.use.value, "reason": s.reason}
             for s in view.slots]
     return {
         "name": view.name, "state": phase.value, "reason": reason, "workers": len(view.workers),
         "heartbeat_age_s": round(now - seen.changed, 2) if seen is not None else None,
         "benched_until": record.benched_until if record.benched_until > now else None,
-        "cooldown_until": record.cooldown_until if record.cooldown_until > now else None,
+        "cooldown_until": cooling if cooling > now else None,
         "failures": record.failures, "desired": list(record.desired), "gpus": gpus,
+        "last_problem": record.last_problem or record.owner_note,
+        "start_failure": record.start_failure or None,
     }
 
 
@@ -100,6 +216,7 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "hosts": hosts,
         "events": list(events)[-EVENTS_SHOWN:],
         "mirror": mirror,
+        "start_failed": start_failures(now=now, inventory=inventory, views=views, records=records) or None,
     }
 
 

@@ -31,9 +31,9 @@ PHASES = [
      decision(), False, (Phase.TRAINING, "")),
     ("a stale rank 0 status is not training", Phase.TRAINING, {"time": NOW - 31, "world_size": 1}, RUNNING, WANTED,
      decision(), False, (Phase.STARTING, "waiting for the first step")),
-    ("too few GPUs and nothing runs: waiting, with the policy's reason", Phase.PROBING, None, IDLE, {},
+    ("too few GPUs and nothing runs: waiting, with what it waits for counted", Phase.PROBING, None, IDLE, {},
      decision(waiting=True, message="1 usable slot(s), min_workers is 2"), False,
-     (Phase.WAITING, "1 usable slot(s), min_workers is 2")),
+     (Phase.WAITING, "no slot free; min_workers is 1")),
     ("nothing wanted yet, the policy says why: starting with its reason", Phase.PROBING, None, IDLE, {},
      decision(message="GPU 0 of a free for 3 s of idle_for 10 s"), False,
      (Phase.STARTING, "GPU 0 of a free for 3 s of idle_for 10 s")),
@@ -75,7 +75,8 @@ def test_status_document_shape():
                           events=events, store_endpoint="127.0.0.1:29500", mirror=None)
     assert list(doc) == ["job", "state", "phase", "message", "updated", "generation", "world_size", "members",
                          "min_workers", "max_workers", "step", "epoch", "samples_per_s", "loss", "checkpoint",
-                         "runtime_status_age_s", "controller", "store", "hosts", "events", "mirror"]
+                         "runtime_status_age_s", "controller", "store", "hosts", "events", "mirror",
+                         "start_failed"]
     assert (doc["job"], doc["state"], doc["world_size"], doc["min_workers"], doc["max_workers"]) == ("j", "training", 1,
                                                                                                     1, 4)
     assert doc["checkpoint"] == {"step": 10, "time": NOW - 4, "path": "/c", "age_s": 4.0}
@@ -84,5 +85,107 @@ def test_status_document_shape():
     a, b = doc["hosts"]
     assert a == {"name": "a", "state": "running", "reason": "1 worker(s)", "workers": 1, "heartbeat_age_s": 0.5,
                  "benched_until": None, "cooldown_until": NOW + 5, "failures": 0, "desired": [0],
-                 "gpus": [{"index": 0, "state": "ours", "reason": ""}, {"index": 1, "state": "busy", "reason": "pid 9"}]}
+                 "gpus": [{"index": 0, "state": "ours", "reason": ""}, {"index": 1, "state": "busy", "reason": "pid 9"}],
+                 "last_problem": "", "start_failure": None}
+    assert doc["start_failed"] is None
     assert (b["state"], b["reason"], b["heartbeat_age_s"], b["gpus"]) == ("unreachable", "timeout", None, [])
+
+
+# ----------------------------------------------------------------------- what a waiting job waits for
+
+from dataclasses import replace  # noqa: E402
+
+from eltctl.controller.status import fix_hint, start_failures, waiting_message  # noqa: E402
+
+CANT_OPEN = "worker on slot 0 failed at start: python: can't open file '/h/code/trian.py': [Errno 2] No such file"
+FREE1 = (SlotView(0, GpuUse.FREE),)
+FREE2 = (SlotView(0, GpuUse.FREE), SlotView(1, GpuUse.FREE))
+BUSY2 = (SlotView(0, GpuUse.BUSY, "pid 7"), SlotView(1, GpuUse.BUSY, "pid 8"))
+FAILED = HostRecord(cooldown_until=NOW + 118, failures=1, last_problem=CANT_OPEN, start_failure=CANT_OPEN)
+
+
+def inv(min_workers=1, hosts=("a", "b")):
+    text = f'[job]\nname = "j"\ncommand = "python t.py"\nmin_workers = {min_workers}\n[policy]\nidle_for = 10\n'
+    for h in hosts:
+        text += f'[[hosts]]\nname = "{h}"\naddress = "{h}.lab"\n'
+    return parse_inventory(text, "hosts.toml")
+
+
+# (case, min_workers, views, records, message)
+WAITING = [
+    ("a slot held back by a failure's cooldown: counted with its cause, never '0 free'", 1,
+     {"a": HostView("a", Reach.OK, slots=FREE1), "b": HostView("b", Reach.UNREACHABLE, reason="timed out")},
+     {"a": FAILED},
+     f"1 slot cooling down after a failure ({CANT_OPEN}; 118 s more), 1 host unreachable (b: timed out); "
+     "min_workers is 1"),
+    ("busy GPUs are their owners'", 3,
+     {"a": HostView("a", Reach.OK, slots=FREE1), "b": HostView("b", Reach.OK, slots=BUSY2)}, {},
+     "1 slot free, 2 GPUs busy (their owners' processes); min_workers is 3"),
+    ("one busy GPU, an owner's cooldown", 2,
+     {"a": HostView("a", Reach.OK, slots=FREE2), "b": HostView("b", Reach.OK, slots=BUSY2[:1])},
+     {"a": HostRecord(owner_until=NOW + 5, owner_note="its owner took GPU 1")},
+     "2 slots cooling down after an owner came back, 1 GPU busy (its owner's process); min_workers is 2"),
+    ("benched, unhealthy", 1,
+     {"a": HostView("a", Reach.OK, slots=FREE2), "b": HostView("b", Reach.UNHEALTHY, reason="nvidia-smi hangs")},
+     {"a": HostRecord(benched_until=NOW + 60, last_problem="benched after 3 failures in a row")},
+     "2 slots on a benched host (benched after 3 failures in a row; 60 s more), "
+     "1 host unhealthy (b: nvidia-smi hangs); min_workers is 1"),
+    ("not probed yet, removed", 1, {"a": HostView("a")}, {"b": HostRecord(removed=True)},
+     "1 host not probed yet, 1 host removed (`eltctl scale --add` brings it back); min_workers is 1"),
+    ("scale --add waives the cooldown: free", 2, {"a": HostView("a", Reach.OK, slots=FREE1), "b": HostView("b")},
+     {"a": replace(FAILED, join_now=True)}, "1 slot free, 1 host not probed yet; min_workers is 2"),
+    ("nothing at all", 1, {"a": HostView("a", Reach.OK), "b": HostView("b", Reach.OK)}, {},
+     "no slot free; min_workers is 1"),
+]
+
+
+@pytest.mark.parametrize("case, min_workers, views, records, message", WAITING, ids=[c[0] for c in WAITING])
+def test_waiting_message(case, min_workers, views, records, message):
+    assert waiting_message(now=NOW, inventory=inv(min_workers), views=views, records=records) == message
+
+
+A_FREE = HostView("a", Reach.OK, slots=FREE1)
+B_FREE = HostView("b", Reach.OK, slots=FREE1)
+
+# (case, views, records, hosts whose failure `up` reports)
+START_FAILED = [
+    ("every host given slots failed at start", {"a": A_FREE, "b": HostView("b", Reach.UNREACHABLE)},
+     {"a": FAILED}, {"a": CANT_OPEN}),
+    ("both hosts failed", {"a": A_FREE, "b": B_FREE}, {"a": FAILED, "b": FAILED}, {"a": CANT_OPEN, "b": CANT_OPEN}),
+    ("tried again after the cooldown: still failed until a step", {"a": A_FREE, "b": B_FREE},
+     {"a": replace(FAILED, desired=(0,), cooldown_until=0.0), "b": FAILED}, {"a": CANT_OPEN, "b": CANT_OPEN}),
+    ("another host still starts workers", {"a": A_FREE, "b": B_FREE},
+     {"a": FAILED, "b": HostRecord(desired=(0,))}, {}),
+    ("another host runs workers", {"a": A_FREE, "b": HostView("b", Reach.OK, slots=FREE1, workers=(0,))},
+     {"a": FAILED}, {}),
+    ("another host's free slot is about to be used", {"a": A_FREE, "b": B_FREE},
+     {"a": FAILED, "b": HostRecord(free_since=((0, NOW - 5),))}, {}),
+    ("a host reached a step", {"a": replace(A_FREE, in_job=True), "b": HostView("b", Reach.UNREACHABLE)},
+     {"a": FAILED}, {}),
+    ("no failure at start", {"a": A_FREE, "b": HostView("b", Reach.UNREACHABLE)},
+     {"a": replace(FAILED, start_failure="")}, {}),
+]
+
+
+@pytest.mark.parametrize("case, views, records, expected", START_FAILED, ids=[c[0] for c in START_FAILED])
+def test_start_failures(case, views, records, expected):
+    assert start_failures(now=NOW, inventory=inv(), views=views, records=records) == expected
+
+
+@pytest.mark.parametrize("cause, word", [
+    ("python: can't open file '/x/trian.py': [Errno 2] No such file or directory", "[job] command"),
+    ("ModuleNotFoundError: No module named 'foo'", "install the module"),
+    ("RuntimeError: boom", "eltctl logs HOST"),
+])
+def test_fix_hint(cause, word):
+    assert word in fix_hint(cause)
+
+
+def test_status_document_names_the_failure_at_start():
+    views = {"a": A_FREE, "b": HostView("b", Reach.UNREACHABLE, reason="timeout")}
+    doc = status_document(now=NOW, inventory=INV, phase=Phase.WAITING, message="m", runtime_status=None,
+                          views=views, records={"a": FAILED}, seen={}, events=[], store_endpoint="", mirror=None)
+    assert doc["start_failed"] == {"a": CANT_OPEN}
+    a = doc["hosts"][0]
+    assert (a["state"], a["last_problem"], a["start_failure"]) == ("cooldown", CANT_OPEN, CANT_OPEN)
+    assert a["reason"] == f"{CANT_OPEN} (usable again in 118 s)"
