@@ -26,6 +26,7 @@ from eltctl_runtime.protocol import Desired, EventKind, Keys, desired_key
 log = logging.getLogger("eltctl.controller")
 
 DAEMON_START_GRACE_S = 45.0  # python + torch import on a loaded host
+RETIRE_WAIT_S = 15  # an idle daemon asked to exit is gone well within this
 MIRROR_FLUSH_S = 120.0  # `down` waits this long for the final checkpoint to be mirrored
 
 
@@ -58,6 +59,27 @@ async def write_withdrawn(store, name: str, record: pol.HostRecord) -> None:
         log.warning("Host %s: cannot withdraw its slots: %s", name, exc)
 
 
+async def retire_daemon(store, name: str, record: pol.HostRecord) -> pol.HostRecord:
+    """Ask an idle daemon to exit (a desired document with stop) so that a new one starts
+    with the job's new configuration and code; returns the record that remembers it."""
+    seq = record.seq + 1
+    await store.set_json(desired_key(name), desired_document(seq, (), stop=True))
+    log.info("Host %s: its idle daemon is asked to exit (seq %d); a new one starts with the change.", name, seq)
+    return replace(record, seq=seq, desired=())
+
+
+def code_digest(workdir) -> str:
+    """A digest of the job's code directory as the controller syncs it ("" if unreadable)."""
+    import hashlib
+    import json
+
+    try:
+        manifest = hostops.local_manifest(workdir)
+    except OSError:
+        return ""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
 async def request_stop(store, records: dict[str, pol.HostRecord], inventory: Inventory, now: float) -> None:
     """`down`: the job's stop key, and every daemon told to stop; `records` remember each
     request as it is made (raises when the store is gone)."""
@@ -82,6 +104,7 @@ class DaemonStarter:
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     started_at: dict[str, float] = field(default_factory=dict)  # when we last started each daemon
     paths: dict[str, hostops.HostPaths] = field(default_factory=dict)
+    retired: set[str] = field(default_factory=set)  # hosts whose old daemon was asked to exit
     _runtime_files: dict[str, bytes] | None = None
 
     @property
@@ -123,6 +146,13 @@ class DaemonStarter:
             paths = self.paths.get(host.name) or await hostops.host_paths(t, inventory.job.name)
             self.paths[host.name] = paths
             running = await hostops.daemon_pid(t, paths)
+            if running is not None and host.name in self.retired:
+                for _ in range(RETIRE_WAIT_S * 4):  # the old daemon exits: it has no worker
+                    await asyncio.sleep(0.25)
+                    running = await hostops.daemon_pid(t, paths)
+                    if running is None:
+                        break
+            self.retired.discard(host.name)
             if running is not None:
                 log.info("Host %s: its daemon (pid %d) runs already; waiting for its state.", host.name, running)
                 self.started_at[host.name] = self.clock()

@@ -122,6 +122,7 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
     deadline = time.monotonic() + timeout
     last = None
     doc: dict = {}
+    problems: dict[str, str] = {}
     while time.monotonic() < deadline:
         try:
             doc = csock.request(state.socket, {"op": "status"}, timeout=30)
@@ -132,10 +133,17 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
             time.sleep(0.5)
             continue
         phase, message = doc.get("phase", ""), doc.get("message", "")
+        for host in doc.get("hosts") or []:
+            problem = str(host.get("last_problem") or "")
+            if problem and problems.get(host.get("name")) != problem:
+                problems[host.get("name")] = problem
+                progress(f"{host.get('name')}: {problem}")
         shown = (phase, message)
         if shown != last:
             last = shown
             progress(f"{phase}{': ' + message if message else ''}")
+        if doc.get("start_failed"):
+            raise start_failed_error(doc["start_failed"])
         if doc.get("state") == "training" and (doc.get("step") or 0) >= 1:
             return UpResult(pid, started, "training",
                             f"training: world size {doc.get('world_size')}, step {doc.get('step')}", doc)
@@ -146,6 +154,19 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
         time.sleep(0.5)
     raise EltctlError(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
                       "the controller goes on", hint="`eltctl status` shows why; `eltctl logs HOST` the hosts' logs")
+
+
+def start_failed_error(failed: dict[str, str]) -> EltctlError:
+    """`up`'s error when the job's workers failed at start on every host given slots."""
+    from eltctl.controller.status import fix_hint
+
+    lines = "\n".join(f"  {host}: {cause}" for host, cause in failed.items())
+    first = next(iter(failed.values()), "")
+    return EltctlError(f"the job's workers failed at start on every host given slots (none reached a first "
+                       f"step):\n{lines}",
+                       hint=f"{fix_hint(first)}; then run `eltctl up` again: a fix takes effect at once "
+                            "(meanwhile the controller retries after each cooldown; `eltctl logs HOST` shows "
+                            "the worker's output)")
 
 
 def scale(inventory: Inventory, add: list[str], remove: list[str], force: bool) -> dict:

@@ -77,6 +77,8 @@ class Controller:
         self._probed_once = asyncio.Event()
         self._status_written = 0.0
         self._final_mirror: dict | None = None  # what `down` reported, once the worker is stopped
+        self.fingerprint: dict | None = None  # what a fix can change, as last seen (hosts.json)
+        self._check_fix = True  # compare the fingerprint at the next pass (at start, after a reload)
 
     # ----------------------------------------------------------------- the loop
 
@@ -100,6 +102,9 @@ class Controller:
         async with self._pass:
             now = self.clock()
             await self.observe_store()
+            if self._check_fix and not self.stopping:
+                await self.apply_fixes(now)
+                self._check_fix = False
             self.maybe_probe(now)
             if not self._probed_once.is_set():
                 return None
@@ -206,6 +211,43 @@ class Controller:
         except Exception:  # noqa: BLE001 - events are advisory
             self.observed.events.append(ev)
 
+    # ----------------------------------------------------------------- fixes
+
+    async def apply_fixes(self, now: float) -> list[str]:
+        """A fix takes effect at once: the hosts a change of the code, the job's settings
+        or their entry concerns forget their failures, failure cooldown and benching
+        (an owner's cooldown stays), and an idle daemon of theirs is replaced by one
+        with the new configuration and code. Returns the hosts concerned."""
+        code = await asyncio.get_running_loop().run_in_executor(None, act.code_digest, self.inventory.job.workdir)
+        new = pol.fingerprint(self.inventory, code)
+        changed = pol.changed_hosts(self.fingerprint, new)
+        if not changed:
+            if new != self.fingerprint:
+                self.fingerprint = new
+                self.save_records()
+            return []
+        log.info("The inventory or the job's code changed: host(s) %s are tried again at once.", ", ".join(changed))
+        self.records = pol.fixed(self.records, changed)
+        retired = []
+        for name in changed:
+            if name not in self.records:
+                continue
+            view = self.observed.view(self.inventory.host(name), now, self.inventory.policy)
+            if view.daemon_alive and not view.workers:
+                self.records[name] = await act.retire_daemon(self.store, name, self.records[name])
+                self.starter.retired.add(name)
+                self.starter.started_at.pop(name, None)
+                self.starter.forget(name)
+                retired.append(name)
+        self.fingerprint = new
+        self.save_records()
+        deadline = time.monotonic() + act.RETIRE_WAIT_S
+        while retired and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            await self.observe_store()
+            retired = [n for n in retired if self.observed.daemon_alive(n, self.clock(), self.inventory.policy)]
+        return changed
+
     # ----------------------------------------------------------------- memory
 
     def load_records(self) -> None:
@@ -216,11 +258,13 @@ class Controller:
             except (TypeError, ValueError):
                 log.warning("Ignoring the unreadable memory of host %s in %s.", name, self.state.hosts_json)
         self.observed.events_read = int(doc.get("events_read", 0))
+        fp = doc.get("fingerprint")
+        self.fingerprint = fp if isinstance(fp, dict) else None
 
     def save_records(self) -> None:
         write_json_atomic(self.state.hosts_json, {
             "hosts": {name: r.to_json() for name, r in self.records.items()},
-            "events_read": self.observed.events_read})
+            "events_read": self.observed.events_read, "fingerprint": self.fingerprint})
 
     async def adopt_desired(self) -> None:
         """Seed the memory from the store's desired keys: a controller that lost
@@ -243,6 +287,7 @@ class Controller:
             if host != next((h for h in inventory.hosts if h.name == name), None):
                 self.starter.forget(name)
                 asyncio.ensure_future(self.fleet.forget(name))
+        self._check_fix = True  # the next pass compares what changed (`apply_fixes`)
 
     async def checkpoint_place(self, name: str) -> mir.Place:
         """A host's checkpoint directory over the controller's connection (the mirror's source)."""
