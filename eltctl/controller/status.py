@@ -52,6 +52,8 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     if decision.message and not running and not desired:
         return Phase.STARTING, decision.message
     if starting_daemons:
+        if phase == Phase.WAITING:  # no longer waiting: a fix or free slots, and daemons start
+            return Phase.STARTING, "starting the hosts' daemons"
         return (Phase.SHIPPING if phase in (Phase.CONNECTING, Phase.PROBING) else phase), message
     if desired:
         return Phase.STARTING, "waiting for the first step" if running else "starting workers"

@@ -41,6 +41,8 @@ PHASES = [
      (Phase.SHIPPING, "old")),
     ("daemons being started later: the phase stays", Phase.STARTING, None, IDLE, WANTED, decision(), True,
      (Phase.STARTING, "old")),
+    ("daemons being started after waiting: starting, not still waiting", Phase.WAITING, None, IDLE, WANTED,
+     decision(), True, (Phase.STARTING, "starting the hosts' daemons")),
     ("slots wanted, no worker yet: starting workers", Phase.SHIPPING, None, IDLE, WANTED, decision(), False,
      (Phase.STARTING, "starting workers")),
     ("nothing wanted and nothing to say: unchanged", Phase.PROBING, None, IDLE, {}, decision(), False,
