@@ -135,7 +135,8 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
         phase, message = doc.get("phase", ""), doc.get("message", "")
         for host in doc.get("hosts") or []:
             problem = str(host.get("last_problem") or "")
-            if problem and problems.get(host.get("name")) != problem:
+            held = host.get("state") in ("cooldown", "benched") or host.get("start_failure")
+            if problem and held and problems.get(host.get("name")) != problem:
                 problems[host.get("name")] = problem
                 progress(f"{host.get('name')}: {problem}")
         shown = (phase, message)
