@@ -285,3 +285,41 @@ def test_reading_the_store_folds_states_events_and_status():
     store.values["events/seq"] = 1
     asyncio.run(o.read_store(store, ["a"], NOW + 1))
     assert o.events_read == 1 and len(o.events) == 3
+
+
+# ----------------------------------------------------------------------- crash causes, reaching the job
+
+from eltctl.controller.observe import crash_info, in_job  # noqa: E402
+from eltctl.controller.policy import Crash  # noqa: E402
+
+CAUSE = "ModuleNotFoundError: No module named 'foo'"
+
+
+@pytest.mark.parametrize("case, ev, expected", [
+    ("a daemon's crash with its cause, failed at start",
+     {"kind": "crash", "time": NOW, "host": "a", "workers": ["a/0/5", "a/1/6"], "cause": CAUSE, "at_start": True},
+     [("a", Crash(0, CAUSE, True)), ("a", Crash(1, CAUSE, True))]),
+    ("mid-training", {"kind": "crash", "time": NOW, "host": "a", "workers": ["a/1/6"], "cause": "E: x",
+                      "at_start": False}, [("a", Crash(1, "E: x", False))]),
+    ("an older daemon: no cause", {"kind": "crash", "time": NOW, "host": "a", "workers": ["a/0/5"]},
+     [("a", Crash(0, "", False))]),
+    ("before this controller: none", {"kind": "crash", "time": NOW - 60, "host": "a", "workers": ["a/0/5"]}, []),
+])
+def test_crash_info(case, ev, expected):
+    assert crash_info(ev, NOW) == expected
+
+
+@pytest.mark.parametrize("case, rs, host, expected", [
+    ("a member in a fresh status", {"time": NOW - 1, "members": ["b/0/3", "a/1/9"]}, "a", True),
+    ("not a member", {"time": NOW - 1, "members": ["b/0/3"]}, "a", False),
+    ("a stale status says nothing", {"time": NOW - 60, "members": ["a/0/3"]}, "a", False),
+    ("no status", None, "a", False),
+])
+def test_in_job(case, rs, host, expected):
+    assert in_job(host, rs, NOW, POLICY) is expected
+
+
+
+def test_crash_causes_reach_the_view():
+    v = host_view(A, None, None, False, {0}, [Crash(0, CAUSE, True)], True)
+    assert v.crash_info == (Crash(0, CAUSE, True),) and v.in_job is True
