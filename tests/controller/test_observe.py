@@ -319,7 +319,6 @@ def test_in_job(case, rs, host, expected):
     assert in_job(host, rs, NOW, POLICY) is expected
 
 
-
 def test_crash_causes_reach_the_view():
     v = host_view(A, None, None, False, {0}, [Crash(0, CAUSE, True)], True)
     assert v.crash_info == (Crash(0, CAUSE, True),) and v.in_job is True
