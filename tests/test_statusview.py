@@ -80,8 +80,8 @@ WAITING = {
 }
 
 
-def view_text(doc, source: Source, now: float, **options) -> str:
-    console = Console(width=100, record=True, file=io.StringIO(), color_system=None,
+def view_text(doc, source: Source, now: float, *, width: int = 160, **options) -> str:
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None,
                       highlight=False, force_terminal=False)
     console.print(render_status(Snapshot(doc, source, now), ViewOptions(now=now, tz=utc(), **options)))
     return "\n".join(line.rstrip() for line in console.export_text().splitlines())
@@ -97,16 +97,14 @@ def test_training_job_from_a_live_controller():
         checkpoint  step 1200, 10 s ago
         controller  running (pid 4242), status 0.5 s old
 
-          host   state     workers   heartbeat   GPUs                          note
-         ──────────────────────────────────────────────────────────────────────────────────────────────────
+          host   state     workers   heartbeat   GPUs                                    note
+         ───────────────────────────────────────────────────────────────────────────────────────────────────────────────────────
           ws1    running         2       0.9 s   0 ours worker ws1/0/1
                                                  1 ours worker ws1/1/1
-          ws2    busy            0       1.2 s   0 busy alice (pid 999):       its owner is back
-                                                 6000 MiB, 90%
+          ws2    busy            0       1.2 s   0 busy alice (pid 999): 6000 MiB, 90%   its owner is back
           ws3    running         1       1.7 s   0 ours worker ws3/0/1
-          cpu1   benched         0           -   no GPUs (CPU slots)           daemon failed 3 times
-                                                                               benched until 14:15:00 (in
-                                                                               1 min 39 s)
+          cpu1   benched         0           -   no GPUs (CPU slots)                     daemon failed 3 times
+                                                                                         benched until 14:15:00 (in 1 min 39 s)
 
         recent events (4 of 4)
 
