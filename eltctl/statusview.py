@@ -405,14 +405,15 @@ def hosts_table(doc: Mapping[str, Any], options: ViewOptions):
     return table
 
 
-COMPACT_HOST_WIDTH = 16  # a longer host name is cut with an ellipsis (in full: `status HOST`)
-COMPACT_GPU_WIDTH = 20
-NOTE_MIN = 12
+COMPACT_HOST_WIDTH = 14  # a longer host name is cut with an ellipsis (in full: `status HOST`)
+COMPACT_GPU_WIDTH = 16
+NOTE_MIN = 20
+NOTE_LINES = 3  # a host's note takes the lines of its GPUs, and at least this many
 
 
 def hosts_table_compact(doc: Mapping[str, Any], options: ViewOptions, width: int = 80):
     """The hosts for a narrow terminal (`width` columns): one line per GPU (`0 ours w3`,
-    `1 busy alice`), the host's note in few words on its first line; every column has a
+    `1 busy alice`), the host's note beside them (in the lines its GPUs take, at least NOTE_LINES); every column has a
     fixed width, and what does not fit is cut with an ellipsis, never wrapped.
     `eltctl status HOST` shows a host's full entry."""
     from rich import box
@@ -444,26 +445,42 @@ def hosts_table_compact(doc: Mapping[str, Any], options: ViewOptions, width: int
 
     widths = [fit(0, "host", COMPACT_HOST_WIDTH), fit(1, "state"), fit(2, "wk"), fit(3, "beat"),
               fit(4, "GPUs", COMPACT_GPU_WIDTH)]
-    overhead = 2 + 5 + 2 * 6  # the box's edges, the dividers, each column's padding
+    overhead = 2 + 5 + 6  # the box's edges, the dividers, one padding (right) per column
     # The note gets what is left, at least NOTE_MIN: GPUs, then host names, give way first.
-    for i, floor in ((0, 12), (4, 14)):
+    for i, floor in ((0, 10), (4, 12)):
         excess = sum(widths) + overhead + NOTE_MIN - width
         if excess > 0:
             widths[i] = max(min(widths[i], floor), widths[i] - excess)
     note_w = max(NOTE_MIN, width - overhead - sum(widths))
-    table = Table(header_style="bold", expand=False, box=box.SIMPLE_HEAD,
+    table = Table(header_style="bold", expand=False, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
                   caption="full reasons: eltctl status HOST" if hosts else None,
                   caption_justify="left", caption_style="dim")
     for header, w, justify in zip(("host", "state", "wk", "beat", "GPUs", "note"), widths + [note_w],
                                   ("left", "left", "right", "right", "left", "left")):
         table.add_column(header, justify=justify, no_wrap=True, overflow="ellipsis", width=w)
     for name, state, workers, beat, gpus, note in rows:
-        for t in (name, *gpus, note):
+        for t in (name, *gpus):
             t.no_wrap, t.overflow = True, "ellipsis"
-        table.add_row(name, state, workers, beat, Text("\n").join(gpus), note)
+        table.add_row(name, state, workers, beat, Text("\n").join(gpus), _fold_into(note, note_w, max(len(gpus), NOTE_LINES)))
     if not hosts:
         table.add_row(Text("no hosts", style="dim"), "", "", "", "", "")
     return table
+
+
+def _fold_into(text, width: int, height: int):
+    """`text` folded into at most `height` lines of `width` cells (the lines its host's
+    GPUs take anyway), the last one cut with an ellipsis if it does not fit."""
+    import textwrap
+
+    from rich.text import Text
+
+    lines = textwrap.wrap(text.plain, width, break_long_words=True, break_on_hyphens=False) or [""]
+    if len(lines) > height:
+        lines = lines[:height]
+        lines[-1] = lines[-1][: max(0, width - 1)].rstrip() + "…"
+    out = Text("\n".join(lines), style=text.style)
+    out.no_wrap, out.overflow = True, "ellipsis"
+    return out
 
 
 # --------------------------------------------------------------------------- one host: `status HOST`
@@ -642,7 +659,7 @@ def events_table(doc: Mapping[str, Any], options: ViewOptions, *, host: str | No
     events = ([e for e in (doc.get("events") or []) if isinstance(e, dict)] if host is None
               else host_events(doc, host))
     shown = events[-options.events:] if options.events > 0 else []
-    what = "recent events" if host is None else f"recent events of {escape(host)}"
+    what = "recent events" if host is None else "recent events of this host"
     table = Table(header_style="bold", expand=False, box=box.SIMPLE_HEAD,
                   title=f"{what} ({len(shown)} of {len(events)})", title_justify="left",
                   title_style="bold")
