@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import typer
 
+from eltctl.completion import complete_host
+
 
 def logs(
     ctx: typer.Context,
-    host: str = typer.Argument(..., help="The inventory name of the host."),
+    host: str = typer.Argument(..., help="The inventory name of the host.", autocompletion=complete_host),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until Ctrl-C."),
     lines: int = typer.Option(20, "--lines", "-n", min=0, help="How many of the last lines of each log to show first."),
     failed: bool = typer.Option(

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import typer
 
+from eltctl.completion import complete_host
+
 WATCH_INTERVAL_S = 1.0
 
 
 def status(
     ctx: typer.Context,
     host: str = typer.Argument(None, help="Show this host's full entry: every GPU with its full reason, "
-                                          "its daemon and workers, its recent events.", show_default=False),
+                                          "its daemon and workers, its recent events.",
+                               show_default=False, autocompletion=complete_host),
     watch: bool = typer.Option(False, "--watch", "-w", help="Keep the view live (about once a second); Ctrl-C ends it."),
     json_out: bool = typer.Option(
         False, "--json", help="Print the status document (docs/control-plane.md) as JSON; with HOST, that host's entry."),
