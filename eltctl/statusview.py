@@ -8,6 +8,12 @@ answer, and the proof that it is alive) and falls back to the file, which then
 shows the last state the controller saw; `render_status` is a pure function of
 that snapshot and a clock, so exact-output tests draw fixed documents.
 
+The hosts table fits the console it is drawn on (`HostsView`): from WIDE_MIN_WIDTH
+(120) columns on, every GPU with its full reason; narrower, one line per GPU in few
+words (`gpu_brief`) and nothing wrapped. `render_host` draws one host's full entry
+(`eltctl status HOST`); `failed_workers` says which of a host's workers failed
+(`eltctl logs HOST --failed`).
+
 Nothing here imports torch or asyncssh: `eltctl status` must stay cheap.
 """
 
@@ -324,7 +330,7 @@ def gpu_brief(gpu: Mapping[str, Any]) -> str:
                else f"{util.group(1)}%" if util else reason)
     elif state != "free":
         who = reason
-    return f"{gpu.get('index', '?')} {state}" + (f" {who}" if who else "")
+    return " ".join(f"{gpu.get('index', '?')} {state} {who}".split())  # one line, whatever the reason holds
 
 
 def host_notes(host: Mapping[str, Any], options: ViewOptions, *, brief: bool = False) -> list[str]:

@@ -687,3 +687,21 @@ def test_failed_workers_come_from_worker_states_and_crash_events():
     assert failed_workers(doc, "ws1") == {1: "ws1/1/2 lost", 3: "ws1/3/1 crashed: python: can't open file 'trian.py'"}
     assert failed_workers(doc, "cpu1") == {0: "cpu1/0/2 crashed: exit status 1"}
     assert failed_workers(doc, "ws3") == {}
+
+
+@pytest.mark.parametrize("state, reason, brief", [
+    ("ours", "worker ws1/0/3", "0 ours w3"),
+    ("ours", "runs this job's pid 4711 python (trainer)", "0 ours pid 4711"),
+    ("ours", "", "0 ours"),
+    ("busy", "used by pid 999 python (alice)", "0 busy alice"),
+    ("busy", "used by pid 1 a (alice), pid 2 b (bob), pid 3 c (alice)", "0 busy alice, bob"),
+    ("busy", "alice (pid 999): 6000 MiB, 90%", "0 busy alice"),
+    ("busy", "23000 of 24576 MiB used (threshold 1000 MiB) with no process listed", "0 busy 23000 MiB"),
+    ("busy", "97% utilisation (threshold 10%) with no process listed", "0 busy 97%"),
+    ("free", "no processes, 3 MiB used, 0% utilisation", "0 free"),
+    ("unknown", "nvidia-smi failed:\nexit 9", "0 unknown nvidia-smi failed: exit 9"),
+])
+def test_gpu_brief(state, reason, brief):
+    from eltctl.statusview import gpu_brief
+
+    assert gpu_brief({"index": 0, "state": state, "reason": reason}) == brief
