@@ -615,24 +615,48 @@ def daemon_table(daemon: Mapping[str, Any], options: ViewOptions):
 FAILED_WORKER_STATES = {"crashed", "lost"}
 
 
+def _worker_slot(worker_id: Any, host: str) -> tuple[int, int] | None:
+    """(slot, incarnation) of a worker id `<host>/<slot>/<n>` of `host`, else None."""
+    parts = str(worker_id).rsplit("/", 2)
+    if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and parts[2].isdigit():
+        return int(parts[1]), int(parts[2])
+    return None
+
+
 def failed_workers(doc: Mapping[str, Any], name: str) -> dict[int, str]:
-    """The slots of host `name` whose worker failed, each with what is known of why:
-    from the daemon's worker states when the host's entry carries them (`daemon.workers`,
-    state crashed or lost), and from the crash events of that host in the document."""
+    """The slots of host `name` whose worker failed and has not been replaced, each with
+    what is known of why: from the daemon's worker states when the host's entry carries
+    them (`daemon.workers`, state crashed or lost), and from the crash events of that
+    host in the document, unless a later worker of that slot is live in the daemon's
+    states or named by a later event (it joined: the slot recovered)."""
     out: dict[int, str] = {}
     host = find_host(doc, name) or {}
     daemon = host.get("daemon") if isinstance(host.get("daemon"), dict) else {}
+    live: dict[int, str] = {}
     for w in daemon.get("workers") or []:
-        if isinstance(w, dict) and w.get("state") in FAILED_WORKER_STATES and isinstance(w.get("slot"), int):
+        if not isinstance(w, dict) or not isinstance(w.get("slot"), int):
+            continue
+        if w.get("state") in FAILED_WORKER_STATES:
             out[w["slot"]] = f"{w.get('worker_id') or 'worker'} {w['state']}" + (
                 f": {w['detail']}" if w.get("detail") else "")
-    for e in host_events(doc, name):
+        elif w.get("state") not in ("left", "finished"):
+            live[w["slot"]] = str(w.get("worker_id"))
+    events = host_events(doc, name)
+    for i, e in enumerate(events):
         if e.get("kind") != "crash":
             continue
         for wid in e.get("workers") or []:
-            parts = str(wid).split("/")
-            if len(parts) >= 3 and parts[0] == name and parts[-2].isdigit():
-                out.setdefault(int(parts[-2]), f"{wid} crashed" + (f": {e['detail']}" if e.get("detail") else ""))
+            slot_n = _worker_slot(wid, name)
+            if slot_n is None or slot_n[0] in out:
+                continue
+            slot, n = slot_n
+            if slot in live and live[slot] != str(wid):
+                continue
+            later = (_worker_slot(w, name) for ev in events[i + 1:]
+                     for key in ("workers", "joined", "members") for w in ev.get(key) or [])
+            if any(x is not None and x[0] == slot and x[1] > n for x in later):
+                continue
+            out[slot] = f"{wid} crashed" + (f": {e['detail']}" if e.get("detail") else "")
     return dict(sorted(out.items()))
 
 

@@ -705,3 +705,19 @@ def test_gpu_brief(state, reason, brief):
     from eltctl.statusview import gpu_brief
 
     assert gpu_brief({"index": 0, "state": state, "reason": reason}) == brief
+
+
+def test_a_failed_worker_that_was_replaced_is_not_failed_any_more():
+    from eltctl.statusview import failed_workers
+
+    crash = {"time": NOW - 30, "kind": "crash", "host": "ws1", "workers": ["ws1/0/2"], "pause_s": None,
+             "detail": "exit status 1"}
+    doc = {**TRAINING, "events": [crash]}
+    assert failed_workers(doc, "ws1") == {0: "ws1/0/2 crashed: exit status 1"}
+    # A later worker of slot 0 joined the job: the slot recovered.
+    joined = {"time": NOW - 10, "kind": "join", "generation": 8, "world_size": 4,
+              "members": ["ws1/0/3", "ws1/1/1"], "joined": ["ws1/0/3"], "left": [], "lost": []}
+    assert failed_workers({**doc, "events": [crash, joined]}, "ws1") == {}
+    # Or the daemon runs another worker there now.
+    host = {**TRAINING["hosts"][0], "daemon": {"workers": [{"slot": 0, "worker_id": "ws1/0/3", "state": "running"}]}}
+    assert failed_workers({**doc, "hosts": [host]}, "ws1") == {}
