@@ -62,7 +62,7 @@ app = typer.Typer(
     name="eltctl",
     help="Elastic PyTorch training on the GPUs your lab already has, over SSH.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion (typer imports its completion code anyway)
     pretty_exceptions_enable=False,
 )
 

@@ -16,7 +16,7 @@ import base64
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from eltctl.errors import EltctlError, HostError
 from eltctl.hosts import layout
@@ -33,8 +33,18 @@ def job_dir(job: str, host: str) -> str:
     return layout.shell_job_dir(job, host)
 
 
-def read_command(job: str, host: str, offsets: Mapping[str, int], *, last_lines: int | None) -> str:
-    """The shell command that reads what is new in every log of `job` on `host`.
+def log_files(slots: Iterable[int] | None = None) -> str:
+    """The logs to read, as shell words relative to the job's directory: every log
+    (the daemon's and each worker's), or only the workers' of `slots`."""
+    if slots is None:
+        return f"{layout.DAEMON_LOG} {layout.worker_log('*')}"
+    return " ".join(layout.worker_log(int(s)) for s in slots)
+
+
+def read_command(job: str, host: str, offsets: Mapping[str, int], *, last_lines: int | None,
+                 slots: Iterable[int] | None = None) -> str:
+    """The shell command that reads what is new in every log of `job` on `host`
+    (only the logs of the workers of `slots` when that is given).
 
     A log in `offsets` is read from that byte offset (from 0 if it shrank: rotated or
     rewritten). Another log is read whole, or only its last `last_lines` lines when
@@ -48,7 +58,7 @@ def read_command(job: str, host: str, offsets: Mapping[str, int], *, last_lines:
 d={job_dir(job, host)}
 [ -d "$d" ] || {{ echo {NO_DIR}; exit 0; }}
 cd "$d" || exit 1
-for f in {layout.DAEMON_LOG} {layout.worker_log("*")}; do
+for f in {log_files(slots)}; do
   [ -f "$f" ] || continue
   size=$(wc -c < "$f" | tr -d ' ')
   off=-1
@@ -142,9 +152,11 @@ class NoLogsError(EltctlError):
 
 
 async def read_new(transport: Transport, job: str, host: str, reader: LogReader, *,
-                   last_lines: int | None) -> list[str] | None:
-    """One read of everything new; None when the host has no directory of the job."""
-    result = await transport.run(read_command(job, host, reader.offsets, last_lines=last_lines))
+                   last_lines: int | None, slots: Iterable[int] | None = None) -> list[str] | None:
+    """One read of everything new (of the workers of `slots` only, when given); None
+    when the host has no directory of the job."""
+    result = await transport.run(read_command(job, host, reader.offsets, last_lines=last_lines,
+                                              slots=slots))
     if not result.ok:
         raise HostError(host, f"reading the logs failed (exit {result.exit_status}): "
                               f"{result.stderr.strip()[:300]}", kind=ErrorKind.COMMAND)
@@ -154,11 +166,13 @@ async def read_new(transport: Transport, job: str, host: str, reader: LogReader,
 
 async def show_logs(transport: Transport, job: str, host: str, *, lines: int, follow: bool,
                     emit: Callable[[str], None], interval: float = FOLLOW_INTERVAL_S,
-                    stop: asyncio.Event | None = None) -> None:
-    """Emit the last `lines` lines of every log; with `follow`, then every new line until
-    cancelled (Ctrl-C) or until `stop` is set."""
+                    stop: asyncio.Event | None = None, slots: Iterable[int] | None = None) -> list[str]:
+    """Emit the last `lines` lines of every log (of the workers of `slots` only, when
+    given: e.g. those that failed); with `follow`, then every new line until cancelled
+    (Ctrl-C) or until `stop` is set. Returns the logs read (`daemon.log`, `workers/0.log`)."""
+    slots = None if slots is None else sorted(set(slots))
     reader = LogReader()
-    first = await read_new(transport, job, host, reader, last_lines=lines)
+    first = await read_new(transport, job, host, reader, last_lines=lines, slots=slots)
     if first is None and not follow:
         raise NoLogsError(f"host {host} has no logs of job {job!r} (no {job_dir(job, host)})",
                           hint="the job has not run on this host; `eltctl status` shows where it runs")
@@ -167,7 +181,7 @@ async def show_logs(transport: Transport, job: str, host: str, *, lines: int, fo
     if not follow:
         for line in reader.flush():
             emit(line)
-        return
+        return sorted(reader.offsets, key=_order)
     seen_dir = first is not None
     stop = stop or asyncio.Event()
     while not stop.is_set():
@@ -177,9 +191,11 @@ async def show_logs(transport: Transport, job: str, host: str, *, lines: int, fo
         except asyncio.TimeoutError:
             pass
         # Files that appear while following are new workers: shown from their start.
-        new = await read_new(transport, job, host, reader, last_lines=None if seen_dir else lines)
+        new = await read_new(transport, job, host, reader, last_lines=None if seen_dir else lines,
+                             slots=slots)
         if new is None:
             continue
         seen_dir = True
         for line in new:
             emit(line)
+    return sorted(reader.offsets, key=_order)

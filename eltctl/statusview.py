@@ -8,6 +8,12 @@ answer, and the proof that it is alive) and falls back to the file, which then
 shows the last state the controller saw; `render_status` is a pure function of
 that snapshot and a clock, so exact-output tests draw fixed documents.
 
+The hosts table fits the console it is drawn on (`HostsView`): from WIDE_MIN_WIDTH
+(120) columns on, every GPU with its full reason; narrower, one line per GPU in few
+words (`gpu_brief`) and nothing wrapped. `render_host` draws one host's full entry
+(`eltctl status HOST`); `failed_workers` says which of a host's workers failed
+(`eltctl logs HOST --failed`).
+
 Nothing here imports torch or asyncssh: `eltctl status` must stay cheap.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone, tzinfo
@@ -180,6 +187,7 @@ class ViewOptions:
     events: int = EVENTS_SHOWN
     title: str = ""  # e.g. the demo's narration above the job
     extra: tuple[str, ...] = field(default_factory=tuple)  # lines (rich markup) after the title
+    layout: str = "auto"  # "wide", "compact", or "auto": wide from WIDE_MIN_WIDTH columns on
 
 
 def render_status(snapshot: Snapshot, options: ViewOptions):
@@ -191,7 +199,7 @@ def render_status(snapshot: Snapshot, options: ViewOptions):
         parts.append(options.title)
     parts.extend(options.extra)
     parts.append(job_summary(snapshot, options))
-    parts.append(hosts_table(snapshot.document, options))
+    parts.append(HostsView(snapshot.document, options))
     parts.append(events_table(snapshot.document, options))
     return Group(*parts)
 
@@ -293,14 +301,97 @@ def _gpu_lines(host: Mapping[str, Any]) -> str:
     return "\n".join(lines) or "[dim]no GPUs (CPU slots)[/]"
 
 
+_WORKER_ID = re.compile(r"\S+/\d+/(\d+)")
+_PROCESS_USER = re.compile(r"pid \d+(?: [^()]*?)? \(([^()]+)\)")  # probe: "pid 999 python (alice)"
+_USER_PID = re.compile(r"^([\w.@-]+) \(pid \d+\)")  # "alice (pid 999): ..."
+_OURS_PID = re.compile(r"\bpid (\d+)")
+_MIB_USED = re.compile(r"^(\d+)(?: of \d+)? MiB used")  # probe: busy by memory, no process listed
+_UTIL = re.compile(r"^(\d+)% utilisation")
+
+
+def gpu_brief(gpu: Mapping[str, Any]) -> str:
+    """A GPU in a few words, for the compact layout: `0 ours w3`, `1 busy alice`, `2 free`.
+
+    Who holds it, shortened: our worker's incarnation (`w<n>` of `<host>/<slot>/<n>`), a
+    busy GPU's owners (the users the probe names), else the reason's first words (the
+    full reason is in `eltctl status HOST`)."""
+    state = str(gpu.get("state", "?"))
+    reason = str(gpu.get("reason") or "")
+    who = ""
+    if state == "ours":
+        m = _WORKER_ID.search(reason)
+        pid = _OURS_PID.search(reason)
+        who = f"w{m.group(1)}" if m else f"pid {pid.group(1)}" if pid else ""
+    elif state == "busy":
+        users = list(dict.fromkeys(_PROCESS_USER.findall(reason)))
+        m = _USER_PID.match(reason)
+        mem, util = _MIB_USED.search(reason), _UTIL.search(reason)
+        who = (", ".join(users) if users else m.group(1) if m else f"{mem.group(1)} MiB" if mem
+               else f"{util.group(1)}%" if util else reason)
+    elif state != "free":
+        who = reason
+    return " ".join(f"{gpu.get('index', '?')} {state} {who}".split())  # one line, whatever the reason holds
+
+
+def host_notes(host: Mapping[str, Any], options: ViewOptions, *, brief: bool = False) -> list[str]:
+    """Why a host is as it is: its reason, benching or cooldown, failures in a row.
+    `brief`: few words each (the compact layout), plain text."""
+    notes = []
+    if host.get("reason"):
+        notes.append(str(host["reason"]))
+    for key, what in (("benched_until", "benched"), ("cooldown_until", "cooling down")):
+        until = _num(host.get(key))
+        if until is not None and until > options.now:
+            if brief:
+                notes.append(f"{what} {format_age(until - options.now)}")
+            else:
+                notes.append(f"{what} until {format_clock(until, options.tz)} "
+                             f"(in {format_age(until - options.now)})")
+    failures = host.get("failures")
+    if isinstance(failures, int) and failures > 0:
+        notes.append(f"{failures} failure(s)" if brief else f"{failures} failure(s) in a row")
+    return notes
+
+
+def _heartbeat(host: Mapping[str, Any], staleness: float) -> str:
+    hb = _num(host.get("heartbeat_age_s"))
+    return format_age(hb + staleness) if hb is not None else "-"
+
+
+def _staleness(doc: Mapping[str, Any], now: float) -> float:
+    updated = _num(doc.get("updated"))
+    return max(0.0, now - updated) if updated is not None else 0.0
+
+
+WIDE_MIN_WIDTH = 120  # from this many columns on, the hosts table shows every GPU's full reason
+
+
+class HostsView:
+    """The hosts table, laid out for the console it is drawn on: wide (full reasons)
+    from WIDE_MIN_WIDTH columns on, else compact (one line per GPU, nothing wraps)."""
+
+    def __init__(self, doc: Mapping[str, Any], options: ViewOptions) -> None:
+        self.doc, self.options = doc, options
+
+    def wide(self, width: int) -> bool:
+        if self.options.layout in ("wide", "compact"):
+            return self.options.layout == "wide"
+        return width >= WIDE_MIN_WIDTH
+
+    def __rich_console__(self, console, options):
+        if self.wide(options.max_width):
+            yield hosts_table(self.doc, self.options)
+        else:
+            yield hosts_table_compact(self.doc, self.options, options.max_width)
+
+
 def hosts_table(doc: Mapping[str, Any], options: ViewOptions):
     """One row per host: daemon state, heartbeat age, GPUs, and why it is not used."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
-    updated = _num(doc.get("updated"))
-    staleness = max(0.0, options.now - updated) if updated is not None else 0.0
+    staleness = _staleness(doc, options.now)
     table = Table(header_style="bold", expand=False, box=box.SIMPLE_HEAD)
     table.add_column("host", no_wrap=True)
     table.add_column("state", no_wrap=True)
@@ -311,25 +402,262 @@ def hosts_table(doc: Mapping[str, Any], options: ViewOptions):
     hosts = doc.get("hosts") or []
     for host in hosts:
         state = str(host.get("state", "?"))
-        hb = _num(host.get("heartbeat_age_s"))
-        heartbeat = format_age(hb + staleness) if hb is not None else "-"
-        notes = []
-        if host.get("reason"):
-            notes.append(escape(str(host["reason"])))
-        for key, what in (("benched_until", "benched"), ("cooldown_until", "cooling down")):
-            until = _num(host.get(key))
-            if until is not None and until > options.now:
-                notes.append(f"{what} until {format_clock(until, options.tz)} "
-                             f"(in {format_age(until - options.now)})")
-        failures = host.get("failures")
-        if isinstance(failures, int) and failures > 0:
-            notes.append(f"{failures} failure(s) in a row")
         table.add_row(f"[bold]{escape(str(host.get('name', '?')))}[/]",
                       f"[{HOST_STATE_STYLE.get(state, 'white')}]{escape(state)}[/]",
-                      str(host.get("workers", 0)), heartbeat, _gpu_lines(host), "\n".join(notes))
+                      str(host.get("workers", 0)), _heartbeat(host, staleness), _gpu_lines(host),
+                      "\n".join(escape(n) for n in host_notes(host, options)))
     if not hosts:
         table.add_row("[dim]no hosts[/]", "", "", "", "", "")
     return table
+
+
+COMPACT_HOST_WIDTH = 14  # a longer host name is cut with an ellipsis (in full: `status HOST`)
+COMPACT_GPU_WIDTH = 16
+NOTE_MIN = 20
+NOTE_LINES = 3  # a host's note takes the lines of its GPUs, and at least this many
+
+
+def hosts_table_compact(doc: Mapping[str, Any], options: ViewOptions, width: int = 80):
+    """The hosts for a narrow terminal (`width` columns): one line per GPU (`0 ours w3`,
+    `1 busy alice`), the host's note beside them (in the lines its GPUs take, at least NOTE_LINES); every column has a
+    fixed width, and what does not fit is cut with an ellipsis, never wrapped.
+    `eltctl status HOST` shows a host's full entry."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    staleness = _staleness(doc, options.now)
+    hosts = [h for h in doc.get("hosts") or [] if isinstance(h, dict)]
+    rows = []
+    for host in hosts:
+        state = str(host.get("state", "?"))
+        gpus = []
+        for gpu in host.get("gpus") or []:
+            line = Text(gpu_brief(gpu))
+            gstate = str(gpu.get("state", "?"))
+            start = len(str(gpu.get("index", "?"))) + 1
+            line.stylize(GPU_STATE_STYLE.get(gstate, "white"), start, start + len(gstate))
+            gpus.append(line)
+        rows.append((Text(str(host.get("name", "?")), style="bold"),
+                     Text(state, style=HOST_STATE_STYLE.get(state, "white")),
+                     Text(str(host.get("workers", 0))), Text(_heartbeat(host, staleness)),
+                     gpus or [Text("CPU slots", style="dim")],
+                     Text("; ".join(host_notes(host, options, brief=True)))))
+
+    def fit(i: int, header: str, cap: int | None = None) -> int:
+        longest = max([len(header)] + [max((t.cell_len for t in r[i]), default=0) if isinstance(r[i], list)
+                                       else r[i].cell_len for r in rows])
+        return min(longest, cap) if cap else longest
+
+    widths = [fit(0, "host", COMPACT_HOST_WIDTH), fit(1, "state"), fit(2, "wk"), fit(3, "beat"),
+              fit(4, "GPUs", COMPACT_GPU_WIDTH)]
+    overhead = 2 + 5 + 6  # the box's edges, the dividers, one padding (right) per column
+    # The note gets what is left, at least NOTE_MIN: GPUs, then host names, give way first.
+    for i, floor in ((0, 10), (4, 12)):
+        excess = sum(widths) + overhead + NOTE_MIN - width
+        if excess > 0:
+            widths[i] = max(min(widths[i], floor), widths[i] - excess)
+    note_w = max(NOTE_MIN, width - overhead - sum(widths))
+    table = Table(header_style="bold", expand=False, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
+                  caption="full reasons: eltctl status HOST" if hosts else None,
+                  caption_justify="left", caption_style="dim")
+    for header, w, justify in zip(("host", "state", "wk", "beat", "GPUs", "note"), widths + [note_w],
+                                  ("left", "left", "right", "right", "left", "left")):
+        table.add_column(header, justify=justify, no_wrap=True, overflow="ellipsis", width=w)
+    for name, state, workers, beat, gpus, note in rows:
+        for t in (name, *gpus):
+            t.no_wrap, t.overflow = True, "ellipsis"
+        table.add_row(name, state, workers, beat, Text("\n").join(gpus), _fold_into(note, note_w, max(len(gpus), NOTE_LINES)))
+    if not hosts:
+        table.add_row(Text("no hosts", style="dim"), "", "", "", "", "")
+    return table
+
+
+def _fold_into(text, width: int, height: int):
+    """`text` folded into at most `height` lines of `width` cells (the lines its host's
+    GPUs take anyway), the last one cut with an ellipsis if it does not fit."""
+    import textwrap
+
+    from rich.text import Text
+
+    lines = textwrap.wrap(text.plain, width, break_long_words=True, break_on_hyphens=False) or [""]
+    if len(lines) > height:
+        lines = lines[:height]
+        lines[-1] = lines[-1][: max(0, width - 1)].rstrip() + "…"
+    out = Text("\n".join(lines), style=text.style)
+    out.no_wrap, out.overflow = True, "ellipsis"
+    return out
+
+
+# --------------------------------------------------------------------------- one host: `status HOST`
+
+_HOST_KEYS_SHOWN = {"name", "state", "reason", "workers", "heartbeat_age_s", "benched_until",
+                    "cooldown_until", "failures", "desired", "gpus", "daemon"}
+
+
+def find_host(doc: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    for host in doc.get("hosts") or []:
+        if isinstance(host, dict) and host.get("name") == name:
+            return host
+    return None
+
+
+def host_events(doc: Mapping[str, Any], name: str) -> list[dict]:
+    """The document's events that concern host `name` (its own, or naming its workers)."""
+    out = []
+    for e in doc.get("events") or []:
+        if isinstance(e, dict) and name in describe_event(e)[0].split(", "):
+            out.append(e)
+    return out
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True)
+    return _show(value)
+
+
+def render_host(snapshot: Snapshot, name: str, options: ViewOptions):
+    """`eltctl status HOST`: that host's full entry: its state and why, every GPU with
+    its full reason, its daemon and workers (when the document has them), any other
+    field of the entry, and the recent events of that host. A rich renderable."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    doc = snapshot.document
+    host = find_host(doc, name)
+    parts: list[Any] = []
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    state = str(doc.get("state", "?"))
+    grid.add_row("job", f"[bold]{escape(str(doc.get('job', '?')))}[/] "
+                        f"[{JOB_STATE_STYLE.get(state, 'white')}]{escape(state)}[/]")
+    if not snapshot.controller_alive:
+        grid.add_row("controller", f"[bold yellow]{escape(CONTROLLER_DOWN)}[/]\n"
+                                   f"[dim]showing the last status it wrote, "
+                                   f"{format_age(_staleness(doc, options.now))} old[/]")
+    if host is None:
+        grid.add_row("host", f"[bold]{escape(name)}[/] [dim]not in the job's status "
+                             "(not used by the job, or the controller has not seen it yet)[/]")
+        return Group(grid, events_table(doc, options, host=name))
+    hstate = str(host.get("state", "?"))
+    grid.add_row("host", f"[bold]{escape(name)}[/] "
+                         f"[{HOST_STATE_STYLE.get(hstate, 'white')}]{escape(hstate)}[/]")
+    for note in host_notes(host, options):
+        grid.add_row("", escape(note))
+    desired = host.get("desired")
+    workers = _show(host.get("workers", 0))
+    if isinstance(desired, list):
+        workers += f" running; desired slot(s): {', '.join(map(str, desired)) or 'none'}"
+    grid.add_row("workers", workers)
+    grid.add_row("heartbeat", _heartbeat(host, _staleness(doc, options.now)))
+    for key in host:
+        if key not in _HOST_KEYS_SHOWN and host[key] not in (None, "", [], {}):
+            grid.add_row(escape(str(key).replace("_", " ")), escape(_value(host[key])))
+    parts.append(grid)
+
+    gpus = Table(header_style="bold", expand=False, box=_box(), title="GPUs", title_justify="left",
+                 title_style="bold")
+    gpus.add_column("GPU", justify="right", no_wrap=True)
+    gpus.add_column("state", no_wrap=True)
+    gpus.add_column("reason", overflow="fold")
+    for gpu in host.get("gpus") or []:
+        gstate = str(gpu.get("state", "?"))
+        gpus.add_row(_show(gpu.get("index")), f"[{GPU_STATE_STYLE.get(gstate, 'white')}]{escape(gstate)}[/]",
+                     escape(str(gpu.get("reason") or "")))
+    if not host.get("gpus"):
+        gpus.add_row("-", "[dim]no GPUs (CPU slots)[/]", "")
+    parts.append(gpus)
+
+    daemon = host.get("daemon")
+    if isinstance(daemon, dict):
+        parts.append(daemon_table(daemon, options))
+    parts.append(events_table(doc, options, host=name))
+    return Group(*parts)
+
+
+def _box():
+    from rich import box
+
+    return box.SIMPLE_HEAD
+
+
+def daemon_table(daemon: Mapping[str, Any], options: ViewOptions):
+    """A host daemon's own report (its state document): its facts, then its workers."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    facts = ", ".join(f"{k} {_value(v)}" for k, v in daemon.items()
+                      if k != "workers" and not isinstance(v, (dict, list)) and v not in (None, ""))
+    table = Table(header_style="bold", expand=False, box=_box(), title_justify="left", title_style="bold",
+                  title=f"daemon ({escape(facts)})" if facts else "daemon")
+    table.add_column("slot", justify="right", no_wrap=True)
+    table.add_column("worker", no_wrap=True)
+    table.add_column("pid", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("since", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    workers = [w for w in daemon.get("workers") or [] if isinstance(w, dict)]
+    for w in workers:
+        wstate = str(w.get("state", "?"))
+        style = "red" if wstate in FAILED_WORKER_STATES else "green" if wstate == "running" else "white"
+        table.add_row(_show(w.get("slot")), escape(_show(w.get("worker_id"))), _show(w.get("pid")),
+                      f"[{style}]{escape(wstate)}[/]", format_clock(_num(w.get("since")), options.tz),
+                      escape(str(w.get("detail") or "")))
+    if not workers:
+        table.add_row("", "[dim]no workers[/]", "", "", "", "")
+    return table
+
+
+# Worker end states (runtime/daemon/logic.py WorkerState) of a worker that failed.
+FAILED_WORKER_STATES = {"crashed", "lost"}
+
+
+def _worker_slot(worker_id: Any, host: str) -> tuple[int, int] | None:
+    """(slot, incarnation) of a worker id `<host>/<slot>/<n>` of `host`, else None."""
+    parts = str(worker_id).rsplit("/", 2)
+    if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and parts[2].isdigit():
+        return int(parts[1]), int(parts[2])
+    return None
+
+
+def failed_workers(doc: Mapping[str, Any], name: str) -> dict[int, str]:
+    """The slots of host `name` whose worker failed and has not been replaced, each with
+    what is known of why: from the daemon's worker states when the host's entry carries
+    them (`daemon.workers`, state crashed or lost), and from the crash events of that
+    host in the document, unless a later worker of that slot is live in the daemon's
+    states or named by a later event (it joined: the slot recovered)."""
+    out: dict[int, str] = {}
+    host = find_host(doc, name) or {}
+    daemon = host.get("daemon") if isinstance(host.get("daemon"), dict) else {}
+    live: dict[int, str] = {}
+    for w in daemon.get("workers") or []:
+        if not isinstance(w, dict) or not isinstance(w.get("slot"), int):
+            continue
+        if w.get("state") in FAILED_WORKER_STATES:
+            out[w["slot"]] = f"{w.get('worker_id') or 'worker'} {w['state']}" + (
+                f": {w['detail']}" if w.get("detail") else "")
+        elif w.get("state") not in ("left", "finished"):
+            live[w["slot"]] = str(w.get("worker_id"))
+    events = host_events(doc, name)
+    for i, e in enumerate(events):
+        if e.get("kind") != "crash":
+            continue
+        for wid in e.get("workers") or []:
+            slot_n = _worker_slot(wid, name)
+            if slot_n is None or slot_n[0] in out:
+                continue
+            slot, n = slot_n
+            if slot in live and live[slot] != str(wid):
+                continue
+            later = (_worker_slot(w, name) for ev in events[i + 1:]
+                     for key in ("workers", "joined", "members") for w in ev.get(key) or [])
+            if any(x is not None and x[0] == slot and x[1] > n for x in later):
+                continue
+            out[slot] = f"{wid} crashed" + (f": {e['detail']}" if e.get("detail") else "")
+    return dict(sorted(out.items()))
 
 
 def describe_event(event: Mapping[str, Any]) -> tuple[str, str]:
@@ -351,16 +679,19 @@ def describe_event(event: Mapping[str, Any]) -> tuple[str, str]:
     return host, detail
 
 
-def events_table(doc: Mapping[str, Any], options: ViewOptions):
-    """The last few events, oldest first, with the pause each cost the job."""
+def events_table(doc: Mapping[str, Any], options: ViewOptions, *, host: str | None = None):
+    """The last few events, oldest first, with the pause each cost the job (those of
+    one host when `host` is given)."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
-    events = [e for e in (doc.get("events") or []) if isinstance(e, dict)]
+    events = ([e for e in (doc.get("events") or []) if isinstance(e, dict)] if host is None
+              else host_events(doc, host))
     shown = events[-options.events:] if options.events > 0 else []
+    what = "recent events" if host is None else "recent events of this host"
     table = Table(header_style="bold", expand=False, box=box.SIMPLE_HEAD,
-                  title=f"recent events ({len(shown)} of {len(events)})", title_justify="left",
+                  title=f"{what} ({len(shown)} of {len(events)})", title_justify="left",
                   title_style="bold")
     table.add_column("time", no_wrap=True)
     table.add_column("event", no_wrap=True)

@@ -80,8 +80,8 @@ WAITING = {
 }
 
 
-def view_text(doc, source: Source, now: float, **options) -> str:
-    console = Console(width=100, record=True, file=io.StringIO(), color_system=None,
+def view_text(doc, source: Source, now: float, *, width: int = 160, **options) -> str:
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None,
                       highlight=False, force_terminal=False)
     console.print(render_status(Snapshot(doc, source, now), ViewOptions(now=now, tz=utc(), **options)))
     return "\n".join(line.rstrip() for line in console.export_text().splitlines())
@@ -97,16 +97,14 @@ def test_training_job_from_a_live_controller():
         checkpoint  step 1200, 10 s ago
         controller  running (pid 4242), status 0.5 s old
 
-          host   state     workers   heartbeat   GPUs                          note
-         ──────────────────────────────────────────────────────────────────────────────────────────────────
+          host   state     workers   heartbeat   GPUs                                    note
+         ───────────────────────────────────────────────────────────────────────────────────────────────────────────────────────
           ws1    running         2       0.9 s   0 ours worker ws1/0/1
                                                  1 ours worker ws1/1/1
-          ws2    busy            0       1.2 s   0 busy alice (pid 999):       its owner is back
-                                                 6000 MiB, 90%
+          ws2    busy            0       1.2 s   0 busy alice (pid 999): 6000 MiB, 90%   its owner is back
           ws3    running         1       1.7 s   0 ours worker ws3/0/1
-          cpu1   benched         0           -   no GPUs (CPU slots)           daemon failed 3 times
-                                                                               benched until 14:15:00 (in
-                                                                               1 min 39 s)
+          cpu1   benched         0           -   no GPUs (CPU slots)                     daemon failed 3 times
+                                                                                         benched until 14:15:00 (in 1 min 39 s)
 
         recent events (4 of 4)
 
@@ -516,3 +514,210 @@ def test_mirror_with_nothing_mirrored_and_an_error_says_both():
 
 def test_no_mirror_no_mirror_line():
     assert "mirror" not in view_text({**TRAINING, "mirror": None}, Source.CONTROLLER, NOW)
+
+
+# ------------------------------------------------------------------------ the view fits the terminal
+
+def _gpu(i: int, state: str, reason: str) -> dict:
+    return {"index": i, "state": state, "reason": reason}
+
+
+LONG_NAME = "gpu-node-with-a-very-long-name.cluster.example.org"
+CRASH_REASON = ("worker on slot 3 crashed: python: can't open file "
+                "'/home/alice/.eltctl/jobs/mnist/lab/code/trian.py': [Errno 2] No such file or directory")
+
+# Hosts with 2 to 8 GPUs, the probe's and the daemon's long reasons, long host names.
+CROWDED = {
+    **TRAINING,
+    "hosts": [
+        {"name": "ws1", "state": "running", "reason": "", "workers": 2, "heartbeat_age_s": 0.4,
+         "gpus": [_gpu(0, "ours", "worker ws1/0/3"),
+                  _gpu(1, "ours", "runs this job's pid 4711 python (trainer)")]},
+        {"name": "lab-workstation-of-alice", "state": "busy", "reason": "its owner is back", "workers": 1,
+         "heartbeat_age_s": 0.7,
+         "gpus": [_gpu(0, "busy", "used by pid 999 python (alice); shares it with this job's pid 4712"),
+                  _gpu(1, "busy", "used by pid 12345 jupyter-lab (alice), pid 12346 python3 (bob)"),
+                  _gpu(2, "ours", "worker lab-workstation-of-alice/2/1"),
+                  _gpu(3, "free", "no processes, 3 MiB used, 0% utilisation")]},
+        {"name": LONG_NAME, "state": "cooldown", "reason": CRASH_REASON, "workers": 4, "heartbeat_age_s": 1.1,
+         "cooldown_until": NOW + 290, "failures": 2,
+         "gpus": [_gpu(i, s, r) for i, (s, r) in enumerate([
+             ("ours", f"worker {LONG_NAME}/0/7"),
+             ("busy", "23000 of 24576 MiB used (threshold 1000 MiB) with no process listed (another container?)"),
+             ("busy", "97% utilisation (threshold 10%) with no process listed (another container?)"),
+             ("free", "no processes, 0 MiB used, 0% utilisation"),
+             ("ours", f"worker {LONG_NAME}/4/7"),
+             ("ours", f"worker {LONG_NAME}/5/7"),
+             ("unknown", "nvidia-smi did not answer within 10 s"),
+             ("ours", f"worker {LONG_NAME}/7/7")])]},
+        {"name": "cpu1", "state": "benched", "reason": "daemon failed 3 times", "workers": 0,
+         "heartbeat_age_s": None, "benched_until": NOW + 100.0, "gpus": []},
+    ],
+}
+
+
+def _hosts_section(text: str) -> list[str]:
+    """The rows of the hosts table: the lines after its header's rule, up to a blank line."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "host" in line and "state" in line) + 2
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("doc", [TRAINING, CROWDED], ids=["training", "crowded"])
+def test_at_80_columns_no_gpu_entry_wraps(doc):
+    text = view_text(doc, Source.CONTROLLER, NOW + 0.5, width=80)
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    header = next(line for line in text.splitlines() if "GPUs" in line and "note" in line)
+    gpu_col, note_col = header.index("GPUs"), header.index("note")
+    rows = _hosts_section(text)
+    # A host's block: its first line names it; the next ones continue its cells.
+    starts = [i for i, row in enumerate(rows) if row[:2].strip()]
+    assert starts[0] == 0 and len(starts) == len(doc["hosts"]), "\n".join(rows)
+    for host, start, end in zip(doc["hosts"], starts, starts[1:] + [len(rows)]):
+        assert rows[start].lstrip().startswith(host["name"][:10]), (host["name"], rows[start])
+        cells = [row[gpu_col:note_col].strip() for row in rows[start:end]]
+        gpus = host["gpus"]
+        if not gpus:
+            assert cells[0] == "CPU slots" and not any(cells[1:])
+            continue
+        # Each GPU on exactly one line, in order; no line of the block continues one.
+        for gpu, cell in zip(gpus, cells):
+            assert cell.startswith(f"{gpu['index']} {gpu['state']}"), (gpu, cell)
+        assert not any(cells[len(gpus):]), cells
+    assert "full reasons: eltctl status HOST" in text
+
+
+def test_the_compact_layout_names_who_holds_each_gpu():
+    rows = "\n".join(_hosts_section(view_text(CROWDED, Source.CONTROLLER, NOW, width=80)))
+    assert "0 ours w3" in rows and "1 ours pid 4711" in rows
+    assert "0 busy alice" in rows and "1 busy alice, b…" in rows  # cut, not wrapped
+    assert "1 busy 23000 MiB" in rows and "2 busy 97%" in rows and "3 free" in rows
+    assert "its owner is back" in rows
+    # The note beside a host's GPUs: its reason folded in those lines, then cut.
+    notes = " ".join(" ".join(row[row.index("  ", 40):] if "  " in row[40:] else "" for row in
+                              rows.splitlines()).split())
+    assert "worker on slot 3 crashed: python: can't open file" in notes
+
+
+def test_at_160_columns_the_wide_layout_shows_every_full_reason():
+    text = view_text(CROWDED, Source.CONTROLLER, NOW + 0.5, width=160)
+    assert all(len(line) <= 160 for line in text.splitlines())
+    lines = text.splitlines()
+    header = next(line for line in lines if "heartbeat" in line and "GPUs" in line)
+    gpu_col, note_col = header.index("GPUs"), header.index("note")
+    rows = _hosts_section(text)
+    # Compared without white space: a long word (a path) is folded inside itself.
+    gpu_text = "".join("".join(row[gpu_col:note_col] for row in rows).split())
+    note_text = "".join("".join(row[note_col:] for row in rows).split())
+    for host in CROWDED["hosts"]:
+        for gpu in host["gpus"]:
+            assert "".join(f"{gpu['index']} {gpu['state']} {gpu['reason']}".split()) in gpu_text, gpu
+    assert "".join(CRASH_REASON.split()) in note_text
+    assert "coolingdownuntil14:18:10(in4min49s)" in note_text
+
+
+@pytest.mark.parametrize("width, wide", [(80, False), (119, False), (120, True), (200, True)])
+def test_the_layout_is_chosen_by_the_width(width, wide):
+    text = view_text(TRAINING, Source.CONTROLLER, NOW, width=width)
+    assert ("heartbeat" in text) is wide and ("full reasons: eltctl status HOST" in text) is not wide
+
+
+def test_the_layout_can_be_forced():
+    assert "heartbeat" in view_text(TRAINING, Source.CONTROLLER, NOW, width=80, layout="wide")
+    assert "heartbeat" not in view_text(TRAINING, Source.CONTROLLER, NOW, width=200, layout="compact")
+
+
+def host_text(doc, name: str, *, width: int = 80, source: Source = Source.CONTROLLER, now: float = NOW) -> str:
+    from eltctl.statusview import render_host
+
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None,
+                      highlight=False, force_terminal=False)
+    console.print(render_host(Snapshot(doc, source, now), name, ViewOptions(now=now, tz=utc())))
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines())
+
+
+def test_status_host_shows_every_gpu_with_its_full_reason_and_the_hosts_events():
+    doc = copy.deepcopy(CROWDED)
+    doc["events"] = TRAINING["events"] + [
+        {"time": NOW - 2.0, "kind": "crash", "host": LONG_NAME, "workers": [f"{LONG_NAME}/3/6"],
+         "pause_s": None, "detail": CRASH_REASON}]
+    text = host_text(doc, LONG_NAME, width=100)
+    flat = " ".join(text.split())
+    assert f"host {LONG_NAME} cooldown" in flat
+    for gpu in CROWDED["hosts"][2]["gpus"]:
+        assert f"{gpu['index']} {gpu['state']} {gpu['reason']}" in flat, gpu
+    assert "cooling down until 14:18:10 (in 4 min 50 s)" in flat and "2 failure(s) in a row" in flat
+    assert "recent events of this host (1 of 1)" in text and "crash" in text
+    assert "yield" not in text  # another host's event
+
+
+def test_status_host_shows_the_daemon_its_workers_and_other_fields():
+    doc = copy.deepcopy(TRAINING)
+    doc["hosts"][0].update({
+        "desired": [0, 1], "last_problem": "worker ws1/1/2 crashed: ModuleNotFoundError: No module named 'tqdm'",
+        "daemon": {"pid": 5150, "phase": "running", "health": "ok", "workers": [
+            {"slot": 0, "worker_id": "ws1/0/1", "pid": 6001, "state": "running", "since": NOW - 50, "detail": ""},
+            {"slot": 1, "worker_id": "ws1/1/2", "pid": 6002, "state": "crashed", "since": NOW - 5,
+             "detail": "exit status 1"}]}})
+    text = host_text(doc, "ws1", width=120)
+    flat = " ".join(text.split())
+    assert "daemon (pid 5150, phase running, health ok)" in flat
+    assert "1 ws1/1/2 6002 crashed 14:13:15 exit status 1" in flat
+    assert "desired slot(s): 0, 1" in flat
+    assert "last problem worker ws1/1/2 crashed: ModuleNotFoundError: No module named 'tqdm'" in flat
+    assert "recent events of this host (1 of 1)" in text  # the start event names ws1's workers
+
+
+def test_status_host_of_a_host_missing_from_the_document_says_so():
+    text = host_text(WAITING, "ws1", source=Source.FILE, width=100)
+    assert "ws1 not in the job's status" in " ".join(text.split())
+    assert CONTROLLER_DOWN in text
+
+
+def test_failed_workers_come_from_worker_states_and_crash_events():
+    from eltctl.statusview import failed_workers
+
+    doc = copy.deepcopy(TRAINING)
+    doc["hosts"][0]["daemon"] = {"workers": [
+        {"slot": 0, "worker_id": "ws1/0/1", "state": "running"},
+        {"slot": 1, "worker_id": "ws1/1/2", "state": "lost", "detail": ""}]}
+    doc["events"].append({"time": NOW, "kind": "crash", "host": "ws1", "workers": ["ws1/3/1"], "pause_s": None,
+                          "detail": "python: can't open file 'trian.py'"})
+    assert failed_workers(doc, "ws1") == {1: "ws1/1/2 lost", 3: "ws1/3/1 crashed: python: can't open file 'trian.py'"}
+    assert failed_workers(doc, "cpu1") == {0: "cpu1/0/2 crashed: exit status 1"}
+    assert failed_workers(doc, "ws3") == {}
+
+
+@pytest.mark.parametrize("state, reason, brief", [
+    ("ours", "worker ws1/0/3", "0 ours w3"),
+    ("ours", "runs this job's pid 4711 python (trainer)", "0 ours pid 4711"),
+    ("ours", "", "0 ours"),
+    ("busy", "used by pid 999 python (alice)", "0 busy alice"),
+    ("busy", "used by pid 1 a (alice), pid 2 b (bob), pid 3 c (alice)", "0 busy alice, bob"),
+    ("busy", "alice (pid 999): 6000 MiB, 90%", "0 busy alice"),
+    ("busy", "23000 of 24576 MiB used (threshold 1000 MiB) with no process listed", "0 busy 23000 MiB"),
+    ("busy", "97% utilisation (threshold 10%) with no process listed", "0 busy 97%"),
+    ("free", "no processes, 3 MiB used, 0% utilisation", "0 free"),
+    ("unknown", "nvidia-smi failed:\nexit 9", "0 unknown nvidia-smi failed: exit 9"),
+])
+def test_gpu_brief(state, reason, brief):
+    from eltctl.statusview import gpu_brief
+
+    assert gpu_brief({"index": 0, "state": state, "reason": reason}) == brief
+
+
+def test_a_failed_worker_that_was_replaced_is_not_failed_any_more():
+    from eltctl.statusview import failed_workers
+
+    crash = {"time": NOW - 30, "kind": "crash", "host": "ws1", "workers": ["ws1/0/2"], "pause_s": None,
+             "detail": "exit status 1"}
+    doc = {**TRAINING, "events": [crash]}
+    assert failed_workers(doc, "ws1") == {0: "ws1/0/2 crashed: exit status 1"}
+    # A later worker of slot 0 joined the job: the slot recovered.
+    joined = {"time": NOW - 10, "kind": "join", "generation": 8, "world_size": 4,
+              "members": ["ws1/0/3", "ws1/1/1"], "joined": ["ws1/0/3"], "left": [], "lost": []}
+    assert failed_workers({**doc, "events": [crash, joined]}, "ws1") == {}
+    # Or the daemon runs another worker there now.
+    host = {**TRAINING["hosts"][0], "daemon": {"workers": [{"slot": 0, "worker_id": "ws1/0/3", "state": "running"}]}}
+    assert failed_workers({**doc, "hosts": [host]}, "ws1") == {}

@@ -1,21 +1,32 @@
-"""`eltctl status`: the job, its hosts and its recent events; `--watch` live, `--json` the document.
+"""`eltctl status [HOST]`: the job, its hosts and its recent events; `--watch` live, `--json` the document.
+
+The hosts table fits the terminal: from `statusview.WIDE_MIN_WIDTH` (120) columns on it
+shows every GPU's full reason; narrower, one line per GPU in few words. `status HOST`
+shows one host's full entry: every GPU with its full reason, its daemon and workers
+when known, the rest of its entry, and its recent events.
 
 Exit status: 0 when a status was shown (even an old one from a dead controller);
-1 when this machine holds no status of the job (never started here, or removed).
+1 when this machine holds no status of the job (never started here, or removed);
+2 when HOST is not a host of the inventory.
 """
 
 from __future__ import annotations
 
 import typer
 
+from eltctl.completion import complete_host
+
 WATCH_INTERVAL_S = 1.0
 
 
 def status(
     ctx: typer.Context,
+    host: str = typer.Argument(None, help="Show this host's full entry: every GPU with its full reason, "
+                                          "its daemon and workers, its recent events.",
+                               show_default=False, autocompletion=complete_host),
     watch: bool = typer.Option(False, "--watch", "-w", help="Keep the view live (about once a second); Ctrl-C ends it."),
     json_out: bool = typer.Option(
-        False, "--json", help="Print the status document (docs/control-plane.md) as JSON."),
+        False, "--json", help="Print the status document (docs/control-plane.md) as JSON; with HOST, that host's entry."),
     events: int = typer.Option(8, "--events", min=0, help="How many recent events to show."),
 ) -> None:
     """The job: state, generation, workers, step, loss, checkpoint; each host and GPU; recent events."""
@@ -23,40 +34,63 @@ def status(
 
     from eltctl.statusview import job_state_dir, read_snapshot
 
-    job = ctx.obj.inventory().job.name
+    inventory = ctx.obj.inventory()
+    if host is not None:
+        _check_host(inventory, host)
+    job = inventory.job.name
     state_dir = job_state_dir(job, os.environ)
     if json_out:
         import json
         import sys
 
         snapshot = read_snapshot(job, state_dir)
-        sys.stdout.write(json.dumps(snapshot.as_json(), indent=2) + "\n")
+        doc = snapshot.as_json()
+        if host is not None:
+            from eltctl.statusview import find_host
+
+            doc = find_host(doc, host) or {"name": host}
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     if watch:
-        _watch(job, state_dir, events)
+        _watch(job, state_dir, events, host)
         return
-    _show_once(job, state_dir, events)
+    _show_once(job, state_dir, events, host)
 
 
-def _show_once(job, state_dir, events: int) -> None:
+def _check_host(inventory, host: str) -> None:
+    """HOST must be a host of the inventory: a usage error naming them otherwise."""
+    from eltctl.errors import UsageError
+
+    names = [h.name for h in inventory.hosts]
+    if host not in names:
+        raise UsageError(f"no host {host!r} in {inventory.path}", hint=f"hosts: {', '.join(names)}")
+
+
+def _view(snapshot, events: int, host: str | None):
     import time
 
+    from eltctl.statusview import ViewOptions, render_host, render_status
+
+    options = ViewOptions(now=time.time(), events=events)
+    return render_status(snapshot, options) if host is None else render_host(snapshot, host, options)
+
+
+def _show_once(job, state_dir, events: int, host: str | None) -> None:
     from rich.console import Console
 
-    from eltctl.statusview import ViewOptions, read_snapshot, render_status
+    from eltctl.statusview import read_snapshot
 
-    snapshot = read_snapshot(job, state_dir)
-    Console(highlight=False).print(render_status(snapshot, ViewOptions(now=time.time(), events=events)))
+    Console(highlight=False).print(_view(read_snapshot(job, state_dir), events, host))
 
 
-def _watch(job, state_dir, events: int) -> None:
+def _watch(job, state_dir, events: int, host: str | None) -> None:
     import time
 
     from rich.console import Console
     from rich.live import Live
     from rich.markup import escape
 
-    from eltctl.statusview import NoJobError, ViewOptions, read_snapshot, render_status
+    from eltctl.statusview import NoJobError, read_snapshot
 
     def view():
         try:
@@ -64,7 +98,7 @@ def _watch(job, state_dir, events: int) -> None:
         except NoJobError as exc:
             # A watch outlives `down` and precedes `up`: say so and keep watching.
             return f"[yellow]{escape(exc.message)}[/] [dim](watching; Ctrl-C ends)[/]"
-        return render_status(snapshot, ViewOptions(now=time.time(), events=events))
+        return _view(snapshot, events, host)
 
     try:
         with Live(view(), console=Console(highlight=False), auto_refresh=False,
