@@ -189,7 +189,13 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
         "failures": record.failures, "desired": list(record.desired), "gpus": gpus,
         "last_problem": record.last_problem or record.owner_note,
         "start_failure": record.start_failure or None,
+        "daemon": daemon_summary(seen.state) if seen is not None else None,
     }
+
+
+def daemon_summary(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What `eltctl status HOST` and `logs --failed` read of a daemon's own state document."""
+    return {k: state[k] for k in ("pid", "phase", "health", "workers") if k in state}
 
 
 def status_document(*, now: float, inventory: Inventory, phase: str, message: str,

@@ -5,7 +5,6 @@ an unknown HOST as a usage error naming the inventory's hosts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

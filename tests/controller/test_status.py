@@ -88,7 +88,7 @@ def test_status_document_shape():
     assert a == {"name": "a", "state": "running", "reason": "1 worker(s)", "workers": 1, "heartbeat_age_s": 0.5,
                  "benched_until": None, "cooldown_until": NOW + 5, "failures": 0, "desired": [0],
                  "gpus": [{"index": 0, "state": "ours", "reason": ""}, {"index": 1, "state": "busy", "reason": "pid 9"}],
-                 "last_problem": "", "start_failure": None}
+                 "last_problem": "", "start_failure": None, "daemon": {}}
     assert doc["start_failed"] is None
     assert (b["state"], b["reason"], b["heartbeat_age_s"], b["gpus"]) == ("unreachable", "timeout", None, [])
 
@@ -191,3 +191,12 @@ def test_status_document_names_the_failure_at_start():
     a = doc["hosts"][0]
     assert (a["state"], a["last_problem"], a["start_failure"]) == ("cooldown", CANT_OPEN, CANT_OPEN)
     assert a["reason"] == f"{CANT_OPEN} (usable again in 118 s)"
+
+
+def test_a_hosts_entry_carries_its_daemons_phase_health_and_workers():
+    state = {"pid": 7, "phase": "running", "health": "ok", "time": 1.0, "gpus": [],
+             "workers": [{"slot": 0, "worker_id": "a/0/1", "pid": 9, "state": "crashed", "cause": "boom"}]}
+    from eltctl.controller.status import daemon_summary
+
+    assert daemon_summary(state) == {"pid": 7, "phase": "running", "health": "ok", "workers": state["workers"]}
+    assert daemon_summary({}) == {}
