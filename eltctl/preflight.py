@@ -17,8 +17,8 @@ naming each host, its failed check and the fix, in doctor's words. Some hosts
 failing: each is a warning, and each is left out (`Verdict.left_out`, host -> reason)
 for the controller, which shows it in `eltctl status` as removed with that reason
 until the next `up` (policy.leave_out). A host that only could not be reached is
-warned about but not left out: the controller already shows it unreachable and uses
-it once it answers.
+warned about but not left out, and so is one whose nvidia-smi failed: the controller
+already shows it unreachable or unhealthy and uses it once it is well (WATCHED_CHECKS).
 
 Which hosts are checked (`for_up`): every host of the inventory except those a live
 controller reports running the job's workers (they have proven themselves) and
@@ -47,8 +47,10 @@ Progress = Callable[[str], None]
 # The reason the controller shows for a host `up` left out starts with this
 # (policy.host_state); `for_up` checks such hosts again.
 LEFT_OUT = "left out by `eltctl up`"
-# doctor's check names that mean "could not connect" rather than "misconfigured".
-UNREACHABLE_CHECKS = ("reachable",)
+# doctor's checks whose failure is a passing condition the controller watches (it shows
+# the host unreachable or unhealthy and uses it once it is well again), not a mistake
+# to fix: such a host is warned about, not left out.
+WATCHED_CHECKS = ("reachable", "nvidia-smi")
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 _SHELLS = ("sh", "bash", "dash", "zsh")
@@ -257,7 +259,8 @@ class Verdict:
     left_out: Mapping[str, str] = field(default_factory=dict)  # host -> reason, for the controller
 
     @property
-    def unreachable(self) -> tuple[str, ...]:
+    def watched(self) -> tuple[str, ...]:
+        """Failed hosts not left out: unreachable or nvidia-smi failing (WATCHED_CHECKS)."""
         return tuple(h for h in self.failed if h not in self.left_out)
 
 
@@ -274,7 +277,7 @@ def verdict(diagnoses: Iterable[HostDiagnosis]) -> Verdict:
             passed.append(d.host)
             continue
         failed[d.host] = bad
-        if any(c.name not in UNREACHABLE_CHECKS for c in bad):
+        if any(c.name not in WATCHED_CHECKS for c in bad):
             left_out[d.host] = f"{LEFT_OUT}: {describe(bad)}"
     return Verdict(passed=tuple(passed), failed=failed, left_out=left_out)
 
@@ -298,8 +301,8 @@ def error_of(v: Verdict, *, running: Iterable[str] = ()) -> HostError | None:
 
 def warnings(v: Verdict) -> list[str]:
     out = [f"warning: {host} is left out: {v.left_out[host][len(LEFT_OUT) + 2:]}" for host in v.left_out]
-    out += [f"warning: {host} cannot be reached now ({describe(v.failed[host])}); the controller uses it "
-            "once it answers" for host in v.unreachable]
+    out += [f"warning: {host} is not usable now ({describe(v.failed[host])}); the controller uses it "
+            "once it is" for host in v.watched]
     return out
 
 

@@ -128,18 +128,23 @@ def diag(name, *checks):
     return HostDiagnosis(name, name, tuple(checks))
 
 
-@pytest.mark.parametrize("diagnoses, running, passed, left_out, unreachable, error", [
+SMI = Check("nvidia-smi", Status.FAIL, "did not answer in 10 s", "check the NVIDIA driver")
+
+
+@pytest.mark.parametrize("diagnoses, running, passed, left_out, watched, error", [
     ([diag("a", OK), diag("b", WARN, OK)], [], ("a", "b"), [], (), False),
     ([diag("a", OK), diag("b", NO_TORCH)], [], ("a",), ["b"], (), False),
     ([diag("a", NO_TORCH), diag("b", NO_TORCH)], [], (), ["a", "b"], (), True),
     ([diag("a", NO_TORCH), diag("b", NO_TORCH)], ["c"], (), ["a", "b"], (), False),  # c trains
     ([diag("a", OK), diag("b", UNREACH)], [], ("a",), [], ("b",), False),
     ([diag("a", UNREACH)], [], (), [], ("a",), True),
+    ([diag("a", OK), diag("b", SMI)], [], ("a",), [], ("b",), False),
+    ([diag("a", OK), diag("b", SMI, NO_TORCH)], [], ("a",), ["b"], (), False),
     ([], [], (), [], (), False),
 ])
-def test_verdict(diagnoses, running, passed, left_out, unreachable, error):
+def test_verdict(diagnoses, running, passed, left_out, watched, error):
     v = verdict(diagnoses)
-    assert v.passed == passed and sorted(v.left_out) == left_out and v.unreachable == unreachable
+    assert v.passed == passed and sorted(v.left_out) == left_out and v.watched == watched
     for host in left_out:
         assert v.left_out[host].startswith(LEFT_OUT) and "fix: install it" in v.left_out[host]
     err = error_of(v, running=running)
