@@ -9,6 +9,8 @@ The judgements are pure functions of what the host printed (`parse_remote_facts`
 `check_python`, `check_torch`, ...), tested with tables; `diagnose` runs them over a
 `Fleet`. With `accept_new`, a host whose key is unknown gets its key recorded (trust
 on first use, with the fingerprint shown); a changed key is never replaced.
+`eltctl up` runs the same checks (eltctl/preflight.py), adding the job's own through
+the `extra` hook of `diagnose_fleet`.
 """
 
 from __future__ import annotations
