@@ -251,14 +251,15 @@ class Controller:
     async def leave_out(self, left_out: dict[str, str]) -> None:
         """`eltctl up`'s checks: these hosts are left out with their reasons, the ones
         left out before and fixed now come back (policy.leave_out)."""
-        before = self.records
-        self.records = pol.leave_out(before, left_out, [h.name for h in self.inventory.hosts])
+        async with self._pass:  # not between a pass's reading and writing of the records
+            before = self.records
+            self.records = pol.leave_out(before, left_out, [h.name for h in self.inventory.hosts])
+            if self.records != before:
+                self.save_records()
         for name, reason in left_out.items():
             if self.records.get(name) != before.get(name):
                 log.warning("Host %s: %s.", name, reason)
                 await self._event(EventKind.REMOVE, name, reason)
-        if self.records != before:
-            self.save_records()
 
     async def scale(self, add: list[str], remove: list[str], force: bool) -> dict:
         names = {h.name for h in self.inventory.hosts}
