@@ -178,7 +178,7 @@ def _near(workdir: Path, name: str) -> str | None:
 
 def _env_problems(job: JobSpec, path: str) -> list[ConfigError]:
     """The parser checked names and types; a NUL cannot pass to a process."""
-    return [ConfigError(f"contains a NUL character, which no process environment can hold",
+    return [ConfigError("contains a NUL character, which no process environment can hold",
                         path=path, key=f"job.env.{name}", hint="remove the \\u0000 from the name or value")
             for name, value in job.env if "\0" in name or "\0" in value]
 
@@ -286,7 +286,7 @@ def error_of(v: Verdict, *, running: Iterable[str] = ()) -> HostError | None:
     """Exit 3 when no host can run the job: none passed and none runs its workers already."""
     if v.passed or list(running) or not v.failed:
         return None
-    lines = [f"no host can run the job; `eltctl up` started nothing:"]
+    lines = ["no host can run the job; `eltctl up` started nothing:"]
     for host, checks in v.failed.items():
         for c in checks:
             lines.append(f"  {host}: {c.name}: {c.detail}")
