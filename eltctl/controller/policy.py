@@ -131,7 +131,8 @@ class HostRecord:
         return None
 
     def to_json(self) -> dict:
-        return {"removed": self.removed, "removed_reason": self.removed_reason, "desired": list(self.desired), "seq": self.seq,
+        return {"removed": self.removed, "removed_reason": self.removed_reason, "desired": list(self.desired),
+                "seq": self.seq,
                 "free_since": {str(i): t for i, t in self.free_since},
                 "cooldown_until": self.cooldown_until, "failures": self.failures, "ok_since": self.ok_since,
                 "bench_count": self.bench_count, "benched_until": self.benched_until,
