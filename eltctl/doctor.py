@@ -9,6 +9,8 @@ The judgements are pure functions of what the host printed (`parse_remote_facts`
 `check_python`, `check_torch`, ...), tested with tables; `diagnose` runs them over a
 `Fleet`. With `accept_new`, a host whose key is unknown gets its key recorded (trust
 on first use, with the fingerprint shown); a changed key is never replaced.
+`eltctl up` runs the same checks (eltctl/preflight.py), adding the job's own through
+the `extra` hook of `diagnose_fleet`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import enum
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Awaitable, Callable, Iterable
 
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy, SSHSettings
@@ -262,6 +264,11 @@ def check_workdir(facts: RemoteFacts) -> Check:
 
 # --------------------------------------------------------------------------- running it
 
+# More checks run once connected, beside doctor's own (`eltctl up` adds what only the
+# job knows: its workdir and script on the host); `[]` when all is well.
+ExtraChecks = Callable[[Host, Transport], Awaitable[list[Check]]]
+
+
 async def _remote_checks(host: Host, transport: Transport, policy: Policy, local: Versions) -> list[Check]:
     facts_cmd = "sh -c " + shlex.quote(doctor_script(host.python))
     facts_res, probe_res = await asyncio.gather(
@@ -290,7 +297,7 @@ async def _remote_checks(host: Host, transport: Transport, policy: Policy, local
 
 
 async def diagnose_host(fleet: Fleet, host: Host, *, policy: Policy, local: Versions,
-                        accept_new: bool = False) -> HostDiagnosis:
+                        accept_new: bool = False, extra: ExtraChecks | None = None) -> HostDiagnosis:
     accepted: str | None = None
     try:
         transport = await fleet.transport(host)
@@ -321,17 +328,22 @@ async def diagnose_host(fleet: Fleet, host: Host, *, policy: Policy, local: Vers
     else:
         checks = connection_checks(error, accepted=accepted)
     if transport is not None:
-        checks += await _remote_checks(host, transport, policy, local)
+        if extra is None:
+            checks += await _remote_checks(host, transport, policy, local)
+        else:
+            mine, theirs = await asyncio.gather(_remote_checks(host, transport, policy, local),
+                                                extra(host, transport))
+            checks += mine + theirs
     return HostDiagnosis(host=host.name, address=host.address, checks=tuple(checks))
 
 
 async def diagnose_fleet(fleet: Fleet, *, policy: Policy, accept_new: bool = False,
-                         local: Versions | None = None,
-                         hosts: Iterable[Host] | None = None) -> list[HostDiagnosis]:
+                         local: Versions | None = None, hosts: Iterable[Host] | None = None,
+                         extra: ExtraChecks | None = None) -> list[HostDiagnosis]:
     local = local or local_versions()
     targets = fleet.hosts if hosts is None else tuple(hosts)
     results = await asyncio.gather(*(
-        _guarded(diagnose_host(fleet, h, policy=policy, local=local, accept_new=accept_new), h)
+        _guarded(diagnose_host(fleet, h, policy=policy, local=local, accept_new=accept_new, extra=extra), h)
         for h in targets))
     return list(results)
 

@@ -89,7 +89,8 @@ async def start_mirror_worker(inventory: Inventory, source):
     return worker
 
 
-async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: bool) -> int:
+async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: bool,
+                left_out: dict[str, str] | None = None) -> int:
     from eltctl.controller import store as kstore
     from eltctl.controller.loop import Controller, Phase
     from eltctl.hosts.fleet import Fleet
@@ -121,6 +122,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                         ctl.reload_inventory(new)
                 except ConfigError as exc:
                     return {"ok": False, "error": str(exc)}
+            if isinstance(req.get("left_out"), dict):
+                await ctl.leave_out({str(k): str(v) for k, v in req["left_out"].items()})
             await ctl.reconcile()
             ctl.write_status()
             return {"ok": True, "phase": ctl.phase, "message": ctl.message}
@@ -176,6 +179,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         ctl = Controller(inventory, state, store, fleet, endpoint)
         ctl.mirror_worker = mirror_worker = await start_mirror_worker(inventory, ctl.checkpoint_place)
         ctl.load_records()
+        if left_out is not None:
+            await ctl.leave_out(left_out)
         if keeper is not None:
             await ctl.adopt_desired()
         if down:
@@ -216,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inventory", required=True, type=Path)
     ap.add_argument("--down", action="store_true", help="take the job down and exit")
     ap.add_argument("--force", action="store_true", help="with --down: kill what does not stop")
+    ap.add_argument("--left-out", type=json.loads, default=None, metavar="JSON",
+                    help="{host: reason}: hosts `eltctl up`'s checks left out (until the next `up`)")
     args = ap.parse_args(argv)
     try:
         inventory = load_inventory(args.inventory)
@@ -236,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("asyncssh").setLevel(logging.WARNING)  # one line per channel otherwise
     log.info("Controller %d of job %s starts (inventory %s).", os.getpid(), inventory.job.name, inventory.path)
     try:
-        return asyncio.run(amain(inventory, state, down=args.down, force=args.force))
+        return asyncio.run(amain(inventory, state, down=args.down, force=args.force,
+                                 left_out=args.left_out if isinstance(args.left_out, dict) else None))
     except EltctlError as exc:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)

@@ -51,12 +51,14 @@ def ask(state: StateDir, message: dict, timeout: float = 60.0) -> dict:
                           hint="`eltctl up` starts (or adopts) the controller") from None
 
 
-def spawn_controller(inventory: Inventory, state: StateDir) -> int:
-    """Start `python -m eltctl.controller` detached: new session, stdin /dev/null."""
+def spawn_controller(inventory: Inventory, state: StateDir, left_out: dict[str, str] | None = None) -> int:
+    """Start `python -m eltctl.controller` detached: new session, stdin /dev/null.
+    `left_out`: the hosts `up`'s checks left out, with their reasons (eltctl/preflight.py)."""
     state.create()
+    extra = [] if left_out is None else ["--left-out", json.dumps(left_out)]
     with open(state.controller_log, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eltctl.controller", "--inventory", str(inventory.path)],
+            [sys.executable, "-m", "eltctl.controller", "--inventory", str(inventory.path), *extra],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             close_fds=True)
     return proc.pid
@@ -70,14 +72,15 @@ def _log_tail(state: StateDir, n: int = 6) -> str:
     return "\n".join(lines[-n:])
 
 
-def ensure_controller(inventory: Inventory, progress: Progress) -> tuple[dict, bool]:
+def ensure_controller(inventory: Inventory, progress: Progress,
+                      left_out: dict[str, str] | None = None) -> tuple[dict, bool]:
     """(ping answer, started now): the live controller, or a new one once it answers."""
     state = state_of(inventory)
     answer = ping(state)
     if answer is not None:
         return answer, False
     progress("starting the controller")
-    pid = spawn_controller(inventory, state)
+    pid = spawn_controller(inventory, state, left_out)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while time.monotonic() < deadline:
         answer = ping(state)
@@ -109,12 +112,15 @@ class UpResult:
 def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOUT_S,
        progress: Progress = lambda _m: None) -> UpResult:
     """Start what is missing and return when the job trains (or waits for GPUs)."""
+    from eltctl import preflight
+
     state = state_of(inventory)
-    answer, started = ensure_controller(inventory, progress)
+    left_out = preflight.for_up(inventory, progress)  # raises when nothing can run: starts nothing
+    answer, started = ensure_controller(inventory, progress, left_out)
     pid = int(answer["pid"])
     if not started:
         progress(f"controller {pid} is running; reconciling")
-        result = ask(state, {"op": "reconcile"}, timeout=120)
+        result = ask(state, {"op": "reconcile", "left_out": left_out}, timeout=120)
         if not result.get("ok", False):
             raise EltctlError(f"the controller refused: {result.get('error')}")
     if detach:

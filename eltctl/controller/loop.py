@@ -293,6 +293,19 @@ class Controller:
         """A host's checkpoint directory over the controller's connection (the mirror's source)."""
         return await mir.host_place(await self.fleet.transport(self.inventory.host(name)), self.inventory.job.name)
 
+    async def leave_out(self, left_out: dict[str, str]) -> None:
+        """`eltctl up`'s checks: these hosts are left out with their reasons, the ones
+        left out before and fixed now come back (policy.leave_out)."""
+        async with self._pass:  # not between a pass's reading and writing of the records
+            before = self.records
+            self.records = pol.leave_out(before, left_out, [h.name for h in self.inventory.hosts])
+            if self.records != before:
+                self.save_records()
+        for name, reason in left_out.items():
+            if self.records.get(name) != before.get(name):
+                log.warning("Host %s: %s.", name, reason)
+                await self._event(EventKind.REMOVE, name, reason)
+
     async def scale(self, add: list[str], remove: list[str], force: bool) -> dict:
         names = {h.name for h in self.inventory.hosts}
         results = []
@@ -304,7 +317,7 @@ class Controller:
             if name not in names:
                 continue
             rec = self.records.get(name, pol.HostRecord())
-            self.records[name] = replace(rec, removed=True, join_now=False, force=False)
+            self.records[name] = replace(rec, removed=True, removed_reason="", join_now=False, force=False)
             await self._event(EventKind.REMOVE, name, "removed by eltctl scale --remove")
             results.append({"host": name, "ok": True,
                             "message": "removed; its workers leave at the next step boundary"})
@@ -322,7 +335,7 @@ class Controller:
                 results.append({"host": host.name, "ok": False, "message": refusal})
                 continue
             rec = self.records.get(host.name, pol.HostRecord())
-            self.records[host.name] = replace(rec, removed=False, join_now=True, force=force,
+            self.records[host.name] = replace(rec, removed=False, removed_reason="", join_now=True, force=force,
                                               benched_until=0.0 if force else rec.benched_until,
                                               failures=0)
             await self._event(EventKind.ADD, host.name, "added by eltctl scale --add" + (" --force" if force else ""))

@@ -34,6 +34,7 @@ Host state graph (what `host_state` shows)::
     running --owner/crash/vanished--> cooldown --cooldown over--> idle
     any --bench_after failures--> benched --back-off over--> idle
     any --scale --remove--> removed --scale --add--> idle
+    any --`up`'s checks fail there--> removed (their reason) --an `up` finds it fixed--> idle
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ class HostRecord:
     """What the controller remembers about a host (hosts.json)."""
 
     removed: bool = False
+    # Why `eltctl up` left it out (its checks failed there); "" when removed by
+    # `scale --remove`. Such a host comes back at the next `up` that finds it fixed.
+    removed_reason: str = ""
     desired: tuple[int, ...] = ()  # the slots last asked of its daemon
     seq: int = 0  # the sequence number of that request
     free_since: tuple[tuple[int, float], ...] = ()  # slot -> since when it looks free (or ours)
@@ -151,7 +155,8 @@ class HostRecord:
         return None
 
     def to_json(self) -> dict:
-        return {"removed": self.removed, "desired": list(self.desired), "seq": self.seq,
+        return {"removed": self.removed, "removed_reason": self.removed_reason, "desired": list(self.desired),
+                "seq": self.seq,
                 "free_since": {str(i): t for i, t in self.free_since},
                 "cooldown_until": self.cooldown_until, "failures": self.failures, "ok_since": self.ok_since,
                 "bench_count": self.bench_count, "benched_until": self.benched_until,
@@ -165,7 +170,8 @@ class HostRecord:
             # hosts.json of an older controller: its one cooldown was an owner's
             d = {**d, "owner_until": d.get("cooldown_until", 0.0), "owner_note": d.get("last_problem", ""),
                  "cooldown_until": 0.0, "last_problem": ""}
-        return cls(removed=bool(d.get("removed", False)), desired=tuple(int(x) for x in d.get("desired", ())),
+        return cls(removed=bool(d.get("removed", False)), removed_reason=str(d.get("removed_reason", "")),
+                   desired=tuple(int(x) for x in d.get("desired", ())),
                    seq=int(d.get("seq", 0)),
                    free_since=tuple(sorted((int(k), float(v)) for k, v in dict(d.get("free_since", {})).items())),
                    cooldown_until=float(d.get("cooldown_until", 0.0)), failures=int(d.get("failures", 0)),
@@ -453,6 +459,22 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
                     usable=usable, waiting=waiting, message=message)
 
 
+def leave_out(records: Mapping[str, HostRecord], left_out: Mapping[str, str],
+              names: Iterable[str]) -> dict[str, HostRecord]:
+    """`eltctl up`'s verdict on `names`: the hosts in `left_out` are removed with that
+    reason; a host it left out before and not now comes back. A host removed by
+    `scale --remove` stays removed (and keeps its reason)."""
+    out = dict(records)
+    for name in names:
+        rec = out.get(name, HostRecord())
+        if name in left_out:
+            if not (rec.removed and not rec.removed_reason):
+                out[name] = replace(rec, removed=True, removed_reason=left_out[name], join_now=False, force=False)
+        elif rec.removed and rec.removed_reason:
+            out[name] = replace(rec, removed=False, removed_reason="")
+    return out
+
+
 def applied(record: HostRecord, slots: tuple[int, ...]) -> HostRecord:
     """The record once `SetDesired(slots)` was written: a new seq, the one-shot waivers used."""
     return replace(record, desired=tuple(slots), seq=record.seq + 1,
@@ -464,6 +486,8 @@ def applied(record: HostRecord, slots: tuple[int, ...]) -> HostRecord:
 
 def host_state(view: HostView | None, record: HostRecord, now: float) -> tuple[HostPhase, str]:
     """The host's state for `eltctl status`, with the reason a person wants."""
+    if record.removed and record.removed_reason:
+        return HostPhase.REMOVED, record.removed_reason
     if record.removed:
         return HostPhase.REMOVED, "removed by `eltctl scale --remove`; `scale --add` brings it back"
     if view is None or view.reach is Reach.UNKNOWN:
@@ -517,4 +541,5 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
 
 __all__ = ["Action", "Crash", "Decision", "GpuUse", "HostRecord", "HostPhase", "HostView", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "after_fix", "applied", "changed_hosts", "crash_problem", "decide",
-           "eligible_slots", "fingerprint", "fixed", "host_state", "record_failure", "survivor_holds_state", "track"]
+           "eligible_slots", "fingerprint", "fixed", "host_state", "leave_out", "record_failure",
+           "survivor_holds_state", "track"]

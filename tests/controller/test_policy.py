@@ -17,6 +17,7 @@ from eltctl.controller.policy import (
     bench_duration,
     decide,
     host_state,
+    leave_out,
     track,
 )
 from eltctl.inventory import parse_inventory
@@ -257,7 +258,8 @@ def test_host_state(v, rec, state):
 
 def test_records_round_trip_through_json():
     rec = HostRecord(removed=True, desired=(1, 3), seq=7, free_since=((1, 5.0),), cooldown_until=9.0, failures=2,
-                     bench_count=1, benched_until=99.0, last_problem="x", join_now=True, force=True)
+                     bench_count=1, benched_until=99.0, last_problem="x", join_now=True, force=True,
+                     removed_reason="left out by `eltctl up`: torch: ...")
     assert HostRecord.from_json(rec.to_json()) == rec
 
 
@@ -366,3 +368,30 @@ def test_records_with_the_new_fields_round_trip_and_an_old_owner_cooldown_is_rea
     assert HostRecord.from_json(rec.to_json()) == rec
     old = {"cooldown_until": 9.0, "last_problem": "its owner took GPU 1"}
     assert HostRecord.from_json(old) == HostRecord(owner_until=9.0, owner_note="its owner took GPU 1")
+
+
+UP = "left out by `eltctl up`: torch: `import torch` failed (fix: install it)"
+
+
+@pytest.mark.parametrize("before, verdict, after", [
+    # left out now: removed with the reason, shown as such
+    (HostRecord(), {"a": UP}, HostRecord(removed=True, removed_reason=UP)),
+    (HostRecord(join_now=True, force=True), {"a": UP}, HostRecord(removed=True, removed_reason=UP)),
+    # left out before, passing now: back (its other memory kept)
+    (HostRecord(removed=True, removed_reason=UP, failures=1), {}, HostRecord(failures=1)),
+    # a new reason replaces the old one
+    (HostRecord(removed=True, removed_reason="old"), {"a": UP}, HostRecord(removed=True, removed_reason=UP)),
+    # `scale --remove` stands either way
+    (HostRecord(removed=True), {}, HostRecord(removed=True)),
+    (HostRecord(removed=True), {"a": UP}, HostRecord(removed=True)),
+    (HostRecord(), {}, HostRecord()),
+])
+def test_leave_out(before, verdict, after):
+    assert leave_out({"a": before}, verdict, ["a"]) == {"a": after}
+
+
+def test_left_out_host_shows_its_reason():
+    assert host_state(view("a", "free"), HostRecord(removed=True, removed_reason=UP), NOW) == (HostPhase.REMOVED, UP)
+    phase, why = host_state(view("a", "free"), HostRecord(removed=True), NOW)
+    assert phase is HostPhase.REMOVED and "scale --add" in why
+    assert leave_out({}, {"b": UP}, ["a", "b"]) == {"b": HostRecord(removed=True, removed_reason=UP)}
