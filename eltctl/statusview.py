@@ -627,20 +627,25 @@ def failed_workers(doc: Mapping[str, Any], name: str) -> dict[int, str]:
     """The slots of host `name` whose worker failed and has not been replaced, each with
     what is known of why: from the daemon's worker states when the host's entry carries
     them (`daemon.workers`, state crashed or lost), and from the crash events of that
-    host in the document, unless a later worker of that slot is live in the daemon's
-    states or named by a later event (it joined: the slot recovered)."""
+    host in the document, unless a later worker of that slot is live or ended well in
+    the daemon's states, or is named by a later event (it joined: the slot recovered)."""
     out: dict[int, str] = {}
     host = find_host(doc, name) or {}
     daemon = host.get("daemon") if isinstance(host.get("daemon"), dict) else {}
     live: dict[int, str] = {}
+    recovered: dict[int, int] = {}
     for w in daemon.get("workers") or []:
         if not isinstance(w, dict) or not isinstance(w.get("slot"), int):
             continue
         if w.get("state") in FAILED_WORKER_STATES:
             out[w["slot"]] = f"{w.get('worker_id') or 'worker'} {w['state']}" + (
                 f": {w['detail']}" if w.get("detail") else "")
-        elif w.get("state") not in ("left", "finished"):
-            live[w["slot"]] = str(w.get("worker_id"))
+        else:
+            if w.get("state") not in ("left", "finished"):
+                live[w["slot"]] = str(w.get("worker_id"))
+            ok = _worker_slot(str(w.get("worker_id")), name)
+            if ok is not None:  # a later worker of the slot that did not fail: it recovered
+                recovered[ok[0]] = max(recovered.get(ok[0], -1), ok[1])
     events = host_events(doc, name)
     for i, e in enumerate(events):
         if e.get("kind") != "crash":
@@ -650,7 +655,7 @@ def failed_workers(doc: Mapping[str, Any], name: str) -> dict[int, str]:
             if slot_n is None or slot_n[0] in out:
                 continue
             slot, n = slot_n
-            if slot in live and live[slot] != str(wid):
+            if (slot in live and live[slot] != str(wid)) or recovered.get(slot, -1) > n:
                 continue
             later = (_worker_slot(w, name) for ev in events[i + 1:]
                      for key in ("workers", "joined", "members") for w in ev.get(key) or [])

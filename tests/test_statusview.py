@@ -721,3 +721,17 @@ def test_a_failed_worker_that_was_replaced_is_not_failed_any_more():
     # Or the daemon runs another worker there now.
     host = {**TRAINING["hosts"][0], "daemon": {"workers": [{"slot": 0, "worker_id": "ws1/0/3", "state": "running"}]}}
     assert failed_workers({**doc, "hosts": [host]}, "ws1") == {}
+
+
+def test_a_failed_worker_followed_by_one_that_ended_well_is_not_failed():
+    """Seen in a newcomer's run: slot 0 failed at start, the fixed job then trained and
+    stopped; `logs --failed` must not name the old failure over the new worker's log."""
+    from eltctl.statusview import failed_workers
+
+    crash = {"time": NOW - 30, "kind": "crash", "host": "ws1", "workers": ["ws1/0/2"], "pause_s": None,
+             "detail": "failed at start"}
+    host = {**TRAINING["hosts"][0], "daemon": {"workers": [{"slot": 0, "worker_id": "ws1/0/3", "state": "left"}]}}
+    assert failed_workers({**TRAINING, "hosts": [host], "events": [crash]}, "ws1") == {}
+    earlier = {**host, "daemon": {"workers": [{"slot": 0, "worker_id": "ws1/0/1", "state": "left"}]}}
+    assert failed_workers({**TRAINING, "hosts": [earlier], "events": [crash]}, "ws1") == \
+        {0: "ws1/0/2 crashed: failed at start"}
