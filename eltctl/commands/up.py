@@ -20,7 +20,8 @@ def up(
     out = Console(highlight=False, soft_wrap=True)
     inventory = ctx.obj.inventory()
     result = client.up(inventory, detach=detach, timeout=timeout,
-                       progress=lambda m: out.print(f"[dim]·[/] {escape(m)}"))
+                       progress=lambda m: out.print(f"[yellow]! {escape(m)}[/]" if m.startswith("warning:")
+                                                    else f"[dim]·[/] {escape(m)}"))
     who = "started" if result.started else "already running"
     out.print(f"controller {result.controller_pid} ({who})")
     if result.state == "waiting":
