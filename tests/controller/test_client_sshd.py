@@ -35,30 +35,32 @@ def _up(job_env):
 
 def test_failures_at_start_are_named_by_up_and_a_fix_takes_effect_at_once(job_env):
     text = job_env.inventory.read_text().replace('cooldown = "2s"', f'cooldown = "{COOLDOWN_S}s"')
-    job_env.inventory.write_text(text.replace('"train.py"', '"trian.py"'))
+    job_env.inventory.write_text(text.replace('"train.py"', '"train.py", "--no-such-flag"'))
 
-    # 1. A script name that does not exist: `up` exits 1 with python's own line.
+    # 1. A script that exits at start with an error (a missing script is caught before
+    #    anything starts, by up's own checks: tests/commands/test_up_sshd.py): `up` exits 1
+    #    with the script's own last line.
     r, took = _up(job_env)
     out = r.stdout + r.stderr
-    print(f"\nup with a missing script: exit {r.returncode} after {took:.1f} s")
+    print(f"\nup with a script failing at start: exit {r.returncode} after {took:.1f} s")
     assert r.returncode == 1, out + job_env.controller_log()
-    assert "failed at start" in out and "can't open file" in out and "trian.py" in out, out
-    assert "[job] command" in out and "eltctl up" in out, out  # the fix hint
+    assert "failed at start" in out and "unrecognized arguments: --no-such-flag" in out, out
+    assert "eltctl logs" in out and "eltctl up" in out, out  # the fix hint
     assert took < BOUND_S, out
     st = wait_for(lambda: (s := job_env.status()).get("start_failed") and s, 30, "status.json to say it")
-    assert st["start_failed"] and all("can't open file" in c for c in st["start_failed"].values()), st
+    assert st["start_failed"] and all("--no-such-flag" in c for c in st["start_failed"].values()), st
     hosts = {h["name"]: h for h in st["hosts"]}
-    assert all("can't open file" in (h["last_problem"] or "") for h in hosts.values()), hosts
+    assert all("--no-such-flag" in (h["last_problem"] or "") for h in hosts.values()), hosts
     assert "cooling down after a failure" in st["message"] and "min_workers is 1" in st["message"], st["message"]
     assert "0 slot" not in st["message"], st["message"]
     crash = [e for e in st["events"] if e["kind"] == "crash"]
-    assert crash and crash[-1]["at_start"] is True and "can't open file" in crash[-1]["cause"], crash
+    assert crash and crash[-1]["at_start"] is True and "--no-such-flag" in crash[-1]["cause"], crash
     assert worker_pids(job_env.job) == {}
 
     # 2. The inventory is changed to a script that raises at import: tried at once
     #    (the cooldown of step 1 is forgotten), and the exception's line is named.
     (job_env.workdir / "bad.py").write_text("import no_such_module_xyz\n")
-    _set_command(job_env, '"trian.py"', '"bad.py"')
+    _set_command(job_env, '"train.py", "--no-such-flag"', '"bad.py"')
     r, took = _up(job_env)
     out = r.stdout + r.stderr
     print(f"up with a script raising at import: exit {r.returncode} after {took:.1f} s")
