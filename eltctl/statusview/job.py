@@ -1,0 +1,92 @@
+"""The job's facts at the top of the view: state, workers, progress, checkpoint, mirror, controller."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eltctl.statusview.formatting import JOB_STATE_STYLE, ViewOptions, format_age, num, show
+from eltctl.statusview.snapshot import CONTROLLER_DOWN, Snapshot
+
+
+def job_summary(snapshot: Snapshot, options: ViewOptions):
+    """Two columns of facts about the job, and the controller line."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    doc = snapshot.document
+    now = options.now
+    updated = num(doc.get("updated"))
+    staleness = max(0.0, now - updated) if updated is not None else 0.0
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    state = str(doc.get("state", "?"))
+    state_text = f"[{JOB_STATE_STYLE.get(state, 'white')}]{escape(state)}[/]"
+    message = str(doc.get("message") or "")
+    if message:
+        state_text += f" [dim]({escape(message)})[/]"
+    grid.add_row("job", f"[bold]{escape(str(doc.get('job', '?')))}[/] {state_text}")
+
+    lo, hi = doc.get("min_workers"), doc.get("max_workers")
+    bounds = f"min {show(lo)}, max {hi if hi is not None else 'any'}"
+    grid.add_row("workers", f"{show(doc.get('world_size'))} ({bounds})"
+                            f"   generation {show(doc.get('generation'))}")
+
+    progress = f"step {show(doc.get('step'))}"
+    if doc.get("epoch") is not None:
+        progress += f"   epoch {doc.get('epoch')}"
+    sps = num(doc.get("samples_per_s"))
+    if sps is not None:
+        progress += f"   {sps:,.1f} samples/s"
+    loss = num(doc.get("loss"))
+    if loss is not None:
+        progress += f"   loss {loss:.4g}"
+    grid.add_row("progress", progress)
+
+    ckpt = doc.get("checkpoint")
+    if isinstance(ckpt, dict) and ckpt.get("step") is not None:
+        t = num(ckpt.get("time"))
+        age = now - t if t is not None else (
+            num(ckpt.get("age_s")) + staleness if num(ckpt.get("age_s")) is not None else None)
+        grid.add_row("checkpoint", f"step {ckpt.get('step')}, {format_age(age)} ago")
+    else:
+        grid.add_row("checkpoint", "[dim]none yet[/]")
+
+    mirror = mirror_line(doc.get("mirror"), now, staleness)
+    if mirror is not None:
+        grid.add_row("mirror", mirror)
+
+    controller = doc.get("controller") if isinstance(doc.get("controller"), dict) else {}
+    pid = controller.get("pid")
+    if snapshot.controller_alive:
+        line = f"running (pid {pid})" if pid is not None else "running"
+        line += f", status {format_age(staleness)} old"
+    else:
+        line = (f"[bold yellow]{escape(CONTROLLER_DOWN)}[/]\n"
+                f"[dim]showing the last status it wrote, {format_age(staleness)} old[/]")
+    grid.add_row("controller", line)
+    return grid
+
+
+def mirror_line(mirror: Any, now: float, staleness: float = 0.0) -> str | None:
+    """The `mirror` row: target, newest mirrored step and its age, lag, last error
+    (None when the job has no `[storage] mirror`)."""
+    from rich.markup import escape
+
+    if not isinstance(mirror, dict):
+        return None
+    line = escape(str(mirror.get("target", "?")))
+    if mirror.get("step") is None:
+        line += ": [dim]nothing mirrored yet[/]"
+    else:
+        t = num(mirror.get("time"))
+        age = now - t if t is not None else (
+            num(mirror.get("age_s")) + staleness if num(mirror.get("age_s")) is not None else None)
+        line += f": step {mirror.get('step')}, {format_age(age)} old"
+    lag = mirror.get("lag_steps")
+    if isinstance(lag, int):
+        line += "   [green]up to date[/]" if lag == 0 else f"   [yellow]{lag} steps behind[/]"
+    if mirror.get("last_error"):
+        line += f"\n[red]last error: {escape(str(mirror['last_error']))}[/]"
+    return line
