@@ -47,7 +47,9 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     desired = any(records.get(h.name, pol.HostRecord()).desired for h in inventory.hosts)
     if fresh and int(rs.get("world_size", 0)) > 0 and running:
         return Phase.TRAINING, ""
-    if decision.waiting and not running:
+    if (decision.waiting and not running) or start_failures(now=now, inventory=inventory, views=views,
+                                                            records=records):
+        # waiting, or every host given slots failed at start: say what holds the slots back
         return Phase.WAITING, waiting_message(now=now, inventory=inventory, views=views, records=records)
     if decision.message and not running and not desired:
         return Phase.STARTING, decision.message

@@ -47,7 +47,9 @@ def test_failures_at_start_are_named_by_up_and_a_fix_takes_effect_at_once(job_en
     assert "failed at start" in out and "unrecognized arguments: --no-such-flag" in out, out
     assert "eltctl logs" in out and "eltctl up" in out, out  # the fix hint
     assert took < BOUND_S, out
-    st = wait_for(lambda: (s := job_env.status()).get("start_failed") and s, 30, "status.json to say it")
+    # status.json is rewritten about once a second: wait for the pass that says both
+    st = wait_for(lambda: (s := job_env.status()).get("start_failed") and "cooling down" in s.get("message", "")
+                  and s, 30, "status.json to say it")
     assert st["start_failed"] and all("--no-such-flag" in c for c in st["start_failed"].values()), st
     hosts = {h["name"]: h for h in st["hosts"]}
     assert all("--no-such-flag" in (h["last_problem"] or "") for h in hosts.values()), hosts

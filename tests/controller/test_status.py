@@ -200,3 +200,19 @@ def test_a_hosts_entry_carries_its_daemons_phase_health_and_workers():
 
     assert daemon_summary(state) == {"pid": 7, "phase": "running", "health": "ok", "workers": state["workers"]}
     assert daemon_summary({}) == {}
+
+
+def test_when_every_host_failed_at_start_the_phase_says_so_in_the_same_pass():
+    """status.json's `start_failed` and its message come from one pass: a job whose workers
+    all failed at start is waiting, and the message names the failure (seen in CI: the old
+    phase, "waiting for the first step", was kept beside `start_failed`)."""
+    from eltctl.controller.policy import Decision
+
+    views = {"a": HostView("a", Reach.OK, slots=FREE1, daemon_alive=True),
+             "b": HostView("b", Reach.OK, slots=FREE1, daemon_alive=True)}
+    records = {"a": FAILED, "b": FAILED}
+    assert start_failures(now=NOW, inventory=inv(), views=views, records=records)
+    phase, message = next_phase(Phase.STARTING, "waiting for the first step", now=NOW, inventory=inv(),
+                                runtime_status=None, views=views, records=records, decision=Decision((), {}, 0, waiting=False),
+                                starting_daemons=False)
+    assert phase == Phase.WAITING and "cooling down after a failure" in message and CANT_OPEN in message
