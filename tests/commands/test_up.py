@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.testbed.hostpython import HOST_PYTHON
-from tests.testbed.jobenv import ELTCTL, REPO, job_pids, wait_for
+from tests.testbed.jobenv import ELTCTL, REPO, ControllerFiles, job_pids, wait_for
 
 NO_TORCH = "/usr/bin/python3"  # the system interpreter: Python, no torch
 QUICK_S = 60.0  # generous: one probe and one check, far below the 5-minute cooldown
@@ -36,7 +36,7 @@ def _no_torch_python() -> str:
     return NO_TORCH
 
 
-class LocalJob:
+class LocalJob(ControllerFiles):
     """A job on hosts of this machine, each with its own HOME, and the real CLI."""
 
     def __init__(self, root: Path) -> None:
@@ -73,17 +73,6 @@ class LocalJob:
                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
         return out, time.monotonic() - t0
 
-    def status(self) -> dict:
-        try:
-            return json.loads((self.state_dir / "status.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def controller_pid(self) -> int | None:
-        try:
-            return int(json.loads((self.state_dir / "controller.json").read_text())["pid"])
-        except (OSError, ValueError, KeyError):
-            return None
 
 
 @pytest.fixture

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from eltctl_runtime.files import read_json
+
 REPO = Path(__file__).resolve().parents[2]
 ELTCTL = [sys.executable, "-m", "eltctl"]
 
@@ -90,8 +92,22 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
 
 
+class ControllerFiles:
+    """What a job's controller leaves in its state directory (`self.state_dir`), read as
+    the tests need it; a missing or half-written file reads as empty."""
+
+    def status(self) -> dict:
+        return read_json(self.state_dir / "status.json") or {}
+
+    def controller_pid(self) -> int | None:
+        try:
+            return int((read_json(self.state_dir / "controller.json") or {})["pid"])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
 @dataclass
-class JobEnv:
+class JobEnv(ControllerFiles):
     bed: object
     hosts: list
     job: str
@@ -112,18 +128,6 @@ class JobEnv:
     @property
     def state_dir(self) -> Path:
         return self.state_home / "eltctl" / self.job
-
-    def status(self) -> dict:
-        try:
-            return json.loads((self.state_dir / "status.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def controller_pid(self) -> int | None:
-        try:
-            return int(json.loads((self.state_dir / "controller.json").read_text())["pid"])
-        except (OSError, ValueError, KeyError):
-            return None
 
     def controller_log(self, n: int = 40) -> str:
         try:
