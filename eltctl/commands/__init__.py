@@ -23,5 +23,5 @@ def register(app: typer.Typer) -> None:
     app.command("down")(down.down)
     app.command("status")(status.status)
     app.command("logs")(logs.logs)
-    app.command("checkpoints")(checkpoints.checkpoints)
     app.command("demo")(demo.demo)
+    app.add_typer(checkpoints.app, name="checkpoints")

@@ -1,14 +1,23 @@
-"""`eltctl checkpoints`: the job's checkpoints on each host and on the mirror, verified.
+"""`eltctl checkpoints`: the job's checkpoints on each host and on the mirror, verified;
+`eltctl checkpoints export OUT.pt`: one of them as a plain torch file.
 
-Exit status: 0 when everything could be listed; 3 when a host or the mirror could not
-be reached (what was found elsewhere is still shown). Never imports torch.
+Listing: exit status 0 when everything could be listed; 3 when a host or the mirror
+could not be reached (what was found elsewhere is still shown). Never imports torch.
+Export imports torch (to write the file), and only then.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+app = typer.Typer(invoke_without_command=True, no_args_is_help=False, add_completion=False,
+                  help="Local (per host) and mirrored checkpoints; `export` one as a plain file.")
 
+
+@app.callback()
 def checkpoints(
     ctx: typer.Context,
     json_out: bool = typer.Option(False, "--json", help="Print {mirror, checkpoints, errors} as JSON."),
@@ -16,6 +25,8 @@ def checkpoints(
         False, "--no-verify", help="Trust the manifests; skip recomputing sha256 where the files are."),
 ) -> None:
     """Local (per host) and mirrored checkpoints: step, time, size, where, verified."""
+    if ctx.invoked_subcommand is not None:
+        return
     import asyncio
     import json
     import sys
@@ -31,6 +42,51 @@ def checkpoints(
         render(listing)
     if listing.errors:
         raise typer.Exit(3)
+
+
+@app.command("export")
+def export(
+    ctx: typer.Context,
+    out: Path = typer.Argument(..., help="The file to write (e.g. model.pt); replaced atomically."),
+    step: Optional[int] = typer.Option(None, "--step", help="This step (default: the newest that verifies)."),
+    source: Optional[str] = typer.Option(None, "--from", help="Only from this host, or 'mirror'."),
+) -> None:
+    """Write a checkpoint as a plain torch file: {model, optimizer, extra_state, step, epoch}.
+
+    It opens with torch.load(OUT, weights_only=True), without eltctl installed. The checkpoint is brought here from the mirror or a host and verified first."""
+    import asyncio
+    import os
+    import tempfile
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    from eltctl.errors import EltctlError
+    from eltctl.mirror.fetch import fetch_checkpoint
+
+    inventory = ctx.obj.inventory()
+    out = out.expanduser().resolve()
+    if out.is_dir():
+        raise EltctlError(f"{out} is a directory", hint="give the file to write, e.g. model.pt")
+    if not out.parent.is_dir():
+        raise EltctlError(f"{out.parent} does not exist", hint="create the directory first, or write elsewhere")
+    console = Console(highlight=False, stderr=True)
+    with tempfile.TemporaryDirectory(prefix=".eltctl-export-", dir=out.parent) as work:
+        fetched = asyncio.run(fetch_checkpoint(inventory, Path(work), step=step, source=source,
+                                               timeout=inventory.ssh.connect_timeout + 3600))
+        for why in fetched.skipped:
+            console.print(f"[yellow]passed over[/] {escape(why)}", soft_wrap=True)
+        try:
+            from eltctl_runtime.checkpoint import export_checkpoint
+        except ImportError as e:  # torch missing on this machine
+            raise EltctlError(f"exporting needs torch on this machine: {e}",
+                              hint="pip install torch==2.13.0 (the controller needs it too)") from e
+        tmp = Path(work) / "export.pt"
+        export_checkpoint(fetched.path, tmp)
+        os.replace(tmp, out)
+    size = out.stat().st_size
+    typer.echo(f"exported step {fetched.step} (from {fetched.where}) to {out} ({_size(size)}); "
+               f"load it with torch.load({str(out)!r}, weights_only=True)")
 
 
 def _size(n: int) -> str:
