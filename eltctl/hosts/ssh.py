@@ -205,8 +205,9 @@ def _client_options(settings: SSHSettings) -> dict:
     """Keyword arguments for asyncssh.connect shared by every host.
 
     `config` is left at its default, so asyncssh reads `~/.ssh/config` itself
-    (Host, Match, Include, ProxyJump, IdentityFile...). `known_hosts` is never None:
-    None would switch verification off.
+    (Host, Match, Include, ProxyJump, IdentityFile...), except what would weaken it:
+    `known_hosts` is always given (None or config's `none` would switch verification
+    off) and agent forwarding is always off.
     """
     import asyncssh
 
@@ -216,11 +217,15 @@ def _client_options(settings: SSHSettings) -> dict:
         "keepalive_interval": KEEPALIVE_INTERVAL,
         "keepalive_count_max": 3,
     }
+    # Always an explicit known_hosts: the inventory's file, else ~/.ssh/known_hosts. Left
+    # to ~/.ssh/config, `UserKnownHostsFile none` would switch checking off. A file that
+    # does not exist yet means "nothing is trusted yet", not "trust everything": hand
+    # asyncssh an empty list of known hosts.
     kh = known_hosts_path(settings)
-    if settings.known_hosts is not None:
-        # A configured file that does not exist yet means "nothing is trusted yet",
-        # not "trust everything": hand asyncssh an empty list of known hosts.
-        opts["known_hosts"] = str(kh) if kh.is_file() else asyncssh.import_known_hosts("")
+    opts["known_hosts"] = str(kh) if kh.is_file() else asyncssh.import_known_hosts("")
+    # Never forward the agent to the hosts, whatever ~/.ssh/config says (ForwardAgent):
+    # a job runs for days on machines other people use.
+    opts["agent_forwarding"] = False
     if settings.identity_file is not None:
         from asyncssh.public_key import load_default_keypairs
 

@@ -175,3 +175,42 @@ address = "{h.address}"
         assert doc["state"] == "unreachable" and doc["error"]["kind"] == "auth", doc
     finally:
         os.kill(pid, signal.SIGTERM)
+
+
+def test_ssh_config_cannot_turn_host_key_checking_off_or_forward_the_agent(testbed, tmp_path, monkeypatch):
+    """~/.ssh/config says `UserKnownHostsFile none`, `StrictHostKeyChecking no` and
+    `ForwardAgent yes`: eltctl still checks the host key against its own known_hosts
+    (the inventory's, else ~/.ssh/known_hosts) and forwards no agent."""
+    from eltctl.inventory import SSHSettings
+    from eltctl.hosts import ssh
+
+    h = testbed.add_host("h1")
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host {h.address}\n  Port {h.port}\n  User {testbed.user}\n  UserKnownHostsFile none\n"
+        "  StrictHostKeyChecking no\n  ForwardAgent yes\n")
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.run(["ssh-agent", "-s", "-a", str(sock)], capture_output=True, text=True, check=True)
+    pid = int(agent.stdout.split("SSH_AGENT_PID=")[1].split(";")[0])
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+    host = Host(name="h1", address=h.address)
+    try:
+        subprocess.run(["ssh-add", str(testbed.client_key)], capture_output=True, check=True)
+
+        async def try_with(settings):
+            t = await ssh.connect(host, settings)
+            try:
+                return (await t.run("echo agent=${SSH_AUTH_SOCK:-none}")).stdout.strip()
+            finally:
+                await t.close()
+
+        # No known_hosts in the inventory: ~/.ssh/known_hosts (empty here) decides, not `none`.
+        with pytest.raises(HostError) as refused:
+            asyncio.run(try_with(SSHSettings(connect_timeout=10)))
+        assert refused.value.kind is ErrorKind.HOST_KEY_UNKNOWN, refused.value
+        # With the key known: connected, and the remote side has no forwarded agent.
+        assert asyncio.run(try_with(SSHSettings(connect_timeout=10, known_hosts=testbed.known_hosts))) == "agent=none"
+    finally:
+        os.kill(pid, signal.SIGTERM)
