@@ -87,9 +87,10 @@ class SSHTransport:
     """One SSH connection to one host, reused for every command of a CLI command."""
 
     def __init__(self, host: Host, conn: "asyncssh.SSHClientConnection", *,
-                 default_timeout: float | None = None) -> None:
+                 default_timeout: float | None = None, hops: tuple = ()) -> None:
         self.host = host
         self._conn = conn
+        self._hops = hops  # the ProxyJump connections it runs through, first hop first
         self._default_timeout = default_timeout
         self._sessions = asyncio.Semaphore(MAX_SESSIONS)
 
@@ -149,11 +150,12 @@ class SSHTransport:
         return await self._conn.run(command, input=input, timeout=timeout, check=False, errors="replace")
 
     async def close(self) -> None:
-        self._conn.close()
-        try:
-            await asyncio.wait_for(self._conn.wait_closed(), timeout=5)
-        except (asyncio.TimeoutError, OSError):
-            pass  # closing is best effort; the socket is gone either way
+        for c in (self._conn, *reversed(self._hops)):
+            c.close()
+            try:
+                await asyncio.wait_for(c.wait_closed(), timeout=5)
+            except (asyncio.TimeoutError, OSError):
+                pass  # closing is best effort; the socket is gone either way
 
 
 class SSHStream:
@@ -237,11 +239,59 @@ def _client_options(settings: SSHSettings) -> dict:
     return opts
 
 
-async def connect(host: Host, settings: SSHSettings) -> SSHTransport:
-    """Open and authenticate one connection, or raise a `HostError` saying why not."""
+def jump_hops(ep: Endpoint) -> list[Endpoint]:
+    """The ProxyJump hops `~/.ssh/config` gives this host, first hop first (none: []).
+
+    eltctl opens the hops itself, with the same host-key checks, keys and options as
+    the host: asyncssh would open them with the config alone (no inventory known_hosts
+    or identity, and `UserKnownHostsFile none` honoured)."""
     import asyncssh
 
+    try:
+        o = asyncssh.SSHClientConnectionOptions(
+            host=ep.address, port=ep.port or (), username=ep.user or (), config=(), known_hosts=None,
+            client_keys=None, agent_path=None)
+    except (OSError, ValueError, asyncssh.Error):
+        return []
+    spec = o.tunnel
+    if not isinstance(spec, str) or not spec.strip() or spec.strip().lower() == "none":
+        return []
+    hops = []
+    for part in spec.split(","):
+        user, _, hostport = part.strip().rpartition("@")
+        addr, port = hostport, None
+        if hostport.startswith("[") and "]" in hostport:  # [v6addr]:port
+            addr, _, rest = hostport[1:].partition("]")
+            port = int(rest[1:]) if rest.startswith(":") else None
+        elif hostport.count(":") == 1:
+            addr, p = hostport.split(":")
+            port = int(p)
+        hops.append(Endpoint(address=addr, port=port, user=user or None))
+    return hops
+
+
+async def connect(host: Host, settings: SSHSettings) -> SSHTransport:
+    """Open and authenticate one connection, or raise a `HostError` saying why not."""
     ep = endpoint(host, settings)
+    hops: list = []
+    try:
+        for hop in jump_hops(ep):
+            hops.append(await _open(host, hop, settings, tunnel=hops[-1] if hops else None,
+                                    via=f" (the ProxyJump hop {hop.address} of ~/.ssh/config)"))
+        conn = await _open(host, ep, settings, tunnel=hops[-1] if hops else (), via="")
+    except BaseException:
+        for c in reversed(hops):
+            c.close()
+        raise
+    return SSHTransport(host, conn, default_timeout=settings.command_timeout, hops=tuple(hops))
+
+
+async def _open(host: Host, ep: Endpoint, settings: SSHSettings, *, tunnel, via: str):
+    """One authenticated asyncssh connection to `ep` (the host, or a hop on the way: `via`
+    says which in errors). tunnel: the previous hop, None (ignore config's ProxyJump:
+    connect() opens the hops) or () (the host without hops)."""
+    import asyncssh
+
     try:
         kwargs = _client_options(settings)
     except (OSError, asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as exc:
@@ -255,16 +305,21 @@ async def connect(host: Host, settings: SSHSettings) -> SSHTransport:
         kwargs["port"] = ep.port
     if ep.user is not None:
         kwargs["username"] = ep.user
+    kwargs["tunnel"] = tunnel
     try:
         # connect_timeout covers TCP, the SSH handshake and authentication; the outer
         # wait_for is a backstop for a peer that stalls somewhere asyncssh does not time.
-        conn = await asyncio.wait_for(asyncssh.connect(ep.address, **kwargs),
+        return await asyncio.wait_for(asyncssh.connect(ep.address, **kwargs),
                                       timeout=settings.connect_timeout + 5)
     except asyncssh.HostKeyNotVerifiable as exc:
-        raise await _host_key_error(host, ep, settings) from exc
+        err = await _host_key_error(host, ep, settings)
+        if via:
+            err = HostError(host.name, f"{err.message.removeprefix(host.name + ': ')}{via}", kind=err.kind,
+                            hint=err.hint)
+        raise err from exc
     except asyncssh.PermissionDenied as exc:
         raise HostError(
-            host.name, f"authentication failed for {ep.user or 'the default user'}: {_describe(exc)}",
+            host.name, f"authentication failed for {ep.user or 'the default user'}{via}: {_describe(exc)}",
             kind=ErrorKind.AUTH,
             hint=(f"install your public key on the host (ssh-copy-id"
                   f"{' -p ' + str(ep.port) if ep.port else ''} {ep.user + '@' if ep.user else ''}{ep.address}), "
@@ -272,18 +327,17 @@ async def connect(host: Host, settings: SSHSettings) -> SSHTransport:
         ) from exc
     except asyncio.TimeoutError as exc:
         raise HostError(
-            host.name, f"no SSH answer from {ep.address}:{ep.effective_port} within "
+            host.name, f"no SSH answer from {ep.address}:{ep.effective_port}{via} within "
             f"{settings.connect_timeout:g} s",
             kind=ErrorKind.TIMEOUT,
             hint=f"check that sshd runs there and answers: {ep.ssh_command()} true",
         ) from exc
     except (socket.gaierror, ConnectionRefusedError, OSError, asyncssh.Error) as exc:
         raise HostError(
-            host.name, f"cannot reach {ep.address}:{ep.effective_port}: {_describe(exc)}",
+            host.name, f"cannot reach {ep.address}:{ep.effective_port}{via}: {_describe(exc)}",
             kind=ErrorKind.UNREACHABLE,
             hint=f"check the address and port in the inventory and that sshd runs: {ep.ssh_command()} true",
         ) from exc
-    return SSHTransport(host, conn, default_timeout=settings.command_timeout)
 
 
 def _recorded_keys(path: Path, ep: Endpoint) -> bool:

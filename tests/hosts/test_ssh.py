@@ -214,3 +214,42 @@ def test_ssh_config_cannot_turn_host_key_checking_off_or_forward_the_agent(testb
         assert asyncio.run(try_with(SSHSettings(connect_timeout=10, known_hosts=testbed.known_hosts))) == "agent=none"
     finally:
         os.kill(pid, signal.SIGTERM)
+
+
+def test_a_proxyjump_hop_is_checked_like_the_host(testbed, tmp_path, monkeypatch):
+    """~/.ssh/config sends the host through a ProxyJump hop: the hop is verified against
+    the inventory's known_hosts and logged into with the same keys (asyncssh alone would
+    use the config only, here `UserKnownHostsFile none` for the second hop)."""
+    from eltctl.inventory import SSHSettings
+    from eltctl.hosts import ssh
+
+    jump, target, stranger = testbed.add_host("jump"), testbed.add_host("target"), testbed.add_host("j2", known=False)
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    u = testbed.user
+    (home / ".ssh" / "config").write_text(
+        f"Host {target.address}\n  Port {target.port}\n  User {u}\n  ProxyJump {u}@{jump.address}:{jump.port}\n"
+        f"Host {stranger.address}\n  UserKnownHostsFile none\n  StrictHostKeyChecking no\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    settings = SSHSettings(connect_timeout=10, known_hosts=testbed.known_hosts, identity_file=testbed.client_key)
+    host = Host(name="target", address=target.address)
+
+    async def run_on(h):
+        t = await ssh.connect(h, settings)
+        try:
+            return (await t.run("echo ok")).stdout.strip()
+        finally:
+            await t.close()
+
+    before = accepted_logins(jump)
+    assert asyncio.run(run_on(host)) == "ok"
+    assert accepted_logins(jump) == before + 1  # it went through the hop
+    # The same host behind a hop whose key is not known: refused, whatever the config says.
+    (home / ".ssh" / "config").write_text(
+        f"Host {target.address}\n  Port {target.port}\n  User {u}\n  ProxyJump {u}@{stranger.address}:{stranger.port}\n"
+        f"Host {stranger.address}\n  UserKnownHostsFile none\n  StrictHostKeyChecking no\n")
+    with pytest.raises(HostError) as refused:
+        asyncio.run(run_on(host))
+    assert refused.value.kind is ErrorKind.HOST_KEY_UNKNOWN and "ProxyJump hop" in str(refused.value), refused.value
+    assert accepted_logins(stranger) == 0
