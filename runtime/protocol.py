@@ -36,6 +36,7 @@ keeper's pid, written on the raw store when it starts serving.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -343,3 +344,17 @@ def read_status(store: Store, job: str) -> dict | None:
 def read_events(store: Store, job: str, start: int = 1) -> list[dict]:
     """Membership events from number `start` on (numbers begin at 1)."""
     return get_events(scope(store, job), start)
+
+
+# ---- names -------------------------------------------------------------------
+
+# Job and host names become file and directory names on every host and store keys:
+# letters, digits, '.', '_' and '-', never starting with '.' or '-' (so never "." or
+# "..", a hidden file, or an option). Checked by the inventory and again by the daemon.
+NAME_RULE = "letters, digits, '.', '_' and '-' only, starting with a letter, digit or '_'"
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def valid_name(name: str) -> bool:
+    """Whether `name` is usable as a job or host name (NAME_RULE)."""
+    return isinstance(name, str) and len(name) <= 128 and _NAME.fullmatch(name) is not None

@@ -16,7 +16,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from eltctl.errors import ConfigError
-
 from eltctl.inventory.tables import ABSENT, BAD, KeyLines, Table, got, raw_host_name, show, toml_error
 from eltctl.inventory.types import (
     ControllerSettings,
@@ -28,8 +27,9 @@ from eltctl.inventory.types import (
     SSHSettings,
     Storage,
 )
+from eltctl_runtime.protocol import NAME_RULE
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]+")  # host and job names end up in file names
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # = protocol.valid_name: names end up in file names
 _SSH_URL = re.compile(r"ssh://(?:[^@/\s]+@)?[^:/\s]+(?::\d+)?/\S*")
 
 # The accepted keys, per table, in the order hosts.example.toml documents them.
@@ -148,8 +148,8 @@ class Checker:
 
     def job(self, t: Table) -> JobSpec | None:
         name = t.string("name", required='"my-job"', pattern=NAME_PATTERN,
-                        pattern_says="is not a valid job name: use letters, digits, '.', '_' "
-                                     "and '-' only (it names files and directories)")
+                        pattern_says=f"is not a valid job name: use {NAME_RULE} (it names files and "
+                                     "directories)")
         command = self.command(t)
         workdir = t.path_value("workdir", self.base)
         min_workers = t.integer("min_workers", 1, lo=1)
@@ -300,14 +300,13 @@ class Checker:
         address = t.string("address", required='"hostname or IP" (or "local" for this machine)')
         if isinstance(address, str) and any(c.isspace() for c in address):
             address = t.fail("address", f"{show(address)} contains whitespace; write one hostname or IP")
-        name_rule = ("is not usable as a host name: use letters, digits, '.', '_' and '-' "
-                     "only (it names files)")
+        name_rule = f"is not usable as a host name: use {NAME_RULE} (it names files)"
         name = t.string("name", None, pattern=NAME_PATTERN, pattern_says=name_rule)
         if name is None and isinstance(address, str):
             name = address  # a host without a name is called by its address
             if not NAME_PATTERN.fullmatch(name):
                 t.fail("name", f"missing, and the address {show(address)} is not usable as a "
-                               "host name; add name = \"...\" (letters, digits, '.', '_', '-')")
+                               f"host name; add name = \"...\" ({NAME_RULE})")
         port = t.integer("port", ssh.port, lo=1, hi=65535)
         user = t.string("user", ssh.user)
         python = t.string("python", "python3")

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..protocol import NAME_RULE, valid_name
+
 
 class DaemonConfigError(ValueError):
     """daemon.json is missing, unreadable or malformed."""
@@ -140,6 +142,9 @@ class DaemonConfig:
         if not isinstance(min_workers, int) or (max_workers is not None and not isinstance(max_workers, int)):
             raise DaemonConfigError(f"{source}: 'min_workers' and 'max_workers' must be integers (or null)")
         ckpt = d.get("checkpoint_dir")
+        for key in ("job", "host"):
+            if not valid_name(need(key)):
+                raise DaemonConfigError(f"{source}: {key!r} is not a valid name ({d[key]!r}): use {NAME_RULE}")
         return cls(
             job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
             code_dir=Path(need("code_dir")).expanduser(), command=tuple(command),

@@ -242,10 +242,20 @@ ERRORS = [
      "hosts.toml:5: policy.utilization_threshold: must be from 0 to 100 (percent), got 150"),
     ("host name with a slash", JOB + '[[hosts]]\nname = "a/b"\naddress = "x"\n',
      'hosts.toml:5: hosts[0].name (host "a/b"): "a/b" is not usable as a host name: use letters, '
-     "digits, '.', '_' and '-' only (it names files)"),
+     "digits, '.', '_' and '-' only, starting with a letter, digit or '_' (it names files)"),
+    ("host name ..", JOB + '[[hosts]]\nname = ".."\naddress = "x"\n',
+     'hosts.toml:5: hosts[0].name (host ".."): ".." is not usable as a host name: use letters, '
+     "digits, '.', '_' and '-' only, starting with a letter, digit or '_' (it names files)"),
+    ("host name like an option", JOB + '[[hosts]]\nname = "-rf"\naddress = "x"\n',
+     'hosts.toml:5: hosts[0].name (host "-rf"): "-rf" is not usable as a host name: use letters, '
+     "digits, '.', '_' and '-' only, starting with a letter, digit or '_' (it names files)"),
+    ("job name .", '[job]\nname = "."\ncommand = ["python", "t.py"]\n' + HOST,
+     'hosts.toml:2: job.name: "." is not a valid job name: use letters, digits, \'.\', \'_\' and \'-\' '
+     "only, starting with a letter, digit or '_' (it names files and directories)"),
     ("address unusable as a name", JOB + '[[hosts]]\naddress = "fe80::1"\n',
      'hosts.toml:4: hosts[0].name (host "fe80::1"): missing, and the address "fe80::1" is not usable '
-     "as a host name; add name = \"...\" (letters, digits, '.', '_', '-')"),
+     "as a host name; add name = \"...\" (letters, digits, '.', '_' and '-' only, starting with a letter, "
+     "digit or '_')"),
     ("gpus as a count", JOB + HOST + "gpus = 2\n",
      'hosts.toml:7: hosts[0].gpus (host "h1"): must be "all" or a list of GPU indices, got an '
      'integer (2); write gpus = "all" or a list of indices such as gpus = [0, 1]'),

@@ -318,6 +318,9 @@ def test_config_reads_the_documented_fields():
     ({"command": []}, "'command'"),
     ({"watch_interval": 0}, "'watch_interval'"),
     ({"env": {"A": 1}}, "'env'"),
+    ({"job": ".."}, "'job' is not a valid name"),
+    ({"host": "-x"}, "'host' is not a valid name"),
+    ({"host": "a/b"}, "'host' is not a valid name"),
 ])
 def test_config_errors_name_the_key(change, message):
     with pytest.raises(DaemonConfigError, match=message):
