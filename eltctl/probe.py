@@ -32,6 +32,7 @@ from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy
 from eltctl.hosts.fleet import Fleet, Outcome
 from eltctl.hosts.transport import ErrorKind, Transport
+from eltctl.text import printable
 
 MARK = ":::eltctl:"
 PROBE_VERSION = "1"
@@ -135,7 +136,7 @@ def probe_script(job: str, nvidia_smi_timeout: float) -> str:
 job="$1"
 m='{MARK}'
 echo "${{m}}probe {PROBE_VERSION}"
-tmp=$(mktemp 2>/dev/null || echo "/tmp/eltctl-probe.$$")
+tmp=$(mktemp 2>/dev/null) || tmp=$(umask 077; mkdir -p "$HOME/.eltctl" && echo "$HOME/.eltctl/probe.$$")
 trap 'rm -f "$tmp"' EXIT
 if command -v timeout >/dev/null 2>&1; then to="timeout -k 2 {t}"; else to=""; fi
 echo "${{m}}cpus"
@@ -229,8 +230,9 @@ def _status(arg: str) -> int | None:
 
 
 def parse_probe_output(text: str) -> HostProbe:
-    """The facts in a probe's output. Tolerates missing sections (a truncated run)."""
-    s = sections(text)
+    """The facts in a probe's output. Tolerates missing sections (a truncated run).
+    Control characters (a process or user name of anyone on the host) are made visible."""
+    s = sections(printable(text))
     cpu_count = None
     for line in s.get("cpus", ("", []))[1]:
         n = parse_number(line)

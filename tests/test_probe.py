@@ -108,6 +108,14 @@ def test_parse_probe_output_collects_facts_and_merges_owners():
                            GpuProcess(222, U0, 600, "train.py", "root", True))
 
 
+def test_control_characters_from_a_host_are_made_visible():
+    text = _output(gpus=f"0, {U0}, NVIDIA A100, 2600, 40960, 55",
+                   apps=f"{U0}, 111, 2000, \x1b[2Jevil\x9b",
+                   owners="111 0 mal\x07lory")
+    p = parse_probe_output(text)
+    assert p.processes[0].name == "\\x1b[2Jevil\\x9b" and p.processes[0].user == "mal\\x07lory"
+
+
 def test_parse_probe_output_without_nvidia_smi_or_end_marker():
     p = parse_probe_output(_output(smi=None, end=False))
     assert p.nvidia_smi is None and not p.complete and p.gpus == ()

@@ -178,6 +178,21 @@ def test_markup_in_names_and_reasons_is_text():
     assert "[bold]not" in text and "[red]x" in text
 
 
+def test_terminal_escapes_from_the_store_are_shown_not_obeyed(tmp_path):
+    """An event detail or a reason holding ESC/CSI sequences (anyone who reached the store
+    or a host can write one) reaches the terminal as visible text."""
+    doc = copy.deepcopy(TRAINING)
+    doc["events"][1]["detail"] = "\x1b]0;owned\x07\x1b[2J\x9b31mred"
+    doc["hosts"][1]["reason"] = "back\rspace\x08"
+    d = state_dir(tmp_path)
+    (d / "status.json").write_text(json.dumps(doc))
+    snap = read_snapshot("mnist", d)
+    text = view_text(snap.document, Source.FILE, NOW)
+    assert not any(c in text for c in "\x1b\x07\x9b\r\x08")
+    assert "\\x1b]0;owned" in text and "\\x9b31mred" in text
+    assert snap.document["hosts"][1]["reason"] == "back\\x0dspace\\x08"
+
+
 @pytest.mark.parametrize("seconds, text", [
     (None, "?"), (0.04, "0.0 s"), (0.4, "0.4 s"), (9.94, "9.9 s"), (12.4, "12 s"), (59.4, "59 s"),
     (60, "1 min 00 s"), (185, "3 min 05 s"), (3600, "1 h 00 min"), (7380, "2 h 03 min"), (-3, "0.0 s"),

@@ -1,4 +1,7 @@
-"""Where the status comes from: the live controller's answer on its socket, else status.json."""
+"""Where the status comes from: the live controller's answer on its socket, else status.json.
+
+Every string in it is made `printable` (eltctl/text.py) as it is read: much of it came
+from the hosts and the job's store."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any, Mapping
 
 from eltctl.controller.statedir import SOCKET_NAME
 from eltctl.errors import EltctlError
+from eltctl.text import printable_tree
 
 
 STATUS_FILE = "status.json"
@@ -94,11 +98,11 @@ def read_snapshot(job: str, state_dir: Path, *, clock=time.time,
             why = f"control.sock: {exc}"
         else:
             if answer.get("ok", True) is not False and "job" in answer:
-                return Snapshot(answer, Source.CONTROLLER, clock())
+                return Snapshot(printable_tree(answer), Source.CONTROLLER, clock())
             why = f"control.sock answered {json.dumps(answer)[:200]}"
     doc = read_status_file(state_dir)
     if doc is None:
         raise NoJobError(
             f"no status of job {job!r} on this machine (nothing in {state_dir})",
             hint="`eltctl up` starts the job; status reads the state the controller keeps here")
-    return Snapshot(doc, Source.FILE, clock(), why_file=why)
+    return Snapshot(printable_tree(doc), Source.FILE, clock(), why_file=why)
