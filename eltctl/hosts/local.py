@@ -12,7 +12,7 @@ import signal
 from typing import Mapping
 
 from eltctl.errors import HostError
-from eltctl.hosts.transport import ErrorKind, RunResult
+from eltctl.hosts.transport import PRIVATE, ErrorKind, RunResult
 from eltctl.inventory import Host
 
 
@@ -58,7 +58,7 @@ class LocalTransport:
     async def _spawn(self, command: str, *, stdin: int) -> asyncio.subprocess.Process:
         try:
             return await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", command, stdin=stdin,
+                "/bin/sh", "-c", PRIVATE + command, stdin=stdin,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 env=self._env, start_new_session=True)  # own group: a timeout kills it all
         except OSError as exc:

@@ -229,8 +229,11 @@ def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: st
     q = shlex.quote
     env = (f"ELTCTL_JOB={q(job)} ELTCTL_HOST={q(host.name)} "
            f"PYTHONPATH={q(runtime_dir)}${{PYTHONPATH:+:$PYTHONPATH}}")
+    jobs = f"{paths.home}/{layout.JOBS_DIR}"
+    private = [f"{paths.home}/{layout.STATE_DIR}", jobs, f"{jobs}/{job}", paths.job_dir]
     return (
-        f"mkdir -p {q(paths.workers_dir)} && cd {q(paths.job_dir)} && "
+        # umask 077 (the transport's) makes new ones private; older ones are tightened
+        f"mkdir -p {q(paths.workers_dir)} && chmod 700 {' '.join(map(q, private))} && cd {q(paths.job_dir)} && "
         f"cat > {layout.DAEMON_JSON}.tmp && mv {layout.DAEMON_JSON}.tmp {layout.DAEMON_JSON} && "
         f"{env} {q(host.python)} -m {DAEMON_MODULE} --config {q(paths.daemon_json)} --detach </dev/null"
     )

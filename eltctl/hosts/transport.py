@@ -101,12 +101,19 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
+# Every command eltctl runs on a host starts with this: what it creates there (the job's
+# directories, daemon.json with the job's env, logs, checkpoints, mirror copies) is
+# readable by the account alone, whatever the account's own umask.
+PRIVATE = "umask 077; "
+
+
 def wrap_env(command: str, env: Iterable[tuple[str, str]]) -> str:
-    """The command with the host's extra environment, for any login shell.
+    """The command with the host's extra environment and umask 077, for any login shell.
 
     `env K=V sh -c CMD` works whatever shell the account has and does not depend on
     sshd's AcceptEnv.
     """
+    command = PRIVATE + command
     pairs = [f"{k}={v}" for k, v in env]
     if not pairs:
         return command

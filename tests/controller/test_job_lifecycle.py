@@ -36,6 +36,9 @@ def _on(host: str, workers: dict[str, int]) -> dict[str, int]:
 def test_up_twice_scale_controller_killed_and_down(job_env):
     # 1. Two `up` at once on three hosts: one controller; six workers (2 simulated
     #    GPUs each) train at world size 6.
+    h1_home = job_env.hosts[0].dir / "home"
+    (h1_home / ".eltctl").mkdir(mode=0o755, exist_ok=True)  # left by an older eltctl: tightened
+    (h1_home / ".eltctl").chmod(0o755)
     t0 = time.monotonic()
     both = [subprocess.Popen([*ELTCTL, "-i", str(job_env.inventory), "up"], env=job_env.env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
@@ -51,6 +54,11 @@ def test_up_twice_scale_controller_killed_and_down(job_env):
     workers = worker_pids(job_env.job)
     assert len(workers) == 6
     assert {proc_env(p).get("ELTSIM_HOST") for p in workers.values()} == {"h1", "h2", "h3"}
+    # Nothing of the job on a host is readable by another account (daemon.json holds the job's env).
+    job_dir = h1_home / ".eltctl" / "jobs" / job_env.job / "h1"
+    modes = {str(p.relative_to(h1_home)): p.stat().st_mode & 0o777
+             for p in [h1_home / ".eltctl", job_dir, *job_dir.rglob("*")] if not p.is_symlink()}
+    assert modes[".eltctl"] == 0o700 and {k: oct(m) for k, m in modes.items() if m & 0o077} == {}
 
     # 2. `up` again changes nothing: the same controller, not one worker restarted.
     out = job_env.eltctl("up").stdout

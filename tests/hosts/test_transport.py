@@ -108,12 +108,19 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("env, command, expected", [
-    ((), "echo hi", "echo hi"),
-    ((("A", "1"),), "echo $A", "env A=1 /bin/sh -c 'echo $A'"),
-    ((("A", "x y"),), "true", "env 'A=x y' /bin/sh -c true"),
+    ((), "echo hi", "umask 077; echo hi"),
+    ((("A", "1"),), "echo $A", "env A=1 /bin/sh -c 'umask 077; echo $A'"),
+    ((("A", "x y"),), "true", "env 'A=x y' /bin/sh -c 'umask 077; true'"),
 ])
 def test_wrap_env(env, command, expected):
     assert wrap_env(command, env) == expected
+
+
+def test_what_a_command_creates_on_a_host_is_private(tmp_path):
+    os.umask(0o022)
+    r = run(LocalTransport(LOCAL).run(f"mkdir {tmp_path}/d && echo x > {tmp_path}/d/f && umask"))
+    assert r.stdout.strip() == "0077"
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o700 and (tmp_path / "d" / "f").stat().st_mode & 0o777 == 0o600
 
 
 def test_wrapped_command_sees_values_with_quotes_and_spaces():

@@ -34,7 +34,7 @@ def apply(root, doc):
             tmp = dest + ".eltctl-tmp"
             with open(tmp, "wb") as fh:
                 fh.write(tar.extractfile(m).read())
-            os.chmod(tmp, m.mode & 0o777)
+            os.chmod(tmp, m.mode & 0o700)  # private, as everything of the job on a host
             os.replace(tmp, dest)
 
 
