@@ -31,6 +31,9 @@ from eltctl.hosts.fleet import Fleet
 from eltctl.hosts.transport import ErrorKind, Transport
 
 WORKDIR = "~/.eltctl"
+# Older torch: torch.load(weights_only=True) is bypassable (CVE-2025-32434), and a host
+# restores checkpoints (perhaps from a shared mirror) with it.
+MIN_TORCH = (2, 6)
 TORCH_IMPORT_TIMEOUT = 120.0  # seconds; a cold `import torch` on a loaded host is slow
 
 
@@ -219,6 +222,11 @@ def check_torch(facts: RemoteFacts, local: Versions, python: str) -> Check:
         return Check("torch", Status.FAIL, f"`import torch` failed: {facts.torch_error}",
                      f"install it for that interpreter ({python} -m pip install {want}) or point "
                      "this host's `python` at an interpreter that has it")
+    if _release(facts.torch_version)[:2] < MIN_TORCH:
+        return Check("torch", Status.FAIL,
+                     f"{facts.torch_version} is older than {'.'.join(map(str, MIN_TORCH))}: its "
+                     "torch.load(weights_only=True), which restores checkpoints, can be made to run code "
+                     "(CVE-2025-32434)", f"{python} -m pip install {want}")
     if local.torch is None:
         return Check("torch", Status.OK, f"{facts.torch_version} (no local torch to compare with)")
     remote, mine = _release(facts.torch_version), _release(local.torch)

@@ -76,7 +76,9 @@ def test_check_python(f, status, words):
     (facts(torch="2.13.1"), LOCAL, Status.WARN, ["local 2.13.0+cpu"]),
     (facts(torch="2.12.0"), LOCAL, Status.FAIL, ["local is 2.13.0+cpu"]),
     (facts(torch=None, torch_error="No module named 'torch'"), LOCAL, Status.FAIL, ["No module named"]),
-    (facts(torch="2.5.0"), Versions("3.11.7", None), Status.OK, ["no local torch"]),
+    (facts(torch="2.6.0"), Versions("3.11.7", None), Status.OK, ["no local torch"]),
+    (facts(torch="2.5.1+cu121"), Versions("3.11.7", None), Status.FAIL, ["older than 2.6", "weights_only"]),
+    (facts(torch="2.2.0"), LOCAL, Status.FAIL, ["older than 2.6"]),
     (facts(py=None), LOCAL, Status.SKIP, []),
 ])
 def test_check_torch(f, local, status, words):
