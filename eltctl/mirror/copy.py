@@ -177,7 +177,7 @@ async def _copy_checkpoint_steps(src: Place, source: Located, step: int, dst: Pl
         else:
             runner = dst.transport
             await _relay(src.transport, f"cd {_q(source.path)} && exec {NICE} tar -cf - -- {quoted}",
-                         dst.transport, f"set -e; mkdir -p {_q(tmp)}; tar -C {_q(tmp)} -xf -")
+                         dst.transport, f"set -e; mkdir -p {_q(tmp)}; tar -C {_q(tmp)} --no-same-permissions -xf -")
             cmd = _one_shot_command(dst.transport.host.python, "publish", None, dst, step, tmp.rsplit("/", 1)[1],
                                     expected)
             if await _try_one_shot(dst.transport, cmd, f"verifying the copy of step {step} on {dst.label}"):

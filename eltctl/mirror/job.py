@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 from typing import Awaitable, Callable, Iterable
 
 from eltctl.errors import HostError
@@ -21,6 +22,31 @@ from eltctl.mirror.values import MIRROR_LABEL, Located, MirrorError, Place, Rest
 log = logging.getLogger("eltctl.mirror")
 
 MirrorConnector = Callable[[], Awaitable[Transport]]
+
+
+async def claim_job_dir(t: Transport, directory: str) -> None:
+    """Make sure the mirror's job directory is this account's own and private.
+
+    It is created with mode 0700 where missing; an existing one must belong to the
+    account the mirror is reached as (another user's job of the same name, or a
+    directory someone created first to feed us checkpoints, is refused) and is
+    tightened to 0700. Portable sh (`ls -ldn`), for a storage host without Python."""
+    q = shlex.quote(directory)
+    result = await t.run(
+        f"mkdir -p -m 700 {q} 2>&1 || exit 4; set -- $(ls -ldn {q}); me=$(id -u); "
+        f'[ "$3" = "$me" ] || {{ echo "owner $3 me $me"; exit 5; }}; chmod 700 {q} 2>&1 || exit 6; echo ok',
+        timeout=60)
+    out = (result.stdout + result.stderr).strip()
+    if result.exit_status == 5:
+        raise MirrorError(
+            f"the mirror directory {directory} on {t.host.name} belongs to another account ({out}): "
+            "eltctl reads and writes checkpoints only in a directory of its own",
+            hint="use another [storage] mirror path or job name; if the directory is yours from another "
+                 "account, move it away")
+    if not result.ok or not out.endswith("ok"):
+        raise MirrorError(f"the mirror directory {directory} on {t.host.name} cannot be created or made "
+                          f"private: {out[-300:] or result.exit_status}",
+                          hint="check the path and its permissions on the mirror")
 
 
 class Mirror:
@@ -59,7 +85,13 @@ class Mirror:
             self._lock = asyncio.Lock()
         async with self._lock:
             if self._transport is None:
-                self._transport = await self._connector()
+                transport = await self._connector()
+                try:
+                    await claim_job_dir(transport, self.target.job_dir(self.job))
+                except BaseException:
+                    await transport.close()
+                    raise
+                self._transport = transport
         return Place(MIRROR_LABEL, self._transport, self.target.job_dir(self.job),
                      shared=self.target.kind is TargetKind.DIRECTORY)
 

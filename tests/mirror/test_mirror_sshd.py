@@ -124,6 +124,32 @@ def test_mirror_copies_verifies_and_keeps_the_newest(testbed, kind):
     assert step == 30 and torch.equal(state["w"], torch.full((1000,), 30.0))
 
 
+def test_the_mirror_job_directory_is_private_and_must_be_ours(testbed, kind):
+    h1 = testbed.add_host("h1")
+    spec, where = mirror_spec(testbed, kind)
+    inv = load_inventory(testbed.write_inventory())
+    commit(h1, 10)
+    (where / JOB).mkdir(parents=True, mode=0o755)
+    (where / JOB).chmod(0o755)  # left by an older eltctl: tightened
+
+    async def mirror10():
+        mirror = Mirror(parse_target(spec), JOB, keep=2, ssh=inv.ssh)
+        async with Fleet(inv) as fleet:
+            try:
+                return await mirror.mirror_checkpoint(await host_place(await fleet.transport(inv.host("h1")), JOB), 10)
+            finally:
+                await mirror.close()
+
+    assert asyncio.run(mirror10()).verified
+    assert (where / JOB).stat().st_mode & 0o777 == 0o700
+    assert all(p.stat().st_mode & 0o077 == 0 for p in (where / JOB).rglob("*"))
+    if os.geteuid() != 0:
+        return  # giving the directory to another account needs root
+    os.chown(where / JOB, 65534, 65534)  # another account's job of the same name (or a trap)
+    with pytest.raises(MirrorError, match="belongs to another account"):
+        asyncio.run(mirror10())
+
+
 def test_a_host_without_python_mirrors_with_plain_shell_tools(testbed):
     # The one-command copy needs the host's Python; without it, cp + sha256sum + mv.
     import re
