@@ -103,7 +103,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         op = req.get("op")
         if op == "ping":
             return {"ok": True, "pid": os.getpid(), "phase": ctl.phase if ctl else Phase.CONNECTING,
-                    "message": ctl.message if ctl else connecting_message[0]}
+                    "message": ctl.message if ctl else connecting_message[0], "inventory": str(inventory.path)}
         if ctl is None:
             if op == "status":
                 return {"job": inventory.job.name, "state": "starting", "phase": Phase.CONNECTING,

@@ -43,6 +43,25 @@ def ping(state: StateDir, timeout: float = 5.0) -> dict | None:
     return answer if answer.get("ok") else None
 
 
+def same_inventory(inventory: Inventory, answer: dict | None) -> dict | None:
+    """The live controller's ping `answer`, after checking that it runs this inventory.
+
+    Job names are the key on this machine (the state directory) and on the hosts: a
+    second inventory with the same job name would otherwise steer, scale or take down
+    the first one's job."""
+    if answer is None or not answer.get("inventory"):
+        return answer
+    from pathlib import Path
+
+    theirs = Path(answer["inventory"])
+    if theirs.resolve() != Path(inventory.path).resolve():
+        raise EltctlError(
+            f"job {inventory.job.name!r} is already run on this machine from another inventory, {theirs} "
+            f"(controller {answer.get('pid')}); two inventories cannot share a job name",
+            hint=f"give this inventory's job another [job] name, or use `eltctl -i {theirs}`")
+    return answer
+
+
 def ask(state: StateDir, message: dict, timeout: float = 60.0) -> dict:
     try:
         return csock.request(state.socket, message, timeout=timeout)
@@ -76,14 +95,14 @@ def ensure_controller(inventory: Inventory, progress: Progress,
                       left_out: dict[str, str] | None = None) -> tuple[dict, bool]:
     """(ping answer, started now): the live controller, or a new one once it answers."""
     state = state_of(inventory)
-    answer = ping(state)
+    answer = same_inventory(inventory, ping(state))
     if answer is not None:
         return answer, False
     progress("starting the controller")
     pid = spawn_controller(inventory, state, left_out)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while time.monotonic() < deadline:
-        answer = ping(state)
+        answer = same_inventory(inventory, ping(state))
         if answer is not None:
             return answer, answer.get("pid") == pid
         # Our controller may have lost the race for the lock to another `up`'s:
@@ -178,7 +197,7 @@ def start_failed_error(failed: dict[str, str]) -> EltctlError:
 
 def scale(inventory: Inventory, add: list[str], remove: list[str], force: bool) -> dict:
     state = state_of(inventory)
-    if ping(state) is None:
+    if same_inventory(inventory, ping(state)) is None:
         raise EltctlError(f"no controller runs job {inventory.job.name}",
                           hint="`eltctl up` starts it; then scale")
     return ask(state, {"op": "scale", "add": add, "remove": remove, "force": force}, timeout=180)
@@ -202,7 +221,7 @@ class DownResult:
 def down(inventory: Inventory, *, force: bool = False, progress: Progress = lambda _m: None) -> DownResult:
     """Take the job down through its controller (or a one-shot one), then check every host."""
     state = state_of(inventory)
-    answer = ping(state)
+    answer = same_inventory(inventory, ping(state))
     result: dict = {}
     if answer is not None:
         progress(f"asking controller {answer['pid']} for a final checkpoint and a stop")

@@ -171,3 +171,15 @@ def test_mixed_hosts_the_good_one_trains_the_bad_one_is_left_out_until_fixed(loc
     out, took = local_job.eltctl("up")
     assert out.returncode == 0 and "checking" not in out.stdout and "already running" in out.stdout, out.stdout
     assert took < 30
+
+    # A second inventory with the same job name cannot steer this job (up, scale, down refuse).
+    other = local_job.root / "other.toml"
+    other.write_text(local_job.inventory.read_text())
+    pid = local_job.controller_pid()
+    for args in (("up",), ("scale", "--remove", "bad"), ("down", "--force")):
+        out = subprocess.run([*ELTCTL, "-i", str(other), *args], env=local_job.env, capture_output=True,
+                             text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert out.returncode == 1, (args, out.stdout, out.stderr)
+        assert "already run on this machine from another inventory" in out.stderr, out.stderr
+        assert str(local_job.inventory) in out.stderr and "[job] name" in out.stderr, out.stderr
+    assert local_job.controller_pid() == pid and local_job.status()["state"] == "training"
