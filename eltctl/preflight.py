@@ -238,16 +238,37 @@ def host_job_checks(inventory: Inventory):
     job = inventory.job
 
     async def extra(host: Host, transport) -> list[Check]:
+        checks = await owner_checks(inventory, host, transport)
         script = host_job_script(job, facts, host.python)
         if script is None:
-            return []
+            return checks
         try:
             res = await transport.run("sh -c " + shlex.quote(script), timeout=inventory.ssh.command_timeout + 30)
         except HostError as exc:
-            return [Check("job", Status.FAIL, f"the job's checks did not complete: {exc.message}", exc.hint)]
-        return parse_host_job(res.stdout, job, facts, host.python)
+            return checks + [Check("job", Status.FAIL, f"the job's checks did not complete: {exc.message}",
+                                   exc.hint)]
+        return checks + parse_host_job(res.stdout, job, facts, host.python)
 
     return extra
+
+
+async def owner_checks(inventory: Inventory, host: Host, transport) -> list[Check]:
+    """FAIL when the job's daemon on this host was started by another control machine (the
+    same job name run from two places would share the host's job directory)."""
+    from eltctl.controller.statedir import control_id
+    from eltctl.hosts import ops as hostops
+
+    try:
+        paths = await hostops.host_paths(transport, inventory.job.name)
+        if await hostops.daemon_pid(transport, paths) is None:
+            return []
+        owner = await hostops.daemon_owner(transport, paths)
+    except HostError:
+        return []  # doctor's own checks say what is wrong with the host
+    if owner is None or owner.control == control_id():
+        return []
+    err = hostops.foreign_owner_error(host.name, inventory.job.name, owner)
+    return [Check("owner", Status.FAIL, err.message.removeprefix(host.name + ": "), err.hint)]
 
 
 # --------------------------------------------------------------------------- the verdict (pure)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Mapping
 
 from eltctl.hosts import ops as hostops
 from eltctl import mirror as mir
 from eltctl.controller import policy as pol
+from eltctl.controller.statedir import control_id
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory
 from eltctl.hosts.fleet import Fleet
@@ -153,7 +155,11 @@ class DaemonStarter:
                     if running is None:
                         break
             self.retired.discard(host.name)
+            owner = hostops.Owner(control_id(), socket.gethostname(), str(inventory.path))
             if running is not None:
+                theirs = await hostops.daemon_owner(t, paths)
+                if theirs is not None and theirs.control != owner.control:
+                    raise hostops.foreign_owner_error(host.name, inventory.job.name, theirs)
                 log.info("Host %s: its daemon (pid %d) runs already; waiting for its state.", host.name, running)
                 self.started_at[host.name] = self.clock()
                 return
@@ -168,7 +174,7 @@ class DaemonStarter:
                     log.info("Host %s: code synced (%d sent, %d deleted).", host.name, len(synced.sent),
                              len(synced.deleted))
             config = hostops.daemon_config(inventory, host, paths, self.store_endpoint, gpus())
-            pid = await hostops.start_daemon(t, paths, runtime_dir, config)
+            pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner)
             self.started_at[host.name] = self.clock()
             log.info("Host %s: daemon started (pid %s).", host.name, pid)
             on_started()
@@ -261,7 +267,7 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
 async def leftovers(fleet: Fleet, job: str) -> dict[str, list[hostops.JobProcess]]:
     """This job's processes on every host (an unreachable host: an empty list and a log line)."""
     async def one(host: Host, t) -> list[hostops.JobProcess]:
-        return await hostops.job_processes(t, job)
+        return await hostops.job_processes(t, job, control_id())
 
     outcomes = await fleet.each(None, one, timeout=60)
     out = {}
@@ -290,7 +296,7 @@ async def kill(fleet: Fleet, job: str, left: Mapping[str, list[hostops.JobProces
         pids = [p.pid for p in left.get(host.name, [])]
         await hostops.kill_pids(t, pids, "TERM")
         await asyncio.sleep(2.0)
-        still = {p.pid for p in await hostops.job_processes(t, job)}
+        still = {p.pid for p in await hostops.job_processes(t, job, control_id())}
         await hostops.kill_pids(t, [p for p in pids if p in still], "KILL")
         return pids
 

@@ -254,17 +254,20 @@ def down(inventory: Inventory, *, force: bool = False, progress: Progress = lamb
 
 
 async def _verify(inventory: Inventory, force: bool):
+    from eltctl.controller.statedir import control_id
     from eltctl.hosts import ops as hostops
     from eltctl.hosts.fleet import Fleet
 
+    me = control_id()
+
     async def one(host, t):
-        procs = await hostops.job_processes(t, inventory.job.name)
+        procs = await hostops.job_processes(t, inventory.job.name, me)
         killed: list[int] = []
         if procs and force:
             killed = [p.pid for p in procs]
             await hostops.kill_pids(t, killed, "KILL")
             await asyncio.sleep(0.5)
-            procs = await hostops.job_processes(t, inventory.job.name)
+            procs = await hostops.job_processes(t, inventory.job.name, me)
         return [(p.pid, p.command) for p in procs], killed
 
     async with Fleet(inventory) as fleet:

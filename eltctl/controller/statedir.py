@@ -29,6 +29,26 @@ from eltctl_runtime.pids import pid_alive
 
 SOCKET_NAME = "control.sock"
 
+
+def control_id(environ: Mapping[str, str] | None = None) -> str:
+    """This control machine's identity, which marks the job's daemons and workers on the
+    hosts (ELTCTL_CONTROL, and the job directory's `owner` file): the machine id, else
+    the host name. ELTCTL_CONTROL_ID overrides it (tests; containers sharing an id)."""
+    env = os.environ if environ is None else environ
+    forced = env.get("ELTCTL_CONTROL_ID", "").strip()
+    if forced:
+        return forced
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    import socket
+
+    return socket.gethostname()
+
 def state_root(environ: Mapping[str, str] | None = None) -> Path:
     """`$XDG_STATE_HOME/eltctl`, or `~/.local/state/eltctl` (the XDG default)."""
     env = os.environ if environ is None else environ

@@ -218,7 +218,23 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
     }
 
 
-def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: str) -> str:
+@dataclass(frozen=True)
+class Owner:
+    """Which control machine runs a job on a host: the job directory's `owner` file."""
+
+    control: str  # statedir.control_id() of that machine
+    machine: str  # its host name, for messages
+    inventory: str
+
+    def line(self) -> str:
+        return json.dumps({"control": self.control, "machine": self.machine, "inventory": self.inventory})
+
+
+OWNER_FILE = "owner"
+
+
+def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: str,
+                         owner: Owner | None = None) -> str:
     """Write daemon.json from stdin, then start the daemon detached from the session.
 
     `--detach` makes the daemon start itself again in a new session (stdin from
@@ -228,13 +244,15 @@ def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: st
     """
     q = shlex.quote
     env = (f"ELTCTL_JOB={q(job)} ELTCTL_HOST={q(host.name)} "
-           f"PYTHONPATH={q(runtime_dir)}${{PYTHONPATH:+:$PYTHONPATH}}")
+           + (f"ELTCTL_CONTROL={q(owner.control)} " if owner else "")
+           + f"PYTHONPATH={q(runtime_dir)}${{PYTHONPATH:+:$PYTHONPATH}}")
+    claim = f"printf '%s\\n' {q(owner.line())} > {OWNER_FILE} && " if owner else ""
     jobs = f"{paths.home}/{layout.JOBS_DIR}"
     private = [f"{paths.home}/{layout.STATE_DIR}", jobs, f"{jobs}/{job}", paths.job_dir]
     return (
         # umask 077 (the transport's) makes new ones private; older ones are tightened
         f"mkdir -p {q(paths.workers_dir)} && chmod 700 {' '.join(map(q, private))} && cd {q(paths.job_dir)} && "
-        f"cat > {layout.DAEMON_JSON}.tmp && mv {layout.DAEMON_JSON}.tmp {layout.DAEMON_JSON} && "
+        f"cat > {layout.DAEMON_JSON}.tmp && mv {layout.DAEMON_JSON}.tmp {layout.DAEMON_JSON} && {claim}"
         f"{env} {q(host.python)} -m {DAEMON_MODULE} --config {q(paths.daemon_json)} --detach </dev/null"
     )
 
@@ -242,9 +260,10 @@ def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: st
 DAEMON_START_TIMEOUT = 90.0
 
 
-async def start_daemon(t: Transport, paths: HostPaths, runtime_dir: str, config: dict) -> int | None:
+async def start_daemon(t: Transport, paths: HostPaths, runtime_dir: str, config: dict,
+                       owner: Owner | None = None) -> int | None:
     """Start the daemon; its pid (None if it did not say). One running already is fine."""
-    cmd = start_daemon_command(t.host, paths, runtime_dir, config["job"])
+    cmd = start_daemon_command(t.host, paths, runtime_dir, config["job"], owner)
     result = await t.run(cmd, input=json.dumps(config, indent=1) + "\n", timeout=DAEMON_START_TIMEOUT)
     if result.exit_status not in (0, 3):
         log = await tail_log(t, paths.daemon_log, 5)
@@ -266,6 +285,24 @@ async def daemon_pid(t: Transport, paths: HostPaths) -> int | None:
     return int(text) if result.ok and text.isdigit() else None
 
 
+async def daemon_owner(t: Transport, paths: HostPaths) -> Owner | None:
+    """Who started the job's daemon on this host (None: no owner file, an older eltctl)."""
+    result = await t.run(f"cat {shlex.quote(paths.job_dir + '/' + OWNER_FILE)} 2>/dev/null")
+    try:
+        d = json.loads(result.stdout.strip().splitlines()[-1])
+        return Owner(str(d["control"]), str(d.get("machine", "?")), str(d.get("inventory", "?")))
+    except (ValueError, IndexError, KeyError, TypeError):
+        return None
+
+
+def foreign_owner_error(host: str, job: str, owner: Owner) -> HostError:
+    return HostError(
+        host, f"job {job!r} runs here from another control machine ({owner.machine}, inventory "
+              f"{owner.inventory}): two control machines cannot run one job name on the same hosts",
+        kind=ErrorKind.COMMAND,
+        hint=f"give one of the two jobs another [job] name; `eltctl down` on {owner.machine} stops it there")
+
+
 async def tail_log(t: Transport, path: str, lines: int = 20) -> str:
     result = await t.run(f"tail -n {int(lines)} {shlex.quote(path)} 2>/dev/null")
     return result.stdout
@@ -279,11 +316,13 @@ class JobProcess:
     command: str
 
 
-async def job_processes(t: Transport, job: str) -> list[JobProcess]:
+async def job_processes(t: Transport, job: str, control: str = "") -> list[JobProcess]:
     """This job's processes on the host: `ELTCTL_JOB=<job>` in their environment (and,
-    when set, `ELTCTL_HOST` naming this host: several inventory hosts may share a machine)."""
+    when set, `ELTCTL_HOST` naming this host: several inventory hosts may share a machine;
+    `ELTCTL_CONTROL` naming `control`: another control machine's job of the same name
+    is not ours)."""
     result = _check(t.host, "listing the job's processes",
-                    await t.run(programs.command(t.host.python, "list_processes", job, t.host.name)))
+                    await t.run(programs.command(t.host.python, "list_processes", job, t.host.name, control)))
     try:
         rows = json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:

@@ -1,8 +1,10 @@
-"""List a job's processes on a host: `python -c <this> JOB HOST`.
+"""List a job's processes on a host: `python -c <this> JOB HOST [CONTROL]`.
 
 Prints one JSON line `[[pid, command line], ...]`: every process whose environment
 holds `ELTCTL_JOB=<JOB>` and, when it has `ELTCTL_HOST`, names HOST (several
-inventory hosts may share a machine). Read from /proc. Standard library only.
+inventory hosts may share a machine) and, when it has `ELTCTL_CONTROL` and CONTROL
+is given, names CONTROL (another control machine's job of the same name is not
+ours). Read from /proc. Standard library only.
 """
 
 import json
@@ -10,7 +12,7 @@ import os
 import sys
 
 
-def job_processes(job, host):
+def job_processes(job, host, control=b""):
     me = os.getpid()
     out = []
     for name in os.listdir("/proc"):
@@ -28,12 +30,15 @@ def job_processes(job, host):
         hosts = [e[len(b"ELTCTL_HOST="):] for e in env if e.startswith(b"ELTCTL_HOST=")]
         if hosts and hosts[0] != host:
             continue  # another inventory host sharing this machine
+        controls = [e[len(b"ELTCTL_CONTROL="):] for e in env if e.startswith(b"ELTCTL_CONTROL=")]
+        if control and controls and controls[0] != control:
+            continue  # the same job name run from another control machine
         out.append([int(name), cmd])
     return out
 
 
 def main(argv):
-    print(json.dumps(job_processes(argv[0].encode(), argv[1].encode())))
+    print(json.dumps(job_processes(argv[0].encode(), argv[1].encode(), argv[2].encode() if len(argv) > 2 else b"")))
     return 0
 
 
