@@ -106,7 +106,7 @@ class Controller:
                 await self.apply_fixes(now)
                 self._check_fix = False
             self.maybe_probe(now)
-            if not self._probed_once.is_set():
+            if not self._probed_once.is_set() or self.observed.settling(now):
                 return None
             views = self.observed.views(self.inventory.hosts, now, self.inventory.policy)
             self.observed.clear_crashes()

@@ -57,11 +57,12 @@ def slot_of(worker_id: str) -> int | None:
     return None
 
 
-def crashed_slots(event: Mapping[str, Any], born: float) -> list[tuple[str, int]]:
-    """The (host, slot)s a crash event names. A crash reported before this controller
-    started was handled by the one before it (an adopted job): counting it again would
-    drop a running slot, so it names none."""
-    if event.get("kind") != EventKind.CRASH.value or float(event.get("time") or 0) < born - 1.0:
+def crashed_slots(event: Mapping[str, Any], new: bool = True) -> list[tuple[str, int]]:
+    """The (host, slot)s a crash event names. A crash logged before this controller
+    first read the log (`new` False: its number was already taken then) was handled by
+    the one before it (an adopted job): counting it again would drop a running slot, so
+    it names none. Judged by the log's numbering, never by the host's clock."""
+    if event.get("kind") != EventKind.CRASH.value or not new:
         return []
     host = event.get("host")
     out = []
@@ -73,12 +74,12 @@ def crashed_slots(event: Mapping[str, Any], born: float) -> list[tuple[str, int]
     return out
 
 
-def crash_info(event: Mapping[str, Any], born: float) -> list[tuple[str, pol.Crash]]:
+def crash_info(event: Mapping[str, Any], new: bool = True) -> list[tuple[str, pol.Crash]]:
     """(host, Crash) for each slot a crash event names (`crashed_slots`), with the cause
     and the at-start verdict its daemon gave (runtime/protocol.py, EventKind)."""
     cause = str(event.get("cause") or "")
     at_start = bool(event.get("at_start"))
-    return [(h, pol.Crash(slot, cause, at_start)) for h, slot in crashed_slots(event, born)]
+    return [(h, pol.Crash(slot, cause, at_start)) for h, slot in crashed_slots(event, new)]
 
 
 def in_job(host: str, runtime_status: Mapping | None, now: float, policy: Policy) -> bool:
@@ -89,15 +90,13 @@ def in_job(host: str, runtime_status: Mapping | None, now: float, policy: Policy
 
 
 def daemon_alive(seen: DaemonSeen | None, now: float, policy: Policy) -> bool:
-    """The daemon's state changed recently, was written recently, and is not a last word."""
+    """The daemon's state changed recently (by the controller's clock: a daemon rewrites
+    it every second) and is not a last word. The host's own timestamps are never
+    compared with this clock: host clocks may be off by any amount."""
     if seen is None:
         return False
     fresh_for = max(5.0, 5 * policy.watch_interval)
     if now - seen.changed > fresh_for:
-        return False
-    # A state written long ago by a daemon that has died looks new to a controller
-    # that has just started; its own timestamp tells (clocks agree within seconds).
-    if now - float(seen.state.get("time") or now) > 6 * fresh_for:
         return False
     return seen.state.get("phase") not in ("stopped", "failed")
 
@@ -107,9 +106,24 @@ def runtime_fresh_for(policy: Policy) -> float:
     return max(10.0, 2 * policy.hang_timeout)
 
 
+# How long a status first seen at the controller's start may take to change before it
+# counts as the last word of a dead run (rank 0 rewrites it every second).
+STATUS_SETTLE_S = 3.0
+
+
+def seen_at(runtime_status: Mapping | None) -> float:
+    """When the controller last saw rank 0's status change (its own clock; 0: never)."""
+    try:
+        return float((runtime_status or {}).get("seen") or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def runtime_fresh(runtime_status: Mapping | None, now: float, policy: Policy) -> bool:
-    t = (runtime_status or {}).get("time")
-    return bool(t) and now - float(t) < runtime_fresh_for(policy)
+    """Rank 0's status changed within `runtime_fresh_for`, by the controller's clock
+    (`seen`, set by `Observer`; rank 0's own `time` is its host's clock)."""
+    seen = seen_at(runtime_status)
+    return bool(seen) and now - seen < runtime_fresh_for(policy)
 
 
 def checkpoint_to_mirror(runtime_status: Mapping | None, now: float, policy: Policy, restored_at: float,
@@ -123,7 +137,7 @@ def checkpoint_to_mirror(runtime_status: Mapping | None, now: float, policy: Pol
     ck = rs.get("checkpoint")
     if not isinstance(ck, dict) or not runtime_fresh(rs, now, policy):
         return None
-    if float(rs.get("time") or 0) < restored_at or not isinstance(ck.get("step"), int):
+    if seen_at(rs) < restored_at or not isinstance(ck.get("step"), int):
         return None
     host = checkpoint_host(str(ck.get("path") or ""), job)
     if host is None or host not in set(host_names):
@@ -245,8 +259,12 @@ class Observer:
     crashes: dict[str, dict[int, pol.Crash]] = field(default_factory=dict)  # the same, with causes
     events: deque = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     events_read: int = 0  # the event log's sequence number read up to (kept in hosts.json)
-    runtime_status: dict | None = None  # rank 0's status document
+    runtime_status: dict | None = None  # rank 0's status document, with `seen` (see read_store)
     born: float | None = None  # when this controller first read the store
+    born_seq: int = 0  # the event log's last number then: events up to it are the last controller's
+    _status_raw: bytes | None = None
+    _status_changed: float | None = None  # when the status value last changed, after the first sighting
+    _status_first: float = 0.0
 
     async def read_store(self, store, host_names: Iterable[str], now: float) -> None:
         """The daemons' states, the new events and rank 0's status."""
@@ -259,17 +277,44 @@ class Observer:
         last = await store.add(Keys.EVENTS_SEQ, 0)
         if last < self.events_read:  # a new store: its log starts again
             self.events_read = 0
+            self.born_seq = 0
+        if self.born == now:
+            self.born_seq = last
         for n in range(self.events_read + 1, last + 1):
             ev = await store.get_json(Keys.event(n))
             self.events_read = n
             if not isinstance(ev, dict):
                 continue
             self.events.append(ev)
-            for host, crash in crash_info(ev, self.born):
+            for host, crash in crash_info(ev, n > self.born_seq):
                 self.crashed.setdefault(host, set()).add(crash.slot)
                 self.crashes.setdefault(host, {})[crash.slot] = crash
-        status = await store.get_json(Keys.STATUS)
+        raw = await store.get_raw(Keys.STATUS)
+        if raw != self._status_raw:
+            if self._status_raw is None and self._status_changed is None:
+                self._status_first = now  # first sighting: written before we looked, or just now
+            else:
+                self._status_changed = now
+            self._status_raw = raw
+        try:
+            status = json.loads(raw) if raw is not None else None
+        except ValueError:
+            status = None
+        if isinstance(status, dict):
+            # `seen`: when the controller saw it change (rank 0 rewrites it every second).
+            # A status that has not changed since it was first seen gets the benefit of
+            # the doubt for STATUS_SETTLE_S (`settling`), then counts as a dead run's.
+            if self._status_changed is not None:
+                status["seen"] = self._status_changed
+            else:
+                status["seen"] = self._status_first if now - self._status_first < STATUS_SETTLE_S else 0.0
         self.runtime_status = status if isinstance(status, dict) else None
+
+    def settling(self, now: float) -> bool:
+        """A status was there when this controller started and has not changed yet: whether
+        a worker holds the job's state is not known for STATUS_SETTLE_S."""
+        return (self._status_raw is not None and self._status_changed is None
+                and now - self._status_first < STATUS_SETTLE_S)
 
     def clear_crashes(self) -> None:
         """The crashes seen were decided on."""

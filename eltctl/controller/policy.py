@@ -522,10 +522,10 @@ def survivor_holds_state(views: Mapping[str, HostView], runtime_status: Mapping 
         return True
     rs = runtime_status or {}
     try:
-        written = float(rs.get("time") or 0.0)
+        seen = float(rs.get("seen") or 0.0)  # when the controller saw it change (its own clock)
     except (TypeError, ValueError):
         return False
-    if not written or now - written >= fresh_for:
+    if not seen or now - seen >= fresh_for:
         return False
     for member in rs.get("members") or []:
         view = views.get(str(member).split("/")[0])

@@ -43,7 +43,7 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     """The phase and message after a pass that acted on `decision`."""
     rs = runtime_status or {}
     running = sum(len(v.workers) for v in views.values())
-    fresh = rs and now - float(rs.get("time", 0)) < max(30.0, 3 * inventory.policy.hang_timeout)
+    fresh = rs and now - float(rs.get("seen") or 0) < max(30.0, 3 * inventory.policy.hang_timeout)
     desired = any(records.get(h.name, pol.HostRecord()).desired for h in inventory.hosts)
     if fresh and int(rs.get("world_size", 0)) > 0 and running:
         return Phase.TRAINING, ""
@@ -218,9 +218,9 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "step": rs.get("step"), "epoch": rs.get("epoch"), "samples_per_s": rs.get("samples_per_s"),
         "loss": rs.get("loss"),
         "checkpoint": ({"step": ck.get("step"), "time": ck.get("time"), "path": ck.get("path"),
-                        "age_s": round(now - float(ck["time"]), 1) if ck.get("time") else None}
+                        "age_s": _checkpoint_age(rs, ck, now)}
                        if ck else None),
-        "runtime_status_age_s": round(now - float(rs["time"]), 2) if rs.get("time") else None,
+        "runtime_status_age_s": round(now - float(rs["seen"]), 2) if rs.get("seen") else None,
         "controller": {"pid": os.getpid(), "alive": True},
         "store": store_endpoint,
         "hosts": hosts,
@@ -228,6 +228,16 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "mirror": mirror,
         "start_failed": start_failures(now=now, inventory=inventory, views=views, records=records) or None,
     }
+
+
+def _checkpoint_age(rs: Mapping, ck: Mapping, now: float) -> float | None:
+    """The checkpoint's age by the controller's clock: its time and the status's are both
+    rank 0's host clock, so their difference holds whatever that clock's offset; the
+    rest is how long ago the controller saw the status change."""
+    try:
+        return round(float(rs["time"]) - float(ck["time"]) + now - float(rs["seen"]), 1)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def write_status(path: Path, document: dict) -> None:

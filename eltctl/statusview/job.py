@@ -46,9 +46,10 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
 
     ckpt = doc.get("checkpoint")
     if isinstance(ckpt, dict) and ckpt.get("step") is not None:
+        # age_s is the controller's measure (host clocks may be off); `time` is rank 0's clock
         t = num(ckpt.get("time"))
-        age = now - t if t is not None else (
-            num(ckpt.get("age_s")) + staleness if num(ckpt.get("age_s")) is not None else None)
+        age = num(ckpt.get("age_s")) + staleness if num(ckpt.get("age_s")) is not None else (
+            now - t if t is not None else None)
         grid.add_row("checkpoint", f"step {ckpt.get('step')}, {format_age(age)} ago")
     else:
         grid.add_row("checkpoint", "[dim]none yet[/]")
@@ -81,8 +82,8 @@ def mirror_line(mirror: Any, now: float, staleness: float = 0.0) -> str | None:
         line += ": [dim]nothing mirrored yet[/]"
     else:
         t = num(mirror.get("time"))
-        age = now - t if t is not None else (
-            num(mirror.get("age_s")) + staleness if num(mirror.get("age_s")) is not None else None)
+        age = num(mirror.get("age_s")) + staleness if num(mirror.get("age_s")) is not None else (
+            now - t if t is not None else None)
         line += f": step {mirror.get('step')}, {format_age(age)} old"
     lag = mirror.get("lag_steps")
     if isinstance(lag, int):

@@ -55,8 +55,12 @@ ALIVE = [
     ("never seen: not alive", None, False),
     ("state changed just now: alive", seen(0.0, phase="running"), True),
     ("state unchanged for longer than 5 watch intervals: not alive", seen(6.0, phase="running"), False),
-    ("a state written long ago (a dead daemon's) that looks new: not alive",
-     DaemonSeen(b"{}", NOW, {"time": NOW - 31.0, "phase": "running"}), False),
+    # Host clocks are never compared with the controller's: a daemon whose host clock is a
+    # minute behind is alive while its state keeps changing (finding 6 of the security review).
+    ("a host clock 60 s behind, state changing: alive",
+     DaemonSeen(b"{}", NOW - 1.0, {"time": NOW - 60.0, "phase": "running"}), True),
+    ("a host clock 60 s ahead, state changing: alive",
+     DaemonSeen(b"{}", NOW - 1.0, {"time": NOW + 60.0, "phase": "running"}), True),
     ("the daemon's last word 'stopped': not alive", seen(0.0, phase="stopped"), False),
     ("the daemon's last word 'failed': not alive", seen(0.0, phase="failed"), False),
     ("a state without a time counts by when it changed", DaemonSeen(b"{}", NOW - 1.0, {}), True),
@@ -82,9 +86,11 @@ def test_an_unchanged_state_keeps_the_time_it_changed():
 # (case, runtime status, fresh)
 FRESH = [
     ("no status", None, False),
-    ("a status without a time", {"step": 3}, False),
-    ("written 19 s ago (fresh for 20 s)", {"time": NOW - 19}, True),
-    ("written 21 s ago", {"time": NOW - 21}, False),
+    ("a status never seen changing", {"step": 3}, False),
+    ("seen changing 19 s ago (fresh for 20 s)", {"seen": NOW - 19}, True),
+    ("seen changing 21 s ago", {"seen": NOW - 21}, False),
+    ("rank 0's clock a minute behind does not matter", {"seen": NOW - 1, "time": NOW - 61}, True),
+    ("nor one ahead", {"seen": NOW - 30, "time": NOW + 60}, False),
 ]
 
 
@@ -94,14 +100,14 @@ def test_runtime_fresh(case, rs, expected):
 
 
 def ck_status(step=40, host="a", age=1.0, **extra):
-    return {"time": NOW - age, "checkpoint": {"step": step, "path": f"/home/u/.eltctl/jobs/j/{host}/checkpoints/step-{step}"},
+    return {"seen": NOW - age, "time": NOW - 3600, "checkpoint": {"step": step, "path": f"/home/u/.eltctl/jobs/j/{host}/checkpoints/step-{step}"},
             **extra}
 
 
 # (case, runtime status, restored_at, expected)
 MIRROR = [
     ("rank 0's newest checkpoint goes to the mirror", ck_status(), 0.0, ("a", 40)),
-    ("no checkpoint yet", {"time": NOW}, 0.0, None),
+    ("no checkpoint yet", {"seen": NOW}, 0.0, None),
     ("a stale status is not the current run's", ck_status(age=30.0), 0.0, None),
     ("a status older than the last restore is the old run's", ck_status(age=5.0), NOW - 2.0, None),
     ("a step that is not a number is ignored", ck_status(step="40"), 0.0, None),
@@ -122,23 +128,23 @@ def test_final_checkpoint_is_what_down_reports():
 
 # ---------------------------------------------------------------- the event log
 
-# (case, event, born, crashed (host, slot)s)
+# (case, event, logged after this controller first read the log, crashed (host, slot)s)
 CRASHES = [
     ("a crash names its workers' slots", {"kind": "crash", "time": NOW, "host": "a", "workers": ["a/1/0", "a/0/3"]},
-     NOW - 5, [("a", 1), ("a", 0)]),
-    ("a crash with one worker and no host", {"kind": "crash", "time": NOW, "worker": "b/1/2"}, NOW - 5, [("b", 1)]),
-    ("a crash from before this controller started is the last one's", {"kind": "crash", "time": NOW - 10,
-                                                                      "host": "a", "workers": ["a/0/1"]}, NOW, []),
-    ("within a second of the start it still counts", {"kind": "crash", "time": NOW - 0.5, "host": "a",
-                                                      "workers": ["a/0/1"]}, NOW, [("a", 0)]),
-    ("other kinds name no crash", {"kind": "leave", "time": NOW, "host": "a", "workers": ["a/0/1"]}, NOW - 5, []),
-    ("a worker id without a slot is skipped", {"kind": "crash", "time": NOW, "workers": ["a"]}, NOW - 5, []),
+     True, [("a", 1), ("a", 0)]),
+    ("a crash with one worker and no host", {"kind": "crash", "time": NOW, "worker": "b/1/2"}, True, [("b", 1)]),
+    ("a crash logged before this controller started is the last one's", {"kind": "crash", "time": NOW,
+                                                                        "host": "a", "workers": ["a/0/1"]}, False, []),
+    ("a new crash counts whatever the host's clock says", {"kind": "crash", "time": NOW - 3600, "host": "a",
+                                                           "workers": ["a/0/1"]}, True, [("a", 0)]),
+    ("other kinds name no crash", {"kind": "leave", "time": NOW, "host": "a", "workers": ["a/0/1"]}, True, []),
+    ("a worker id without a slot is skipped", {"kind": "crash", "time": NOW, "workers": ["a"]}, True, []),
 ]
 
 
-@pytest.mark.parametrize("case, ev, born, expected", CRASHES, ids=[c[0] for c in CRASHES])
-def test_crashed_slots(case, ev, born, expected):
-    assert crashed_slots(ev, born) == expected
+@pytest.mark.parametrize("case, ev, new, expected", CRASHES, ids=[c[0] for c in CRASHES])
+def test_crashed_slots(case, ev, new, expected):
+    assert crashed_slots(ev, new) == expected
 
 
 @pytest.mark.parametrize("worker, slot", [("a/1/0", 1), ("host/-1/2", -1), ("a", None), ("a/x/1", None)])
@@ -271,20 +277,34 @@ def test_reading_the_store_folds_states_events_and_status():
         "events/seq": 3,
         "events/1": {"kind": "join", "time": NOW},
         "events/2": "not a document",
-        "events/3": {"kind": "crash", "time": NOW, "host": "a", "workers": ["a/1/0"]},
-        "status": {"time": NOW, "step": 4},
+        "events/3": {"kind": "crash", "time": NOW, "host": "a", "workers": ["a/0/0"]},
+        "status": {"time": NOW - 3600, "step": 4},  # rank 0's clock an hour behind
     })
     o = Observer()
     asyncio.run(o.read_store(store, ["a", "b"], NOW))
     assert set(o.seen) == {"a"} and o.seen["a"].changed == NOW
     assert o.events_read == 3 and [e["kind"] for e in o.events] == ["join", "crash"]
+    assert o.crashed == {}  # logged before this controller read the log: the last controller's
+    # A status there at the start gets the benefit of the doubt while it settles ...
+    assert o.runtime_status == {"time": NOW - 3600, "step": 4, "seen": NOW} and o.settling(NOW + 1)
+    # ... and a crash logged afterwards counts, whatever the host's clock says.
+    store.values.update({"events/seq": 4, "events/4": {"kind": "crash", "time": NOW - 3600, "host": "a",
+                                                       "workers": ["a/1/0"]}})
+    asyncio.run(o.read_store(store, ["a"], NOW + 1))
     assert o.crashed == {"a": {1}}
-    assert o.runtime_status == {"time": NOW, "step": 4}
+    # A status that changes is fresh by the controller's clock; one that never does is a dead run's.
+    store.values["status"] = {"time": NOW - 3599, "step": 5}
+    asyncio.run(o.read_store(store, ["a"], NOW + 2))
+    assert o.runtime_status["seen"] == NOW + 2 and not o.settling(NOW + 2)
+    dead = Observer()
+    asyncio.run(dead.read_store(store, ["a"], NOW))
+    asyncio.run(dead.read_store(store, ["a"], NOW + 4))
+    assert dead.runtime_status["seen"] == 0.0 and not dead.settling(NOW + 4)
     # A new store (its log shorter than what was read): the log is read from the start.
     o.events_read = 10
     store.values["events/seq"] = 1
-    asyncio.run(o.read_store(store, ["a"], NOW + 1))
-    assert o.events_read == 1 and len(o.events) == 3
+    asyncio.run(o.read_store(store, ["a"], NOW + 5))
+    assert o.events_read == 1 and len(o.events) == 4
 
 
 # ----------------------------------------------------------------------- crash causes, reaching the job
@@ -303,16 +323,16 @@ CAUSE = "ModuleNotFoundError: No module named 'foo'"
                       "at_start": False}, [("a", Crash(1, "E: x", False))]),
     ("an older daemon: no cause", {"kind": "crash", "time": NOW, "host": "a", "workers": ["a/0/5"]},
      [("a", Crash(0, "", False))]),
-    ("before this controller: none", {"kind": "crash", "time": NOW - 60, "host": "a", "workers": ["a/0/5"]}, []),
 ])
 def test_crash_info(case, ev, expected):
-    assert crash_info(ev, NOW) == expected
+    assert crash_info(ev) == expected
+    assert crash_info(ev, new=False) == []  # logged before this controller: the last one's
 
 
 @pytest.mark.parametrize("case, rs, host, expected", [
-    ("a member in a fresh status", {"time": NOW - 1, "members": ["b/0/3", "a/1/9"]}, "a", True),
-    ("not a member", {"time": NOW - 1, "members": ["b/0/3"]}, "a", False),
-    ("a stale status says nothing", {"time": NOW - 60, "members": ["a/0/3"]}, "a", False),
+    ("a member in a fresh status", {"seen": NOW - 1, "members": ["b/0/3", "a/1/9"]}, "a", True),
+    ("not a member", {"seen": NOW - 1, "members": ["b/0/3"]}, "a", False),
+    ("a stale status says nothing", {"seen": NOW - 60, "members": ["a/0/3"]}, "a", False),
     ("no status", None, "a", False),
 ])
 def test_in_job(case, rs, host, expected):

@@ -61,15 +61,16 @@ RUNNING = HostView("h3", reach=Reach.OK, daemon_alive=True, workers=(0, 1))
     ({"h3": UP}, None, False),
     # A daemon reports live workers: they hold the state, whatever the status says.
     ({"h3": RUNNING}, None, True),
-    ({"h3": RUNNING}, {"time": NOW - 600, "members": []}, True),
-    # Workers outlive their daemon: a fresh status naming a reachable inventory host.
-    ({"h3": UP}, {"time": NOW - 1, "members": ["h3/0/1"]}, True),
+    ({"h3": RUNNING}, {"seen": NOW - 600, "members": []}, True),
+    # Workers outlive their daemon: a fresh status (seen changing by the controller's
+    # clock, whatever rank 0's own clock says) naming a reachable inventory host.
+    ({"h3": UP}, {"seen": NOW - 1, "time": NOW - 3600, "members": ["h3/0/1"]}, True),
     # Fresh, but its members are on hosts removed from the inventory, or unreachable.
-    ({"h3": UP}, {"time": NOW - 1, "members": ["h1/0/1", "h2/1/1"]}, False),
-    ({"h1": GONE, "h3": UP}, {"time": NOW - 1, "members": ["h1/0/1"]}, False),
-    # A status that stopped being written is the last word of a dead run.
-    ({"h3": UP}, {"time": NOW - FRESH_FOR, "members": ["h3/0/1"]}, False),
-    ({"h3": UP}, {"time": "garbage", "members": ["h3/0/1"]}, False),
+    ({"h3": UP}, {"seen": NOW - 1, "members": ["h1/0/1", "h2/1/1"]}, False),
+    ({"h1": GONE, "h3": UP}, {"seen": NOW - 1, "members": ["h1/0/1"]}, False),
+    # A status that stopped changing is the last word of a dead run.
+    ({"h3": UP}, {"seen": NOW - FRESH_FOR, "time": NOW, "members": ["h3/0/1"]}, False),
+    ({"h3": UP}, {"seen": "garbage", "members": ["h3/0/1"]}, False),
 ])
 def test_a_start_restores_only_when_no_survivor_holds_the_state(views, status, survivor):
     assert survivor_holds_state(views, status, NOW, FRESH_FOR) is survivor

@@ -22,14 +22,14 @@ def decision(waiting=False, message="") -> Decision:
 
 RUNNING = {"a": HostView("a", Reach.OK, workers=(0,)), "b": HostView("b", Reach.OK)}
 IDLE = {"a": HostView("a", Reach.OK), "b": HostView("b", Reach.OK)}
-TRAINING_STATUS = {"time": NOW - 1, "world_size": 1}
+TRAINING_STATUS = {"seen": NOW - 1, "time": NOW - 3600, "world_size": 1}  # rank 0's clock is never read
 WANTED = {"a": HostRecord(desired=(0,))}
 
 # (case, phase before, runtime status, views, records, decision, daemons starting, phase and message after)
 PHASES = [
     ("rank 0 reports a world and workers run: training", Phase.STARTING, TRAINING_STATUS, RUNNING, WANTED,
      decision(), False, (Phase.TRAINING, "")),
-    ("a stale rank 0 status is not training", Phase.TRAINING, {"time": NOW - 31, "world_size": 1}, RUNNING, WANTED,
+    ("a stale rank 0 status is not training", Phase.TRAINING, {"seen": NOW - 31, "time": NOW, "world_size": 1}, RUNNING, WANTED,
      decision(), False, (Phase.STARTING, "waiting for the first step")),
     ("too few GPUs and nothing runs: waiting, with what it waits for counted", Phase.PROBING, None, IDLE, {},
      decision(waiting=True, message="1 usable slot(s), min_workers is 2"), False,
@@ -69,8 +69,8 @@ def test_status_document_shape():
                            daemon_alive=True, workers=(0,)),
              "b": HostView("b", Reach.UNREACHABLE, reason="timeout")}
     records = {"a": HostRecord(desired=(0,), cooldown_until=NOW + 5, benched_until=NOW - 1)}
-    rs = {"time": NOW - 2, "generation": 3, "world_size": 1, "members": ["a/0/0"], "step": 12, "epoch": 0,
-          "samples_per_s": 99.0, "loss": 0.5, "checkpoint": {"step": 10, "time": NOW - 4, "path": "/c"}}
+    rs = {"seen": NOW - 2, "time": NOW - 60 - 2, "generation": 3, "world_size": 1, "members": ["a/0/0"], "step": 12, "epoch": 0,
+          "samples_per_s": 99.0, "loss": 0.5, "checkpoint": {"step": 10, "time": NOW - 60 - 4, "path": "/c"}}
     events = [{"kind": "join", "time": float(i)} for i in range(25)]
     doc = status_document(now=NOW, inventory=INV, phase=Phase.TRAINING, message="", runtime_status=rs,
                           views=views, records=records, seen={"a": DaemonSeen(b"{}", NOW - 0.5, {})},
@@ -81,7 +81,8 @@ def test_status_document_shape():
                          "start_failed"]
     assert (doc["job"], doc["state"], doc["world_size"], doc["min_workers"], doc["max_workers"]) == ("j", "training", 1,
                                                                                                     1, 4)
-    assert doc["checkpoint"] == {"step": 10, "time": NOW - 4, "path": "/c", "age_s": 4.0}
+    # rank 0's clock a minute behind: the age is still the controller's 4 s
+    assert doc["checkpoint"] == {"step": 10, "time": NOW - 64, "path": "/c", "age_s": 4.0}
     assert doc["runtime_status_age_s"] == 2.0
     assert doc["events"] == events[-20:]
     a, b = doc["hosts"]

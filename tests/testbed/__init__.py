@@ -92,14 +92,24 @@ class TestbedError(RuntimeError):
     """The test bed could not do what a test asked (not a failure of eltctl)."""
 
 
+CLOCKSHIFT = Path(__file__).resolve().parent / "clockshift"  # a sitecustomize that shifts time.time()
+
+
+def clock_offset_env(seconds: int) -> dict[str, str]:
+    """Environment that sets a host's wall clock `seconds` off for every Python process of
+    its sessions (the daemon, the workers): clockshift/sitecustomize.py shifts time.time()."""
+    return {"PYTHONPATH": str(CLOCKSHIFT), "ELTSIM_CLOCK_OFFSET": str(int(seconds))}
+
+
 class SimHost:
     """One simulated host. Created by `Testbed.add_host`; not started by its constructor."""
 
     __test__ = False  # not a pytest test class
 
     def __init__(self, bed: "Testbed", name: str, address: str, port: int, directory: Path,
-                 known: bool) -> None:
+                 known: bool, env: dict[str, str] | None = None) -> None:
         self.bed = bed
+        self.extra_env = dict(env or {})  # more environment for its sessions (e.g. clock_offset_env)
         self.name = name
         self.address = address
         self.port = port
@@ -126,6 +136,7 @@ class SimHost:
             "PATH": f"{self.bin}:{BASE_PATH}",
             "ELTSIM_HOST": self.name,
             "ELTSIM_STATE": str(self.state_path),
+            **self.extra_env,
         }
 
     @property
@@ -398,13 +409,16 @@ class Testbed:
         self._next_octet += 1
         return f"127.{a}.{(b + (octet - 1) // 250) % 256}.{(octet - 1) % 250 + 1}"
 
-    def add_host(self, name: str | None = None, *, gpus: int = 2, known: bool = True) -> SimHost:
-        """Start one host with `gpus` idle GPUs. known=False: its key is not in known_hosts."""
-        return self.add_hosts(1, gpus=gpus, known=known, names=[name] if name else None)[0]
+    def add_host(self, name: str | None = None, *, gpus: int = 2, known: bool = True,
+                 env: dict[str, str] | None = None) -> SimHost:
+        """Start one host with `gpus` idle GPUs. known=False: its key is not in known_hosts.
+        env: more environment for every session on it (e.g. `clock_offset_env(-60)`)."""
+        return self.add_hosts(1, gpus=gpus, known=known, names=[name] if name else None,
+                              envs=[env] if env else None)[0]
 
     def add_hosts(self, n: int, *, gpus: int = 2, known: bool = True,
-                  names: list[str] | None = None) -> list[SimHost]:
-        """Start `n` hosts at once (sshd processes start in parallel)."""
+                  names: list[str] | None = None, envs: list[dict[str, str] | None] | None = None) -> list[SimHost]:
+        """Start `n` hosts at once (sshd processes start in parallel); envs: one per host."""
         self.start()
         if self._closed:
             raise TestbedError("the test bed is closed")
@@ -419,9 +433,10 @@ class Testbed:
         if len(names) != n or len(set(names) | taken) != len(taken) + n:
             raise TestbedError(f"host names must be new and unique: {names}")
         new = []
-        for name in names:
+        for i, name in enumerate(names):
             address = self._address()
-            host = SimHost(self, name, address, free_port(address), self.dir / name, known)
+            host = SimHost(self, name, address, free_port(address), self.dir / name, known,
+                           (envs or [None] * n)[i])
             self.hosts.append(host)  # before start: close() must find it whatever happens
             host._prepare(gpus)
             new.append(host)

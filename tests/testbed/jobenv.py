@@ -182,7 +182,12 @@ def _kill_pid(pid: int | None) -> None:
 
 @pytest.fixture
 def job_env(testbed):
-    hosts = testbed.add_hosts(3, gpus=2)
+    yield from job_env_on(testbed, testbed.add_hosts(3, gpus=2))
+
+
+def job_env_on(testbed, hosts: list, extra: str = ""):
+    """The `job_env` fixture's body on hosts of the caller's (a generator: yield the JobEnv,
+    tear everything down after). `extra`: more inventory text (e.g. a [storage] table)."""
     job = f"t{uuid.uuid4().hex[:8]}"
     root = Path(tempfile.mkdtemp(prefix="eltc-"))  # short: unix socket paths are limited to 108 bytes
     workdir = root / "code"
@@ -193,7 +198,7 @@ def job_env(testbed):
                "--batch", "24", "--step-sleep", "0.05", "--checkpoint-every", "25"]
     inventory = testbed.write_inventory(root / "hosts.toml", job={
         "name": job, "command": command, "workdir": str(workdir), "device": "cpu", "min_workers": 1,
-        "env": {"OMP_NUM_THREADS": "1"}}, extra=POLICY)
+        "env": {"OMP_NUM_THREADS": "1"}}, extra=POLICY + extra)
     state_home = root / "state"
     env = {**os.environ, "XDG_STATE_HOME": str(state_home), "PYTHONUNBUFFERED": "1"}
     je = JobEnv(bed=testbed, hosts=hosts, job=job, inventory=inventory, state_home=state_home, workdir=workdir,
