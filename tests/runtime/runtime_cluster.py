@@ -29,6 +29,7 @@ from tests.testbed.hostpython import HOST_PYTHON, host_env
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train.py"
 TRAIN_REAL = ROOT / "examples" / "train_real.py"
+GRAD_WORKER = Path(__file__).resolve().parent / "grad_worker.py"
 PYTHON = HOST_PYTHON  # workers run as on a host: Python and torch only
 
 # Small model and data: the suite must stay fast on a busy 2-core machine.
