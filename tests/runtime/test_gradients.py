@@ -113,6 +113,7 @@ def run_workers(cluster_factory, args: list[str], n: int = 2) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtypes", ["64,32", "32,64"])  # tail alone / tail riding with the last bucket
 def test_mixed_dtypes_with_clipping_train_like_one_process_on_the_global_batch(cluster_factory, dtypes):
     steps, max_norm = 8, 0.05
@@ -131,6 +132,7 @@ def test_mixed_dtypes_with_clipping_train_like_one_process_on_the_global_batch(c
         assert torch.allclose(got["state"][k], v, rtol=1e-5, atol=1e-6), k
 
 
+@pytest.mark.slow
 def test_a_step_with_inf_gradients_on_one_rank_is_skipped_on_every_rank_and_still_commits(cluster_factory):
     steps, bad = 6, 3
     results = run_workers(cluster_factory, ["--steps", str(steps), "--scaler", "--inf-at", str(bad),
