@@ -7,7 +7,9 @@ directories on its own, in another process, with `verify_dir`)::
 
     <directory>/
       step-00001234/            one committed checkpoint (name = "step-" + step, >= 8 digits)
-        state.pt                torch.save() of the state (tensors and plain types only)
+        state.pt                torch.save() of the state (tensors and plain types only); an
+                                ElasticJob's is {model, optimizer, extra_state, progress, rng}
+                                (state.capture)
         manifest.json           written last, see below
       .tmp-step-00001240-<pid>-<hex>/   a write in progress, or the leftover of a failed one
 

@@ -129,6 +129,8 @@ class ElasticJob:
         # One flat buffer per parameter dtype, one bucket order over all of them
         # (gradients.py); 0 MB: one bucket per dtype, all-reduced after backward.
         self._layout = gradients.layout_for(self._params, bucket_mb)
+        for kind in self._layout.groups:
+            state_mod.dtype_named(kind)  # a dtype the buffers cannot hold fails here, naming it
         self._bucket_of = {i: b for b, bucket in enumerate(self._layout.buckets) for i in bucket.members}
         # The last launch carries the float32 tail: the last bucket, or an extra one.
         self._n_launch = len(self._layout.buckets) + (0 if self._layout.tail_group is not None else 1)
