@@ -177,7 +177,8 @@ class BufferSync:
                 pos += k
 
     def read(self, summed: torch.Tensor, global_samples: int) -> None:
-        """Adopt the agreed update from the all-reduced tail section, and mark it."""
+        """Adopt the agreed update from the all-reduced tail section (on any
+        device), and mark it."""
         if self.size == 0:
             return
         floats, others = self._tensors()
@@ -187,14 +188,14 @@ class BufferSync:
             for t, a in zip(floats, agreed):
                 k = t.numel()
                 if global_samples > 0:
-                    delta = summed[pos:pos + k].to(t.dtype).view_as(t) / global_samples
+                    delta = summed[pos:pos + k].to(t.device, t.dtype).view_as(t) / global_samples
                     t.copy_(a + delta)
                 else:
                     t.copy_(a)
                 pos += k
             for t, a in zip(others, agreed[len(floats):]):
                 k = t.numel()
-                delta = summed[pos:pos + k].to(torch.float64).round().view_as(t)
+                delta = summed[pos:pos + k].to(t.device, torch.float64).round().view_as(t)
                 t.copy_((a.to(torch.float64) + delta).to(t.dtype))
                 pos += k
         self.mark()
