@@ -201,10 +201,6 @@ class BufferSync:
         self.mark()
 
 
-def tail_size(world_size: int, buffers: BufferSync) -> int:
-    return N_CTRL + world_size + buffers.size
-
-
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """True if no element is inf or NaN (one reduction per tensor)."""
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())

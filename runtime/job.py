@@ -423,6 +423,10 @@ class ElasticJob:
             self._launch_error = e
             self._works.append(None)
 
+    def _ctrl_size(self) -> int:
+        """Control scalars at the head of the tail; the buffers' updates follow them."""
+        return _N_CTRL + self.world_size
+
     def _tail(self) -> torch.Tensor:
         """The float32 tail: control scalars, then the buffers' updates."""
         g = self._layout.tail_group
@@ -433,7 +437,8 @@ class ElasticJob:
     def _reduce_and_commit(self) -> float | None:
         W = self.world_size
         req = self._control.requests
-        ctrl = torch.zeros(_N_CTRL + W, dtype=torch.float32)
+        n_ctrl = self._ctrl_size()
+        ctrl = torch.zeros(n_ctrl, dtype=torch.float32)
         ctrl[0] = 1.0 if req.any else 0.0
         ctrl[1] = 1.0 if req.stop else 0.0
         ctrl[2] = float(len(self._local_indices))
@@ -441,8 +446,8 @@ class ElasticJob:
         ctrl[_N_CTRL + self._rank] = 1.0 if req.leave else 0.0
         tail = self._tail()
         with torch.no_grad():
-            tail[: _N_CTRL + W].copy_(ctrl)
-            self._buffers.write(tail[_N_CTRL + W:], len(self._local_indices), self._rank)
+            tail[:n_ctrl].copy_(ctrl)
+            self._buffers.write(tail[n_ctrl:], len(self._local_indices), self._rank)
         # Buckets whose gradients never came (parameters unused in this step, a
         # rank with no samples) go now, in order; then the last one, with the tail.
         while len(self._works) < self._n_launch:
@@ -458,7 +463,7 @@ class ElasticJob:
             return None
         self._works = []
         tail = tail.to("cpu", copy=True)  # the buffers are zeroed below
-        self._buffers.read(tail[_N_CTRL + W:], int(tail[2]))
+        self._buffers.read(tail[n_ctrl:], int(tail[2]))
         skipped = self._optimizer_step()
         for flat in self._flats:
             flat.zero_()  # the gradients stay views of the buffers: next backward accumulates in place
@@ -515,7 +520,7 @@ class ElasticJob:
         gradient_as_bucket_view), so backward accumulates in place and nothing
         is copied in or out."""
         lay = self._layout
-        n_tail = gradients.tail_size(self.world_size, self._buffers)
+        n_tail = self._ctrl_size() + self._buffers.size
         sizes = [n + (n_tail if g == lay.tail_group else 0) for g, n in enumerate(lay.lengths)]
         if self._flats is None or [f.numel() for f in self._flats] != sizes:
             # The caller copies the current gradients in (they are not views of these).
