@@ -12,7 +12,8 @@ Importing the package is light: the configuration, the wire protocol (store
 keys, event kinds and the store helpers: protocol.py) and membership.py need
 only the standard library; the training machinery
 (`ElasticJob`, the sampler) imports torch on first use (PEP 562), so the host
-daemon and the control plane start without it.
+daemon and the control plane start without it. `load_checkpoint` and
+`export_checkpoint` (checkpoint.py) import torch only when called.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from .protocol import (
 _LAZY = {
     "Commit": "job", "ElasticJob": "job", "ExcludedFromJob": "job",
     "SamplerState": "sampler", "epoch_order": "sampler", "share_bounds": "sampler",
+    "load_checkpoint": "checkpoint", "export_checkpoint": "checkpoint",
 }
 
 if TYPE_CHECKING:
     from .job import Commit, ElasticJob, ExcludedFromJob
+    from .checkpoint import export_checkpoint, load_checkpoint
     from .sampler import SamplerState, epoch_order, share_bounds
 
 
@@ -59,7 +62,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Commit", "ConfigError", "Desired", "Device", "ElasticJob", "EventKind", "ExcludedFromJob", "Keys", "Plan", "RuntimeConfig",
-    "SamplerState", "append_event", "epoch_order", "job_store", "read_events", "read_status", "report_dead",
-    "request_leave", "request_stop", "share_bounds",
+    "Commit", "ConfigError", "Desired", "Device", "ElasticJob", "EventKind", "ExcludedFromJob", "Keys", "Plan",
+    "RuntimeConfig", "SamplerState", "append_event", "epoch_order", "export_checkpoint", "job_store",
+    "load_checkpoint", "read_events", "read_status", "report_dead", "request_leave", "request_stop", "share_bounds",
 ]

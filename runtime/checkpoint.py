@@ -7,7 +7,9 @@ directories on its own, in another process, with `verify_dir`)::
 
     <directory>/
       step-00001234/            one committed checkpoint (name = "step-" + step, >= 8 digits)
-        state.pt                torch.save() of the state (tensors and plain types only)
+        state.pt                torch.save() of the state (tensors and plain types only); an
+                                ElasticJob's is {model, optimizer, extra_state, progress, rng}
+                                (state.capture)
         manifest.json           written last, see below
       .tmp-step-00001240-<pid>-<hex>/   a write in progress, or the leftover of a failed one
 
@@ -36,6 +38,11 @@ Errors of a background write are logged and kept in `last_error`; training
 goes on with the previous checkpoint still in place.
 
 One store (one process) writes a given directory; readers may be many.
+
+`load_checkpoint(path)` returns a checkpoint's state as plain data (`model`,
+`optimizer`, `extra_state`, `step`, `epoch`) and `export_checkpoint(path, out)`
+writes that into one file that `torch.load(out, weights_only=True)` opens
+without eltctl: how the trained model leaves eltctl.
 """
 
 from __future__ import annotations
@@ -654,3 +661,100 @@ class CheckpointStore:
             return info, state
         log.info("No valid checkpoint in %s.", self.directory)
         return None
+
+
+# ---------------------------------------------------------------------------
+# Taking the trained state out (the control side calls these: torch is imported inside)
+
+EXPORT_KEYS = ("model", "optimizer", "extra_state", "step", "epoch")
+
+
+def _newest_first(directory: Path) -> list[Path]:
+    try:
+        entries = list(directory.iterdir())
+    except OSError as exc:
+        raise InvalidCheckpoint(f"{directory}: cannot list the checkpoints directory: {exc}") from exc
+    steps = [(s, p) for p in entries if (s := parse_step_dirname(p.name)) is not None and p.is_dir()]
+    return [p for _s, p in sorted(steps, reverse=True)]
+
+
+def _exported(state: Mapping[str, Any], where: Path) -> dict[str, Any]:
+    try:
+        progress = state["progress"]
+        return {"model": state["model"], "optimizer": state["optimizer"],
+                "extra_state": dict(state.get("extra_state") or {}),
+                "step": int(progress["step"]), "epoch": int(progress["epoch"])}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidCheckpoint(f"{where}: {STATE_FILE} is not an ElasticJob state (no {exc})") from exc
+
+
+def _load_verified(path: Path) -> dict[str, Any]:
+    import torch
+
+    check_dir(path)
+    try:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # any unreadable payload is an invalid checkpoint
+        raise InvalidCheckpoint(f"{path}: {STATE_FILE} does not load: {exc}") from exc
+    return _exported(state, path)
+
+
+def load_checkpoint(path: Path | str, step: int | None = None) -> dict[str, Any]:
+    """The training state of a checkpoint as plain data, on CPU:
+    `{"model", "optimizer", "extra_state", "step", "epoch"}` (state dicts; extra
+    state by name, e.g. "scheduler", "grad_scaler").
+
+    `path` is a checkpoint directory (`step-NNNNNNNN`) or a checkpoints
+    directory; there, the newest checkpoint that verifies and loads is taken
+    (a damaged newer one is skipped, with a warning), or the one of `step`.
+    Nothing is written or removed. Raises InvalidCheckpoint saying what is
+    wrong."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).exists():
+        state = _load_verified(path)
+        if step is not None and state["step"] != step:
+            raise InvalidCheckpoint(f"{path} holds step {state['step']}, not {step}; name the checkpoints "
+                                    "directory to choose among its steps")
+        return state
+    candidates = _newest_first(path)
+    if step is not None:
+        chosen = [p for p in candidates if parse_step_dirname(p.name) == step]
+        if not chosen:
+            have = ", ".join(str(parse_step_dirname(p.name)) for p in candidates) or "none"
+            raise InvalidCheckpoint(f"{path}: no checkpoint of step {step} (steps there: {have})")
+        return _load_verified(chosen[0])
+    problems = []
+    for p in candidates:
+        try:
+            return _load_verified(p)
+        except InvalidCheckpoint as exc:
+            log.warning("Skipping checkpoint: %s", exc)
+            problems.append(str(exc))
+    if not candidates:
+        raise InvalidCheckpoint(f"{path}: no checkpoint here (neither a {MANIFEST_FILE} nor step-NNNNNNNN "
+                                "directories); name a job's checkpoint directory or one step-NNNNNNNN in it")
+    raise InvalidCheckpoint(f"{path}: no checkpoint verifies and loads: " + "; ".join(problems))
+
+
+def export_checkpoint(path: Path | str, out: Path | str, step: int | None = None) -> dict[str, Any]:
+    """Write the state load_checkpoint(path, step) returns to `out` with
+    torch.save, atomically (a reader sees no file or the whole one).
+    `torch.load(out, weights_only=True)` opens it without eltctl installed:
+    it holds only tensors, dicts, lists and plain values. Returns
+    `{"step", "epoch", "out", "size"}`."""
+    import torch
+
+    state = load_checkpoint(path, step)
+    out = Path(out)
+    tmp = out.parent / f"{TMP_PREFIX}{out.name}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(out.parent if str(out.parent) else ".")
+    return {"step": state["step"], "epoch": state["epoch"], "out": str(out), "size": out.stat().st_size}

@@ -8,11 +8,15 @@ loop; one iteration is one global step::
             job.step(loss_fn(model, batch))
 
 The job owns the step boundaries. `step` runs backward with the loss scaled by
-this rank's share of the global batch, all-reduces the gradients in one flat
-buffer whose tail carries the control scalars (a change is pending, a leave, a
-stop, the sample count and the loss sum), steps the optimizer and commits.
-Because the control scalars ride with the gradients, every rank learns at the
-same step, with no extra round trip, that membership changes after it. A crash
+this rank's share of the global batch, all-reduces the gradients in flat
+buffers (gradients.py) whose float32 tail carries the control scalars (a change
+is pending, a leave, a stop, the sample count and the loss sum) and the buffers'
+updates, unscales and clips the global gradient, steps the optimizer and
+commits. Because the control scalars ride with the gradients, every rank learns
+at the same step, with no extra round trip, that membership changes after it.
+What the commit asks for (a checkpoint, a stop, a membership change) is done at
+the boundary, when the loop asks for the next batch: after the script's own
+code that follows `job.step()` (a scheduler step) has run. A crash
 or hang is not noticed by the collective but by the control thread (control.py),
 which aborts the wait; the step in flight is dropped and the survivors form the
 next generation (membership.py) and agree on the state (state.py).
@@ -25,7 +29,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -36,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset, default_collate
 
-from . import collectives, exiting, state as state_mod
+from . import collectives, exiting, gradients, state as state_mod
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
@@ -51,37 +54,12 @@ STATUS_EVERY_S = 1.0
 # gone), a member silent this long is taken as dead without waiting for the
 # full hang timeout. A host that vanishes has no daemon left to report it.
 CRASH_CONFIRM_S = 2.0
-_N_CTRL = 4  # pending, stop, local sample count, local loss sum; then one leave flag per rank
+_N_CTRL = gradients.N_CTRL
 # Megabytes of gradients per all-reduce bucket. DDP's default is 25 MB; smaller
 # buckets start sooner in backward.
 BUCKET_MB = 4.0
-
-
-Bucket = tuple[int, int, tuple[int, ...]]  # (start, end) in the flat buffer, parameter indices
-
-
-def bucket_layout(numels: list[int], bucket_elems: int) -> tuple[list[tuple[int, int]], list[Bucket]]:
-    """Where each gradient lives in the flat buffer, and the buckets.
-
-    Gradients are laid out in reverse parameter order, the order backward
-    produces them, and cut into contiguous buckets of at least `bucket_elems`
-    elements (the last one may be smaller). Returns (offset, numel) per
-    parameter and (start, end, parameter indices) per bucket, in launch order.
-    Pure: tested by table."""
-    offsets: list[tuple[int, int]] = [(0, 0)] * len(numels)
-    buckets: list[Bucket] = []
-    start = pos = 0
-    members: list[int] = []
-    for i in reversed(range(len(numels))):
-        offsets[i] = (pos, numels[i])
-        pos += numels[i]
-        members.append(i)
-        if pos - start >= bucket_elems:
-            buckets.append((start, pos, tuple(members)))
-            start, members = pos, []
-    if members or not buckets:
-        buckets.append((start, pos, tuple(members)))
-    return offsets, buckets
+GRAD_SCALER_KEY = "grad_scaler"  # the scaler's entry among the extra state
+bucket_layout = gradients.bucket_layout  # the one-dtype layout (tests use it by this name)
 
 
 @dataclass(frozen=True)
@@ -91,6 +69,7 @@ class Commit:
     world_size: int
     time: float  # wall clock, time.time()
     loss: float  # global mean loss of the step
+    skipped: bool = False  # the GradScaler found inf/NaN gradients: no optimizer step (samples consumed)
 
 
 class ExcludedFromJob(RuntimeError):
@@ -119,9 +98,20 @@ class ElasticJob:
         config: RuntimeConfig | None = None,
         fast_exit: bool = True,
         bucket_mb: float = BUCKET_MB,
+        extra_state: dict[str, Any] | None = None,
+        max_grad_norm: float | None = None,
+        before_optimizer_step: Callable[["ElasticJob"], None] | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         if max_steps is None and epochs is None:
             raise ValueError("give max_steps or epochs (or both)")
+        self._extra = _check_extra_state(extra_state, grad_scaler)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        self._max_grad_norm = max_grad_norm
+        self._before_optimizer_step = before_optimizer_step
+        self._scaler = grad_scaler
+        self._grad_norm: float | None = None
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
@@ -136,18 +126,18 @@ class ElasticJob:
         self._collate = collate_fn or default_collate
         self._fast_exit = fast_exit
         self._params = [p for p in model.parameters() if p.requires_grad]
-        if len({p.dtype for p in self._params}) > 1:
-            raise ValueError("all trainable parameters must share one dtype (one flat gradient buffer)")
-        # The flat buffer holds the gradients in reverse parameter order (backward
-        # produces the last layers' gradients first), cut into buckets of about
-        # bucket_mb; the control tail follows the last bucket. 0: one bucket,
-        # all-reduced after backward.
-        elem = self._params[0].element_size() if self._params else 4
-        per_bucket = max(1, int(bucket_mb * 2**20) // elem) if bucket_mb > 0 else sys.maxsize
-        self._offsets, self._buckets = bucket_layout([p.numel() for p in self._params], per_bucket)
-        self._n_grad = self._buckets[-1][1]
-        self._bucket_of = {i: b for b, (_s, _e, members) in enumerate(self._buckets) for i in members}
-        self._flat: torch.Tensor | None = None
+        # One flat buffer per parameter dtype, one bucket order over all of them
+        # (gradients.py); 0 MB: one bucket per dtype, all-reduced after backward.
+        self._layout = gradients.layout_for(self._params, bucket_mb)
+        for kind in self._layout.groups:
+            state_mod.dtype_named(kind)  # a dtype the buffers cannot hold fails here, naming it
+        self._bucket_of = {i: b for b, bucket in enumerate(self._layout.buckets) for i in bucket.members}
+        # The last launch carries the float32 tail: the last bucket, or an extra one.
+        self._n_launch = len(self._layout.buckets) + (0 if self._layout.tail_group is not None else 1)
+        self._buffers = gradients.BufferSync(model)
+        self._flats: list[torch.Tensor] | None = None
+        self._tail_buf: torch.Tensor | None = None  # the tail's own buffer when it does not ride with a bucket
+        self._after_commit: tuple[bool, set[str] | None] | None = None
         self._hooks: list = []
         self._launching = False  # inside the backward of a step's last micro-batch
         self._ready: list[int] = []  # per bucket: gradients ready in this backward
@@ -227,9 +217,14 @@ class ElasticJob:
             self._config = RuntimeConfig.from_env()
         return self._config
 
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step before clipping (max_grad_norm), else None."""
+        return self._grad_norm
+
     def fingerprint(self) -> str:
-        """Hash of parameters and optimizer state: identical on every rank."""
-        return state_mod.fingerprint(self.model, self.optimizer)
+        """Hash of parameters, buffers, optimizer state and extra state: identical on every rank."""
+        return state_mod.fingerprint(self.model, self.optimizer, self._extra)
 
     # -- lifecycle -----------------------------------------------------------
     def __enter__(self) -> "ElasticJob":
@@ -251,11 +246,13 @@ class ElasticJob:
             self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
         self._control = ControlThread(self._connect, cfg.worker_id, cfg.hang_timeout_s, cfg.max_workers)
         self._control.start()
+        state_mod.check_encodable(self._extra)  # an extra state that cannot travel fails here, not at a resize
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
                        for i, p in enumerate(self._params)]
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self._control.request_local_leave())
         self._admit()
+        self._buffers.mark()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -301,6 +298,7 @@ class ElasticJob:
     # -- the loop ------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         while True:
+            self._at_boundary()
             if self._need_recovery:
                 self._recover()
             if self._left or self._finished or self._done():
@@ -339,10 +337,11 @@ class ElasticJob:
         return batch
 
     def step(self, loss: torch.Tensor) -> float | None:
-        """Backward, gradient all-reduce, optimizer step, commit. `loss` is the
-        mean loss over the batch this iteration yielded. Returns the global mean
-        loss of the step, or None (a micro-batch before the last one, or the
-        step was dropped because the generation was aborted)."""
+        """Backward, gradient all-reduce, unscale and clip, optimizer step,
+        commit. `loss` is the mean loss over the batch this iteration yielded.
+        Returns the global mean loss of the step, or None (a micro-batch before
+        the last one, or the step was dropped because the generation was
+        aborted). Step a scheduler only when it returns a loss."""
         if not self._in_step:
             raise RuntimeError("job.step() called outside an iteration of the job")
         self._in_step = False
@@ -351,7 +350,10 @@ class ElasticJob:
             self._begin_reduce()  # buckets are all-reduced as backward fills them
         try:
             if n > 0:
-                (loss * (n / self._global_count)).backward()
+                scaled = loss * (n / self._global_count)
+                if self._scaler is not None:
+                    scaled = self._scaler.scale(scaled)
+                scaled.backward()
                 self._loss_sum += float(loss.detach()) * n
         finally:
             self._launching = False
@@ -361,20 +363,21 @@ class ElasticJob:
         return self._reduce_and_commit()
 
     def _begin_reduce(self) -> None:
-        """Bind every .grad to its view of the flat buffer (so backward
+        """Bind every .grad to its view of its dtype's flat buffer (so backward
         accumulates in place) and arm the gradient hooks for this backward."""
-        flat = self._grad_buffer()
+        flats = self._grad_buffer()
         with torch.no_grad():
-            for p, (o, k) in zip(self._params, self._offsets):
-                if p.grad is not None and p.grad.data_ptr() == flat[o:o + k].data_ptr():
+            for p, slot in zip(self._params, self._layout.slots):
+                view = flats[slot.group][slot.offset : slot.offset + slot.numel]
+                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
                     continue
-                view = flat[o : o + k].view_as(p)
+                view = view.view_as(p)
                 if p.grad is None:
                     view.zero_()
                 else:  # the script replaced .grad (e.g. zero_grad), or a new buffer after a resize
                     view.copy_(p.grad)
                 p.grad = view
-        self._ready = [0] * len(self._buckets)
+        self._ready = [0] * len(self._layout.buckets)
         self._fired = set()
         self._works = []
         self._launch_error = None
@@ -382,51 +385,72 @@ class ElasticJob:
 
     def _grad_ready(self, index: int, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook of parameter `index`: launch every bucket
-        that is complete, in bucket order (every rank issues the same
-        collectives in the same order). The last bucket, which carries the
-        control tail, is launched by _reduce_and_commit."""
+        that is complete, in the one global bucket order (every rank issues the
+        same collectives in the same order). The last launch, which carries the
+        float32 tail, is left to _reduce_and_commit."""
         if not self._launching or index in self._fired:
             return
         self._fired.add(index)
-        o, k = self._offsets[index]
-        view = self._flat[o : o + k]
+        slot = self._layout.slots[index]
+        view = self._flats[slot.group][slot.offset : slot.offset + slot.numel]
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             with torch.no_grad():  # not a view (should not happen): reduce a copy and adopt the view
                 view.view_as(p).copy_(p.grad)
                 p.grad = view.view_as(p)
         self._ready[self._bucket_of[index]] += 1
-        while len(self._works) < len(self._buckets) - 1:
+        buckets = self._layout.buckets
+        while len(self._works) < self._n_launch - 1:
             b = len(self._works)
-            if self._ready[b] < len(self._buckets[b][2]):
+            if self._ready[b] < len(buckets[b].members):
                 break
             self._launch(b)
 
     def _launch(self, b: int) -> None:
-        start, end, _ = self._buckets[b]
-        if b == len(self._buckets) - 1:
-            end = self._flat.numel()  # the control tail rides with the last bucket
+        """All-reduce launch `b`: bucket b, the last one with the tail after it
+        when the tail rides with it, or (b past the buckets) the tail alone."""
+        buckets = self._layout.buckets
+        if b < len(buckets):
+            bucket = buckets[b]
+            end = bucket.end
+            if b == len(buckets) - 1 and self._layout.tail_group is not None:
+                end = self._flats[bucket.group].numel()
+            tensor = self._flats[bucket.group][bucket.start : end]
+        else:
+            tensor = self._tail_buf
         try:
-            self._works.append(collectives.allreduce_async(self._pg, self._flat[start:end]))
+            self._works.append(collectives.allreduce_async(self._pg, tensor))
         except Exception as e:  # noqa: BLE001 - a broken group: the step is dropped in _reduce_and_commit
             self._launch_error = e
             self._works.append(None)
 
+    def _ctrl_size(self) -> int:
+        """Control scalars at the head of the tail; the buffers' updates follow them."""
+        return _N_CTRL + self.world_size
+
+    def _tail(self) -> torch.Tensor:
+        """The float32 tail: control scalars, then the buffers' updates."""
+        g = self._layout.tail_group
+        if g is None:
+            return self._tail_buf
+        return self._flats[g][self._layout.lengths[g]:]
+
     def _reduce_and_commit(self) -> float | None:
         W = self.world_size
         req = self._control.requests
-        ctrl = torch.zeros(_N_CTRL + W, dtype=torch.float32)
+        n_ctrl = self._ctrl_size()
+        ctrl = torch.zeros(n_ctrl, dtype=torch.float32)
         ctrl[0] = 1.0 if req.any else 0.0
         ctrl[1] = 1.0 if req.stop else 0.0
         ctrl[2] = float(len(self._local_indices))
         ctrl[3] = self._loss_sum
         ctrl[_N_CTRL + self._rank] = 1.0 if req.leave else 0.0
-        flat = self._flat
-        offset = self._n_grad
+        tail = self._tail()
         with torch.no_grad():
-            flat[offset:].copy_(ctrl)
+            tail[:n_ctrl].copy_(ctrl)
+            self._buffers.write(tail[n_ctrl:], len(self._local_indices), self._rank)
         # Buckets whose gradients never came (parameters unused in this step, a
         # rank with no samples) go now, in order; then the last one, with the tail.
-        while len(self._works) < len(self._buckets):
+        while len(self._works) < self._n_launch:
             self._launch(len(self._works))
         try:
             if self._launch_error is not None:
@@ -438,47 +462,89 @@ class ElasticJob:
             self._drop_step(str(e), e.backend_error)
             return None
         self._works = []
-        tail = flat[offset:].to("cpu", copy=True)  # the buffer is zeroed below
-        self.optimizer.step()
-        flat.zero_()  # the gradients stay views of the buffer: next backward accumulates in place
+        tail = tail.to("cpu", copy=True)  # the buffers are zeroed below
+        self._buffers.read(tail[n_ctrl:], int(tail[2]))
+        skipped = self._optimizer_step()
+        for flat in self._flats:
+            flat.zero_()  # the gradients stay views of the buffers: next backward accumulates in place
         global_loss = float(tail[3]) / max(1.0, float(tail[2]))
-        self._commit(global_loss)
-        if tail[1] > 0:
+        self._commit(global_loss, skipped)
+        leavers = {self._plan.members[r] for r in range(W) if tail[_N_CTRL + r] > 0} if tail[0] > 0 else None
+        self._after_commit = (bool(tail[1] > 0), leavers)
+        return global_loss
+
+    def _optimizer_step(self) -> bool:
+        """Unscale, clip, the hook, the optimizer step. Every rank holds the same
+        all-reduced gradients, so every rank decides alike. Returns True if the
+        GradScaler skipped the step (inf/NaN gradients)."""
+        scaler = self._scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        if self._max_grad_norm is not None:
+            self._grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self._max_grad_norm))
+        if self._before_optimizer_step is not None:
+            self._before_optimizer_step(self)
+        if scaler is None:
+            self.optimizer.step()
+            return False
+        finite = gradients.all_finite(f[:n] for f, n in zip(self._flats, self._layout.lengths))
+        scaler.step(self.optimizer)
+        scaler.update()
+        return not finite
+
+    def _at_boundary(self) -> None:
+        """What the last commit asks for, done when the loop comes back for the
+        next batch, so that the state saved or handed over includes what the
+        script did after job.step() (its scheduler step): a checkpoint, a stop,
+        a membership change."""
+        after, self._after_commit = self._after_commit, None
+        if after is None:
+            return
+        stop, leavers = after
+        if self._rank == 0:
+            self._maybe_checkpoint(time.monotonic())
+        if stop:
             self._stop_job()
-        elif tail[0] > 0:
-            leavers = {self._plan.members[r] for r in range(W) if tail[_N_CTRL + r] > 0}
+        elif leavers is not None:
             try:
                 self._planned_change(leavers)
             except Aborted as e:
                 log.warning("worker %s: generation %d aborted while forming: %s", self.worker_id,
                             self.generation, e)
                 self._need_recovery = True
-        return global_loss
 
-    def _grad_buffer(self) -> torch.Tensor:
-        """The flat all-reduce buffer: every gradient (bucket by bucket), then the
-        control tail. Parameters' .grad are views into it (as DDP's
+    def _grad_buffer(self) -> list[torch.Tensor]:
+        """The flat all-reduce buffers, one per parameter dtype (bucket by
+        bucket), the float32 one followed by the tail when it rides with the
+        last bucket. Parameters' .grad are views into them (as DDP's
         gradient_as_bucket_view), so backward accumulates in place and nothing
         is copied in or out."""
-        n = self._n_grad + _N_CTRL + self.world_size
-        if self._flat is None or self._flat.numel() != n:
-            # The caller copies the current gradients in (they are not views of this one).
-            self._flat = torch.zeros(n, dtype=self._params[0].dtype, device=self._device)
-        return self._flat
+        lay = self._layout
+        n_tail = self._ctrl_size() + self._buffers.size
+        sizes = [n + (n_tail if g == lay.tail_group else 0) for g, n in enumerate(lay.lengths)]
+        if self._flats is None or [f.numel() for f in self._flats] != sizes:
+            # The caller copies the current gradients in (they are not views of these).
+            self._flats = [torch.zeros(n, dtype=state_mod.dtype_named(kind), device=self._device)
+                           for kind, n in zip(lay.groups, sizes)]
+        if lay.tail_group is None and (self._tail_buf is None or self._tail_buf.numel() != n_tail):
+            self._tail_buf = torch.zeros(n_tail, dtype=gradients.TAIL_DTYPE, device=self._device)
+        return self._flats
 
     def _drop_step(self, why: str, backend_error: bool = False) -> None:
         self._peer_gone = backend_error
         log.warning("worker %s: step %d dropped in generation %d: %s (%s)", self.worker_id, self._step + 1,
                     self.generation, why, self._control.abort_reason())
-        # A collective that never finished may still write into the buffer: never reuse it.
-        self._flat = None
+        # A collective that never finished may still write into the buffers: never reuse them.
+        self._flats = None
+        self._tail_buf = None
         self.optimizer.zero_grad(set_to_none=True)
+        self._buffers.reset()  # the dropped step's forward moved them
         self._need_recovery = True
 
-    def _commit(self, global_loss: float) -> None:
+    def _commit(self, global_loss: float, skipped: bool = False) -> None:
         now = time.monotonic()
         self._step += 1
-        self._last_commit = Commit(self._step, self.generation, self.world_size, time.time(), global_loss)
+        self._last_commit = Commit(self._step, self.generation, self.world_size, time.time(), global_loss, skipped)
         if self._audit_fd is not None:
             line = json.dumps({"step": self._step, "epoch": self._sampler.epoch, "generation": self.generation,
                                "world_size": self.world_size, "rank": self._rank, "worker": self.worker_id,
@@ -491,10 +557,8 @@ class ElasticJob:
         if self._pending_event is not None:
             self._emit_event(now)
         self._last_commit_t = now
-        if self._rank == 0:
-            self._maybe_checkpoint(now)
-            if now - self._last_status_t >= STATUS_EVERY_S:
-                self._write_status(now)
+        if self._rank == 0 and now - self._last_status_t >= STATUS_EVERY_S:
+            self._write_status(now)
 
     # -- membership changes --------------------------------------------------
     def _planned_change(self, leavers: set[str]) -> None:
@@ -637,7 +701,7 @@ class ElasticJob:
         if self._rank == transfer.source:
             if transfer.restore:
                 restored = self._restore_from_checkpoint()
-            header, flat = state_mod.pack(state_mod.capture(self.model, self.optimizer, self._progress()))
+            header, flat = state_mod.pack(self._capture_state())
             sizes = torch.tensor([len(header), flat.numel(), int(restored)], dtype=torch.int64)
         else:
             sizes = torch.zeros(3, dtype=torch.int64)
@@ -651,10 +715,18 @@ class ElasticJob:
             hbuf = collectives.broadcast(self._pg, hbuf.to(self._device), transfer.source, self._abort).cpu()
             flat = collectives.broadcast(self._pg, flat.to(self._device), transfer.source, self._abort).cpu()
         if self._rank != transfer.source:
-            progress = state_mod.apply(state_mod.unpack(state_mod.tensor_bytes(hbuf), flat), self.model, self.optimizer)
-            self._set_progress(progress)
+            self._apply_state(state_mod.unpack(state_mod.tensor_bytes(hbuf), flat))
         self._has_state = True
         return bool(sizes[2])
+
+    def _capture_state(self) -> dict:
+        """The training state as data (state.capture): what a joiner receives and a checkpoint holds."""
+        return state_mod.capture(self.model, self.optimizer, self._progress(), self._extra)
+
+    def _apply_state(self, saved: dict) -> None:
+        """Adopt a captured state (from a peer or a checkpoint), progress included."""
+        self._set_progress(state_mod.apply(saved, self.model, self.optimizer, self._extra))
+        self._buffers.mark()
 
     def _progress(self) -> dict:
         s = self._sampler
@@ -721,11 +793,11 @@ class ElasticJob:
             self._ckpt_seconds and now - self._last_ckpt_t >= self._ckpt_seconds)
         if due:
             self._last_ckpt_t = now
-            self._ckpt.save_async(self._step, state_mod.capture(self.model, self.optimizer, self._progress()))
+            self._ckpt.save_async(self._step, self._capture_state())
 
     def _checkpoint_now(self) -> None:
         if self._ckpt is not None and self._has_state:
-            self._ckpt.save_async(self._step, state_mod.capture(self.model, self.optimizer, self._progress()))
+            self._ckpt.save_async(self._step, self._capture_state())
             self._ckpt.wait()
 
     def _restore_from_checkpoint(self) -> bool:
@@ -735,7 +807,7 @@ class ElasticJob:
         if found is None:
             return False
         info, saved = found
-        self._set_progress(state_mod.apply(saved, self.model, self.optimizer))
+        self._apply_state(saved)
         log.info("worker %s: restored step %d from %s", self.worker_id, info.step, info.path)
         return True
 
@@ -778,6 +850,24 @@ class ElasticJob:
         ev.setdefault("time", time.time())
         add_event(self._store, ev)
         log.info("worker %s: event %s", self.worker_id, json.dumps(ev))
+
+
+def _check_extra_state(extra_state: dict[str, Any] | None, grad_scaler: Any) -> dict[str, Any]:
+    """The stateful objects that travel with model and optimizer, by name (the
+    GradScaler among them, as "grad_scaler")."""
+    extra = dict(extra_state or {})
+    for name, obj in extra.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"extra_state names must be non-empty strings, got {name!r}")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"extra_state[{name!r}] is a {type(obj).__name__}, which has no state_dict() and "
+                            "load_state_dict(); pass objects that have both (a scheduler, a GradScaler, an EMA "
+                            "wrapper), or wrap it in a class that has them")
+    if grad_scaler is not None:
+        if GRAD_SCALER_KEY in extra:
+            raise ValueError(f"extra_state[{GRAD_SCALER_KEY!r}] is reserved for grad_scaler=; rename that entry")
+        extra[GRAD_SCALER_KEY] = grad_scaler
+    return extra
 
 
 def _to(batch: Any, device: torch.device) -> Any:

@@ -4,12 +4,21 @@ State moves between processes as a JSON skeleton plus one flat byte tensor
 (never pickle): the skeleton keeps the nesting (including the int keys of an
 optimizer state dict), the scalars, and for each tensor its dtype, shape and
 byte range in the flat buffer.
+
+The state is the model's state dict (parameters and buffers), the optimizer's,
+the progress (step, epoch, sampler position), the RNG states, and the state
+dicts of the job's extra stateful objects (`extra_state`: a scheduler, the
+GradScaler, an EMA), by name. What those hold must be what a scheduler's or a
+GradScaler's state dict holds: dicts with str/int keys, lists, tuples, tensors,
+None, bool, int, float (inf and NaN included) and str. Anything else (a
+function, an arbitrary object) is refused with the key path that holds it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import random
 from typing import Any
 
@@ -20,25 +29,45 @@ _DTYPES = {str(d): d for d in (
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
 )}
 
+log = logging.getLogger("eltctl_runtime")
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype whose str() is `name` ("torch.float32")."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise TypeError(f"dtype {name} is not supported in the training state or the gradient buffers; "
+                        f"supported: {', '.join(sorted(_DTYPES))}") from None
+
 
 def encode(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     """A JSON-able skeleton of nested dicts/lists/tuples/scalars/tensors, and the
-    tensors in skeleton order."""
+    tensors in skeleton order. Raises TypeError naming the key path of anything else."""
     tensors: list[torch.Tensor] = []
 
-    def walk(x: Any) -> Any:
+    def walk(x: Any, where: str) -> Any:
         if isinstance(x, torch.Tensor):
+            dtype_named(str(x.dtype))
             tensors.append(x)
             return {"__t__": len(tensors) - 1, "dtype": str(x.dtype), "shape": list(x.shape)}
         if isinstance(x, dict):
-            return {"__d__": [[k, type(k).__name__, walk(v)] for k, v in x.items()]}
+            out = []
+            for k, v in x.items():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise TypeError(f"{where} has the key {k!r} ({type(k).__name__}); the training state "
+                                    "takes only str and int keys")
+                out.append([k, type(k).__name__, walk(v, f"{where}[{k!r}]")])
+            return {"__d__": out}
         if isinstance(x, (list, tuple)):
-            return {"__l__": [walk(v) for v in x], "tuple": isinstance(x, tuple)}
+            return {"__l__": [walk(v, f"{where}[{i}]") for i, v in enumerate(x)], "tuple": isinstance(x, tuple)}
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
-        raise TypeError(f"cannot encode {type(x).__name__} in training state")
+        raise TypeError(f"{where} is a {type(x).__name__}, which cannot travel in the training state "
+                        "(to joiners and into checkpoints): a state_dict() may hold only dicts, lists, "
+                        "tuples, tensors, None, bool, int, float and str")
 
-    return walk(obj), tensors
+    return walk(obj, "state"), tensors
 
 
 def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
@@ -125,33 +154,65 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: dict) -> dict:
-    """Everything needed to resume exactly: model, optimizer, progress (step,
-    epoch, position, generation) and RNG states."""
+def extra_state_dicts(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """{name: obj.state_dict()} of the extra stateful objects."""
+    return {name: obj.state_dict() for name, obj in (extra or {}).items()}
+
+
+def check_encodable(extra: dict[str, Any] | None) -> None:
+    """Raise TypeError, naming the key, if an extra object's state cannot travel."""
+    encode({"extra_state": extra_state_dicts(extra)})
+
+
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: dict,
+            extra: dict[str, Any] | None = None) -> dict:
+    """Everything needed to resume exactly: model (parameters and buffers),
+    optimizer, progress (step, epoch, position, generation), RNG states and the
+    extra objects' state dicts."""
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
+        "extra_state": extra_state_dicts(extra),
         "progress": dict(progress),
         "rng": rng_state(),
     }
 
 
-def apply(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Adopt a captured state in place; returns its progress dict."""
+def apply(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          extra: dict[str, Any] | None = None) -> dict:
+    """Adopt a captured state in place; returns its progress dict.
+
+    An extra object the state has no entry for (a checkpoint written before it
+    was added) keeps its own state, with a warning; an entry no object takes
+    is ignored, with a warning."""
     with torch.no_grad():
         own = model.state_dict()
         for k, v in state["model"].items():
             own[k].copy_(v)
     optimizer.load_state_dict(state["optimizer"])
+    saved = state.get("extra_state") or {}
+    for name, obj in (extra or {}).items():
+        if name in saved:
+            obj.load_state_dict(saved[name])
+        else:
+            log.warning("the saved state has no extra_state[%r]; that object keeps its own state", name)
+    for name in sorted(set(saved) - set(extra or {})):
+        log.warning("the saved state holds extra_state[%r], which this job does not have; it is ignored", name)
     set_rng_state(state["rng"])
     return dict(state["progress"])
 
 
-def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """A hash of parameters and optimizer state (tests compare it across ranks)."""
+def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                extra: dict[str, Any] | None = None) -> str:
+    """A hash of parameters, buffers, optimizer state and the extra objects'
+    state (tests compare it across ranks)."""
     import hashlib
 
     h = hashlib.sha256()
     header, flat = pack({"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]})
     h.update(tensor_bytes(flat))
+    if extra:
+        header, flat = pack(extra_state_dicts(extra))
+        h.update(header)
+        h.update(tensor_bytes(flat))
     return h.hexdigest()

@@ -1,7 +1,8 @@
 """The runtime tests' launcher: a TCPStore hosted here, workers as real processes.
 
 `cluster` plays the launcher's and the host daemon's parts: it hosts the job's
-store (port 0), starts `examples/train.py` workers with the environment contract,
+store (port 0), starts `examples/train.py` workers (or another `script` with the
+same flags and files) with the environment contract,
 each in its own session so teardown kills all of them, and reports a worker
 whose process exits with an error or a signal as dead (report_dead), as the
 host daemon will.
@@ -27,6 +28,8 @@ from tests.testbed.hostpython import HOST_PYTHON, host_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train.py"
+TRAIN_REAL = ROOT / "examples" / "train_real.py"
+GRAD_WORKER = Path(__file__).resolve().parent / "grad_worker.py"
 PYTHON = HOST_PYTHON  # workers run as on a host: Python and torch only
 
 # Small model and data: the suite must stay fast on a busy 2-core machine.
@@ -53,7 +56,7 @@ class Worker:
             return (0, -1, 0)
         if not lines:
             return (0, -1, 0)
-        step, gen, world, _t, _loss = lines[-1].split()
+        step, gen, world = lines[-1].split()[:3]  # then time, loss (and the LR, in train_real.py)
         return int(step), int(gen), int(world)
 
     def log_text(self) -> str:
@@ -67,6 +70,7 @@ class Cluster:
     min_workers: int = 1
     report_deaths: bool = True  # False: a host that vanishes has no daemon to report it
     args: list[str] = field(default_factory=lambda: list(SMALL))
+    script: Path = TRAIN
     workers: list[Worker] = field(default_factory=list)
     job: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
     _n: int = 0
@@ -98,7 +102,7 @@ class Cluster:
             self._n += 1
             log = self.tmp / f"w{i}.log"
             w = Worker(wid, None, log, self.tmp / f"w{i}.result.json", self.tmp / f"w{i}.progress")  # type: ignore[arg-type]
-            cmd = [PYTHON, str(TRAIN), *self.args, *(extra or []), "--result", str(w.result),
+            cmd = [PYTHON, str(self.script), *self.args, *(extra or []), "--result", str(w.result),
                    "--progress", str(w.progress)]
             w.proc = subprocess.Popen(cmd, env=self.env(wid), stdin=subprocess.DEVNULL, stdout=log.open("w"),
                                       stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)

@@ -1,0 +1,156 @@
+"""The gradient path: buffers per dtype in one bucket order, global clipping,
+the hook, the GradScaler's skipped steps, and the buffers' agreement.
+
+The layouts are pure (tables); the rest runs real workers (tests/runtime/
+grad_worker.py, gloo) and compares them with one process on the global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grad_worker
+from eltctl_runtime.gradients import BufferSync, Bucket, Slot, plan_layout
+from runtime_cluster import assert_exactly_once
+
+F32, F64, F16 = "torch.float32", "torch.float64", "torch.float16"
+
+
+@pytest.mark.parametrize("kinds, numels, sizes, bucket_bytes, slots, buckets, tail_group", [
+    # one dtype: as before, reverse order, a bucket closes at bucket_bytes
+    ([F32] * 3, [10, 20, 30], [4] * 3, 100,
+     [(0, 50, 10), (0, 30, 20), (0, 0, 30)], [(0, 0, 30, (2,)), (0, 30, 60, (1, 0))], 0),
+    # a dtype change closes the bucket; each dtype has its own buffer; the last bucket is float64:
+    # the tail goes alone
+    ([F64, F64, F32, F32], [4, 4, 4, 4], [8, 8, 4, 4], 1000,
+     [(1, 4, 4), (1, 0, 4), (0, 4, 4), (0, 0, 4)], [(0, 0, 8, (3, 2)), (1, 0, 8, (1, 0))], None),
+    # interleaved dtypes: one global order, buckets never span dtypes, offsets continue per buffer
+    ([F32, F64, F32], [2, 3, 5], [4, 8, 4], 1000,
+     [(0, 5, 2), (1, 0, 3), (0, 0, 5)], [(0, 0, 5, (2,)), (1, 0, 3, (1,)), (0, 5, 7, (0,))], 0),
+    # byte-sized buckets: 8-byte elements fill a bucket twice as fast
+    ([F32, F64, F64], [4, 2, 2], [4, 8, 8], 16,
+     [(1, 0, 4), (0, 2, 2), (0, 0, 2)], [(0, 0, 2, (2,)), (0, 2, 4, (1,)), (1, 0, 4, (0,))], 1),
+    ([F16], [8], [2], 4, [(0, 0, 8)], [(0, 0, 8, (0,))], None),  # fp16 gradients: the tail goes alone
+    ([], [], [], 4, [], [], None),  # nothing to reduce: the tail alone
+])
+def test_bucket_order_is_global_and_buckets_never_span_dtypes(kinds, numels, sizes, bucket_bytes, slots,
+                                                              buckets, tail_group):
+    lay = plan_layout(kinds, numels, sizes, bucket_bytes)
+    assert lay.slots == tuple(Slot(*s) for s in slots)
+    assert lay.buckets == tuple(Bucket(*b) for b in buckets)
+    assert lay.tail_group == tail_group
+    for g, length in enumerate(lay.lengths):  # each dtype's buckets tile its buffer
+        mine = [b for b in lay.buckets if b.group == g]
+        assert mine[0].start == 0 and mine[-1].end == length
+        assert all(a.end == b.start for a, b in zip(mine, mine[1:]))
+    for b in lay.buckets:
+        assert {kinds[i] for i in b.members} == {lay.groups[b.group]}
+
+
+def bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+
+
+def test_buffers_agree_on_the_sample_weighted_update_and_rank_0s_counter():
+    ranks = [bn_model() for _ in range(3)]
+    syncs = [BufferSync(m) for m in ranks]
+    for s in syncs:
+        s.mark()
+    start = {k: v.clone() for k, v in ranks[0].named_buffers()}
+    counts = [6, 2, 0]  # the third rank has no samples: no forward, no weight
+    torch.manual_seed(1)
+    ranks[0](torch.randn(6, 3))
+    ranks[1](torch.randn(1, 3).expand(2, 3) + torch.tensor([[0.0], [1.0]]))
+    ranks[1](torch.randn(2, 3))  # micro-batches: rank 1 ran two forward passes
+    local = [{k: v.clone() for k, v in m.named_buffers()} for m in ranks]
+    out = []
+    for r, (s, n) in enumerate(zip(syncs, counts)):
+        t = torch.zeros(s.size)
+        s.write(t, n, r)
+        out.append(t)
+    summed = out[0] + out[1] + out[2]
+    for s in syncs:
+        s.read(summed, sum(counts))
+    agreed = [dict(m.named_buffers()) for m in ranks]
+    for name in ("1.running_mean", "1.running_var"):
+        want = start[name] + sum(n * (b[name] - start[name]) for b, n in zip(local, counts)) / sum(counts)
+        assert torch.allclose(agreed[0][name], want, atol=1e-6), name
+        assert all(torch.equal(a[name], agreed[0][name]) for a in agreed)
+    assert all(int(a["1.num_batches_tracked"]) == 1 for a in agreed)  # rank 0's count (rank 1 had 2)
+
+
+def test_a_buffer_no_forward_moves_stays_bit_for_bit_and_a_dropped_step_is_undone():
+    m = bn_model()
+    m.register_buffer("const", torch.tensor([0.1, 1 / 3, 7.25]))
+    s = BufferSync(m)
+    s.mark()
+    before = {k: v.clone() for k, v in m.named_buffers()}
+    m(torch.randn(5, 3))
+    t = torch.zeros(s.size)
+    s.write(t, 5, 0)
+    s.read(t, 5)
+    assert torch.equal(m.const, before["const"])
+    assert not torch.equal(m[1].running_mean, before["1.running_mean"])
+    agreed = {k: v.clone() for k, v in m.named_buffers()}
+    m(torch.randn(5, 3))  # the forward of a step that is then dropped
+    s.reset()
+    assert all(torch.equal(v, agreed[k]) for k, v in m.named_buffers())
+
+
+def run_workers(cluster_factory, args: list[str], n: int = 2, batch: int = 24) -> list[dict]:
+    from runtime_cluster import GRAD_WORKER
+
+    c = cluster_factory(min_workers=n, script=GRAD_WORKER, args=[])
+    ws = c.start(n, args + ["--batch", str(batch)])
+    c.wait_exit(ws)
+    assert all(w.proc.returncode == 0 for w in ws), c.dump_logs()
+    results = sorted((w.read_result() for w in ws), key=lambda r: r["rank"])
+    for r, w in zip(results, sorted(ws, key=lambda w: w.read_result()["rank"])):
+        r["state"] = torch.load(w.result.with_suffix(".pt"), weights_only=True)
+    assert len({r["fingerprint"] for r in results}) == 1, "ranks disagree"
+    assert_exactly_once(c.audit, 96, batch, results[0]["step"])
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtypes, batch", [
+    ("64,32", 24),  # the last bucket is float64: the tail is its own all-reduce
+    ("32,64", 24),  # the last bucket is float32: the tail rides with it
+    ("64,32", 2),   # rank 2 has no samples: no backward, every bucket and the tail launched at the end
+])
+def test_mixed_dtypes_with_clipping_train_like_one_process_on_the_global_batch(cluster_factory, dtypes, batch):
+    steps, max_norm = 8, 0.05
+    results = run_workers(cluster_factory, ["--dtypes", dtypes, "--steps", str(steps),
+                                            "--max-grad-norm", str(max_norm)], n=3, batch=batch)
+    want_state, want_norms = grad_worker.reference(dtypes, steps, batch, 0.05, max_norm)
+    got = results[0]
+    norms = [s["norm"] for s in got["steps"]]
+    assert norms == pytest.approx(want_norms, rel=1e-5)
+    assert min(norms) > max_norm  # clipping was active at every step
+    # the hook ran after clipping (and sees the clipped global gradient on every rank)
+    assert all(s["hook_norm"] == pytest.approx(max_norm, rel=1e-4) for s in got["steps"])
+    assert [s["hook_norm"] for s in got["steps"]] == [s["hook_norm"] for s in results[1]["steps"]]
+    for k, v in want_state.items():
+        assert got["state"][k].dtype == v.dtype
+        assert torch.allclose(got["state"][k], v, rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.slow
+def test_a_step_with_inf_gradients_on_one_rank_is_skipped_on_every_rank_and_still_commits(cluster_factory):
+    steps, bad = 6, 3
+    results = run_workers(cluster_factory, ["--steps", str(steps), "--scaler", "--inf-at", str(bad),
+                                            "--inf-rank", "1", "--max-grad-norm", "1e6"])
+    for r in results:
+        by_step = {s["step"]: s for s in r["steps"]}
+        assert sorted(by_step) == list(range(1, steps + 1))  # the skipped step is a committed step
+        assert [s for s in by_step if by_step[s]["skipped"]] == [bad]
+        assert by_step[bad]["params"] == by_step[bad - 1]["params"]  # no optimizer step
+        assert by_step[bad + 1]["params"] != by_step[bad]["params"]
+        assert by_step[bad]["scale"] == by_step[bad - 1]["scale"] / 2  # the scaler backed off
+    assert [s["params"] for s in results[0]["steps"]] == [s["params"] for s in results[1]["steps"]]
+    # clipping and the hook saw unscaled gradients (the scale, 65536, would show in the norm)
+    _state, want_norms = grad_worker.reference("64,32", 2, 24, 0.05, None)
+    first = results[0]["steps"][0]
+    assert first["norm"] == pytest.approx(want_norms[0], rel=1e-5)
+    assert all(s["hook_norm"] == pytest.approx(s["norm"], rel=1e-6) for s in results[0]["steps"] if not s["skipped"])
