@@ -55,7 +55,6 @@ def export(
 
     It opens with torch.load(OUT, weights_only=True), without eltctl installed. The checkpoint is brought here from the mirror or a host and verified first."""
     import asyncio
-    import os
     import tempfile
 
     from rich.console import Console
@@ -76,17 +75,19 @@ def export(
                                                timeout=inventory.ssh.connect_timeout + 3600))
         for why in fetched.skipped:
             console.print(f"[yellow]passed over[/] {escape(why)}", soft_wrap=True)
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:  # the file is written with torch.save
+            raise EltctlError("exporting needs torch on this machine, and it has none",
+                              hint="pip install torch==2.13.0 (the controller needs it too)")
+        from eltctl_runtime.checkpoint import InvalidCheckpoint, export_checkpoint
+
         try:
-            from eltctl_runtime.checkpoint import export_checkpoint
-        except ImportError as e:  # torch missing on this machine
-            raise EltctlError(f"exporting needs torch on this machine: {e}",
-                              hint="pip install torch==2.13.0 (the controller needs it too)") from e
-        tmp = Path(work) / "export.pt"
-        export_checkpoint(fetched.path, tmp)
-        os.replace(tmp, out)
-    size = out.stat().st_size
-    typer.echo(f"exported step {fetched.step} (from {fetched.where}) to {out} ({_size(size)}); "
-               f"load it with torch.load({str(out)!r}, weights_only=True)")
+            done = export_checkpoint(fetched.path, out)  # atomic: a reader sees no file or the whole one
+        except InvalidCheckpoint as e:
+            raise EltctlError(f"step {fetched.step} from {fetched.where} cannot be exported: {e}") from e
+    typer.echo(f"exported step {done['step']} (epoch {done['epoch']}, from {fetched.where}) to {out} "
+               f"({_size(done['size'])}); load it with torch.load({str(out)!r}, weights_only=True)")
 
 
 def _size(n: int) -> str:

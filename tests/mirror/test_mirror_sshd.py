@@ -474,3 +474,61 @@ def test_every_host_lost_new_hosts_get_the_newest_mirrored_step(testbed, kind):
     for h in (h2, h3):
         step, state = load_tensor(ckpt_dir(h))
         assert step == 20 and torch.equal(state["w"], torch.full((1000,), 20.0))
+
+
+def test_checkpoints_export_writes_a_plain_file_from_the_mirror_or_a_host(testbed, tmp_path):
+    """`eltctl checkpoints export OUT.pt`: the newest verified checkpoint, brought from the
+    mirror (a damaged copy there is passed over for a host's), as a file torch.load opens
+    with weights_only=True in an interpreter without eltctl."""
+    from eltctl_runtime import state as state_mod
+    from tests.testbed.hostpython import HOST_PYTHON
+
+    h1 = testbed.add_host("h1")
+    spec, where = mirror_spec(testbed, "dir")
+    inv_path = testbed.write_inventory(job={"name": JOB}, extra=f'[storage]\nmirror = "{spec}"\nkeep = 3\n')
+    inv = load_inventory(inv_path)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    for step in (10, 20):
+        opt.step()
+        sched.step()
+        state = state_mod.capture(model, opt, {"step": step, "epoch": step // 10, "position": 0},
+                                  {"scheduler": sched})
+        CheckpointStore(ckpt_dir(h1), keep=10).save(step, state)
+
+    async def mirror_both():
+        mirror = Mirror.from_inventory(inv)
+        async with Fleet(inv) as fleet:
+            try:
+                src = await host_place(await fleet.transport(inv.host("h1")), JOB)
+                for s in (10, 20):
+                    await mirror.mirror_checkpoint(src, s)
+            finally:
+                await mirror.close()
+
+    asyncio.run(mirror_both())
+    flip_byte(where / JOB / "step-00000020" / "state.pt")
+
+    def export(*args):
+        return subprocess.run([sys.executable, "-m", "eltctl", "-i", str(inv_path), "checkpoints", "export", *args],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    run = export(str(tmp_path / "model.pt"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "exported step 20 (epoch 2, from h1)" in run.stdout and "weights_only=True" in run.stdout, run.stdout
+    assert "passed over" in run.stderr and "mirror" in run.stderr, run.stderr  # the damaged mirror copy
+    check = ("import sys, torch; d = torch.load(sys.argv[1], weights_only=True); "
+             "print(sorted(d), d['step'], d['epoch'], d['extra_state']['scheduler']['last_epoch'], "
+             "sorted(d['model']))")
+    loaded = subprocess.run([HOST_PYTHON, "-I", "-c", check, str(tmp_path / "model.pt")], capture_output=True,
+                            text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split("] ")[0] == "['epoch', 'extra_state', 'model', 'optimizer', 'step'"
+    assert " 20 2 2 " in loaded.stdout and "1.running_mean" in loaded.stdout, loaded.stdout
+    # An older step from the mirror, and errors that say what to do.
+    run = export("--step", "10", "--from", "mirror", str(tmp_path / "old.pt"))
+    assert run.returncode == 0 and "exported step 10 (epoch 1, from mirror)" in run.stdout, run.stdout + run.stderr
+    run = export("--step", "30", str(tmp_path / "none.pt"))
+    assert run.returncode == 1 and "no verified copy of step 30" in run.stderr, run.stderr
+    assert "eltctl checkpoints" in run.stderr and not (tmp_path / "none.pt").exists()
