@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset, default_collate
 
 from . import collectives, exiting, state as state_mod
+from .balance import Pace, Split, worker_report
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
@@ -52,6 +53,18 @@ STATUS_EVERY_S = 1.0
 # full hang timeout. A host that vanishes has no daemon left to report it.
 CRASH_CONFIRM_S = 2.0
 _N_CTRL = 4  # pending, stop, local sample count, local loss sum; then one leave flag per rank
+
+
+def _tail_len(world_size: int) -> int:
+    """The control tail: _N_CTRL scalars, a leave flag per rank, then a pace
+    slot per rank (its smoothed compute seconds per sample, 0: unmeasured;
+    balance.py). Each rank fills only its own flag and slot: the sum is exact."""
+    return _N_CTRL + 2 * world_size
+
+
+def _pace_slot(world_size: int, rank: int) -> int:
+    return _N_CTRL + world_size + rank
+
 # Megabytes of gradients per all-reduce bucket. DDP's default is 25 MB; smaller
 # buckets start sooner in backward.
 BUCKET_MB = 4.0
@@ -119,6 +132,7 @@ class ElasticJob:
         config: RuntimeConfig | None = None,
         fast_exit: bool = True,
         bucket_mb: float = BUCKET_MB,
+        balance: bool = True,
     ) -> None:
         if max_steps is None and epochs is None:
             raise ValueError("give max_steps or epochs (or both)")
@@ -135,6 +149,17 @@ class ElasticJob:
         self._keep = keep_checkpoints
         self._collate = collate_fn or default_collate
         self._fast_exit = fast_exit
+        # Speed-proportional shares (balance.py): each worker's own smoothed pace,
+        # the split in force and the generation it was planned in, the compute
+        # time of the step in flight, and what the last commit carried.
+        self._balance = balance
+        self._pace = Pace()
+        self._split = Split()
+        self._split_gen = -1
+        self._t_handed = 0.0
+        self._compute_s = 0.0
+        self._last_paces: list[float] = []
+        self._last_counts: list[int] = []
         self._params = [p for p in model.parameters() if p.requires_grad]
         if len({p.dtype for p in self._params}) > 1:
             raise ValueError("all trainable parameters must share one dtype (one flat gradient buffer)")
@@ -306,11 +331,12 @@ class ElasticJob:
             if self._left or self._finished or self._done():
                 self._finish()
                 return
-            indices = self._sampler.local_indices(self._rank, self.world_size)
+            indices = self._indices_for(self._sampler)
             global_count = self._sampler.step_size()
             chunks = [indices]
-            if self._micro:
-                chunks = [indices[i : i + self._micro] for i in range(0, len(indices), self._micro)] or [[]]
+            micro = self._micro_limit()
+            if micro:
+                chunks = [indices[i : i + micro] for i in range(0, len(indices), micro)] or [[]]
             self._global_count = global_count
             self._local_indices = indices
             self._global_indices = self._sampler.global_indices() if self._audit_fd is not None else []
@@ -319,9 +345,32 @@ class ElasticJob:
             for chunk in chunks:
                 self._mb_count = len(chunk)
                 self._in_step = True
-                yield self._fetch(chunk)
+                yield self._handed(self._fetch(chunk))
                 if self._in_step:
                     raise RuntimeError("call job.step(loss) once per batch the job yields")
+
+    def _indices_for(self, sampler: SamplerState) -> list[int]:
+        """This rank's share of the next step: proportional to the ranks'
+        speeds with balancing on (balance.py), else equal."""
+        return sampler.local_indices(self._rank, self.world_size, self._split_in_force().weights)
+
+    def _split_in_force(self) -> Split:
+        """The split of this generation's steps; a new generation starts from
+        equal shares and is re-planned at its first commit."""
+        if self._split_gen != self.generation or not self._balance:
+            self._split, self._split_gen = Split(), self.generation
+        return self._split
+
+    def _micro_limit(self) -> int | None:
+        """The micro-batch size: the script's, capped by this host's
+        max_micro_batch (ELTCTL_MAX_MICRO_BATCH)."""
+        limits = [m for m in (self._micro, self.config.max_micro_batch) if m]
+        return min(limits) if limits else None
+
+    def _handed(self, batch: Any) -> Any:
+        """The batch goes to the script: this rank's compute time starts."""
+        self._t_handed = time.perf_counter()
+        return batch
 
     def _done(self) -> bool:
         if self._max_steps is not None and self._step >= self._max_steps:
@@ -355,6 +404,9 @@ class ElasticJob:
                 self._loss_sum += float(loss.detach()) * n
         finally:
             self._launching = False
+            # From the batch handed over to the end of backward: the buckets'
+            # all-reduces launched in backward are asynchronous, no wait is in it.
+            self._compute_s += time.perf_counter() - self._t_handed
         self._mb_left -= 1
         if self._mb_left > 0:
             return None
@@ -414,12 +466,15 @@ class ElasticJob:
     def _reduce_and_commit(self) -> float | None:
         W = self.world_size
         req = self._control.requests
-        ctrl = torch.zeros(_N_CTRL + W, dtype=torch.float32)
+        ctrl = torch.zeros(_tail_len(W), dtype=torch.float32)
         ctrl[0] = 1.0 if req.any else 0.0
         ctrl[1] = 1.0 if req.stop else 0.0
         ctrl[2] = float(len(self._local_indices))
         ctrl[3] = self._loss_sum
         ctrl[_N_CTRL + self._rank] = 1.0 if req.leave else 0.0
+        self._pace = self._pace.observed(self._compute_s, len(self._local_indices))
+        self._compute_s = 0.0
+        ctrl[_pace_slot(W, self._rank)] = self._pace.slot
         flat = self._flat
         offset = self._n_grad
         with torch.no_grad():
@@ -442,6 +497,7 @@ class ElasticJob:
         self.optimizer.step()
         flat.zero_()  # the gradients stay views of the buffer: next backward accumulates in place
         global_loss = float(tail[3]) / max(1.0, float(tail[2]))
+        self._replan([float(tail[_pace_slot(W, r)]) for r in range(W)])
         self._commit(global_loss)
         if tail[1] > 0:
             self._stop_job()
@@ -460,11 +516,20 @@ class ElasticJob:
         control tail. Parameters' .grad are views into it (as DDP's
         gradient_as_bucket_view), so backward accumulates in place and nothing
         is copied in or out."""
-        n = self._n_grad + _N_CTRL + self.world_size
+        n = self._n_grad + _tail_len(self.world_size)
         if self._flat is None or self._flat.numel() != n:
             # The caller copies the current gradients in (they are not views of this one).
             self._flat = torch.zeros(n, dtype=self._params[0].dtype, device=self._device)
         return self._flat
+
+    def _replan(self, paces: list[float]) -> None:
+        """At a commit: every rank's pace, identical floats on every rank, and
+        the split of the next steps planned from them (the same on every rank)."""
+        W = self.world_size
+        self._last_counts = self._split_in_force().counts(self._global_count, W)
+        self._last_paces = paces
+        if self._balance:
+            self._split = self._split.replanned(paces, self._sampler.global_batch)
 
     def _drop_step(self, why: str, backend_error: bool = False) -> None:
         self._peer_gone = backend_error
@@ -482,7 +547,8 @@ class ElasticJob:
         if self._audit_fd is not None:
             line = json.dumps({"step": self._step, "epoch": self._sampler.epoch, "generation": self.generation,
                                "world_size": self.world_size, "rank": self._rank, "worker": self.worker_id,
-                               "indices": self._local_indices, "step_indices": self._global_indices}) + "\n"
+                               "indices": self._local_indices, "step_indices": self._global_indices,
+                               "split": self._last_counts}) + "\n"
             os.write(self._audit_fd, line.encode())
         n_done, since = self._samples_since
         self._samples_since = (n_done + self._global_count, since)
@@ -759,11 +825,18 @@ class ElasticJob:
         status = status_document(generation=self.generation, world_size=self.world_size,
                                  members=self._plan.members, step=self._step, epoch=self._sampler.epoch,
                                  position=self._sampler.position, samples_per_s=round(rate, 2),
-                                 loss=self._last_loss, checkpoint=self._last_ckpt)
+                                 loss=self._last_loss, checkpoint=self._last_ckpt, workers=self._workers_report())
         try:
             self._store.set(Keys.STATUS, json.dumps(status))
         except Exception as e:  # noqa: BLE001 - status is advisory
             log.warning("worker %s: could not write status: %s", self.worker_id, e)
+
+    def _workers_report(self) -> dict | None:
+        """Each member's share and speed as of the last commit (balance.worker_report)."""
+        members = self._plan.members
+        if len(self._last_paces) != len(members):
+            return None  # no step committed in this generation yet
+        return worker_report(members, self._last_counts, self._last_paces, self._sampler.global_batch)
 
     def _emit_event(self, now: float) -> None:
         ev, self._pending_event = self._pending_event, None
