@@ -14,6 +14,7 @@ contiguous, in rank order, and tile the slice.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -38,13 +39,14 @@ def share_bounds(total: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def proportional_counts(total: int, weights: Sequence[float], minimum: int = 1) -> list[int]:
-    """Split `total` items into one count per weight, proportional to the
-    weights, summing to `total` exactly. Every count is at least `minimum`
-    when total allows it (minimum * len(weights) <= total; otherwise the
-    equal split), so a slow rank keeps being measured. Largest remainders get
-    the items rounding leaves over, ties to the lower rank: deterministic, the
-    same on every rank given the same floats. Weights <= 0 or not finite are
-    invalid (ValueError)."""
+    """Split `total` items into one count per weight (a rank's speed, items
+    per second), proportional to the weights and summing to `total` exactly,
+    rounded so that the slowest rank's time (count / weight) is as short as it
+    can be. Every count is at least `minimum` when total allows it
+    (minimum * len(weights) <= total; otherwise the equal split), so a slow
+    rank keeps being measured. Deterministic (ties to the lower rank): the same
+    on every rank given the same floats. Weights <= 0 or not finite are invalid
+    (ValueError)."""
     n = len(weights)
     if n == 0:
         raise ValueError("no weights to split among")
@@ -53,15 +55,20 @@ def proportional_counts(total: int, weights: Sequence[float], minimum: int = 1) 
     if total < minimum * n:
         base, extra = divmod(total, n)
         return [base + (1 if r < extra else 0) for r in range(n)]
+    # Greedy water-filling: each item goes to the rank that would finish it
+    # soonest, which minimises the slowest rank's time. Every rank of that
+    # allocation holds at least floor(free * w / sum) - 1 items, so start there
+    # and hand out the last few (at most 2n) one by one.
     free = total - minimum * n
     s = math.fsum(weights)
-    exact = [free * w / s for w in weights]
-    counts = [int(math.floor(x)) for x in exact]
-    left = free - sum(counts)
-    order = sorted(range(n), key=lambda r: (-(exact[r] - counts[r]), r))
-    for r in order[:left]:
+    counts = [minimum + max(0, int(math.floor(free * w / s)) - 1) for w in weights]
+    heap = [((c + 1) / w, r) for r, (c, w) in enumerate(zip(counts, weights))]
+    heapq.heapify(heap)
+    for _ in range(total - sum(counts)):
+        _t, r = heapq.heappop(heap)
         counts[r] += 1
-    return [c + minimum for c in counts]
+        heapq.heappush(heap, ((counts[r] + 1) / weights[r], r))
+    return counts
 
 
 def counts_bounds(counts: Sequence[int], rank: int) -> tuple[int, int]:
