@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 from eltctl.controller import policy as pol
 from eltctl.controller.observe import DaemonSeen
 from eltctl_runtime.files import write_json_atomic
+from eltctl_runtime.protocol import WORKER_FIELDS
 from eltctl.inventory import Inventory
 
 log = logging.getLogger("eltctl.controller")
@@ -210,7 +211,7 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
     ck = rs.get("checkpoint") if isinstance(rs.get("checkpoint"), dict) else None
     hosts = [host_entry(views[h.name], records.get(h.name, pol.HostRecord()), seen.get(h.name), now)
              for h in inventory.hosts]
-    return {
+    doc = {
         "job": job.name, "state": job_state(phase), "phase": phase, "message": message, "updated": now,
         "generation": rs.get("generation"), "world_size": int(rs.get("world_size") or 0),
         "members": rs.get("members", []),
@@ -228,6 +229,26 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "mirror": mirror,
         "start_failed": start_failures(now=now, inventory=inventory, views=views, records=records) or None,
     }
+    workers = worker_entries(rs)
+    if workers:
+        doc["workers"] = workers
+    return doc
+
+
+def worker_entries(runtime_status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each member's share of the global batch and its own compute speed, in
+    rank order, from rank 0's `workers` (eltctl_runtime.protocol.status_document):
+    `[{worker, share, samples_per_s, relative_speed, speedup_without, straggler}]`.
+    Empty while the runtime has not reported them (no step in this generation yet)."""
+    per = runtime_status.get("workers")
+    if not isinstance(per, dict):
+        return []
+    out = []
+    for w in runtime_status.get("members") or list(per):
+        entry = per.get(w)
+        if isinstance(entry, dict):
+            out.append({"worker": w, **{k: entry.get(k) for k in WORKER_FIELDS}})
+    return out
 
 
 def write_status(path: Path, document: dict) -> None:
