@@ -42,7 +42,7 @@ POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "coo
                "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout")
 STORAGE_KEYS = ("mirror", "keep")
 CONTROLLER_KEYS = ("address",)
-HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "env")
+HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env")
 
 DEFAULT_INVENTORY_NAME = "hosts.toml"
 
@@ -313,11 +313,13 @@ class Checker:
         python = t.string("python", "python3")
         gpus = self.gpus(t)
         slots = t.integer("slots", 1, lo=1, meaning=" (CPU workers on this host)")
+        max_micro = t.integer("max_micro_batch", None, lo=1,
+                              meaning=" (samples a worker on this host computes at once; leave it out: no limit)")
         env = t.env("env")
         if len(self.problems) > before:
             return None
         return Host(name=name, address=address, port=port, user=user, python=python,
-                    gpus=gpus, slots=slots, env=env)
+                    gpus=gpus, slots=slots, max_micro_batch=max_micro, env=env)
 
     def gpus(self, t: Table) -> Any:
         value = t.raw("gpus")

@@ -71,6 +71,7 @@ class Host:
     python: str = "python3"  # interpreter with torch on that host
     gpus: tuple[int, ...] | None = None  # None: all GPUs the host has
     slots: int = 1  # CPU workers on a host without GPUs
+    max_micro_batch: int | None = None  # samples a worker here computes at once; None: no limit
     env: tuple[tuple[str, str], ...] = ()  # extra environment for commands on this host
 
     @property
