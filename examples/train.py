@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-at", action="append", default=[], metavar="STEP=SECONDS",
                     help="from committed step STEP on, SECONDS per sample instead (repeatable): a worker slowing down")
     ap.add_argument("--no-balance", action="store_true", help="equal shares (no speed-proportional split)")
+    ap.add_argument("--oom-once-above", type=int, default=None, metavar="N",
+                    help="raise torch.OutOfMemoryError once, on the first batch of more than N samples (tests)")
     ap.add_argument("--result", type=Path, default=None, help="write final step, loss and state hash here (JSON)")
     ap.add_argument("--progress", type=Path, default=None, help="append 'step generation world_size time loss' lines")
     args = ap.parse_args(argv)
@@ -68,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None
+    oom = {"armed": args.oom_once_above is not None}
+
+    def compute_loss(batch):
+        if oom["armed"] and len(batch[0]) > args.oom_once_above:
+            oom["armed"] = False
+            raise torch.OutOfMemoryError(f"injected: out of memory on {len(batch[0])} samples")
+        return toy.loss_fn(model, batch)
+
     with job:  # (*)
         for batch in job:
             if args.step_sleep:
@@ -78,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     per_sample = seconds
             if per_sample:
                 time.sleep(per_sample * len(batch[0]))
-            step_loss = job.step(toy.loss_fn(model, batch))  # (*)
+            # (*) a function computing the loss: an out-of-memory error in its forward is retried too
+            step_loss = job.step(lambda: compute_loss(batch))
             if step_loss is not None:
                 loss = step_loss
                 if progress:

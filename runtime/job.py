@@ -56,14 +56,19 @@ _N_CTRL = 4  # pending, stop, local sample count, local loss sum; then one leave
 
 
 def _tail_len(world_size: int) -> int:
-    """The control tail: _N_CTRL scalars, a leave flag per rank, then a pace
-    slot per rank (its smoothed compute seconds per sample, 0: unmeasured;
-    balance.py). Each rank fills only its own flag and slot: the sum is exact."""
-    return _N_CTRL + 2 * world_size
+    """The control tail: _N_CTRL scalars, a leave flag per rank, a pace slot per
+    rank (its smoothed compute seconds per sample, 0: unmeasured; balance.py),
+    then an out-of-memory slot per rank (0, or the micro-batch size that rank
+    redoes the step with). Each rank fills only its own: the sum is exact."""
+    return _N_CTRL + 3 * world_size
 
 
 def _pace_slot(world_size: int, rank: int) -> int:
     return _N_CTRL + world_size + rank
+
+
+def _oom_slot(world_size: int, rank: int) -> int:
+    return _N_CTRL + 2 * world_size + rank
 
 # Megabytes of gradients per all-reduce bucket. DDP's default is 25 MB; smaller
 # buckets start sooner in backward.
@@ -160,6 +165,10 @@ class ElasticJob:
         self._compute_s = 0.0
         self._last_paces: list[float] = []
         self._last_counts: list[int] = []
+        # Out of memory on a share: the micro-batch size this rank redoes the
+        # step with (0: none this step), and the limit found so far.
+        self._oom_retry = 0
+        self._oom_limit: int | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
         if len({p.dtype for p in self._params}) > 1:
             raise ValueError("all trainable parameters must share one dtype (one flat gradient buffer)")
@@ -274,6 +283,9 @@ class ElasticJob:
             from .checkpoint import CheckpointStore
 
             self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
+        if cfg.max_micro_batch:
+            log.info("worker %s: at most %d samples at once on this host (max_micro_batch); a larger share "
+                     "runs as micro-batches", cfg.worker_id, cfg.max_micro_batch)
         self._control = ControlThread(self._connect, cfg.worker_id, cfg.hang_timeout_s, cfg.max_workers)
         self._control.start()
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
@@ -364,7 +376,7 @@ class ElasticJob:
     def _micro_limit(self) -> int | None:
         """The micro-batch size: the script's, capped by this host's
         max_micro_batch (ELTCTL_MAX_MICRO_BATCH)."""
-        limits = [m for m in (self._micro, self.config.max_micro_batch) if m]
+        limits = [m for m in (self._micro, self.config.max_micro_batch, self._oom_limit) if m]
         return min(limits) if limits else None
 
     def _handed(self, batch: Any) -> Any:
@@ -387,11 +399,15 @@ class ElasticJob:
             batch = _to(batch, self._device)
         return batch
 
-    def step(self, loss: torch.Tensor) -> float | None:
+    def step(self, loss: "torch.Tensor | Callable[[], torch.Tensor]") -> float | None:
         """Backward, gradient all-reduce, optimizer step, commit. `loss` is the
-        mean loss over the batch this iteration yielded. Returns the global mean
-        loss of the step, or None (a micro-batch before the last one, or the
-        step was dropped because the generation was aborted)."""
+        mean loss over the batch this iteration yielded, or a function of no
+        arguments that computes it: then an out-of-memory error in the forward
+        pass is caught too (one in backward always is), and the step is redone
+        by every rank, this one in micro-batches half the size. Returns the
+        global mean loss of the step, or None (a micro-batch before the last
+        one, or the step was dropped: the generation was aborted, or a rank ran
+        out of memory and the step is redone)."""
         if not self._in_step:
             raise RuntimeError("job.step() called outside an iteration of the job")
         self._in_step = False
@@ -399,9 +415,15 @@ class ElasticJob:
         if self._mb_left == 1:
             self._begin_reduce()  # buckets are all-reduced as backward fills them
         try:
-            if n > 0:
-                (loss * (n / self._global_count)).backward()
-                self._loss_sum += float(loss.detach()) * n
+            if n > 0 and not self._oom_retry:
+                try:
+                    if callable(loss):
+                        loss = loss()
+                    (loss * (n / self._global_count)).backward()
+                    self._loss_sum += float(loss.detach()) * n
+                except torch.OutOfMemoryError as e:
+                    loss = None
+                    self._out_of_memory(n, e)
         finally:
             self._launching = False
             # From the batch handed over to the end of backward: the buckets'
@@ -472,9 +494,12 @@ class ElasticJob:
         ctrl[2] = float(len(self._local_indices))
         ctrl[3] = self._loss_sum
         ctrl[_N_CTRL + self._rank] = 1.0 if req.leave else 0.0
-        self._pace = self._pace.observed(self._compute_s, len(self._local_indices))
+        if not self._oom_retry:
+            self._pace = self._pace.observed(self._compute_s, len(self._local_indices))
         self._compute_s = 0.0
         ctrl[_pace_slot(W, self._rank)] = self._pace.slot
+        ctrl[_oom_slot(W, self._rank)] = float(self._oom_retry)
+        self._oom_retry = 0
         flat = self._flat
         offset = self._n_grad
         with torch.no_grad():
@@ -494,6 +519,9 @@ class ElasticJob:
             return None
         self._works = []
         tail = flat[offset:].to("cpu", copy=True)  # the buffer is zeroed below
+        if any(tail[_oom_slot(W, r)] > 0 for r in range(W)):
+            self._redo_step([int(tail[_oom_slot(W, r)]) for r in range(W)])
+            return None
         self.optimizer.step()
         flat.zero_()  # the gradients stay views of the buffer: next backward accumulates in place
         global_loss = float(tail[3]) / max(1.0, float(tail[2]))
@@ -530,6 +558,28 @@ class ElasticJob:
         self._last_paces = paces
         if self._balance:
             self._split = self._split.replanned(paces, self._sampler.global_batch)
+
+    def _out_of_memory(self, n: int, error: Exception) -> None:
+        """This rank ran out of memory on `n` samples: the step goes on without
+        its gradient (every rank still issues the same collectives) and is
+        redone by every rank, this one in micro-batches half the size."""
+        if n <= 1:
+            raise error  # nothing smaller to try
+        self._oom_retry = (n + 1) // 2
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("worker %s: out of memory on %d samples at step %d; the step is redone in micro-batches "
+                    "of at most %d", self.worker_id, n, self._step + 1, self._oom_retry)
+
+    def _redo_step(self, limits: list[int]) -> None:
+        """A rank ran out of memory (its out-of-memory slot holds its new micro-batch
+        size): nothing of this step is applied; the same step comes again."""
+        mine = limits[self._rank]
+        if mine:
+            self._oom_limit = min(mine, self._oom_limit or mine)
+        self._flat.zero_()
+        log.info("worker %s: step %d redone (out of memory on rank(s) %s)", self.worker_id, self._step + 1,
+                 ", ".join(str(r) for r, m in enumerate(limits) if m))
 
     def _drop_step(self, why: str, backend_error: bool = False) -> None:
         self._peer_gone = backend_error

@@ -215,3 +215,21 @@ def test_balanced_shares_through_resizes_stay_exactly_once_and_identical(cluster
         slow = s.id if s.id in shares[0] else d.id
         assert sorted(shares[0].values()) == [8, 8, 8], (gen, shares)
         assert shares[-1][slow] < min(shares[-1][a.id], shares[-1][b.id]) - 2, (gen, shares)
+
+
+@pytest.mark.slow
+def test_a_hosts_micro_batch_limit_and_an_out_of_memory_share_train_like_whole_shares(cluster_factory):
+    # Equal shares of 12. In the second run, a's host computes at most 5
+    # samples at once (micro-batches 5, 5, 2) and b runs out of memory once on
+    # its share: every rank redoes that step, b in micro-batches of 6 from then
+    # on. The data, the agreement and the training are as in the first run.
+    whole = cluster_factory(min_workers=2)
+    ref = finish(whole, whole.start(2, ["--steps", "12", "--no-balance"]), 12)[0]
+    limited = cluster_factory(min_workers=2)
+    (a,) = limited.start(1, ["--steps", "12", "--no-balance"], env={"ELTCTL_MAX_MICRO_BATCH": "5"})
+    (b,) = limited.start(1, ["--steps", "12", "--no-balance", "--oom-once-above", "8"])
+    got = finish(limited, [a, b], 12)[0]
+    assert abs(got["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (got, ref)
+    assert "at most 5 samples at once on this host" in a.log_text()
+    assert "out of memory on 12 samples at step 1; the step is redone in micro-batches of at most 6" in b.log_text()
+    assert "step 1 redone (out of memory on rank(s)" in a.log_text()
