@@ -75,6 +75,7 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     free = busy = 0
     cooling: list[tuple[int, pol.HostRecord]] = []
     owner: list[int] = []
+    straggler: list[int] = []
     benched: list[tuple[int, pol.HostRecord]] = []
     unreachable: list[str] = []
     unhealthy: list[str] = []
@@ -107,6 +108,8 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
             cooling.append((others, rec))
         elif rec.owner_until > now and not waived:
             owner.append(others)
+        elif rec.straggler_until > now and not waived:
+            straggler.append(others)
         else:
             free += others
     parts = [f"{_n(free, 'slot')} free"] if free else []
@@ -117,6 +120,8 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
                      f"{first.cooldown_until - now:.0f} s more)")
     if owner:
         parts.append(f"{_n(sum(owner), 'slot')} cooling down after an owner came back")
+    if straggler:
+        parts.append(f"{_n(sum(straggler), 'slot')} resting after a straggler was dropped there")
     if benched:
         n = sum(c for c, _ in benched)
         first = benched[0][1]
@@ -181,7 +186,7 @@ def job_state(phase: str) -> str:
 
 def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | None, now: float) -> dict:
     phase, reason = pol.host_state(view, record, now)
-    cooling = max(record.cooldown_until, record.owner_until)
+    cooling = max(record.cooldown_until, record.owner_until, record.straggler_until)
     gpus = [{"index": s.index, "state": "ours" if s.index in view.workers else s.use.value, "reason": s.reason}
             for s in view.slots]
     return {
@@ -190,7 +195,7 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
         "benched_until": record.benched_until if record.benched_until > now else None,
         "cooldown_until": cooling if cooling > now else None,
         "failures": record.failures, "desired": list(record.desired), "gpus": gpus,
-        "last_problem": record.last_problem or record.owner_note,
+        "last_problem": record.last_problem or record.owner_note or record.straggler_note,
         "start_failure": record.start_failure or None,
         "daemon": daemon_summary(seen.state) if seen is not None else None,
     }

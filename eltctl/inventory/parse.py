@@ -27,6 +27,7 @@ from eltctl.inventory.types import (
     Policy,
     SSHSettings,
     Storage,
+    StragglerPolicy,
 )
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]+")  # host and job names end up in file names
@@ -39,7 +40,8 @@ JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device"
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
 POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
-               "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout")
+               "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout",
+               "drop_stragglers", "straggler_gain_percent", "straggler_for")
 STORAGE_KEYS = ("mirror", "keep")
 CONTROLLER_KEYS = ("address",)
 HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env")
@@ -133,7 +135,9 @@ class Checker:
             job = self.job(t)
         # A section of the wrong type was reported; its defaults keep the checks going.
         ssh = self.ssh(self.table(raw, "ssh", SSH_KEYS) or self.empty("ssh"))
-        policy = self.policy(self.table(raw, "policy", POLICY_KEYS) or self.empty("policy"))
+        policy_table = self.table(raw, "policy", POLICY_KEYS) or self.empty("policy")
+        policy = self.policy(policy_table)
+        stragglers = self.stragglers(policy_table)
         storage = self.storage(self.table(raw, "storage", STORAGE_KEYS) or self.empty("storage"))
         controller = self.controller(self.table(raw, "controller", CONTROLLER_KEYS)
                                      or self.empty("controller"))
@@ -141,7 +145,8 @@ class Checker:
         if self.problems or job is None:
             return None
         return Inventory(path=Path(os.path.abspath(self.shown)), job=job, ssh=ssh,
-                         policy=policy, storage=storage, hosts=hosts, controller=controller)
+                         policy=policy, storage=storage, hosts=hosts, controller=controller,
+                         stragglers=stragglers)
 
     def empty(self, key: str) -> Table:
         return Table(self, {}, key, accepted=(), where=f"[{key}]")
@@ -226,6 +231,16 @@ class Checker:
             values["hang_timeout"] = t.fail("hang_timeout", f"must be at most 30s, got "
                                                             f"{show(t.data['hang_timeout'])}")
         return Policy(**{k: (getattr(d, k) if v is BAD else v) for k, v in values.items()})
+
+    def stragglers(self, t: Table) -> StragglerPolicy:
+        d = StragglerPolicy()
+        values = dict(
+            drop_stragglers=t.boolean("drop_stragglers", d.drop_stragglers),
+            straggler_gain_percent=t.integer("straggler_gain_percent", d.straggler_gain_percent, lo=1,
+                                             meaning=" (percent faster without a worker before it is dropped)"),
+            straggler_for=t.duration("straggler_for", d.straggler_for, positive=False),
+        )
+        return StragglerPolicy(**{k: (getattr(d, k) if v is BAD else v) for k, v in values.items()})
 
     def controller(self, t: Table) -> ControllerSettings:
         address = t.string("address")
