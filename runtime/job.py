@@ -10,9 +10,11 @@ loop; one iteration is one global step::
 The job owns the step boundaries. `step` runs backward with the loss scaled by
 this rank's share of the global batch, all-reduces the gradients in one flat
 buffer whose tail carries the control scalars (a change is pending, a leave, a
-stop, the sample count and the loss sum), steps the optimizer and commits.
-Because the control scalars ride with the gradients, every rank learns at the
-same step, with no extra round trip, that membership changes after it. A crash
+stop, the sample count and the loss sum, each rank's speed and whether it ran
+out of memory), steps the optimizer and commits. Because the control scalars
+ride with the gradients, every rank learns at the same step, with no extra
+round trip, that membership changes after it, and the split of the next steps
+(shares proportional to speed: balance.py). A crash
 or hang is not noticed by the collective but by the control thread (control.py),
 which aborts the wait; the step in flight is dropped and the survivors form the
 next generation (membership.py) and agree on the state (state.py).
@@ -375,7 +377,8 @@ class ElasticJob:
 
     def _micro_limit(self) -> int | None:
         """The micro-batch size: the script's, capped by this host's
-        max_micro_batch (ELTCTL_MAX_MICRO_BATCH)."""
+        max_micro_batch (ELTCTL_MAX_MICRO_BATCH) and by the size this rank
+        last ran out of memory with (halved)."""
         limits = [m for m in (self._micro, self.config.max_micro_batch, self._oom_limit) if m]
         return min(limits) if limits else None
 
