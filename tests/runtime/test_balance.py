@@ -233,3 +233,17 @@ def test_a_hosts_micro_batch_limit_and_an_out_of_memory_share_train_like_whole_s
     assert "at most 5 samples at once on this host" in a.log_text()
     assert "out of memory on 12 samples at step 1; the step is redone in micro-batches of at most 6" in b.log_text()
     assert "step 1 redone (out of memory on rank(s)" in a.log_text()
+
+
+@pytest.mark.slow
+def test_a_worker_that_holds_the_job_back_is_reported_a_straggler_in_the_status(cluster_factory):
+    # s computes 100 ms a sample, a and b 1 ms: even s's minimum share of one
+    # sample takes longer than the others' whole step.
+    c = cluster_factory(min_workers=3)
+    a, b = c.start(2, ["--steps", "12", "--slow-per-sample", "0.001"])
+    (s,) = c.start(1, ["--steps", "12", "--slow-per-sample", "0.1"])
+    finish(c, [a, b, s], 12)
+    workers = read_status(c.store, c.job)["workers"]
+    assert workers[s.id]["share"] == 1 and workers[s.id]["straggler"], workers
+    assert workers[s.id]["speedup_without"] > 2 and workers[s.id]["relative_speed"] < 0.1, workers
+    assert not workers[a.id]["straggler"] and not workers[b.id]["straggler"], workers
