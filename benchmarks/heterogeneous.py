@@ -15,8 +15,12 @@ the ratios. One run measures:
   its own samples/s; the ideal is their sum over the three workers;
 - `slowdown`: three workers at speed 1, balancing on, one of them 4x slower
   from step `--slowdown-at` on: the steps from the slowdown until the split
-  (rank 0's audit lines) changes for the last time, and samples/s once settled
-  against that case's ideal (2 fast + 1 slow worker, from `alone`).
+  (rank 0's audit lines) stays within one sample per rank of its final value
+  (`settle_steps`; one sample is the split's granularity), and until its last
+  change (`last_change_steps`: a late one-sample refinement when noise first
+  shows a split better by more than the dead band), every change with its step,
+  and samples/s once settled against that case's ideal (2 fast + 1 slow
+  worker, from `alone`).
 
 Targets: balanced >= 2x equal; balanced >= 0.9 of the ideal; the split settles
 within 20 steps of the slowdown.
@@ -83,11 +87,20 @@ def samples_per_s(times: dict[int, float], first: int, last: int | None = None) 
     return round(BATCH / statistics.median(dts), 2) if dts else None
 
 
-def settle_steps(splits: dict[int, list[int]], slowdown_at: int) -> int | None:
-    """Steps from the first step run at the new speed (slowdown_at + 1) to the
-    last step whose split differs from its predecessor's (0: never changed)."""
-    changes = [k for k in sorted(splits) if k > slowdown_at + 1 and k - 1 in splits and splits[k] != splits[k - 1]]
-    return (changes[-1] - (slowdown_at + 1)) if changes else 0
+def settle_steps(splits: dict[int, list[int]], slowdown_at: int) -> tuple[int | None, int]:
+    """(settled, last_change): steps from the first step run at the new speed
+    (slowdown_at + 1) until the split stays within one sample per rank of the
+    final split for good (a sample is the split's granularity), and until its
+    last change (0: never changed)."""
+    first = slowdown_at + 1
+    steps = [k for k in sorted(splits) if k >= first]
+    if not steps:
+        return None, 0
+    final = splits[steps[-1]]
+    near = [all(abs(a - b) <= 1 for a, b in zip(splits[k], final)) for k in steps]
+    settled = next((i for i in range(len(steps)) if all(near[i:])), None)
+    changes = [k for k in steps if k > first and k - 1 in splits and splits[k] != splits[k - 1]]
+    return (steps[settled] - first if settled is not None else None), (changes[-1] - first if changes else 0)
 
 
 def run(*, per_sample: float, steps: int, warmup: int, slowdown_at: int, progress=print) -> dict[str, Any]:
@@ -107,7 +120,9 @@ def run(*, per_sample: float, steps: int, warmup: int, slowdown_at: int, progres
     ideal = round(2 * fast_sps + slow_sps, 2) if fast_sps and slow_sps else None
     bal_sps = samples_per_s(bal["times"], warmup)
     eq_sps = samples_per_s(eq["times"], warmup)
-    out["balanced"] = {"samples_per_s": bal_sps, "final_split": bal["splits"].get(steps)}
+    out["balanced"] = {"samples_per_s": bal_sps, "final_split": bal["splits"].get(steps),
+                       "changes": [[k, bal["splits"][k]] for k in sorted(bal["splits"])
+                                   if k - 1 in bal["splits"] and bal["splits"][k] != bal["splits"][k - 1]]}
     out["equal"] = {"samples_per_s": eq_sps, "final_split": eq["splits"].get(steps)}
     out["alone"] = {"fast_samples_per_s": fast_sps, "slow_samples_per_s": slow_sps, "ideal_samples_per_s": ideal}
     out["balanced_vs_equal"] = round(bal_sps / eq_sps, 3) if bal_sps and eq_sps else None
@@ -117,13 +132,15 @@ def run(*, per_sample: float, steps: int, warmup: int, slowdown_at: int, progres
     slow_steps = slowdown_at + 40
     slow4 = 4 * s
     sd = run_job([s, s, s], slow_steps, per_worker=[(), (), ("--slow-at", f"{slowdown_at}={slow4}")])
-    settled = settle_steps(sd["splits"], slowdown_at)
+    settled, last_change = settle_steps(sd["splits"], slowdown_at)
     # Ideal of this case: two fast workers and one 4x slower (its own speed, a quarter of a fast one's).
     ideal_sd = round(2 * fast_sps + fast_sps / 4, 2) if fast_sps else None
-    after = samples_per_s(sd["times"], slowdown_at + 1 + settled + 2)
+    after = samples_per_s(sd["times"], slowdown_at + 1 + (settled or 0) + 2)
     out["slowdown"] = {
-        "at_step": slowdown_at, "settle_steps": settled,
+        "at_step": slowdown_at, "settle_steps": settled, "last_change_steps": last_change,
         "split_before": sd["splits"].get(slowdown_at), "split_after": sd["splits"].get(slow_steps),
+        "changes": [[k, sd["splits"][k]] for k in sorted(sd["splits"])
+                    if k - 1 in sd["splits"] and sd["splits"][k] != sd["splits"][k - 1]],
         "samples_per_s_before": samples_per_s(sd["times"], warmup, slowdown_at),
         "samples_per_s_settled": after, "ideal_samples_per_s": ideal_sd,
         "settled_vs_ideal": round(after / ideal_sd, 3) if after and ideal_sd else None,
@@ -156,7 +173,8 @@ def render(res: dict) -> str:
              f"equal     {res['equal']['samples_per_s']} samples/s  split {res['equal']['final_split']}",
              f"ideal     {res['alone']['ideal_samples_per_s']} samples/s  (fast alone "
              f"{res['alone']['fast_samples_per_s']}, slow alone {res['alone']['slow_samples_per_s']})",
-             f"slowdown  settled in {res['slowdown']['settle_steps']} steps: {res['slowdown']['split_before']} -> "
+             f"slowdown  settled in {res['slowdown']['settle_steps']} steps (last change after "
+             f"{res['slowdown']['last_change_steps']}): {res['slowdown']['split_before']} -> "
              f"{res['slowdown']['split_after']}, {res['slowdown']['samples_per_s_settled']} samples/s "
              f"(ideal {res['slowdown']['ideal_samples_per_s']})", ""]
     for t in res["targets"]:

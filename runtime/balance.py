@@ -26,8 +26,9 @@ from typing import Sequence
 from .sampler import proportional_counts
 
 # Weight of the newest measurement in a worker's smoothed pace: a 4x slowdown is
-# 90 % absorbed after 7 steps.
-EMA_ALPHA = 0.3
+# 90 % absorbed after 4 steps, 99 % after 7 (0.3 left a last one-sample change of
+# the split up to 20 steps after a slowdown, benchmarks/heterogeneous.py).
+EMA_ALPHA = 0.5
 # Re-plan only when the new split is predicted to shorten the step by more than this.
 DEAD_BAND = 0.05
 # A worker whose speed is below this fraction of the median of the others' is a straggler.

@@ -11,6 +11,7 @@ import pytest
 from eltctl_runtime import ConfigError, RuntimeConfig, SamplerState, read_status
 from eltctl_runtime.balance import (
     DEAD_BAND,
+    EMA_ALPHA,
     Pace,
     Split,
     known_paces,
@@ -87,7 +88,7 @@ def test_any_sequence_of_world_sizes_and_speeds_consumes_each_epoch_exactly_once
 def test_pace_is_a_moving_average_of_seconds_per_sample():
     p = Pace().observed(1.0, 10)
     assert p.seconds_per_sample == pytest.approx(0.1)
-    assert p.observed(4.0, 10).seconds_per_sample == pytest.approx(0.1 + 0.3 * 0.3)
+    assert p.observed(4.0, 10).seconds_per_sample == pytest.approx(0.1 + EMA_ALPHA * 0.3)
     assert p.observed(1.0, 0) == p  # a step with no samples tells nothing
     assert Pace().slot == 0.0 and p.slot == pytest.approx(0.1)
 
