@@ -6,9 +6,11 @@ it (`Pace`, an exponential moving average kept by the worker itself, so it
 carries through resizes with the worker). The smoothed value rides in the
 control tail of the step's all-reduce (one slot per rank), so at every commit
 each rank holds the same floats for every rank and plans the same next split
-(`Split.replanned`): shares proportional to speed (1 / seconds per sample),
-re-planned only when that shortens the predicted step by more than `DEAD_BAND`,
-so measurement noise does not make the split oscillate. A new generation starts
+(`Split.replanned`): shares proportional to speed (1 / seconds per sample).
+Two bands keep noise from making the split oscillate: the split is looked at
+again only when some rank's pace moved by more than `PACE_BAND` from the paces
+it was last looked at with, and then changed only when the new split shortens
+the predicted step by more than `DEAD_BAND`. A new generation starts
 from equal shares (`Split()`) and is re-planned at its first commit from the
 paces every member carried in.
 
@@ -26,10 +28,13 @@ from typing import Sequence
 from .sampler import proportional_counts
 
 # Weight of the newest measurement in a worker's smoothed pace: a 4x slowdown is
-# 90 % absorbed after 4 steps, 99 % after 7 (0.3 left a last one-sample change of
-# the split up to 20 steps after a slowdown, benchmarks/heterogeneous.py).
-EMA_ALPHA = 0.5
-# Re-plan only when the new split is predicted to shorten the step by more than this.
+# 90 % absorbed after 7 steps.
+EMA_ALPHA = 0.3
+# Look at the split again only when a rank's pace moved more than this (relative)
+# since it was last looked at: measured on a loaded 2-core machine, 5 % bands on
+# the predicted step alone let noise swap single samples back and forth.
+PACE_BAND = 0.15
+# Change it only when the new split is predicted to shorten the step by more than this.
 DEAD_BAND = 0.05
 # A worker whose speed is below this fraction of the median of the others' is a straggler.
 STRAGGLER_SPEED = 0.25
@@ -73,9 +78,11 @@ def predicted_step_s(counts: Sequence[int], paces: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Split:
-    """The split in force: per-rank weights (speeds), or None for equal shares."""
+    """The split in force: per-rank weights (speeds), or None for equal shares,
+    and the paces it was last looked at with (None: not yet)."""
 
     weights: tuple[float, ...] | None = None
+    basis: tuple[float, ...] | None = None
 
     def counts(self, total: int, world_size: int) -> list[int]:
         if self.weights is None or len(self.weights) != world_size:
@@ -85,20 +92,24 @@ class Split:
 
     def replanned(self, slots: Sequence[float], total: int) -> "Split":
         """The split for the next steps, given every rank's pace (the tail's
-        slots, identical on every rank) and the global batch: shares
-        proportional to speed when that is predicted to beat the current split
-        by more than DEAD_BAND, else the current one."""
+        slots, identical on every rank) and the global batch. Unless some
+        pace moved more than PACE_BAND since the split was last looked at, the
+        same split; else looked at with these paces: shares proportional to
+        speed when that is predicted to beat the current split by more than
+        DEAD_BAND, else the current shares."""
         paces = known_paces(slots)
         if paces is None or total <= 0:
             return self
+        if self.basis is not None and len(self.basis) == len(paces) and all(
+                abs(p - b) <= PACE_BAND * b for p, b in zip(paces, self.basis)):
+            return self
+        basis = tuple(paces)
         speeds = tuple(1.0 / p for p in paces)
         new = proportional_counts(total, speeds)
         now = self.counts(total, len(paces))
-        if new == now:
-            return self
-        if predicted_step_s(new, paces) < (1.0 - DEAD_BAND) * predicted_step_s(now, paces):
-            return Split(speeds)
-        return self
+        if new != now and predicted_step_s(new, paces) < (1.0 - DEAD_BAND) * predicted_step_s(now, paces):
+            return Split(speeds, basis)
+        return Split(self.weights, basis)
 
 
 def speedup_without(slots: Sequence[float], total: int, rank: int) -> float:

@@ -111,10 +111,25 @@ def test_unmeasured_ranks_count_as_the_mean_of_the_measured():
 def test_split_is_replanned_only_when_it_shortens_the_step_beyond_the_dead_band(current, slots, total, expect):
     new = current.replanned(slots, total)
     assert tuple(new.counts(total, len(slots))) == expect
-    if new != current:
+    if new.weights != current.weights:
         paces = known_paces(slots)
         before = predicted_step_s(current.counts(total, len(slots)), paces)
         assert predicted_step_s(new.counts(total, len(slots)), paces) < (1 - DEAD_BAND) * before
+
+
+def test_split_is_looked_at_again_only_when_a_pace_moved_beyond_the_pace_band():
+    planned = Split().replanned([0.01, 0.01, 0.03], 24)
+    assert planned.counts(24, 3) == [11, 10, 3] and planned.basis == (0.01, 0.01, 0.03)
+    # Rank 0 measured 12 % slower: 10, 11, 3 would be better, but that is noise.
+    assert planned.replanned([0.0112, 0.01, 0.03], 24) is planned
+    # Rank 2 slowed down 4x: far beyond the band, re-planned.
+    slowed = planned.replanned([0.01, 0.01, 0.12], 24)
+    assert slowed.counts(24, 3) == [12, 11, 1] and slowed.basis == (0.01, 0.01, 0.12)
+    # Moved beyond the band but no better split: the shares stay, the basis moves.
+    same = planned.replanned([0.01, 0.01, 0.0345], 24)
+    assert same.weights == planned.weights and same.basis == (0.01, 0.01, 0.0345)
+    # A resize: the basis of another world size does not hold.
+    assert Split(None, (0.01, 0.01)).replanned([0.01, 0.01, 0.03], 24).counts(24, 3) == [11, 10, 3]
 
 
 def test_a_worker_that_holds_the_job_back_is_a_straggler():
