@@ -3,7 +3,8 @@
 Each rank times its own compute per sample (from the batch handed to the
 script to the end of its backward, waits in collectives excluded) and smooths
 it (`Pace`, an exponential moving average kept by the worker itself, so it
-carries through resizes with the worker). The smoothed value rides in the
+carries through resizes with the worker; a jump confirmed by a second step is
+taken whole). The smoothed value rides in the
 control tail of the step's all-reduce (one slot per rank), so at every commit
 each rank holds the same floats for every rank and plans the same next split
 (`Split.replanned`): shares proportional to speed (1 / seconds per sample).
@@ -27,9 +28,13 @@ from typing import Sequence
 
 from .sampler import proportional_counts
 
-# Weight of the newest measurement in a worker's smoothed pace: a 4x slowdown is
-# 90 % absorbed after 7 steps.
+# Weight of the newest measurement in a worker's smoothed pace.
 EMA_ALPHA = 0.3
+# A measurement this far (relative) from the smoothed pace is a jump: one alone is
+# left out (a hiccup); a second in a row on the same side replaces the smoothed
+# pace (the speed changed: an owner's process, throttling), so a 4x slowdown is
+# taken whole after two steps instead of being approached over twenty.
+JUMP = 0.5
 # Look at the split again only when a rank's pace moved more than this (relative)
 # since it was last looked at: measured on a loaded 2-core machine, 5 % bands on
 # the predicted step alone let noise swap single samples back and forth.
@@ -42,18 +47,27 @@ STRAGGLER_SPEED = 0.25
 
 @dataclass(frozen=True)
 class Pace:
-    """One worker's smoothed compute time per sample (None: not measured yet)."""
+    """One worker's smoothed compute time per sample (None: not measured yet),
+    and a jump seen at the last step, held back until a second confirms it."""
 
     seconds_per_sample: float | None = None
+    jump: float | None = None
 
     def observed(self, seconds: float, samples: int) -> "Pace":
         """The pace after a step that computed `samples` in `seconds` (a step
-        with no samples tells nothing and leaves it as it is)."""
+        with no samples tells nothing and leaves it as it is): a moving
+        average, except for jumps (JUMP)."""
         if samples <= 0 or not math.isfinite(seconds) or seconds < 0:
             return self
         x = max(seconds, 1e-9) / samples
         old = self.seconds_per_sample
-        return Pace(x if old is None else old + EMA_ALPHA * (x - old))
+        if old is None:
+            return Pace(x)
+        if abs(x - old) > JUMP * old:
+            if self.jump is not None and (self.jump > old) == (x > old):
+                return Pace(x)  # the second jump in a row, the same way: the speed changed
+            return Pace(old, jump=x)
+        return Pace(old + EMA_ALPHA * (x - old))
 
     @property
     def slot(self) -> float:

@@ -88,8 +88,17 @@ def test_any_sequence_of_world_sizes_and_speeds_consumes_each_epoch_exactly_once
 def test_pace_is_a_moving_average_of_seconds_per_sample():
     p = Pace().observed(1.0, 10)
     assert p.seconds_per_sample == pytest.approx(0.1)
-    assert p.observed(4.0, 10).seconds_per_sample == pytest.approx(0.1 + EMA_ALPHA * 0.3)
+    assert p.observed(1.3, 10).seconds_per_sample == pytest.approx(0.1 + EMA_ALPHA * 0.03)
     assert p.observed(1.0, 0) == p  # a step with no samples tells nothing
+
+
+def test_one_jump_is_a_hiccup_two_in_a_row_are_a_new_speed():
+    p = Pace(0.1)
+    hiccup = p.observed(2.0, 10)  # 0.2 s a sample: more than JUMP away
+    assert hiccup.seconds_per_sample == 0.1 and hiccup.jump == pytest.approx(0.2)
+    assert hiccup.observed(1.0, 10) == Pace(0.1)  # back to normal: the hiccup is forgotten
+    assert hiccup.observed(4.0, 10) == Pace(0.4)  # slower again: the speed changed, taken whole
+    assert hiccup.observed(0.4, 10).jump == pytest.approx(0.04)  # a jump the other way starts over
     assert Pace().slot == 0.0 and p.slot == pytest.approx(0.1)
 
 
