@@ -60,15 +60,16 @@ class _Launcher:
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
-    def start(self) -> tuple[str, subprocess.Popen, Path]:
+    def start(self, extra: Sequence[str] = (), env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen, Path]:
+        """Start one more worker; `extra` arguments and `env` variables for it alone."""
         i = len(self.procs)
         wid = f"bench{i}/cpu/{os.getpid()}"
         progress = self.wd / f"w{i}.progress"
         env = dict(os.environ, ELTCTL_STORE=f"127.0.0.1:{self.store.port}", ELTCTL_JOB=self.job,
                    ELTCTL_WORKER_ID=wid, ELTCTL_DEVICE="cpu", ELTCTL_MIN_WORKERS=str(self.min_workers),
-                   OMP_NUM_THREADS=str(self.threads))
+                   OMP_NUM_THREADS=str(self.threads), **(env or {}))
         log = (self.wd / f"w{i}.log").open("w")
-        p = subprocess.Popen([sys.executable, str(TRAIN), *self.args, "--progress", str(progress)], env=env,
+        p = subprocess.Popen([sys.executable, str(TRAIN), *self.args, *extra, "--progress", str(progress)], env=env,
                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, cwd=REPO)
         self.procs.append((wid, p, progress))

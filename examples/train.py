@@ -40,9 +40,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="gradient all-reduce bucket size; 0: one all-reduce after backward")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="steps")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step (tests)")
+    ap.add_argument("--slow-per-sample", type=float, default=0.0,
+                    help="seconds of extra work per sample of this worker's share (tests, benchmarks: a slower GPU)")
+    ap.add_argument("--slow-at", action="append", default=[], metavar="STEP=SECONDS",
+                    help="from committed step STEP on, SECONDS per sample instead (repeatable): a worker slowing down")
+    ap.add_argument("--no-balance", action="store_true", help="equal shares (no speed-proportional split)")
+    ap.add_argument("--oom-once-above", type=int, default=None, metavar="N",
+                    help="raise torch.OutOfMemoryError once, on the first batch of more than N samples (tests)")
     ap.add_argument("--result", type=Path, default=None, help="write final step, loss and state hash here (JSON)")
     ap.add_argument("--progress", type=Path, default=None, help="append 'step generation world_size time loss' lines")
     args = ap.parse_args(argv)
+    slow_at = sorted((int(k), float(v)) for k, v in (x.split("=", 1) for x in args.slow_at))
 
     config = elt.RuntimeConfig.from_env()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -58,15 +66,30 @@ def main(argv: list[str] | None = None) -> int:
     job = elt.ElasticJob(  # (*)
         model, optimizer, dataset, global_batch_size=args.batch, seed=args.seed, max_steps=args.steps,
         epochs=args.epochs, micro_batch_size=args.micro_batch, checkpoint_every_steps=args.checkpoint_every,
-        config=config, bucket_mb=args.bucket_mb,
+        config=config, bucket_mb=args.bucket_mb, balance=not args.no_balance,
     )
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None
+    oom = {"armed": args.oom_once_above is not None}
+
+    def compute_loss(batch):
+        if oom["armed"] and len(batch[0]) > args.oom_once_above:
+            oom["armed"] = False
+            raise torch.OutOfMemoryError(f"injected: out of memory on {len(batch[0])} samples")
+        return toy.loss_fn(model, batch)
+
     with job:  # (*)
         for batch in job:
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            step_loss = job.step(toy.loss_fn(model, batch))  # (*)
+            per_sample = args.slow_per_sample
+            for from_step, seconds in slow_at:
+                if job.step_count >= from_step:
+                    per_sample = seconds
+            if per_sample:
+                time.sleep(per_sample * len(batch[0]))
+            # (*) a function computing the loss: an out-of-memory error in its forward is retried too
+            step_loss = job.step(lambda: compute_loss(batch))
             if step_loss is not None:
                 loss = step_loss
                 if progress:

@@ -41,6 +41,7 @@ class RuntimeConfig:
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     max_workers: int | None = None
     min_workers: int = 1
+    max_micro_batch: int | None = None  # this host's limit: larger shares run as micro-batches
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeConfig":
@@ -77,6 +78,9 @@ class RuntimeConfig:
         min_workers = number("ELTCTL_MIN_WORKERS", 1, int)
         if min_workers < 1 or (max_workers is not None and max_workers < min_workers):
             raise ConfigError(f"need 1 <= ELTCTL_MIN_WORKERS ({min_workers}) <= ELTCTL_MAX_WORKERS ({max_workers})")
+        max_micro = number("ELTCTL_MAX_MICRO_BATCH", None, int)
+        if max_micro is not None and max_micro < 1:
+            raise ConfigError(f"ELTCTL_MAX_MICRO_BATCH={max_micro} must be at least 1 (or unset: no limit)")
         ckpt = env.get("ELTCTL_CHECKPOINT_DIR", "").strip()
         audit = env.get("ELTCTL_AUDIT", "").strip()
         return cls(
@@ -91,4 +95,5 @@ class RuntimeConfig:
             hang_timeout_s=hang,
             max_workers=max_workers,
             min_workers=min_workers,
+            max_micro_batch=max_micro,
         )

@@ -10,13 +10,15 @@ loop; one iteration is one global step::
 The job owns the step boundaries. `step` runs backward with the loss scaled by
 this rank's share of the global batch, all-reduces the gradients in flat
 buffers (gradients.py) whose float32 tail carries the control scalars (a change
-is pending, a leave, a stop, the sample count and the loss sum) and the buffers'
-updates, unscales and clips the global gradient, steps the optimizer and
-commits. Because the control scalars ride with the gradients, every rank learns
-at the same step, with no extra round trip, that membership changes after it.
-What the commit asks for (a checkpoint, a stop, a membership change) is done at
-the boundary, when the loop asks for the next batch: after the script's own
-code that follows `job.step()` (a scheduler step) has run. A crash
+is pending, a leave, a stop, the sample count and the loss sum, each rank's
+speed and whether it ran out of memory) and the buffers' updates, unscales and
+clips the global gradient, steps the optimizer and commits. Because the control
+scalars ride with the gradients, every rank learns at the same step, with no
+extra round trip, that membership changes after it, and the split of the next
+steps (shares proportional to speed: balance.py). What the commit asks for (a
+checkpoint, a stop, a membership change) is done at the boundary, when the loop
+asks for the next batch: after the script's own code that follows `job.step()`
+(a scheduler step) has run. A crash
 or hang is not noticed by the collective but by the control thread (control.py),
 which aborts the wait; the step in flight is dropped and the survivors form the
 next generation (membership.py) and agree on the state (state.py).
@@ -40,6 +42,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset, default_collate
 
 from . import collectives, exiting, gradients, state as state_mod
+from .balance import Pace, Split, worker_report
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
@@ -54,7 +57,25 @@ STATUS_EVERY_S = 1.0
 # gone), a member silent this long is taken as dead without waiting for the
 # full hang timeout. A host that vanishes has no daemon left to report it.
 CRASH_CONFIRM_S = 2.0
-_N_CTRL = gradients.N_CTRL
+_N_CTRL = gradients.N_CTRL  # pending, stop, local sample count, local loss sum; then the per-rank slots
+
+
+
+def _tail_len(world_size: int) -> int:
+    """The control tail: _N_CTRL scalars, a leave flag per rank, a pace slot per
+    rank (its smoothed compute seconds per sample, 0: unmeasured; balance.py),
+    then an out-of-memory slot per rank (0, or the micro-batch size that rank
+    redoes the step with). Each rank fills only its own: the sum is exact."""
+    return _N_CTRL + 3 * world_size
+
+
+def _pace_slot(world_size: int, rank: int) -> int:
+    return _N_CTRL + world_size + rank
+
+
+def _oom_slot(world_size: int, rank: int) -> int:
+    return _N_CTRL + 2 * world_size + rank
+
 # Megabytes of gradients per all-reduce bucket. DDP's default is 25 MB; smaller
 # buckets start sooner in backward.
 BUCKET_MB = 4.0
@@ -102,6 +123,7 @@ class ElasticJob:
         max_grad_norm: float | None = None,
         before_optimizer_step: Callable[["ElasticJob"], None] | None = None,
         grad_scaler: Any = None,
+        balance: bool = True,
     ) -> None:
         if max_steps is None and epochs is None:
             raise ValueError("give max_steps or epochs (or both)")
@@ -125,6 +147,21 @@ class ElasticJob:
         self._keep = keep_checkpoints
         self._collate = collate_fn or default_collate
         self._fast_exit = fast_exit
+        # Speed-proportional shares (balance.py): each worker's own smoothed pace,
+        # the split in force and the generation it was planned in, the compute
+        # time of the step in flight, and what the last commit carried.
+        self._balance = balance
+        self._pace = Pace()
+        self._split = Split()
+        self._split_gen = -1
+        self._t_handed = 0.0
+        self._compute_s = 0.0
+        self._last_paces: list[float] = []
+        self._last_counts: list[int] = []
+        # Out of memory on a share: the micro-batch size this rank redoes the
+        # step with (0: none this step), and the limit found so far.
+        self._oom_retry = 0
+        self._oom_limit: int | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
         # One flat buffer per parameter dtype, one bucket order over all of them
         # (gradients.py); 0 MB: one bucket per dtype, all-reduced after backward.
@@ -244,6 +281,9 @@ class ElasticJob:
             from .checkpoint import CheckpointStore
 
             self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
+        if cfg.max_micro_batch:
+            log.info("worker %s: at most %d samples at once on this host (max_micro_batch); a larger share "
+                     "runs as micro-batches", cfg.worker_id, cfg.max_micro_batch)
         self._control = ControlThread(self._connect, cfg.worker_id, cfg.hang_timeout_s, cfg.max_workers)
         self._control.start()
         state_mod.check_encodable(self._extra)  # an extra state that cannot travel fails here, not at a resize
@@ -304,11 +344,12 @@ class ElasticJob:
             if self._left or self._finished or self._done():
                 self._finish()
                 return
-            indices = self._sampler.local_indices(self._rank, self.world_size)
+            indices = self._indices_for(self._sampler)
             global_count = self._sampler.step_size()
             chunks = [indices]
-            if self._micro:
-                chunks = [indices[i : i + self._micro] for i in range(0, len(indices), self._micro)] or [[]]
+            micro = self._micro_limit()
+            if micro:
+                chunks = [indices[i : i + micro] for i in range(0, len(indices), micro)] or [[]]
             self._global_count = global_count
             self._local_indices = indices
             self._global_indices = self._sampler.global_indices() if self._audit_fd is not None else []
@@ -317,9 +358,33 @@ class ElasticJob:
             for chunk in chunks:
                 self._mb_count = len(chunk)
                 self._in_step = True
-                yield self._fetch(chunk)
+                yield self._handed(self._fetch(chunk))
                 if self._in_step:
                     raise RuntimeError("call job.step(loss) once per batch the job yields")
+
+    def _indices_for(self, sampler: SamplerState) -> list[int]:
+        """This rank's share of the next step: proportional to the ranks'
+        speeds with balancing on (balance.py), else equal."""
+        return sampler.local_indices(self._rank, self.world_size, self._split_in_force().weights)
+
+    def _split_in_force(self) -> Split:
+        """The split of this generation's steps; a new generation starts from
+        equal shares and is re-planned at its first commit."""
+        if self._split_gen != self.generation or not self._balance:
+            self._split, self._split_gen = Split(), self.generation
+        return self._split
+
+    def _micro_limit(self) -> int | None:
+        """The micro-batch size: the script's, capped by this host's
+        max_micro_batch (ELTCTL_MAX_MICRO_BATCH) and by the size this rank
+        last ran out of memory with (halved)."""
+        limits = [m for m in (self._micro, self.config.max_micro_batch, self._oom_limit) if m]
+        return min(limits) if limits else None
+
+    def _handed(self, batch: Any) -> Any:
+        """The batch goes to the script: this rank's compute time starts."""
+        self._t_handed = time.perf_counter()
+        return batch
 
     def _done(self) -> bool:
         if self._max_steps is not None and self._step >= self._max_steps:
@@ -336,12 +401,16 @@ class ElasticJob:
             batch = _to(batch, self._device)
         return batch
 
-    def step(self, loss: torch.Tensor) -> float | None:
+    def step(self, loss: "torch.Tensor | Callable[[], torch.Tensor]") -> float | None:
         """Backward, gradient all-reduce, unscale and clip, optimizer step,
-        commit. `loss` is the mean loss over the batch this iteration yielded.
-        Returns the global mean loss of the step, or None (a micro-batch before
-        the last one, or the step was dropped because the generation was
-        aborted). Step a scheduler only when it returns a loss."""
+        commit. `loss` is the mean loss over the batch this iteration yielded,
+        or a function of no arguments that computes it: then an out-of-memory
+        error in the forward pass is caught too (one in backward always is), and
+        the step is redone by every rank, this one in micro-batches half the
+        size. Returns the global mean loss of the step, or None (a micro-batch
+        before the last one, or the step was dropped: the generation was
+        aborted, or a rank ran out of memory and the step is redone). Step a
+        scheduler only when it returns a loss."""
         if not self._in_step:
             raise RuntimeError("job.step() called outside an iteration of the job")
         self._in_step = False
@@ -349,14 +418,23 @@ class ElasticJob:
         if self._mb_left == 1:
             self._begin_reduce()  # buckets are all-reduced as backward fills them
         try:
-            if n > 0:
-                scaled = loss * (n / self._global_count)
-                if self._scaler is not None:
-                    scaled = self._scaler.scale(scaled)
-                scaled.backward()
-                self._loss_sum += float(loss.detach()) * n
+            if n > 0 and not self._oom_retry:
+                try:
+                    if callable(loss):
+                        loss = loss()
+                    scaled = loss * (n / self._global_count)
+                    if self._scaler is not None:
+                        scaled = self._scaler.scale(scaled)
+                    scaled.backward()
+                    self._loss_sum += float(loss.detach()) * n
+                except torch.OutOfMemoryError as e:
+                    loss = None
+                    self._out_of_memory(n, e)
         finally:
             self._launching = False
+            # From the batch handed over to the end of backward: the buckets'
+            # all-reduces launched in backward are asynchronous, no wait is in it.
+            self._compute_s += time.perf_counter() - self._t_handed
         self._mb_left -= 1
         if self._mb_left > 0:
             return None
@@ -424,8 +502,8 @@ class ElasticJob:
             self._works.append(None)
 
     def _ctrl_size(self) -> int:
-        """Control scalars at the head of the tail; the buffers' updates follow them."""
-        return _N_CTRL + self.world_size
+        """Control scalars at the head of the tail (_tail_len); the buffers' updates follow them."""
+        return _tail_len(self.world_size)
 
     def _tail(self) -> torch.Tensor:
         """The float32 tail: control scalars, then the buffers' updates."""
@@ -444,6 +522,12 @@ class ElasticJob:
         ctrl[2] = float(len(self._local_indices))
         ctrl[3] = self._loss_sum
         ctrl[_N_CTRL + self._rank] = 1.0 if req.leave else 0.0
+        if not self._oom_retry:
+            self._pace = self._pace.observed(self._compute_s, len(self._local_indices))
+        self._compute_s = 0.0
+        ctrl[_pace_slot(W, self._rank)] = self._pace.slot
+        ctrl[_oom_slot(W, self._rank)] = float(self._oom_retry)
+        self._oom_retry = 0
         tail = self._tail()
         with torch.no_grad():
             tail[:n_ctrl].copy_(ctrl)
@@ -463,11 +547,15 @@ class ElasticJob:
             return None
         self._works = []
         tail = tail.to("cpu", copy=True)  # the buffers are zeroed below
+        if any(tail[_oom_slot(W, r)] > 0 for r in range(W)):
+            self._redo_step([int(tail[_oom_slot(W, r)]) for r in range(W)])
+            return None
         self._buffers.read(tail[n_ctrl:], int(tail[2]))
         skipped = self._optimizer_step()
         for flat in self._flats:
             flat.zero_()  # the gradients stay views of the buffers: next backward accumulates in place
         global_loss = float(tail[3]) / max(1.0, float(tail[2]))
+        self._replan([float(tail[_pace_slot(W, r)]) for r in range(W)])
         self._commit(global_loss, skipped)
         leavers = {self._plan.members[r] for r in range(W) if tail[_N_CTRL + r] > 0} if tail[0] > 0 else None
         self._after_commit = (bool(tail[1] > 0), leavers)
@@ -530,6 +618,39 @@ class ElasticJob:
             self._tail_buf = torch.zeros(n_tail, dtype=gradients.TAIL_DTYPE, device=self._device)
         return self._flats
 
+    def _replan(self, paces: list[float]) -> None:
+        """At a commit: every rank's pace, identical floats on every rank, and
+        the split of the next steps planned from them (the same on every rank)."""
+        W = self.world_size
+        self._last_counts = self._split_in_force().counts(self._global_count, W)
+        self._last_paces = paces
+        if self._balance:
+            self._split = self._split.replanned(paces, self._sampler.global_batch)
+
+    def _out_of_memory(self, n: int, error: Exception) -> None:
+        """This rank ran out of memory on `n` samples: the step goes on without
+        its gradient (every rank still issues the same collectives) and is
+        redone by every rank, this one in micro-batches half the size."""
+        if n <= 1:
+            raise error  # nothing smaller to try
+        self._oom_retry = (n + 1) // 2
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("worker %s: out of memory on %d samples at step %d; the step is redone in micro-batches "
+                    "of at most %d", self.worker_id, n, self._step + 1, self._oom_retry)
+
+    def _redo_step(self, limits: list[int]) -> None:
+        """A rank ran out of memory (its out-of-memory slot holds its new micro-batch
+        size): nothing of this step is applied; the same step comes again."""
+        mine = limits[self._rank]
+        if mine:
+            self._oom_limit = min(mine, self._oom_limit or mine)
+        for flat in self._flats:
+            flat.zero_()
+        self._buffers.reset()  # the forward of the step that is redone moved them
+        log.info("worker %s: step %d redone (out of memory on rank(s) %s)", self.worker_id, self._step + 1,
+                 ", ".join(str(r) for r, m in enumerate(limits) if m))
+
     def _drop_step(self, why: str, backend_error: bool = False) -> None:
         self._peer_gone = backend_error
         log.warning("worker %s: step %d dropped in generation %d: %s (%s)", self.worker_id, self._step + 1,
@@ -548,7 +669,8 @@ class ElasticJob:
         if self._audit_fd is not None:
             line = json.dumps({"step": self._step, "epoch": self._sampler.epoch, "generation": self.generation,
                                "world_size": self.world_size, "rank": self._rank, "worker": self.worker_id,
-                               "indices": self._local_indices, "step_indices": self._global_indices}) + "\n"
+                               "indices": self._local_indices, "step_indices": self._global_indices,
+                               "split": self._last_counts}) + "\n"
             os.write(self._audit_fd, line.encode())
         n_done, since = self._samples_since
         self._samples_since = (n_done + self._global_count, since)
@@ -831,11 +953,18 @@ class ElasticJob:
         status = status_document(generation=self.generation, world_size=self.world_size,
                                  members=self._plan.members, step=self._step, epoch=self._sampler.epoch,
                                  position=self._sampler.position, samples_per_s=round(rate, 2),
-                                 loss=self._last_loss, checkpoint=self._last_ckpt)
+                                 loss=self._last_loss, checkpoint=self._last_ckpt, workers=self._workers_report())
         try:
             self._store.set(Keys.STATUS, json.dumps(status))
         except Exception as e:  # noqa: BLE001 - status is advisory
             log.warning("worker %s: could not write status: %s", self.worker_id, e)
+
+    def _workers_report(self) -> dict | None:
+        """Each member's share and speed as of the last commit (balance.worker_report)."""
+        members = self._plan.members
+        if len(self._last_paces) != len(members):
+            return None  # no step committed in this generation yet
+        return worker_report(members, self._last_counts, self._last_paces, self._sampler.global_batch)
 
     def _emit_event(self, now: float) -> None:
         ev, self._pending_event = self._pending_event, None

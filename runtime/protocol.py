@@ -210,13 +210,24 @@ class Desired:
 
 def status_document(*, generation: int, world_size: int, members: Iterable[str], step: int, epoch: int,
                     position: int, samples_per_s: float, loss: float | None, checkpoint: dict | None,
-                    time: float | None = None) -> dict:
+                    time: float | None = None, workers: dict | None = None) -> dict:
     """The runtime's `status` document, written by rank 0 about once a second:
     `{generation, world_size, members, step, epoch, position, samples_per_s,
-    loss, checkpoint: {step, time, path} | null, time}`."""
-    return {"generation": generation, "world_size": world_size, "members": list(members), "step": step,
-            "epoch": epoch, "position": position, "samples_per_s": samples_per_s, "loss": loss,
-            "checkpoint": checkpoint, "time": _now() if time is None else time}
+    loss, checkpoint: {step, time, path} | null, time}`, and, once a step of
+    the generation has committed, `workers`: per member, as of that step,
+    `{worker: {share, samples_per_s, relative_speed, speedup_without,
+    straggler}}` (WORKER_FIELDS; eltctl_runtime.balance.worker_report says
+    what each means)."""
+    doc = {"generation": generation, "world_size": world_size, "members": list(members), "step": step,
+           "epoch": epoch, "position": position, "samples_per_s": samples_per_s, "loss": loss,
+           "checkpoint": checkpoint, "time": _now() if time is None else time}
+    if workers is not None:
+        doc["workers"] = workers
+    return doc
+
+
+# The fields of each entry of the status document's `workers`.
+WORKER_FIELDS = ("share", "samples_per_s", "relative_speed", "speedup_without", "straggler")
 
 
 # ---------------------------------------------------------------------------- on a job-scoped store

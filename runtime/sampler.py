@@ -6,12 +6,19 @@ slice [position, position + global_batch) of the permutation (the last batch of
 an epoch may be shorter), split into contiguous, possibly uneven, shares, one per
 rank. The position advances only when a step commits, so whatever the world size
 did between steps, every index of an epoch is consumed exactly once.
+
+Shares are equal (`share_bounds`) or proportional to per-rank weights
+(`proportional_counts`, the ranks' speeds: see balance.py); either way they are
+contiguous, in rank order, and tile the slice.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Sequence
 
 import torch
 
@@ -29,6 +36,45 @@ def share_bounds(total: int, rank: int, world_size: int) -> tuple[int, int]:
     base, extra = divmod(total, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
+
+
+def proportional_counts(total: int, weights: Sequence[float], minimum: int = 1) -> list[int]:
+    """Split `total` items into one count per weight (a rank's speed, items
+    per second), proportional to the weights and summing to `total` exactly,
+    rounded so that the slowest rank's time (count / weight) is as short as it
+    can be. Every count is at least `minimum` when total allows it
+    (minimum * len(weights) <= total; otherwise the equal split), so a slow
+    rank keeps being measured. Deterministic (ties to the lower rank): the same
+    on every rank given the same floats. Weights <= 0 or not finite are invalid
+    (ValueError)."""
+    n = len(weights)
+    if n == 0:
+        raise ValueError("no weights to split among")
+    if any(not (w > 0 and math.isfinite(w)) for w in weights):
+        raise ValueError(f"weights must be positive and finite: {list(weights)}")
+    if total < minimum * n:
+        base, extra = divmod(total, n)
+        return [base + (1 if r < extra else 0) for r in range(n)]
+    # Greedy water-filling: each item goes to the rank that would finish it
+    # soonest, which minimises the slowest rank's time. Every rank of that
+    # allocation holds at least floor(free * w / sum) - 1 items, so start there
+    # and hand out the last few (at most 2n) one by one.
+    free = total - minimum * n
+    s = math.fsum(weights)
+    counts = [minimum + max(0, int(math.floor(free * w / s)) - 1) for w in weights]
+    heap = [((c + 1) / w, r) for r, (c, w) in enumerate(zip(counts, weights))]
+    heapq.heapify(heap)
+    for _ in range(total - sum(counts)):
+        _t, r = heapq.heappop(heap)
+        counts[r] += 1
+        heapq.heappush(heap, ((counts[r] + 1) / weights[r], r))
+    return counts
+
+
+def counts_bounds(counts: Sequence[int], rank: int) -> tuple[int, int]:
+    """[start, end) of rank's contiguous share when the shares are `counts`, in rank order."""
+    start = sum(counts[:rank])
+    return start, start + counts[rank]
 
 
 @dataclass(frozen=True)
@@ -51,8 +97,22 @@ class SamplerState:
         order = epoch_order(self.n_samples, self.seed, self.epoch)
         return list(order[self.position : self.position + self.step_size()])
 
-    def local_indices(self, rank: int, world_size: int) -> list[int]:
-        start, end = share_bounds(self.step_size(), rank, world_size)
+    def share_counts(self, world_size: int, weights: Sequence[float] | None = None) -> list[int]:
+        """Samples each rank takes at the next step: equal shares, or
+        proportional to `weights` (one per rank) when given."""
+        total = self.step_size()
+        if weights is None:
+            return [e - s for s, e in (share_bounds(total, r, world_size) for r in range(world_size))]
+        if len(weights) != world_size:
+            raise ValueError(f"{len(weights)} weights for {world_size} ranks")
+        return proportional_counts(total, weights)
+
+    def local_indices(self, rank: int, world_size: int, weights: Sequence[float] | None = None) -> list[int]:
+        """Rank's share of the next step: equal, or proportional to `weights`."""
+        if weights is None:
+            start, end = share_bounds(self.step_size(), rank, world_size)
+        else:
+            start, end = counts_bounds(self.share_counts(world_size, weights), rank)
         order = epoch_order(self.n_samples, self.seed, self.epoch)
         return list(order[self.position + start : self.position + end])
 

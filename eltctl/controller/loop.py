@@ -112,6 +112,7 @@ class Controller:
             self.observed.clear_crashes()
             before = dict(self.records)
             self.records = pol.track(self.records, views, self.inventory, now)
+            self.records = pol.track_stragglers(self.records, self.observed.runtime_status, self.inventory, now)
             await self._announce_benched(before, now)
             for name in self.starter.overdue(views, now):
                 await self._give_up(name, "its daemon did not report (see its daemon.log)")

@@ -27,6 +27,13 @@ The rules (the README's "Policy"):
   long has its failure count reset.
 - `scale --remove` keeps a host out until `scale --add`; an add waives `idle_for`,
   cooldown and benching once (`--force` also takes GPUs that look busy).
+- Stragglers (`track_stragglers`): rank 0 reports, per worker, how much faster the job
+  would be without it (the runtime's prediction from every worker's measured speed,
+  the others taking its samples). A worker the job would be at least
+  `straggler_gain_percent` faster without, in every status for `straggler_for` in a
+  row, is dropped in the planned way (its slot leaves the host's desired slots) while
+  more than `min_workers` run, and its host rests for `cooldown`, as after an owner's
+  return (`straggler_until`). `drop_stragglers = false`: reported, never dropped.
 
 Host state graph (what `host_state` shows)::
 
@@ -143,10 +150,13 @@ class HostRecord:
     owner_until: float = 0.0  # an owner took a GPU back: rest until then (a fix keeps it)
     owner_note: str = ""  # which GPU its owner took
     start_failure: str = ""  # its workers failed at start (none reached a first step): the cause
+    straggler_since: float | None = None  # a worker here has held the job back since (every status)
+    straggler_until: float = 0.0  # dropped as a straggler: rest until then
+    straggler_note: str = ""  # which worker, and the figure
 
     def cooling(self, now: float) -> bool:
-        """In a cooldown, after a failure or an owner's return."""
-        return self.cooldown_until > now or self.owner_until > now
+        """In a cooldown, after a failure, an owner's return or a straggler's drop."""
+        return self.cooldown_until > now or self.owner_until > now or self.straggler_until > now
 
     def free_since_of(self, index: int) -> float | None:
         for i, t in self.free_since:
@@ -162,7 +172,8 @@ class HostRecord:
                 "bench_count": self.bench_count, "benched_until": self.benched_until,
                 "last_problem": self.last_problem, "join_now": self.join_now, "force": self.force,
                 "owner_until": self.owner_until, "owner_note": self.owner_note,
-                "start_failure": self.start_failure}
+                "start_failure": self.start_failure, "straggler_since": self.straggler_since,
+                "straggler_until": self.straggler_until, "straggler_note": self.straggler_note}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "HostRecord":
@@ -179,7 +190,11 @@ class HostRecord:
                    benched_until=float(d.get("benched_until", 0.0)), last_problem=str(d.get("last_problem", "")),
                    join_now=bool(d.get("join_now", False)), force=bool(d.get("force", False)),
                    owner_until=float(d.get("owner_until", 0.0)), owner_note=str(d.get("owner_note", "")),
-                   start_failure=str(d.get("start_failure", "")))
+                   start_failure=str(d.get("start_failure", "")),
+                   straggler_since=(float(d["straggler_since"]) if d.get("straggler_since") is not None
+                                    else None),
+                   straggler_until=float(d.get("straggler_until", 0.0)),
+                   straggler_note=str(d.get("straggler_note", "")))
 
 
 @dataclass(frozen=True)
@@ -283,6 +298,58 @@ def track(records: Mapping[str, HostRecord], views: Mapping[str, HostView], inve
                 rec = replace(rec, failures=0)
         elif not rec.desired:
             rec = replace(rec, ok_since=None)
+        out[host.name] = rec
+    return out
+
+
+def worker_slot(worker: str) -> tuple[str, int] | None:
+    """(host, slot) of a daemon's worker id `<host>/<slot>/<incarnation>` (None: another form)."""
+    parts = str(worker).split("/")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def track_stragglers(records: Mapping[str, HostRecord], runtime_status: Mapping | None, inventory: Inventory,
+                     now: float) -> dict[str, HostRecord]:
+    """Fold rank 0's per-worker figures (`workers` in its status) into the records:
+    when a worker has held the job back (the job predicted at least
+    straggler_gain_percent faster without it) since straggler_since, and for
+    straggler_for, its slot is dropped and its host rests for `cooldown`. Never
+    below min_workers running; a host none of whose workers holds the job back
+    forgets its clock. See the module docstring."""
+    policy, cooldown = inventory.stragglers, inventory.policy.cooldown
+    rs = runtime_status or {}
+    per = rs.get("workers") if isinstance(rs.get("workers"), dict) else {}
+    members = [str(m) for m in rs.get("members") or []]
+    if not per or not members:
+        return dict(records)  # nothing measured (or no status): the clocks stand
+    holding: dict[str, tuple[int, str]] = {}  # host -> (slot, why)
+    for w in members:
+        entry = per.get(w)
+        where = worker_slot(w)
+        if not isinstance(entry, dict) or where is None:
+            continue
+        gain = entry.get("speedup_without")
+        if isinstance(gain, (int, float)) and gain >= 1.0 + policy.straggler_gain_percent / 100.0:
+            speed = entry.get("samples_per_s")
+            holding.setdefault(where[0], (where[1], f"dropped worker {w} as a straggler: the job was predicted "
+                                                    f"{gain:.2f}x as fast without it ({speed} samples/s)"))
+    out = dict(records)
+    running = len(members)
+    for host in inventory.hosts:
+        rec = out.get(host.name, HostRecord())
+        if host.name not in holding or not policy.drop_stragglers:
+            if rec.straggler_since is not None:
+                out[host.name] = replace(rec, straggler_since=None)
+            continue
+        slot, why = holding[host.name]
+        since = rec.straggler_since if rec.straggler_since is not None else now
+        rec = replace(rec, straggler_since=since)
+        if now - since >= policy.straggler_for and running > inventory.job.min_workers and slot in rec.desired:
+            rec = replace(rec, desired=tuple(s for s in rec.desired if s != slot), straggler_since=None,
+                          straggler_until=now + cooldown, straggler_note=why)
+            running -= 1
         out[host.name] = rec
     return out
 
@@ -506,6 +573,8 @@ def host_state(view: HostView | None, record: HostRecord, now: float) -> tuple[H
         return HostPhase.COOLDOWN, f"{record.last_problem} (usable again in {record.cooldown_until - now:.0f} s)"
     if record.owner_until > now:
         return HostPhase.COOLDOWN, f"{record.owner_note} (usable again in {record.owner_until - now:.0f} s)"
+    if record.straggler_until > now:
+        return HostPhase.COOLDOWN, f"{record.straggler_note} (usable again in {record.straggler_until - now:.0f} s)"
     if view.slots and all(s.use is GpuUse.BUSY for s in view.slots):
         return HostPhase.BUSY, "; ".join(f"GPU {s.index}: {s.reason}" for s in view.slots)
     return HostPhase.IDLE, view.reason or "usable, not used"
@@ -542,4 +611,4 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
 __all__ = ["Action", "Crash", "Decision", "GpuUse", "HostRecord", "HostPhase", "HostView", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "after_fix", "applied", "changed_hosts", "crash_problem", "decide",
            "eligible_slots", "fingerprint", "fixed", "host_state", "leave_out", "record_failure",
-           "survivor_holds_state", "track"]
+           "survivor_holds_state", "track", "track_stragglers", "worker_slot"]

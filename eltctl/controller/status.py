@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 from eltctl.controller import policy as pol
 from eltctl.controller.observe import DaemonSeen
 from eltctl_runtime.files import write_json_atomic
+from eltctl_runtime.protocol import WORKER_FIELDS
 from eltctl.inventory import Inventory
 
 log = logging.getLogger("eltctl.controller")
@@ -74,6 +75,7 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     free = busy = 0
     cooling: list[tuple[int, pol.HostRecord]] = []
     owner: list[int] = []
+    straggler: list[int] = []
     benched: list[tuple[int, pol.HostRecord]] = []
     unreachable: list[str] = []
     unhealthy: list[str] = []
@@ -106,6 +108,8 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
             cooling.append((others, rec))
         elif rec.owner_until > now and not waived:
             owner.append(others)
+        elif rec.straggler_until > now and not waived:
+            straggler.append(others)
         else:
             free += others
     parts = [f"{_n(free, 'slot')} free"] if free else []
@@ -116,6 +120,8 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
                      f"{first.cooldown_until - now:.0f} s more)")
     if owner:
         parts.append(f"{_n(sum(owner), 'slot')} cooling down after an owner came back")
+    if straggler:
+        parts.append(f"{_n(sum(straggler), 'slot')} resting after a straggler was dropped there")
     if benched:
         n = sum(c for c, _ in benched)
         first = benched[0][1]
@@ -180,7 +186,7 @@ def job_state(phase: str) -> str:
 
 def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | None, now: float) -> dict:
     phase, reason = pol.host_state(view, record, now)
-    cooling = max(record.cooldown_until, record.owner_until)
+    cooling = max(record.cooldown_until, record.owner_until, record.straggler_until)
     gpus = [{"index": s.index, "state": "ours" if s.index in view.workers else s.use.value, "reason": s.reason}
             for s in view.slots]
     return {
@@ -189,7 +195,7 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
         "benched_until": record.benched_until if record.benched_until > now else None,
         "cooldown_until": cooling if cooling > now else None,
         "failures": record.failures, "desired": list(record.desired), "gpus": gpus,
-        "last_problem": record.last_problem or record.owner_note,
+        "last_problem": record.last_problem or record.owner_note or record.straggler_note,
         "start_failure": record.start_failure or None,
         "daemon": daemon_summary(seen.state) if seen is not None else None,
     }
@@ -210,7 +216,7 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
     ck = rs.get("checkpoint") if isinstance(rs.get("checkpoint"), dict) else None
     hosts = [host_entry(views[h.name], records.get(h.name, pol.HostRecord()), seen.get(h.name), now)
              for h in inventory.hosts]
-    return {
+    doc = {
         "job": job.name, "state": job_state(phase), "phase": phase, "message": message, "updated": now,
         "generation": rs.get("generation"), "world_size": int(rs.get("world_size") or 0),
         "members": rs.get("members", []),
@@ -228,6 +234,26 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "mirror": mirror,
         "start_failed": start_failures(now=now, inventory=inventory, views=views, records=records) or None,
     }
+    workers = worker_entries(rs)
+    if workers:
+        doc["workers"] = workers
+    return doc
+
+
+def worker_entries(runtime_status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each member's share of the global batch and its own compute speed, in
+    rank order, from rank 0's `workers` (eltctl_runtime.protocol.status_document):
+    `[{worker, share, samples_per_s, relative_speed, speedup_without, straggler}]`.
+    Empty while the runtime has not reported them (no step in this generation yet)."""
+    per = runtime_status.get("workers")
+    if not isinstance(per, dict):
+        return []
+    out = []
+    for w in runtime_status.get("members") or list(per):
+        entry = per.get(w)
+        if isinstance(entry, dict):
+            out.append({"worker": w, **{k: entry.get(k) for k in WORKER_FIELDS}})
+    return out
 
 
 def _checkpoint_age(rs: Mapping, ck: Mapping, now: float) -> float | None:

@@ -209,6 +209,7 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
         "device": device,
         "gpus": list(gpus) if gpus else None,
         "slots": host.slots,
+        "max_micro_batch": host.max_micro_batch,
         "checkpoint_dir": paths.checkpoint_dir,
         "hang_timeout": policy.hang_timeout,
         "min_workers": job.min_workers,

@@ -33,10 +33,11 @@ from eltctl.inventory.types import (
     Policy,
     SSHSettings,
     Storage,
+    StragglerPolicy,
 )
 
 __all__ = [
     "CONTROLLER_KEYS", "DEFAULT_INVENTORY_NAME", "HOST_KEYS", "JOB_KEYS", "LOCAL", "NAME_PATTERN", "POLICY_KEYS",
     "SSH_KEYS", "STORAGE_KEYS", "TOP_KEYS", "ControllerSettings", "DeviceKind", "Host", "Inventory", "JobSpec",
-    "Policy", "SSHSettings", "Storage", "load_inventory", "parse_inventory",
+    "Policy", "SSHSettings", "Storage", "StragglerPolicy", "load_inventory", "parse_inventory",
 ]

@@ -26,6 +26,7 @@ from eltctl.inventory.types import (
     Policy,
     SSHSettings,
     Storage,
+    StragglerPolicy,
 )
 from eltctl_runtime.protocol import NAME_RULE
 
@@ -39,10 +40,11 @@ JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device"
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
 POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
-               "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout")
+               "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout",
+               "drop_stragglers", "straggler_gain_percent", "straggler_for")
 STORAGE_KEYS = ("mirror", "keep")
 CONTROLLER_KEYS = ("address",)
-HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "env")
+HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env")
 
 DEFAULT_INVENTORY_NAME = "hosts.toml"
 
@@ -133,7 +135,9 @@ class Checker:
             job = self.job(t)
         # A section of the wrong type was reported; its defaults keep the checks going.
         ssh = self.ssh(self.table(raw, "ssh", SSH_KEYS) or self.empty("ssh"))
-        policy = self.policy(self.table(raw, "policy", POLICY_KEYS) or self.empty("policy"))
+        policy_table = self.table(raw, "policy", POLICY_KEYS) or self.empty("policy")
+        policy = self.policy(policy_table)
+        stragglers = self.stragglers(policy_table)
         storage = self.storage(self.table(raw, "storage", STORAGE_KEYS) or self.empty("storage"))
         controller = self.controller(self.table(raw, "controller", CONTROLLER_KEYS)
                                      or self.empty("controller"))
@@ -141,7 +145,8 @@ class Checker:
         if self.problems or job is None:
             return None
         return Inventory(path=Path(os.path.abspath(self.shown)), job=job, ssh=ssh,
-                         policy=policy, storage=storage, hosts=hosts, controller=controller)
+                         policy=policy, storage=storage, hosts=hosts, controller=controller,
+                         stragglers=stragglers)
 
     def empty(self, key: str) -> Table:
         return Table(self, {}, key, accepted=(), where=f"[{key}]")
@@ -226,6 +231,16 @@ class Checker:
             values["hang_timeout"] = t.fail("hang_timeout", f"must be at most 30s, got "
                                                             f"{show(t.data['hang_timeout'])}")
         return Policy(**{k: (getattr(d, k) if v is BAD else v) for k, v in values.items()})
+
+    def stragglers(self, t: Table) -> StragglerPolicy:
+        d = StragglerPolicy()
+        values = dict(
+            drop_stragglers=t.boolean("drop_stragglers", d.drop_stragglers),
+            straggler_gain_percent=t.integer("straggler_gain_percent", d.straggler_gain_percent, lo=1,
+                                             meaning=" (percent faster without a worker before it is dropped)"),
+            straggler_for=t.duration("straggler_for", d.straggler_for, positive=False),
+        )
+        return StragglerPolicy(**{k: (getattr(d, k) if v is BAD else v) for k, v in values.items()})
 
     def controller(self, t: Table) -> ControllerSettings:
         address = t.string("address")
@@ -312,11 +327,13 @@ class Checker:
         python = t.string("python", "python3")
         gpus = self.gpus(t)
         slots = t.integer("slots", 1, lo=1, meaning=" (CPU workers on this host)")
+        max_micro = t.integer("max_micro_batch", None, lo=1,
+                              meaning=" (samples a worker on this host computes at once; leave it out: no limit)")
         env = t.env("env")
         if len(self.problems) > before:
             return None
         return Host(name=name, address=address, port=port, user=user, python=python,
-                    gpus=gpus, slots=slots, env=env)
+                    gpus=gpus, slots=slots, max_micro_batch=max_micro, env=env)
 
     def gpus(self, t: Table) -> Any:
         value = t.raw("gpus")

@@ -52,6 +52,16 @@ class Policy:
 
 
 @dataclass(frozen=True)
+class StragglerPolicy:
+    """[policy]'s straggler keys (the runtime's balance.py predicts the job's speed
+    without each worker; controller/policy.py `track_stragglers` acts on it)."""
+
+    drop_stragglers: bool = True  # drop a worker the job is measurably faster without
+    straggler_gain_percent: int = 10  # "measurably": predicted at least this much faster without it
+    straggler_for: float = 60.0  # seconds that must hold in a row before it is dropped
+
+
+@dataclass(frozen=True)
 class ControllerSettings:
     address: str | None = None  # the address workers reach the store at (None: worked out)
 
@@ -71,6 +81,7 @@ class Host:
     python: str = "python3"  # interpreter with torch on that host
     gpus: tuple[int, ...] | None = None  # None: all GPUs the host has
     slots: int = 1  # CPU workers on a host without GPUs
+    max_micro_batch: int | None = None  # samples a worker here computes at once; None: no limit
     env: tuple[tuple[str, str], ...] = ()  # extra environment for commands on this host
 
     @property
@@ -87,6 +98,7 @@ class Inventory:
     storage: Storage
     hosts: tuple[Host, ...] = field(default_factory=tuple)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
+    stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)  # read from [policy]
 
     def host(self, name: str) -> Host:
         for h in self.hosts:

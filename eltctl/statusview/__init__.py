@@ -15,7 +15,8 @@ words (`gpu_brief`) and nothing wrapped. `render_host` draws one host's full ent
 (`eltctl logs HOST --failed`).
 
 The package: `snapshot` (where it comes from), `formatting` (values, styles, the view's
-options), `job` (the job's facts), `hosts` (the hosts table, wide or compact), `host`
+options), `job` (the job's facts), `workers` (each member's share and speed, once the
+runtime reports them), `hosts` (the hosts table, wide or compact), `host`
 (one host whole; failed workers), `events` (the events table); `render_status` below
 puts them together. Nothing here imports torch or asyncssh: `eltctl status` must stay cheap.
 """
@@ -36,6 +37,7 @@ from eltctl.statusview.formatting import (
 from eltctl.statusview.host import FAILED_WORKER_STATES, daemon_table, failed_workers, find_host, render_host
 from eltctl.statusview.hosts import WIDE_MIN_WIDTH, HostsView, gpu_brief, host_notes, hosts_table, hosts_table_compact
 from eltctl.statusview.job import job_summary, mirror_line
+from eltctl.statusview.workers import worker_note, workers_table
 from eltctl.statusview.snapshot import (
     CONTROLLER_DOWN,
     SOCKET_FILE,
@@ -54,12 +56,14 @@ __all__ = [
     "WIDE_MIN_WIDTH", "HostsView", "NoJobError", "Snapshot", "Source", "ViewOptions", "daemon_table",
     "describe_event", "events_table", "failed_workers", "find_host", "format_age", "format_clock", "format_pause",
     "gpu_brief", "host_events", "host_notes", "hosts_table", "hosts_table_compact", "job_state_dir", "job_summary",
-    "mirror_line", "read_snapshot", "read_status_file", "render_host", "render_status", "utc",
+    "mirror_line", "read_snapshot", "read_status_file", "render_host", "render_status", "utc", "worker_note",
+    "workers_table",
 ]
 
 
 def render_status(snapshot: Snapshot, options: ViewOptions):
-    """The whole view: the job, its hosts, the recent events. A rich renderable."""
+    """The whole view: the job, its workers' shares (when reported), its hosts, the
+    recent events. A rich renderable."""
     from rich.console import Group
 
     parts: list[Any] = []
@@ -67,6 +71,9 @@ def render_status(snapshot: Snapshot, options: ViewOptions):
         parts.append(options.title)
     parts.extend(options.extra)
     parts.append(job_summary(snapshot, options))
+    workers = workers_table(snapshot.document)
+    if workers is not None:
+        parts.append(workers)
     parts.append(HostsView(snapshot.document, options))
     parts.append(events_table(snapshot.document, options))
     return Group(*parts)

@@ -13,6 +13,7 @@
       "device": "cuda",                       # or "cpu" (also: simulated GPU hosts)
       "gpus": [0, 1],                         # GPU indices the job may use; null: CPU slots
       "slots": 1,                             # CPU workers when gpus is null and device is cpu
+      "max_micro_batch": null,                # optional: a worker's largest micro-batch here
       "checkpoint_dir": "/shared/ckpt/mnist", # or null
       "hang_timeout": 10, "min_workers": 1, "max_workers": null,
       "watch_interval": 1.0, "nvidia_smi_timeout": 10,
@@ -25,7 +26,8 @@ runtime's contract (runtime/config.py): ELTCTL_STORE, ELTCTL_JOB,
 ELTCTL_WORKER_ID=`<host>/<slot>/<incarnation>` (never reused: the incarnation
 counts up from the daemon's start time in ms, logic.first_incarnation),
 ELTCTL_DEVICE, ELTCTL_LOCAL_GPU (0: the one visible GPU), ELTCTL_CHECKPOINT_DIR,
-ELTCTL_HANG_TIMEOUT, ELTCTL_MIN_WORKERS, ELTCTL_MAX_WORKERS, and for a GPU slot
+ELTCTL_HANG_TIMEOUT, ELTCTL_MIN_WORKERS, ELTCTL_MAX_WORKERS, ELTCTL_MAX_MICRO_BATCH
+(when max_micro_batch is set), and for a GPU slot
 CUDA_VISIBLE_DEVICES=<index> (also with device cpu: the GPU simulator sees a
 worker by it).
 """
@@ -57,6 +59,7 @@ class DaemonConfig:
     device: str = "cpu"  # "cpu" | "cuda"
     gpus: tuple[int, ...] | None = None
     slots: int = 1
+    max_micro_batch: int | None = None
     checkpoint_dir: Path | None = None
     hang_timeout: float = 10.0
     min_workers: int = 1
@@ -141,6 +144,9 @@ class DaemonConfig:
         max_workers = d.get("max_workers")
         if not isinstance(min_workers, int) or (max_workers is not None and not isinstance(max_workers, int)):
             raise DaemonConfigError(f"{source}: 'min_workers' and 'max_workers' must be integers (or null)")
+        max_micro = d.get("max_micro_batch")
+        if max_micro is not None and (not isinstance(max_micro, int) or isinstance(max_micro, bool) or max_micro < 1):
+            raise DaemonConfigError(f"{source}: 'max_micro_batch' must be null or a positive integer")
         ckpt = d.get("checkpoint_dir")
         for key in ("job", "host"):
             if not valid_name(need(key)):
@@ -149,7 +155,7 @@ class DaemonConfig:
             job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
             code_dir=Path(need("code_dir")).expanduser(), command=tuple(command),
             python=d.get("python") or "python3", env=dict(env), device=device,
-            gpus=tuple(gpus) if gpus is not None else None, slots=slots,
+            gpus=tuple(gpus) if gpus is not None else None, slots=slots, max_micro_batch=max_micro,
             checkpoint_dir=Path(ckpt).expanduser() if ckpt else None,
             hang_timeout=number("hang_timeout", 10.0), min_workers=min_workers, max_workers=max_workers,
             watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),
@@ -173,6 +179,10 @@ def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id:
         env.pop("ELTCTL_MAX_WORKERS", None)
     if cfg.checkpoint_dir is not None:
         env["ELTCTL_CHECKPOINT_DIR"] = str(cfg.checkpoint_dir)
+    if cfg.max_micro_batch is not None:
+        env["ELTCTL_MAX_MICRO_BATCH"] = str(cfg.max_micro_batch)
+    else:
+        env.pop("ELTCTL_MAX_MICRO_BATCH", None)
     if cfg.gpu_host:
         env["CUDA_VISIBLE_DEVICES"] = str(slot)
     return env

@@ -94,7 +94,8 @@ class Cluster:
         })
         return env
 
-    def start(self, n: int = 1, extra: list[str] | None = None) -> list[Worker]:
+    def start(self, n: int = 1, extra: list[str] | None = None, env: dict[str, str] | None = None) -> list[Worker]:
+        """Start n workers of examples/train.py; `extra` arguments and `env` variables for these alone."""
         new = []
         for _ in range(n):
             wid = f"host{self._n}/cpu/{os.getpid()}"
@@ -104,7 +105,7 @@ class Cluster:
             w = Worker(wid, None, log, self.tmp / f"w{i}.result.json", self.tmp / f"w{i}.progress")  # type: ignore[arg-type]
             cmd = [PYTHON, str(self.script), *self.args, *(extra or []), "--result", str(w.result),
                    "--progress", str(w.progress)]
-            w.proc = subprocess.Popen(cmd, env=self.env(wid), stdin=subprocess.DEVNULL, stdout=log.open("w"),
+            w.proc = subprocess.Popen(cmd, env={**self.env(wid), **(env or {})}, stdin=subprocess.DEVNULL, stdout=log.open("w"),
                                       stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
             new.append(w)
         self.workers += new

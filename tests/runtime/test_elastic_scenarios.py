@@ -159,12 +159,13 @@ def test_all_members_die_and_the_job_restarts_from_the_newest_checkpoint(cluster
 
 def test_micro_batches_accumulate_to_the_same_training(cluster_factory):
     """Gradient accumulation (shares of 12 in micro-batches of 5, 5, 2) trains
-    like whole shares: same data, same final loss up to float rounding."""
+    like whole shares: same data, same final loss up to float rounding. Equal
+    shares (--no-balance): the shares must be 12 in both runs."""
     whole = cluster_factory(min_workers=2)
-    ws = whole.start(2, ["--steps", "15"])
+    ws = whole.start(2, ["--steps", "15", "--no-balance"])
     ref = finish(whole, 15, ws, 2)[0]
     micro = cluster_factory(min_workers=2)
-    ws = micro.start(2, ["--steps", "15", "--micro-batch", "5"])
+    ws = micro.start(2, ["--steps", "15", "--micro-batch", "5", "--no-balance"])
     got = finish(micro, 15, ws, 2)[0]
     assert abs(got["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (got, ref)
 
@@ -174,11 +175,12 @@ def test_bucketed_all_reduce_during_backward_trains_bit_for_bit_like_one_all_red
     """Gradients all-reduced bucket by bucket as backward produces them (here a
     bucket per parameter, with micro-batches) give exactly the training of one
     all-reduce after backward: with two ranks every sum is a + b, whatever the
-    bucketing."""
+    bucketing. Equal shares (--no-balance): a split that follows measured
+    speeds would differ between the runs and change the sums' rounding."""
     prints = {}
     for bucket in ("0", "0.0001"):
         c = cluster_factory(min_workers=2)
-        ws = c.start(2, ["--steps", "15", "--micro-batch", "5", "--bucket-mb", bucket])
+        ws = c.start(2, ["--steps", "15", "--micro-batch", "5", "--bucket-mb", bucket, "--no-balance"])
         prints[bucket] = finish(c, 15, ws, 2)[0]["fingerprint"]
     assert prints["0"] == prints["0.0001"]
 
