@@ -97,12 +97,13 @@ class Split:
 
     weights: tuple[float, ...] | None = None
     basis: tuple[float, ...] | None = None
+    minimum: int = 1  # the smallest share a rank gets (2 for a model with BatchNorm layers)
 
     def counts(self, total: int, world_size: int) -> list[int]:
         if self.weights is None or len(self.weights) != world_size:
             base, extra = divmod(total, world_size)
             return [base + (1 if r < extra else 0) for r in range(world_size)]
-        return proportional_counts(total, self.weights)
+        return proportional_counts(total, self.weights, self.minimum)
 
     def replanned(self, slots: Sequence[float], total: int) -> "Split":
         """The split for the next steps, given every rank's pace (the tail's
@@ -119,11 +120,11 @@ class Split:
             return self
         basis = tuple(paces)
         speeds = tuple(1.0 / p for p in paces)
-        new = proportional_counts(total, speeds)
+        new = proportional_counts(total, speeds, self.minimum)
         now = self.counts(total, len(paces))
         if new != now and predicted_step_s(new, paces) < (1.0 - DEAD_BAND) * predicted_step_s(now, paces):
-            return Split(speeds, basis)
-        return Split(self.weights, basis)
+            return Split(speeds, basis, self.minimum)
+        return Split(self.weights, basis, self.minimum)
 
 
 def speedup_without(slots: Sequence[float], total: int, rank: int) -> float:

@@ -151,8 +151,12 @@ class ElasticJob:
         # the split in force and the generation it was planned in, the compute
         # time of the step in flight, and what the last commit carried.
         self._balance = balance
+        # BatchNorm in training mode needs more than one sample per rank: a balanced
+        # split never gives a rank fewer than two then.
+        self._min_share = 2 if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                   for m in model.modules()) else 1
         self._pace = Pace()
-        self._split = Split()
+        self._split = Split(minimum=self._min_share)
         self._split_gen = -1
         self._t_handed = 0.0
         self._compute_s = 0.0
@@ -365,13 +369,14 @@ class ElasticJob:
     def _indices_for(self, sampler: SamplerState) -> list[int]:
         """This rank's share of the next step: proportional to the ranks'
         speeds with balancing on (balance.py), else equal."""
-        return sampler.local_indices(self._rank, self.world_size, self._split_in_force().weights)
+        split = self._split_in_force()
+        return sampler.local_indices(self._rank, self.world_size, split.weights, split.minimum)
 
     def _split_in_force(self) -> Split:
         """The split of this generation's steps; a new generation starts from
         equal shares and is re-planned at its first commit."""
         if self._split_gen != self.generation or not self._balance:
-            self._split, self._split_gen = Split(), self.generation
+            self._split, self._split_gen = Split(minimum=self._min_share), self.generation
         return self._split
 
     def _micro_limit(self) -> int | None:

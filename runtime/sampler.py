@@ -97,22 +97,24 @@ class SamplerState:
         order = epoch_order(self.n_samples, self.seed, self.epoch)
         return list(order[self.position : self.position + self.step_size()])
 
-    def share_counts(self, world_size: int, weights: Sequence[float] | None = None) -> list[int]:
+    def share_counts(self, world_size: int, weights: Sequence[float] | None = None, minimum: int = 1) -> list[int]:
         """Samples each rank takes at the next step: equal shares, or
-        proportional to `weights` (one per rank) when given."""
+        proportional to `weights` (one per rank) when given, at least `minimum`
+        each when the step has that many."""
         total = self.step_size()
         if weights is None:
             return [e - s for s, e in (share_bounds(total, r, world_size) for r in range(world_size))]
         if len(weights) != world_size:
             raise ValueError(f"{len(weights)} weights for {world_size} ranks")
-        return proportional_counts(total, weights)
+        return proportional_counts(total, weights, minimum)
 
-    def local_indices(self, rank: int, world_size: int, weights: Sequence[float] | None = None) -> list[int]:
+    def local_indices(self, rank: int, world_size: int, weights: Sequence[float] | None = None,
+                      minimum: int = 1) -> list[int]:
         """Rank's share of the next step: equal, or proportional to `weights`."""
         if weights is None:
             start, end = share_bounds(self.step_size(), rank, world_size)
         else:
-            start, end = counts_bounds(self.share_counts(world_size, weights), rank)
+            start, end = counts_bounds(self.share_counts(world_size, weights, minimum), rank)
         order = epoch_order(self.n_samples, self.seed, self.epoch)
         return list(order[self.position + start : self.position + end])
 

@@ -272,3 +272,12 @@ def test_a_worker_that_holds_the_job_back_is_reported_a_straggler_in_the_status(
     assert workers[s.id]["share"] == 1 and workers[s.id]["straggler"], workers
     assert workers[s.id]["speedup_without"] > 2 and workers[s.id]["relative_speed"] < 0.1, workers
     assert not workers[a.id]["straggler"] and not workers[b.id]["straggler"], workers
+
+
+def test_a_balanced_split_keeps_batchnorm_ranks_at_two_samples_or_more():
+    from eltctl_runtime.balance import Split
+
+    slots = [0.001, 0.001, 0.05]  # the third rank is 50x slower
+    assert Split().replanned(slots, 24).counts(24, 3)[2] == 1
+    assert Split(minimum=2).replanned(slots, 24).counts(24, 3)[2] == 2
+    assert sum(Split(minimum=2).replanned(slots, 24).counts(24, 3)) == 24
