@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
 import os
 import pickle
 import queue
@@ -51,6 +52,8 @@ import torch.multiprocessing as tmp
 from torch.utils.data import TensorDataset
 
 from .sampler import SamplerState
+
+log = logging.getLogger("eltctl_runtime")
 
 # How often an idle data worker checks that its parent is still there (the
 # backstop where PR_SET_PDEATHSIG is missing).
@@ -249,9 +252,14 @@ class Prefetcher:
         Empty shares are not sent to workers (the caller makes them)."""
         keys = [k for k in keys if k.indices]
         keep = set(keys)
-        for k in [k for k in self._ready if k not in keep]:
+        stale = [k for k in self._ready if k not in keep]
+        for k in stale:
             del self._ready[k]
-        if any(k not in keep for k in self._pending):
+        dropped = [k for k in self._pending if k not in keep]
+        if stale or dropped:
+            log.info("input pipeline: dropped %d loaded and %d queued shares of a layout that no longer holds",
+                     len(stale), len(dropped))
+        if dropped:
             # A layout that no longer holds: skip everything queued so far and
             # queue again, in order, what is still wanted (rare: a resize or a restore).
             self._cancel.value = self._next_tid

@@ -275,7 +275,9 @@ def test_prefetched_data_through_a_leave_a_join_and_a_sigkill_is_exactly_once_an
     want, got = losses_by_step(ws), losses_by_step([a, b, x, d])
     assert sorted(got) == sorted(want) == list(range(1, steps + 1))
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    print(f"per-step losses differ by up to {worst:.2e} (relative)")
     assert worst <= 1e-4, f"per-step losses differ by up to {worst:.2e} (relative)"
+    assert "no longer holds" in a.log_text() + d.log_text()  # the resizes did drop prefetched shares
 
 
 @pytest.mark.slow
