@@ -36,12 +36,13 @@ from .protocol import (
 
 # name -> the submodule that defines it, imported on first access.
 _LAZY = {
-    "Commit": "job", "ElasticJob": "job", "ExcludedFromJob": "job",
+    "Commit": "job", "ElasticJob": "job", "ExcludedFromJob": "job", "DataLoadError": "pipeline",
     "SamplerState": "sampler", "epoch_order": "sampler", "share_bounds": "sampler",
 }
 
 if TYPE_CHECKING:
     from .job import Commit, ElasticJob, ExcludedFromJob
+    from .pipeline import DataLoadError
     from .sampler import SamplerState, epoch_order, share_bounds
 
 
@@ -59,7 +60,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Commit", "ConfigError", "Desired", "Device", "ElasticJob", "EventKind", "ExcludedFromJob", "Keys", "Plan", "RuntimeConfig",
+    "Commit", "ConfigError", "DataLoadError", "Desired", "Device", "ElasticJob", "EventKind", "ExcludedFromJob", "Keys", "Plan", "RuntimeConfig",
     "SamplerState", "append_event", "epoch_order", "job_store", "read_events", "read_status", "report_dead",
     "request_leave", "request_stop", "share_bounds",
 ]
