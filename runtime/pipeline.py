@@ -313,9 +313,18 @@ class Prefetcher:
     def _read(self, i: int) -> None:
         try:
             data = self._conns[i].recv_bytes()
-            tid, batch, error = pickle.loads(data)
-        except (EOFError, OSError, pickle.UnpicklingError) as e:
+        except (EOFError, OSError) as e:
             self._died(i, "" if isinstance(e, EOFError) else f" ({type(e).__name__}: {e})")
+        try:
+            tid, batch, error = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - whatever unpickling a batch raises, say where it came from
+            if self._procs[i].exitcode is not None:
+                self._died(i, f" ({type(e).__name__}: {e})")
+            raise DataLoadError(
+                f"a batch from data worker {i} (pid {self._procs[i].pid}) could not be received: "
+                f"{type(e).__name__}: {e}. Tensors come through shared memory as file descriptors: "
+                "'received 0 items of ancdata' means the open-files limit is reached (raise `ulimit -n`, or call "
+                "torch.multiprocessing.set_sharing_strategy('file_system') before the job starts).") from e
         key = self._owner.pop(tid, None)
         if key is None:
             return  # prepared for a layout that no longer holds

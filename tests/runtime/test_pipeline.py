@@ -176,6 +176,16 @@ def test_an_error_in_the_dataset_reaches_the_training_thread_with_its_traceback(
     assert "samples [12, 13]" in msg and "num_workers=0" in msg
 
 
+def test_a_batch_that_cannot_cross_to_the_training_process_is_an_error_not_a_lost_share():
+    p = Prefetcher(Records(), lambda samples: (default_collate(samples), lambda: None), 1)
+    p.start()
+    try:
+        with pytest.raises(DataLoadError, match="pickle"):
+            p.get(ShareKey(0, 0, (1, 2)))
+    finally:
+        p.close()
+
+
 def test_a_data_worker_that_dies_is_an_error_not_a_hang(prefetcher):
     p = prefetcher(Records(), workers=1)
     p.get(ShareKey(0, 0, (1,)))
