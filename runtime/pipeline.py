@@ -59,7 +59,7 @@ log = logging.getLogger("eltctl_runtime")
 # backstop where PR_SET_PDEATHSIG is missing).
 PARENT_POLL_S = 1.0
 # How long close() lets data workers finish what they are doing before SIGKILL.
-CLOSE_GRACE_S = 0.1
+CLOSE_GRACE_S = 0.05
 _PR_SET_PDEATHSIG = 1
 _NO_TASK = 2**62  # cancel_below after close(): every queued task is skipped
 # Signals meant for the job, which data workers ignore (the job ends them).

@@ -9,15 +9,23 @@ data worker outliving its job.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
+import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import TensorDataset, default_collate
 
+import eltctl_runtime as elt
 from eltctl_runtime.pids import pid_alive
 from eltctl_runtime.pipeline import (
     DataLoadError,
@@ -320,3 +328,41 @@ def test_a_corrupt_record_ends_the_worker_with_the_datasets_traceback(cluster_fa
     assert "DataLoadError" in log and f"record {BAD} is corrupt" in log and "__getitem__" in log, log
     assert w.last_progress()[0] == 8, "the steps before the corrupt record trained"
     c.wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "the data workers to end")
+
+
+FAST_EXIT = textwrap.dedent("""
+    import json, multiprocessing, sys, torch
+    import eltctl_runtime as elt
+
+    class Teardown:  # only an ordinary interpreter teardown calls this
+        def __del__(self, _open=open, _path=sys.argv[1] + ".teardown"):
+            _open(_path, "w").write("ran")
+
+    KEEP = Teardown()
+    model = torch.nn.Linear(4, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    job = elt.ElasticJob(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=4,
+                         max_steps=3, num_workers=2)
+    with job:
+        for x, y in job:
+            pids = [p.pid for p in multiprocessing.active_children()]
+            job.step(((model(x) - y) ** 2).mean())
+    open(sys.argv[1], "w").write(json.dumps(pids))
+    sys.exit(3)
+""")
+
+
+def test_a_finished_job_with_data_workers_still_exits_the_fast_way_and_ends_them(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    script, out = tmp_path / "script.py", tmp_path / "out.json"
+    script.write_text(FAST_EXIT)
+    job = f"p{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, ELTCTL_STORE=f"127.0.0.1:{store.port}", ELTCTL_JOB=job,
+               ELTCTL_WORKER_ID=f"h/0/{uuid.uuid4().hex[:6]}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=180, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 3, proc.stderr
+    assert (elt.read_status(store, job) or {}).get("step") == 3, proc.stderr
+    assert not (tmp_path / "out.json.teardown").exists(), "the interpreter's teardown ran: the exit was not shortened"
+    pids = json.loads(out.read_text())
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
