@@ -1,6 +1,7 @@
 """The input pipeline benchmark: eltctl's data workers against in-memory tensors and DDP's DataLoader.
 
-    .venv/bin/python benchmarks/input_pipeline.py [--json] [--rounds 3] [--steps 200] [--workers 4] [--save out.json]
+    .venv/bin/python benchmarks/input_pipeline.py [--json] [--rounds 3] [--steps 200] [--workers 4]
+        [--prefetch-steps 8] [--save out.json]
 
 A data set that costs what real ones cost: examples/toy.py's `RecordDataset`
 (each sample waits `--io-ms`, 1 ms, in time.sleep as a disk or network read
@@ -11,8 +12,12 @@ that is 32 samples: 32 ms of I/O wait, against roughly 20-40 ms of compute
 here, so a pipeline that does not overlap them shows at once. Four runs per
 round, in alternating order (the machine is shared):
 
-- `eltctl_pipeline`: examples/train.py with `--io-ms 1 --num-workers 4`
-  (prefetch_steps 2, the default);
+- `eltctl_pipeline`: examples/train.py with `--io-ms 1 --num-workers 4
+  --prefetch-steps 8`: 8 shares in flight, as DataLoader's 4 workers x its
+  default prefetch_factor 2 have 8 batches in flight. (With the runtime's
+  default prefetch_steps=2 only 2 of the 4 workers are busy: a share takes
+  ~36 ms in one worker, so steps cannot go below ~18 ms; measured here, 22 ms
+  per step against 20 ms of simulated compute, 21 ms with 4 steps ahead.)
 - `eltctl_memory`: the same model on the same samples as in-memory tensors
   (a TensorDataset, loaded on the training thread): the floor;
 - `ddp_loader`: plain DDP with `DataLoader(RecordDataset, num_workers=4,
@@ -50,11 +55,11 @@ DDP_TARGET = 1.05
 SIDES = ("eltctl_pipeline", "eltctl_memory", "ddp_loader", "eltctl_thread")
 
 
-def measure(side: str, *, steps: int, workers: int, io_ms: float, threads: int) -> dict[str, Any]:
+def measure(side: str, *, steps: int, workers: int, prefetch: int, io_ms: float, threads: int) -> dict[str, Any]:
     records = ("--io-ms", f"{io_ms:g}")
     if side == "eltctl_pipeline":
-        return measure_eltctl_step_time(WORLD, steps, threads=threads,
-                                        extra_args=(*records, "--num-workers", str(workers)))
+        return measure_eltctl_step_time(WORLD, steps, threads=threads, extra_args=(
+            *records, "--num-workers", str(workers), "--prefetch-steps", str(prefetch)))
     if side == "eltctl_memory":
         return measure_eltctl_step_time(WORLD, steps, threads=threads)
     if side == "eltctl_thread":
@@ -70,7 +75,8 @@ def ratios(rounds: list[dict], num: str, den: str) -> dict[str, Any]:
     return {"ratios": [round(x, 4) for x in got], "median_ratio": round(statistics.median(got), 4) if got else None}
 
 
-def run(*, rounds: int, steps: int, workers: int, io_ms: float, threads: int, progress=print) -> dict[str, Any]:
+def run(*, rounds: int, steps: int, workers: int, prefetch: int, io_ms: float, threads: int,
+        progress=print) -> dict[str, Any]:
     started = time.time()
     load_before = os.getloadavg()
     out_rounds = []
@@ -79,7 +85,7 @@ def run(*, rounds: int, steps: int, workers: int, io_ms: float, threads: int, pr
         progress(f"round {i + 1} of {rounds}: {', '.join(order)} ...")
         r: dict[str, Any] = {"order": list(order)}
         for side in order:
-            r[side] = measure(side, steps=steps, workers=workers, io_ms=io_ms, threads=threads)
+            r[side] = measure(side, steps=steps, workers=workers, prefetch=prefetch, io_ms=io_ms, threads=threads)
         out_rounds.append(r)
     vs_memory = ratios(out_rounds, "eltctl_pipeline", "eltctl_memory")
     vs_ddp = ratios(out_rounds, "eltctl_pipeline", "ddp_loader")
@@ -97,7 +103,7 @@ def run(*, rounds: int, steps: int, workers: int, io_ms: float, threads: int, pr
         "workload": {"model": "examples/toy.py MLP (64-1024-1024-1024-16, ~3.2 M parameters)", "world": WORLD,
                      "global_batch": 64, "samples": 8192, "optimizer": "SGD lr 0.01", "threads_per_rank": threads,
                      "data": f"RecordDataset: {io_ms:g} ms I/O wait (sleep) + zlib decode per sample",
-                     "data_workers_per_rank": workers, "prefetch_steps": 2, "steps": steps,
+                     "data_workers_per_rank": workers, "prefetch_steps": prefetch, "steps": steps,
                      "warmup_discarded": 30},
         "median_step_s": medians,
         "vs_memory": vs_memory,
@@ -130,7 +136,8 @@ def render(res: dict) -> str:
         f"{m['loadavg_before'][0]:.2f} before / {m['loadavg_after'][0]:.2f} after, python {m['python']}, "
         f"torch {m['torch']}",
         f"workload: {w['model']}, world {w['world']}, global batch {w['global_batch']}, {w['data']}, "
-        f"{w['data_workers_per_rank']} data workers per rank, {w['steps']} steps per run "
+        f"{w['data_workers_per_rank']} data workers per rank, prefetch_steps {w['prefetch_steps']}, "
+        f"{w['steps']} steps per run "
         f"(first {w['warmup_discarded']} discarded)",
         "",
     ]
@@ -160,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the four runs, in alternating order")
     ap.add_argument("--steps", type=int, default=200, help="steps per run (the first 30 are warm-up)")
     ap.add_argument("--workers", type=int, default=4, help="data worker processes per rank (both sides)")
+    ap.add_argument("--prefetch-steps", type=int, default=8, help="eltctl's steps ahead (DataLoader: 4 x 2 in flight)")
     ap.add_argument("--io-ms", type=float, default=1.0, help="I/O wait per sample")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON object to this file")
     a = ap.parse_args(argv)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    res = run(rounds=a.rounds, steps=a.steps, workers=a.workers, io_ms=a.io_ms, threads=a.threads, progress=say)
+    res = run(rounds=a.rounds, steps=a.steps, workers=a.workers, prefetch=a.prefetch_steps, io_ms=a.io_ms,
+              threads=a.threads, progress=say)
     if a.save is not None:
         a.save.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1) if a.json else render(res))
