@@ -443,8 +443,10 @@ def measure_ddp_step_time(
     *,
     threads: int = 1,
     timeout_s: float = 300.0,
+    extra_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Plain DDP (gloo, loopback) at a fixed size: steady-state step time of rank 0 after `warmup` steps."""
+    """Plain DDP (gloo, loopback) at a fixed size: steady-state step time of rank 0 after `warmup` steps.
+    `extra_args` go to the worker (e.g. "--loader-workers", "4", "--io-ms", "1")."""
     wd = Path(tempfile.mkdtemp(prefix="eltctl-ddp-"))
     port = free_port()
     procs: list[subprocess.Popen] = []
@@ -456,7 +458,7 @@ def measure_ddp_step_time(
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), "--mode", "fixed", "--log-dir", str(wd / "steps"),
-                 "--max-steps", str(steps), "--threads", str(threads)],
+                 "--max-steps", str(steps), "--threads", str(threads), *extra_args],
                 stdin=subprocess.DEVNULL, stdout=logs[-1], stderr=subprocess.STDOUT,
                 env=env, start_new_session=True,
             ))

@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-balance", action="store_true", help="equal shares (no speed-proportional split)")
     ap.add_argument("--oom-once-above", type=int, default=None, metavar="N",
                     help="raise torch.OutOfMemoryError once, on the first batch of more than N samples (tests)")
+    ap.add_argument("--num-workers", type=int, default=0, help="data worker processes (0: load on the training thread)")
+    ap.add_argument("--prefetch-steps", type=int, default=2, help="steps' shares prepared ahead by the data workers")
+    ap.add_argument("--io-ms", type=float, default=None,
+                    help="read the data as records: this many ms of I/O wait plus a CPU decode per sample")
+    ap.add_argument("--bad-sample", type=int, default=None, help="this record is corrupt: reading it raises (tests)")
     ap.add_argument("--result", type=Path, default=None, help="write final step, loss and state hash here (JSON)")
     ap.add_argument("--progress", type=Path, default=None, help="append 'step generation world_size time loss' lines")
     args = ap.parse_args(argv)
@@ -62,11 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     make_opt = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
     optimizer = make_opt(model.parameters(), lr=args.lr)
     dataset = toy.make_dataset(n_samples=args.samples)
+    if args.io_ms is not None or args.bad_sample is not None:
+        dataset = toy.RecordDataset(dataset, io_ms=args.io_ms or 0.0, bad_index=args.bad_sample)
 
     job = elt.ElasticJob(  # (*)
         model, optimizer, dataset, global_batch_size=args.batch, seed=args.seed, max_steps=args.steps,
         epochs=args.epochs, micro_batch_size=args.micro_batch, checkpoint_every_steps=args.checkpoint_every,
-        config=config, bucket_mb=args.bucket_mb, balance=not args.no_balance,
+        config=config, bucket_mb=args.bucket_mb, balance=not args.no_balance, num_workers=args.num_workers,
+        prefetch_steps=args.prefetch_steps,
     )
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None

@@ -37,7 +37,7 @@ from .protocol import (
 
 # name -> the submodule that defines it, imported on first access.
 _LAZY = {
-    "Commit": "job", "ElasticJob": "job", "ExcludedFromJob": "job",
+    "Commit": "job", "ElasticJob": "job", "ExcludedFromJob": "job", "DataLoadError": "pipeline",
     "SamplerState": "sampler", "epoch_order": "sampler", "share_bounds": "sampler",
     "load_checkpoint": "checkpoint", "export_checkpoint": "checkpoint",
 }
@@ -45,6 +45,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from .job import Commit, ElasticJob, ExcludedFromJob
     from .checkpoint import export_checkpoint, load_checkpoint
+    from .pipeline import DataLoadError
     from .sampler import SamplerState, epoch_order, share_bounds
 
 
@@ -62,7 +63,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Commit", "ConfigError", "Desired", "Device", "ElasticJob", "EventKind", "ExcludedFromJob", "Keys", "Plan",
-    "RuntimeConfig", "SamplerState", "append_event", "epoch_order", "export_checkpoint", "job_store",
+    "Commit", "ConfigError", "DataLoadError", "Desired", "Device", "ElasticJob", "EventKind", "ExcludedFromJob",
+    "Keys", "Plan", "RuntimeConfig", "SamplerState", "append_event", "epoch_order", "export_checkpoint", "job_store",
     "load_checkpoint", "read_events", "read_status", "report_dead", "request_leave", "request_stop", "share_bounds",
 ]

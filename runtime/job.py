@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import TensorDataset, default_collate
+from torch.utils.data import default_collate
 
 from . import collectives, exiting, gradients, state as state_mod
 from .balance import Pace, Split, worker_report
@@ -47,6 +47,7 @@ from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
 from .membership import Plan, Verdict, choose_source, job_store, propose, roll_call
+from .pipeline import Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .sampler import SamplerState
 
@@ -124,9 +125,13 @@ class ElasticJob:
         before_optimizer_step: Callable[["ElasticJob"], None] | None = None,
         grad_scaler: Any = None,
         balance: bool = True,
+        num_workers: int = 0,
+        prefetch_steps: int = 2,
+        pin_memory: bool = False,
     ) -> None:
         if max_steps is None and epochs is None:
             raise ValueError("give max_steps or epochs (or both)")
+        check_pipeline_args(num_workers, prefetch_steps)
         self._extra = _check_extra_state(extra_state, grad_scaler)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
@@ -166,6 +171,10 @@ class ElasticJob:
         # step with (0: none this step), and the limit found so far.
         self._oom_retry = 0
         self._oom_limit: int | None = None
+        # num_workers > 0: upcoming shares are loaded in data worker processes (pipeline.py)
+        self._pipeline = Prefetcher(dataset, self._collate, num_workers, seed=seed) if num_workers else None
+        self._prefetch_steps = prefetch_steps
+        self._pin_memory = pin_memory
         self._params = [p for p in model.parameters() if p.requires_grad]
         # One flat buffer per parameter dtype, one bucket order over all of them
         # (gradients.py); 0 MB: one bucket per dtype, all-reduced after backward.
@@ -269,6 +278,20 @@ class ElasticJob:
 
     # -- lifecycle -----------------------------------------------------------
     def __enter__(self) -> "ElasticJob":
+        if self._pipeline is not None:
+            # Forked first: before the job's threads, its store connections and CUDA exist.
+            self._pipeline.start(pin_memory=self._pin_memory and self.config.device is Device.CUDA)
+        try:
+            return self._enter()
+        except BaseException:
+            self._stop_pipeline()
+            raise
+
+    def _stop_pipeline(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+    def _enter(self) -> "ElasticJob":
         cfg = self.config
         if cfg.device is Device.CUDA:
             torch.cuda.set_device(cfg.local_gpu)
@@ -315,6 +338,7 @@ class ElasticJob:
             if self._ckpt is not None:
                 self._ckpt.close()
         finally:
+            self._stop_pipeline()
             for h in self._hooks:
                 h.remove()
             self._hooks = []
@@ -350,10 +374,9 @@ class ElasticJob:
                 return
             indices = self._indices_for(self._sampler)
             global_count = self._sampler.step_size()
-            chunks = [indices]
-            micro = self._micro_limit()
-            if micro:
-                chunks = [indices[i : i + micro] for i in range(0, len(indices), micro)] or [[]]
+            chunks = micro_chunks(indices, self._micro_limit())
+            if self._pipeline is not None:
+                self._pipeline.want(self._upcoming_shares())
             self._global_count = global_count
             self._local_indices = indices
             self._global_indices = self._sampler.global_indices() if self._audit_fd is not None else []
@@ -367,8 +390,9 @@ class ElasticJob:
                     raise RuntimeError("call job.step(loss) once per batch the job yields")
 
     def _indices_for(self, sampler: SamplerState) -> list[int]:
-        """This rank's share of the next step: proportional to the ranks'
-        speeds with balancing on (balance.py), else equal."""
+        """This rank's share of the step `sampler` is at, in the current layout:
+        proportional to the ranks' speeds with balancing on (balance.py), else
+        equal. Every "which indices does this rank take" goes through here."""
         split = self._split_in_force()
         return sampler.local_indices(self._rank, self.world_size, split.weights, split.minimum)
 
@@ -396,12 +420,21 @@ class ElasticJob:
             return True
         return self._epochs is not None and self._sampler.epoch >= self._epochs
 
+    def _upcoming_shares(self) -> list[ShareKey]:
+        """This step's chunks, then those of the next prefetch_steps steps as the
+        current layout splits them (after a resize or a restore the pipeline
+        drops what no longer matches)."""
+        left = None if self._max_steps is None else self._max_steps - self._step
+        return plan_shares(self._sampler, self._indices_for, micro=self._micro_limit(), ahead=self._prefetch_steps,
+                           steps_left=left, epochs=self._epochs)
+
     def _fetch(self, indices: list[int]) -> Any:
-        if isinstance(self.dataset, TensorDataset):
-            idx = torch.tensor(indices, dtype=torch.long)
-            batch = tuple(t[idx] for t in self.dataset.tensors)
+        if self._pipeline is not None and indices:
+            # Only ever the batch of exactly these indices at the sampler's committed place.
+            s = self._sampler
+            batch = self._pipeline.get(ShareKey(s.epoch, s.position, tuple(indices)))
         else:
-            batch = self._collate([self.dataset[i] for i in indices])
+            batch = fetch_batch(self.dataset, indices, self._collate)
         if self._device.type == "cuda":
             batch = _to(batch, self._device)
         return batch

@@ -61,6 +61,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--pg-timeout", type=float, default=1800.0)
+    ap.add_argument("--io-ms", type=float, default=None,
+                    help="fixed mode: read the data as records (examples/toy.py RecordDataset: I/O wait + decode)")
+    ap.add_argument("--loader-workers", type=int, default=None,
+                    help="fixed mode: load through DataLoader(num_workers=N) with a DistributedSampler")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -87,10 +91,27 @@ def main() -> int:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     fd = os.open(args.log_dir / f"worker-{os.getpid()}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    batches = None
+    if args.loader_workers is not None:  # the usual DDP input pipeline
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        records = toy.RecordDataset(data, io_ms=args.io_ms or 0.0) if args.io_ms is not None else data
+        loader = DataLoader(records, batch_size=GLOBAL_BATCH // world, num_workers=args.loader_workers,
+                            sampler=DistributedSampler(records, num_replicas=world, rank=rank, seed=0),
+                            persistent_workers=args.loader_workers > 0)
+
+        def endless():
+            epoch = 0
+            while True:
+                loader.sampler.set_epoch(epoch)
+                yield from loader
+                epoch += 1
+
+        batches = endless()
     try:
         while step < args.max_steps:
             idx, local_n = local_slice(step, rank, world, n)
-            x, y = data[idx]
+            x, y = data[idx] if batches is None else next(batches)
             # DDP averages gradients over ranks; weight by the local share so that
             # uneven splits still give the gradient of the global batch mean.
             loss = toy.loss_fn(ddp, (x, y)) * (local_n * world / GLOBAL_BATCH)
