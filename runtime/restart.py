@@ -70,8 +70,9 @@ CRASH_CONFIRM_S = 2.0  # as job.py: a member silent this long after our collecti
 DEFAULT_STOP_GRACE_S = 30.0
 SNAPSHOT_FORMAT = "eltctl-restart-snapshot"
 SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
-# The child's environment: eltctl's own variables are the supervisor's, not the script's.
-_CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_JOB", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOCAL_GPU",
+# The child's environment: eltctl's own variables are the supervisor's, not the script's
+# (ELTCTL_JOB stays: it marks the job's processes for the daemon and `down`).
+_CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOCAL_GPU",
                 "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT")
 _PR_SET_PDEATHSIG = 1
 
@@ -592,7 +593,9 @@ class Supervisor:
             return False
         self._snap = (info.step, tensor_bytes(state["tar"]))
         self._saved = info.step
-        self._starts = max(self._starts, int(state.get("starts", 0)))
+        # The generation that ran after this snapshot used the saved count: the
+        # restored scripts get a higher one (TORCHELASTIC_RESTART_COUNT only grows).
+        self._starts = max(self._starts, int(state.get("starts", 0)) + 1)
         log.info("supervisor %s: restored snapshot %d from %s", self.me, info.step, info.path)
         return True
 
