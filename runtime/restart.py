@@ -58,7 +58,8 @@ from . import collectives
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
-from .membership import Plan, Verdict, choose_source, job_store, propose, roll_call
+from .job import ExcludedFromJob
+from .membership import Plan, Verdict, choose_source, decide, job_store, propose, roll_call, scan_joiners
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .state import tensor_bytes
 
@@ -75,10 +76,6 @@ SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
 _CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOCAL_GPU",
                 "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT")
 _PR_SET_PDEATHSIG = 1
-
-
-class ExcludedFromJob(RuntimeError):
-    """This supervisor is no longer a member (presumed hung or dead)."""
 
 
 # ---- pure parts ---------------------------------------------------------------
@@ -325,20 +322,10 @@ class Supervisor:
             time.sleep(0.02)
 
     def _scan_joiners(self, after: int) -> tuple[list[tuple[int, str]], int]:
-        st = self._store
-        last = st.add(Keys.JOIN_SEQ, 0)
-        queue, upto = [], after
-        for seq in range(after + 1, last + 1):
-            if not st.check([Keys.join(seq)]):
-                break
-            worker = st.get(Keys.join(seq)).decode()
-            upto = seq
-            if not st.check([Keys.dead(worker)]):
-                queue.append((seq, worker))
-        return queue, upto
+        return scan_joiners(self._store, after)
 
     def _decide(self, proposal: Plan) -> Plan:
-        return Plan.from_json(self._store.compare_set(Keys.plan(proposal.generation), "", proposal.to_json()))
+        return decide(self._store, proposal)
 
     # -- one generation ------------------------------------------------------------
     def _generation(self, plan: Plan) -> Plan | None:
