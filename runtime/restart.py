@@ -39,6 +39,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -66,6 +67,9 @@ from .state import tensor_bytes
 log = logging.getLogger("eltctl_runtime")
 
 TICK_S = 0.15
+# The next warm interpreter starts this long after the script (not at once: both
+# importing torch at the same moment would slow the script's own start).
+PREWARM_AFTER_S = 3.0
 STATUS_EVERY_S = 1.0
 CRASH_CONFIRM_S = 2.0  # as job.py: a member silent this long after our collective failed is gone
 DEFAULT_STOP_GRACE_S = 30.0
@@ -76,6 +80,8 @@ SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
 _CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOCAL_GPU",
                 "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT")
 _PR_SET_PDEATHSIG = 1
+_PYTHON = re.compile(r"python[\d.]*$")
+WARM_MODULE = "eltctl_runtime.warmstart"
 
 
 # ---- pure parts ---------------------------------------------------------------
@@ -117,6 +123,19 @@ def torchrun_env(members: Sequence[str], me: str, master_addr: str, master_port:
 
 def expand_command(command: Sequence[str], script_dir: Path) -> list[str]:
     return [a.replace(SCRIPT_DIR_PLACEHOLDER, str(script_dir)) for a in command]
+
+
+def warm_form(argv: Sequence[str]) -> tuple[str, list[str], bool] | None:
+    """(interpreter, the script's argv, whether it is `-m module`) when `argv` is
+    `python script.py ...` or `python -m module ...` (no interpreter options), the
+    forms a warm interpreter (warmstart.py) can run; None otherwise."""
+    if len(argv) < 2 or not _PYTHON.match(os.path.basename(argv[0])):
+        return None
+    if argv[1] == "-m":
+        return (argv[0], list(argv[2:]), True) if len(argv) > 2 else None
+    if argv[1].startswith("-"):
+        return None
+    return argv[0], list(argv[1:]), False
 
 
 def pack_dir(path: Path) -> bytes:
@@ -201,6 +220,49 @@ class Child:
         return self.proc.wait()
 
 
+class Warm:
+    """The next generation's process, started ahead with torch imported
+    (warmstart.py); `hand` gives it the script to run."""
+
+    def __init__(self, proc: subprocess.Popen, pipe: int) -> None:
+        self.proc = proc
+        self._pipe: int | None = pipe
+
+    @classmethod
+    def start(cls, python: str, env: Mapping[str, str]) -> "Warm":
+        r, w = os.pipe()
+        try:
+            proc = subprocess.Popen([python, "-m", WARM_MODULE, str(r)], env=dict(env), stdin=subprocess.DEVNULL,
+                                    pass_fds=(r,), preexec_fn=_child_setup, close_fds=True)
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        return cls(proc, w)
+
+    def hand(self, argv: Sequence[str], module: bool, env: Mapping[str, str]) -> Child | None:
+        """The warm process now runs the script; None if it is gone (start one cold)."""
+        if self.proc.poll() is not None or self._pipe is None:
+            self.discard()
+            return None
+        try:
+            os.write(self._pipe, (json.dumps({"argv": list(argv), "module": module, "env": dict(env)}) + "\n").encode())
+        except OSError:
+            self.discard()
+            return None
+        os.close(self._pipe)
+        self._pipe = None
+        return Child(self.proc)
+
+    def discard(self) -> None:
+        if self._pipe is not None:
+            os.close(self._pipe)
+            self._pipe = None
+        _killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
 # ---- the supervisor --------------------------------------------------------------
 
 
@@ -208,13 +270,17 @@ class Supervisor:
     """See the module docstring. `run()` does everything; the constructor nothing."""
 
     def __init__(self, config: RuntimeConfig, command: Sequence[str], script_dir: Path,
-                 stop_grace: float = DEFAULT_STOP_GRACE_S, keep: int = 3) -> None:
+                 stop_grace: float = DEFAULT_STOP_GRACE_S, keep: int = 3, warm: bool = True) -> None:
         self.cfg = config
         self.me = config.worker_id
         self.script_dir = Path(script_dir)
         self.argv = expand_command(command, self.script_dir)
         self.stop_grace = stop_grace
         self._keep = keep
+        self._warm_form = warm_form(self.argv) if warm else None
+        self._warm: Warm | None = None
+        self._child_t = 0.0
+        self._child_warm = False
         self._plan: Plan | None = None
         self._rank = -1
         self._pg = None
@@ -246,6 +312,7 @@ class Supervisor:
         self._control.start()
         old = signal.signal(signal.SIGTERM, lambda *_: self._control.request_local_leave())
         try:
+            self._prewarm()
             plan = self._admit()
             while plan is not None:
                 try:
@@ -270,6 +337,8 @@ class Supervisor:
         finally:
             if self._child is not None:
                 self._child.stop(grace=min(self.stop_grace, 5.0))
+            if self._warm is not None:
+                self._warm.discard()
             if self._ckpt is not None:
                 self._ckpt.close()
             self._control.close()
@@ -361,13 +430,13 @@ class Supervisor:
         env = _child_env(os.environ, self.script_dir)
         env.update(torchrun_env(plan.members, me, addr, int(port), restarts, self.cfg.job,
                                 gpus=self.cfg.device is Device.CUDA))
-        self._child = Child.start(self.argv, env)
+        self._child = self._start_child(env)
         self._child_ran = True
         self._starts += 1
         now = time.monotonic()
-        log.info("supervisor %s: started the script (pid %d) as rank %d of %d in generation %d (%s), "
-                 "restart %d, snapshot %d", me, self._child.proc.pid, self._rank, plan.world_size,
-                 plan.generation, plan.kind.value, restarts, counter)
+        log.info("supervisor %s: started the script (pid %d, %s) as rank %d of %d in generation %d (%s), "
+                 "restart %d, snapshot %d", me, self._child.proc.pid, "warm" if self._child_warm else "cold",
+                 self._rank, plan.world_size, plan.generation, plan.kind.value, restarts, counter)
         if self._rank == 0 and (previous is not None or restored):
             kind = EventKind.RESTORE if restored else (self._change_kind or plan.kind)
             pause = round(now - self._t_change, 4) if self._t_change is not None else None
@@ -379,6 +448,26 @@ class Supervisor:
         if self._rank == 0:
             self._write_status(now)
         return self._watch(abort)
+
+    def _start_child(self, env: Mapping[str, str]) -> Child:
+        """The script in the warm process if there is one, else cold; then the next warm one."""
+        child, self._child_warm = None, False
+        if self._warm is not None:
+            _python, argv, module = self._warm_form
+            child, self._warm = self._warm.hand(argv, module, env), None
+        self._child_warm = child is not None
+        if child is None:
+            child = Child.start(self.argv, env)
+        self._child_t = time.monotonic()
+        return child
+
+    def _prewarm(self) -> None:
+        if self._warm_form is not None and self._warm is None:
+            try:
+                self._warm = Warm.start(self._warm_form[0], _child_env(os.environ, self.script_dir))
+            except OSError as e:
+                log.warning("supervisor %s: no warm interpreter (%s); scripts start cold", self.me, e)
+                self._warm_form = None
 
     def _sync(self, abort) -> bool:
         """Agree on the newest snapshot and the start count; True if it came from
@@ -437,6 +526,8 @@ class Supervisor:
                 return self._change(leavers, kind, abort)
             if r == 0 and now - self._last_status >= STATUS_EVERY_S:
                 self._write_status(now)
+            if self._warm is None and now - self._child_t >= PREWARM_AFTER_S:
+                self._prewarm()
             abort.wait(TICK_S)
 
     def _flags(self) -> torch.Tensor:
@@ -646,6 +737,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--script-dir", type=Path, default=None,
                     help="where the script's own checkpoint directories live (one per slot); "
                          "default: script-checkpoints beside ELTCTL_CHECKPOINT_DIR")
+    ap.add_argument("--no-warm", action="store_true",
+                    help="start each generation's script cold (default: a process with torch already "
+                         "imported waits for it, for `python script.py` and `python -m module` commands)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- the script's command")
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -660,7 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.checkpoint_dir is None:
             ap.error("give --script-dir (or set ELTCTL_CHECKPOINT_DIR)")
         base = cfg.checkpoint_dir.parent / "script-checkpoints"
-    sup = Supervisor(cfg, command, base / slot_of(cfg.worker_id), stop_grace=args.stop_grace)
+    sup = Supervisor(cfg, command, base / slot_of(cfg.worker_id), stop_grace=args.stop_grace,
+                     warm=not args.no_warm)
     try:
         return sup.run()
     except ExcludedFromJob as e:

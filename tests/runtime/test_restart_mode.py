@@ -23,7 +23,7 @@ import pytest
 
 from eltctl_runtime import read_status
 from eltctl_runtime.checkpoint import CheckpointStore
-from eltctl_runtime.restart import expand_command, pack_dir, torchrun_env, unpack_dir
+from eltctl_runtime.restart import expand_command, pack_dir, torchrun_env, unpack_dir, warm_form
 from runtime_cluster import PYTHON, ROOT, Cluster, Worker
 
 SCRIPT = ROOT / "examples" / "ddp_restart.py"
@@ -31,7 +31,7 @@ SCRIPT_ARGS = ["--steps", "100000", "--save-every", "5", "--step-sleep", "0.05",
                "--batch", "8", "--hidden", "16"]
 STEP = re.compile(r"^step (\d+) world (\d+) restart (\d+)", re.M)
 RESUMED = re.compile(r"^resumed at step (\d+) world (\d+) restart (\d+)", re.M)
-STARTED = re.compile(r"started the script \(pid (\d+)\)")
+STARTED = re.compile(r"started the script \(pid (\d+), (?:warm|cold)\)")
 
 
 # -- the pure parts -----------------------------------------------------------------
@@ -180,3 +180,14 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+@pytest.mark.parametrize("argv, form", [
+    (["python3", "t.py", "--x"], ("python3", ["t.py", "--x"], False)),
+    (["/usr/bin/python3.11", "-m", "pkg.train", "-a"], ("/usr/bin/python3.11", ["pkg.train", "-a"], True)),
+    (["python", "-u", "t.py"], None),
+    (["bash", "run.sh"], None),
+    (["python", "-m"], None),
+])
+def test_warm_interpreter_runs_plain_python_commands_only(argv, form):
+    assert warm_form(argv) == form
