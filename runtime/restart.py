@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -70,6 +71,7 @@ TICK_S = 0.15
 # The next warm interpreter starts this long after the script (not at once: both
 # importing torch at the same moment would slow the script's own start).
 PREWARM_AFTER_S = 3.0
+WARM_READY_S = 120.0  # a joiner waits this long at most for its warm interpreter before it registers
 STATUS_EVERY_S = 1.0
 CRASH_CONFIRM_S = 2.0  # as job.py: a member silent this long after our collective failed is gone
 DEFAULT_STOP_GRACE_S = 30.0
@@ -224,22 +226,37 @@ class Warm:
     """The next generation's process, started ahead with torch imported
     (warmstart.py); `hand` gives it the script to run."""
 
-    def __init__(self, proc: subprocess.Popen, pipe: int) -> None:
+    def __init__(self, proc: subprocess.Popen, pipe: int, ready: int) -> None:
         self.proc = proc
         self._pipe: int | None = pipe
+        self._ready: int | None = ready  # read end: one byte once torch is imported
 
     @classmethod
     def start(cls, python: str, env: Mapping[str, str]) -> "Warm":
         r, w = os.pipe()
+        rr, rw = os.pipe()
         try:
-            proc = subprocess.Popen([python, "-m", WARM_MODULE, str(r)], env=dict(env), stdin=subprocess.DEVNULL,
-                                    pass_fds=(r,), preexec_fn=_child_setup, close_fds=True)
+            proc = subprocess.Popen([python, "-m", WARM_MODULE, str(r), str(rw)], env=dict(env),
+                                    stdin=subprocess.DEVNULL, pass_fds=(r, rw), preexec_fn=_child_setup,
+                                    close_fds=True)
         except BaseException:
             os.close(w)
+            os.close(rr)
             raise
         finally:
             os.close(r)
-        return cls(proc, w)
+            os.close(rw)
+        return cls(proc, w, rr)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until it has imported torch; False if it died or the time ran out."""
+        if self._ready is None:
+            return self.proc.poll() is None
+        readable, _, _ = select.select([self._ready], [], [], timeout)
+        ok = bool(readable) and os.read(self._ready, 1) == b"1"
+        os.close(self._ready)
+        self._ready = None
+        return ok
 
     def hand(self, argv: Sequence[str], module: bool, env: Mapping[str, str]) -> Child | None:
         """The warm process now runs the script; None if it is gone (start one cold)."""
@@ -253,12 +270,18 @@ class Warm:
             return None
         os.close(self._pipe)
         self._pipe = None
+        if self._ready is not None:
+            os.close(self._ready)
+            self._ready = None
         return Child(self.proc)
 
     def discard(self) -> None:
         if self._pipe is not None:
             os.close(self._pipe)
             self._pipe = None
+        if self._ready is not None:
+            os.close(self._ready)
+            self._ready = None
         _killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
@@ -313,6 +336,9 @@ class Supervisor:
         old = signal.signal(signal.SIGTERM, lambda *_: self._control.request_local_leave())
         try:
             self._prewarm()
+            if self._warm is not None and not self._warm.wait_ready(WARM_READY_S):
+                log.warning("supervisor %s: the warm interpreter was not ready within %g s; joining anyway",
+                            self.me, WARM_READY_S)
             plan = self._admit()
             while plan is not None:
                 try:

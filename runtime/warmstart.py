@@ -3,7 +3,8 @@
 Most of a restarted torchrun script's start-up is the interpreter's and
 `import torch` (seconds; more on a loaded host). The restart supervisor
 (restart.py) therefore starts the next generation's process ahead of time as
-`python -m eltctl_runtime.warmstart FD`: it imports torch and waits. When the
+`python -m eltctl_runtime.warmstart FD READY_FD`: it imports torch, writes one
+byte to READY_FD (the supervisor joins the job only once it is warm) and waits. When the
 generation starts, the supervisor writes one JSON line to the pipe FD::
 
     {"argv": ["train.py", "--lr", "0.1"], "module": false, "env": {...}}
@@ -32,8 +33,13 @@ def _warm() -> None:
 
 
 def main() -> None:
-    fd = int(sys.argv[1])
+    fd, ready = int(sys.argv[1]), int(sys.argv[2])
     _warm()
+    try:
+        os.write(ready, b"1")
+        os.close(ready)
+    except OSError:
+        pass
     with os.fdopen(fd, "rb") as pipe:
         line = pipe.readline()
     if not line:
