@@ -16,6 +16,12 @@ The script does not save on SIGTERM (torchrun users' scripts often do not), so
 a planned leave goes back to its last checkpoint here as it does under torchrun;
 examples/ddp_restart.py, which saves on SIGTERM, loses nothing (tests/runtime/
 test_restart_mode.py).
+
+Each event fires at least `min_gap_s` (10 s) after the previous one's first new
+step: a supervisor starts its next warm interpreter (torch imported ahead, see
+runtime/warmstart.py) 3 s after a restart, and it takes a few seconds to be
+ready; events a few seconds apart would measure a cold start (membership
+changes on a lab's machines are minutes apart).
 """
 
 from __future__ import annotations
@@ -134,6 +140,7 @@ def measure_restart(
     resumed_steps: int = 5,
     threads: int = 1,
     stop_grace: float = 30.0,
+    min_gap_s: float = 10.0,
     keep_workdir: bool = False,
 ) -> dict[str, Any]:
     """Run the baseline script under restart mode through `events` (see the module docstring)."""
@@ -142,7 +149,7 @@ def measure_restart(
     steps = StepLog(wd / "steps")
     result: dict[str, Any] = {"system": "eltctl restart mode",
                               "settings": {"nodes": nodes, "ckpt_every": ckpt_every, "stop_grace_s": stop_grace,
-                                           "threads_per_worker": threads},
+                                           "threads_per_worker": threads, "min_gap_s": min_gap_s},
                               "events": []}
     try:
         t0 = time.time()
@@ -158,6 +165,12 @@ def measure_restart(
             if prev is not None:
                 _wait_new(sup, steps, since=prev[0], exclude=prev[1], world=world, min_steps=settle_steps,
                           cap_s=event_cap_s)
+            if prev is not None:  # the warm interpreters of the new generation are ready by then
+                firsts = [r.t for r in steps.records if r.t >= prev[0] and r.pid not in prev[1]]
+                if firsts:
+                    time.sleep(max(0.0, min(firsts) + min_gap_s - time.time()))
+            else:
+                time.sleep(min_gap_s)
             _wait_phase(steps, 10, ckpt_every, cap_s=30.0)
             steps.poll()
             t_event = time.time()

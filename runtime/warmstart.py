@@ -30,6 +30,11 @@ def _warm() -> None:
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
     import torch.utils.data  # noqa: F401
+    try:  # DistributedDataParallel's constructor imports these (about 1.4 s here): not on the pause
+        import torch._dynamo  # noqa: F401
+        import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    except ImportError:  # pragma: no cover - another torch version
+        pass
 
 
 def main() -> None:
