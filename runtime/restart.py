@@ -561,7 +561,9 @@ class Supervisor:
         req = self._control.requests
         flags = torch.zeros(2 + 3 * W, dtype=torch.int64)
         flags[0] = int(req.stop)
-        flags[1] = int(req.join)
+        # The control thread may still report a join against the previous plan
+        # (the one this generation admitted): check the queue against this plan.
+        flags[1] = int(req.join and self._store.add(Keys.JOIN_SEQ, 0) > self._plan.join_upto)
         flags[2 + r] = int(req.leave)
         rc = self._child.poll() if self._child is not None and not self._child.stopping else None
         if rc is not None:
