@@ -1,6 +1,7 @@
 """The resize benchmark: eltctl's runtime against torchrun elastic and plain DDP, in one run.
 
     .venv/bin/python benchmarks/resize.py [--json] [--rounds 3] [--threads 1] [--cap 120] [--save out.json]
+                                          [--no-restart-mode]
 
 One run measures, on this machine (gloo on loopback, CPU):
 
@@ -10,6 +11,10 @@ One run measures, on this machine (gloo on loopback, CPU):
   completed at the old size to the first completed at the new size, from every
   worker's per-step log), steps lost (committed before and done again after),
   and the ratio torchrun pause / eltctl pause;
+- the same events for eltctl's restart mode (`_restart_side.measure_restart`):
+  torchrun's own worker script, unmodified, run by restart-mode supervisors
+  (`python -m eltctl_runtime.restart`), with its pause, steps lost and the
+  ratio torchrun pause / restart-mode pause;
 - the steady-state step time at a fixed world size of 2, eltctl
   (`measure_eltctl_step_time`) against plain DDP (`measure_ddp_step_time`),
   `--rounds` alternating rounds (the order flips each round), each giving a
@@ -19,7 +24,8 @@ One run measures, on this machine (gloo on loopback, CPU):
   default bucketed all-reduce overlapped with backward;
 - the targets: planned leave <= 0.5 s, warm join <= 1 s, SIGKILL <= 3 s,
   0 steps lost on a planned leave, pauses >= 20x shorter than torchrun's,
-  steady-state overhead <= 3 % over DDP.
+  steady-state overhead <= 3 % over DDP; restart mode: <= 10 s per event and
+  >= 4x shorter than torchrun's.
 
 Both sides train the same thing: examples/toy.py's ~3.2 M parameter MLP, 8192
 samples, global batch 64 split over the ranks, SGD lr 0.01, `--threads` torch
@@ -47,11 +53,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import measure_ddp_step_time, measure_torchrun  # noqa: E402
 from _eltctl_side import measure_eltctl, measure_eltctl_step_time  # noqa: E402
+from _restart_side import measure_restart  # noqa: E402
 
 EVENTS = ("leave", "join", "kill")
 EVENT_NAMES = {"leave": "planned leave", "join": "warm join", "kill": "SIGKILL"}
 PAUSE_TARGET_S = {"leave": 0.5, "join": 1.0, "kill": 3.0}
 SPEEDUP_TARGET = 20.0
+RESTART_PAUSE_TARGET_S = 10.0
+RESTART_SPEEDUP_TARGET = 4.0
 OVERHEAD_TARGET = 0.03
 
 
@@ -70,13 +79,17 @@ def _event(side: dict, name: str) -> dict:
     return next((e for e in side.get("events", []) if e.get("event") == name), {})
 
 
-def event_rows(eltctl: dict, torchrun: dict) -> list[dict]:
-    """One row per event: both pauses, the ratio and both steps lost."""
+def event_rows(eltctl: dict, torchrun: dict, restart: dict | None = None) -> list[dict]:
+    """One row per event: the pauses, the ratios to torchrun and the steps lost."""
     rows = []
     for ev in EVENTS:
-        e, t = _event(eltctl, ev), _event(torchrun, ev)
-        pe, pt = e.get("pause_s"), t.get("pause_s")
+        e, t, r = _event(eltctl, ev), _event(torchrun, ev), _event(restart or {}, ev)
+        pe, pt, pr = e.get("pause_s"), t.get("pause_s"), r.get("pause_s")
         rows.append({
+            "restart_pause_s": pr, "restart_ratio": round(pt / pr, 1) if pr and pt else None,
+            "restart_steps_lost": r.get("steps_lost"),
+            "restart_error": (r.get("error") or (None if r.get("resumed", bool(r)) else "did not resume"))
+            if restart is not None else None,
             "event": ev, "eltctl_pause_s": pe, "eltctl_runtime_pause_s": e.get("runtime_pause_s"),
             "torchrun_pause_s": pt, "ratio": round(pt / pe, 1) if pe and pt else None,
             "eltctl_steps_lost": e.get("steps_lost"), "torchrun_steps_lost": t.get("steps_lost"),
@@ -114,13 +127,20 @@ def assess(rows: list[dict], steady: dict) -> list[Target]:
         r = by[ev]["ratio"]
         out.append(Target(f"{EVENT_NAMES[ev]}: shorter than torchrun", f">= {SPEEDUP_TARGET:g}x",
                           "n/a" if r is None else f"{r:g}x", None if r is None else r >= SPEEDUP_TARGET))
+    for ev in EVENTS:
+        p, r = by[ev].get("restart_pause_s"), by[ev].get("restart_ratio")
+        out.append(Target(f"restart mode: {EVENT_NAMES[ev]} pause", f"<= {RESTART_PAUSE_TARGET_S:g} s",
+                          "n/a" if p is None else f"{p:.2f} s", None if p is None else p <= RESTART_PAUSE_TARGET_S))
+        out.append(Target(f"restart mode: {EVENT_NAMES[ev]} vs torchrun", f">= {RESTART_SPEEDUP_TARGET:g}x",
+                          "n/a" if r is None else f"{r:g}x", None if r is None else r >= RESTART_SPEEDUP_TARGET))
     o = steady.get("overhead")
     out.append(Target("steady-state overhead vs DDP", f"<= {OVERHEAD_TARGET:.0%}",
                       "n/a" if o is None else f"{o:+.1%}", None if o is None else o <= OVERHEAD_TARGET))
     return out
 
 
-def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=print) -> dict[str, Any]:
+def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=print,
+        restart_mode: bool = True) -> dict[str, Any]:
     started = time.time()
     load_before = os.getloadavg()
     progress("eltctl: leave, join, SIGKILL on 3 workers ...")
@@ -130,6 +150,10 @@ def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=
         eltctl = {"system": "eltctl", "error": str(e), "events": []}
     progress("torchrun c10d elastic: leave, join, SIGKILL on 3 agents ...")
     torchrun = measure_torchrun(EVENTS, nodes=3, threads=threads, event_cap_s=cap_s)
+    restart = None
+    if restart_mode:
+        progress("eltctl restart mode (torchrun's script, unmodified): leave, join, SIGKILL on 3 workers ...")
+        restart = measure_restart(EVENTS, nodes=3, threads=threads, event_cap_s=cap_s)
     pairs = []
     for i in range(rounds):
         progress(f"steady state, round {i + 1} of {rounds}: eltctl and DDP at world size 2 ...")
@@ -144,7 +168,7 @@ def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=
                 pair[side] = measure_ddp_step_time(2, steady_steps, threads=threads)
         pair["order"] = list(order)
         pairs.append(pair)
-    rows = event_rows(eltctl, torchrun)
+    rows = event_rows(eltctl, torchrun, restart)
     steady = overhead(pairs)
     steady["one_bucket"] = overhead(pairs, "eltctl_one_bucket")
     return {
@@ -164,7 +188,7 @@ def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=
         "steady": steady,
         "steady_rounds": pairs,
         "targets": [t.to_dict() for t in assess(rows, steady)],
-        "raw": {"eltctl": eltctl, "torchrun": torchrun},
+        "raw": {"eltctl": eltctl, "torchrun": torchrun, "restart": restart},
     }
 
 
@@ -195,15 +219,17 @@ def render(res: dict) -> str:
         "(torch's default hangs a re-rendezvous here)",
         "",
         f"{'event':<14} {'eltctl pause':>13} {'(runtime)':>10} {'torchrun pause':>15} {'ratio':>8} "
-        f"{'eltctl lost':>12} {'torchrun lost':>14}",
+        f"{'eltctl lost':>12} {'torchrun lost':>14} {'restart pause':>14} {'ratio':>8} {'restart lost':>13}",
     ]
     for r in res["events"]:
         ratio = f"{r['ratio']:g}x" if r["ratio"] else "n/a"
+        rratio = f"{r['restart_ratio']:g}x" if r.get("restart_ratio") else "n/a"
         lines.append(f"{EVENT_NAMES[r['event']]:<14} {_fmt(r['eltctl_pause_s'], ' s'):>13} "
                      f"{_fmt(r['eltctl_runtime_pause_s'], ' s'):>10} {_fmt(r['torchrun_pause_s'], ' s'):>15} "
-                     f"{ratio:>8} {_fmt(r['eltctl_steps_lost']):>12} {_fmt(r['torchrun_steps_lost']):>14}")
-        for side in ("eltctl", "torchrun"):
-            if r[f"{side}_error"]:
+                     f"{ratio:>8} {_fmt(r['eltctl_steps_lost']):>12} {_fmt(r['torchrun_steps_lost']):>14} "
+                     f"{_fmt(r.get('restart_pause_s'), ' s'):>14} {rratio:>8} {_fmt(r.get('restart_steps_lost')):>13}")
+        for side in ("eltctl", "torchrun", "restart"):
+            if r.get(f"{side}_error"):
                 lines.append(f"  {side}: {r[f'{side}_error']}")
     s = res["steady"]
     lines += ["", f"steady state at world size {w['steady_world']} ({w['steady_steps']} steps per run, first "
@@ -238,9 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (both sides)")
     ap.add_argument("--cap", type=float, default=120.0, help="seconds to wait for each event to settle")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON object to this file")
+    ap.add_argument("--no-restart-mode", action="store_true", help="leave out the restart-mode column")
     a = ap.parse_args(argv)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    res = run(rounds=a.rounds, threads=a.threads, cap_s=a.cap, steady_steps=a.steady_steps, progress=say)
+    res = run(rounds=a.rounds, threads=a.threads, cap_s=a.cap, steady_steps=a.steady_steps, progress=say,
+              restart_mode=not a.no_restart_mode)
     if a.save is not None:
         a.save.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1) if a.json else render(res))

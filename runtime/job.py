@@ -46,7 +46,7 @@ from .balance import Pace, Split, worker_report
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
-from .membership import Plan, Verdict, choose_source, job_store, propose, roll_call
+from .membership import Plan, Verdict, choose_source, decide, job_store, propose, roll_call, scan_joiners
 from .pipeline import Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .sampler import SamplerState
@@ -797,22 +797,11 @@ class ElasticJob:
 
     def _decide(self, proposal: Plan) -> Plan:
         """compare_set: the first proposal for a generation wins; everyone adopts it."""
-        won = self._store.compare_set(Keys.plan(proposal.generation), "", proposal.to_json())
-        return Plan.from_json(won)
+        return decide(self._store, proposal)
 
     def _scan_joiners(self, after: int) -> tuple[list[tuple[int, str]], int]:
         """Live joiners queued after sequence number `after`, and how far the scan got."""
-        st = self._store
-        last = st.add(Keys.JOIN_SEQ, 0)
-        queue, upto = [], after
-        for seq in range(after + 1, last + 1):
-            if not st.check([Keys.join(seq)]):
-                break  # registered its number but not its id yet: take it next time
-            worker = st.get(Keys.join(seq)).decode()
-            upto = seq
-            if not st.check([Keys.dead(worker)]):
-                queue.append((seq, worker))
-        return queue, upto
+        return scan_joiners(self._store, after)
 
     def _switch(self, plan: Plan, old_t: float) -> None:
         """Enter generation `plan` (or leave, if this worker is not in it).

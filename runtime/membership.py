@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Iterable
 
-from .protocol import EventKind, job_prefix
+from .protocol import EventKind, Keys, job_prefix
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,29 @@ def choose_source(reports: list[tuple[bool, int]]) -> Transfer:
     step, neg_rank = max(holders)
     needed = any((not has) or s != step for has, s in reports)
     return Transfer(source=-neg_rank, needed=needed, restore=False)
+
+
+# ---- store helpers shared by ElasticJob (job.py) and the restart supervisor (restart.py)
+
+
+def scan_joiners(store, after: int) -> tuple[list[tuple[int, str]], int]:
+    """Live joiners queued after sequence number `after` (sequence number, worker
+    id), and how far the scan got. `store` is scoped to the job."""
+    last = store.add(Keys.JOIN_SEQ, 0)
+    queue, upto = [], after
+    for seq in range(after + 1, last + 1):
+        if not store.check([Keys.join(seq)]):
+            break  # registered its number but not its id yet: take it next time
+        worker = store.get(Keys.join(seq)).decode()
+        upto = seq
+        if not store.check([Keys.dead(worker)]):
+            queue.append((seq, worker))
+    return queue, upto
+
+
+def decide(store, proposal: Plan) -> Plan:
+    """compare_set: the first proposal for a generation wins; everyone adopts it."""
+    return Plan.from_json(store.compare_set(Keys.plan(proposal.generation), "", proposal.to_json()))
 
 
 # ---- the job's PrefixStore -------------------------------------------------

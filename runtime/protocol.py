@@ -24,6 +24,8 @@ the full table)::
     stop                        controller (request_stop)
     done                        rank 0: {step, reason}
     gen/<g>/plan, abort, alive  workers (membership.py)
+    gen/<g>/master              restart mode: rank 0's supervisor, `addr:port` of the script's
+                                MASTER_ADDR/MASTER_PORT for generation g (restart.py)
     status                      rank 0, about once a second (`status_document`)
     events/seq, events/<n>      rank 0, host daemons, controller (`append_event`, `EventKind`)
     daemon/<host>/desired       controller: `Desired` {seq, slots, stop}
@@ -97,6 +99,11 @@ class Keys:
     @staticmethod
     def alive(gen: int, worker: str) -> str:
         return f"gen/{gen}/alive/{worker}"
+
+    @staticmethod
+    def master(gen: int) -> str:
+        """Restart mode: `addr:port` the scripts of generation `gen` rendezvous at (env://)."""
+        return f"gen/{gen}/master"
 
     @staticmethod
     def pg_prefix(gen: int) -> str:
@@ -210,19 +217,26 @@ class Desired:
 
 def status_document(*, generation: int, world_size: int, members: Iterable[str], step: int, epoch: int,
                     position: int, samples_per_s: float, loss: float | None, checkpoint: dict | None,
-                    time: float | None = None, workers: dict | None = None) -> dict:
+                    time: float | None = None, workers: dict | None = None, mode: str | None = None,
+                    restarts: int | None = None) -> dict:
     """The runtime's `status` document, written by rank 0 about once a second:
     `{generation, world_size, members, step, epoch, position, samples_per_s,
     loss, checkpoint: {step, time, path} | null, time}`, and, once a step of
     the generation has committed, `workers`: per member, as of that step,
     `{worker: {share, samples_per_s, relative_speed, speedup_without,
     straggler}}` (WORKER_FIELDS; eltctl_runtime.balance.worker_report says
-    what each means)."""
+    what each means). Restart mode (restart.py) adds `mode: "restart"` and
+    `restarts` (how many times the script's processes were restarted); its
+    `step` counts the snapshots of the script's checkpoint directory. An
+    elastic job's document has neither key (mode "elastic")."""
     doc = {"generation": generation, "world_size": world_size, "members": list(members), "step": step,
            "epoch": epoch, "position": position, "samples_per_s": samples_per_s, "loss": loss,
            "checkpoint": checkpoint, "time": _now() if time is None else time}
     if workers is not None:
         doc["workers"] = workers
+    if mode is not None:
+        doc["mode"] = mode
+        doc["restarts"] = restarts or 0
     return doc
 
 

@@ -750,3 +750,10 @@ def test_a_failed_worker_followed_by_one_that_ended_well_is_not_failed():
     earlier = {**host, "daemon": {"workers": [{"slot": 0, "worker_id": "ws1/0/1", "state": "left"}]}}
     assert failed_workers({**TRAINING, "hosts": [earlier], "events": [crash]}, "ws1") == \
         {0: "ws1/0/2 crashed: failed at start"}
+
+
+def test_restart_mode_shows_mode_restarts_and_snapshot():
+    from eltctl.statusview.events import describe_event
+
+    assert describe_event({"kind": "leave", "mode": "restart", "left": ["a/0/1"], "world_size": 2,
+                           "restarts": 3}) == ("a", "left a/0/1; now 2 worker(s); script restarted (restart 3)")

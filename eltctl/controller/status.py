@@ -233,6 +233,8 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "events": list(events)[-EVENTS_SHOWN:],
         "mirror": mirror,
         "start_failed": start_failures(now=now, inventory=inventory, views=views, records=records) or None,
+        "mode": job.mode.value,
+        "restarts": rs.get("restarts") if job.mode.value == "restart" else None,
     }
     workers = worker_entries(rs)
     if workers:

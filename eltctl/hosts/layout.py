@@ -10,6 +10,7 @@
         workers/<slot>.pid, <slot>.log    each worker's pid and log
         code/                             the job's code, synced (unless shared_filesystem)
         checkpoints/step-NNNNNNNN/        checkpoints committed by rank 0 on this host
+        script-checkpoints/<slot>/        restart mode: the script's own checkpoint directory
 
 The file names under `job_dir` are the ones runtime/daemon/ writes; the runtime is
 given `job_dir` itself in daemon.json. Several inventory hosts may share a machine

@@ -216,6 +216,8 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
         "max_workers": job.max_workers,
         "watch_interval": policy.watch_interval,
         "nvidia_smi_timeout": policy.nvidia_smi_timeout,
+        "mode": job.mode.value,
+        "stop_grace": job.stop_grace,
     }
 
 

@@ -29,6 +29,7 @@ from eltctl.inventory.types import (
     DeviceKind,
     Host,
     Inventory,
+    JobMode,
     JobSpec,
     Policy,
     SSHSettings,
@@ -38,6 +39,6 @@ from eltctl.inventory.types import (
 
 __all__ = [
     "CONTROLLER_KEYS", "DEFAULT_INVENTORY_NAME", "HOST_KEYS", "JOB_KEYS", "LOCAL", "NAME_PATTERN", "POLICY_KEYS",
-    "SSH_KEYS", "STORAGE_KEYS", "TOP_KEYS", "ControllerSettings", "DeviceKind", "Host", "Inventory", "JobSpec",
-    "Policy", "SSHSettings", "Storage", "StragglerPolicy", "load_inventory", "parse_inventory",
+    "SSH_KEYS", "STORAGE_KEYS", "TOP_KEYS", "ControllerSettings", "DeviceKind", "Host", "Inventory", "JobMode",
+    "JobSpec", "Policy", "SSHSettings", "Storage", "StragglerPolicy", "load_inventory", "parse_inventory",
 ]

@@ -22,6 +22,7 @@ from eltctl.inventory.types import (
     DeviceKind,
     Host,
     Inventory,
+    JobMode,
     JobSpec,
     Policy,
     SSHSettings,
@@ -36,7 +37,7 @@ _SSH_URL = re.compile(r"ssh://(?:[^@/\s]+@)?[^:/\s]+(?::\d+)?/\S*")
 # The accepted keys, per table, in the order hosts.example.toml documents them.
 TOP_KEYS = ("job", "ssh", "policy", "storage", "controller", "hosts")
 JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device", "env",
-            "shared_filesystem")
+            "shared_filesystem", "mode", "stop_grace")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
 POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
@@ -167,11 +168,14 @@ class Checker:
                           aliases={"gpu": "cuda", "gpus": "cuda", "nvidia": "cuda"})
         env = t.env("env")
         shared = t.boolean("shared_filesystem", False)
+        mode = t.choice("mode", JobMode.ELASTIC.value, [m.value for m in JobMode],
+                        aliases={"torchrun": "restart"})
+        stop_grace = t.duration("stop_grace", JobSpec.stop_grace, positive=True)
         if self.problems:
             return None
         return JobSpec(name=name, command=command, workdir=workdir, min_workers=min_workers,
                        max_workers=max_workers, device=DeviceKind(device), env=env,
-                       shared_filesystem=shared)
+                       shared_filesystem=shared, mode=JobMode(mode), stop_grace=stop_grace)
 
     def command(self, t: Table) -> Any:
         value = t.raw("command", required='["python", "train.py"]')

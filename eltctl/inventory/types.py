@@ -15,6 +15,11 @@ class DeviceKind(str, enum.Enum):
     CPU = "cpu"  # one CPU worker per free GPU slot (how GPU hosts are simulated in tests)
 
 
+class JobMode(str, enum.Enum):
+    ELASTIC = "elastic"  # the script uses eltctl_runtime.ElasticJob: resized live
+    RESTART = "restart"  # an unmodified torchrun script: restarted on every membership change
+
+
 @dataclass(frozen=True)
 class JobSpec:
     name: str
@@ -25,6 +30,8 @@ class JobSpec:
     device: DeviceKind = DeviceKind.AUTO
     env: tuple[tuple[str, str], ...] = ()  # extra environment for every worker
     shared_filesystem: bool = False  # workdir is the same path on every host: no code sync
+    mode: JobMode = JobMode.ELASTIC
+    stop_grace: float = 30.0  # restart mode: seconds the script has to save after SIGTERM
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ def describe_event(event: Mapping[str, Any]) -> tuple[str, str]:
             parts.append(", ".join(map(str, event["workers"])))
         if event.get("world_size") is not None:
             parts.append(f"now {event['world_size']} worker(s)")
+        if event.get("mode") == "restart":  # restart mode: the scripts were restarted
+            parts.append(f"script restarted (restart {event.get('restarts', '?')})")
         detail = "; ".join(parts)
     return host, detail
 

@@ -30,10 +30,15 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
 
     lo, hi = doc.get("min_workers"), doc.get("max_workers")
     bounds = f"min {show(lo)}, max {hi if hi is not None else 'any'}"
-    grid.add_row("workers", f"{show(doc.get('world_size'))} ({bounds})"
-                            f"   generation {show(doc.get('generation'))}")
+    restart_mode = doc.get("mode") == "restart"
+    workers = f"{show(doc.get('world_size'))} ({bounds})   generation {show(doc.get('generation'))}"
+    if restart_mode:
+        n = doc.get("restarts") or 0
+        workers += f"   restart mode, {n} restart{'' if n == 1 else 's'}"
+    grid.add_row("workers", workers)
 
-    progress = f"step {show(doc.get('step'))}"
+    # Restart mode: eltctl sees the script's checkpoint snapshots, not its steps.
+    progress = f"{'snapshot' if restart_mode else 'step'} {show(doc.get('step'))}"
     if doc.get("epoch") is not None:
         progress += f"   epoch {doc.get('epoch')}"
     sps = num(doc.get("samples_per_s"))

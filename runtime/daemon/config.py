@@ -18,8 +18,17 @@
       "hang_timeout": 10, "min_workers": 1, "max_workers": null,
       "watch_interval": 1.0, "nvidia_smi_timeout": 10,
       "leave_timeout": 120, "stop_timeout": 300,    # optional: graces before SIGKILL
-      "evict_grace": 2      # optional: how long a worker that left for a GPU's owner may linger
+      "evict_grace": 2,     # optional: how long a worker that left for a GPU's owner may linger
+      "mode": "elastic",    # optional: or "restart" (an unmodified torchrun script)
+      "stop_grace": 30      # optional, restart mode: seconds the script has to save after SIGTERM
     }
+
+In restart mode each slot runs the supervisor (runtime/restart.py) in place of
+the command: `<python> -m eltctl_runtime.restart --stop-grace S --script-dir
+<job_dir>/script-checkpoints -- <command>`; it runs the command itself with
+torchrun's environment. `leave_timeout` and `stop_timeout` are raised to at
+least `stop_grace` + 60 s so the daemon never kills a supervisor that is still
+waiting for its script to save.
 
 The worker environment: the daemon's own (inherited), then `env`, then the
 runtime's contract (runtime/config.py): ELTCTL_STORE, ELTCTL_JOB,
@@ -40,6 +49,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..protocol import NAME_RULE, valid_name
+
+
+MODES = ("elastic", "restart")
+RESTART_MODULE = "eltctl_runtime.restart"
+SCRIPT_CHECKPOINTS_DIR = "script-checkpoints"  # under job_dir: the scripts' own checkpoints (restart mode)
+# How much longer than stop_grace the daemon waits for a supervisor to leave or stop.
+STOP_GRACE_MARGIN_S = 60.0
 
 
 class DaemonConfigError(ValueError):
@@ -69,6 +85,8 @@ class DaemonConfig:
     leave_timeout: float = 120.0
     stop_timeout: float = 300.0
     evict_grace: float = 2.0
+    mode: str = "elastic"
+    stop_grace: float = 30.0
 
     @property
     def gpu_host(self) -> bool:
@@ -82,10 +100,19 @@ class DaemonConfig:
         return None if self.device == "cuda" else frozenset(range(self.slots))
 
     @property
-    def argv(self) -> tuple[str, ...]:
-        """The worker's argv: `python` or `python3` as the first word means this host's interpreter."""
+    def script_argv(self) -> tuple[str, ...]:
+        """The job's command: `python` or `python3` as the first word means this host's interpreter."""
         first, *rest = self.command
         return (self.python, *rest) if first in ("python", "python3") else self.command
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """What the daemon starts per slot: the command, or in restart mode the
+        supervisor that runs it (see the module docstring)."""
+        if self.mode == "restart":
+            return (self.python, "-m", RESTART_MODULE, "--stop-grace", f"{self.stop_grace:g}", "--script-dir",
+                    str(self.job_dir / SCRIPT_CHECKPOINTS_DIR), "--", *self.script_argv)
+        return self.script_argv
 
     @classmethod
     def load(cls, path: Path) -> "DaemonConfig":
@@ -151,6 +178,11 @@ class DaemonConfig:
         for key in ("job", "host"):
             if not valid_name(need(key)):
                 raise DaemonConfigError(f"{source}: {key!r} is not a valid name ({d[key]!r}): use {NAME_RULE}")
+        mode = d.get("mode") or "elastic"
+        if mode not in MODES:
+            raise DaemonConfigError(f"{source}: 'mode' must be 'elastic' or 'restart', not {mode!r}")
+        stop_grace = number("stop_grace", 30.0)
+        floor = stop_grace + STOP_GRACE_MARGIN_S if mode == "restart" else 0.0
         return cls(
             job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
             code_dir=Path(need("code_dir")).expanduser(), command=tuple(command),
@@ -159,8 +191,9 @@ class DaemonConfig:
             checkpoint_dir=Path(ckpt).expanduser() if ckpt else None,
             hang_timeout=number("hang_timeout", 10.0), min_workers=min_workers, max_workers=max_workers,
             watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),
-            leave_timeout=number("leave_timeout", 120.0), stop_timeout=number("stop_timeout", 300.0),
-            evict_grace=number("evict_grace", 2.0),
+            leave_timeout=max(floor, number("leave_timeout", 120.0)),
+            stop_timeout=max(floor, number("stop_timeout", 300.0)),
+            evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace,
         )
 
 

@@ -78,7 +78,8 @@ def test_status_document_shape():
     assert list(doc) == ["job", "state", "phase", "message", "updated", "generation", "world_size", "members",
                          "min_workers", "max_workers", "step", "epoch", "samples_per_s", "loss", "checkpoint",
                          "runtime_status_age_s", "controller", "store", "hosts", "events", "mirror",
-                         "start_failed"]
+                         "start_failed", "mode", "restarts"]
+    assert (doc["mode"], doc["restarts"]) == ("elastic", None)
     assert (doc["job"], doc["state"], doc["world_size"], doc["min_workers"], doc["max_workers"]) == ("j", "training", 1,
                                                                                                     1, 4)
     # rank 0's clock a minute behind: the age is still the controller's 4 s

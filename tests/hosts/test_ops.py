@@ -155,6 +155,7 @@ def test_daemon_config_names_the_gpus_or_cpu_slots(tmp_path):
     assert (gpu["device"], gpu["gpus"], cpu["device"], cpu["gpus"], cpu["slots"]) == ("cuda", [0, 1], "cpu", None, 3)
     assert gpu["job_dir"] == "/h/.eltctl/jobs/j/a" and gpu["code_dir"] == "/h/.eltctl/jobs/j/a/code"
     assert gpu["hang_timeout"] == 5.0 and gpu["store"] == "10.0.0.5:1234"
+    assert (gpu["mode"], gpu["stop_grace"]) == ("elastic", 30.0)
 
 
 # ------------------------------------------------------------------- the layout and the programs

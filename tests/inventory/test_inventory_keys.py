@@ -43,3 +43,21 @@ def test_mistakes_have_exact_messages(text, message):
     with pytest.raises(ConfigError) as info:
         parse_inventory(text, "hosts.toml")
     assert info.value.message == message
+
+
+def test_job_mode_and_stop_grace():
+    inv = parse_inventory(BASE + HOST, "hosts.toml")
+    assert (inv.job.mode.value, inv.job.stop_grace) == ("elastic", 30.0)
+    inv = parse_inventory(BASE + 'mode = "restart"\nstop_grace = "45s"\n' + HOST, "hosts.toml")
+    assert (inv.job.mode.value, inv.job.stop_grace) == ("restart", 45.0)
+
+
+@pytest.mark.parametrize("text, message", [
+    (BASE + 'mode = "restrat"\n' + HOST,
+     'hosts.toml:4: job.mode: must be one of "elastic", "restart", got a string ("restrat"); did you mean "restart"?'),
+    (BASE + 'stop_grace = "0s"\n' + HOST, 'hosts.toml:4: job.stop_grace: must be longer than 0 s, got "0s"'),
+])
+def test_job_mode_mistakes_have_exact_messages(text, message):
+    with pytest.raises(ConfigError) as info:
+        parse_inventory(text, "hosts.toml")
+    assert info.value.message == message

@@ -310,7 +310,16 @@ def test_config_reads_the_documented_fields():
     assert cpu.valid_slots == {0, 1, 2} and not cpu.gpu_host and cpu.argv == ("./run.sh",)
 
 
+def test_restart_mode_runs_the_supervisor_with_time_to_save():
+    cfg = DaemonConfig.from_json(json.dumps(dict(BASE_CFG, mode="restart", stop_grace=100, leave_timeout=30)))
+    assert cfg.argv == ("/usr/bin/python3", "-m", "eltctl_runtime.restart", "--stop-grace", "100", "--script-dir",
+                        f"{BASE_CFG['job_dir']}/script-checkpoints", "--", "/usr/bin/python3", "train.py")
+    assert cfg.leave_timeout == 160 and cfg.stop_timeout == 300
+    assert DaemonConfig.from_json(json.dumps(BASE_CFG)).mode == "elastic"
+
+
 @pytest.mark.parametrize("change, message", [
+    ({"mode": "torchrun"}, "'mode' must be 'elastic' or 'restart'"),
     ({"job": None}, "'job' is required"),
     ({"store": "nohost"}, "host:port"),
     ({"device": "tpu"}, "'device'"),

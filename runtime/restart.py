@@ -1,0 +1,795 @@
+"""Restart mode: an unmodified torchrun script under eltctl's membership.
+
+`python -m eltctl_runtime.restart [--stop-grace S] [--script-dir D] -- <command>`
+runs in place of the training script, one per slot. This supervisor is a member
+of the job exactly like an ElasticJob worker (the same ELTCTL_* environment,
+join queue, leave/dead keys, generation plans (membership.py) and control
+thread (control.py)), so the host daemon, owner yield, scale, down and logs
+work unchanged. It does not train: per generation it starts the script as its
+child with torchrun's environment and, about every TICK_S, all-reduces a few
+control flags with the other supervisors in their own gloo group::
+
+    stop | join | leave per rank | child exited 0 per rank | child failed per rank
+
+A leave, a join or a failed child is a membership change: every supervisor
+sends SIGTERM to its child's process group, waits `stop_grace` for the script to
+save, then SIGKILLs the group. While no child runs, rank 0's supervisor packs
+the script's checkpoint directory (a consistent copy), broadcasts it to every
+member (before the leavers go, so a leaving rank 0 hands it over) and saves it
+as an ordinary eltctl checkpoint (step = the snapshot counter) so the
+controller's mirror and restore work unchanged. The next generation is
+decided (compare_set of its plan, as ElasticJob does); its members unpack the
+newest snapshot into their script directory and start the script again at the
+new size. A supervisor that crashes or hangs is found by the control thread:
+the survivors stop their children, the old rank 0 snapshots its directory, and
+the roll call forms the next generation, whose members agree on the newest
+snapshot (membership.choose_source). Rank 0's child exiting 0 ends the job
+(`done`); a stop request stops the children, snapshots and ends it.
+
+Rank 0 writes the status document (with `mode: "restart"` and `restarts`) and
+one event per restart (the plan's kind, with `mode: "restart"`; `pause_s` is
+from the moment the change was known to the new children's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import json
+import logging
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .collectives import Aborted
+from .config import Device, RuntimeConfig
+from .control import ControlThread
+from .job import ExcludedFromJob
+from .membership import Plan, Verdict, choose_source, decide, job_store, propose, roll_call, scan_joiners
+from .protocol import EventKind, Keys, add_event, put_dead, status_document
+from .state import tensor_bytes
+
+log = logging.getLogger("eltctl_runtime")
+
+TICK_S = 0.15
+# The next warm interpreter starts this long after the script (not at once: both
+# importing torch at the same moment would slow the script's own start).
+PREWARM_AFTER_S = 3.0
+WARM_READY_S = 120.0  # a joiner waits this long at most for its warm interpreter before it registers
+STATUS_EVERY_S = 1.0
+CRASH_CONFIRM_S = 2.0  # as job.py: a member silent this long after our collective failed is gone
+DEFAULT_STOP_GRACE_S = 30.0
+SNAPSHOT_FORMAT = "eltctl-restart-snapshot"
+SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
+# The child's environment: eltctl's own variables are the supervisor's, not the script's
+# (ELTCTL_JOB stays: it marks the job's processes for the daemon and `down`).
+_CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOCAL_GPU",
+                "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT")
+_PR_SET_PDEATHSIG = 1
+_PYTHON = re.compile(r"python[\d.]*$")
+WARM_MODULE = "eltctl_runtime.warmstart"
+
+
+# ---- pure parts ---------------------------------------------------------------
+
+
+def host_of(worker: str) -> str:
+    return worker.split("/", 1)[0]
+
+
+def slot_of(worker: str) -> str:
+    parts = worker.split("/")
+    return parts[1] if len(parts) > 2 else "0"
+
+
+def torchrun_env(members: Sequence[str], me: str, master_addr: str, master_port: int, restarts: int,
+                 run_id: str, gpus: bool) -> dict[str, str]:
+    """torchrun's environment for `me` in a generation of `members` (rank order).
+    LOCAL_RANK is the order among the members on its host, GROUP_RANK the host's
+    index in order of its first member; with `gpus`, CUDA_VISIBLE_DEVICES lists the
+    host's member GPUs (their slots) in LOCAL_RANK order, so `cuda:LOCAL_RANK` is
+    this member's GPU."""
+    hosts: list[str] = []
+    for w in members:
+        if host_of(w) not in hosts:
+            hosts.append(host_of(w))
+    local = [w for w in members if host_of(w) == host_of(me)]
+    rank, world = members.index(me), len(members)
+    env = {
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local.index(me)),
+        "LOCAL_WORLD_SIZE": str(len(local)), "GROUP_RANK": str(hosts.index(host_of(me))),
+        "GROUP_WORLD_SIZE": str(len(hosts)), "ROLE_NAME": "default", "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_RUN_ID": run_id,
+    }
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot_of(w) for w in local)
+    return env
+
+
+def expand_command(command: Sequence[str], script_dir: Path) -> list[str]:
+    return [a.replace(SCRIPT_DIR_PLACEHOLDER, str(script_dir)) for a in command]
+
+
+def warm_form(argv: Sequence[str]) -> tuple[str, list[str], bool] | None:
+    """(interpreter, the script's argv, whether it is `-m module`) when `argv` is
+    `python script.py ...` or `python -m module ...` (no interpreter options), the
+    forms a warm interpreter (warmstart.py) can run; None otherwise."""
+    if len(argv) < 2 or not _PYTHON.match(os.path.basename(argv[0])):
+        return None
+    if argv[1] == "-m":
+        return (argv[0], list(argv[2:]), True) if len(argv) > 2 else None
+    if argv[1].startswith("-"):
+        return None
+    return argv[0], list(argv[1:]), False
+
+
+def pack_dir(path: Path) -> bytes:
+    """The directory's files as an uncompressed tar (relative names)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        if path.is_dir():
+            for entry in sorted(path.iterdir()):
+                tar.add(entry, arcname=entry.name)
+    return buf.getvalue()
+
+
+def unpack_dir(data: bytes, path: Path) -> None:
+    """Replace the directory's contents with the tar `data` (empty: an empty
+    directory). The new tree is extracted beside it and swapped in."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.new-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    if data:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(tmp, filter="data")
+            else:  # pragma: no cover - Python < 3.11.4
+                tar.extractall(tmp)
+    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- the script's process ------------------------------------------------------
+
+
+try:  # looked up here, not in the forked child (no dynamic loading between fork and exec)
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _prctl = None
+
+
+def _child_setup() -> None:
+    """In the child before exec: its own process group, and SIGKILL when the
+    supervisor dies (a supervisor killed with SIGKILL leaves no orphan)."""
+    os.setpgrp()
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Child:
+    """The script's process (its own group) in one generation."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.stopping = False
+
+    @classmethod
+    def start(cls, argv: Sequence[str], env: Mapping[str, str]) -> "Child":
+        return cls(subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL,
+                                    preexec_fn=_child_setup, close_fds=True))
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace: float) -> int:
+        """SIGTERM to its group, up to `grace` seconds to exit, then SIGKILL; the exit code."""
+        self.stopping = True
+        if self.proc.poll() is None:
+            _killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                log.warning("the script (pid %d) did not exit within %g s of SIGTERM; killing it",
+                            self.proc.pid, grace)
+        _killpg(self.proc.pid, signal.SIGKILL)  # and anything it left in its group
+        return self.proc.wait()
+
+
+class Warm:
+    """The next generation's process, started ahead with torch imported
+    (warmstart.py); `hand` gives it the script to run."""
+
+    def __init__(self, proc: subprocess.Popen, pipe: int, ready: int) -> None:
+        self.proc = proc
+        self._pipe: int | None = pipe
+        self._ready: int | None = ready  # read end: one byte once torch is imported
+
+    @classmethod
+    def start(cls, python: str, env: Mapping[str, str]) -> "Warm":
+        r, w = os.pipe()
+        rr, rw = os.pipe()
+        try:
+            proc = subprocess.Popen([python, "-m", WARM_MODULE, str(r), str(rw)], env=dict(env),
+                                    stdin=subprocess.DEVNULL, pass_fds=(r, rw), preexec_fn=_child_setup,
+                                    close_fds=True)
+        except BaseException:
+            os.close(w)
+            os.close(rr)
+            raise
+        finally:
+            os.close(r)
+            os.close(rw)
+        return cls(proc, w, rr)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until it has imported torch; False if it died or the time ran out."""
+        if self._ready is None:
+            return self.proc.poll() is None
+        readable, _, _ = select.select([self._ready], [], [], timeout)
+        ok = bool(readable) and os.read(self._ready, 1) == b"1"
+        os.close(self._ready)
+        self._ready = None
+        return ok
+
+    def hand(self, argv: Sequence[str], module: bool, env: Mapping[str, str]) -> Child | None:
+        """The warm process now runs the script; None if it is gone (start one cold)."""
+        if self.proc.poll() is not None or self._pipe is None:
+            self.discard()
+            return None
+        try:
+            os.write(self._pipe, (json.dumps({"argv": list(argv), "module": module, "env": dict(env)}) + "\n").encode())
+        except OSError:
+            self.discard()
+            return None
+        os.close(self._pipe)
+        self._pipe = None
+        if self._ready is not None:
+            os.close(self._ready)
+            self._ready = None
+        return Child(self.proc)
+
+    def discard(self) -> None:
+        if self._pipe is not None:
+            os.close(self._pipe)
+            self._pipe = None
+        if self._ready is not None:
+            os.close(self._ready)
+            self._ready = None
+        _killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+# ---- the supervisor --------------------------------------------------------------
+
+
+class Supervisor:
+    """See the module docstring. `run()` does everything; the constructor nothing."""
+
+    def __init__(self, config: RuntimeConfig, command: Sequence[str], script_dir: Path,
+                 stop_grace: float = DEFAULT_STOP_GRACE_S, keep: int = 3, warm: bool = True) -> None:
+        self.cfg = config
+        self.me = config.worker_id
+        self.script_dir = Path(script_dir)
+        self.argv = expand_command(command, self.script_dir)
+        self.stop_grace = stop_grace
+        self._keep = keep
+        self._warm_form = warm_form(self.argv) if warm else None
+        self._warm: Warm | None = None
+        self._child_t = 0.0
+        self._child_warm = False
+        self._plan: Plan | None = None
+        self._rank = -1
+        self._pg = None
+        self._child: Child | None = None
+        self._child_ran = False  # a child ran in the current generation
+        self._snap: tuple[int, bytes] | None = None  # (snapshot counter, tar) held in memory
+        self._unpacked: int | None = None  # the counter whose tar is in script_dir
+        self._saved = 0  # the newest counter this supervisor saved as an eltctl checkpoint
+        self._starts = 0  # how often the job's scripts were started (job-wide, agreed)
+        self._t_change: float | None = None  # when the pending change became known (monotonic)
+        self._change_kind: EventKind | None = None
+        self._last_status = 0.0
+        self._last_ckpt: dict | None = None
+        self._member = False
+        self._over = False  # left, finished or stopped: nothing more to do
+        self._ckpt = None
+        self._control: ControlThread | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.cfg
+        self._bind = collectives.local_address_towards(cfg.store_host, cfg.store_port)
+        self._store = self._connect()
+        if cfg.checkpoint_dir is not None:
+            from .checkpoint import CheckpointStore
+
+            self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
+        self._control = ControlThread(self._connect, self.me, cfg.hang_timeout_s, cfg.max_workers)
+        self._control.start()
+        old = signal.signal(signal.SIGTERM, lambda *_: self._control.request_local_leave())
+        try:
+            self._prewarm()
+            if self._warm is not None and not self._warm.wait_ready(WARM_READY_S):
+                log.warning("supervisor %s: the warm interpreter was not ready within %g s; joining anyway",
+                            self.me, WARM_READY_S)
+            plan = self._admit()
+            while plan is not None:
+                try:
+                    plan = self._generation(plan)
+                except Aborted as e:
+                    log.warning("supervisor %s: generation %d aborted: %s (%s)", self.me, self._plan.generation,
+                                e, self._control.abort_reason())
+                    self._t_change = self._t_change or time.monotonic()
+                    self._stop_child()
+                    if self._rank == 0 and self._child_ran:
+                        self._take_snapshot()
+                    plan = self._recover(e.backend_error)
+            return 0
+        except BaseException as e:
+            if self._member and not self._over and not isinstance(e, ExcludedFromJob):
+                log.error("supervisor %s: leaving abruptly: %r", self.me, e)
+                try:
+                    put_dead(self._store, self.me)
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    pass
+            raise
+        finally:
+            if self._child is not None:
+                self._child.stop(grace=min(self.stop_grace, 5.0))
+            if self._warm is not None:
+                self._warm.discard()
+            if self._ckpt is not None:
+                self._ckpt.close()
+            self._control.close()
+            signal.signal(signal.SIGTERM, old)
+            collectives.bury(self._pg)
+
+    def _connect(self):
+        cfg = self.cfg
+        raw = dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False, timeout=timedelta(seconds=60))
+        return job_store(raw, cfg.job)
+
+    # -- admission (as ElasticJob._admit) -----------------------------------------
+    def _admit(self) -> Plan | None:
+        st, me, cfg = self._store, self.me, self.cfg
+        seq = st.add(Keys.JOIN_SEQ, 1)
+        st.set(Keys.join(seq), me)
+        log.info("supervisor %s: waiting to be admitted (join #%d)", me, seq)
+        known = -1
+        orphan_watch: tuple[str, ...] = ()
+        while True:
+            if st.check([Keys.DONE]):
+                log.info("supervisor %s: the job is already finished; nothing to do", me)
+                return None
+            if self._control.requests.leave:
+                log.info("supervisor %s: asked to leave before it was admitted", me)
+                put_dead(st, me)  # so that nobody admits it any more
+                return None
+            while st.check([Keys.plan(known + 1)]):
+                known += 1
+            if known >= 0:
+                plan = Plan.from_json(st.get(Keys.plan(known)))
+                if me in plan.members:
+                    self._member = True
+                    return plan
+                if plan.members != orphan_watch:
+                    orphan_watch = plan.members
+                    self._control.watch(None, others=plan.members)
+                gone = all(st.check([Keys.dead(w)]) or self._control.silence(w) >= cfg.hang_timeout_s
+                           for w in plan.members)
+                if gone:
+                    queue, upto = self._scan_joiners(plan.join_upto)
+                    if len(queue) >= cfg.min_workers:
+                        self._decide(propose(plan, [], queue, upto, cfg.max_workers, EventKind.RESTORE, time.time()))
+                        continue
+            else:
+                queue, upto = self._scan_joiners(0)
+                if len(queue) >= cfg.min_workers:
+                    self._decide(propose(None, [], queue, upto, cfg.max_workers, EventKind.START, time.time()))
+                    continue
+            time.sleep(0.02)
+
+    def _scan_joiners(self, after: int) -> tuple[list[tuple[int, str]], int]:
+        return scan_joiners(self._store, after)
+
+    def _decide(self, proposal: Plan) -> Plan:
+        return decide(self._store, proposal)
+
+    # -- one generation ------------------------------------------------------------
+    def _generation(self, plan: Plan) -> Plan | None:
+        """Run generation `plan` until its membership changes; the next plan, or
+        None when this supervisor is done. Raises Aborted if the group breaks."""
+        me, st = self.me, self._store
+        if me not in plan.members:
+            raise ExcludedFromJob(f"supervisor {me} is not a member of generation {plan.generation} "
+                                  f"(members: {', '.join(plan.members)}); it was presumed hung or dead")
+        previous, self._plan = self._plan, plan
+        self._rank = plan.members.index(me)
+        self._child, self._child_ran = None, False
+        abort = self._control.watch(plan)
+        collectives.bury(self._pg)
+        self._pg = None
+        prefix = dist.PrefixStore(Keys.pg_prefix(plan.generation), st)
+        cpu = torch.device("cpu")
+        self._pg = collectives.run_abortable(
+            lambda: collectives.make_group(prefix, self._rank, plan.world_size, cpu, self._bind),
+            abort, f"supervisors' group of generation {plan.generation}")
+        if self._rank == 0:
+            st.set(Keys.master(plan.generation), f"{self._bind}:{_free_port(self._bind)}")
+        restored = self._sync(abort)
+        addr, _, port = st.get(Keys.master(plan.generation)).decode().rpartition(":")
+        counter, data = self._snap
+        if self._unpacked != counter:
+            unpack_dir(data, self.script_dir)
+            self._unpacked = counter
+        self.script_dir.mkdir(parents=True, exist_ok=True)
+        if self._rank == 0 and counter > self._saved:
+            self._save_checkpoint(wait=False)
+        restarts = self._starts
+        env = _child_env(os.environ, self.script_dir)
+        env.update(torchrun_env(plan.members, me, addr, int(port), restarts, self.cfg.job,
+                                gpus=self.cfg.device is Device.CUDA))
+        self._child = self._start_child(env)
+        self._child_ran = True
+        self._starts += 1
+        now = time.monotonic()
+        log.info("supervisor %s: started the script (pid %d, %s) as rank %d of %d in generation %d (%s), "
+                 "restart %d, snapshot %d", me, self._child.proc.pid, "warm" if self._child_warm else "cold",
+                 self._rank, plan.world_size, plan.generation, plan.kind.value, restarts, counter)
+        if self._rank == 0 and (previous is not None or restored):
+            kind = EventKind.RESTORE if restored else (self._change_kind or plan.kind)
+            pause = round(now - self._t_change, 4) if self._t_change is not None else None
+            self._event({"kind": kind.value, "mode": "restart", "generation": plan.generation,
+                         "world_size": plan.world_size, "members": list(plan.members), "joined": list(plan.joined),
+                         "left": list(plan.left), "lost": list(plan.lost), "restarts": restarts,
+                         "from_step": counter, "step": counter, "pause_s": pause})
+        self._t_change, self._change_kind = None, None
+        if self._rank == 0:
+            self._write_status(now)
+        return self._watch(abort)
+
+    def _start_child(self, env: Mapping[str, str]) -> Child:
+        """The script in the warm process if there is one, else cold; then the next warm one."""
+        child, self._child_warm = None, False
+        if self._warm is not None:
+            _python, argv, module = self._warm_form
+            child, self._warm = self._warm.hand(argv, module, env), None
+        self._child_warm = child is not None
+        if child is None:
+            child = Child.start(self.argv, env)
+        self._child_t = time.monotonic()
+        return child
+
+    def _prewarm(self) -> None:
+        if self._warm_form is not None and self._warm is None:
+            try:
+                self._warm = Warm.start(self._warm_form[0], _child_env(os.environ, self.script_dir))
+            except OSError as e:
+                log.warning("supervisor %s: no warm interpreter (%s); scripts start cold", self.me, e)
+                self._warm_form = None
+
+    def _sync(self, abort) -> bool:
+        """Agree on the newest snapshot and the start count; True if it came from
+        an eltctl checkpoint (no member held one)."""
+        has = self._snap is not None
+        counter = self._snap[0] if has else 0
+        report = torch.tensor([int(has), counter, self._starts], dtype=torch.int64)
+        reports = [t.tolist() for t in collectives.allgather(self._pg, report, abort)]
+        self._starts = max(r[2] for r in reports)
+        transfer = choose_source([(bool(r[0]), int(r[1])) for r in reports])
+        if not transfer.needed:
+            return False
+        restored = False
+        if self._rank == transfer.source:
+            if transfer.restore:
+                restored = self._restore()
+            counter, data = self._snap
+            header = torch.tensor([len(data), counter, self._starts, int(restored)], dtype=torch.int64)
+        else:
+            header = torch.zeros(4, dtype=torch.int64)
+        header = collectives.broadcast(self._pg, header, transfer.source, abort)
+        n, counter, starts, restored = (int(x) for x in header.tolist())
+        self._starts = max(self._starts, starts)
+        if n and self._plan.world_size > 1:
+            buf = (_as_tensor(self._snap[1]) if self._rank == transfer.source
+                   else torch.empty(n, dtype=torch.uint8))
+            buf = collectives.broadcast(self._pg, buf, transfer.source, abort)
+            if self._rank != transfer.source:
+                self._snap = (counter, tensor_bytes(buf))
+        elif self._rank != transfer.source:
+            self._snap = (counter, b"")
+        return bool(restored)
+
+    def _watch(self, abort) -> Plan | None:
+        """The control-flag rounds of a running generation; acts on the first change."""
+        W, r = self._plan.world_size, self._rank
+        while True:
+            flags = self._flags()
+            collectives.allreduce(self._pg, flags, abort)
+            f = flags.tolist()
+            stop, join = f[0] > 0, f[1] > 0
+            leavers = {self._plan.members[i] for i in range(W) if f[2 + i] > 0}
+            finished = f[2 + W] > 0  # rank 0's script exited 0
+            failed = [self._plan.members[i] for i in range(W) if f[2 + 2 * W + i] > 0]
+            now = time.monotonic()
+            if stop:
+                return self._end("stop")
+            if finished:
+                return self._end("finished")
+            if leavers or join or failed:
+                self._t_change = now
+                kind = EventKind.LEAVE if leavers else EventKind.CRASH if failed else EventKind.JOIN
+                log.info("supervisor %s: generation %d changes (leave: %s, join: %s, failed scripts: %s); "
+                         "stopping the script", self.me, self._plan.generation, sorted(leavers) or "-",
+                         "yes" if join else "no", failed or "-")
+                return self._change(leavers, kind, abort)
+            if r == 0 and now - self._last_status >= STATUS_EVERY_S:
+                self._write_status(now)
+            if self._warm is None and now - self._child_t >= PREWARM_AFTER_S:
+                self._prewarm()
+            abort.wait(TICK_S)
+
+    def _flags(self) -> torch.Tensor:
+        W, r = self._plan.world_size, self._rank
+        req = self._control.requests
+        flags = torch.zeros(2 + 3 * W, dtype=torch.int64)
+        flags[0] = int(req.stop)
+        # The control thread may still report a join against the previous plan
+        # (the one this generation admitted): check the queue against this plan.
+        flags[1] = int(req.join and self._store.add(Keys.JOIN_SEQ, 0) > self._plan.join_upto)
+        flags[2 + r] = int(req.leave)
+        rc = self._child.poll() if self._child is not None and not self._child.stopping else None
+        if rc is not None:
+            if rc == 0 and r == 0:
+                flags[2 + W] = 1
+            elif rc != 0:
+                flags[2 + 2 * W + r] = 1
+        return flags
+
+    def _change(self, leavers: set[str], kind: EventKind, abort) -> Plan | None:
+        """Stop every script, hand rank 0's directory to every member, decide the next plan."""
+        self._change_kind = kind
+        self._stop_child()
+        # Every script has exited once this round completes; leaves that came
+        # in meanwhile join this change instead of causing another.
+        flags = collectives.allreduce(self._pg, self._flags(), abort).tolist()
+        W = self._plan.world_size
+        leavers |= {self._plan.members[i] for i in range(W) if flags[2 + i] > 0}
+        self._share_snapshot(abort)
+        if self._rank == 0:
+            self._save_checkpoint(wait=False)
+        plan = self._plan
+        survivors = [w for w in plan.members if w not in leavers]
+        queue, upto = self._scan_joiners(plan.join_upto)
+        if leavers:
+            kind = EventKind.LEAVE
+        proposal = propose(plan, survivors, queue, upto, self.cfg.max_workers, kind, time.time())
+        if not proposal.members:
+            log.info("supervisor %s: every member leaves; the job pauses at snapshot %d", self.me, self._snap[0])
+            self._over = True
+            return None
+        decided = self._decide(proposal)
+        if self.me not in decided.members:
+            if self.me in decided.left:
+                log.info("supervisor %s: left the job (generation %d)", self.me, decided.generation)
+                self._over = True
+                return None
+            raise ExcludedFromJob(f"supervisor {self.me} is not a member of generation {decided.generation}")
+        return decided
+
+    def _share_snapshot(self, abort) -> None:
+        """Rank 0 packs its script directory (no script runs) and broadcasts it."""
+        if self._rank == 0:
+            self._take_snapshot()
+            counter, data = self._snap
+            header = torch.tensor([len(data), counter], dtype=torch.int64)
+        else:
+            header = torch.zeros(2, dtype=torch.int64)
+        n, counter = (int(x) for x in collectives.broadcast(self._pg, header, 0, abort).tolist())
+        buf = _as_tensor(self._snap[1]) if self._rank == 0 else torch.empty(n, dtype=torch.uint8)
+        if n and self._plan.world_size > 1:
+            buf = collectives.broadcast(self._pg, buf, 0, abort)
+        if self._rank != 0:
+            self._snap = (counter, tensor_bytes(buf) if n else b"")
+
+    def _take_snapshot(self) -> None:
+        counter = (self._snap[0] if self._snap else 0) + 1
+        self._snap = (counter, pack_dir(self.script_dir))
+        self._unpacked = counter  # the directory is the snapshot
+        log.info("supervisor %s: snapshot %d of %s (%d bytes)", self.me, counter, self.script_dir,
+                 len(self._snap[1]))
+
+    def _end(self, reason: str) -> None:
+        """The job ends (a stop request, or rank 0's script finished)."""
+        grace = self.stop_grace
+        if reason == "finished" and self._child is not None:
+            try:  # the other ranks' scripts are finishing too: let them
+                self._child.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                grace = 5.0
+        self._stop_child(grace)
+        self._over = True
+        if self._rank == 0:
+            self._take_snapshot()
+            self._save_checkpoint(wait=True)
+            if reason == "stop":
+                self._event({"kind": EventKind.STOP.value, "mode": "restart", "generation": self._plan.generation,
+                             "step": self._snap[0]})
+            self._write_status(time.monotonic())
+            self._store.set(Keys.DONE, json.dumps({"step": self._snap[0], "reason": reason}))
+        log.info("supervisor %s: the job ends (%s)", self.me, reason)
+        return None
+
+    def _stop_child(self, grace: float | None = None) -> None:
+        if self._child is not None:
+            rc = self._child.stop(self.stop_grace if grace is None else grace)
+            log.info("supervisor %s: the script exited (%s)", self.me, rc)
+
+    # -- after an abort (as ElasticJob._recover) ------------------------------------
+    def _recover(self, peer_gone: bool) -> Plan | None:
+        plan, st = self._plan, self._store
+        g = plan.generation
+        limit = min(self.cfg.hang_timeout_s, CRASH_CONFIRM_S) if peer_gone else self.cfg.hang_timeout_s
+        st.compare_set(Keys.abort(g), "", json.dumps({"reason": "error", "worker": self.me}))
+        st.set(Keys.alive(g, self.me), str(self._snap[0] if self._snap else 0))
+        collectives.bury(self._pg)
+        self._pg = None
+        self._change_kind = None
+        while True:
+            if st.check([Keys.plan(g + 1)]):
+                decided = Plan.from_json(st.get(Keys.plan(g + 1)))
+                break
+            verdicts = {w: Verdict.SURVIVOR if w == self.me else roll_call(
+                alive=st.check([Keys.alive(g, w)]), dead=st.check([Keys.dead(w)]),
+                silent_for_s=self._control.silence(w), hang_timeout_s=limit) for w in plan.members}
+            if Verdict.UNKNOWN not in verdicts.values():
+                survivors = [w for w in plan.members if verdicts[w] is Verdict.SURVIVOR]
+                lost = [w for w in plan.members if verdicts[w] is Verdict.GONE]
+                crashed = peer_gone or any(st.check([Keys.dead(w)]) for w in lost)
+                queue, upto = self._scan_joiners(plan.join_upto)
+                decided = self._decide(propose(plan, survivors, queue, upto, self.cfg.max_workers,
+                                               EventKind.CRASH if crashed else EventKind.HANG, time.time()))
+                break
+            time.sleep(0.01)
+        if self.me not in decided.members and self.me in decided.left:
+            self._over = True
+            return None
+        return decided  # _generation raises ExcludedFromJob if this one is not in it
+
+    # -- checkpoints, status, events -------------------------------------------------
+    def _restore(self) -> bool:
+        """No member holds a snapshot: the newest eltctl checkpoint's, if any."""
+        self._snap = (0, b"")
+        if self._ckpt is None:
+            return False
+        found = self._ckpt.latest_valid()
+        if found is None:
+            return False
+        info, state = found
+        if not isinstance(state, dict) or state.get("format") != SNAPSHOT_FORMAT:
+            log.warning("supervisor %s: the checkpoint %s is not a restart-mode snapshot; starting afresh",
+                        self.me, info.path)
+            return False
+        self._snap = (info.step, tensor_bytes(state["tar"]))
+        self._saved = info.step
+        # The generation that ran after this snapshot used the saved count: the
+        # restored scripts get a higher one (TORCHELASTIC_RESTART_COUNT only grows).
+        self._starts = max(self._starts, int(state.get("starts", 0)) + 1)
+        log.info("supervisor %s: restored snapshot %d from %s", self.me, info.step, info.path)
+        return True
+
+    def _save_checkpoint(self, wait: bool) -> None:
+        if self._ckpt is None or self._snap is None or self._snap[0] <= self._saved:
+            return
+        counter, data = self._snap
+        self._ckpt.save_async(counter, {"format": SNAPSHOT_FORMAT, "tar": _as_tensor(data), "starts": self._starts})
+        self._saved = counter
+        if wait:
+            self._ckpt.wait()
+
+    def _on_checkpoint(self, info) -> None:  # writer thread
+        self._last_ckpt = {"step": info.step, "time": info.created, "path": str(info.path)}
+
+    def _write_status(self, now: float) -> None:
+        self._last_status = now
+        plan = self._plan
+        doc = status_document(generation=plan.generation, world_size=plan.world_size, members=plan.members,
+                              step=self._snap[0] if self._snap else 0, epoch=0, position=0, samples_per_s=0.0,
+                              loss=None, checkpoint=self._last_ckpt, mode="restart",
+                              restarts=max(0, self._starts - 1))
+        try:
+            self._store.set(Keys.STATUS, json.dumps(doc))
+        except Exception as e:  # noqa: BLE001 - status is advisory
+            log.warning("supervisor %s: could not write status: %s", self.me, e)
+
+    def _event(self, ev: dict) -> None:
+        ev.setdefault("time", time.time())
+        add_event(self._store, ev)
+        log.info("supervisor %s: event %s", self.me, json.dumps(ev))
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _child_env(base: Mapping[str, str], script_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in _CHILD_DROPS}
+    env["ELTCTL_CHECKPOINT_DIR"] = str(script_dir)
+    return env
+
+
+# ---- the command line ----------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m eltctl_runtime.restart",
+        description="Run an unmodified torchrun script as a member of an eltctl job (restart mode).")
+    ap.add_argument("--stop-grace", type=float, default=DEFAULT_STOP_GRACE_S,
+                    help="seconds the script has to exit after SIGTERM before SIGKILL (default 30)")
+    ap.add_argument("--script-dir", type=Path, default=None,
+                    help="where the script's own checkpoint directories live (one per slot); "
+                         "default: script-checkpoints beside ELTCTL_CHECKPOINT_DIR")
+    ap.add_argument("--no-warm", action="store_true",
+                    help="start each generation's script cold (default: a process with torch already "
+                         "imported waits for it, for `python script.py` and `python -m module` commands)")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- the script's command")
+    args = ap.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        ap.error("give the script's command after --")
+    if args.stop_grace <= 0:
+        ap.error("--stop-grace must be positive")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    cfg = RuntimeConfig.from_env()
+    base = args.script_dir
+    if base is None:
+        if cfg.checkpoint_dir is None:
+            ap.error("give --script-dir (or set ELTCTL_CHECKPOINT_DIR)")
+        base = cfg.checkpoint_dir.parent / "script-checkpoints"
+    sup = Supervisor(cfg, command, base / slot_of(cfg.worker_id), stop_grace=args.stop_grace,
+                     warm=not args.no_warm)
+    try:
+        return sup.run()
+    except ExcludedFromJob as e:
+        log.error("%s", e)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

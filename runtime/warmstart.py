@@ -1,0 +1,67 @@
+"""A warm interpreter for restart mode: torch imported before the script is known.
+
+Most of a restarted torchrun script's start-up is the interpreter's and
+`import torch` (seconds; more on a loaded host). The restart supervisor
+(restart.py) therefore starts the next generation's process ahead of time as
+`python -m eltctl_runtime.warmstart FD READY_FD`: it imports torch, writes one
+byte to READY_FD (the supervisor joins the job only once it is warm) and waits. When the
+generation starts, the supervisor writes one JSON line to the pipe FD::
+
+    {"argv": ["train.py", "--lr", "0.1"], "module": false, "env": {...}}
+
+and this process takes the environment (torchrun's variables included: torch
+reads them when the script calls init_process_group, and CUDA only reads
+CUDA_VISIBLE_DEVICES when it first initialises, which importing torch does not),
+sets sys.argv and sys.path[0] as `python train.py ...` (or `python -m mod ...`)
+would, and runs the script as `__main__` with runpy. The script is unchanged;
+its exit status is the process's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+
+def _warm() -> None:
+    import torch  # noqa: F401 - the point of this process
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.utils.data  # noqa: F401
+    try:  # DistributedDataParallel's constructor imports these (about 1.4 s here): not on the pause
+        import torch._dynamo  # noqa: F401
+        import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    except ImportError:  # pragma: no cover - another torch version
+        pass
+
+
+def main() -> None:
+    fd, ready = int(sys.argv[1]), int(sys.argv[2])
+    _warm()
+    try:
+        os.write(ready, b"1")
+        os.close(ready)
+    except OSError:
+        pass
+    with os.fdopen(fd, "rb") as pipe:
+        line = pipe.readline()
+    if not line:
+        sys.exit(0)  # the supervisor went away or does not need this process
+    spec = json.loads(line)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    argv = list(spec["argv"])
+    if spec.get("module"):
+        sys.argv = [argv[0], *argv[1:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

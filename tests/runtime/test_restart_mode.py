@@ -1,0 +1,193 @@
+"""Restart mode with real processes: supervisors (`python -m eltctl_runtime.restart`)
+under the host interpreter, each running the unmodified DDP script
+examples/ddp_restart.py, on a store hosted by the test (runtime_cluster.py).
+
+The plan: 3 supervisors start the script at world size 3; rank 0's supervisor
+gets SIGTERM (a planned leave: it hands the script's checkpoint over) and the
+other two restart at 2, resuming from the step the script saved; a fourth
+supervisor joins and the job restarts at 3; one supervisor is SIGKILLed and the
+survivors restart at 2 from the script's last save; a stop ends the job. Every
+supervisor and every script is gone at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from eltctl_runtime import read_status
+from eltctl_runtime.checkpoint import CheckpointStore
+from eltctl_runtime.restart import expand_command, pack_dir, torchrun_env, unpack_dir, warm_form
+from runtime_cluster import PYTHON, ROOT, Cluster, Worker
+
+SCRIPT = ROOT / "examples" / "ddp_restart.py"
+SCRIPT_ARGS = ["--steps", "100000", "--save-every", "5", "--step-sleep", "0.05", "--samples", "512",
+               "--batch", "8", "--hidden", "16"]
+STEP = re.compile(r"^step (\d+) world (\d+) restart (\d+)", re.M)
+RESUMED = re.compile(r"^resumed at step (\d+) world (\d+) restart (\d+)", re.M)
+STARTED = re.compile(r"started the script \(pid (\d+), (?:warm|cold)\)")
+
+
+# -- the pure parts -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("members, me, expect", [
+    (("a/0/1",), "a/0/1", dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                                GROUP_WORLD_SIZE="1")),
+    (("a/1/1", "b/0/1", "a/0/1"), "a/0/1", dict(RANK="2", WORLD_SIZE="3", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                                                 GROUP_RANK="0", GROUP_WORLD_SIZE="2", CUDA_VISIBLE_DEVICES="1,0")),
+    (("a/1/1", "b/0/1", "a/0/1"), "b/0/1", dict(RANK="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="1",
+                                                 CUDA_VISIBLE_DEVICES="0")),
+])
+def test_torchrun_env_ranks_members_by_plan_and_host(members, me, expect):
+    env = torchrun_env(members, me, "10.0.0.1", 29500, 2, "job", gpus=True)
+    assert {k: env[k] for k in expect} == expect
+    assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "29500"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "2" and env["TORCHELASTIC_RUN_ID"] == "job"
+    assert "CUDA_VISIBLE_DEVICES" not in torchrun_env(members, me, "x", 1, 0, "j", gpus=False)
+
+
+def test_checkpoint_dir_placeholder_is_expanded():
+    assert expand_command(["python", "t.py", "--ckpt={checkpoint_dir}/x"], Path("/d")) == [
+        "python", "t.py", "--ckpt=/d/x"]
+
+
+def test_directory_snapshot_round_trips_and_replaces(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.pt").write_bytes(b"\x00\x01" * 1000)
+    (src / "sub" / "b.txt").write_text("hi")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "stale").write_text("old")
+    unpack_dir(pack_dir(src), dst)
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*")) == ["a.pt", "sub", "sub/b.txt"]
+    assert (dst / "a.pt").read_bytes() == b"\x00\x01" * 1000
+    unpack_dir(b"", dst)
+    assert list(dst.iterdir()) == []
+
+
+# -- real supervisors ------------------------------------------------------------------
+
+
+class RestartCluster(Cluster):
+    """Cluster whose workers are restart-mode supervisors of the DDP script."""
+
+    def start(self, n: int = 1, extra: list[str] | None = None) -> list[Worker]:
+        new = []
+        for _ in range(n):
+            i = self._n
+            self._n += 1
+            wid = f"host{i}/0/{os.getpid()}"
+            log = self.tmp / f"w{i}.log"
+            w = Worker(wid, None, log, self.tmp / f"w{i}.result.json", self.tmp / f"w{i}.progress")  # type: ignore[arg-type]
+            cmd = [PYTHON, "-m", "eltctl_runtime.restart", "--stop-grace", "15", "--script-dir",
+                   str(self.tmp / f"s{i}"), "--", PYTHON, str(SCRIPT), *SCRIPT_ARGS, *(extra or [])]
+            env = self.env(wid)
+            env.pop("ELTCTL_AUDIT")
+            w.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log.open("w"),
+                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+            new.append(w)
+        self.workers += new
+        return new
+
+    def logs(self) -> str:
+        return "\n".join(w.log_text() for w in self.workers)
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        """(step, world, restart) of every step line of any rank 0."""
+        return [tuple(map(int, m)) for m in STEP.findall(self.logs())]
+
+    def resumed(self) -> dict[int, int]:
+        """restart count -> the step the script resumed at."""
+        return {int(r): int(s) for s, _w, r in RESUMED.findall(self.logs())}
+
+    def wait_world(self, world: int, min_restart: int = 0, steps_after: int = 3, timeout: float = 120.0) -> int:
+        """Wait for `steps_after` steps at `world` in a restart >= min_restart; returns that restart."""
+        def ok() -> bool:
+            got = [(s, r) for s, w, r in self.steps() if w == world and r >= min_restart]
+            return len(got) >= steps_after
+
+        self.wait_for(ok, timeout, f"{steps_after} steps at world size {world} (restart >= {min_restart})")
+        return max(r for _s, w, r in self.steps() if w == world and r >= min_restart)
+
+    def script_pids(self) -> list[int]:
+        return [int(p) for p in STARTED.findall(self.logs())]
+
+
+def check_resume(cluster: RestartCluster, restart: int, planned: bool) -> None:
+    """The restart `restart` resumed at the step the script saved: after a planned
+    change, the last step of the generation before (nothing redone); after a crash,
+    the script's last save that survived (rank 0's directory if its host lives, else
+    the snapshot handed over at the previous restart). Its first step is the next one."""
+    steps = cluster.steps()
+    before = max(s for s, _w, r in steps if r < restart)
+    resumed = cluster.resumed()[restart]
+    first = min(s for s, _w, r in steps if r == restart)
+    assert first == resumed + 1, (restart, resumed, first)
+    if planned:
+        assert resumed == before, (restart, resumed, before, cluster.logs()[-4000:])
+    else:  # no further back than the snapshot the previous generation started from
+        assert cluster.resumed()[restart - 1] <= resumed <= before, (restart, resumed, before)
+
+
+@pytest.mark.slow
+def test_script_restarts_through_leave_join_and_kill(tmp_path):
+    cluster = RestartCluster(tmp_path, hang_timeout=10.0, min_workers=3)
+    try:
+        a, b, c = cluster.start(3)
+        r = cluster.wait_world(3, steps_after=6)
+        cluster.kill(a, signal.SIGTERM)  # rank 0's supervisor leaves: it hands the directory over
+        r = cluster.wait_world(2, min_restart=r + 1)
+        check_resume(cluster, r, planned=True)
+        cluster.wait_exit([a])
+        assert a.proc.returncode == 0, cluster.dump_logs()
+        (d,) = cluster.start(1)
+        r = cluster.wait_world(3, min_restart=r + 1)
+        check_resume(cluster, r, planned=True)
+        cluster.kill(c, signal.SIGKILL)  # reported dead by the launcher, as a host daemon does
+        r = cluster.wait_world(2, min_restart=r + 1)
+        check_resume(cluster, r, planned=False)
+        cluster.stop()
+        cluster.wait_exit([b, d])
+        assert b.proc.returncode == 0 and d.proc.returncode == 0, cluster.dump_logs()
+
+        status = read_status(cluster.store, cluster.job)
+        assert status["mode"] == "restart" and status["restarts"] == r and status["world_size"] == 2, status
+        events = [e for e in cluster.events() if e.get("mode") == "restart"]
+        kinds = [e["kind"] for e in events]
+        assert kinds[:3] == ["leave", "join", "crash"] and kinds[-1] == "stop", kinds
+        assert all(e["pause_s"] is not None and e["pause_s"] < 60 for e in events[:3]), events
+        done = json.loads(cluster.store.get(f"eltctl/{cluster.job}/done"))
+        assert done["reason"] == "stop"
+        # The script's directory is saved as an ordinary eltctl checkpoint.
+        info, state = CheckpointStore(cluster.ckpt).latest_valid()
+        assert info.step == done["step"] and state["format"] == "eltctl-restart-snapshot"
+        for pid in cluster.script_pids():
+            assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"script pid {pid} still runs"
+    finally:
+        cluster.close()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("argv, form", [
+    (["python3", "t.py", "--x"], ("python3", ["t.py", "--x"], False)),
+    (["/usr/bin/python3.11", "-m", "pkg.train", "-a"], ("/usr/bin/python3.11", ["pkg.train", "-a"], True)),
+    (["python", "-u", "t.py"], None),
+    (["bash", "run.sh"], None),
+    (["python", "-m"], None),
+])
+def test_warm_interpreter_runs_plain_python_commands_only(argv, form):
+    assert warm_form(argv) == form
