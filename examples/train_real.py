@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--num-workers", type=int, default=0, help="data worker processes (0: load on the training thread)")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="steps")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step (tests)")
     ap.add_argument("--result", type=Path, default=None, help="write final step, losses and state hash here (JSON)")
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     job = elt.ElasticJob(  # (*)
         model, optimizer, dataset, global_batch_size=args.batch, seed=args.seed, max_steps=args.steps,
         epochs=args.epochs, micro_batch_size=args.micro_batch, checkpoint_every_steps=args.checkpoint_every,
-        config=config, bucket_mb=args.bucket_mb,
+        config=config, bucket_mb=args.bucket_mb, num_workers=args.num_workers,
+        prefetch_steps=max(2, args.num_workers),
         extra_state={"scheduler": scheduler}, max_grad_norm=args.max_grad_norm, grad_scaler=scaler,
     )
     loss, generation = None, None

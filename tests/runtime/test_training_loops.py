@@ -1,6 +1,7 @@
 """A real training loop (examples/train_real.py: BatchNorm, a warmup + cosine
-schedule, global clipping, a GradScaler, extra state) through every kind of
-change, against the same script at a fixed size.
+schedule, global clipping, a GradScaler, extra state, two data worker processes
+per rank, speed-balanced shares) through every kind of change, against the same
+script at a fixed size (loading on the training thread).
 
 The plan: two workers start; one joins (2 -> 3); rank 0 leaves (3 -> 2); one is
 SIGKILLed mid-step (2 -> 1); the last one is killed too, and two new workers
@@ -44,7 +45,7 @@ def finish(cluster, workers) -> list[dict]:
 
 def test_a_real_loop_through_join_leave_sigkill_and_restore_matches_a_fixed_size_run(cluster_factory):
     elastic = cluster_factory(min_workers=2, script=TRAIN_REAL, args=[])
-    slow = ARGS + ["--step-sleep", "0.1", "--checkpoint-every", "5"]
+    slow = ARGS + ["--step-sleep", "0.1", "--checkpoint-every", "5", "--num-workers", "2"]
     a, b = elastic.start(2, slow)
     elastic.wait_world(2, steps_after=5)
     (c,) = elastic.start(1, slow)                               # join: 2 -> 3
