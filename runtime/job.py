@@ -54,6 +54,7 @@ from .sampler import SamplerState
 log = logging.getLogger("eltctl_runtime")
 
 STATUS_EVERY_S = 1.0
+CONFIRM_COMMITS = 3  # a new balanced split is adopted once proposed at this many commits in a row
 # After this rank's own collective failed (a connection reset: some peer is
 # gone), a member silent this long is taken as dead without waiting for the
 # full hang timeout. A host that vanishes has no daemon left to report it.
@@ -162,6 +163,7 @@ class ElasticJob:
                                    for m in model.modules()) else 1
         self._pace = Pace()
         self._split = Split(minimum=self._min_share)
+        self._proposal: tuple[list[int], int] | None = None  # a new split proposed, and at how many commits in a row
         self._split_gen = -1
         self._t_handed = 0.0
         self._compute_s = 0.0
@@ -401,6 +403,7 @@ class ElasticJob:
         equal shares and is re-planned at its first commit."""
         if self._split_gen != self.generation or not self._balance:
             self._split, self._split_gen = Split(minimum=self._min_share), self.generation
+            self._proposal = None
         return self._split
 
     def _micro_limit(self) -> int | None:
@@ -663,7 +666,21 @@ class ElasticJob:
         self._last_counts = self._split_in_force().counts(self._global_count, W)
         self._last_paces = paces
         if self._balance:
-            self._split = self._split.replanned(paces, self._sampler.global_batch)
+            total = self._sampler.global_batch
+            cand = self._split.replanned(paces, total)
+            now, new = self._split.counts(total, W), cand.counts(total, W)
+            if new == now:
+                self._split, self._proposal = cand, None
+                return
+            # A new split is adopted only once the same one has been proposed at
+            # CONFIRM_COMMITS commits in a row: measured paces are noisy (on a busy
+            # machine two equal ranks swap a few samples back and forth), and every
+            # change costs the shares the input pipeline has prefetched.
+            seen = self._proposal[1] + 1 if self._proposal and self._proposal[0] == new else 1
+            if seen >= CONFIRM_COMMITS:
+                self._split, self._proposal = cand, None
+            else:
+                self._proposal = (new, seen)
 
     def _out_of_memory(self, n: int, error: Exception) -> None:
         """This rank ran out of memory on `n` samples: the step goes on without
