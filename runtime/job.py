@@ -46,7 +46,8 @@ from .balance import Pace, Split, worker_report
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
-from .membership import Plan, Verdict, choose_source, decide, job_store, propose, roll_call, scan_joiners
+from .membership import (Plan, Verdict, await_admission, choose_source, decide, job_store, propose, roll_call,
+                         scan_joiners)
 from .pipeline import Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .sampler import SamplerState
@@ -906,40 +907,12 @@ class ElasticJob:
 
     def _admit(self) -> None:
         """Register as a (warm) joiner and wait to be a member of a generation."""
-        st, me, cfg = self._store, self.worker_id, self.config
-        seq = st.add(Keys.JOIN_SEQ, 1)
-        st.set(Keys.join(seq), me)
-        log.info("worker %s: waiting to be admitted (join #%d)", me, seq)
-        known = -1
-        orphan_watch: tuple[str, ...] = ()
-        while True:
-            if st.check([Keys.DONE]):
-                log.info("worker %s: the job is already finished; nothing to do", me)
-                self._finished = True
-                return
-            while st.check([Keys.plan(known + 1)]):
-                known += 1
-            if known >= 0:
-                plan = Plan.from_json(st.get(Keys.plan(known)))
-                if me in plan.members:
-                    break
-                if plan.members != orphan_watch:
-                    orphan_watch = plan.members
-                    self._control.watch(None, others=plan.members)
-                # Nobody left to admit us (every member died): restart the job.
-                gone = all(st.check([Keys.dead(w)]) or self._control.silence(w) >= cfg.hang_timeout_s
-                           for w in plan.members)
-                if gone:
-                    queue, upto = self._scan_joiners(plan.join_upto)
-                    if len(queue) >= cfg.min_workers:
-                        self._decide(propose(plan, [], queue, upto, cfg.max_workers, EventKind.RESTORE, time.time()))
-                        continue
-            else:
-                queue, upto = self._scan_joiners(0)
-                if len(queue) >= cfg.min_workers:
-                    self._decide(propose(None, [], queue, upto, cfg.max_workers, EventKind.START, time.time()))
-                    continue
-            time.sleep(0.02)
+        cfg = self.config
+        plan = await_admission(self._store, self.worker_id, self._control, min_workers=cfg.min_workers,
+                               max_workers=cfg.max_workers, hang_timeout_s=cfg.hang_timeout_s)
+        if plan is None:
+            self._finished = True
+            return
         # A joiner of a running job has no committed step; members of the first
         # generation agree on one (restoring the newest checkpoint) in _switch.
         while True:
@@ -947,7 +920,8 @@ class ElasticJob:
                 self._switch(plan, old_t=0.0)
                 return
             except Aborted as e:
-                log.warning("worker %s: generation %d aborted while forming: %s", me, plan.generation, e)
+                log.warning("worker %s: generation %d aborted while forming: %s", self.worker_id,
+                            plan.generation, e)
                 self._recover()
                 return
 

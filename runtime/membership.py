@@ -20,11 +20,15 @@ Generation life::
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .protocol import EventKind, Keys, job_prefix
+
+log = logging.getLogger("eltctl_runtime")
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,53 @@ def scan_joiners(store, after: int) -> tuple[list[tuple[int, str]], int]:
 def decide(store, proposal: Plan) -> Plan:
     """compare_set: the first proposal for a generation wins; everyone adopts it."""
     return Plan.from_json(store.compare_set(Keys.plan(proposal.generation), "", proposal.to_json()))
+
+
+def await_admission(store, me: str, control, *, min_workers: int, max_workers: int | None,
+                    hang_timeout_s: float, give_up: Callable[[], bool] = lambda: False,
+                    poll_s: float = 0.02) -> "Plan | None":
+    """Register `me` as a (warm) joiner and wait until a generation's plan names
+    it; returns that plan, or None once the job is done or `give_up()` says so.
+
+    While waiting it helps decide: the first joiners form generation 0 once
+    `min_workers` are queued, and when every member of the newest plan is dead
+    or silent (nobody is left to admit anyone) the queued joiners form the next
+    one, restoring the job. `control` is the caller's ControlThread (its
+    silence measures and who it watches). Shared by ElasticJob and the restart
+    supervisor."""
+    seq = store.add(Keys.JOIN_SEQ, 1)
+    store.set(Keys.join(seq), me)
+    log.info("%s: waiting to be admitted (join #%d)", me, seq)
+    known = -1
+    orphan_watch: tuple[str, ...] = ()
+    while True:
+        if store.check([Keys.DONE]):
+            log.info("%s: the job is already finished; nothing to do", me)
+            return None
+        if give_up():
+            return None
+        while store.check([Keys.plan(known + 1)]):
+            known += 1
+        if known >= 0:
+            plan = Plan.from_json(store.get(Keys.plan(known)))
+            if me in plan.members:
+                return plan
+            if plan.members != orphan_watch:
+                orphan_watch = plan.members
+                control.watch(None, others=plan.members)
+            # Nobody left to admit us (every member died): restart the job.
+            gone = all(store.check([Keys.dead(w)]) or control.silence(w) >= hang_timeout_s for w in plan.members)
+            if gone:
+                queue, upto = scan_joiners(store, plan.join_upto)
+                if len(queue) >= min_workers:
+                    decide(store, propose(plan, [], queue, upto, max_workers, EventKind.RESTORE, time.time()))
+                    continue
+        else:
+            queue, upto = scan_joiners(store, 0)
+            if len(queue) >= min_workers:
+                decide(store, propose(None, [], queue, upto, max_workers, EventKind.START, time.time()))
+                continue
+        time.sleep(poll_s)
 
 
 # ---- the job's PrefixStore -------------------------------------------------

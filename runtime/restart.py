@@ -61,7 +61,8 @@ from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
 from .job import ExcludedFromJob
-from .membership import Plan, Verdict, choose_source, decide, job_store, propose, roll_call, scan_joiners
+from .membership import (Plan, Verdict, await_admission, choose_source, decide, job_store, propose, roll_call,
+                         scan_joiners)
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .state import tensor_bytes
 
@@ -378,43 +379,22 @@ class Supervisor:
 
     # -- admission (as ElasticJob._admit) -----------------------------------------
     def _admit(self) -> Plan | None:
-        st, me, cfg = self._store, self.me, self.cfg
-        seq = st.add(Keys.JOIN_SEQ, 1)
-        st.set(Keys.join(seq), me)
-        log.info("supervisor %s: waiting to be admitted (join #%d)", me, seq)
-        known = -1
-        orphan_watch: tuple[str, ...] = ()
-        while True:
-            if st.check([Keys.DONE]):
-                log.info("supervisor %s: the job is already finished; nothing to do", me)
-                return None
-            if self._control.requests.leave:
-                log.info("supervisor %s: asked to leave before it was admitted", me)
-                put_dead(st, me)  # so that nobody admits it any more
-                return None
-            while st.check([Keys.plan(known + 1)]):
-                known += 1
-            if known >= 0:
-                plan = Plan.from_json(st.get(Keys.plan(known)))
-                if me in plan.members:
-                    self._member = True
-                    return plan
-                if plan.members != orphan_watch:
-                    orphan_watch = plan.members
-                    self._control.watch(None, others=plan.members)
-                gone = all(st.check([Keys.dead(w)]) or self._control.silence(w) >= cfg.hang_timeout_s
-                           for w in plan.members)
-                if gone:
-                    queue, upto = self._scan_joiners(plan.join_upto)
-                    if len(queue) >= cfg.min_workers:
-                        self._decide(propose(plan, [], queue, upto, cfg.max_workers, EventKind.RESTORE, time.time()))
-                        continue
-            else:
-                queue, upto = self._scan_joiners(0)
-                if len(queue) >= cfg.min_workers:
-                    self._decide(propose(None, [], queue, upto, cfg.max_workers, EventKind.START, time.time()))
-                    continue
-            time.sleep(0.02)
+        """Wait to be a member (membership.await_admission); None: the job is done,
+        or this supervisor was asked to leave first."""
+        cfg = self.cfg
+
+        def asked_to_leave() -> bool:
+            if not self._control.requests.leave:
+                return False
+            log.info("supervisor %s: asked to leave before it was admitted", self.me)
+            put_dead(self._store, self.me)  # so that nobody admits it any more
+            return True
+
+        plan = await_admission(self._store, self.me, self._control, min_workers=cfg.min_workers,
+                               max_workers=cfg.max_workers, hang_timeout_s=cfg.hang_timeout_s,
+                               give_up=asked_to_leave)
+        self._member = plan is not None
+        return plan
 
     def _scan_joiners(self, after: int) -> tuple[list[tuple[int, str]], int]:
         return scan_joiners(self._store, after)
