@@ -6,7 +6,9 @@ is used in the children, never pickled). While the training thread computes a
 step, the workers read `dataset[i]` and collate the shares of the next K steps
 as the current layout splits them. Batches come back through shared memory
 (torch's tensor reductions: the storage travels as a file descriptor, not as
-bytes) and are handed to the training thread in order.
+bytes) and are handed to the training thread in order; a small batch (at most
+BY_VALUE_MAX_BYTES of tensor data) is pickled by value instead, which costs
+less than a shared-memory segment and a passed descriptor per tensor.
 
 Exactly-once does not depend on the prediction. A share is keyed by
 `ShareKey(epoch, position, indices)`: the step it belongs to and the exact
@@ -58,6 +60,8 @@ log = logging.getLogger("eltctl_runtime")
 # How often an idle data worker checks that its parent is still there (the
 # backstop where PR_SET_PDEATHSIG is missing).
 PARENT_POLL_S = 1.0
+# A batch with at most this much tensor data travels by value through the pipe.
+BY_VALUE_MAX_BYTES = 256 * 1024
 # How long close() lets data workers finish what they are doing before SIGKILL.
 CLOSE_GRACE_S = 0.05
 _PR_SET_PDEATHSIG = 1
@@ -360,6 +364,16 @@ class Prefetcher:
 
 # -- the data worker process ----------------------------------------------------------
 
+def _tensor_bytes(batch: Any) -> int:
+    """The bytes of tensor data in a batch (tensors in lists, tuples and dicts)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, (list, tuple)):
+        return sum(_tensor_bytes(b) for b in batch)
+    if isinstance(batch, dict):
+        return sum(_tensor_bytes(b) for b in batch.values())
+    return 0
+
 
 def _die_with_parent(parent: int) -> None:
     try:
@@ -392,7 +406,11 @@ def _worker_loop(dataset: Any, collate: Callable[[list], Any], tasks, cancel, ou
         try:
             torch.manual_seed(seed)
             random.seed(seed)
-            data = ForkingPickler.dumps((tid, fetch_batch(dataset, indices, collate), None))
+            batch = fetch_batch(dataset, indices, collate)
+            if _tensor_bytes(batch) <= BY_VALUE_MAX_BYTES:
+                data = pickle.dumps((tid, batch, None), protocol=pickle.HIGHEST_PROTOCOL)
+            else:
+                data = ForkingPickler.dumps((tid, batch, None))
         except Exception:  # noqa: BLE001 - the dataset's error goes to the training process, with its traceback
             data = ForkingPickler.dumps((tid, None, traceback.format_exc()))
         try:
