@@ -25,7 +25,8 @@ def up(
     if unattended:
         from eltctl import cron
 
-        cron.run_unattended(inventory, timeout=min(timeout, cron.UNATTENDED_TIMEOUT_S))
+        given = getattr(ctx.get_parameter_source("timeout"), "name", "") == "COMMANDLINE"
+        cron.run_unattended(inventory, timeout=timeout if given else cron.UNATTENDED_TIMEOUT_S)
         return
     out = Console(highlight=False, soft_wrap=True)
     result = client.up(inventory, detach=detach, timeout=timeout,
