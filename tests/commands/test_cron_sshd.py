@@ -6,7 +6,8 @@ entry's command the way cron does: `/bin/sh -c` under `env -i` with cron's
 environment (HOME, LOGNAME, SHELL=/bin/sh, PATH=/usr/bin:/bin; no SSH_AUTH_SOCK, no
 terminal, stdin /dev/null). While another run holds the lock it does nothing; then it
 starts the stopped job (controller and workers up on the test bed), and the next run
-is silent (no output, exit 0, nothing logged). `down` ends it.
+is silent (no output, exit 0, nothing logged). `down` ends it and says that the
+entry would bring it back.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def test_the_installed_line_starts_a_stopped_job_and_is_silent_next_time(one_hos
     assert (second.returncode, second.stdout, second.stderr) == (0, "", "")
     assert log.read_text() == logged and je.controller_pid() == ctl
 
+    # `down` says that the entry would start the job again; --remove takes it out.
+    down = je.eltctl("down")
+    assert "your crontab still runs this job (*/5 * * * *)" in down.stdout, down.stdout
+    assert job_pids(je.job) == []
     je.eltctl("cron", "--remove")
     assert table.read_text() == ""
-    je.eltctl("down")
-    assert job_pids(je.job) == []
