@@ -10,7 +10,8 @@ Absent (an older controller): no courtesy, the workers run as the daemon does.
 How each is applied, in the worker's own process between fork and exec (so every
 thread and child it makes inherits it; `preexec`):
 
-- nice: `setpriority` to the level (only ever lowered: a positive nice).
+- nice: `setpriority` to the level, when it is above the daemon's own (a worker
+  never runs at a higher priority than its daemon; raising one needs privileges).
 - ionice: `ioprio_set` (a raw syscall through ctypes; the stdlib has no wrapper):
   "best-effort" is class 2 at its lowest level, 7; "idle" is class 3. Where the
   syscall is missing (an unknown architecture) or refused, the worker starts without
@@ -120,8 +121,15 @@ def preexec(c: Courtesy, device: str) -> Callable[[], None] | None:
 
     Everything it needs is resolved here, in the daemon, so the child only makes
     system calls (no imports, no allocation worth speaking of: the daemon has a
-    thread). A refused ioprio is ignored: the worker runs without it (see `describe`)."""
-    nice, limit = c.nice, memory_limit_bytes(c, device)
+    thread), and nothing it does can fail the start: a nice level at or below the
+    daemon's own is left alone (lowering it needs privileges), the memory limit is
+    capped at the daemon's hard limit, and a refused call leaves that setting as the
+    daemon's (see `describe`)."""
+    nice = c.nice if c.nice > os.getpriority(os.PRIO_PROCESS, 0) else 0
+    limit = memory_limit_bytes(c, device)
+    if limit is not None:
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        limit = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
     word = ioprio_value(c.ionice)
     numbers, call = _SYSCALLS.get(platform.machine()), _syscall()
     set_ioprio = None if word is None or numbers is None or call is None else numbers[0]
@@ -130,11 +138,17 @@ def preexec(c: Courtesy, device: str) -> Callable[[], None] | None:
 
     def apply() -> None:
         if nice:
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, nice)
+            except OSError:
+                pass
         if set_ioprio is not None:
-            call(set_ioprio, IOPRIO_WHO_PROCESS, 0, word)
+            call(set_ioprio, IOPRIO_WHO_PROCESS, 0, word)  # returns -1 when refused: nothing raised
         if limit is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            try:
+                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            except (OSError, ValueError):
+                pass
 
     return apply
 

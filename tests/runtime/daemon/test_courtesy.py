@@ -7,6 +7,9 @@ memory limited, and the kernel says so (/proc/<pid>/stat, ioprio_get,
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -123,3 +126,12 @@ def test_gpu_workers_get_the_priority_but_no_address_space_limit(tmp_path):
         assert "memory_limit (1024 MiB) is not enforced on CUDA workers" in host.log()
     finally:
         host.close()
+
+
+def test_a_nice_level_at_or_below_the_daemons_own_is_left_alone():
+    # A child of ours at nice 15 asks for 10: it cannot raise its own priority, so nothing is set.
+    code = ("import os; os.setpriority(os.PRIO_PROCESS, 0, 15); "
+            "from eltctl_runtime.daemon.courtesy import Courtesy, preexec; "
+            "print(preexec(Courtesy(nice=10, ionice='none'), 'cpu'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
+    assert out.stdout.strip() == "None", out.stderr
