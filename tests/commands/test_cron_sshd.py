@@ -30,6 +30,11 @@ def one_host_job(testbed):
     yield from job_env_on(testbed, testbed.add_hosts(1, gpus=2))
 
 
+def nice_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[16])  # field 19 of proc(5): nice
+
+
 def as_cron(command: str, home: str) -> subprocess.CompletedProcess:
     env = ["HOME=" + home, "LOGNAME=root", "SHELL=/bin/sh", "PATH=/usr/bin:/bin"]
     return subprocess.run(["/usr/bin/env", "-i", *env, "/bin/sh", "-c", command], capture_output=True, text=True,
@@ -63,7 +68,10 @@ def test_the_installed_line_starts_a_stopped_job_and_is_silent_next_time(one_hos
     first = as_cron(command, home)
     assert (first.returncode, first.stdout, first.stderr) == (0, "", ""), first.stderr + je.controller_log()
     je.training_at(2)
-    assert len(worker_pids(je.job)) == 2
+    workers = worker_pids(je.job)
+    assert len(workers) == 2
+    # [policy]'s default courtesy reached the workers through daemon.json: nice 10.
+    assert all(nice_of(pid) == 10 for pid in workers.values()), workers
     logged = log.read_text()
     assert "started" in logged and "training" in logged, logged
 
