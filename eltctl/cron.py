@@ -120,6 +120,17 @@ def entries(table: str, mark: str) -> list[str]:
     return [item for item in table.splitlines() if item.endswith(mark)]
 
 
+def agent_note(inventory: Inventory, environ: Mapping[str, str] | None = None) -> str | None:
+    """A warning when SSH may work here only through ssh-agent, which cron runs do not have."""
+    env = os.environ if environ is None else environ
+    if inventory.ssh.identity_file is not None or not env.get("SSH_AUTH_SOCK"):
+        return None
+    doctor = command(inventory, environ=env).split(" && ", 1)[1].replace(" up --unattended", " doctor")
+    return ("cron runs have no ssh-agent: the hosts must accept one of your default keys (~/.ssh/id_*) without "
+            "a passphrase, or set [ssh] identity_file in the inventory; check with `env -i HOME=$HOME "
+            f"PATH=/usr/bin:/bin {doctor}`")
+
+
 # --------------------------------------------------------------------------- the crontab
 
 

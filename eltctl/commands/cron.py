@@ -40,5 +40,8 @@ def cron(
                   + f"\n{escape(change.line)}")
         out.print(f"[dim]it logs to {escape(str(log))}; `eltctl cron --remove` takes it out (do that before a "
                   "`down` you mean to last)[/]")
+        note = lib.agent_note(inventory)
+        if note:
+            out.print(f"[yellow]note:[/] {escape(note)}")
         return
     print(lib.entry(inventory, schedule))

@@ -34,7 +34,7 @@ import os
 import platform
 import resource
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 IONICE_CLASSES = ("none", "best-effort", "idle")
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ELTCTL_CPU_THREADS")

@@ -178,3 +178,11 @@ def test_the_log_is_capped(tmp_path):
     assert (tmp_path / "cron.log.1").read_text().count("x" * 100) == 20
     lines = log.read_text().splitlines()
     assert len(lines) == 2 and lines[0].endswith("] a started") and lines[1].endswith("] second line")
+
+
+def test_install_warns_when_ssh_may_need_the_agent(tmp_path):
+    inv = load_inventory(write_inventory(tmp_path))
+    note = cron.agent_note(inv, {"SSH_AUTH_SOCK": "/tmp/agent.1", "XDG_STATE_HOME": "/s"})
+    assert note and "no ssh-agent" in note and "identity_file" in note
+    assert "PATH=/usr/bin:/bin XDG_STATE_HOME=/s " in note and note.endswith(f"-i '{inv.path}' doctor`")
+    assert cron.agent_note(inv, {}) is None  # no agent here either: what works now works from cron
