@@ -19,7 +19,7 @@ default keys under ~/.ssh): without SSH_AUTH_SOCK, asyncssh simply has no agent.
 directory (`cron.lock`, flock'ed) makes an overlapping run return at once, doing
 nothing; a run that finds the controller alive changes nothing and writes nothing; a
 run that starts the controller appends what it did to `cron.log` there (capped at
-`LOG_CAP_BYTES`, the older half kept as cron.log.1). It exits non-zero only on a real
+`LOG_CAP_BYTES`: the full log then moves to cron.log.1). It exits non-zero only on a real
 failure (the inventory is broken, no host can run the job, the controller dies, the
 workers fail at start everywhere): the error goes to the log and to stderr, which
 cron mails. Waiting longer than `--timeout` for the first step is not a failure.
@@ -274,9 +274,9 @@ def run_unattended(inventory: Inventory, *, timeout: float = UNATTENDED_TIMEOUT_
     log_path = state.path / LOG_NAME
     said: list[str] = []
     try:
-        # A live controller is only asked to reconcile (nothing to wait for, nothing to say).
-        alive = client.same_inventory(inventory, client.ping(state)) is not None
         try:
+            # A live controller is only asked to reconcile (nothing to wait for, nothing to say).
+            alive = client.same_inventory(inventory, client.ping(state)) is not None
             result = client.up(inventory, detach=alive, timeout=timeout, progress=said.append)
         except client.NotTrainingYet as exc:
             lines = [*said, f"up: {exc.message}"]
