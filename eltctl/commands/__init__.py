@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from eltctl.commands import checkpoints, demo, doctor, down, init, logs, probe, scale, status, up
+from eltctl.commands import checkpoints, cron, demo, doctor, down, init, logs, probe, scale, status, up
 
 
 def register(app: typer.Typer) -> None:
@@ -24,4 +24,5 @@ def register(app: typer.Typer) -> None:
     app.command("status")(status.status)
     app.command("logs")(logs.logs)
     app.command("demo")(demo.demo)
+    app.command("cron")(cron.cron)
     app.add_typer(checkpoints.app, name="checkpoints")

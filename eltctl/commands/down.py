@@ -29,6 +29,7 @@ def down(
     names = ", ".join(h.name for h in inventory.hosts)
     if result.ok:
         out.print(f"[green]no process of job {escape(inventory.job.name)} left on {escape(names)}[/]")
+        _cron_note(inventory, out)
         return
     for host, procs in result.left.items():
         for pid, cmd in procs:
@@ -40,6 +41,18 @@ def down(
     hint = "" if force else " (`eltctl down --force` kills what is left)"
     out.print(f"job {escape(inventory.job.name)} is not fully down{hint}")
     raise typer.Exit(1)
+
+
+def _cron_note(inventory, out) -> None:
+    """A job kept alive by cron comes back at the next run: say so after `down`."""
+    from rich.markup import escape
+
+    from eltctl import cron
+
+    line = cron.installed(inventory)
+    if line:
+        out.print(f"[yellow]note:[/] your crontab still runs this job ({escape(line.split(' cd ', 1)[0])}): its "
+                  "next run starts it again; `eltctl cron --remove` takes the entry out")
 
 
 def describe_mirror(mirror: dict | None, checkpoint: dict | None) -> str | None:

@@ -10,6 +10,10 @@ def up(
     detach: bool = typer.Option(False, "--detach", "-d",
                                 help="Return once the controller runs; do not wait for training."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the first step."),
+    unattended: bool = typer.Option(
+        False, "--unattended",
+        help="For cron (`eltctl cron`): skip if another run holds the lock, log to the job's state directory, "
+             "print nothing unless it fails."),
 ) -> None:
     """Start (or adopt) the job's controller; idempotent: a healthy job is left as it is."""
     from rich.console import Console
@@ -17,8 +21,14 @@ def up(
 
     from eltctl.controller import client
 
-    out = Console(highlight=False, soft_wrap=True)
     inventory = ctx.obj.inventory()
+    if unattended:
+        from eltctl import cron
+
+        given = getattr(ctx.get_parameter_source("timeout"), "name", "") == "COMMANDLINE"
+        cron.run_unattended(inventory, timeout=timeout if given else cron.UNATTENDED_TIMEOUT_S)
+        return
+    out = Console(highlight=False, soft_wrap=True)
     result = client.up(inventory, detach=detach, timeout=timeout,
                        progress=lambda m: out.print(f"[yellow]! {escape(m)}[/]" if m.startswith("warning:")
                                                     else f"[dim]·[/] {escape(m)}"))

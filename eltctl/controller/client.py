@@ -119,6 +119,10 @@ def ensure_controller(inventory: Inventory, progress: Progress,
                       hint=f"see {state.controller_log}")
 
 
+class NotTrainingYet(EltctlError):
+    """`up` gave up waiting for the first step; the controller goes on (not a failure of the job)."""
+
+
 @dataclass(frozen=True)
 class UpResult:
     controller_pid: int
@@ -178,8 +182,8 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
         if doc.get("state") in ("stopping", "stopped"):
             raise EltctlError(f"the job is {doc.get('state')} (an `eltctl down` is under way)")
         time.sleep(0.5)
-    raise EltctlError(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
-                      "the controller goes on", hint="`eltctl status` shows why; `eltctl logs HOST` the hosts' logs")
+    raise NotTrainingYet(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
+                         "the controller goes on", hint="`eltctl status` shows why; `eltctl logs HOST` the hosts' logs")
 
 
 def start_failed_error(failed: dict[str, str]) -> EltctlError:

@@ -9,6 +9,7 @@ between runs and what the commands read (docs/control-plane.md, "Files"):
     status.json       the status document, rewritten about once a second
     hosts.json        the controller's memory about hosts (removed, benched, ...)
     controller.log, storekeeper.log
+    cron.lock, cron.log  `up --unattended`'s run lock and log (eltctl/cron.py)
 
 Everything written here is written atomically (a temporary file renamed into
 place), so a reader never sees half a document, whatever dies when. This module

@@ -40,7 +40,7 @@ from eltctl.errors import HostError
 from eltctl.hosts import layout, programs
 from eltctl.hosts.layout import HostPaths
 from eltctl.hosts.transport import ErrorKind, RunResult, Transport
-from eltctl.inventory import DeviceKind, Host, Inventory
+from eltctl.inventory import DeviceKind, Host, Inventory, courtesy
 
 RUNTIME_PACKAGE = "eltctl_runtime"
 DAEMON_MODULE = "eltctl_runtime.daemon"
@@ -218,6 +218,7 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
         "nvidia_smi_timeout": policy.nvidia_smi_timeout,
         "mode": job.mode.value,
         "stop_grace": job.stop_grace,
+        "courtesy": courtesy.for_host(inventory.courtesy, host.courtesy).to_json(),
     }
 
 

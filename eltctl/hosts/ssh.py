@@ -299,7 +299,8 @@ async def _open(host: Host, ep: Endpoint, settings: SSHSettings, *, tunnel, via:
             host.name, f"cannot load [ssh] identity_file {settings.identity_file}: {_describe(exc)}",
             kind=ErrorKind.AUTH,
             hint="check the path in the inventory; a passphrase-protected key must be loaded into "
-                 "ssh-agent (ssh-add) instead",
+                 "ssh-agent (ssh-add) instead (cron runs have no agent: `eltctl cron` needs a key without "
+                 "a passphrase)",
         ) from exc
     if ep.port is not None:
         kwargs["port"] = ep.port

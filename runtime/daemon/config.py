@@ -20,7 +20,9 @@
       "leave_timeout": 120, "stop_timeout": 300,    # optional: graces before SIGKILL
       "evict_grace": 2,     # optional: how long a worker that left for a GPU's owner may linger
       "mode": "elastic",    # optional: or "restart" (an unmodified torchrun script)
-      "stop_grace": 30      # optional, restart mode: seconds the script has to save after SIGTERM
+      "stop_grace": 30,     # optional, restart mode: seconds the script has to save after SIGTERM
+      "courtesy": {"nice": 10, "ionice": "best-effort", "cpu_threads": null, "memory_limit_mib": null}
+                            # optional: the workers' priority and limits (courtesy.py); absent: none
     }
 
 In restart mode each slot runs the supervisor (runtime/restart.py) in place of
@@ -36,9 +38,10 @@ ELTCTL_WORKER_ID=`<host>/<slot>/<incarnation>` (never reused: the incarnation
 counts up from the daemon's start time in ms, logic.first_incarnation),
 ELTCTL_DEVICE, ELTCTL_LOCAL_GPU (0: the one visible GPU), ELTCTL_CHECKPOINT_DIR,
 ELTCTL_HANG_TIMEOUT, ELTCTL_MIN_WORKERS, ELTCTL_MAX_WORKERS, ELTCTL_MAX_MICRO_BATCH
-(when max_micro_batch is set), and for a GPU slot
+(when max_micro_batch is set), for a GPU slot
 CUDA_VISIBLE_DEVICES=<index> (also with device cpu: the GPU simulator sees a
-worker by it).
+worker by it), and with courtesy.cpu_threads OMP_NUM_THREADS, MKL_NUM_THREADS,
+OPENBLAS_NUM_THREADS and ELTCTL_CPU_THREADS (over the job's own env).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..protocol import NAME_RULE, valid_name
+from .courtesy import Courtesy, thread_env
 
 
 MODES = ("elastic", "restart")
@@ -87,6 +91,7 @@ class DaemonConfig:
     evict_grace: float = 2.0
     mode: str = "elastic"
     stop_grace: float = 30.0
+    courtesy: Courtesy = field(default_factory=Courtesy)
 
     @property
     def gpu_host(self) -> bool:
@@ -183,6 +188,10 @@ class DaemonConfig:
             raise DaemonConfigError(f"{source}: 'mode' must be 'elastic' or 'restart', not {mode!r}")
         stop_grace = number("stop_grace", 30.0)
         floor = stop_grace + STOP_GRACE_MARGIN_S if mode == "restart" else 0.0
+        try:
+            courtesy = Courtesy.from_json(d.get("courtesy"), source)
+        except ValueError as e:
+            raise DaemonConfigError(str(e)) from None
         return cls(
             job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
             code_dir=Path(need("code_dir")).expanduser(), command=tuple(command),
@@ -193,7 +202,7 @@ class DaemonConfig:
             watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),
             leave_timeout=max(floor, number("leave_timeout", 120.0)),
             stop_timeout=max(floor, number("stop_timeout", 300.0)),
-            evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace,
+            evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, courtesy=courtesy,
         )
 
 
@@ -218,4 +227,5 @@ def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id:
         env.pop("ELTCTL_MAX_MICRO_BATCH", None)
     if cfg.gpu_host:
         env["CUDA_VISIBLE_DEVICES"] = str(slot)
+    env.update(thread_env(cfg.courtesy))
     return env

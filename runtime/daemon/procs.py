@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 
 from ..files import remove
 from ..pids import pid_alive, read_pid_file
+from .courtesy import Courtesy, preexec
 
 
 # ---------------------------------------------------------------------------- the pid lock
@@ -171,13 +172,18 @@ def session_leaders_of(job: str, prefix: str) -> dict[int, str]:
 # ---------------------------------------------------------------------------- workers
 
 
-def start_worker(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path) -> subprocess.Popen:
+def start_worker(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path,
+                 courtesy: Courtesy | None = None, device: str = "cpu") -> subprocess.Popen:
     """A worker in its own session (so a signal to its group reaches everything
     it started, and a daemon killed with SIGKILL leaves it running), stdin
-    /dev/null, stdout and stderr appended to its log."""
+    /dev/null, stdout and stderr appended to its log, at the `courtesy`'s nice
+    level, I/O class and memory limit (courtesy.py; set in the child before exec,
+    so every thread and process of the worker inherits them)."""
+    setup = preexec(courtesy, device) if courtesy is not None else None
     with open(log_path, "ab", buffering=0) as log:
         return subprocess.Popen(list(argv), env=dict(env), cwd=str(cwd), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                                preexec_fn=setup)
 
 
 def signal_group(pid: int, sig: int) -> bool:

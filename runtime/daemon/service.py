@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from .. import files
 from ..pids import read_pid_file
 from ..protocol import EventKind, add_event, event_document, put_dead, put_leave
-from . import procs
+from . import courtesy, procs
 from .config import DaemonConfig, worker_env
 from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
 from .link import StoreLink
@@ -105,6 +105,8 @@ class Daemon:
                      self.cfg.job, self.cfg.store,
                      f"GPUs {list(self.cfg.gpus)}" if self.cfg.gpus is not None else
                      ("any GPU" if self.cfg.device == "cuda" else f"{self.cfg.slots} CPU slot(s)"))
+            log.info("host %s: workers run with %s", self.cfg.host,
+                     courtesy.describe(self.cfg.courtesy, self.cfg.device))
             self._install_signals()
             if ready:
                 ready(f"ok {os.getpid()}")
@@ -391,7 +393,7 @@ class Daemon:
         except OSError:
             offset = 0
         try:
-            proc = procs.start_worker(cfg.argv, env, cfg.code_dir, log_path)
+            proc = procs.start_worker(cfg.argv, env, cfg.code_dir, log_path, cfg.courtesy, cfg.device)
         except OSError as e:
             detail = f"could not be started: {e.strerror or e} ({cfg.argv[0]}, in {cfg.code_dir})"
             log.error("host %s: worker %s %s", cfg.host, wid, detail)
