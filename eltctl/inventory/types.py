@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eltctl.inventory.hours import HostSchedule, Schedule
+
 LOCAL = "local"  # `address = "local"`: run on this machine, no SSH
 
 
@@ -90,6 +92,7 @@ class Host:
     slots: int = 1  # CPU workers on a host without GPUs
     max_micro_batch: int | None = None  # samples a worker here computes at once; None: no limit
     env: tuple[tuple[str, str], ...] = ()  # extra environment for commands on this host
+    schedule: HostSchedule = field(default_factory=HostSchedule)  # enabled, hours, quotas (inventory/hours.py)
 
     @property
     def is_local(self) -> bool:
@@ -106,6 +109,7 @@ class Inventory:
     hosts: tuple[Host, ...] = field(default_factory=tuple)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)  # read from [policy]
+    schedule: Schedule = field(default_factory=Schedule)  # [policy]'s hours and quotas (inventory/hours.py)
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
