@@ -4,7 +4,8 @@ A spec (`HoursSpec`) is a list of windows in a host's wall-clock time, written i
 inventory as `hours = ["Mon-Fri 19:00-08:00", "Sat-Sun"]` (`parse_hours`):
 
 - `DAYS` alone is the whole of those days (`"Sat-Sun"`, `"Mon,Wed"`, `"Fri"`);
-- `DAYS HH:MM-HH:MM` is that stretch of each of those days; a window whose end is not
+- `DAYS HH:MM-HH:MM` is that stretch of each of those days (`HH:MM:SS` where seconds
+  matter); a window whose end is not
   after its start runs past midnight and belongs to the day it starts on
   (`"Fri 19:00-08:00"` is Friday 19:00 to Saturday 08:00); `24:00` ends at midnight;
 - `HH:MM-HH:MM` alone is every day; `"always"` (the default) is every moment.
@@ -27,10 +28,10 @@ from typing import Iterable
 
 DAY_NAMES = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 ALL_DAYS = frozenset(range(7))
-DAY_MIN = 24 * 60
+DAY_S = 24 * 3600
 HORIZON_DAYS = 9  # a weekly spec flips within a week; a spec that never flips answers None
 
-_TIME = r"(\d{1,2}):(\d{2})"
+_TIME = r"(\d{1,2}):(\d{2})(?::(\d{2}))?"
 _WINDOW = re.compile(rf"\s*(?P<days>[A-Za-z][A-Za-z,\s-]*?)?\s*(?:(?P<range>{_TIME}\s*-\s*{_TIME}))?\s*")
 
 
@@ -41,11 +42,11 @@ class HoursError(ValueError):
 @dataclass(frozen=True)
 class Window:
     """One window: the weekdays it starts on (0 = Monday) and its wall-clock start and
-    end in minutes after midnight; end <= start runs past midnight into the next day."""
+    end in seconds after midnight; end <= start runs past midnight into the next day."""
 
     days: frozenset[int]
     start: int = 0
-    end: int = DAY_MIN
+    end: int = DAY_S
 
     @property
     def overnight(self) -> bool:
@@ -59,7 +60,7 @@ class HoursSpec:
 
     @property
     def always(self) -> bool:
-        return any(w.days == ALL_DAYS and w.start == 0 and w.end == DAY_MIN for w in self.windows)
+        return any(w.days == ALL_DAYS and w.start == 0 and w.end == DAY_S for w in self.windows)
 
 
 ALWAYS = HoursSpec(windows=(Window(ALL_DAYS),), text=("always",))
@@ -96,11 +97,11 @@ def _days(text: str) -> frozenset[int]:
     return frozenset(out)
 
 
-def _minutes(h: str, m: str, text: str) -> int:
-    hh, mm = int(h), int(m)
-    if mm >= 60 or hh > 24 or (hh == 24 and mm):
-        raise HoursError(f"{text!r}: {h}:{m} is not a time of day (00:00 to 24:00)")
-    return hh * 60 + mm
+def _seconds(h: str, m: str, sec: str | None, text: str) -> int:
+    hh, mm, ss = int(h), int(m), int(sec or 0)
+    if mm >= 60 or ss >= 60 or hh > 24 or (hh == 24 and (mm or ss)):
+        raise HoursError(f"{text!r}: {h}:{m}{':' + sec if sec else ''} is not a time of day (00:00 to 24:00)")
+    return hh * 3600 + mm * 60 + ss
 
 
 def parse_window(text: str) -> Window:
@@ -115,9 +116,9 @@ def parse_window(text: str) -> Window:
     if not m.group("range"):
         return Window(days)
     g = m.groups()
-    start = _minutes(g[2], g[3], text)
-    end = _minutes(g[4], g[5], text)
-    if start == DAY_MIN:
+    start = _seconds(g[2], g[3], g[4], text)
+    end = _seconds(g[5], g[6], g[7], text)
+    if start == DAY_S:
         raise HoursError(f"{text!r}: a window cannot start at 24:00; start it at 00:00 of the next day")
     if start == end:
         raise HoursError(f"{text!r}: the window starts and ends at the same time; leave the times out for "
@@ -177,23 +178,24 @@ def valid_zone(name: str) -> bool:
 def in_window(spec: HoursSpec, tz: tzinfo, t: float) -> bool:
     """Is the wall-clock time in `tz` at POSIX time `t` inside one of the windows?"""
     local = datetime.fromtimestamp(t, tz)
-    minute = local.hour * 60 + local.minute + (local.second + local.microsecond / 1e6) / 60.0
+    second = local.hour * 3600 + local.minute * 60 + local.second + local.microsecond / 1e6
     today = local.weekday()
     yesterday = (today - 1) % 7
     for w in spec.windows:
         if w.overnight:
-            if (today in w.days and minute >= w.start) or (yesterday in w.days and minute < w.end):
+            if (today in w.days and second >= w.start) or (yesterday in w.days and second < w.end):
                 return True
-        elif today in w.days and w.start <= minute < w.end:
+        elif today in w.days and w.start <= second < w.end:
             return True
     return False
 
 
-def _wall(d: date, minute: int, tz: tzinfo, fold: int) -> float:
-    """The POSIX time of wall-clock `minute` of day `d` in `tz` (24:00: the next midnight)."""
-    if minute >= DAY_MIN:
-        d, minute = d + timedelta(days=1), minute - DAY_MIN
-    return datetime(d.year, d.month, d.day, minute // 60, minute % 60, tzinfo=tz, fold=fold).timestamp()
+def _wall(d: date, second: int, tz: tzinfo, fold: int) -> float:
+    """The POSIX time of wall-clock `second` of day `d` in `tz` (24:00: the next midnight)."""
+    if second >= DAY_S:
+        d, second = d + timedelta(days=1), second - DAY_S
+    return datetime(d.year, d.month, d.day, second // 3600, second // 60 % 60, second % 60, tzinfo=tz,
+                    fold=fold).timestamp()
 
 
 def _offset_changes(d: date, tz: tzinfo) -> list[float]:
@@ -228,9 +230,9 @@ def next_change(spec: HoursSpec, tz: tzinfo, t: float) -> float | None:
         d = first + timedelta(days=k)
         candidates.update(_offset_changes(d, tz))
         for w in spec.windows:
-            for minute in (w.start, w.end):
+            for second in (w.start, w.end):
                 for fold in (0, 1):
-                    candidates.add(_wall(d, minute, tz, fold))
+                    candidates.add(_wall(d, second, tz, fold))
     for c in sorted(c for c in candidates if c > t):
         if in_window(spec, tz, c) != now:
             return c
@@ -268,7 +270,8 @@ def show_time(t: float, tz: tzinfo, now: float | None = None) -> str:
     local = datetime.fromtimestamp(t, tz)
     if now is not None and t - now >= 6.5 * 86400:
         return local.strftime("%Y-%m-%d %H:%M")
-    return f"{DAY_NAMES[local.weekday()]} {local:%H:%M}"
+    return f"{DAY_NAMES[local.weekday()]} {local:%H:%M:%S}" if local.second else \
+        f"{DAY_NAMES[local.weekday()]} {local:%H:%M}"
 
 
 __all__ = ["ALWAYS", "HoursError", "HoursSpec", "Window", "in_window", "local_zone", "next_change",

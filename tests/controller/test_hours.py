@@ -42,6 +42,7 @@ IN_WINDOW = [
     (["Fri-Mon"], (2026, 11, 24, 12, 0), False),
     (["Mon,Wed"], (2026, 11, 25, 12, 0), True),
     ("always", (2026, 11, 25, 12, 0), True),
+    (["12:00:30-12:01:00"], (2026, 11, 25, 12, 0), False),  # seconds, where they matter
 ]
 
 
@@ -65,6 +66,13 @@ NEXT_CHANGE = [
 def test_next_change(spec, now, expected):
     got = next_change(parse_hours(spec), BERLIN, at(*now))
     assert got == (at(*expected) if expected else None)
+
+
+def test_a_window_to_the_second():
+    spec = parse_hours(["Wed 12:00:30-12:01:00"])
+    t = at(2026, 11, 25, 12, 0)
+    assert next_change(spec, BERLIN, t) == t + 30
+    assert show_time(t + 30, BERLIN, t) == "Wed 12:00:30"
 
 
 def test_always_never_changes():
