@@ -32,6 +32,7 @@ class Phase:
     SHIPPING = "shipping"
     STARTING = "starting"
     WAITING = "waiting"
+    PAUSED = "paused"  # the limits (working hours, quotas, cordons) leave too few slots: resumes by itself
     TRAINING = "training"
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -180,12 +181,13 @@ def fix_hint(cause: str) -> str:
 
 def job_state(phase: str) -> str:
     """The job's state in the document: the phase as a person reads it."""
-    return {Phase.TRAINING: "training", Phase.WAITING: "waiting", Phase.STOPPING: "stopping",
+    return {Phase.TRAINING: "training", Phase.WAITING: "waiting", Phase.PAUSED: "paused", Phase.STOPPING: "stopping",
             Phase.STOPPED: "stopped"}.get(phase, "starting")
 
 
-def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | None, now: float) -> dict:
-    phase, reason = pol.host_state(view, record, now)
+def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | None, now: float,
+               limit: pol.Limit = pol.NO_LIMIT) -> dict:
+    phase, reason = pol.host_state(view, record, now, limit)
     cooling = max(record.cooldown_until, record.owner_until, record.straggler_until)
     gpus = [{"index": s.index, "state": "ours" if s.index in view.workers else s.use.value, "reason": s.reason}
             for s in view.slots]
@@ -198,6 +200,7 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
         "last_problem": record.last_problem or record.owner_note or record.straggler_note,
         "start_failure": record.start_failure or None,
         "daemon": daemon_summary(seen.state) if seen is not None else None,
+        "usable_at": limit.until if limit.phase is not None and limit.until is not None else None,
     }
 
 
@@ -209,12 +212,15 @@ def daemon_summary(state: Mapping[str, Any]) -> dict[str, Any]:
 def status_document(*, now: float, inventory: Inventory, phase: str, message: str,
                     runtime_status: Mapping | None, views: Mapping[str, pol.HostView],
                     records: Mapping[str, pol.HostRecord], seen: Mapping[str, DaemonSeen],
-                    events: Iterable[dict], store_endpoint: str, mirror: dict | None) -> dict[str, Any]:
+                    events: Iterable[dict], store_endpoint: str, mirror: dict | None,
+                    limits: Mapping[str, pol.Limit] | None = None) -> dict[str, Any]:
     """The status document (status.json): the job, rank 0's figures, each host, recent events."""
     rs = runtime_status or {}
     job = inventory.job
     ck = rs.get("checkpoint") if isinstance(rs.get("checkpoint"), dict) else None
-    hosts = [host_entry(views[h.name], records.get(h.name, pol.HostRecord()), seen.get(h.name), now)
+    limits = limits or {}
+    hosts = [host_entry(views[h.name], records.get(h.name, pol.HostRecord()), seen.get(h.name), now,
+                        limits.get(h.name, pol.NO_LIMIT))
              for h in inventory.hosts]
     doc = {
         "job": job.name, "state": job_state(phase), "phase": phase, "message": message, "updated": now,
