@@ -175,6 +175,8 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
                             f"training: world size {doc.get('world_size')}, step {doc.get('step')}", doc)
         if doc.get("state") == "waiting":
             return UpResult(pid, started, "waiting", message or "waiting for free GPUs", doc)
+        if doc.get("state") == "paused":  # outside working hours or over a quota: resumes by itself
+            return UpResult(pid, started, "paused", message, doc)
         if doc.get("state") in ("stopping", "stopped"):
             raise EltctlError(f"the job is {doc.get('state')} (an `eltctl down` is under way)")
         time.sleep(0.5)

@@ -135,7 +135,7 @@ class Controller:
                 self.phase, self.message = status.next_phase(
                     self.phase, self.message, now=self.clock(), inventory=self.inventory,
                     runtime_status=self.observed.runtime_status, views=views, records=self.records,
-                    decision=decision, starting_daemons=self.starter.busy)
+                    decision=decision, starting_daemons=self.starter.busy, limits=limits)
                 if decision.paused:
                     self.phase, self.message = Phase.PAUSED, decision.paused
             if self.records != before:

@@ -41,7 +41,7 @@ class Phase:
 def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
                runtime_status: Mapping | None, views: Mapping[str, pol.HostView],
                records: Mapping[str, pol.HostRecord], decision: pol.Decision,
-               starting_daemons: bool) -> tuple[str, str]:
+               starting_daemons: bool, limits: Mapping[str, pol.Limit] | None = None) -> tuple[str, str]:
     """The phase and message after a pass that acted on `decision`."""
     rs = runtime_status or {}
     running = sum(len(v.workers) for v in views.values())
@@ -52,7 +52,8 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     if (decision.waiting and not running) or start_failures(now=now, inventory=inventory, views=views,
                                                             records=records):
         # waiting, or every host given slots failed at start: say what holds the slots back
-        return Phase.WAITING, waiting_message(now=now, inventory=inventory, views=views, records=records)
+        return Phase.WAITING, waiting_message(now=now, inventory=inventory, views=views, records=records,
+                                              limits=limits)
     if decision.message and not running and not desired:
         return Phase.STARTING, decision.message
     if starting_daemons:
@@ -69,7 +70,7 @@ def _n(count: int, one: str, many: str | None = None) -> str:
 
 
 def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol.HostView],
-                    records: Mapping[str, pol.HostRecord]) -> str:
+                    records: Mapping[str, pol.HostRecord], limits: Mapping[str, pol.Limit] | None = None) -> str:
     """What a job that waits for slots waits for: the free slots and, counted, why the
     others are held back (a failure's cooldown with its cause, an owner's, benching,
     busy GPUs, hosts unreachable, unhealthy, not probed yet, removed); then min_workers."""
@@ -81,9 +82,14 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     unreachable: list[str] = []
     unhealthy: list[str] = []
     unknown = removed = 0
+    held: dict[str, int] = {}  # limit phase (off-hours, quota, cordoned, disabled) -> hosts
     for host in inventory.hosts:
         view = views.get(host.name)
         rec = records.get(host.name, pol.HostRecord())
+        lim = (limits or {}).get(host.name, pol.NO_LIMIT)
+        if lim.phase is not None and not rec.removed:
+            held[lim.phase.value] = held.get(lim.phase.value, 0) + 1
+            continue
         if rec.removed:
             removed += 1
             continue
@@ -139,6 +145,7 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
         parts.append(f"{_n(unknown, 'host')} not probed yet")
     if removed:
         parts.append(f"{_n(removed, 'host')} removed (`eltctl scale --add` brings it back)")
+    parts += [f"{_n(n, 'host')} {phase}" for phase, n in held.items()]
     return f"{', '.join(parts) or 'no slot free'}; min_workers is {inventory.job.min_workers}"
 
 
