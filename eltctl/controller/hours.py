@@ -20,6 +20,7 @@ much shorter; in autumn both runs of the repeated hour are in a window that cove
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -145,9 +146,10 @@ def zone(name: str | None) -> tzinfo:
     return ZoneInfo(name)
 
 
+@functools.lru_cache(maxsize=1)
 def local_zone() -> tzinfo:
     """This machine's zone with its DST rules: $TZ when it names a zone, else
-    /etc/localtime, else UTC (a fixed offset would get the DST change wrong)."""
+    /etc/localtime, else UTC (a fixed offset would get the DST change wrong). Read once."""
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
     name = os.environ.get("TZ", "").lstrip(":")
