@@ -25,7 +25,7 @@ from tests.testbed.jobenv import job_env_on, wait_for, worker_pids
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(400)]
 
 CLOSES_IN_S = 8.0
-CLOSED_FOR_S = 14.0
+CLOSED_FOR_S = 10.0
 
 
 def _host(doc: dict, name: str) -> dict:
