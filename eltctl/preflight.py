@@ -346,6 +346,8 @@ def hosts_to_check(inventory: Inventory, status: Mapping | None) -> tuple[list[H
     check, running = [], []
     for host in inventory.hosts:
         state, reason = states.get(host.name, (None, ""))
+        if not host.schedule.enabled or state == "cordoned":
+            continue  # `enabled = false` or `eltctl cordon`: not about to be used
         if state == "running":
             running.append(host.name)
         elif state == "removed" and not reason.startswith(LEFT_OUT):

@@ -750,6 +750,7 @@ class ElasticJob:
             log.info("worker %s: every member leaves at step %d; the job pauses", self.worker_id, self._step)
             if self._rank == 0:
                 self._checkpoint_now()
+                self._write_status(time.monotonic())  # the controller mirrors it and restores from it
             self._left = True
             return
         decided = self._decide(proposal)

@@ -145,8 +145,12 @@ class EventKind(str, Enum):
     * a host daemon: YIELD (a GPU's owner is back; the worker there leaves) and
       CRASH (a worker process exited without being asked, or could not start);
     * the controller: BENCH (a host whose workers keep failing is benched),
-      ADD and REMOVE (`eltctl scale --add/--remove`), and RESTORE (it chose and
-      delivered a checkpoint before the job starts, or failed to).
+      ADD and REMOVE (`eltctl scale --add/--remove`), RESTORE (it chose and
+      delivered a checkpoint before the job starts, or failed to), WINDOW (a host's
+      working-hours window closed, `state: "off-hours"`, or opened, `state: "open"`),
+      QUOTA (a host reached a gpu-hours quota, `state: "quota"`, or it lifted,
+      `state: "open"`) and CORDON (`eltctl cordon`/`uncordon`, `state: "cordoned"`
+      or `"uncordoned"`).
 
     Daemon and controller entries share one shape (`event_document`):
     `{time, kind, host, workers, pause_s: null, detail, ...extra}`. A daemon's
@@ -166,6 +170,9 @@ class EventKind(str, Enum):
     DONE = "done"
     YIELD = "yield"
     BENCH = "bench"
+    WINDOW = "window"
+    QUOTA = "quota"
+    CORDON = "cordon"
     ADD = "add"
     REMOVE = "remove"
 

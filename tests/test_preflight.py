@@ -172,3 +172,14 @@ def test_hosts_to_check_skip_running_and_scale_removed(tmp_path):
     assert [h.name for h in check] == ["c", "d", "e"] and running == ["a"]
     check, running = hosts_to_check(inv, None)
     assert [h.name for h in check] == ["a", "b", "c", "d", "e"] and running == []
+
+
+def test_hosts_to_check_skip_disabled_and_cordoned(tmp_path):
+    from eltctl.inventory.hours import HostSchedule
+
+    inv = _inventory(tmp_path, ["python", "train.py"])
+    hosts = (Host("a", "local", schedule=HostSchedule(enabled=False)), Host("b", "local"), Host("c", "local"))
+    inv = Inventory(path=inv.path, job=inv.job, ssh=inv.ssh, policy=inv.policy, storage=inv.storage, hosts=hosts)
+    status = {"hosts": [{"name": "b", "state": "cordoned", "reason": "cordoned by `eltctl cordon`; ..."}]}
+    check, running = hosts_to_check(inv, status)
+    assert [h.name for h in check] == ["c"] and running == []

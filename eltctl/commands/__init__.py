@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from eltctl.commands import checkpoints, cron, demo, doctor, down, init, logs, probe, scale, status, up
+from eltctl.commands import checkpoints, cordon, cron, demo, doctor, down, init, logs, probe, scale, status, up
 
 
 def register(app: typer.Typer) -> None:
@@ -20,6 +20,8 @@ def register(app: typer.Typer) -> None:
     app.command("probe")(probe.probe)
     app.command("up")(up.up)
     app.command("scale")(scale.scale)
+    app.command("cordon")(cordon.cordon)
+    app.command("uncordon")(cordon.uncordon)
     app.command("down")(down.down)
     app.command("status")(status.status)
     app.command("logs")(logs.logs)

@@ -37,6 +37,9 @@ def up(
     if result.state == "waiting":
         out.print(f"[yellow]waiting:[/] {escape(result.message)}; the controller starts the job "
                   "when enough GPUs are free (`eltctl status` shows them)")
+    elif result.state == "paused":
+        out.print(f"[blue]paused:[/] {escape(result.message)}; the controller resumes the job by itself "
+                  "(`eltctl status` shows the hosts)")
     elif result.state == "training":
         out.print(f"[green]{escape(result.message)}[/]")
     else:

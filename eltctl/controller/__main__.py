@@ -130,6 +130,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         if op == "scale":
             return await ctl.scale(list(req.get("add") or []), list(req.get("remove") or []),
                                    bool(req.get("force", False)))
+        if op in ("cordon", "uncordon"):
+            return await ctl.cordon([str(h) for h in req.get("hosts") or []], op == "cordon")
         if op == "down":
             result = await ctl.down(bool(req.get("force", False)))
             shutdown.set()

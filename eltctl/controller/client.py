@@ -1,6 +1,6 @@
 """The commands' side of the controller: start it, talk to it, take the job down.
 
-`eltctl up`, `scale` and `down` call these. Nothing here imports torch (a test
+`eltctl up`, `scale`, `cordon`/`uncordon` and `down` call these. Nothing here imports torch (a test
 checks): the commands start the controller as a process of its own and talk to it
 over control.sock; `down` checks the hosts itself over SSH.
 """
@@ -179,6 +179,8 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
                             f"training: world size {doc.get('world_size')}, step {doc.get('step')}", doc)
         if doc.get("state") == "waiting":
             return UpResult(pid, started, "waiting", message or "waiting for free GPUs", doc)
+        if doc.get("state") == "paused":  # outside working hours or over a quota: resumes by itself
+            return UpResult(pid, started, "paused", message, doc)
         if doc.get("state") in ("stopping", "stopped"):
             raise EltctlError(f"the job is {doc.get('state')} (an `eltctl down` is under way)")
         time.sleep(0.5)
@@ -205,6 +207,16 @@ def scale(inventory: Inventory, add: list[str], remove: list[str], force: bool) 
         raise EltctlError(f"no controller runs job {inventory.job.name}",
                           hint="`eltctl up` starts it; then scale")
     return ask(state, {"op": "scale", "add": add, "remove": remove, "force": force}, timeout=180)
+
+
+def cordon(inventory: Inventory, hosts: list[str], on: bool) -> dict:
+    """`eltctl cordon` (on) / `uncordon`: ask the live controller."""
+    state = state_of(inventory)
+    verb = "cordon" if on else "uncordon"
+    if same_inventory(inventory, ping(state)) is None:
+        raise EltctlError(f"no controller runs job {inventory.job.name}",
+                          hint=f"`eltctl up` starts it; then {verb}")
+    return ask(state, {"op": verb, "hosts": hosts}, timeout=180)
 
 
 # --------------------------------------------------------------------------- down
@@ -279,7 +291,8 @@ async def _verify(inventory: Inventory, force: bool):
     left, unchecked, killed = {}, {}, {}
     for name, o in outcomes.items():
         if o.error is not None:
-            unchecked[name] = o.error.message
+            if inventory.host(name).schedule.enabled:  # a disabled host may well be off
+                unchecked[name] = o.error.message
         else:
             left[name], killed[name] = o.value
     return left, unchecked, killed

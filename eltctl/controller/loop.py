@@ -18,7 +18,7 @@ Every pass (about every 0.5 s, `Controller.reconcile`):
 Checkpoint mirror (`eltctl/mirror.py`, when `[storage] mirror` is set): every
 committed checkpoint rank 0 reports is handed to a `MirrorWorker`, which copies it in
 the background. `Controller` is driven by `controller/__main__.py` and answers the
-command socket (`controller/socket.py`): `status_document`, `reconcile`, `scale`, `down`.
+command socket (`controller/socket.py`): `status_document`, `reconcile`, `scale`, `cordon`, `down`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Callable
 from eltctl import mirror as mir
 from eltctl.controller import act, observe
 from eltctl.controller import policy as pol
-from eltctl.controller import status
+from eltctl.controller import quotas, status
 from eltctl.controller.statedir import StateDir
 from eltctl.controller.status import Phase
 from eltctl.controller.store import JobStore
@@ -54,7 +54,8 @@ class Controller:
 
     def __init__(self, inventory: Inventory, state: StateDir, store: JobStore, fleet: Fleet,
                  store_endpoint: str, *, clock: Callable[[], float] = time.time,
-                 mirror_worker: mir.MirrorWorker | None = None) -> None:
+                 mirror_worker: mir.MirrorWorker | None = None,
+                 quota_use: quotas.QuotaProvider = quotas.no_figures) -> None:
         self.inventory = inventory
         self.state = state
         self.store = store
@@ -62,6 +63,8 @@ class Controller:
         self.store_endpoint = store_endpoint
         self.clock = clock
         self.mirror_worker = mirror_worker  # started and stopped by __main__
+        self.quota_use = quota_use  # the GPU-hours used (the usage ledger's figures; none: not enforced)
+        self.limits: dict[str, pol.Limit] = {}  # each host's limits at the last pass (policy.host_limits)
         self.phase = Phase.CONNECTING
         self.message = ""
         self.records: dict[str, pol.HostRecord] = {}  # what is remembered of each host (hosts.json)
@@ -119,7 +122,9 @@ class Controller:
             if self.stopping:
                 self.save_records()
                 return None
-            decision = self.decision = pol.decide(views, self.records, self.inventory, now)
+            limits = pol.host_limits(self.inventory, self.records, now, self.quota_use(now))
+            await self._announce_limits(limits)
+            decision = self.decision = pol.decide(views, self.records, self.inventory, now, limits)
             survivor = pol.survivor_holds_state(views, self.observed.runtime_status, now,
                                                 observe.runtime_fresh_for(self.inventory.policy))
             targets = [name for name, slots in decision.desired.items() if slots]
@@ -130,7 +135,9 @@ class Controller:
                 self.phase, self.message = status.next_phase(
                     self.phase, self.message, now=self.clock(), inventory=self.inventory,
                     runtime_status=self.observed.runtime_status, views=views, records=self.records,
-                    decision=decision, starting_daemons=self.starter.busy)
+                    decision=decision, starting_daemons=self.starter.busy, limits=limits)
+                if decision.paused:
+                    self.phase, self.message = Phase.PAUSED, decision.paused
             if self.records != before:
                 self.save_records()
             return decision
@@ -157,7 +164,7 @@ class Controller:
     async def _probe(self) -> None:
         try:
             reports = await probe_fleet(self.fleet, job=self.inventory.job.name, policy=self.inventory.policy,
-                                        hosts=self.inventory.hosts)
+                                        hosts=[h for h in self.inventory.hosts if h.schedule.enabled])
         except Exception:  # noqa: BLE001 - a probe bug must not end the controller
             log.exception("The probe failed.")
             return
@@ -204,6 +211,23 @@ class Controller:
                 log.warning("Host %s is benched until %s: %s.", name, time.ctime(rec.benched_until),
                             rec.last_problem)
                 await self._event(EventKind.BENCH, name, rec.last_problem)
+
+    async def _announce_limits(self, limits: dict[str, pol.Limit]) -> None:
+        """An event when a host enters or leaves a limit's phase (off-hours: `window`,
+        quota: `quota`; a cordon's events are the command's), and when the job pauses."""
+        before, self.limits = self.limits, limits
+        kinds = {pol.HostPhase.OFF_HOURS: EventKind.WINDOW, pol.HostPhase.QUOTA: EventKind.QUOTA}
+        for name, lim in limits.items():
+            old = before.get(name, pol.NO_LIMIT)
+            if lim.phase == old.phase:
+                continue
+            if lim.phase in kinds:
+                log.info("Host %s: %s.", name, lim.reason)
+                await self._event(kinds[lim.phase], name, lim.reason, state=lim.phase.value)
+            elif old.phase in kinds and before:
+                what = "a working-hours window opened" if old.phase is pol.HostPhase.OFF_HOURS else "its quota lifted"
+                log.info("Host %s: %s.", name, what)
+                await self._event(kinds[old.phase], name, what, state="open")
 
     async def _event(self, kind: EventKind, host: str | None, detail: str, **extra: Any) -> None:
         ev = event_document(kind, host=host, detail=detail, time=self.clock(), **extra)
@@ -346,6 +370,34 @@ class Controller:
         self.write_status()
         return {"ok": all(r["ok"] for r in results), "results": results}
 
+    async def cordon(self, names: list[str], on: bool) -> dict:
+        """`eltctl cordon` (`on`) / `uncordon`: the hosts' workers leave in the planned way
+        and none start there until uncordoned; remembered in hosts.json."""
+        known = {h.name for h in self.inventory.hosts}
+        results = []
+        for name in names:
+            if name not in known:
+                results.append({"host": name, "ok": False,
+                                "message": f"no host {name!r} in the inventory (hosts: {', '.join(sorted(known))})"})
+                continue
+            rec = self.records.get(name, pol.HostRecord())
+            if rec.cordoned == on:
+                results.append({"host": name, "ok": True,
+                                "message": "already cordoned" if on else "not cordoned"})
+                continue
+            self.records[name] = replace(rec, cordoned=on)
+            what = "cordoned by eltctl cordon" if on else "uncordoned by eltctl uncordon"
+            log.info("Host %s: %s.", name, what)
+            await self._event(EventKind.CORDON, name, what, state="cordoned" if on else "uncordoned")
+            results.append({"host": name, "ok": True,
+                            "message": ("cordoned; its workers leave at the next step boundary and none start "
+                                        "there until `eltctl uncordon`") if on
+                            else "uncordoned; its free GPUs are used again"})
+        self.save_records()
+        await self.reconcile()
+        self.write_status()
+        return {"ok": all(r["ok"] for r in results), "results": results}
+
     async def down(self, force: bool, progress: Callable[[str], None] | None = None) -> dict:
         """The final checkpoint, then every worker and daemon stops (or is killed with force)."""
         self.stopping = True
@@ -421,7 +473,8 @@ class Controller:
             views=self.observed.views(self.inventory.hosts, now, self.inventory.policy),
             records=self.records, seen=self.observed.seen, events=self.observed.events,
             store_endpoint=self.store_endpoint,
-            mirror=self.mirror_worker.status() if self.mirror_worker is not None else self._final_mirror)
+            mirror=self.mirror_worker.status() if self.mirror_worker is not None else self._final_mirror,
+            limits=pol.host_limits(self.inventory, self.records, now, self.quota_use(now)))
 
     def write_status(self) -> None:
         self._status_written = self.clock()

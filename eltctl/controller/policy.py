@@ -42,6 +42,19 @@ Host state graph (what `host_state` shows)::
     any --bench_after failures--> benched --back-off over--> idle
     any --scale --remove--> removed --scale --add--> idle
     any --`up`'s checks fail there--> removed (their reason) --an `up` finds it fixed--> idle
+    any --`eltctl cordon`--> cordoned --`eltctl uncordon`--> idle
+    any --its window closes (hours, hours_margin)--> off-hours --a window opens--> idle
+    any --a gpu-hours quota is reached--> quota --its local midnight--> idle
+    any --`enabled = false` in the inventory--> disabled
+
+Limits (`host_limits`, from the inventory, a cordon, the clock and the quota figures)
+cap a host's slots apart from its GPUs: a host that is disabled, cordoned, outside
+its working hours or over a quota gets none (its workers leave in the planned way at
+a step boundary, no cooldown), and `max_gpus_per_host` caps the rest. When the limits
+alone leave fewer than `min_workers` slots, the job pauses: every worker leaves,
+rank 0 writes a checkpoint first (the runtime's "every member leaves": the mirror
+copies it), and when a window opens (or a quota lifts) the job restarts from the
+newest checkpoint as after the loss of every host (`Decision.paused`).
 """
 
 from __future__ import annotations
@@ -50,7 +63,10 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
+from eltctl.controller import hours as hrs
+from eltctl.controller import quotas
 from eltctl.inventory import Inventory
+from eltctl.inventory.hours import for_host
 from eltctl.probe import GpuUse  # one vocabulary: what the probe classified a GPU as
 
 BENCH_BASE_S = 30.0
@@ -80,9 +96,32 @@ class HostPhase(str, enum.Enum):
     REMOVED = "removed"
     UNREACHABLE = "unreachable"
     UNHEALTHY = "unhealthy"
+    CORDONED = "cordoned"  # `eltctl cordon`: no new workers until `uncordon`
+    OFF_HOURS = "off-hours"  # outside its working hours ([policy] hours)
+    QUOTA = "quota"  # a gpu-hours quota is reached
+    DISABLED = "disabled"  # `enabled = false` in the inventory
 
     def __str__(self) -> str:
         return self.value
+
+
+LIMIT_PHASES = (HostPhase.DISABLED, HostPhase.CORDONED, HostPhase.OFF_HOURS, HostPhase.QUOTA)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """What caps a host's slots apart from its GPUs (`host_limits`): `cap` slots at
+    most (None: no cap); when a limit takes every slot, its phase, the reason a
+    person reads and when it lifts (None: not by itself)."""
+
+    cap: int | None = None
+    phase: HostPhase | None = None  # one of LIMIT_PHASES when cap is 0 because of it
+    reason: str = ""
+    until: float | None = None
+    again: str = ""  # `until` as a person reads it, in the host's zone: "Sat 00:00"
+
+
+NO_LIMIT = Limit()
 
 
 @dataclass(frozen=True)
@@ -153,6 +192,7 @@ class HostRecord:
     straggler_since: float | None = None  # a worker here has held the job back since (every status)
     straggler_until: float = 0.0  # dropped as a straggler: rest until then
     straggler_note: str = ""  # which worker, and the figure
+    cordoned: bool = False  # `eltctl cordon`: no workers here until `eltctl uncordon`
 
     def cooling(self, now: float) -> bool:
         """In a cooldown, after a failure, an owner's return or a straggler's drop."""
@@ -173,7 +213,8 @@ class HostRecord:
                 "last_problem": self.last_problem, "join_now": self.join_now, "force": self.force,
                 "owner_until": self.owner_until, "owner_note": self.owner_note,
                 "start_failure": self.start_failure, "straggler_since": self.straggler_since,
-                "straggler_until": self.straggler_until, "straggler_note": self.straggler_note}
+                "straggler_until": self.straggler_until, "straggler_note": self.straggler_note,
+                "cordoned": self.cordoned}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "HostRecord":
@@ -194,7 +235,8 @@ class HostRecord:
                    straggler_since=(float(d["straggler_since"]) if d.get("straggler_since") is not None
                                     else None),
                    straggler_until=float(d.get("straggler_until", 0.0)),
-                   straggler_note=str(d.get("straggler_note", "")))
+                   straggler_note=str(d.get("straggler_note", "")),
+                   cordoned=bool(d.get("cordoned", False)))
 
 
 @dataclass(frozen=True)
@@ -222,6 +264,7 @@ class Decision:
     # (`waiting` counts free slots that only wait for idle_for as good as usable)
     waiting: bool  # fewer than min_workers usable and nothing running: the job waits
     message: str = ""
+    paused: str = ""  # the limits leave fewer than min_workers slots: every worker leaves; why, and until when
 
 
 # --------------------------------------------------------------------------- tracking
@@ -466,22 +509,100 @@ def kept_slots(view: HostView | None, record: HostRecord, now: float) -> list[in
     return out
 
 
+def host_limits(inventory: Inventory, records: Mapping[str, HostRecord], now: float,
+                use: quotas.QuotaUse | None = None) -> dict[str, Limit]:
+    """Each host's `Limit` now: `enabled = false`, a cordon, its working hours (with
+    `hours_margin`), a gpu-hours quota (`use`: the figures; None: not enforced), then
+    `max_gpus_per_host`, in that order (the first that takes every slot is shown)."""
+    out: dict[str, Limit] = {}
+    total = inventory.schedule.gpu_hours_total
+    for host in inventory.hosts:
+        rec = records.get(host.name, HostRecord())
+        if not host.schedule.enabled:
+            out[host.name] = Limit(0, HostPhase.DISABLED, "enabled = false in the inventory: not probed, not used")
+            continue
+        if rec.cordoned:
+            out[host.name] = Limit(0, HostPhase.CORDONED, "cordoned by `eltctl cordon`; `eltctl uncordon` "
+                                                          "brings it back")
+            continue
+        sched = for_host(inventory.schedule, host.schedule)
+        tz = hrs.zone(sched.timezone)
+        if not sched.hours.always and not hrs.usable(sched.hours, tz, now, sched.hours_margin):
+            again = hrs.usable_again(sched.hours, tz, now, sched.hours_margin)
+            shown = hrs.show_time(again, tz, now) if again is not None else ""
+            when = f"usable again at {shown}" if shown else "no window opens within a week"
+            out[host.name] = Limit(0, HostPhase.OFF_HOURS,
+                                   f"outside its working hours ({', '.join(sched.hours.text)}); {when}", again, shown)
+            continue
+        cap = quotas.host_cap(host.name, max_gpus=sched.max_gpus_per_host, per_day_h=sched.gpu_hours_per_day,
+                              total_h=total, use=use, tz=tz, now=now)
+        out[host.name] = (Limit(0, HostPhase.QUOTA, cap.reason, cap.until,
+                                hrs.show_time(cap.until, tz, now) if cap.until is not None else "")
+                          if cap.reached else Limit(cap.slots))
+    return out
+
+
+def _capacity(view: HostView | None, limit: Limit) -> float:
+    """The most slots the limits leave this host, whatever its GPUs do now (unknown: any)."""
+    if limit.cap == 0:
+        return 0
+    if view is None or view.reach not in (Reach.OK, Reach.CPU_ONLY, Reach.UNHEALTHY):
+        return float("inf")
+    return min(len(view.slots), limit.cap if limit.cap is not None else len(view.slots))
+
+
+def pause_reason(limits: Mapping[str, Limit], inventory: Inventory) -> str:
+    """Why the job pauses, and when it resumes by itself: "outside working hours,
+    resumes at Sat 00:00 (h1)"."""
+    held = [(h.name, limits[h.name]) for h in inventory.hosts if h.name in limits and limits[h.name].phase]
+    phases = {lim.phase for _, lim in held}
+    what = {HostPhase.OFF_HOURS: "outside working hours", HostPhase.QUOTA: "quota reached",
+            HostPhase.CORDONED: "every host cordoned", HostPhase.DISABLED: "every host disabled"}
+    text = what[next(iter(phases))] if len(phases) == 1 else "no host usable (" + ", ".join(
+        f"{n}: {lim.phase}" for n, lim in held) + ")"
+    timed = sorted((lim.until, n, lim.again) for n, lim in held if lim.until is not None)
+    if not timed:
+        return f"{text}; resumes when a host is usable again"
+    _, name, when = timed[0]
+    return f"{text}, resumes at {when} ({name})"
+
+
 def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inventory: Inventory,
-           now: float) -> Decision:
-    """What to do now: the slots each host should run, and the daemon starts and stops."""
+           now: float, limits: Mapping[str, Limit] | None = None) -> Decision:
+    """What to do now: the slots each host should run, and the daemon starts and stops.
+    `limits` (`host_limits`) cap each host's slots; none: no cap."""
     job = inventory.job
+    limits = limits or {}
     cap = job.max_workers if job.max_workers is not None else 1 << 30
     kept: dict[str, list[int]] = {}
     candidates: list[tuple[str, int]] = []
     maturing = 0
+    capacity = 0.0
     for host in inventory.hosts:
         view = views.get(host.name)
         rec = records.get(host.name, HostRecord())
-        kept[host.name] = kept_slots(view, rec, now)
+        lim = limits.get(host.name, NO_LIMIT)
+        here = kept_slots(view, rec, now)
+        if lim.cap is not None:
+            here = here[:lim.cap]  # over its cap: the last slots leave in the planned way
+        kept[host.name] = here
+        room = None if lim.cap is None else max(lim.cap - len(here), 0)
+        capacity += _capacity(view, lim)
         if view is not None:
-            candidates += [(host.name, i) for i in eligible_slots(view, rec, inventory, now)
-                           if i not in kept[host.name]]
-            maturing += len(maturing_slots(view, rec, inventory, now))
+            new = [i for i in eligible_slots(view, rec, inventory, now) if i not in here]
+            soon = maturing_slots(view, rec, inventory, now)
+            if room is not None:
+                new, soon = new[:room], soon[:max(room - len(new), 0)]
+            candidates += [(host.name, i) for i in new]
+            maturing += len(soon)
+    if capacity < job.min_workers and any(lim.phase for lim in limits.values()):
+        # The limits alone leave too few slots: pause (every worker leaves; rank 0
+        # checkpoints first) and start again from that checkpoint when they lift.
+        desired_none = {h.name: () for h in inventory.hosts}
+        actions = tuple(SetDesired(h.name, ()) for h in inventory.hosts
+                        if records.get(h.name, HostRecord()).desired)
+        return Decision(actions=actions, desired=desired_none, usable=0, waiting=False,
+                        message="", paused=pause_reason(limits, inventory))
     n_kept = sum(len(v) for v in kept.values())
     usable = n_kept + len(candidates)
     waiting = False
@@ -551,8 +672,12 @@ def applied(record: HostRecord, slots: tuple[int, ...]) -> HostRecord:
 
 # --------------------------------------------------------------------------- showing
 
-def host_state(view: HostView | None, record: HostRecord, now: float) -> tuple[HostPhase, str]:
+def host_state(view: HostView | None, record: HostRecord, now: float,
+               limit: Limit = NO_LIMIT) -> tuple[HostPhase, str]:
     """The host's state for `eltctl status`, with the reason a person wants."""
+    if limit.phase is not None and not record.removed:
+        leaving = len(view.workers) if view is not None else 0
+        return limit.phase, limit.reason + (f"; {leaving} worker(s) leaving" if leaving else "")
     if record.removed and record.removed_reason:
         return HostPhase.REMOVED, record.removed_reason
     if record.removed:
@@ -608,7 +733,9 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
     return sorted(names, key=lambda n: order.get(n, 1 << 30))
 
 
-__all__ = ["Action", "Crash", "Decision", "GpuUse", "HostRecord", "HostPhase", "HostView", "Reach", "SetDesired",
+__all__ = ["LIMIT_PHASES", "NO_LIMIT", "Action", "Crash", "Decision", "GpuUse", "HostRecord", "HostPhase",
+           "HostView", "Limit", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "after_fix", "applied", "changed_hosts", "crash_problem", "decide",
-           "eligible_slots", "fingerprint", "fixed", "host_state", "leave_out", "record_failure",
+           "eligible_slots", "fingerprint", "fixed", "host_limits", "host_state", "leave_out", "pause_reason",
+           "record_failure",
            "survivor_holds_state", "track", "track_stragglers", "worker_slot"]

@@ -32,6 +32,7 @@ class Phase:
     SHIPPING = "shipping"
     STARTING = "starting"
     WAITING = "waiting"
+    PAUSED = "paused"  # the limits (working hours, quotas, cordons) leave too few slots: resumes by itself
     TRAINING = "training"
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -40,7 +41,7 @@ class Phase:
 def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
                runtime_status: Mapping | None, views: Mapping[str, pol.HostView],
                records: Mapping[str, pol.HostRecord], decision: pol.Decision,
-               starting_daemons: bool) -> tuple[str, str]:
+               starting_daemons: bool, limits: Mapping[str, pol.Limit] | None = None) -> tuple[str, str]:
     """The phase and message after a pass that acted on `decision`."""
     rs = runtime_status or {}
     running = sum(len(v.workers) for v in views.values())
@@ -51,7 +52,8 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     if (decision.waiting and not running) or start_failures(now=now, inventory=inventory, views=views,
                                                             records=records):
         # waiting, or every host given slots failed at start: say what holds the slots back
-        return Phase.WAITING, waiting_message(now=now, inventory=inventory, views=views, records=records)
+        return Phase.WAITING, waiting_message(now=now, inventory=inventory, views=views, records=records,
+                                              limits=limits)
     if decision.message and not running and not desired:
         return Phase.STARTING, decision.message
     if starting_daemons:
@@ -68,7 +70,7 @@ def _n(count: int, one: str, many: str | None = None) -> str:
 
 
 def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol.HostView],
-                    records: Mapping[str, pol.HostRecord]) -> str:
+                    records: Mapping[str, pol.HostRecord], limits: Mapping[str, pol.Limit] | None = None) -> str:
     """What a job that waits for slots waits for: the free slots and, counted, why the
     others are held back (a failure's cooldown with its cause, an owner's, benching,
     busy GPUs, hosts unreachable, unhealthy, not probed yet, removed); then min_workers."""
@@ -80,9 +82,14 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     unreachable: list[str] = []
     unhealthy: list[str] = []
     unknown = removed = 0
+    held: dict[str, int] = {}  # limit phase (off-hours, quota, cordoned, disabled) -> hosts
     for host in inventory.hosts:
         view = views.get(host.name)
         rec = records.get(host.name, pol.HostRecord())
+        lim = (limits or {}).get(host.name, pol.NO_LIMIT)
+        if lim.phase is not None and not rec.removed:
+            held[lim.phase.value] = held.get(lim.phase.value, 0) + 1
+            continue
         if rec.removed:
             removed += 1
             continue
@@ -138,6 +145,7 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
         parts.append(f"{_n(unknown, 'host')} not probed yet")
     if removed:
         parts.append(f"{_n(removed, 'host')} removed (`eltctl scale --add` brings it back)")
+    parts += [f"{_n(n, 'host')} {phase}" for phase, n in held.items()]
     return f"{', '.join(parts) or 'no slot free'}; min_workers is {inventory.job.min_workers}"
 
 
@@ -180,12 +188,13 @@ def fix_hint(cause: str) -> str:
 
 def job_state(phase: str) -> str:
     """The job's state in the document: the phase as a person reads it."""
-    return {Phase.TRAINING: "training", Phase.WAITING: "waiting", Phase.STOPPING: "stopping",
+    return {Phase.TRAINING: "training", Phase.WAITING: "waiting", Phase.PAUSED: "paused", Phase.STOPPING: "stopping",
             Phase.STOPPED: "stopped"}.get(phase, "starting")
 
 
-def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | None, now: float) -> dict:
-    phase, reason = pol.host_state(view, record, now)
+def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | None, now: float,
+               limit: pol.Limit = pol.NO_LIMIT) -> dict:
+    phase, reason = pol.host_state(view, record, now, limit)
     cooling = max(record.cooldown_until, record.owner_until, record.straggler_until)
     gpus = [{"index": s.index, "state": "ours" if s.index in view.workers else s.use.value, "reason": s.reason}
             for s in view.slots]
@@ -198,6 +207,7 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
         "last_problem": record.last_problem or record.owner_note or record.straggler_note,
         "start_failure": record.start_failure or None,
         "daemon": daemon_summary(seen.state) if seen is not None else None,
+        "usable_at": limit.until if limit.phase is not None and limit.until is not None else None,
     }
 
 
@@ -209,12 +219,15 @@ def daemon_summary(state: Mapping[str, Any]) -> dict[str, Any]:
 def status_document(*, now: float, inventory: Inventory, phase: str, message: str,
                     runtime_status: Mapping | None, views: Mapping[str, pol.HostView],
                     records: Mapping[str, pol.HostRecord], seen: Mapping[str, DaemonSeen],
-                    events: Iterable[dict], store_endpoint: str, mirror: dict | None) -> dict[str, Any]:
+                    events: Iterable[dict], store_endpoint: str, mirror: dict | None,
+                    limits: Mapping[str, pol.Limit] | None = None) -> dict[str, Any]:
     """The status document (status.json): the job, rank 0's figures, each host, recent events."""
     rs = runtime_status or {}
     job = inventory.job
     ck = rs.get("checkpoint") if isinstance(rs.get("checkpoint"), dict) else None
-    hosts = [host_entry(views[h.name], records.get(h.name, pol.HostRecord()), seen.get(h.name), now)
+    limits = limits or {}
+    hosts = [host_entry(views[h.name], records.get(h.name, pol.HostRecord()), seen.get(h.name), now,
+                        limits.get(h.name, pol.NO_LIMIT))
              for h in inventory.hosts]
     doc = {
         "job": job.name, "state": job_state(phase), "phase": phase, "message": message, "updated": now,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eltctl.inventory.courtesy import Courtesy, Overrides
+from eltctl.inventory.hours import HostSchedule, Schedule
 
 LOCAL = "local"  # `address = "local"`: run on this machine, no SSH
 
@@ -93,6 +94,7 @@ class Host:
     max_micro_batch: int | None = None  # samples a worker here computes at once; None: no limit
     env: tuple[tuple[str, str], ...] = ()  # extra environment for commands on this host
     courtesy: Overrides = ()  # the courtesy keys this host sets (courtesy.for_host merges them)
+    schedule: HostSchedule = field(default_factory=HostSchedule)  # enabled, hours, quotas (inventory/hours.py)
 
     @property
     def is_local(self) -> bool:
@@ -110,6 +112,7 @@ class Inventory:
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)  # read from [policy]
     courtesy: Courtesy = field(default_factory=Courtesy)  # read from [policy]; per host: courtesy.for_host
+    schedule: Schedule = field(default_factory=Schedule)  # [policy]'s hours and quotas (inventory/hours.py)
 
     def host(self, name: str) -> Host:
         for h in self.hosts:

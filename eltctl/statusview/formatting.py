@@ -12,14 +12,16 @@ from typing import Any
 
 EVENTS_SHOWN = 8
 
-JOB_STATE_STYLE = {"starting": "cyan", "waiting": "yellow", "training": "bold green",
+JOB_STATE_STYLE = {"starting": "cyan", "waiting": "yellow", "paused": "blue", "training": "bold green",
                    "stopping": "yellow", "stopped": "dim"}
 HOST_STATE_STYLE = {"running": "green", "starting": "cyan", "idle": "white", "busy": "red",
                     "cooldown": "yellow", "benched": "magenta", "removed": "dim",
-                    "unreachable": "red", "unhealthy": "yellow"}
+                    "unreachable": "red", "unhealthy": "yellow", "cordoned": "dim", "off-hours": "blue",
+                    "quota": "magenta", "disabled": "dim"}
 GPU_STATE_STYLE = {"ours": "blue", "free": "green", "busy": "red"}
 EVENT_STYLE = {"yield": "bold yellow", "crash": "bold red", "hang": "red", "join": "green",
-               "leave": "cyan", "bench": "magenta", "stop": "dim", "remove": "dim", "add": "green"}
+               "leave": "cyan", "bench": "magenta", "stop": "dim", "remove": "dim", "add": "green",
+               "window": "blue", "quota": "magenta", "cordon": "dim"}
 
 
 def format_age(seconds: float | None) -> str:

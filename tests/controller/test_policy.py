@@ -395,3 +395,118 @@ def test_left_out_host_shows_its_reason():
     phase, why = host_state(view("a", "free"), HostRecord(removed=True), NOW)
     assert phase is HostPhase.REMOVED and "scale --add" in why
     assert leave_out({}, {"b": UP}, ["a", "b"]) == {"b": HostRecord(removed=True, removed_reason=UP)}
+
+
+# ---------------------------------------------------------------- working hours, cordon, enabled
+
+def _hours_inventory(policy: str = "", a: str = "", b: str = "", min_workers: int = 1):
+    text = (f'[job]\nname = "j"\ncommand = "python t.py"\nmin_workers = {min_workers}\n'
+            f'[policy]\nidle_for = 10\ncooldown = 60\ntimezone = "Europe/Berlin"\n{policy}\n'
+            f'[[hosts]]\nname = "a"\naddress = "a.lab"\n{a}\n[[hosts]]\nname = "b"\naddress = "b.lab"\n{b}\n')
+    return parse_inventory(text, "hosts.toml")
+
+
+def _berlin(d: int, h: int, mi: int = 0) -> float:
+    from datetime import datetime
+    from zoneinfo import ZoneInfo
+
+    return datetime(2026, 11, d, h, mi, tzinfo=ZoneInfo("Europe/Berlin")).timestamp()
+
+
+LAB_HOURS = 'hours = ["Mon-Fri 19:00-08:00", "Sat-Sun"]'
+BOTH_RUN = {n: HostRecord(desired=(0, 1), seq=1, free_since=((0, 0.0), (1, 0.0))) for n in "ab"}
+BOTH_FREE = {n: HostRecord(free_since=((0, 0.0), (1, 0.0))) for n in "ab"}
+BOTH_VIEWS = {n: view(n, "ours", "ours", alive=True, workers=(0, 1)) for n in "ab"}
+FREE_VIEWS = {n: view(n, "free", "free", alive=True) for n in "ab"}
+
+HOURS = [
+    # case, inventory, now, views, records, desired, (a's phase, b's phase), paused
+    ("Monday noon, lab hours on every host: the job pauses, resumes at 19:00",
+     _hours_inventory(LAB_HOURS), _berlin(23, 12), BOTH_VIEWS, BOTH_RUN, {"a": (), "b": ()},
+     (HostPhase.OFF_HOURS, HostPhase.OFF_HOURS), "outside working hours, resumes at Mon 19:00 (a)"),
+    ("Monday noon, a dedicated server (hours = always) trains on alone",
+     _hours_inventory(LAB_HOURS, b='hours = "always"'), _berlin(23, 12), BOTH_VIEWS, BOTH_RUN,
+     {"a": (), "b": (0, 1)}, (HostPhase.OFF_HOURS, HostPhase.RUNNING), ""),
+    ("Monday 19:00: the window opens, both hosts start",
+     _hours_inventory(LAB_HOURS), _berlin(23, 19), FREE_VIEWS, BOTH_FREE, {"a": (0, 1), "b": (0, 1)},
+     (HostPhase.STARTING, HostPhase.STARTING), ""),
+    ("Tuesday 07:59, Monday's window past midnight: both run",
+     _hours_inventory(LAB_HOURS), _berlin(24, 7, 59), BOTH_VIEWS, BOTH_RUN, {"a": (0, 1), "b": (0, 1)},
+     (HostPhase.RUNNING, HostPhase.RUNNING), ""),
+    ("Tuesday 07:45 with a 30 min margin: they leave before the window closes",
+     _hours_inventory(LAB_HOURS + '\nhours_margin = "30m"'), _berlin(24, 7, 45), BOTH_VIEWS, BOTH_RUN,
+     {"a": (), "b": ()}, (HostPhase.OFF_HOURS, HostPhase.OFF_HOURS),
+     "outside working hours, resumes at Tue 19:00 (a)"),
+    ("Friday noon: the weekend host's zone decides (b in Tokyo is already at Friday 20:00)",
+     _hours_inventory(LAB_HOURS, b='timezone = "Asia/Tokyo"'), _berlin(27, 12), BOTH_VIEWS, BOTH_RUN,
+     {"a": (), "b": (0, 1)}, (HostPhase.OFF_HOURS, HostPhase.RUNNING), ""),
+    ("Saturday noon: the weekend is one window",
+     _hours_inventory(LAB_HOURS), _berlin(28, 12), BOTH_VIEWS, BOTH_RUN, {"a": (0, 1), "b": (0, 1)},
+     (HostPhase.RUNNING, HostPhase.RUNNING), ""),
+    ("off-hours with a host of two left: min_workers 3 cannot be met, the job pauses",
+     _hours_inventory(LAB_HOURS, b='hours = "always"', min_workers=3), _berlin(23, 12), BOTH_VIEWS, BOTH_RUN,
+     {"a": (), "b": ()}, (HostPhase.OFF_HOURS, HostPhase.RUNNING), "outside working hours, resumes at Mon 19:00 (a)"),
+]
+
+
+@pytest.mark.parametrize("case, inv, now, views, records, desired, phases, paused", HOURS, ids=[c[0] for c in HOURS])
+def test_working_hours(case, inv, now, views, records, desired, phases, paused):
+    from eltctl.controller.policy import host_limits
+
+    limits = host_limits(inv, records, now)
+    d = decide(views, records, inv, now, limits)
+    assert dict(d.desired) == desired
+    assert d.paused == paused
+    got = tuple(host_state(views[n], replace_desired(records[n], d.desired[n]), now, limits[n])[0] for n in "ab")
+    assert got == phases
+
+
+def replace_desired(record: HostRecord, slots) -> HostRecord:
+    from dataclasses import replace
+
+    return replace(record, desired=tuple(slots))
+
+
+def test_off_hours_says_when_the_host_is_usable_again():
+    from eltctl.controller.policy import host_limits
+
+    inv = _hours_inventory('hours = ["Sat-Sun"]')
+    limits = host_limits(inv, BOTH_RUN, _berlin(24, 12))
+    phase, reason = host_state(BOTH_VIEWS["a"], BOTH_RUN["a"], _berlin(24, 12), limits["a"])
+    assert phase is HostPhase.OFF_HOURS
+    assert reason == "outside its working hours (Sat-Sun); usable again at Sat 00:00; 2 worker(s) leaving"
+    assert limits["a"].until == _berlin(28, 0)
+
+
+def test_off_hours_leave_is_planned_no_cooldown_no_failure():
+    from eltctl.controller.policy import host_limits
+
+    inv = _hours_inventory(LAB_HOURS, b='hours = "always"')
+    now = _berlin(23, 12)
+    d = decide(BOTH_VIEWS, BOTH_RUN, inv, now, host_limits(inv, BOTH_RUN, now))
+    assert SetDesired("a", ()) in d.actions
+    # the daemon reports the workers gone: no yield, no crash, so no cooldown and no failure
+    after = track({"a": HostRecord(desired=(), seq=2, free_since=((0, 0.0), (1, 0.0))), "b": BOTH_RUN["b"]},
+                  {"a": view("a", "free", "free", alive=True, seq_applied=2), "b": BOTH_VIEWS["b"]}, inv, now + 5)
+    assert not after["a"].cooling(now + 5) and after["a"].failures == 0
+    # the window opens: a is used again at once (its GPUs stayed free all along)
+    opens = _berlin(23, 19)
+    d = decide({"a": view("a", "free", "free", alive=True), "b": BOTH_VIEWS["b"]}, after, inv, opens,
+               host_limits(inv, after, opens))
+    assert d.desired["a"] == (0, 1) and not d.paused
+
+
+def test_cordon_is_remembered_in_hosts_json():
+    rec = HostRecord(desired=(0,), cordoned=True)
+    assert HostRecord.from_json(rec.to_json()) == rec
+    assert HostRecord.from_json({}).cordoned is False  # an older hosts.json
+
+
+def test_a_disabled_host_never_observed_shows_disabled():
+    from eltctl.controller.policy import host_limits
+
+    inv = _hours_inventory(a="enabled = false")
+    limits = host_limits(inv, {}, NOW)
+    assert host_state(None, HostRecord(), NOW, limits["a"]) == (
+        HostPhase.DISABLED, "enabled = false in the inventory: not probed, not used")
+    assert host_state(None, HostRecord(), NOW, limits["b"])[0] is HostPhase.STARTING
