@@ -89,6 +89,21 @@ async def start_mirror_worker(inventory: Inventory, source):
     return worker
 
 
+def open_ledger(state: StateDir, job: str):
+    """The usage ledger's recorder, open; None (and a warning) when the file cannot be
+    opened: the job runs without an account rather than not at all."""
+    import sqlite3
+
+    from eltctl.ledger.recorder import UsageRecorder
+
+    try:
+        return UsageRecorder(state.usage_db, job).open()
+    except sqlite3.Error as exc:
+        log.warning("The usage ledger %s cannot be opened (%s): usage is not recorded. Move the file away "
+                    "to start a new one.", state.usage_db, exc)
+        return None
+
+
 async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: bool,
                 left_out: dict[str, str] | None = None) -> int:
     from eltctl.controller import store as kstore
@@ -177,6 +192,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             "pid": os.getpid(), "started": time.time(), "inventory": str(inventory.path),
             "store": keeper.to_json() if keeper else None, "socket": str(state.socket)})
         ctl = Controller(inventory, state, store, fleet, endpoint)
+        ctl.ledger = open_ledger(state, inventory.job.name)
         ctl.mirror_worker = mirror_worker = await start_mirror_worker(inventory, ctl.checkpoint_place)
         ctl.load_records()
         if left_out is not None:
@@ -208,6 +224,9 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                 await asyncio.wait_for(run_task, 10)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - exiting anyway
                 pass
+        if ctl is not None and ctl.ledger is not None:
+            # Down: what is still open ended (inferred) when it was last seen.
+            ctl.ledger.close(ctl.clock(), job_down=ctl.phase is Phase.STOPPED)
         server.close()
         try:
             state.socket.unlink()
