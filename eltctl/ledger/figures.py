@@ -141,7 +141,8 @@ def timeline(conn: sqlite3.Connection, *, since: float, until: float, live: bool
              buckets: int) -> dict[str, dict[int, list[str]]]:
     """host -> slot -> the holder of each of `buckets` equal time buckets across
     [since, until]: the one that held it longest in the bucket ("unknown" where nothing
-    was observed). The job's own intervals count as "job" where no holder row says so."""
+    was observed). The job's own intervals count as "job" too: they cover the times no
+    controller watched (a restart), from the daemons' history."""
     buckets = max(1, buckets)
     width = (until - since) / buckets
     share: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -161,9 +162,7 @@ def timeline(conn: sqlite3.Connection, *, since: float, until: float, live: bool
     for host, slot, holder, start, end, last_seen in conn.execute(
             "SELECT host, slot, holder, start, end, last_seen FROM holders WHERE start < ? AND "
             "(end IS NULL OR end > ?)", (until, since)):
-        stop = end if end is not None else (until if live else last_seen)
-        if holder != "job":
-            add(host, slot, holder, start, stop)
+        add(host, slot, holder, start, end if end is not None else (until if live else last_seen))
     for iv in intervals(conn, since, until, live):
         add(iv.host, iv.slot, "job", iv.start, iv.end)
     out: dict[str, dict[int, list[str]]] = {}

@@ -9,6 +9,7 @@ the holder that held the GPU longest in it (`TIMELINE_CHARS`, shown in a legend)
 from __future__ import annotations
 
 from datetime import datetime, tzinfo
+from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from eltctl.durations import format_duration
@@ -59,16 +60,17 @@ def usage_table(doc: Mapping):
 
 def summary_lines(doc: Mapping, tz: tzinfo | None = None) -> list[str]:
     tot = doc["total"]
-    state = "controller running" if doc["live"] else "controller not running: open intervals end at their last sighting"
-    lines = [f"[bold]{doc.get('job') or '?'}[/]: usage from {_clock(doc['since'], tz)} to "
-             f"{_clock(doc['until'], tz)} ({state})",
+    lines = [f"[bold]{doc.get('job') or '?'}[/]: usage from {_clock(doc['since'], tz)} to {_clock(doc['until'], tz)}",
              f"  {_hours(tot['gpu_hours'])} GPU-hours"
              + (f", {_hours(tot['cpu_slot_hours'])} CPU-slot-hours" if tot["cpu_slot_hours"] else "")
-             + f" by {tot['workers']} worker(s) ({tot['open']} running); {tot['yields']} owner yield(s); "
+             + f" by {tot['workers']} worker(s) ({tot['open']} still open); {tot['yields']} owner yield(s); "
              f"{tot['pauses']} pause(s)"
              + (f" ({_span(tot['paused_s'])} with no worker)" if tot["pauses"] else "")]
     if tot["ended"]:
         lines.append(f"  ended: {_ended(tot['ended'])}")
+    if not doc["live"] and tot["open"]:
+        lines.append("  [dim]the controller is not running: open intervals are counted up to when they were "
+                     "last seen[/]")
     return lines
 
 
@@ -179,5 +181,24 @@ def render_charts(samples: Sequence[tuple[float, int, float | None]], now: float
     return lines
 
 
-__all__ = ["CHART_WINDOW_S", "LEGEND", "TIMELINE_CHARS", "render_charts", "render_timeline", "render_usage",
+def ledger_charts(state_dir: Path, now: float, width: int = 60):
+    """The charts from the job's usage ledger, or None when it has none (yet)."""
+    import sqlite3
+
+    from eltctl.ledger import DB_NAME, LedgerError, open_reader, samples
+
+    try:
+        conn = open_reader(state_dir / DB_NAME)
+    except LedgerError:
+        return None
+    try:
+        got = samples(conn, now - CHART_WINDOW_S)
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+    return render_charts(got, now, width)
+
+
+__all__ = ["CHART_WINDOW_S", "ledger_charts", "LEGEND", "TIMELINE_CHARS", "render_charts", "render_timeline", "render_usage",
            "sparkline", "summary_lines", "timeline_rows", "usage_table"]

@@ -417,3 +417,51 @@ def test_a_damaged_ledger_file_is_an_error_with_a_fix(tmp_path):
     assert "cannot read the usage ledger" in str(exc.value) and "moved away" in str(exc.value)
     with pytest.raises(sqlite3.DatabaseError):
         UsageRecorder(path, "j").open()
+
+
+def test_status_watch_draws_the_last_hours_world_size_and_speed(tmp_path):
+    import signal
+    import time
+
+    from tests.test_statusview import TRAINING, cli_env, state_dir, write_inventory
+
+    write_inventory(tmp_path)
+    d = state_dir(tmp_path)
+    (d / "status.json").write_text(json.dumps({**TRAINING, "updated": time.time()}))
+    world = World(d / "usage.db")
+    world.now = time.time() - 600
+    rec = world.recorder()
+    world.daemon("a", workers=[running("a/0/1", world.now)])
+    for i in range(50):
+        world.status = {"world_size": 3 if i < 25 else 6, "samples_per_s": 250.0 + i, "step": i,
+                        "members": ["a/0/1"]}
+        world.run(rec, world.now + 10, step=10.0)
+    rec.close(world.now)
+    proc = subprocess.Popen([sys.executable, "-m", "eltctl", "status", "--watch"], cwd=tmp_path,
+                            env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "world size" in out and "samples/s" in out and "(max 6)" in out and "█" in out, out[-3000:]
+
+
+def test_eltctl_usage_imports_neither_torch_nor_asyncssh(tmp_path):
+    (tmp_path / "hosts.toml").write_text(INV_TEXT)
+    from tests.test_statusview import cli_env
+
+    world = World(tmp_path / "state" / "eltctl" / "j" / "usage.db")
+    world.recorder().close(world.now)
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "eltctl", "usage"], cwd=tmp_path,
+                       env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "sqlite3" in imported and not imported & {"torch", "asyncssh", "numpy"}
