@@ -16,6 +16,7 @@ predecessor saw end.
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from pathlib import Path
 
@@ -57,12 +58,13 @@ class History:
 
 
 def process_start(pid: int) -> float | None:
-    """When a process started, by this host's wall clock (from /proc), or None."""
+    """When a process started, by this host's wall clock, or None. /proc gives it in
+    clock ticks since boot; the boot time in /proc/stat is whole seconds, so the
+    clock since boot (CLOCK_BOOTTIME) is used to place it instead."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        with open("/proc/stat", "rb") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError, StopIteration):
+        since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, IndexError, ValueError, AttributeError):
         return None
