@@ -1,8 +1,10 @@
 """The usage ledger end to end on real sshd hosts: its GPU-seconds are the workers' lives.
 
-Plan: `up` on two simulated GPU hosts (1 GPU each, two CPU workers). Another user's
-process appears on h2's GPU 0: that worker leaves (an owner yield). The owner's
-process ends: a new worker joins on that GPU. `down`. Meanwhile the test measures
+Plan: `up` on two simulated GPU hosts (1 GPU each, two CPU workers). The controller
+is SIGKILLed, and while none runs another user's process appears on h2's GPU 0: that
+worker leaves (an owner yield, its daemon's own doing). `up` starts a new controller,
+which closes that interval from the daemon's history. The owner's process ends: a
+new worker joins on that GPU. `down`. Meanwhile the test measures
 every worker's life on its own, from the kernel: the start time /proc gives each
 worker process (ticks since boot, placed by CLOCK_BOOTTIME), and the moment the test sees the process gone (polled every 50 ms),
 never from the ledger's sources (the daemons' state documents). Then: the ledger
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import threading
 import time
@@ -95,18 +98,22 @@ def test_the_ledgers_gpu_seconds_are_the_workers_measured_lives(job_env):
         job_env.eltctl("up")
         st = job_env.training_at(2)
         # Lives of some length: the 2 % then holds more than the polls' own delays (0.1 s each side).
-        time.sleep(12)
+        time.sleep(8)
         victim = next(w for w in worker_pids(job_env.job) if w.startswith("h2/0/"))
+        ctl = job_env.controller_pid()
+        os.kill(ctl, signal.SIGKILL)
+        wait_for(lambda: not os.path.exists(f"/proc/{ctl}") or _stat(ctl)[0] == "Z", 30, "the controller to die")
         h2 = job_env.bed.host("h2")
         owner = h2.start_foreign_process(0, memory_mib=8000, utilization=90)
         wait_for(lambda: victim in measured.end, 60, f"worker {victim} to leave GPU 0 of h2", interval=0.05)
+        assert "(started)" in job_env.eltctl("up").stdout
         st = job_env.training_at(1, after_step=st["step"])
         time.sleep(2)  # the owner holds the GPU a while (the timeline shows it)
         h2.stop_foreign_process(owner)
         st = job_env.training_at(2, after_step=st["step"], timeout=120)
         joiner = next(w for w in worker_pids(job_env.job) if w.startswith("h2/0/"))
         assert joiner != victim
-        time.sleep(12)
+        time.sleep(8)
         job_env.eltctl("down")
         wait_for(lambda: set(measured.start) <= set(measured.end), 30, "every worker to be seen gone")
         wait_for(lambda: job_env.controller_pid() is None or not os.path.exists(f"/proc/{job_env.controller_pid()}"),
