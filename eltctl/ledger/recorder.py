@@ -31,6 +31,7 @@ scale, removed, straggler), else "planned".
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 from collections import deque
@@ -127,6 +128,8 @@ class UsageRecorder:
         self._holding: dict[tuple[str, int], tuple[int, str]] = {}  # (host, slot) -> (row id, holder)
         self._estimates: dict[str, deque] = {}
         self._last_raw: dict[str, bytes] = {}
+        self._history_key: dict[str, tuple] = {}  # host -> (length, newest entry) of the history last folded
+        self._history_ids: dict[str, set[str]] = {}
         self._born: float | None = None
         self._last_sample = 0.0
         self._last_beat = 0.0
@@ -143,6 +146,7 @@ class UsageRecorder:
         """The in-memory view of the rows from the file (at start, and after a failed pass)."""
         c = self._conn
         self._holding.clear()
+        self._history_key.clear()
         self._open = {w: _Open(h, off, seen) for w, h, off, seen in
                       c.execute("SELECT worker_id, host, offset, last_seen FROM intervals WHERE end IS NULL")}
         self._exact = {w for (w,) in c.execute("SELECT worker_id FROM intervals WHERE exact = 1")}
@@ -216,8 +220,15 @@ class UsageRecorder:
         st = seen.state
         live = {str(w["worker_id"]): w for w in st.get("workers") or []
                 if isinstance(w, dict) and w.get("worker_id") and str(w.get("state", "running")) in LIVE_STATES}
-        ended = {str(e["worker_id"]): e for e in st.get("history") or []
-                 if isinstance(e, dict) and e.get("worker_id") and e.get("end") is not None}
+        history = st.get("history") or []
+        key = (len(history), json.dumps(history[-1], sort_keys=True) if history else "")
+        if self._history_key.get(host) == key:
+            ended: dict[str, dict] = {}  # folded already: nothing new in it
+            ended_ids = self._history_ids[host]
+        else:
+            ended = {str(e["worker_id"]): e for e in history
+                     if isinstance(e, dict) and e.get("worker_id") and e.get("end") is not None}
+            ended_ids = set(ended)
         offset = self.offset(host)
         for wid, w in live.items():
             if wid in self._exact:
@@ -252,10 +263,11 @@ class UsageRecorder:
                 (wid, self.job, host, int(e.get("slot", -1)), kind, start - off, max(start, end) - off,
                  end - off, off, str(e.get("state", "")), how))
             self._exact.add(wid)
+        self._history_key[host], self._history_ids[host] = key, ended_ids
         authoritative = alive or st.get("phase") in ("stopped", "failed")
         if authoritative:
             for wid, o in list(self._open.items()):
-                if o.host == host and wid not in live:
+                if o.host == host and wid not in live and wid not in ended_ids:
                     self._close_inferred(wid, o, "down" if st.get("phase") == "stopped" else "lost")
         elif now - seen.changed >= GONE_AFTER_S:
             self._host_gone(host)
