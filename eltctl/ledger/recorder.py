@@ -37,7 +37,7 @@ import sqlite3
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from eltctl.controller import observe
 from eltctl.controller import policy as pol

@@ -200,5 +200,6 @@ def ledger_charts(state_dir: Path, now: float, width: int = 60):
     return render_charts(got, now, width)
 
 
-__all__ = ["CHART_WINDOW_S", "ledger_charts", "LEGEND", "TIMELINE_CHARS", "render_charts", "render_timeline", "render_usage",
+__all__ = ["CHART_WINDOW_S", "LEGEND", "TIMELINE_CHARS", "ledger_charts", "render_charts", "render_timeline",
+           "render_usage",
            "sparkline", "summary_lines", "timeline_rows", "usage_table"]

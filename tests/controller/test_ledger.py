@@ -131,7 +131,8 @@ def test_an_interval_runs_from_the_daemons_start_to_its_end_with_how_it_ended(wo
     rec.close(world.now)
     assert rows(world.path) == [("a/0/1", "a", 0, T0, T0 + 61.5, "yield", 1)]
     d = doc(world.path, T0 + 70)
-    assert d["total"]["gpu_seconds"] == pytest.approx(61.5) and d["total"]["gpu_hours"] == pytest.approx(61.5 / 3600, abs=1e-6)
+    assert d["total"]["gpu_seconds"] == pytest.approx(61.5)
+    assert d["total"]["gpu_hours"] == pytest.approx(61.5 / 3600, abs=1e-6)
     assert d["total"]["yields"] == 1 and d["total"]["ended"] == {"yield": 1}
 
 
@@ -283,8 +284,8 @@ def test_figures_by_host_gpu_and_day_and_the_json_shape(tmp_path):
     until = midnight + 1800
     by_host = doc(world.path, until, live=True, since=start - 60)
     assert set(by_host) == {"job", "since", "until", "live", "by", "total", "rows"}
-    assert set(by_host["total"]) == {"gpu_seconds", "gpu_hours", "cpu_slot_hours", "workers", "open", "yields", "pauses",
-                                     "paused_s", "ended"}
+    assert set(by_host["total"]) == {"gpu_seconds", "gpu_hours", "cpu_slot_hours", "workers", "open", "yields",
+                                     "pauses", "paused_s", "ended"}
     assert {r["key"]: r["gpu_hours"] for r in by_host["rows"]} == {"a": pytest.approx(2.0), "b": pytest.approx(1.5)}
     assert by_host["total"]["gpu_hours"] == pytest.approx(3.5) and by_host["total"]["open"] == 2
     assert by_host["total"]["yields"] == 1 and by_host["total"]["pauses"] == 0
@@ -352,7 +353,8 @@ def test_samples_every_ten_seconds_and_the_status_charts(world):
     finally:
         conn.close()
     assert 5 <= len(got) <= 7 and all(b[0] - a[0] >= 10 for a, b in zip(got, got[1:]))
-    assert sparkline([(0, 1.0), (5, 2.0), (9.5, 4.0)], 0, 10, 4) == "▃ ▅█"  # 2.5 s a character; 1/4, none, 2/4, 4/4
+    # 2.5 s a character: 1/4 of the top, none, 2/4, 4/4
+    assert sparkline([(0, 1.0), (5, 2.0), (9.5, 4.0)], 0, 10, 4) == "▃ ▅█"
     from rich.console import Console
 
     console = Console(width=100, record=True, color_system=None)

@@ -4,13 +4,15 @@ Plan: `up` on two simulated GPU hosts (1 GPU each, two CPU workers). The control
 is SIGKILLed, and while none runs another user's process appears on h2's GPU 0: that
 worker leaves (an owner yield, its daemon's own doing). `up` starts a new controller,
 which closes that interval from the daemon's history. The owner's process ends: a
-new worker joins on that GPU. `down`. Meanwhile the test measures
-every worker's life on its own, from the kernel: the start time /proc gives each
-worker process (ticks since boot, placed by CLOCK_BOOTTIME), and the moment the test sees the process gone (polled every 50 ms),
-never from the ledger's sources (the daemons' state documents). Then: the ledger
-(usage.db, read after the controller exited) has exactly one interval per worker,
-each as long as the measured life within 2 %, the yield and the `down` named as how
-they ended, and `eltctl usage --json` sums them.
+new worker joins on that GPU. `down`.
+
+Meanwhile the test measures every worker's life on its own, from the kernel: each
+worker process's start time in /proc (ticks since boot, placed by CLOCK_BOOTTIME)
+and the moment the test sees the process gone (polled every 50 ms); never from the
+ledger's sources (the daemons' state documents). Then the ledger (usage.db, read
+after the controller exited) has exactly one interval per worker, each as long as
+the measured life within 2 %, exact (from the daemons' history), the yield and the
+`down` named as how they ended, and `eltctl usage --json` sums them.
 """
 
 from __future__ import annotations
