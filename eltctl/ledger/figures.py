@@ -49,14 +49,24 @@ def intervals(conn: sqlite3.Connection, since: float, until: float, live: bool) 
 
 def gpu_seconds(conn: sqlite3.Connection, now: float, since: float | Mapping[str, float] = 0.0,
                 live: bool = True) -> tuple[dict[str, float], float]:
-    """GPU-seconds per host and in all since `since` (a time, or one per host), up to `now`."""
+    """GPU-seconds per host and in all since `since` (one time, or one per host: a host
+    not named counts nothing), up to `now`. One aggregate query per distinct time, so
+    the quotas can ask at every pass."""
+    open_end = "?" if live else "MAX(start, last_seen)"
+    query = (f"SELECT host, SUM(MAX(0, MIN(COALESCE(end, {open_end}), ?) - MAX(start, ?))) FROM intervals "
+             "WHERE kind = 'gpu' AND start < ? AND (end IS NULL OR end > ?) GROUP BY host")
+    groups: dict[float, set[str] | None] = {}
+    if isinstance(since, Mapping):
+        for host, t in since.items():
+            groups.setdefault(float(t), set()).add(host)  # type: ignore[union-attr]
+    else:
+        groups[float(since)] = None
     per: dict[str, float] = {}
-    lowest = min(since.values(), default=now) if isinstance(since, Mapping) else since
-    for iv in intervals(conn, lowest, now, live):
-        if iv.kind != "gpu":
-            continue
-        start = since.get(iv.host, now) if isinstance(since, Mapping) else since
-        per[iv.host] = per.get(iv.host, 0.0) + iv.within(start, now)
+    for t, hosts in groups.items():
+        args = ((now,) if live else ()) + (now, t, now, t)
+        for host, secs in conn.execute(query, args):
+            if hosts is None or host in hosts:
+                per[host] = float(secs or 0.0)
     return per, sum(per.values())
 
 

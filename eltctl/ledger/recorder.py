@@ -345,6 +345,13 @@ class UsageRecorder:
             return {}, 0.0
         return gpu_seconds(self._conn, now, since, live=True)
 
+    def quota_figures(self, now: float, day_start: Mapping[str, float]) -> tuple[dict[str, float], float]:
+        """What the quotas need: GPU-seconds per host since its day began (`day_start`:
+        each host's midnight in its time zone) and the job's GPU-seconds in all."""
+        per_day, _ = self.gpu_seconds(now, day_start)
+        _, total = self.gpu_seconds(now, 0.0)
+        return per_day, total
+
     # ----------------------------------------------------------------- internals
 
     def _tx(self):

@@ -143,8 +143,13 @@ def test_an_open_interval_counts_up_to_now_while_the_controller_runs(world):
     per, total = rec.gpu_seconds(T0 + 100)
     assert per == {"a": pytest.approx(190.0)} and total == pytest.approx(190.0)
     # Since a per-host time (the host's midnight): only what came after it.
-    per, total = rec.gpu_seconds(T0 + 100, {"a": T0 + 50})
+    per, total = rec.gpu_seconds(T0 + 100, {"a": T0 + 50, "b": T0})
     assert per == {"a": pytest.approx(100.0)}
+    world.daemon("b", workers=[running("b/0/3", T0 + 100)])
+    world.run(rec, T0 + 130)
+    today, job_total = rec.quota_figures(T0 + 130, {"a": T0 + 120, "b": T0 + 110})
+    assert today == {"a": pytest.approx(20.0), "b": pytest.approx(20.0)}
+    assert job_total == pytest.approx(250.0 + 30.0)
     rec.close(world.now)
 
 
