@@ -472,3 +472,23 @@ def test_eltctl_usage_imports_neither_torch_nor_asyncssh(tmp_path):
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
                 for line in r.stderr.splitlines() if line.startswith("import time:")}
     assert "sqlite3" in imported and not imported & {"torch", "asyncssh", "numpy"}
+
+
+def test_a_cpu_hosts_slots_count_as_cpu_slot_hours_not_gpu_hours(tmp_path):
+    inv = parse_inventory('[job]\nname = "j"\ncommand = "python t.py"\n'
+                          '[[hosts]]\nname = "c"\naddress = "c.lab"\nslots = 2\n', "hosts.toml")
+    obs = Observer()
+    obs.reports["c"] = HostReport(name="c", address="c.lab", state=HostState.CPU_ONLY, reason="no nvidia-smi")
+    rec = UsageRecorder(tmp_path / "usage.db", "j").open()
+    now = T0
+    while now < T0 + 60:
+        now += 1.0
+        state = {"time": now, "phase": "running", "gpus": [], "health": "ok",
+                 "workers": [running("c/0/1", T0)] if now < T0 + 30 else [],
+                 "history": [] if now < T0 + 30 else [ended("c/0/1", T0, T0 + 30, why="down")]}
+        obs.seen["c"] = seen_state(obs.seen.get("c"), json.dumps(state).encode(), now)
+        rec.record(now, inv, obs, {})
+    assert rec.gpu_seconds(now) == ({}, 0.0)
+    rec.close(now)
+    total = doc(tmp_path / "usage.db", now, since=T0)["total"]
+    assert total["gpu_hours"] == 0 and total["cpu_slot_hours"] == pytest.approx(30 / 3600, abs=1e-6)
