@@ -183,10 +183,10 @@ class UsageRecorder:
             with self._tx():
                 self._record(now, inventory, observed, records)
             self._failed = False
-        except sqlite3.Error as exc:
+        except Exception as exc:  # noqa: BLE001 - the account must never stop the job's controller
             if not self._failed:
                 log.warning("The usage ledger %s could not be written (%s); it is tried again at the next pass.",
-                            self.path, exc)
+                            self.path, exc, exc_info=not isinstance(exc, sqlite3.Error))
             self._failed = True
             try:
                 self._load()

@@ -492,3 +492,14 @@ def test_a_cpu_hosts_slots_count_as_cpu_slot_hours_not_gpu_hours(tmp_path):
     rec.close(now)
     total = doc(tmp_path / "usage.db", now, since=T0)["total"]
     assert total["gpu_hours"] == 0 and total["cpu_slot_hours"] == pytest.approx(30 / 3600, abs=1e-6)
+
+
+def test_a_document_the_ledger_cannot_read_never_stops_the_controller(world, caplog):
+    rec = world.recorder()
+    world.daemon("a", workers=[{"worker_id": "a/x/1", "slot": "not a number", "state": "running"}])
+    world.run(rec, T0 + 3)  # logged once, no exception
+    world.daemon("a", workers=[running("a/0/2", T0 + 3)])
+    world.run(rec, T0 + 10)
+    rec.close(world.now)
+    assert [r[0] for r in rows(world.path)] == ["a/0/2"]
+    assert sum("could not be written" in r.message for r in caplog.records) == 1
