@@ -245,6 +245,9 @@ class UsageRecorder:
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO UPDATE SET end = NULL, "
                     "how = '', state = '' WHERE exact = 0",
                     (wid, self.job, host, int(w.get("slot", -1)), kind, start - offset, last, offset))
+                # A reopened row keeps the offset it was opened with (its length stays exact).
+                o.offset = self._conn.execute("SELECT offset FROM intervals WHERE worker_id = ?",
+                                              (wid,)).fetchone()[0]
             elif alive:
                 o.last_seen = now
         signal = bool(st.get("signal"))
