@@ -261,8 +261,9 @@ class UsageRecorder:
             self._conn.execute(
                 "INSERT INTO intervals (worker_id, job, host, slot, kind, start, end, last_seen, offset, state, "
                 "how, exact) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1) ON CONFLICT (worker_id) DO UPDATE SET "
-                "end = excluded.end, state = excluded.state, how = excluded.how, exact = 1, "
-                "last_seen = MAX(last_seen, excluded.end)",
+                # the host's end placed with the row's own offset (the one its start was placed with)
+                "end = MAX(start, excluded.end + excluded.offset - offset), state = excluded.state, "
+                "how = excluded.how, exact = 1, last_seen = MAX(last_seen, excluded.end + excluded.offset - offset)",
                 (wid, self.job, host, int(e.get("slot", -1)), kind, start - off, max(start, end) - off,
                  end - off, off, str(e.get("state", "")), how))
             self._exact.add(wid)

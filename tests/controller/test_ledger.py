@@ -448,8 +448,18 @@ def test_status_watch_draws_the_last_hours_world_size_and_speed(tmp_path):
                             env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    def reading_the_ledger() -> bool:  # the first view has opened usage.db (sqlite3 is loaded)
+        try:
+            with open(f"/proc/{proc.pid}/maps") as f:
+                return "_sqlite3" in f.read()
+        except OSError:
+            return False
+
     try:
-        time.sleep(3)
+        deadline = time.monotonic() + 120  # a loaded machine starts Python slowly
+        while not reading_the_ledger() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2)  # past the first draw: the watch is live
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
