@@ -100,7 +100,7 @@ def test_the_ledgers_gpu_seconds_are_the_workers_measured_lives(job_env):
         job_env.eltctl("up")
         st = job_env.training_at(2)
         # Lives of some length: the 2 % then holds more than the polls' own delays (0.1 s each side).
-        time.sleep(8)
+        time.sleep(12)
         victim = next(w for w in worker_pids(job_env.job) if w.startswith("h2/0/"))
         ctl = job_env.controller_pid()
         os.kill(ctl, signal.SIGKILL)
@@ -115,7 +115,7 @@ def test_the_ledgers_gpu_seconds_are_the_workers_measured_lives(job_env):
         st = job_env.training_at(2, after_step=st["step"], timeout=120)
         joiner = next(w for w in worker_pids(job_env.job) if w.startswith("h2/0/"))
         assert joiner != victim
-        time.sleep(8)
+        time.sleep(12)
         job_env.eltctl("down")
         wait_for(lambda: set(measured.start) <= set(measured.end), 30, "every worker to be seen gone")
         wait_for(lambda: job_env.controller_pid() is None or not os.path.exists(f"/proc/{job_env.controller_pid()}"),
