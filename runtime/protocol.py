@@ -390,3 +390,20 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 def valid_name(name: str) -> bool:
     """Whether `name` is usable as a job or host name (NAME_RULE)."""
     return isinstance(name, str) and len(name) <= 128 and _NAME.fullmatch(name) is not None
+
+
+# ---- the daemon's history of ended workers -------------------------------------
+
+# `daemon/<host>/state` carries `"history"`: the newest DAEMON_HISTORY_KEPT workers
+# that ended on the host, oldest first (daemon/history.py), each made by
+# `history_entry`. `start` and `end` are the host's wall clock; `state` an end state
+# of daemon/logic.py's WorkerState; `why` one of HISTORY_WHY (what asked it to go).
+# The controller's usage ledger (eltctl/ledger) reads it.
+DAEMON_HISTORY_KEPT = 200
+HISTORY_WHY = ("", "yield", "signal", "planned", "down")
+
+
+def history_entry(*, worker_id: str, slot: int, start: float, end: float, state: str, why: str = "") -> dict:
+    """One ended worker in a daemon state document's `history`."""
+    return {"worker_id": worker_id, "slot": slot, "start": round(start, 3), "end": round(end, 3),
+            "state": state, "why": why}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from eltctl.commands import checkpoints, cordon, cron, demo, doctor, down, init, logs, probe, scale, status, up
+from eltctl.commands import checkpoints, cordon, cron, demo, doctor, down, init, logs, probe, scale, status, up, usage
 
 
 def register(app: typer.Typer) -> None:
@@ -25,6 +25,7 @@ def register(app: typer.Typer) -> None:
     app.command("down")(down.down)
     app.command("status")(status.status)
     app.command("logs")(logs.logs)
+    app.command("usage")(usage.usage)
     app.command("demo")(demo.demo)
     app.command("cron")(cron.cron)
     app.add_typer(checkpoints.app, name="checkpoints")

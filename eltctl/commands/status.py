@@ -1,5 +1,8 @@
 """`eltctl status [HOST]`: the job, its hosts and its recent events; `--watch` live, `--json` the document.
 
+`--watch` (without HOST) adds the last hour's world size and samples/s as small
+charts, from the samples in the usage ledger (usage.db, eltctl/ledger).
+
 The hosts table fits the terminal: from `statusview.WIDE_MIN_WIDTH` (120) columns on it
 shows every GPU's full reason; narrower, one line per GPU in few words. `status HOST`
 shows one host's full entry: every GPU with its full reason, its daemon and workers
@@ -90,7 +93,12 @@ def _watch(job, state_dir, events: int, host: str | None) -> None:
     from rich.live import Live
     from rich.markup import escape
 
+    from rich.console import Group
+
     from eltctl.statusview import NoJobError, read_snapshot
+    from eltctl.statusview.usage import ledger_charts
+
+    console = Console(highlight=False)
 
     def view():
         try:
@@ -98,10 +106,13 @@ def _watch(job, state_dir, events: int, host: str | None) -> None:
         except NoJobError as exc:
             # A watch outlives `down` and precedes `up`: say so and keep watching.
             return f"[yellow]{escape(exc.message)}[/] [dim](watching; Ctrl-C ends)[/]"
-        return _view(snapshot, events, host)
+        shown = _view(snapshot, events, host)
+        # The last hour's world size and samples/s, from the usage ledger (eltctl/ledger).
+        charts = ledger_charts(state_dir, time.time(), max(10, min(60, console.width - 30)))
+        return shown if charts is None or host is not None else Group(shown, "", charts)
 
     try:
-        with Live(view(), console=Console(highlight=False), auto_refresh=False,
+        with Live(view(), console=console, auto_refresh=False,
                   screen=False, redirect_stdout=False) as live:
             while True:
                 time.sleep(WATCH_INTERVAL_S)

@@ -89,6 +89,42 @@ async def start_mirror_worker(inventory: Inventory, source):
     return worker
 
 
+def ledger_quotas(recorder, inventory):
+    """The quotas' figures from the usage ledger (controller/quotas.py `QuotaProvider`):
+    each host's GPU-seconds since its own local midnight (its `timezone`), and the job's."""
+    from datetime import datetime
+
+    from eltctl.controller import hours, quotas
+    from eltctl.inventory.hours import for_host
+
+    zones = {h.name: hours.zone(for_host(inventory.schedule, h.schedule).timezone) for h in inventory.hosts}
+
+    def provide(now: float) -> quotas.QuotaUse:
+        day_start = {}
+        for name, tz in zones.items():
+            d = datetime.fromtimestamp(now, tz).date()
+            day_start[name] = datetime(d.year, d.month, d.day, tzinfo=tz).timestamp()
+        today, total = recorder.quota_figures(now, day_start)
+        return quotas.QuotaUse(today=today, total=total)
+
+    return provide
+
+
+def open_ledger(state: StateDir, job: str):
+    """The usage ledger's recorder, open; None (and a warning) when the file cannot be
+    opened: the job runs without an account rather than not at all."""
+    import sqlite3
+
+    from eltctl.ledger.recorder import UsageRecorder
+
+    try:
+        return UsageRecorder(state.usage_db, job).open()
+    except sqlite3.Error as exc:
+        log.warning("The usage ledger %s cannot be opened (%s): usage is not recorded. Move the file away "
+                    "to start a new one.", state.usage_db, exc)
+        return None
+
+
 async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: bool,
                 left_out: dict[str, str] | None = None) -> int:
     from eltctl.controller import store as kstore
@@ -179,6 +215,9 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             "pid": os.getpid(), "started": time.time(), "inventory": str(inventory.path),
             "store": keeper.to_json() if keeper else None, "socket": str(state.socket)})
         ctl = Controller(inventory, state, store, fleet, endpoint)
+        ctl.ledger = open_ledger(state, inventory.job.name)
+        if ctl.ledger is not None:
+            ctl.quota_use = ledger_quotas(ctl.ledger, inventory)
         ctl.mirror_worker = mirror_worker = await start_mirror_worker(inventory, ctl.checkpoint_place)
         ctl.load_records()
         if left_out is not None:
@@ -210,6 +249,9 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                 await asyncio.wait_for(run_task, 10)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - exiting anyway
                 pass
+        if ctl is not None and ctl.ledger is not None:
+            # Down: what is still open ended (inferred) when it was last seen.
+            ctl.ledger.close(ctl.clock(), job_down=ctl.phase is Phase.STOPPED)
         server.close()
         try:
             state.socket.unlink()

@@ -65,6 +65,7 @@ class Controller:
         self.mirror_worker = mirror_worker  # started and stopped by __main__
         self.quota_use = quota_use  # the GPU-hours used (the usage ledger's figures; none: not enforced)
         self.limits: dict[str, pol.Limit] = {}  # each host's limits at the last pass (policy.host_limits)
+        self.ledger = None  # the usage ledger's recorder (eltctl/ledger), opened and closed by __main__
         self.phase = Phase.CONNECTING
         self.message = ""
         self.records: dict[str, pol.HostRecord] = {}  # what is remembered of each host (hosts.json)
@@ -147,6 +148,8 @@ class Controller:
     async def observe_store(self) -> None:
         now = self.clock()
         await self.observed.read_store(self.store, [h.name for h in self.inventory.hosts], now)
+        if self.ledger is not None:
+            self.ledger.record(now, self.inventory, self.observed, self.records, self.limits)
         if self.mirror_worker is not None:
             hit = observe.checkpoint_to_mirror(
                 self.observed.runtime_status, now, self.inventory.policy, self.restorer.restored_at,

@@ -8,6 +8,7 @@ between runs and what the commands read (docs/control-plane.md, "Files"):
     control.sock      the command socket
     status.json       the status document, rewritten about once a second
     hosts.json        the controller's memory about hosts (removed, benched, ...)
+    usage.db          the usage ledger (SQLite, eltctl/ledger): written by the controller only
     controller.log, storekeeper.log
     cron.lock, cron.log  `up --unattended`'s run lock and log (eltctl/cron.py)
 
@@ -88,6 +89,10 @@ class StateDir:
     @property
     def hosts_json(self) -> Path:
         return self.path / "hosts.json"
+
+    @property
+    def usage_db(self) -> Path:
+        return self.path / "usage.db"
 
     @property
     def controller_log(self) -> Path:

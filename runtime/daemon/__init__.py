@@ -39,8 +39,9 @@ The daemon
     {"time", "heartbeat": wall clock of the write, "pid", "started", "host", "job",
      "phase": "running" | "stopping" | "stopped" | "failed",
      "seq_applied": int | null, "wanted": [slots of that seq],
-     "workers": [{"slot", "worker_id", "pid", "state", "since", "adopted", "detail"
+     "workers": [{"slot", "worker_id", "pid", "state", "since", "adopted", "detail", "start"
                   [, "exit_code", "cause", "at_start"]}],
+         # start: when a live worker's process started (wall clock)
          # an ended worker: cause is the line of its log that says why (the last
          # traceback's exception line, else its last line; "" if none), at_start
          # whether it failed before any generation plan listed it (its first step)
@@ -48,6 +49,9 @@ The daemon
          # worker of an empty slot: left, finished, crashed, lost (logic.WorkerState)
      "gpus": [{"index", "state": "ours" | "busy" | "free" | "unknown", "reason", "since"}],
      "yielded": [{"slot", "user", "pid", "time"}], "crashes": int (this daemon's life),
+     "history": [{"worker_id", "slot", "start", "end", "state", "why"}],
+         # the newest 200 ended workers, oldest first, host wall clock (history.py;
+         # protocol.history_entry); kept in history.json across daemon restarts
      "health": "ok" | "unhealthy" (nvidia-smi failed or hung),
      "watch": {"health": "ok" | "none" | "failed" | "hung", "reason", "since", "last_s"},
      "store": {"connected", "reconnects", "last_error"}}
@@ -64,7 +68,7 @@ incarnation; removed on a clean stop), `workers/<slot>.pid`, `workers/<slot>.log
 The modules: `config` (daemon.json, the worker environment), `logic` (the
 decisions, pure), `service` (the executor: observe, decide, act), `link` (the
 store link thread), `procs` (/proc, the pid lock, worker processes),
-`gpuwatch` (the nvidia-smi watch), `main` (the command line). The store keys
+`gpuwatch` (the nvidia-smi watch), `history` (the ended workers), `main` (the command line). The store keys
 and documents it shares with the controller and the runtime: protocol.py.
 """
 

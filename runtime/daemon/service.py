@@ -23,6 +23,7 @@ from ..pids import read_pid_file
 from ..protocol import EventKind, add_event, event_document, put_dead, put_leave
 from . import courtesy, procs
 from .config import DaemonConfig, worker_env
+from .history import History, process_start
 from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
 from .link import StoreLink
 from .logic import (
@@ -52,13 +53,15 @@ class _Worker:
     detail: str = ""
     gone_since: float | None = None  # monotonic: when an adopted worker was first seen gone
     log_offset: int = 0  # the size of its log when it started: its own output begins there
+    start_wall: float = 0.0  # when its process started (wall clock): the usage ledger's start
 
     def view(self) -> WorkerView:
         return WorkerView(self.slot, self.worker_id, self.pid, self.state, self.since)
 
     def to_dict(self) -> dict:
         return {"slot": self.slot, "worker_id": self.worker_id, "pid": self.pid, "state": self.state.value,
-                "since": round(self.since_wall, 3), "adopted": self.proc is None, "detail": self.detail}
+                "since": round(self.since_wall, 3), "adopted": self.proc is None, "detail": self.detail,
+                "start": round(self.start_wall or self.since_wall, 3)}
 
 
 class Daemon:
@@ -77,6 +80,7 @@ class Daemon:
         self._memory = Memory()
         self._workers: dict[int, _Worker] = {}
         self._ended: dict[int, dict] = {}  # slot -> the last ended worker (for the state document)
+        self._history = History(cfg.job_dir / "history.json")  # every ended worker, for the usage ledger
         self._foreign: dict[int, Foreign] = {}
         self._watch: dict[str, Any] = {"health": WatchHealth.NONE.value, "reason": "", "since": time.time()}
         self._gpu_states: dict[int, tuple[str, str, float]] = {}  # index -> (state, reason, since)
@@ -111,6 +115,7 @@ class Daemon:
             if ready:
                 ready(f"ok {os.getpid()}")
             self._load_memory()
+            self._history.load()
             self._adopt()
             self._memory = replace(self._memory, next_incarnation=first_incarnation(
                 self._memory.next_incarnation, 0, self._started))
@@ -200,7 +205,7 @@ class Daemon:
                 continue
             state = WorkerState.LEAVING if wid in self._memory.leaving else WorkerState.RUNNING
             self._workers[slot] = _Worker(slot, wid, pid, None, state, time.monotonic(), time.time(),
-                                          detail="adopted")
+                                          detail="adopted", start_wall=process_start(pid) or time.time())
             highest = max(highest, incarnation_of(wid) or 0)
             log.info("host %s: adopted worker %s (pid %d) on slot %d, %s", self.cfg.host, wid, pid, slot,
                      state.value)
@@ -214,7 +219,7 @@ class Daemon:
             slot = int(parts[-2])
             state = WorkerState.LEAVING if wid in self._memory.leaving else WorkerState.RUNNING
             self._workers[slot] = _Worker(slot, wid, pid, None, state, time.monotonic(), time.time(),
-                                          detail="adopted")
+                                          detail="adopted", start_wall=process_start(pid) or time.time())
             files.write_atomic(self._workers_dir / f"{slot}.pid", f"{pid}\n")
             highest = max(highest, incarnation_of(wid) or 0)
             log.info("host %s: adopted worker %s (pid %d) on slot %d, found without a pid file", self.cfg.host,
@@ -250,6 +255,7 @@ class Daemon:
         cause = self._cause(w) if out.crash_event else ""
         ran_s = round(time.monotonic() - w.since, 1) if out.at_start else None
         del self._workers[w.slot]
+        self._history.ended(w.worker_id, w.slot, w.start_wall or w.since_wall, time.time(), out.state.value)
         files.remove(self._workers_dir / f"{w.slot}.pid")
         cfg = self.cfg
         if out.report_dead:
@@ -359,6 +365,7 @@ class Daemon:
                 self._leave(a, now)
             elif isinstance(a, MarkStopping):
                 w = self._workers[a.slot]
+                self._history.note_why(a.worker_id, "down")
                 w.state, w.since, w.since_wall = WorkerState.STOPPING, now, time.time()
                 log.info("host %s: the job is stopping; waiting for worker %s (pid %d) to exit", self.cfg.host,
                          a.worker_id, w.pid)
@@ -372,6 +379,7 @@ class Daemon:
             elif isinstance(a, RecordYield):
                 r = a.record
                 if a.worker_id:
+                    self._history.note_why(a.worker_id, "yield")
                     detail = f"{r.user} (pid {r.pid}) took GPU {r.slot}; worker {a.worker_id} leaves"
                 else:
                     detail = f"{r.user} (pid {r.pid}) holds GPU {r.slot}; no worker started there"
@@ -401,13 +409,14 @@ class Daemon:
             cause = f"{cfg.argv[0]}: {e.strerror or e}"
             self._event(EventKind.CRASH, [wid], f"worker {wid} {detail}", cause=cause, at_start=True,
                         exit_code=None, ran_s=0.0)
+            self._history.ended(wid, slot, time.time(), time.time(), WorkerState.CRASHED.value)
             self._ended[slot] = {"slot": slot, "worker_id": wid, "pid": None, "state": WorkerState.CRASHED.value,
                                  "since": round(time.time(), 3), "adopted": False, "detail": detail,
                                  "exit_code": None, "cause": cause, "at_start": True}
             return
         files.write_atomic(self._workers_dir / f"{slot}.pid", f"{proc.pid}\n")
         self._workers[slot] = _Worker(slot, wid, proc.pid, proc, WorkerState.RUNNING, now, time.time(),
-                                      log_offset=offset)
+                                      log_offset=offset, start_wall=time.time())
         self._ended.pop(slot, None)
         log.info("host %s: started worker %s (pid %d) on %s %d; log %s", cfg.host, wid, proc.pid,
                  "GPU" if cfg.gpu_host else "CPU slot", slot, log_path)
@@ -416,6 +425,8 @@ class Daemon:
         w = self._workers[a.slot]
         wid = a.worker_id
         self._link.send(f"the leave request of {wid}", lambda js: put_leave(js, wid))
+        stop = self._terminating or bool(self._link.desired() and self._link.desired().stop)
+        self._history.note_why(wid, "down" if stop else "planned")
         # SIGTERM too: the runtime leaves at the next step boundary even if the store is away.
         try:
             os.kill(w.pid, signal.SIGTERM)
@@ -449,6 +460,7 @@ class Daemon:
             "host": self.cfg.host, "job": self.cfg.job, "seq_applied": m.seq_applied,
             "wanted": sorted(m.wanted), "workers": workers, "gpus": gpus,
             "yielded": [y.to_dict() for y in m.yielded], "crashes": self._crashes,
+            "history": self._history.entries(),
             "health": "ok" if healthy else "unhealthy", "watch": dict(self._watch),
             "store": {"connected": self._link.connected, "reconnects": 0, "last_error": self._link.error},
         }
