@@ -20,7 +20,10 @@
       "leave_timeout": 120, "stop_timeout": 300,    # optional: graces before SIGKILL
       "evict_grace": 2,     # optional: how long a worker that left for a GPU's owner may linger
       "mode": "elastic",    # optional: or "restart" (an unmodified torchrun script)
-      "stop_grace": 30      # optional, restart mode: seconds the script has to save after SIGTERM
+      "stop_grace": 30,     # optional, restart mode: seconds the script has to save after SIGTERM
+      "owner": {"signals": ["login", "keyboard", "load"], "idle_to_start": 900, ...}
+                            # optional: owner signals beyond the GPU (eltctl_runtime.owner.OwnerPolicy;
+                            # absent or null: none watched)
     }
 
 In restart mode each slot runs the supervisor (runtime/restart.py) in place of
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..owner import OwnerPolicy
 from ..protocol import NAME_RULE, valid_name
 
 
@@ -87,6 +91,7 @@ class DaemonConfig:
     evict_grace: float = 2.0
     mode: str = "elastic"
     stop_grace: float = 30.0
+    owner: OwnerPolicy = field(default_factory=OwnerPolicy)
 
     @property
     def gpu_host(self) -> bool:
@@ -182,6 +187,10 @@ class DaemonConfig:
         if mode not in MODES:
             raise DaemonConfigError(f"{source}: 'mode' must be 'elastic' or 'restart', not {mode!r}")
         stop_grace = number("stop_grace", 30.0)
+        try:
+            owner = OwnerPolicy.from_dict(d.get("owner"), source=f"{source}: 'owner'")
+        except ValueError as e:
+            raise DaemonConfigError(str(e)) from None
         floor = stop_grace + STOP_GRACE_MARGIN_S if mode == "restart" else 0.0
         return cls(
             job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
@@ -193,7 +202,7 @@ class DaemonConfig:
             watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),
             leave_timeout=max(floor, number("leave_timeout", 120.0)),
             stop_timeout=max(floor, number("stop_timeout", 300.0)),
-            evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace,
+            evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, owner=owner,
         )
 
 
