@@ -218,6 +218,7 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
         "nvidia_smi_timeout": policy.nvidia_smi_timeout,
         "mode": job.mode.value,
         "stop_grace": job.stop_grace,
+        "owner": inventory.owner_policy(host).to_dict(),
     }
 
 

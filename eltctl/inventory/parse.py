@@ -16,6 +16,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from eltctl.errors import ConfigError
+from eltctl.inventory.owner import OWNER_KEYS, owner_policy, owner_values
 from eltctl.inventory.tables import ABSENT, BAD, KeyLines, Table, got, raw_host_name, show, toml_error
 from eltctl.inventory.types import (
     ControllerSettings,
@@ -42,10 +43,10 @@ SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
 POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
                "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout",
-               "drop_stragglers", "straggler_gain_percent", "straggler_for")
+               "drop_stragglers", "straggler_gain_percent", "straggler_for") + OWNER_KEYS
 STORAGE_KEYS = ("mirror", "keep")
 CONTROLLER_KEYS = ("address",)
-HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env")
+HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env") + OWNER_KEYS
 
 DEFAULT_INVENTORY_NAME = "hosts.toml"
 
@@ -139,6 +140,7 @@ class Checker:
         policy_table = self.table(raw, "policy", POLICY_KEYS) or self.empty("policy")
         policy = self.policy(policy_table)
         stragglers = self.stragglers(policy_table)
+        owner = owner_policy(policy_table)
         storage = self.storage(self.table(raw, "storage", STORAGE_KEYS) or self.empty("storage"))
         controller = self.controller(self.table(raw, "controller", CONTROLLER_KEYS)
                                      or self.empty("controller"))
@@ -147,7 +149,7 @@ class Checker:
             return None
         return Inventory(path=Path(os.path.abspath(self.shown)), job=job, ssh=ssh,
                          policy=policy, storage=storage, hosts=hosts, controller=controller,
-                         stragglers=stragglers)
+                         stragglers=stragglers, owner=owner)
 
     def empty(self, key: str) -> Table:
         return Table(self, {}, key, accepted=(), where=f"[{key}]")
@@ -334,10 +336,11 @@ class Checker:
         max_micro = t.integer("max_micro_batch", None, lo=1,
                               meaning=" (samples a worker on this host computes at once; leave it out: no limit)")
         env = t.env("env")
+        owner = owner_values(t)
         if len(self.problems) > before:
             return None
         return Host(name=name, address=address, port=port, user=user, python=python,
-                    gpus=gpus, slots=slots, max_micro_batch=max_micro, env=env)
+                    gpus=gpus, slots=slots, max_micro_batch=max_micro, env=env, owner=owner)
 
     def gpus(self, t: Table) -> Any:
         value = t.raw("gpus")

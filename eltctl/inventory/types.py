@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
+
+from eltctl_runtime.owner import OwnerPolicy
 
 LOCAL = "local"  # `address = "local"`: run on this machine, no SSH
 
@@ -90,6 +93,7 @@ class Host:
     slots: int = 1  # CPU workers on a host without GPUs
     max_micro_batch: int | None = None  # samples a worker here computes at once; None: no limit
     env: tuple[tuple[str, str], ...] = ()  # extra environment for commands on this host
+    owner: tuple[tuple[str, Any], ...] = ()  # its owner_* keys over [policy]'s (inventory/owner.py)
 
     @property
     def is_local(self) -> bool:
@@ -106,6 +110,11 @@ class Inventory:
     hosts: tuple[Host, ...] = field(default_factory=tuple)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)  # read from [policy]
+    owner: OwnerPolicy = field(default_factory=OwnerPolicy)  # [policy]'s owner_* keys (inventory/owner.py)
+
+    def owner_policy(self, host: Host) -> OwnerPolicy:
+        """The owner signals watched on `host`: [policy]'s owner_* keys with its own over them."""
+        return replace(self.owner, **dict(host.owner)) if host.owner else self.owner
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
