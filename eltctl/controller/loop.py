@@ -157,7 +157,7 @@ class Controller:
     async def _probe(self) -> None:
         try:
             reports = await probe_fleet(self.fleet, job=self.inventory.job.name, policy=self.inventory.policy,
-                                        hosts=self.inventory.hosts)
+                                        hosts=self.inventory.hosts, owner=self.inventory.owner_policy)
         except Exception:  # noqa: BLE001 - a probe bug must not end the controller
             log.exception("The probe failed.")
             return
@@ -326,7 +326,7 @@ class Controller:
         reports = {}
         if probe_targets:
             probed = await probe_fleet(self.fleet, job=self.inventory.job.name, policy=self.inventory.policy,
-                                       hosts=probe_targets)
+                                       hosts=probe_targets, owner=self.inventory.owner_policy)
             reports = {r.name: r for r in probed}
             for name in self.observed.take_reports(probed):
                 await self.fleet.forget(name)
