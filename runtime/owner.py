@@ -160,6 +160,7 @@ class OwnerState:
 
     held: OwnerSignal | None = None  # fired, and the start condition has not held since
     load_high_since: float | None = None  # monotonic: since when the load is above leave_load
+    waiting: OwnerSignal | None = None  # the last look's unmet start condition (its `since` is kept)
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,10 @@ def evaluate(policy: OwnerPolicy, looks: Looks, state: OwnerState, now: float, w
         held = None  # the start condition holds again
     new = OwnerState(held=held, load_high_since=high_since)
     if held is None:
-        return new, Verdict(wait=blocks[0] if blocks else None)
+        wait = blocks[0] if blocks else None
+        if wait is not None and state.waiting is not None and state.waiting.name == wait.name:
+            wait = replace(wait, since=state.waiting.since)
+        return replace(new, waiting=wait), Verdict(wait=wait)
     # Held: keep the first signal's name and start, with the freshest detail of that kind.
     current = next((s for s in fired + blocks if s.name == held.name), None)
     shown = replace(current, since=held.since) if current is not None else held

@@ -83,6 +83,14 @@ def test_hysteresis(name, looks, expected):
     assert run(policy, looks) == expected, name
 
 
+def test_a_waiting_signal_keeps_its_start():
+    state, v = evaluate(ALL, replace(QUIET, logins=(alice(300),)), OwnerState(), 0.0, 5000.0)
+    state, v = evaluate(ALL, replace(QUIET, logins=(alice(310),)), state, 10.0, 5010.0)
+    assert v.leave is None and v.wait.since == 5000.0 and "idle 310 s" in v.wait.detail
+    state, v = evaluate(ALL, QUIET, state, 20.0, 5020.0)
+    assert v.wait is None and state == OwnerState()
+
+
 def test_only_the_watched_signals_count():
     policy = replace(ALL, signals=("login",))
     assert run(policy, [(0, replace(QUIET, load=5.0, memory_mib=9999, input_idle=1))]) == [(None, None)]
