@@ -5,8 +5,9 @@ utmp and /dev (tests/testbed/owner.py: real glibc utmp records and tty atimes, n
 through $ELTCTL_UTMP and $ELTCTL_DEV_ROOT in the hosts' sessions), the login signal
 watched. alice logs in on h2 (a utmp record and a tty used just now): both workers of
 h2 leave in the planned way (a `leave` generation that lost nobody, no crash), h1's
-go on, one yield per slot names the signal, and `eltctl status` shows it. alice logs
-out: after idle_for and the cooldown h2 comes back and the job is at four again.
+go on, one yield per slot names the signal, `eltctl status` shows it and `eltctl probe`
+reports h2's GPUs busy with it. alice logs out: after idle_for and the cooldown h2
+comes back and the job is at four again.
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def test_an_owner_logging_in_empties_the_host_in_the_planned_way_and_logging_out
     assert shown["name"] == "login" and "alice logged in on pts/3" in shown["detail"], shown
     view = je.eltctl("status").stdout
     assert "owner signal login" in view and "alice" in view, view
+    probed = {h["name"]: h for h in json.loads(je.eltctl("probe", "--json").stdout)}
+    assert probed["h1"]["owner"] is None
+    assert probed["h2"]["owner"]["name"] == "login" and probed["h2"]["slots"] == 0
+    assert {g["state"] for g in probed["h2"]["gpus"]} == {"busy"}
+    assert all(g["reason"].startswith("owner: alice logged in on pts/3") for g in probed["h2"]["gpus"])
 
     bed["h2"].logout("pts/3")
     st = je.training_at(4, after_step=st["step"], timeout=120)
