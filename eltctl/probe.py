@@ -395,7 +395,8 @@ def with_owner(report: HostReport, hold: dict | None) -> HostReport:
         return report
     why = f"owner: {hold.get('detail', '')}"
     gpus = tuple(replace(g, state=GpuUse.BUSY, reason=why) for g in report.gpus)
-    return replace(report, gpus=gpus, slots=0, owner=hold, reason=f"{report.reason}; {why}")
+    return replace(report, gpus=gpus, slots=0, owner=hold,
+                   reason=f"owner signal {hold.get('name')}: {hold.get('detail', '')}")
 
 
 def assess_host(host: Host, probe: HostProbe, policy: Policy) -> HostReport:

@@ -47,8 +47,6 @@ def render(reports) -> None:
         if r.users:
             facts.append("users " + ", ".join(r.users))
         reason = escape(r.reason)
-        if r.owner is not None:
-            reason += f"\n[bold]owner signal {escape(str(r.owner.get('name')))}:[/] {escape(str(r.owner.get('detail')))}"
         if r.error is not None and r.error.hint:
             reason += f"\n[bold]fix:[/] {escape(r.error.hint)}"
         reason += f"\n[dim]{escape(' · '.join(facts))}[/]"

@@ -288,11 +288,12 @@ def test_probe_reports_every_slot_busy_with_the_signal():
            "since": 1.0}
     r = assess_host(HOST, parse_probe_output(_probe_text(json.dumps({"wait": sig, "leave": None}))), Policy())
     assert r.state is HostState.OK and r.slots == 0 and r.owner == sig
+    assert r.reason == f"owner signal login: {sig['detail']}"
     assert [(g.state, g.reason) for g in r.gpus] == [(GpuUse.BUSY, f"owner: {sig['detail']}")]
     assert report_to_json(r)["owner"] == sig
     cpu = assess_host(HOST, parse_probe_output(_probe_text(json.dumps({"wait": sig, "leave": None}), smi=False)),
                       Policy())
-    assert cpu.state is HostState.CPU_ONLY and cpu.slots == 0 and "owner: alice" in cpu.reason
+    assert cpu.state is HostState.CPU_ONLY and cpu.slots == 0 and cpu.reason.startswith("owner signal login: alice")
 
 
 def test_probe_without_a_signal_or_without_the_check_is_unchanged():
