@@ -4,6 +4,11 @@ One round trip per host runs `probe_script` (POSIX sh): it prints delimited sect
 with the CPU count, load average, logged-in users, whether `nvidia-smi` exists, the
 GPU query and the compute-apps query (each under `timeout`), and for each GPU process
 its owner and whether it belongs to this job (`ELTCTL_JOB=<job>` in its environment).
+Where the host watches owner signals beyond the GPU (the inventory's owner_* keys), it
+also runs eltctl_runtime.owner's source with the host's Python (`owner check`, two
+looks 0.5 s apart for a load rate): when its start condition does not hold, every
+slot of the host is busy with the signal as the reason (`HostReport.owner`), so
+nothing starts there; a check that cannot run counts as an owner too (owner first).
 
 The rest is pure and tested with tables: `parse_probe_output` turns that text into a
 `HostProbe` (facts), `classify_gpu` decides free / busy / ours for one GPU, and
@@ -22,9 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import shlex
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterable
+
+from eltctl_runtime import owner as owner_signals  # stdlib only; its source is run on the host
+from eltctl_runtime.owner import OwnerPolicy
 
 from eltctl_runtime import nvsmi  # the one nvidia-smi parser, shared with the host daemon; stdlib only
 from eltctl_runtime.nvsmi import parse_number
@@ -96,6 +106,9 @@ class HostProbe:
     apps_status: int | None = None
     apps_output: str = ""
     processes: tuple[GpuProcess, ...] = ()
+    owner_ran: bool = False  # the owner check ran (the host watches owner signals)
+    owner: dict | None = None  # its answer {"wait": signal or null, "leave": ...}; None: no answer
+    owner_output: str = ""  # what it printed when it gave no answer
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,8 @@ class HostReport:
     slots: int = 0
     load_avg: tuple[float, float, float] | None = None
     users: tuple[str, ...] = ()
+    # The owner signal that keeps workers off this host ({"name", "detail", "since"}), or None.
+    owner: dict | None = None
 
     @property
     def reachable(self) -> bool:
@@ -130,7 +145,8 @@ class HostReport:
 # --------------------------------------------------------------------------- the script
 
 def probe_script(job: str, nvidia_smi_timeout: float) -> str:
-    """The POSIX sh program a probe runs; the job name is its first argument."""
+    """The POSIX sh program a probe runs; the job name is its first argument, then
+    (optional) the host's Python, the owner policy as JSON and owner.py's source."""
     t = f"{nvidia_smi_timeout:g}"
     return f"""\
 job="$1"
@@ -174,14 +190,27 @@ if [ -n "$smi" ]; then
     fi
   fi
 fi
+if [ -n "$3" ]; then
+  echo "${{m}}owner"
+  $to "$2" -c "$4" check "$3" </dev/null 2>&1
+fi
 echo "${{m}}end"
 """
 
 
-def probe_command(job: str, nvidia_smi_timeout: float) -> str:
-    """The one shell command a probe sends: `sh -c SCRIPT eltctl-probe JOB`."""
-    return ("sh -c " + shlex.quote(probe_script(job, nvidia_smi_timeout))
-            + " eltctl-probe " + shlex.quote(job))
+def owner_source() -> str:
+    """eltctl_runtime.owner's source: what the probe runs on a host without the runtime."""
+    return Path(owner_signals.__file__).read_text(encoding="utf-8")
+
+
+def probe_command(job: str, nvidia_smi_timeout: float, owner: OwnerPolicy | None = None,
+                  python: str = "python3") -> str:
+    """The one shell command a probe sends: `sh -c SCRIPT eltctl-probe JOB [PYTHON POLICY SOURCE]`
+    (the last three when `owner` watches signals)."""
+    cmd = "sh -c " + shlex.quote(probe_script(job, nvidia_smi_timeout)) + " eltctl-probe " + shlex.quote(job)
+    if owner is not None and owner.enabled:
+        cmd += " " + " ".join(shlex.quote(a) for a in (python, json.dumps(owner.to_dict()), owner_source()))
+    return cmd
 
 
 def probe_timeout(policy: Policy) -> float:
@@ -276,10 +305,23 @@ def parse_probe_output(text: str) -> HostProbe:
     procs = [GpuProcess(pid=p.pid, gpu_uuid=p.gpu_uuid, used_memory_mib=p.used_memory_mib, name=p.name,
                         user=owners.get(p.pid, (False, None))[1], ours=owners.get(p.pid, (False, None))[0])
              for p in procs]
+    owner_ran = "owner" in s
+    owner, owner_output = None, ""
+    if owner_ran:
+        lines = [ln.strip() for ln in s["owner"][1] if ln.strip()]
+        try:
+            doc = json.loads(lines[-1])
+            if isinstance(doc, dict) and "wait" in doc:
+                owner = doc
+        except (IndexError, ValueError):
+            pass
+        if owner is None:
+            owner_output = "\n".join(lines)
     return HostProbe(
         complete="end" in s, cpu_count=cpu_count, load_avg=load_avg, users=tuple(users),
         nvidia_smi=nvidia_smi, gpu_status=gpu_status, gpu_output=gpu_output or "", gpus=tuple(gpus),
-        apps_status=apps_status, apps_output=apps_output or "", processes=tuple(procs))
+        apps_status=apps_status, apps_output=apps_output or "", processes=tuple(procs),
+        owner_ran=owner_ran, owner=owner, owner_output=owner_output)
 
 
 # --------------------------------------------------------------------------- decisions
@@ -335,8 +377,34 @@ def _first_line(text: str, default: str) -> str:
     return default
 
 
+def owner_hold(probe: HostProbe) -> dict | None:
+    """The owner signal that keeps workers off the host ({"name", "detail", "since"}), or None.
+    An owner check that ran and gave no answer holds the host too (owner first)."""
+    if not probe.owner_ran:
+        return None
+    if probe.owner is None:
+        why = _first_line(probe.owner_output, "no output")
+        return {"name": "unknown", "detail": f"the owner check failed: {why}", "since": None}
+    wait = probe.owner.get("wait")
+    return wait if isinstance(wait, dict) and wait.get("name") else None
+
+
+def with_owner(report: HostReport, hold: dict | None) -> HostReport:
+    """Every slot of a host the owner holds is busy, with the signal as the reason."""
+    if hold is None or report.state not in (HostState.OK, HostState.CPU_ONLY):
+        return report
+    why = f"owner: {hold.get('detail', '')}"
+    gpus = tuple(replace(g, state=GpuUse.BUSY, reason=why) for g in report.gpus)
+    return replace(report, gpus=gpus, slots=0, owner=hold,
+                   reason=f"owner signal {hold.get('name')}: {hold.get('detail', '')}")
+
+
 def assess_host(host: Host, probe: HostProbe, policy: Policy) -> HostReport:
     """The host's state and its GPUs' states from the probe's facts."""
+    return with_owner(_assess_host(host, probe, policy), owner_hold(probe))
+
+
+def _assess_host(host: Host, probe: HostProbe, policy: Policy) -> HostReport:
     common = dict(name=host.name, address=host.address, cpu_count=probe.cpu_count,
                   load_avg=probe.load_avg, users=probe.users)
     t = f"{policy.nvidia_smi_timeout:g}"
@@ -399,11 +467,14 @@ def unreachable_report(host: Host, error: HostError) -> HostReport:
 
 # --------------------------------------------------------------------------- running it
 
-async def probe_host(host: Host, transport: Transport, *, job: str, policy: Policy) -> HostReport:
-    """One round trip; a probe that times out or fails to run makes the host unhealthy."""
+async def probe_host(host: Host, transport: Transport, *, job: str, policy: Policy,
+                     owner: OwnerPolicy | None = None) -> HostReport:
+    """One round trip; a probe that times out or fails to run makes the host unhealthy.
+    `owner`: the owner signals the host watches (None or none watched: no owner check)."""
     limit = probe_timeout(policy)
     try:
-        result = await transport.run(probe_command(job, policy.nvidia_smi_timeout), timeout=limit)
+        result = await transport.run(probe_command(job, policy.nvidia_smi_timeout, owner, host.python),
+                                     timeout=limit)
     except HostError as exc:
         if exc.kind in (ErrorKind.TIMEOUT, ErrorKind.COMMAND):  # str enum: equal to the plain strings too
             return HostReport(name=host.name, address=host.address, state=HostState.UNHEALTHY,
@@ -418,12 +489,14 @@ async def probe_host(host: Host, transport: Transport, *, job: str, policy: Poli
 
 
 async def probe_fleet(fleet: Fleet, *, job: str, policy: Policy,
-                      hosts: Iterable[Host] | None = None) -> list[HostReport]:
-    """Probe every host of the fleet at once; reports in the fleet's host order."""
+                      hosts: Iterable[Host] | None = None,
+                      owner: Callable[[Host], OwnerPolicy] | None = None) -> list[HostReport]:
+    """Probe every host of the fleet at once; reports in the fleet's host order.
+    `owner(host)`: the owner signals each host watches (Inventory.owner_policy)."""
     targets = fleet.hosts if hosts is None else tuple(hosts)
 
     async def one(host: Host, transport: Transport) -> HostReport:
-        return await probe_host(host, transport, job=job, policy=policy)
+        return await probe_host(host, transport, job=job, policy=policy, owner=owner(host) if owner else None)
 
     outcomes: dict[str, Outcome[HostReport]] = await fleet.each(targets, one)
     reports = []
@@ -438,7 +511,8 @@ def probe_inventory(inventory: Inventory, *, hosts: Iterable[Host] | None = None
 
     async def main() -> list[HostReport]:
         async with Fleet(inventory) as fleet:
-            return await probe_fleet(fleet, job=inventory.job.name, policy=inventory.policy, hosts=hosts)
+            return await probe_fleet(fleet, job=inventory.job.name, policy=inventory.policy, hosts=hosts,
+                                     owner=inventory.owner_policy)
 
     return asyncio.run(main())
 
@@ -460,6 +534,7 @@ JSON_FORMAT = """\
 | `slots` | int | workers the host can take now: free GPUs on an `ok` host, the inventory's `slots` on a `cpu-only` host, 0 otherwise |
 | `load_avg` | [float, float, float] or null | 1, 5 and 15 minute load average |
 | `users` | [string] | users logged in (from `who`), sorted, once each |
+| `owner` | object or null | the owner signal that keeps workers off the host (the inventory's owner_* keys; then every GPU is `busy` and `slots` is 0): `name` (`login`, `keyboard`, `load`, `memory`, or `unknown` when the check could not run), `detail` (e.g. "alice logged in on pts/3, idle 40 s (starts after 900 s idle)"), `since` (wall clock or null) |
 | `gpus` | [object] | the GPUs considered (the host's `gpus` list, or all), by index; empty unless `state` is `ok` |
 
 Each GPU:
@@ -495,6 +570,7 @@ def report_to_json(r: HostReport) -> dict:
         "slots": r.slots,
         "load_avg": list(r.load_avg) if r.load_avg is not None else None,
         "users": list(r.users),
+        "owner": r.owner,
         "gpus": [
             {
                 "index": g.gpu.index,

@@ -167,7 +167,8 @@ class Controller:
     async def _probe(self) -> None:
         try:
             reports = await probe_fleet(self.fleet, job=self.inventory.job.name, policy=self.inventory.policy,
-                                        hosts=[h for h in self.inventory.hosts if h.schedule.enabled])
+                                        hosts=[h for h in self.inventory.hosts if h.schedule.enabled],
+                                        owner=self.inventory.owner_policy)
         except Exception:  # noqa: BLE001 - a probe bug must not end the controller
             log.exception("The probe failed.")
             return
@@ -353,7 +354,7 @@ class Controller:
         reports = {}
         if probe_targets:
             probed = await probe_fleet(self.fleet, job=self.inventory.job.name, policy=self.inventory.policy,
-                                       hosts=probe_targets)
+                                       hosts=probe_targets, owner=self.inventory.owner_policy)
             reports = {r.name: r for r in probed}
             for name in self.observed.take_reports(probed):
                 await self.fleet.forget(name)

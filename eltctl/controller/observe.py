@@ -169,6 +169,9 @@ def probed(host: Host, report: HostReport | None) -> tuple[pol.Reach, str, tuple
         slots = tuple(pol.SlotView(g.gpu.index, g.state, g.reason) for g in report.gpus)
     elif report.state is HostState.CPU_ONLY:
         slots = cpu_slots(host)
+        if report.owner is not None:  # an owner signal holds the host (probe.with_owner)
+            slots = tuple(pol.SlotView(s.index, GpuUse.BUSY, f"owner: {report.owner.get('detail', '')}")
+                          for s in slots)
     else:
         slots = ()
     return _REACH[report.state], report.reason, slots

@@ -208,7 +208,19 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
         "start_failure": record.start_failure or None,
         "daemon": daemon_summary(seen.state) if seen is not None else None,
         "usable_at": limit.until if limit.phase is not None and limit.until is not None else None,
+        "signal": owner_signal(view, seen),
     }
+
+
+def owner_signal(view: pol.HostView, seen: DaemonSeen | None) -> dict[str, Any] | None:
+    """The owner signal that holds the host ({"name", "detail", "since"}): its live daemon's
+    (the state document's `signal`), else the probe's (a busy slot's reason "owner: ...")."""
+    if seen is not None and view.daemon_alive and isinstance(seen.state.get("signal"), dict):
+        return dict(seen.state["signal"])
+    for s in view.slots:
+        if s.reason.startswith("owner: "):
+            return {"name": None, "detail": s.reason[len("owner: "):], "since": None}
+    return None
 
 
 def daemon_summary(state: Mapping[str, Any]) -> dict[str, Any]:

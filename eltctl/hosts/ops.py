@@ -219,6 +219,7 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
         "mode": job.mode.value,
         "stop_grace": job.stop_grace,
         "courtesy": courtesy.for_host(inventory.courtesy, host.courtesy).to_json(),
+        "owner": inventory.owner_policy(host).to_dict(),
     }
 
 

@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
 from eltctl.errors import ConfigError
 from eltctl.inventory import courtesy
 from eltctl.inventory import hours as schedules
+from eltctl.inventory.owner import OWNER_KEYS, owner_policy, owner_values
 from eltctl.inventory.tables import ABSENT, BAD, KeyLines, Table, got, raw_host_name, show, toml_error
 from eltctl.inventory.types import (
     ControllerSettings,
@@ -44,11 +45,12 @@ SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
 POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
                "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout",
-               "drop_stragglers", "straggler_gain_percent", "straggler_for", *schedules.SCHEDULE_KEYS)
+               "drop_stragglers", "straggler_gain_percent", "straggler_for", *schedules.SCHEDULE_KEYS,
+               *OWNER_KEYS)
 STORAGE_KEYS = ("mirror", "keep")
 CONTROLLER_KEYS = ("address",)
 HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env",
-             *schedules.HOST_SCHEDULE_KEYS)
+             *schedules.HOST_SCHEDULE_KEYS, *OWNER_KEYS)
 POLICY_KEYS += courtesy.KEYS
 HOST_KEYS += courtesy.KEYS
 
@@ -146,6 +148,7 @@ class Checker:
         stragglers = self.stragglers(policy_table)
         policy_courtesy = courtesy.parse_policy(policy_table)
         schedule = schedules.policy_schedule(policy_table)
+        owner = owner_policy(policy_table)
         storage = self.storage(self.table(raw, "storage", STORAGE_KEYS) or self.empty("storage"))
         controller = self.controller(self.table(raw, "controller", CONTROLLER_KEYS)
                                      or self.empty("controller"))
@@ -154,7 +157,7 @@ class Checker:
             return None
         return Inventory(path=Path(os.path.abspath(self.shown)), job=job, ssh=ssh,
                          policy=policy, storage=storage, hosts=hosts, controller=controller,
-                         stragglers=stragglers, courtesy=policy_courtesy, schedule=schedule)
+                         stragglers=stragglers, courtesy=policy_courtesy, schedule=schedule, owner=owner)
 
     def empty(self, key: str) -> Table:
         return Table(self, {}, key, accepted=(), where=f"[{key}]")
@@ -343,11 +346,12 @@ class Checker:
         env = t.env("env")
         host_courtesy = courtesy.parse_host(t)
         schedule = schedules.host_schedule(t)
+        owner = owner_values(t)
         if len(self.problems) > before:
             return None
         return Host(name=name, address=address, port=port, user=user, python=python,
                     gpus=gpus, slots=slots, max_micro_batch=max_micro, env=env, courtesy=host_courtesy,
-                    schedule=schedule)
+                    schedule=schedule, owner=owner)
 
     def gpus(self, t: Table) -> Any:
         value = t.raw("gpus")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
+
+from eltctl_runtime.owner import OwnerPolicy
 
 from eltctl.inventory.courtesy import Courtesy, Overrides
 from eltctl.inventory.hours import HostSchedule, Schedule
@@ -95,6 +98,7 @@ class Host:
     env: tuple[tuple[str, str], ...] = ()  # extra environment for commands on this host
     courtesy: Overrides = ()  # the courtesy keys this host sets (courtesy.for_host merges them)
     schedule: HostSchedule = field(default_factory=HostSchedule)  # enabled, hours, quotas (inventory/hours.py)
+    owner: tuple[tuple[str, Any], ...] = ()  # its owner_* keys over [policy]'s (inventory/owner.py)
 
     @property
     def is_local(self) -> bool:
@@ -113,6 +117,11 @@ class Inventory:
     stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)  # read from [policy]
     courtesy: Courtesy = field(default_factory=Courtesy)  # read from [policy]; per host: courtesy.for_host
     schedule: Schedule = field(default_factory=Schedule)  # [policy]'s hours and quotas (inventory/hours.py)
+    owner: OwnerPolicy = field(default_factory=OwnerPolicy)  # [policy]'s owner_* keys (inventory/owner.py)
+
+    def owner_policy(self, host: Host) -> OwnerPolicy:
+        """The owner signals watched on `host`: [policy]'s owner_* keys with its own over them."""
+        return replace(self.owner, **dict(host.owner)) if host.owner else self.owner
 
     def host(self, name: str) -> Host:
         for h in self.hosts:

@@ -59,6 +59,10 @@ def host_notes(host: Mapping[str, Any], options: ViewOptions, *, brief: bool = F
     notes = []
     if host.get("reason"):
         notes.append(str(host["reason"]))
+    signal = host.get("signal")
+    if isinstance(signal, dict):
+        name = f" {signal['name']}" if signal.get("name") else ""
+        notes.append(f"owner{name}" if brief else f"owner signal{name}: {signal.get('detail', '')}")
     for key, what in (("benched_until", "benched"), ("cooldown_until", "cooling down")):
         until = num(host.get(key))
         if until is not None and until > options.now:

@@ -26,6 +26,13 @@ The daemon
   GPU back in about watch_interval + one step + 0.3 s; a process still
   lingering after `evict_grace` (a script that hangs after its loop) is
   SIGKILLed, a backstop;
+* watches the owner signals beyond the GPU that daemon.json's `owner` names
+  (eltctl_runtime.owner: another user's login, console input, foreign CPU load,
+  foreign memory) every `watch_interval`: a firing signal makes every worker of
+  the host leave in the planned way (not urgent: no eviction) and records one
+  `yield` per slot naming the signal; while the start condition does not hold
+  (e.g. a login idle for less than idle_to_start) an armed slot gets no worker
+  but a yield, as for a foreign GPU process;
 * writes `daemon/<host>/state` about every second (below);
 * on SIGTERM makes all its workers leave in the planned way, waits, and exits;
   SIGKILL leaves the workers running (own sessions), and the next daemon adopts
@@ -48,10 +55,12 @@ The daemon
          # live states: running, stopping, leaving, killed, evicted; the last ended
          # worker of an empty slot: left, finished, crashed, lost (logic.WorkerState)
      "gpus": [{"index", "state": "ours" | "busy" | "free" | "unknown", "reason", "since"}],
-     "yielded": [{"slot", "user", "pid", "time"}], "crashes": int (this daemon's life),
+     "yielded": [{"slot", "user", "pid", "time" [, "signal"]}], "crashes": int (this daemon's life),
      "history": [{"worker_id", "slot", "start", "end", "state", "why"}],
          # the newest 200 ended workers, oldest first, host wall clock (history.py;
          # protocol.history_entry); kept in history.json across daemon restarts
+     "signal": null | {"name": "login" | "keyboard" | "load" | "memory", "detail", "since": wall clock}
+         # the owner signal that holds the host now (fired, or the start condition fails)
      "health": "ok" | "unhealthy" (nvidia-smi failed or hung),
      "watch": {"health": "ok" | "none" | "failed" | "hung", "reason", "since", "last_s"},
      "store": {"connected", "reconnects", "last_error"}}

@@ -23,6 +23,9 @@
       "stop_grace": 30,     # optional, restart mode: seconds the script has to save after SIGTERM
       "courtesy": {"nice": 10, "ionice": "best-effort", "cpu_threads": null, "memory_limit_mib": null}
                             # optional: the workers' priority and limits (courtesy.py); absent: none
+      "owner": {"signals": ["login", "keyboard", "load"], "idle_to_start": 900, ...}
+                            # optional: owner signals beyond the GPU (eltctl_runtime.owner.OwnerPolicy;
+                            # absent or null: none watched)
     }
 
 In restart mode each slot runs the supervisor (runtime/restart.py) in place of
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..owner import OwnerPolicy
 from ..protocol import NAME_RULE, valid_name
 from .courtesy import Courtesy, thread_env
 
@@ -92,6 +96,7 @@ class DaemonConfig:
     mode: str = "elastic"
     stop_grace: float = 30.0
     courtesy: Courtesy = field(default_factory=Courtesy)
+    owner: OwnerPolicy = field(default_factory=OwnerPolicy)
 
     @property
     def gpu_host(self) -> bool:
@@ -187,6 +192,10 @@ class DaemonConfig:
         if mode not in MODES:
             raise DaemonConfigError(f"{source}: 'mode' must be 'elastic' or 'restart', not {mode!r}")
         stop_grace = number("stop_grace", 30.0)
+        try:
+            owner = OwnerPolicy.from_dict(d.get("owner"), source=f"{source}: 'owner'")
+        except ValueError as e:
+            raise DaemonConfigError(str(e)) from None
         floor = stop_grace + STOP_GRACE_MARGIN_S if mode == "restart" else 0.0
         try:
             courtesy = Courtesy.from_json(d.get("courtesy"), source)
@@ -203,6 +212,7 @@ class DaemonConfig:
             leave_timeout=max(floor, number("leave_timeout", 120.0)),
             stop_timeout=max(floor, number("stop_timeout", 300.0)),
             evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, courtesy=courtesy,
+            owner=owner,
         )
 
 

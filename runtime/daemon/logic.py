@@ -24,13 +24,15 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Mapping
 
+from ..owner import OwnerSignal
 from ..protocol import Desired
 
 
 class WorkerState(str, Enum):
     """A worker's life as the daemon sees it::
 
-        running --slot no longer desired, its GPU's owner came back, daemon SIGTERM--> leaving
+        running --slot no longer desired, its GPU's owner came back, an owner signal fired,
+                  daemon SIGTERM--> leaving
         running --desired stop (the controller wrote the job's stop key)--> stopping
         stopping --stop_timeout--> leaving --leave_timeout--> killed (SIGKILL to its group)
         leaving --a plan lists it as left, and it lingers (owner waiting: evict_grace)--> evicted (SIGKILL)
@@ -73,9 +75,13 @@ class Yield:
     pid: int
     user: str
     time: float  # wall clock
+    signal: str = ""  # "": a process on the GPU; else the owner signal (owner.SIGNALS) that fired
 
     def to_dict(self) -> dict:
-        return {"slot": self.slot, "pid": self.pid, "user": self.user, "time": self.time}
+        d = {"slot": self.slot, "pid": self.pid, "user": self.user, "time": self.time}
+        if self.signal:
+            d["signal"] = self.signal
+        return d
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,8 @@ class Memory:
         d = json.loads(raw)
         return cls(seq_applied=d.get("seq_applied"), wanted=frozenset(d.get("wanted", ())),
                    armed=frozenset(d.get("armed", ())),
-                   yielded=tuple(Yield(int(y["slot"]), int(y["pid"]), str(y["user"]), float(y["time"]))
+                   yielded=tuple(Yield(int(y["slot"]), int(y["pid"]), str(y["user"]), float(y["time"]),
+                                       str(y.get("signal", "")))
                                  for y in d.get("yielded", ())),
                    next_incarnation=int(d.get("next_incarnation", 1)), leaving=frozenset(d.get("leaving", ())),
                    urgent=frozenset(d.get("urgent", ())))
@@ -141,6 +148,11 @@ class View:
     leave_timeout: float = 120.0
     stop_timeout: float = 300.0
     evict_grace: float = 2.0  # how long a departed worker may linger while the GPU's owner waits
+    # Owner signals beyond the GPU (owner.py): `owner_leave` fired (running workers leave,
+    # in the planned way: not urgent); `owner_wait`: the start condition does not hold.
+    owner_leave: OwnerSignal | None = None
+    owner_wait: OwnerSignal | None = None
+    owner_pending: bool = False  # signals are watched but not judged yet (a load rate needs two looks)
 
 
 # ---- actions -----------------------------------------------------------------
@@ -252,10 +264,13 @@ def decide(v: View) -> Decision:
     urgent = set(m.urgent)
     yielded = list(m.yielded)
 
-    def record_yield(slot: int, wid: str | None) -> None:
-        """The owner (v.foreign[slot]) has the GPU: remember it (the newest per slot) and say so."""
-        f = v.foreign[slot]
-        rec = Yield(slot, f.pid, f.user, v.wall)
+    def record_yield(slot: int, wid: str | None, signal: OwnerSignal | None = None) -> None:
+        """The owner (v.foreign[slot], else `signal`) has the GPU: remember it (the newest per slot) and say so."""
+        if signal is not None:
+            rec = Yield(slot, signal.pid, signal.user, v.wall, signal.name)
+        else:
+            f = v.foreign[slot]
+            rec = Yield(slot, f.pid, f.user, v.wall)
         yielded[:] = [y for y in yielded if y.slot != slot] + [rec]
         actions.append(RecordYield(rec, wid))
 
@@ -275,6 +290,10 @@ def decide(v: View) -> Decision:
                 actions.append(Leave(w.slot, w.worker_id, f"{f.user} (pid {f.pid}) took GPU {w.slot}"))
                 leaving.add(w.worker_id)
                 urgent.add(w.worker_id)
+            elif v.owner_leave is not None:
+                record_yield(w.slot, w.worker_id, v.owner_leave)
+                actions.append(Leave(w.slot, w.worker_id, f"owner signal: {v.owner_leave.detail}"))
+                leaving.add(w.worker_id)
             elif w.slot not in m.wanted and m.seq_applied is not None:
                 actions.append(Leave(w.slot, w.worker_id, f"slot {w.slot} is not in desired seq {m.seq_applied}"))
                 leaving.add(w.worker_id)
@@ -310,9 +329,14 @@ def decide(v: View) -> Decision:
             if w.state is WorkerState.RUNNING:
                 armed.discard(slot)  # served; a later crash must not restart it by itself
             continue  # the old worker is on its way out: start after it exits
+        if v.owner_pending:
+            continue  # stays armed until the owner signals are judged
         armed.discard(slot)
         if slot in v.foreign:
             record_yield(slot, None)
+            continue
+        if v.owner_wait is not None:
+            record_yield(slot, None, v.owner_wait)
             continue
         wid = worker_id(v.host, slot, incarnation)
         incarnation += 1

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .. import files
+from ..owner import OwnerSignal, OwnerWatch, Sources, Verdict
 from ..pids import read_pid_file
 from ..protocol import EventKind, add_event, event_document, put_dead, put_leave
 from . import courtesy, procs
@@ -89,6 +90,10 @@ class Daemon:
         self._crashes = 0
         self._phase = "running"
         self._started = time.time()
+        self._owner: OwnerWatch | None = None  # made in run() when the config watches owner signals
+        self._owner_verdict: Verdict | None = None  # None: not judged yet
+        self._owner_next = 0.0
+        self._owner_fired: OwnerSignal | None = None  # the leave signal last logged
 
     # -- life ------------------------------------------------------------------
     def run(self, ready=None) -> int:
@@ -126,6 +131,12 @@ class Daemon:
             elif not self.cfg.gpu_host:
                 smi = None  # CPU slots only: nothing of ours to watch
             self._poller = SmiPoller(smi, self.cfg.watch_interval, self.cfg.nvidia_smi_timeout, self._base_env)
+            if self.cfg.owner.enabled:
+                self._owner = OwnerWatch(self.cfg.owner, Sources.from_env(self._base_env))
+                self._owner.look(time.monotonic(), time.time())  # the first of the two looks a load rate needs
+                self._owner_next = time.monotonic() + min(0.5, self.cfg.watch_interval)
+                log.info("host %s: watching owner signals %s (user %s is not an owner)", self.cfg.host,
+                         ", ".join(self.cfg.owner.signals), self._owner.user)
             self._link.start()
             clean = self._loop()
         except Exception:
@@ -161,6 +172,7 @@ class Daemon:
             now = time.monotonic()
             self._reap(now)
             self._observe_gpus(now)
+            self._observe_owner(now)
             decision = self._decide(now)
             if decision.memory != self._memory:
                 self._memory = decision.memory
@@ -345,6 +357,21 @@ class Daemon:
             since = old[2] if old and old[0] == state else time.time()
             self._gpu_states[g.index] = (state, reason, since)
 
+    def _observe_owner(self, now: float) -> None:
+        if self._owner is None or now < self._owner_next:
+            return
+        self._owner_next = now + self.cfg.watch_interval
+        v = self._owner.step(now, time.time())
+        self._owner_verdict = v
+        if v.leave is not None and (self._owner_fired is None or self._owner_fired.name != v.leave.name):
+            log.warning("host %s: owner signal %s: %s; the workers here leave", self.cfg.host, v.leave.name,
+                        v.leave.detail)
+        elif v.holding is None and self._owner_fired is not None:
+            log.info("host %s: the owner signals are quiet again (%s idle)", self.cfg.host,
+                     ", ".join(self.cfg.owner.signals))
+        if v.leave is not None or v.holding is None:
+            self._owner_fired = v.leave
+
     def _decide(self, now: float) -> Decision:
         view = View(
             now=now, wall=time.time(), host=self.cfg.host, desired=self._link.desired(), memory=self._memory,
@@ -352,6 +379,9 @@ class Daemon:
             terminating=self._terminating, valid_slots=self.cfg.valid_slots,
             departed=self._link.departed(), leave_timeout=self.cfg.leave_timeout,
             stop_timeout=self.cfg.stop_timeout, evict_grace=self.cfg.evict_grace,
+            owner_leave=self._owner_verdict.leave if self._owner_verdict else None,
+            owner_wait=self._owner_verdict.wait if self._owner_verdict else None,
+            owner_pending=self._owner is not None and self._owner_verdict is None,
         )
         return decide(view)
 
@@ -380,6 +410,10 @@ class Daemon:
                 r = a.record
                 if a.worker_id:
                     self._history.note_why(a.worker_id, "yield")
+                if r.signal:
+                    detail = (f"owner signal {r.signal}: {r.user}; " +
+                              (f"worker {a.worker_id} leaves" if a.worker_id else f"no worker started on slot {r.slot}"))
+                elif a.worker_id:
                     detail = f"{r.user} (pid {r.pid}) took GPU {r.slot}; worker {a.worker_id} leaves"
                 else:
                     detail = f"{r.user} (pid {r.pid}) holds GPU {r.slot}; no worker started there"
@@ -463,4 +497,10 @@ class Daemon:
             "history": self._history.entries(),
             "health": "ok" if healthy else "unhealthy", "watch": dict(self._watch),
             "store": {"connected": self._link.connected, "reconnects": 0, "last_error": self._link.error},
+            "signal": self._signal_doc(),
         }
+
+    def _signal_doc(self) -> dict | None:
+        """The owner signal that holds this host now (owner.OwnerSignal.to_dict), or None."""
+        v = self._owner_verdict
+        return v.holding.to_dict() if v is not None and v.holding is not None else None

@@ -90,7 +90,7 @@ def test_status_document_shape():
     assert a == {"name": "a", "state": "running", "reason": "1 worker(s)", "workers": 1, "heartbeat_age_s": 0.5,
                  "benched_until": None, "cooldown_until": NOW + 5, "failures": 0, "desired": [0],
                  "gpus": [{"index": 0, "state": "ours", "reason": ""}, {"index": 1, "state": "busy", "reason": "pid 9"}],
-                 "last_problem": "", "start_failure": None, "daemon": {}, "usable_at": None}
+                 "last_problem": "", "start_failure": None, "daemon": {}, "usable_at": None, "signal": None}
     assert doc["start_failed"] is None
     assert (b["state"], b["reason"], b["heartbeat_age_s"], b["gpus"]) == ("unreachable", "timeout", None, [])
 

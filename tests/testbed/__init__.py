@@ -21,6 +21,10 @@ and `close()` find and kill processes by it. A process a test starts locally
 "as if on the host" should get `host.env()` (plus CUDA_VISIBLE_DEVICES to sit
 on a simulated GPU).
 
+Owner signals beyond the GPU (logins, console input, load) get stand-ins per host in
+tests/testbed/owner.py: `OwnerStandIn(dir)` holds the host's own utmp and /dev, and
+its `env()` passed as `add_host(env=...)` points the host's sessions at them.
+
 Use the `testbed` pytest fixture (tests/conftest.py) or `make_testbed(n)`;
 import it as `tests.testbed` (tests/conftest.py puts the repository root on
 sys.path; do not import it as plain `testbed`, which would load a second copy):
