@@ -20,7 +20,9 @@
       "leave_timeout": 120, "stop_timeout": 300,    # optional: graces before SIGKILL
       "evict_grace": 2,     # optional: how long a worker that left for a GPU's owner may linger
       "mode": "elastic",    # optional: or "restart" (an unmodified torchrun script)
-      "stop_grace": 30      # optional, restart mode: seconds the script has to save after SIGTERM
+      "stop_grace": 30,     # optional, restart mode: seconds the script has to save after SIGTERM
+      "claims_dir": null    # optional: the host's GPU claims directory (runtime/claims.py); null:
+                            # $ELTCTL_CLAIMS_DIR of the daemon's environment, else /tmp/eltctl-gpus
     }
 
 In restart mode each slot runs the supervisor (runtime/restart.py) in place of
@@ -87,6 +89,7 @@ class DaemonConfig:
     evict_grace: float = 2.0
     mode: str = "elastic"
     stop_grace: float = 30.0
+    claims_dir: str | None = None  # None: $ELTCTL_CLAIMS_DIR, else claims.DEFAULT_DIR (runtime/claims.py)
 
     @property
     def gpu_host(self) -> bool:
@@ -182,6 +185,9 @@ class DaemonConfig:
         if mode not in MODES:
             raise DaemonConfigError(f"{source}: 'mode' must be 'elastic' or 'restart', not {mode!r}")
         stop_grace = number("stop_grace", 30.0)
+        claims_dir = d.get("claims_dir")
+        if claims_dir is not None and (not isinstance(claims_dir, str) or not claims_dir):
+            raise DaemonConfigError(f"{source}: 'claims_dir' must be null or a directory path")
         floor = stop_grace + STOP_GRACE_MARGIN_S if mode == "restart" else 0.0
         return cls(
             job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
@@ -193,7 +199,7 @@ class DaemonConfig:
             watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),
             leave_timeout=max(floor, number("leave_timeout", 120.0)),
             stop_timeout=max(floor, number("stop_timeout", 300.0)),
-            evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace,
+            evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, claims_dir=claims_dir,
         )
 
 

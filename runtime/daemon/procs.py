@@ -171,13 +171,16 @@ def session_leaders_of(job: str, prefix: str) -> dict[int, str]:
 # ---------------------------------------------------------------------------- workers
 
 
-def start_worker(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path) -> subprocess.Popen:
+def start_worker(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path,
+                 pass_fds: Sequence[int] = ()) -> subprocess.Popen:
     """A worker in its own session (so a signal to its group reaches everything
     it started, and a daemon killed with SIGKILL leaves it running), stdin
-    /dev/null, stdout and stderr appended to its log."""
+    /dev/null, stdout and stderr appended to its log. `pass_fds`: descriptors it
+    inherits (its GPU claim, runtime/claims.py)."""
     with open(log_path, "ab", buffering=0) as log:
         return subprocess.Popen(list(argv), env=dict(env), cwd=str(cwd), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                                pass_fds=tuple(pass_fds))
 
 
 def signal_group(pid: int, sig: int) -> bool:
