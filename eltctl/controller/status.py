@@ -72,7 +72,7 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     """What a job that waits for slots waits for: the free slots and, counted, why the
     others are held back (a failure's cooldown with its cause, an owner's, benching,
     busy GPUs, hosts unreachable, unhealthy, not probed yet, removed); then min_workers."""
-    free = busy = 0
+    free = busy = taken = 0
     cooling: list[tuple[int, pol.HostRecord]] = []
     owner: list[int] = []
     straggler: list[int] = []
@@ -97,8 +97,10 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
             continue
         slots = [s for s in view.slots if s.index not in rec.desired and s.index not in view.workers]
         n_busy = sum(1 for s in slots if s.use is pol.GpuUse.BUSY and not rec.force)
-        others = len(slots) - n_busy
+        n_taken = sum(1 for s in slots if s.use is pol.GpuUse.TAKEN)
+        others = len(slots) - n_busy - n_taken
         busy += n_busy
+        taken += n_taken
         waived = rec.join_now
         if not others:
             continue
@@ -130,6 +132,8 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     if busy:
         parts.append(f"{_n(busy, 'GPU')} busy " + ("(its owner's process)" if busy == 1 else
                                                   "(their owners' processes)"))
+    if taken:
+        parts.append(f"{_n(taken, 'GPU')} taken by another eltctl job")
     if unreachable:
         parts.append(f"{_n(len(unreachable), 'host')} unreachable ({'; '.join(unreachable)})")
     if unhealthy:

@@ -17,7 +17,7 @@ JOB_STATE_STYLE = {"starting": "cyan", "waiting": "yellow", "training": "bold gr
 HOST_STATE_STYLE = {"running": "green", "starting": "cyan", "idle": "white", "busy": "red",
                     "cooldown": "yellow", "benched": "magenta", "removed": "dim",
                     "unreachable": "red", "unhealthy": "yellow"}
-GPU_STATE_STYLE = {"ours": "blue", "free": "green", "busy": "red"}
+GPU_STATE_STYLE = {"ours": "blue", "free": "green", "busy": "red", "taken": "magenta"}
 EVENT_STYLE = {"yield": "bold yellow", "crash": "bold red", "hang": "red", "join": "green",
                "leave": "cyan", "bench": "magenta", "stop": "dim", "remove": "dim", "add": "green"}
 
