@@ -207,7 +207,7 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
 
 def daemon_summary(state: Mapping[str, Any]) -> dict[str, Any]:
     """What `eltctl status HOST` and `logs --failed` read of a daemon's own state document."""
-    return {k: state[k] for k in ("pid", "phase", "health", "workers") if k in state}
+    return {k: state[k] for k in ("pid", "phase", "health", "workers", "taken") if k in state}
 
 
 def status_document(*, now: float, inventory: Inventory, phase: str, message: str,
