@@ -125,3 +125,17 @@ def test_a_second_user_claims_the_files_of_the_first():
         assert "Taken: gpu1 is held by job a" in out.stderr
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_daemon_json_may_name_the_claims_directory():
+    import json
+
+    from eltctl_runtime.daemon.config import DaemonConfig, DaemonConfigError
+
+    base = {"job": "j", "host": "h1", "store": "127.0.0.1:29400", "job_dir": "/tmp/x", "code_dir": "/tmp/x",
+            "command": ["python", "t.py"]}
+    assert DaemonConfig.from_json(json.dumps(base)).claims_dir is None  # an older daemon.json
+    cfg = DaemonConfig.from_json(json.dumps({**base, "claims_dir": "/dev/shm/gpus"}))
+    assert claims.claims_dir(cfg.claims_dir, {claims.ENV: "/elsewhere"}) == Path("/dev/shm/gpus")
+    with pytest.raises(DaemonConfigError, match="'claims_dir' must be null or a directory path"):
+        DaemonConfig.from_json(json.dumps({**base, "claims_dir": 3}))
