@@ -109,3 +109,16 @@ def test_the_script_reads_the_hosts_claims_and_names_the_holding_job(sim_host, t
         held.close()
         worker.kill()
         worker.wait()
+
+
+def test_a_host_may_move_its_claims_directory_but_a_job_may_not():
+    from eltctl.errors import ConfigError
+    from eltctl.inventory import parse_inventory
+
+    head = '[job]\nname = "j"\ncommand = "python t.py"\n'
+    inv = parse_inventory(head + '[[hosts]]\nname = "a"\naddress = "a.lab"\n'
+                                 'env = { ELTCTL_CLAIMS_DIR = "/dev/shm/gpus" }\n', "hosts.toml")
+    assert dict(inv.hosts[0].env) == {"ELTCTL_CLAIMS_DIR": "/dev/shm/gpus"}
+    with pytest.raises(ConfigError, match="job.env.ELTCTL_CLAIMS_DIR.*cannot be overridden"):
+        parse_inventory(head + 'env = { ELTCTL_CLAIMS_DIR = "/x" }\n[[hosts]]\nname = "a"\naddress = "a.lab"\n',
+                        "hosts.toml")
