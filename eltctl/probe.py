@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from eltctl_runtime import nvsmi  # the one nvidia-smi parser, shared with the host daemon; stdlib only
-from eltctl_runtime.claims import DEFAULT_DIR as CLAIMS_DEFAULT_DIR, ENV as CLAIMS_ENV, Claim, slot_file
+from eltctl_runtime.claims import DEFAULT_DIR as CLAIMS_DEFAULT_DIR, ENV as CLAIMS_ENV, Claim
 from eltctl_runtime.nvsmi import parse_number
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy

@@ -61,7 +61,7 @@ def test_classify_gpu_taken(case, procs, claim, state, words):
 def _output(claims_lines: list[str], owners: str) -> str:
     return "\n".join([
         f"{MARK}probe 1", f"{MARK}smi", "/usr/bin/nvidia-smi",
-        f"{MARK}gpus 0", f"0, {U0}, A100, 600, 40960, 0", f"1, GPU-bbbb, A100, 0, 40960, 0",
+        f"{MARK}gpus 0", f"0, {U0}, A100, 600, 40960, 0", "1, GPU-bbbb, A100, 0, 40960, 0",
         f"{MARK}apps 0", f"{U0}, 7, 600, python",
         f"{MARK}owners", owners,
         f"{MARK}claims", *claims_lines,

@@ -67,8 +67,7 @@ def test_two_jobs_started_together_end_with_disjoint_gpus_and_no_yields(testbed)
             for je, slots in ((a, ra), (b, rb)):  # whoever got GPUs trains on exactly those
                 n = sum(len(s) for s in slots.values())
                 if n:
-                    st = je.training_at(n)
-                    je.training_at(n, after_step=st["step"] + 3)
+                    je.training_at(n, after_step=(je.status().get("step") or 0) + 2)
             ra2, rb2, held2 = running_slots(a), running_slots(b), held_gpus(hosts)
             assert (ra2, rb2, held2) == (ra, rb, held), "the split changed: the jobs fought over GPUs"
             for host in hosts:
