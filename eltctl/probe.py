@@ -2,8 +2,10 @@
 
 One round trip per host runs `probe_script` (POSIX sh): it prints delimited sections
 with the CPU count, load average, logged-in users, whether `nvidia-smi` exists, the
-GPU query and the compute-apps query (each under `timeout`), and for each GPU process
-its owner and whether it belongs to this job (`ELTCTL_JOB=<job>` in its environment).
+GPU query and the compute-apps query (each under `timeout`), for each GPU process
+its owner and the eltctl job it belongs to (`ELTCTL_JOB=...` in its environment,
+when readable), and the GPU claims held on the host (runtime/claims.py: which eltctl
+job holds which GPU, also for processes of other users).
 Where the host watches owner signals beyond the GPU (the inventory's owner_* keys), it
 also runs eltctl_runtime.owner's source with the host's Python (`owner check`, two
 looks 0.5 s apart for a load rate): when its start condition does not hold, every
@@ -12,7 +14,8 @@ nothing starts there; a check that cannot run counts as an owner too (owner firs
 
 The rest is pure and tested with tables: `parse_probe_output` turns that text into a
 `HostProbe` (facts), `classify_gpu` decides free / busy / ours for one GPU, and
-`assess_host` turns facts into a `HostReport` whose state is one of
+`assess_host` turns facts into a `HostReport` (a GPU another eltctl job holds is
+`taken`, never `busy`: that job is not an owner) whose state is one of
 
     ok         reachable, nvidia-smi answered; its GPUs are classified
     cpu-only   reachable, no nvidia-smi: `slots` CPU workers
@@ -37,6 +40,7 @@ from eltctl_runtime import owner as owner_signals  # stdlib only; its source is 
 from eltctl_runtime.owner import OwnerPolicy
 
 from eltctl_runtime import nvsmi  # the one nvidia-smi parser, shared with the host daemon; stdlib only
+from eltctl_runtime.claims import DEFAULT_DIR as CLAIMS_DEFAULT_DIR, ENV as CLAIMS_ENV, Claim
 from eltctl_runtime.nvsmi import parse_number
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy
@@ -66,6 +70,7 @@ class GpuUse(str, enum.Enum):
     FREE = "free"  # nothing runs on it and it looks idle
     BUSY = "busy"  # a process that is not this job's, or memory/utilisation above the thresholds
     OURS = "ours"  # only this job's processes run on it
+    TAKEN = "taken"  # another eltctl job holds it (its claim or its processes): not an owner, never used
 
     def __str__(self) -> str:
         return self.value
@@ -89,6 +94,7 @@ class GpuProcess:
     name: str
     user: str | None = None  # None: the owner could not be read (e.g. another pid namespace)
     ours: bool = False  # its environment holds ELTCTL_JOB=<this job>
+    job: str | None = None  # the ELTCTL_JOB in its environment (None: none, or unreadable)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class HostProbe:
     owner_ran: bool = False  # the owner check ran (the host watches owner signals)
     owner: dict | None = None  # its answer {"wait": signal or null, "leave": ...}; None: no answer
     owner_output: str = ""  # what it printed when it gave no answer
+    claims: tuple[tuple[str, Claim], ...] = ()  # (claim file name, holder) of the held GPU claims
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class GpuReport:
     state: GpuUse
     reason: str
     processes: tuple[GpuProcess, ...] = ()
+    job: str | None = None  # the eltctl job holding it: this one (ours), another (taken), else None
 
 
 @dataclass(frozen=True)
@@ -185,7 +193,8 @@ if [ -n "$smi" ]; then
            tr '\\000' '\\n' <"/proc/$pid/environ" 2>/dev/null | grep -qxF "ELTCTL_JOB=$job"; then
           ours=1
         fi
-        echo "$pid $ours ${{user:-?}}"
+        pjob=$(tr '\\000' '\\n' <"/proc/$pid/environ" 2>/dev/null | sed -n 's/^ELTCTL_JOB=//p' | head -n 1)
+        echo "$pid $ours ${{user:-?}} ${{pjob:--}}"
       done <"$tmp"
     fi
   fi
@@ -194,7 +203,29 @@ if [ -n "$3" ]; then
   echo "${{m}}owner"
   $to "$2" -c "$4" check "$3" </dev/null 2>&1
 fi
-echo "${{m}}end"
+{claims_section()}echo "${{m}}end"
+"""
+
+
+def claims_section() -> str:
+    """The script's `claims` section: `<file> <content>` for each held GPU claim of the host
+    (runtime/claims.py; the directory is $ELTCTL_CLAIMS_DIR of the session, as the daemon's).
+    Held: a shared flock fails at once (`flock`, util-linux); without `flock`, the pid the
+    claim names is alive."""
+    return f"""\
+echo "${{m}}claims"
+cdir="${{{CLAIMS_ENV}:-{CLAIMS_DEFAULT_DIR}}}"
+for f in "$cdir"/gpu* "$cdir"/cpu*; do
+  [ -f "$f" ] || continue
+  c=$(head -c 2000 "$f" 2>/dev/null | tr -d '\\n')
+  if command -v flock >/dev/null 2>&1; then
+    flock -n -s 9 9<"$f" 2>/dev/null && continue
+  else
+    cpid=$(printf '%s' "$c" | sed -n 's/.*"pid": *\\([0-9][0-9]*\\).*/\\1/p')
+    [ -n "$cpid" ] && [ -d "/proc/$cpid" ] || continue
+  fi
+  echo "${{f##*/}} $c"
+done
 """
 
 
@@ -296,14 +327,16 @@ def parse_probe_output(text: str) -> HostProbe:
         apps_output = "\n".join(lines).strip()
         if apps_status == 0:
             procs = [p for p in map(parse_app_line, lines) if p is not None]
-    owners: dict[int, tuple[bool, str | None]] = {}
+    owners: dict[int, tuple[bool, str | None, str | None]] = {}
     for line in s.get("owners", ("", []))[1]:
         parts = line.split()
         if len(parts) >= 2 and parts[0].isdigit():
             user = parts[2] if len(parts) >= 3 and parts[2] != "?" else None
-            owners[int(parts[0])] = (parts[1] == "1", user)
+            pjob = parts[3] if len(parts) >= 4 and parts[3] != "-" else None
+            owners[int(parts[0])] = (parts[1] == "1", user, pjob)
     procs = [GpuProcess(pid=p.pid, gpu_uuid=p.gpu_uuid, used_memory_mib=p.used_memory_mib, name=p.name,
-                        user=owners.get(p.pid, (False, None))[1], ours=owners.get(p.pid, (False, None))[0])
+                        user=owners.get(p.pid, (False, None, None))[1], ours=owners.get(p.pid, (False, None, None))[0],
+                        job=owners.get(p.pid, (False, None, None))[2])
              for p in procs]
     owner_ran = "owner" in s
     owner, owner_output = None, ""
@@ -321,7 +354,18 @@ def parse_probe_output(text: str) -> HostProbe:
         complete="end" in s, cpu_count=cpu_count, load_avg=load_avg, users=tuple(users),
         nvidia_smi=nvidia_smi, gpu_status=gpu_status, gpu_output=gpu_output or "", gpus=tuple(gpus),
         apps_status=apps_status, apps_output=apps_output or "", processes=tuple(procs),
-        owner_ran=owner_ran, owner=owner, owner_output=owner_output)
+        owner_ran=owner_ran, owner=owner, owner_output=owner_output,
+        claims=parse_claims(s.get("claims", ("", []))[1]))
+
+
+def parse_claims(lines: Iterable[str]) -> tuple[tuple[str, Claim], ...]:
+    """The `claims` section: `<file> <claim JSON>` per held claim (see `claims_section`)."""
+    out = []
+    for line in lines:
+        name, _, content = line.strip().partition(" ")
+        if name.startswith(("gpu", "cpu")) and name[3:].isdigit():
+            out.append((name, Claim.from_json(content)))
+    return tuple(sorted(out))
 
 
 # --------------------------------------------------------------------------- decisions
@@ -332,16 +376,24 @@ def _describe_process(p: GpuProcess) -> str:
     return f"pid {p.pid}{name} ({who})"
 
 
-def classify_gpu(gpu: Gpu, processes: Iterable[GpuProcess], policy: Policy) -> tuple[GpuUse, str]:
-    """free / busy / ours for one GPU, with the reason a person would want to read.
+def classify_gpu(gpu: Gpu, processes: Iterable[GpuProcess], policy: Policy, *,
+                 claim: Claim | None = None) -> tuple[GpuUse, str]:
+    """free / busy / ours / taken for one GPU, with the reason a person would want to read.
 
     A process that is not this job's makes the GPU busy, even next to ours. With no
     process listed, memory or utilisation above the policy's thresholds still means
     busy (containers hide their processes from the host's driver view).
+    Another eltctl job is not an owner: its processes (their ELTCTL_JOB names it, or,
+    unreadable, their user holds the GPU's `claim` for it) or its claim alone make
+    the GPU taken (`taken_by`).
     """
     procs = [p for p in processes if p.gpu_uuid == gpu.uuid]
-    foreign = [p for p in procs if not p.ours]
+    others = [p for p in procs if not p.ours]
+    taken = taken_by(others, claim)
+    foreign = [p for p in others if p not in taken]
     ours = [p for p in procs if p.ours]
+    if not foreign and not ours and (taken or claim is not None):
+        return GpuUse.TAKEN, taken_reason(taken, claim)
     if foreign:
         reason = "used by " + ", ".join(_describe_process(p) for p in foreign)
         if ours:
@@ -368,6 +420,30 @@ def classify_gpu(gpu: Gpu, processes: Iterable[GpuProcess], policy: Policy) -> t
     elif util is None:
         facts.append("judged by memory and processes")
     return GpuUse.FREE, ", ".join(facts)
+
+
+def taken_by(others: Iterable[GpuProcess], claim: Claim | None) -> list[GpuProcess]:
+    """The processes among `others` (not this job's) that belong to another eltctl job:
+    their environment names one, or it is unreadable and their user holds the GPU's claim
+    (`claim`: another job's, or None)."""
+    return [p for p in others
+            if p.job or (claim is not None and claim.user and p.user == claim.user and p.job is None)]
+
+
+def taken_reason(taken: Iterable[GpuProcess], claim: Claim | None) -> str:
+    """`taken by job B (user bob, pid 42)`: the claim's words, else the processes'."""
+    if claim is not None:
+        return f"taken by {claim.describe()}"
+    taken = list(taken)
+    jobs = sorted({p.job for p in taken if p.job})
+    return (f"taken by job {', '.join(jobs)} ("
+            + ", ".join(_describe_process(p) for p in taken) + ")")
+
+
+def gpu_claims(probe: HostProbe, job: str) -> dict[int, Claim]:
+    """GPU index -> the claim another eltctl job (not `job`) holds on it."""
+    return {int(name[3:]): c for name, c in probe.claims
+            if name.startswith("gpu") and (not job or c.job != job)}
 
 
 def _first_line(text: str, default: str) -> str:
@@ -399,12 +475,13 @@ def with_owner(report: HostReport, hold: dict | None) -> HostReport:
                    reason=f"owner signal {hold.get('name')}: {hold.get('detail', '')}")
 
 
-def assess_host(host: Host, probe: HostProbe, policy: Policy) -> HostReport:
-    """The host's state and its GPUs' states from the probe's facts."""
-    return with_owner(_assess_host(host, probe, policy), owner_hold(probe))
+def assess_host(host: Host, probe: HostProbe, policy: Policy, *, job: str = "") -> HostReport:
+    """The host's state and its GPUs' states from the probe's facts. `job`: this job's
+    name (a GPU claim of another job makes that GPU taken; "" counts every claim as another's)."""
+    return with_owner(_assess_host(host, probe, policy, job=job), owner_hold(probe))
 
 
-def _assess_host(host: Host, probe: HostProbe, policy: Policy) -> HostReport:
+def _assess_host(host: Host, probe: HostProbe, policy: Policy, *, job: str = "") -> HostReport:
     common = dict(name=host.name, address=host.address, cpu_count=probe.cpu_count,
                   load_avg=probe.load_avg, users=probe.users)
     t = f"{policy.nvidia_smi_timeout:g}"
@@ -440,10 +517,12 @@ def _assess_host(host: Host, probe: HostProbe, policy: Policy) -> HostReport:
     wanted = set(host.gpus) if host.gpus is not None else None
     gpus = [g for g in probe.gpus if wanted is None or g.index in wanted]
     reports = []
+    claimed = gpu_claims(probe, job)
     for g in sorted(gpus, key=lambda g: g.index):
-        state, why = classify_gpu(g, probe.processes, policy)
-        reports.append(GpuReport(gpu=g, state=state, reason=why,
-                                 processes=tuple(p for p in probe.processes if p.gpu_uuid == g.uuid)))
+        state, why = classify_gpu(g, probe.processes, policy, claim=claimed.get(g.index))
+        on = tuple(p for p in probe.processes if p.gpu_uuid == g.uuid)
+        reports.append(GpuReport(gpu=g, state=state, reason=why, processes=on,
+                                 job=holding_job(state, on, claimed.get(g.index), job)))
     counts = {s: sum(1 for r in reports if r.state is s) for s in GpuUse}
     reason = ", ".join(f"{counts[s]} {s.value}" for s in GpuUse if counts[s]) or "no GPUs considered"
     if wanted is not None:
@@ -452,6 +531,18 @@ def _assess_host(host: Host, probe: HostProbe, policy: Policy) -> HostReport:
             reason += f"; GPU(s) {', '.join(map(str, absent))} from the inventory are not on this host"
     return HostReport(state=HostState.OK, reason=reason, gpus=tuple(reports),
                       slots=counts[GpuUse.FREE], **common)
+
+
+def holding_job(state: GpuUse, processes: Iterable[GpuProcess], claim: Claim | None, job: str) -> str | None:
+    """Which eltctl job holds a GPU in `state`: this one, another (its claim or its
+    processes' ELTCTL_JOB), or None."""
+    if state is GpuUse.OURS:
+        return job or None
+    if state is GpuUse.TAKEN:
+        if claim is not None:
+            return claim.job or None
+        return next((p.job for p in processes if p.job and not p.ours), None)
+    return None
 
 
 def bare_message(error: HostError) -> str:
@@ -485,7 +576,7 @@ async def probe_host(host: Host, transport: Transport, *, job: str, policy: Poli
         msg = _first_line(result.stderr, f"exit {result.exit_status}")
         return HostReport(name=host.name, address=host.address, state=HostState.UNHEALTHY,
                           reason=f"the probe script failed: {msg}")
-    return assess_host(host, probe, policy)
+    return assess_host(host, probe, policy, job=job)
 
 
 async def probe_fleet(fleet: Fleet, *, job: str, policy: Policy,
@@ -544,11 +635,12 @@ Each GPU:
 | `index` | int | nvidia-smi's index |
 | `uuid` | string | |
 | `name` | string | the board's name |
-| `state` | string | `free`, `busy` (a process not of this job, or memory/utilisation over the policy's thresholds) or `ours` (only this job's processes) |
-| `reason` | string | why |
+| `state` | string | `free`, `busy` (a process not of this job, or memory/utilisation over the policy's thresholds), `ours` (only this job's processes) or `taken` (another eltctl job holds it: its GPU claim, or its processes; never an owner, never used) |
+| `reason` | string | why (`taken by job B (user bob, pid 4242)`) |
+| `job` | string or null | the eltctl job holding it: this job's name when `ours`, the other job's when `taken`, else null |
 | `memory_used_mib`, `memory_total_mib` | int or null | null when the driver says `[N/A]`/`[Not Supported]` |
 | `utilization` | int or null | percent; null when not reported |
-| `processes` | [object] | compute processes: `pid` (int), `user` (string or null when unreadable), `ours` (bool: its environment holds `ELTCTL_JOB=<job name>`), `used_memory_mib` (int or null), `name` (string) |
+| `processes` | [object] | compute processes: `pid` (int), `user` (string or null when unreadable), `ours` (bool: its environment holds `ELTCTL_JOB=<job name>`), `job` (string or null: the `ELTCTL_JOB` in its environment, null when it has none or it cannot be read), `used_memory_mib` (int or null), `name` (string) |
 """
 
 
@@ -581,8 +673,9 @@ def report_to_json(r: HostReport) -> dict:
                 "memory_used_mib": g.gpu.memory_used_mib,
                 "memory_total_mib": g.gpu.memory_total_mib,
                 "utilization": g.gpu.utilization,
+                "job": g.job,
                 "processes": [
-                    {"pid": p.pid, "user": p.user, "ours": p.ours,
+                    {"pid": p.pid, "user": p.user, "ours": p.ours, "job": p.job,
                      "used_memory_mib": p.used_memory_mib, "name": p.name}
                     for p in g.processes
                 ],

@@ -223,7 +223,8 @@ def test_json_document_has_the_documented_keys():
     assert {"index", "uuid", "name", "state", "reason", "memory_used_mib", "memory_total_mib",
             "utilization", "processes"} <= set(g1)
     assert g1["state"] == "busy" and g1["processes"] == [
-        {"pid": 77, "user": "eve", "ours": False, "used_memory_mib": 9000, "name": "x"}]
+        {"pid": 77, "user": "eve", "ours": False, "job": None, "used_memory_mib": 9000, "name": "x"}]
+    assert g1["job"] is None
     assert doc["error"] is None and doc["reachable"] is True
 
 
@@ -238,7 +239,8 @@ def sim_host(tmp_path):
     state = GpuState(tmp_path / "state.json", "h1")
     state.initialize(2)
     env = (("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}"),
-           ("ELTSIM_STATE", str(state.path)), ("ELTSIM_HOST", "h1"))
+           ("ELTSIM_STATE", str(state.path)), ("ELTSIM_HOST", "h1"),
+           ("ELTCTL_CLAIMS_DIR", str(tmp_path / "claims")))
     yield Host(name="h1", address="local", env=env), state
     state.path.unlink(missing_ok=True)  # ends a leaked `hang` stand-in
 
@@ -276,7 +278,8 @@ def test_probe_script_finds_our_worker_by_its_job_variable(sim_host, tmp_path):
         assert r.gpus[1].processes[0].pid == worker.pid and r.gpus[1].processes[0].ours
         assert r.gpus[0].state is GpuUse.FREE
         [other] = _probe([host], job="another-job")
-        assert other.gpus[1].state is GpuUse.BUSY
+        # another eltctl job's worker is not an owner (issue 13): taken, by that job
+        assert other.gpus[1].state is GpuUse.TAKEN and other.gpus[1].job == "job1", other.gpus[1].reason
     finally:
         worker.kill()
         worker.wait()

@@ -1,11 +1,12 @@
-"""`eltctl probe`: which hosts are reachable and which GPUs are free, busy or ours."""
+"""`eltctl probe`: which hosts are reachable and which GPUs are free, busy, ours or taken
+(held by another eltctl job: the reason names it)."""
 
 from __future__ import annotations
 
 import typer
 
 STATE_STYLE = {"ok": "green", "cpu-only": "cyan", "unhealthy": "yellow", "unreachable": "red",
-               "free": "green", "busy": "red", "ours": "blue"}
+               "free": "green", "busy": "red", "ours": "blue", "taken": "magenta"}
 
 
 def probe(
@@ -13,7 +14,7 @@ def probe(
     json_out: bool = typer.Option(
         False, "--json", help="Print the JSON document (a list of hosts; see README) instead of a table."),
 ) -> None:
-    """Probe every host: reachable or why not, and each GPU free / busy / ours with the reason."""
+    """Probe every host: reachable or why not, and each GPU free / busy / ours / taken (by which job) with the reason."""
     from eltctl.probe import probe_inventory, reports_to_json
 
     reports = probe_inventory(ctx.obj.inventory())
@@ -35,6 +36,7 @@ def render(reports) -> None:
     table.add_column("host", no_wrap=True)
     table.add_column("state", no_wrap=True)
     table.add_column("GPU", justify="right", no_wrap=True)
+    table.add_column("job", overflow="fold")  # which eltctl job holds the GPU (ours or taken)
     table.add_column("memory MiB", justify="right", no_wrap=True)
     table.add_column("util", justify="right", no_wrap=True)
     table.add_column("reason", ratio=1, overflow="fold")
@@ -51,13 +53,14 @@ def render(reports) -> None:
             reason += f"\n[bold]fix:[/] {escape(r.error.hint)}"
         reason += f"\n[dim]{escape(' · '.join(facts))}[/]"
         table.add_row(f"[bold]{escape(r.name)}[/]", f"[{STATE_STYLE[r.state.value]}]{r.state.value}[/]",
-                      "", "", "", reason, end_section=not r.gpus)
+                      "", "", "", "", reason, end_section=not r.gpus)
         for i, g in enumerate(r.gpus):
             mem = "?" if g.gpu.memory_used_mib is None else str(g.gpu.memory_used_mib)
             total = "?" if g.gpu.memory_total_mib is None else str(g.gpu.memory_total_mib)
             util = "n/a" if g.gpu.utilization is None else f"{g.gpu.utilization}%"
             table.add_row("", f"[{STATE_STYLE[g.state.value]}]{g.state.value}[/]", str(g.gpu.index),
-                          f"{mem}/{total}", util, escape(g.reason), end_section=i == len(r.gpus) - 1)
+                          escape(g.job or ""), f"{mem}/{total}", util, escape(g.reason),
+                          end_section=i == len(r.gpus) - 1)
     Console(highlight=False).print(table)
     counts: dict[str, int] = {}
     for r in reports:

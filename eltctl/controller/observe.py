@@ -187,6 +187,7 @@ def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, al
     reach, reason, slots = probed(host, report)
     workers: tuple[int, ...] = ()
     yielded: tuple[int, ...] = ()
+    taken: tuple[int, ...] = ()
     seq_applied = -1
     watched = False
     if alive and seen is not None:
@@ -199,6 +200,7 @@ def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, al
         workers = tuple(sorted(_slots_in(w for w in st.get("workers", []) if isinstance(w, dict)
                                          and str(w.get("state", "running")) not in FINISHED_WORKER_STATES)))
         yielded = tuple(sorted(_slots_in(st.get("yielded", []))))
+        taken = taken_slots(st)
         seq_applied = int(st.get("seq_applied", -1) if st.get("seq_applied") is not None else -1)
         daemon_gpus = {int(g["index"]): g for g in st.get("gpus", []) if isinstance(g, dict) and "index" in g}
         watched = bool(daemon_gpus) and st.get("health") == "ok"
@@ -208,12 +210,26 @@ def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, al
                 g = daemon_gpus.get(s.index)
                 if g is not None and str(g.get("state")) == "busy":
                     merged.append(pol.SlotView(s.index, GpuUse.BUSY, str(g.get("reason", ""))))
+                elif g is not None and str(g.get("state")) == "taken" and s.use is not GpuUse.BUSY:
+                    merged.append(pol.SlotView(s.index, GpuUse.TAKEN, str(g.get("reason", ""))))
                 else:
                     merged.append(s)
             slots = tuple(merged)
+        if taken:  # a CPU slot, or a GPU the daemon found claimed before its watch said so
+            jobs = {str(k): str(v) for k, v in (st.get("taken") or {}).items()}
+            slots = tuple(pol.SlotView(s.index, GpuUse.TAKEN, f"taken by job {jobs.get(str(s.index), '?')}")
+                          if s.index in taken and s.use not in (GpuUse.BUSY, GpuUse.TAKEN) else s for s in slots)
     return pol.HostView(name=host.name, reach=reach, reason=reason, slots=slots, daemon_alive=alive,
-                        workers=workers, yielded=yielded, crashed=tuple(sorted(crashed)),
+                        workers=workers, yielded=yielded, taken=taken, crashed=tuple(sorted(crashed)),
                         seq_applied=seq_applied, watched=watched, crash_info=tuple(crashes), in_job=joined)
+
+
+def taken_slots(state: Mapping[str, Any]) -> tuple[int, ...]:
+    """The slots a daemon's state reports taken by another eltctl job (`taken`: {"<slot>": job})."""
+    taken = state.get("taken")
+    if not isinstance(taken, dict):
+        return ()
+    return tuple(sorted(int(k) for k in taken if str(k).isdigit()))
 
 
 def gpus_of(host: Host, report: HostReport | None) -> tuple[int, ...] | None:

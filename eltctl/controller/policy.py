@@ -11,7 +11,10 @@ The rules (the README's "Policy"):
 
 - A slot is a GPU index (or a CPU slot number on a host without GPUs). A free GPU is
   used only after it has looked free for `idle_for`; a busy one never (except once
-  after `scale --add --force`).
+  after `scale --add --force`). A GPU another eltctl job holds (`GpuUse.TAKEN`, its
+  claim: runtime/claims.py) is never used and is no owner's: a slot its daemon reports
+  taken leaves the desired slots with no failure and no cooldown; the job takes it
+  once it has looked free for `idle_for` again (first come, first served).
 - At most `max_workers` slots are used; fewer than `min_workers` usable slots and the
   job waits (nothing new starts; what runs keeps running).
 - A host whose worker left (its owner came back, a crash, the host vanished) rests for
@@ -152,6 +155,7 @@ class HostView:
     daemon_alive: bool = False  # its daemon's state heartbeat is fresh
     workers: tuple[int, ...] = ()  # slots where one of our workers runs now
     yielded: tuple[int, ...] = ()  # slots the daemon gave back to their owner
+    taken: tuple[int, ...] = ()  # slots its daemon found claimed by another eltctl job (started nothing there)
     crashed: tuple[int, ...] = ()  # slots whose worker crashed since the last observation
     seq_applied: int = -1  # the desired seq its daemon has acted on (-1: no daemon state)
     # Its live daemon watches the GPUs itself (it reports their states): an owner on a
@@ -303,7 +307,8 @@ def track(records: Mapping[str, HostRecord], views: Mapping[str, HostView], inve
         # restart when it is seen again.
         since = dict(rec.free_since)
         if view.reach in (Reach.OK, Reach.CPU_ONLY):
-            since = {s.index: since.get(s.index, now) for s in view.slots if s.use is not GpuUse.BUSY}
+            since = {s.index: since.get(s.index, now) for s in view.slots
+                     if s.use not in (GpuUse.BUSY, GpuUse.TAKEN)}
         elif view.reach is Reach.UNREACHABLE:
             since = {}
         rec = replace(rec, free_since=tuple(sorted(since.items())))
@@ -329,6 +334,9 @@ def track(records: Mapping[str, HostRecord], views: Mapping[str, HostView], inve
         if view.reach is Reach.UNREACHABLE and rec.desired:
             rec = record_failure(rec, inventory, now, f"host became unreachable while used: {view.reason}")
             gone = list(rec.desired)
+        # Another eltctl job holds it (first come, first served): dropped, no failure, no cooldown.
+        gone += [s for s in view.taken if s in rec.desired and s not in view.workers and s not in gone
+                 and view.seq_applied >= rec.seq]
         if gone:
             rec = replace(rec, desired=tuple(s for s in rec.desired if s not in gone))
 
@@ -465,7 +473,7 @@ def eligible_slots(view: HostView, record: HostRecord, inventory: Inventory, now
         return []
     out = []
     for s in sorted(view.slots, key=lambda s: s.index):
-        if s.index in record.desired:
+        if s.index in record.desired or s.use is GpuUse.TAKEN:  # another eltctl job's: never, even forced
             continue
         if s.use is GpuUse.BUSY:
             if record.force:
@@ -486,7 +494,7 @@ def maturing_slots(view: HostView, record: HostRecord, inventory: Inventory, now
     out = []
     for s in view.slots:
         since = record.free_since_of(s.index)
-        if (s.use is not GpuUse.BUSY and s.index not in record.desired and since is not None
+        if (s.use not in (GpuUse.BUSY, GpuUse.TAKEN) and s.index not in record.desired and since is not None
                 and now - since < inventory.policy.idle_for):
             out.append(s.index)
     return out
@@ -700,7 +708,7 @@ def host_state(view: HostView | None, record: HostRecord, now: float,
         return HostPhase.COOLDOWN, f"{record.owner_note} (usable again in {record.owner_until - now:.0f} s)"
     if record.straggler_until > now:
         return HostPhase.COOLDOWN, f"{record.straggler_note} (usable again in {record.straggler_until - now:.0f} s)"
-    if view.slots and all(s.use is GpuUse.BUSY for s in view.slots):
+    if view.slots and all(s.use in (GpuUse.BUSY, GpuUse.TAKEN) for s in view.slots):
         return HostPhase.BUSY, "; ".join(f"GPU {s.index}: {s.reason}" for s in view.slots)
     return HostPhase.IDLE, view.reason or "usable, not used"
 

@@ -74,7 +74,7 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     """What a job that waits for slots waits for: the free slots and, counted, why the
     others are held back (a failure's cooldown with its cause, an owner's, benching,
     busy GPUs, hosts unreachable, unhealthy, not probed yet, removed); then min_workers."""
-    free = busy = 0
+    free = busy = taken = 0
     cooling: list[tuple[int, pol.HostRecord]] = []
     owner: list[int] = []
     straggler: list[int] = []
@@ -104,8 +104,10 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
             continue
         slots = [s for s in view.slots if s.index not in rec.desired and s.index not in view.workers]
         n_busy = sum(1 for s in slots if s.use is pol.GpuUse.BUSY and not rec.force)
-        others = len(slots) - n_busy
+        n_taken = sum(1 for s in slots if s.use is pol.GpuUse.TAKEN)
+        others = len(slots) - n_busy - n_taken
         busy += n_busy
+        taken += n_taken
         waived = rec.join_now
         if not others:
             continue
@@ -137,6 +139,8 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     if busy:
         parts.append(f"{_n(busy, 'GPU')} busy " + ("(its owner's process)" if busy == 1 else
                                                   "(their owners' processes)"))
+    if taken:
+        parts.append(f"{_n(taken, 'GPU')} taken by another eltctl job")
     if unreachable:
         parts.append(f"{_n(len(unreachable), 'host')} unreachable ({'; '.join(unreachable)})")
     if unhealthy:
@@ -225,7 +229,7 @@ def owner_signal(view: pol.HostView, seen: DaemonSeen | None) -> dict[str, Any] 
 
 def daemon_summary(state: Mapping[str, Any]) -> dict[str, Any]:
     """What `eltctl status HOST` and `logs --failed` read of a daemon's own state document."""
-    return {k: state[k] for k in ("pid", "phase", "health", "workers") if k in state}
+    return {k: state[k] for k in ("pid", "phase", "health", "workers", "taken") if k in state}
 
 
 def status_document(*, now: float, inventory: Inventory, phase: str, message: str,

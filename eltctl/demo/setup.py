@@ -162,7 +162,9 @@ def prepare(root: Path, plan: DemoPlan, *, python: str | None = None,
     ]
     for host in plan.hosts:
         env = {"HOME": str(home), "PATH": f"{bin_dir}:{base_path}",
-               "ELTSIM_HOST": host.name, "ELTSIM_STATE": str(gpu_states[host.name])}
+               "ELTSIM_HOST": host.name, "ELTSIM_STATE": str(gpu_states[host.name]),
+               # each simulated host its own GPU claims: they share this machine's /tmp
+               "ELTCTL_CLAIMS_DIR": str(gpu_states[host.name].parent / f"{host.name}-claims")}
         lines += ["", "[[hosts]]", f"name = {_toml(host.name)}", 'address = "local"',
                   f"python = {_toml(python)}", f"env = {_toml(env)}"]
     inventory = root / "hosts.toml"

@@ -12,6 +12,7 @@ from typing import Any, Protocol, Sequence
 
 from eltctl.durations import FORMS as DURATION_FORMS
 from eltctl.durations import parse_duration
+from eltctl_runtime.claims import ENV as CLAIMS_ENV  # a host's GPU claims directory: settable per host
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -298,7 +299,8 @@ class Table:
             if not _ENV_NAME.fullmatch(name):
                 self.fail(sub, "is not a valid environment variable name (letters, digits, _; "
                                "not starting with a digit)")
-            elif name.startswith("ELTCTL_") or name == "CUDA_VISIBLE_DEVICES":
+            elif ((name.startswith("ELTCTL_") or name == "CUDA_VISIBLE_DEVICES")
+                  and not (name == CLAIMS_ENV and self.path.startswith("hosts"))):  # a host's own: its GPU claims
                 # eltctl sets these per worker; an override would break GPU assignment
                 # or the worker's link to its job.
                 self.fail(sub, "is set by eltctl for each worker and cannot be overridden"

@@ -18,7 +18,7 @@ HOST_STATE_STYLE = {"running": "green", "starting": "cyan", "idle": "white", "bu
                     "cooldown": "yellow", "benched": "magenta", "removed": "dim",
                     "unreachable": "red", "unhealthy": "yellow", "cordoned": "dim", "off-hours": "blue",
                     "quota": "magenta", "disabled": "dim"}
-GPU_STATE_STYLE = {"ours": "blue", "free": "green", "busy": "red"}
+GPU_STATE_STYLE = {"ours": "blue", "free": "green", "busy": "red", "taken": "magenta"}
 EVENT_STYLE = {"yield": "bold yellow", "crash": "bold red", "hang": "red", "join": "green",
                "leave": "cyan", "bench": "magenta", "stop": "dim", "remove": "dim", "add": "green",
                "window": "blue", "quota": "magenta", "cordon": "dim"}

@@ -27,6 +27,7 @@ _USER_PID = re.compile(r"^([\w.@-]+) \(pid \d+\)")  # "alice (pid 999): ..."
 _OURS_PID = re.compile(r"\bpid (\d+)")
 _MIB_USED = re.compile(r"^(\d+)(?: of \d+)? MiB used")  # probe: busy by memory, no process listed
 _UTIL = re.compile(r"^(\d+)% utilisation")
+_TAKEN_BY = re.compile(r"^taken by job ([\w.-]+)")  # daemon or probe: "taken by job B (user bob, pid 42)"
 
 
 def gpu_brief(gpu: Mapping[str, Any]) -> str:
@@ -48,6 +49,9 @@ def gpu_brief(gpu: Mapping[str, Any]) -> str:
         mem, util = _MIB_USED.search(reason), _UTIL.search(reason)
         who = (", ".join(users) if users else m.group(1) if m else f"{mem.group(1)} MiB" if mem
                else f"{util.group(1)}%" if util else reason)
+    elif state == "taken":  # `taken by job B (user bob, pid 42)`: the job's name
+        m = _TAKEN_BY.match(reason)
+        who = m.group(1) if m else reason
     elif state != "free":
         who = reason
     return " ".join(f"{gpu.get('index', '?')} {state} {who}".split())  # one line, whatever the reason holds

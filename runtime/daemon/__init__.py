@@ -14,6 +14,11 @@ The daemon
   (a GPU index, or a CPU slot number), a planned leave (`leave/<worker_id>` and
   SIGTERM) for a slot no longer desired, and on `stop` it waits for its workers
   (the controller wrote the runtime's job-wide `stop` key) and exits;
+* claims each slot before it starts a worker there (runtime/claims.py: a flock
+  on `<claims dir>/gpu<N>`, passed to the worker, so it lasts exactly as long as
+  the worker); a slot another eltctl job has claimed is reported `taken` and
+  left alone (no yield, no crash), and another job's GPU process is never taken
+  for an owner (docs/control-plane.md, "Several jobs on one lab");
 * reaps its workers: an exit that was not asked for is reported at once
   (`protocol.report_dead` and an event of kind `crash`) and never restarted
   by the daemon itself: only a new desired seq listing the slot starts one;
@@ -54,13 +59,15 @@ The daemon
          # whether it failed before any generation plan listed it (its first step)
          # live states: running, stopping, leaving, killed, evicted; the last ended
          # worker of an empty slot: left, finished, crashed, lost (logic.WorkerState)
-     "gpus": [{"index", "state": "ours" | "busy" | "free" | "unknown", "reason", "since"}],
+     "gpus": [{"index", "state": "ours" | "busy" | "free" | "taken" | "unknown", "reason", "since"}],
+         # taken: another eltctl job holds it ("taken by job X (user u, pid p)"): never an owner
      "yielded": [{"slot", "user", "pid", "time" [, "signal"]}], "crashes": int (this daemon's life),
      "history": [{"worker_id", "slot", "start", "end", "state", "why"}],
          # the newest 200 ended workers, oldest first, host wall clock (history.py;
          # protocol.history_entry); kept in history.json across daemon restarts
      "signal": null | {"name": "login" | "keyboard" | "load" | "memory", "detail", "since": wall clock}
          # the owner signal that holds the host now (fired, or the start condition fails)
+     "taken": {"<slot>": "<other job>"},   # slots whose GPU claim another job holds: nothing starts there
      "health": "ok" | "unhealthy" (nvidia-smi failed or hung),
      "watch": {"health": "ok" | "none" | "failed" | "hung", "reason", "since", "last_s"},
      "store": {"connected", "reconnects", "last_error"}}

@@ -26,6 +26,8 @@
       "owner": {"signals": ["login", "keyboard", "load"], "idle_to_start": 900, ...}
                             # optional: owner signals beyond the GPU (eltctl_runtime.owner.OwnerPolicy;
                             # absent or null: none watched)
+      "claims_dir": null    # optional: the host's GPU claims directory (runtime/claims.py); null:
+                            # $ELTCTL_CLAIMS_DIR of the daemon's environment, else /tmp/eltctl-gpus
     }
 
 In restart mode each slot runs the supervisor (runtime/restart.py) in place of
@@ -97,6 +99,7 @@ class DaemonConfig:
     stop_grace: float = 30.0
     courtesy: Courtesy = field(default_factory=Courtesy)
     owner: OwnerPolicy = field(default_factory=OwnerPolicy)
+    claims_dir: str | None = None  # None: $ELTCTL_CLAIMS_DIR, else claims.DEFAULT_DIR (runtime/claims.py)
 
     @property
     def gpu_host(self) -> bool:
@@ -196,6 +199,9 @@ class DaemonConfig:
             owner = OwnerPolicy.from_dict(d.get("owner"), source=f"{source}: 'owner'")
         except ValueError as e:
             raise DaemonConfigError(str(e)) from None
+        claims_dir = d.get("claims_dir")
+        if claims_dir is not None and (not isinstance(claims_dir, str) or not claims_dir):
+            raise DaemonConfigError(f"{source}: 'claims_dir' must be null or a directory path")
         floor = stop_grace + STOP_GRACE_MARGIN_S if mode == "restart" else 0.0
         try:
             courtesy = Courtesy.from_json(d.get("courtesy"), source)
@@ -212,7 +218,7 @@ class DaemonConfig:
             leave_timeout=max(floor, number("leave_timeout", 120.0)),
             stop_timeout=max(floor, number("stop_timeout", 300.0)),
             evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, courtesy=courtesy,
-            owner=owner,
+            owner=owner, claims_dir=claims_dir,
         )
 
 

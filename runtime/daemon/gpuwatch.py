@@ -37,6 +37,7 @@ class Ownership(str, Enum):
     OURS = "ours"  # one of our workers, a descendant, or it carries ELTCTL_JOB=<job>
     FOREIGN = "foreign"  # visible here and not ours: somebody else uses the GPU
     INVISIBLE = "invisible"  # not in our /proc (another pid namespace): cannot tell
+    TAKEN = "taken"  # another eltctl job's (its ELTCTL_JOB, or its user holds that GPU's claim): never an owner
 
 
 @dataclass(frozen=True)
@@ -103,19 +104,25 @@ def descendants(roots: Iterable[int], parent_of: Mapping[int, int]) -> frozenset
     return frozenset(seen)
 
 
-def classify_pid(pid: int, ours: frozenset[int], visible: bool, job_of_process: str | None, job: str) -> Ownership:
+def classify_pid(pid: int, ours: frozenset[int], visible: bool, job_of_process: str | None, job: str, *,
+                 claimed_by_its_user: bool = False) -> Ownership:
     """Whether a GPU process is this job's.
 
     `ours`: our worker pids and their descendants. `job_of_process`: the
     ELTCTL_JOB in its environment (None when unreadable: another user's process).
     A pid we cannot see at all is INVISIBLE, not FOREIGN: inside a container the
-    driver reports host pids, and yielding on those would evict our own workers."""
+    driver reports host pids, and yielding on those would evict our own workers.
+    Another eltctl job's process is TAKEN, never FOREIGN (no yield, no owner
+    cooldown): its environment names that job, or, unreadable, its user holds
+    the claim of its GPU for another job (`claimed_by_its_user`, runtime/claims.py)."""
     if pid in ours:
         return Ownership.OURS
     if not visible:
         return Ownership.INVISIBLE
     if job_of_process == job:
         return Ownership.OURS
+    if job_of_process or (job_of_process is None and claimed_by_its_user):
+        return Ownership.TAKEN
     return Ownership.FOREIGN
 
 

@@ -173,17 +173,19 @@ def session_leaders_of(job: str, prefix: str) -> dict[int, str]:
 
 
 def start_worker(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path,
-                 courtesy: Courtesy | None = None, device: str = "cpu") -> subprocess.Popen:
+                 courtesy: Courtesy | None = None, device: str = "cpu",
+                 pass_fds: Sequence[int] = ()) -> subprocess.Popen:
     """A worker in its own session (so a signal to its group reaches everything
     it started, and a daemon killed with SIGKILL leaves it running), stdin
     /dev/null, stdout and stderr appended to its log, at the `courtesy`'s nice
     level, I/O class and memory limit (courtesy.py; set in the child before exec,
-    so every thread and process of the worker inherits them)."""
+    so every thread and process of the worker inherits them). `pass_fds`:
+    descriptors it inherits (its GPU claim, runtime/claims.py)."""
     setup = preexec(courtesy, device) if courtesy is not None else None
     with open(log_path, "ab", buffering=0) as log:
         return subprocess.Popen(list(argv), env=dict(env), cwd=str(cwd), stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                                preexec_fn=setup)
+                                preexec_fn=setup, pass_fds=tuple(pass_fds))
 
 
 def signal_group(pid: int, sig: int) -> bool:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from .. import files
+from .. import claims, files
 from ..owner import OwnerSignal, OwnerWatch, Sources, Verdict
 from ..pids import read_pid_file
 from ..protocol import EventKind, add_event, event_document, put_dead, put_leave
@@ -94,6 +94,11 @@ class Daemon:
         self._owner_verdict: Verdict | None = None  # None: not judged yet
         self._owner_next = 0.0
         self._owner_fired: OwnerSignal | None = None  # the leave signal last logged
+        # GPU claims (runtime/claims.py): slot -> the other job's claim that keeps us off it
+        self._claims_dir = claims.claims_dir(cfg.claims_dir, self._base_env)
+        self._taken: dict[int, claims.Claim] = {}
+        self._claims_next = 0.0
+        self._claims_problem = ""
 
     # -- life ------------------------------------------------------------------
     def run(self, ready=None) -> int:
@@ -171,6 +176,7 @@ class Daemon:
         while True:
             now = time.monotonic()
             self._reap(now)
+            self._observe_claims(now)
             self._observe_gpus(now)
             self._observe_owner(now)
             decision = self._decide(now)
@@ -323,6 +329,7 @@ class Daemon:
         ours_roots = {w.pid for w in self._workers.values()}
         closed: frozenset[int] | None = None
         ownership: dict[int, Ownership] = {}
+        other_job: dict[int, str] = {}  # pid -> the other eltctl job its environment names
         for app in result.apps:
             if app.pid in ours_roots:
                 ownership[app.pid] = Ownership.OURS
@@ -331,7 +338,10 @@ class Daemon:
                 closed = descendants(ours_roots, procs.parent_map())
             env = procs.environ_of(app.pid)
             ownership[app.pid] = classify_pid(app.pid, closed, procs.is_visible(app.pid),
-                                              env.get("ELTCTL_JOB") if env else None, self.cfg.job)
+                                              env.get("ELTCTL_JOB") if env else None, self.cfg.job,
+                                              claimed_by_its_user=env is None and self._claimed_by_user_of(app))
+            if ownership[app.pid] is Ownership.TAKEN and env and env.get("ELTCTL_JOB"):
+                other_job[app.pid] = env["ELTCTL_JOB"]
         watched = {w.slot for w in self._workers.values() if w.state is WorkerState.RUNNING} | set(self._memory.armed)
         found = intruders(result.gpus, result.apps, watched, ownership)
         foreign: dict[int, Foreign] = {}
@@ -342,15 +352,20 @@ class Daemon:
         # The GPUs' states for the state document.
         by_uuid = {g.uuid: g.index for g in result.gpus}
         foreign_on: dict[int, list[int]] = {}
+        taken_on: dict[int, list[int]] = {}
         for app in result.apps:
             if ownership.get(app.pid) is Ownership.FOREIGN and app.gpu_uuid in by_uuid:
                 foreign_on.setdefault(by_uuid[app.gpu_uuid], []).append(app.pid)
+            elif ownership.get(app.pid) is Ownership.TAKEN and app.gpu_uuid in by_uuid:
+                taken_on.setdefault(by_uuid[app.gpu_uuid], []).append(app.pid)
         for g in result.gpus:
             w = self._workers.get(g.index)
             if g.index in foreign_on:
                 state, reason = "busy", "used by pid " + ", ".join(map(str, sorted(foreign_on[g.index])))
             elif w is not None:
                 state, reason = "ours", f"worker {w.worker_id}"
+            elif g.index in self._taken or g.index in taken_on:
+                state, reason = "taken", self._taken_reason(g.index, taken_on.get(g.index, ()), other_job)
             else:
                 state, reason = "free", ""
             old = self._gpu_states.get(g.index)
@@ -434,9 +449,15 @@ class Daemon:
             offset = log_path.stat().st_size
         except OSError:
             offset = 0
+        held = self._claim(slot, wid)
+        if held is False:
+            return
         try:
-            proc = procs.start_worker(cfg.argv, env, cfg.code_dir, log_path, cfg.courtesy, cfg.device)
+            proc = procs.start_worker(cfg.argv, env, cfg.code_dir, log_path, cfg.courtesy, cfg.device,
+                                      pass_fds=(held.fd,) if held else ())
         except OSError as e:
+            if held:
+                held.close()
             detail = f"could not be started: {e.strerror or e} ({cfg.argv[0]}, in {cfg.code_dir})"
             log.error("host %s: worker %s %s", cfg.host, wid, detail)
             self._crashes += 1
@@ -448,12 +469,92 @@ class Daemon:
                                  "since": round(time.time(), 3), "adopted": False, "detail": detail,
                                  "exit_code": None, "cause": cause, "at_start": True}
             return
+        if held:
+            held.record(replace(held.claim, pid=proc.pid))
+            held.close()  # the worker holds the claim now, for exactly its life
         files.write_atomic(self._workers_dir / f"{slot}.pid", f"{proc.pid}\n")
         self._workers[slot] = _Worker(slot, wid, proc.pid, proc, WorkerState.RUNNING, now, time.time(),
                                       log_offset=offset, start_wall=time.time())
         self._ended.pop(slot, None)
         log.info("host %s: started worker %s (pid %d) on %s %d; log %s", cfg.host, wid, proc.pid,
                  "GPU" if cfg.gpu_host else "CPU slot", slot, log_path)
+
+    # -- GPU claims (runtime/claims.py) ------------------------------------------------
+    def _claim_name(self, slot: int) -> str:
+        return claims.slot_file(slot, gpu=self.cfg.gpu_host)
+
+    def _claim(self, slot: int, wid: str) -> "claims.Held | None | bool":
+        """Claim the slot for the worker `wid` about to start: the Held claim; None when
+        the worker starts without one (the directory cannot be used, or a lingering
+        process of this job still holds it); False when another job holds it (the slot
+        is then taken: nothing starts, no yield, no crash)."""
+        cfg = self.cfg
+        mine = claims.Claim(job=cfg.job, user=procs.user_of(os.getpid()) or "", host=cfg.host, slot=slot,
+                            pid=os.getpid(), since=round(time.time(), 3))
+        try:
+            held = claims.take(self._claims_dir, self._claim_name(slot), mine)
+        except claims.Taken as e:
+            holder = e.holder or claims.Claim(job="")
+            if holder.job == cfg.job:
+                log.warning("host %s: the claim of %s %d is still held by a process of this job (%s); worker %s "
+                            "starts without one", cfg.host, "GPU" if cfg.gpu_host else "CPU slot", slot,
+                            holder.describe(), wid)
+                return None
+            self._set_taken(slot, holder)
+            return False
+        except claims.ClaimError as e:
+            if str(e) != self._claims_problem:
+                self._claims_problem = str(e)
+                log.warning("host %s: %s; workers start without GPU claims, so another eltctl job could start "
+                            "on the same GPU", cfg.host, e)
+            return None
+        self._claims_problem = ""
+        self._taken.pop(slot, None)
+        return held
+
+    def _set_taken(self, slot: int, holder: "claims.Claim | None") -> None:
+        old = self._taken.get(slot)
+        if holder is None:
+            if old is not None:
+                self._taken.pop(slot)
+                log.info("host %s: %s %d is no longer claimed by %s", self.cfg.host,
+                         "GPU" if self.cfg.gpu_host else "CPU slot", slot, old.describe())
+            return
+        self._taken[slot] = holder
+        if old is None or old.job != holder.job:
+            log.info("host %s: %s %d is taken by %s: no worker of this job starts there", self.cfg.host,
+                     "GPU" if self.cfg.gpu_host else "CPU slot", slot, holder.describe())
+
+    def _observe_claims(self, now: float) -> None:
+        """Every watch interval: which of this host's slots without a worker of ours another
+        job holds (their claims), for the state document's `taken` and the GPU states."""
+        if now < self._claims_next:
+            return
+        self._claims_next = now + self.cfg.watch_interval
+        slots = set(self.cfg.valid_slots or ()) | set(self._memory.wanted)
+        if self._last_watch is not None:
+            slots |= {g.index for g in self._last_watch.gpus}
+        for slot in sorted(slots):
+            if slot in self._workers:
+                self._set_taken(slot, None)
+                continue
+            holder = claims.holder(self._claims_dir, self._claim_name(slot))
+            self._set_taken(slot, holder if holder is not None and holder.job != self.cfg.job else None)
+
+    def _claimed_by_user_of(self, app) -> bool:
+        """An unreadable process (another user's) on a GPU another job claims as that user."""
+        index = next((g.index for g in (self._last_watch.gpus if self._last_watch else ()) if g.uuid == app.gpu_uuid),
+                     None)
+        claim = self._taken.get(index) if index is not None else None
+        return claim is not None and bool(claim.user) and claim.user == procs.user_of(app.pid)
+
+    def _taken_reason(self, index: int, pids, other_job: Mapping[int, str]) -> str:
+        claim = self._taken.get(index)
+        if claim is not None:
+            return f"taken by {claim.describe()}"
+        jobs = sorted({other_job[p] for p in pids if p in other_job})
+        who = f"job {', '.join(jobs)}" if jobs else "another eltctl job"
+        return f"taken by {who} (pid {', '.join(map(str, sorted(pids)))})"
 
     def _leave(self, a: Leave, now: float) -> None:
         w = self._workers[a.slot]
@@ -495,6 +596,7 @@ class Daemon:
             "wanted": sorted(m.wanted), "workers": workers, "gpus": gpus,
             "yielded": [y.to_dict() for y in m.yielded], "crashes": self._crashes,
             "history": self._history.entries(),
+            "taken": {str(s): c.job for s, c in sorted(self._taken.items())},
             "health": "ok" if healthy else "unhealthy", "watch": dict(self._watch),
             "store": {"connected": self._link.connected, "reconnects": 0, "last_error": self._link.error},
             "signal": self._signal_doc(),

@@ -12,10 +12,12 @@ Layout of a host directory (`host.dir`):
     bin/python, bin/python3   run the host interpreter (Python and torch only: hostpython.py)
     home/            HOME of every session on this host (.bashrc cds there)
     gpus.json        the GPU state (ELTSIM_STATE)
+    claims/          the GPU claims of every job on it (ELTCTL_CLAIMS_DIR; runtime/claims.py)
     sshd_config, ssh_host_ed25519_key(.pub), sshd.pid, sshd.log, authorized_keys
 
 A session on a host sees HOME=<dir>/home, PATH=<dir>/bin:/usr/local/bin:/usr/bin:/bin,
-ELTSIM_HOST=<name>, ELTSIM_STATE=<dir>/gpus.json, and starts in HOME.
+ELTSIM_HOST=<name>, ELTSIM_STATE=<dir>/gpus.json, ELTCTL_CLAIMS_DIR=<dir>/claims, and
+starts in HOME.
 Every process started on a host (over SSH) inherits ELTSIM_STATE; `crash()`
 and `close()` find and kill processes by it. A process a test starts locally
 "as if on the host" should get `host.env()` (plus CUDA_VISIBLE_DEVICES to sit
@@ -121,6 +123,7 @@ class SimHost:
         self.home = directory / "home"
         self.bin = directory / "bin"
         self.state_path = directory / "gpus.json"
+        self.claims_dir = directory / "claims"  # ELTCTL_CLAIMS_DIR of its sessions
         self.known = known  # whether its (first) key was written to known_hosts
         self.host_key = directory / "ssh_host_ed25519_key"
         self.public_key = ""  # current host key, "ssh-ed25519 AAAA..."
@@ -140,6 +143,9 @@ class SimHost:
             "PATH": f"{self.bin}:{BASE_PATH}",
             "ELTSIM_HOST": self.name,
             "ELTSIM_STATE": str(self.state_path),
+            # Its own GPU claims (runtime/claims.py): the simulated hosts share one machine,
+            # so the machine's /tmp/eltctl-gpus would make h1's GPU 0 and h2's one GPU.
+            "ELTCTL_CLAIMS_DIR": str(self.claims_dir),
             **self.extra_env,
         }
 

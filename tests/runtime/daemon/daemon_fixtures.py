@@ -120,7 +120,9 @@ class SimHost:
         env = host_env(dict(os.environ))
         # ELTCTL_JOB and ELTCTL_HOST as eltctl/hosts/ops.py starts the daemon: they mark the job's processes.
         env.update({"ELTSIM_STATE": str(self.gpu.path), "ELTSIM_HOST": self.name, "ELTCTL_JOB": self.job,
-                    "ELTCTL_HOST": self.name})
+                    "ELTCTL_HOST": self.name,
+                    # this simulated host's own GPU claims (runtime/claims.py), not the machine's
+                    "ELTCTL_CLAIMS_DIR": str(self.tmp / "claims")})
         if self.nvidia_smi:
             env["PATH"] = f"{self.bin}:{env.get('PATH', os.defpath)}"
         return env

@@ -83,12 +83,22 @@ def test_descendants_close_over_the_parent_map():
 @pytest.mark.parametrize("pid, visible, job_env, expected", [
     (100, True, None, Ownership.OURS),  # a worker or its child
     (500, True, "myjob", Ownership.OURS),  # carries our job's name (e.g. a worker of an earlier daemon)
-    (500, True, "otherjob", Ownership.FOREIGN),
+    (500, True, "otherjob", Ownership.TAKEN),  # another eltctl job's worker: never an owner (issue 13)
     (500, True, None, Ownership.FOREIGN),  # another user's process: environ unreadable
     (500, False, None, Ownership.INVISIBLE),  # another pid namespace: cannot tell, never evict on it
 ])
 def test_classify_pid(pid, visible, job_env, expected):
     assert classify_pid(pid, frozenset({100, 101}), visible, job_env, "myjob") is expected
+
+
+@pytest.mark.parametrize("job_env, claimed, expected", [
+    (None, True, Ownership.TAKEN),  # unreadable, and its user holds its GPU's claim for another job
+    (None, False, Ownership.FOREIGN),  # unreadable, no claim of its user: an owner
+    ("", True, Ownership.FOREIGN),  # readable without ELTCTL_JOB: a person's process, whatever the claim says
+    ("myjob", True, Ownership.OURS),
+])
+def test_classify_pid_by_the_gpu_claim(job_env, claimed, expected):
+    assert classify_pid(500, frozenset(), True, job_env, "myjob", claimed_by_its_user=claimed) is expected
 
 
 GPUS = (GpuInfo(0, "GPU-a", 0, 100, 0), GpuInfo(1, "GPU-b", 0, 100, 0))

@@ -1,0 +1,62 @@
+"""Two jobs' daemons on one host (issue 13): a GPU claimed by one job is "taken" for the
+other, which starts nothing there and never takes the other job's worker for an owner
+(no yield, no crash); once the first job's worker leaves, the GPU is free again and the
+second job takes it. Real daemons, real workers, the GPU simulator, real claim files."""
+
+from __future__ import annotations
+
+import pytest
+
+from eltctl_runtime import claims
+from tests.runtime.daemon.daemon_fixtures import SimHost, alive
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def two(tmp_path):
+    a = SimHost(tmp_path)
+    b = SimHost(tmp_path)  # the same simulated host "h1" (same GPUs, same claims), another job and store
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def gpu_states(host: SimHost) -> dict[int, str]:
+    return {g["index"]: g["state"] for g in (host.state() or {}).get("gpus", ())}
+
+
+def test_a_gpu_claimed_by_one_job_is_taken_for_the_other_until_it_leaves(two, tmp_path):
+    a, b = two
+    a.start_daemon()
+    b.start_daemon()
+    a.desire([0])
+    a.wait_world(1)
+    a_worker = a.live_workers()[0]
+    b.desire([0, 1])  # GPU 0 is A's: B gets GPU 1 only
+    b.wait_world(1)
+    st = b.wait_for(lambda: (s := b.state()) and s.get("taken") == {"0": a.job} and s, "GPU 0 taken for B")
+    assert sorted(b.live_workers()) == [1]
+    assert {g["index"]: (g["state"], g["reason"]) for g in st["gpus"]}[0][0] == "taken"
+    assert f"taken by job {a.job}" in next(g["reason"] for g in st["gpus"] if g["index"] == 0)
+    a.wait_for(lambda: gpu_states(a) == {0: "ours", 1: "taken"}, "A to see GPU 1 taken by B")
+    assert f"job {b.job}" in next(g["reason"] for g in a.state()["gpus"] if g["index"] == 1)
+    # The claim files name the holders: the workers themselves.
+    d = tmp_path / "claims"
+    held = claims.holders(d, ["gpu0", "gpu1"])
+    assert (held["gpu0"].job, held["gpu0"].pid) == (a.job, a_worker["pid"])
+    assert (held["gpu1"].job, held["gpu1"].pid) == (b.job, b.live_workers()[1]["pid"])
+
+    # A's worker leaves: its claim goes with it, and B takes GPU 0 when asked again.
+    a.desire([])
+    a.wait_for(lambda: not alive(a_worker["pid"]), "A's worker to exit")
+    assert claims.holder(d, "gpu0") is None
+    b.wait_for(lambda: (b.state() or {}).get("taken") == {}, "B to see GPU 0 free")
+    b.desire([0, 1])
+    b.wait_world(2)
+    assert claims.holder(d, "gpu0").job == b.job
+    for h in (a, b):  # neither took the other for an owner, nothing crashed
+        assert h.events("yield") == [] and h.events("crash") == [], h.log()[-3000:]
+        assert h.state()["yielded"] == []
