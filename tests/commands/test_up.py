@@ -64,7 +64,8 @@ class LocalJob(ControllerFiles):
             home = self.root / "home" / name
             home.mkdir(parents=True, exist_ok=True)
             lines += ["", "[[hosts]]", f'name = "{name}"', 'address = "local"', f"python = {json.dumps(python)}",
-                      f"env = {{ HOME = {json.dumps(str(home))} }}"]
+                      f"env = {{ HOME = {json.dumps(str(home))}, "
+                      f"ELTCTL_CLAIMS_DIR = {json.dumps(str(self.root / 'claims' / name))} }}"]
         self.inventory.write_text("\n".join(lines) + "\n")
 
     def eltctl(self, *args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:

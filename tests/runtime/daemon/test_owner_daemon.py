@@ -45,7 +45,8 @@ def test_foreign_load_makes_the_workers_leave_in_the_planned_way_and_they_come_b
     yields = host.wait_for(lambda: len(host.events("yield")) >= 2 and host.events("yield"), "two yield events")
     assert sorted(w for e in yields for w in e["workers"]) == sorted(w["worker_id"] for w in first.values())
     assert all(e["detail"].startswith("owner signal load: ") for e in yields), yields
-    state = host.state()
+    # The state document is republished each tick: wait for one written after the leave.
+    state = host.wait_for(lambda: (s := host.state()) and s.get("signal") and s, "the state to name the signal")
     assert state["signal"]["name"] == "load" and f"pid {busy}" in state["signal"]["detail"], state["signal"]
     assert sorted((y["slot"], y["signal"]) for y in state["yielded"]) == [(0, "load"), (1, "load")]
     assert not [e for e in host.events() if e["kind"] == "crash"]
