@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if r["ok"] else 1
     print(f"soak: {r['minutes']:g} min on {r['hosts']} hosts x {r['gpus_per_host']} GPUs (seed {r['seed']}), "
           f"{r['total_s']:.0f} s in all")
-    print(f"  events: {r.get('events')}; yield events in the job: {r.get('yield_events')}")
+    print(f"  events: {r.get('events')}; yield events among the final status's recent events: "
+          f"{r.get('yield_events')}")
     print(f"  steps committed: {r.get('committed_steps')} in {r.get('generations')} generations; "
           f"lost on planned leaves: {r.get('steps_lost')}; exactly-once: {r.get('exactly_once')}")
     print(f"  ledger: {r.get('ledger_rows')} intervals, {r.get('ledger_duplicates')} twice, {r.get('ledger_open')} "
