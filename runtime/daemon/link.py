@@ -70,6 +70,7 @@ class StoreLink:
         self._departed: frozenset[str] = frozenset()  # this host's workers that a plan lists as left or lost
         self._joined: frozenset[str] = frozenset()  # this host's workers that a plan lists as members
         self._job_done = False  # the runtime wrote `done` (the job finished or stopped)
+        self._done_reason = ""  # its reason: "finished", "stop", ...
         self._thread: threading.Thread | None = None
 
     # -- the loop's side ---------------------------------------------------------
@@ -111,6 +112,12 @@ class StoreLink:
     def job_done(self) -> bool:
         """The runtime's `done` key is set: every worker of the job ends."""
         return self._job_done
+
+    @property
+    def done_reason(self) -> str:
+        """Why the job ended, as the runtime's `done` key says ("stop": `eltctl down`
+        or the controller's pause; "finished": the last step was reached); "" unknown."""
+        return self._done_reason
 
     @property
     def connected(self) -> bool:
@@ -168,7 +175,7 @@ class StoreLink:
                     continue
                 self._connected = True
                 self._generation = -1  # a restarted store has its own history
-                self._job_done = False
+                self._job_done, self._done_reason = False, ""
                 if self._error:
                     self._last_error = self._error
                 self._error = ""
@@ -216,6 +223,10 @@ class StoreLink:
     def _follow_plans(self, js) -> None:
         if not self._job_done and js.check([Keys.DONE]):
             self._job_done = True
+            try:
+                self._done_reason = str(json.loads(js.get(Keys.DONE)).get("reason", ""))
+            except (ValueError, AttributeError, TypeError):
+                self._done_reason = ""
         mine = f"{self._host}/"
         while js.check([Keys.plan(self._generation + 1)]):
             self._generation += 1

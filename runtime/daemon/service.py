@@ -36,6 +36,9 @@ log = logging.getLogger("eltctl_runtime.daemon")
 
 TICK_S = 0.1
 ADOPTED_VERDICT_S = 1.0  # a few store polls (0.25 s each)
+# A worker that exited 0 unasked: the runtime wrote `done` first, so a few store polls
+# tell whether `eltctl down` stopped it or the job finished (the usage ledger's how).
+DONE_VERDICT_S = 2.0
 STATE_EVERY_S = 1.0
 EXIT_OK, EXIT_CONFIG, EXIT_RUNNING = 0, 2, 3
 
@@ -253,6 +256,10 @@ class Daemon:
                 rc = w.proc.poll()
                 if rc is None:
                     continue
+                if rc == 0 and not self._link.job_done and not w.state.asked_to_go and self._link.connected:
+                    w.gone_since = now if w.gone_since is None else w.gone_since
+                    if now - w.gone_since < DONE_VERDICT_S:
+                        continue
             elif procs.worker_identity(w.pid, self.cfg.job) == w.worker_id:  # alive, and not a reused pid
                 continue
             else:
@@ -271,6 +278,8 @@ class Daemon:
                            job_done=self._link.job_done,
                            joined=w.proc is None or w.worker_id in self._link.joined())
         cause = self._cause(w) if out.crash_event else ""
+        if out.state is WorkerState.FINISHED and self._link.done_reason == "stop":
+            self._history.note_why(w.worker_id, "down")  # it saw the stop before this daemon did
         ran_s = round(time.monotonic() - w.since, 1) if out.at_start else None
         del self._workers[w.slot]
         self._history.ended(w.worker_id, w.slot, w.start_wall or w.since_wall, time.time(), out.state.value)

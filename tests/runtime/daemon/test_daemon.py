@@ -559,6 +559,8 @@ def test_crash_reported_at_once_then_daemon_killed_and_adopted_then_stop(host):
     assert not list((host.job_dir / "workers").glob("*.pid"))
     assert not (host.job_dir / "daemon.pid").exists()
     assert host.state()["phase"] == "stopped"
+    # The usage ledger's how: `down` ended it, whether the worker or the daemon saw the stop first.
+    assert [e["why"] for e in host.state()["history"] if e["worker_id"] == workers[0]["worker_id"]] == ["down"]
     assert not host.dead_reported(workers[0]["worker_id"])
     assert job_pids(host.job) == []
 
