@@ -1,0 +1,277 @@
+"""The job's secret and its signed store values (stdlib only).
+
+Anyone who reaches the store's port can read and write any key: the c10d TCPStore
+has no authentication. So every value of the job's control plane is signed with a
+per-job secret (`SECRET_BYTES` random bytes, made by the controller at `up`, carried
+to the hosts only over SSH into 0600 files, named to workers by `ENV_SECRET_FILE`),
+and every value read is checked before it is parsed or acted on:
+
+    elt1.<64 hex digits of HMAC-SHA256(secret, scope NUL key NUL value)>.<value>
+
+`scope` is the job's key prefix and `key` the key relative to it, so a value signed
+for one key (one host's desired document, one generation's plan, one join number) is
+refused under any other. The MAC is compared with `hmac.compare_digest`.
+
+`SignedStore` wraps a job-scoped store (a c10d PrefixStore, or protocol.JobScope):
+`set` signs; `check` is true only for keys whose values verify; `get` returns the
+verified value, and when the value there is forged, the last verified value of that
+key (or raises `ForgedValue` if there never was one); `compare_set` (used with an
+empty `expected`: the first writer wins) replaces a forged value rather than adopt it.
+Every forged value read is counted (`Forgeries`) and logged once per key family,
+never acted on. Counters (`add`: join/seq, dead/seq, events/seq) cannot be signed:
+readers treat them as hints and read a bounded number of entries behind them
+(protocol.bounded_range). Process groups keep the unsigned store (`raw`): the
+rendezvous of gloo and NCCL writes its own keys under gen/<g>/pg.
+
+What a signature does not stop: deleting keys or overwriting them with garbage (a
+denial of service, counted), replaying an old signed value under the same key, and
+reading values. The store's reachability is the other half (docs/commands.md, Security).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("eltctl_runtime")
+
+SECRET_BYTES = 32
+ENV_SECRET_FILE = "ELTCTL_SECRET_FILE"
+SECRET_FILE_NAME = "secret"  # in the job's directory on each host, and in the controller's state dir
+
+_MAGIC = b"elt1."
+_MAC_HEX = 64
+_HEAD = len(_MAGIC) + _MAC_HEX + 1  # magic, MAC, "."
+
+
+class SecretError(Exception):
+    """The secret file is missing, malformed, or readable by others."""
+
+
+class ForgedValue(ValueError):
+    """A store value failed its signature check and no verified value of that key is known."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the store value of {key!r} is not signed with the job's secret (ignored)")
+        self.key = key
+
+
+# ---------------------------------------------------------------------------- the secret
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def encode_secret(secret: bytes) -> str:
+    """The secret as the text written to a secret file (hex, one line)."""
+    return secret.hex() + "\n"
+
+
+def decode_secret(text: str, where: str = "the secret") -> bytes:
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise SecretError(f"{where} is not {2 * SECRET_BYTES} hex digits") from None
+    if len(secret) != SECRET_BYTES:
+        raise SecretError(f"{where} holds {len(secret)} bytes, not {SECRET_BYTES}")
+    return secret
+
+
+def write_secret(path: Path, secret: bytes) -> None:
+    """Write `secret` to `path` with mode 0600 from the start (atomically: a reader
+    never sees a half-written or world-readable file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, encode_secret(secret).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_secret(path: Path) -> bytes:
+    """The secret in `path`. Refuses a file that is not a regular file owned by this
+    user, or that others can read or write: it would let them sign."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise SecretError(f"the job's secret file {path} does not exist") from None
+    except OSError as exc:
+        raise SecretError(f"cannot read the job's secret file {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SecretError(f"the job's secret file {path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise SecretError(f"the job's secret file {path} belongs to uid {st.st_uid}, not to this user")
+        if st.st_mode & 0o077:
+            raise SecretError(f"the job's secret file {path} has mode {stat.S_IMODE(st.st_mode):04o}: others "
+                              f"can read it; it must be 0600 (chmod 600 {path})")
+        data = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    return decode_secret(data.decode("ascii", "replace"), f"the job's secret file {path}")
+
+
+def secret_from_env(environ: Any = None) -> bytes | None:
+    """The secret named by ELTCTL_SECRET_FILE, or None when it is not set (a job
+    started without eltctl's controller: unsigned). A set but unreadable file raises."""
+    environ = os.environ if environ is None else environ
+    path = environ.get(ENV_SECRET_FILE, "")
+    return read_secret(Path(path)) if path else None
+
+
+# ---------------------------------------------------------------------------- signing
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class Signer:
+    """Signs and checks the values of one job's keys (`scope`: the job's key prefix)."""
+
+    def __init__(self, secret: bytes, scope: str) -> None:
+        if len(secret) != SECRET_BYTES:
+            raise SecretError(f"a job secret is {SECRET_BYTES} bytes, not {len(secret)}")
+        self._secret = secret
+        self._scope = scope.encode()
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        msg = b"\0".join((self._scope, key.encode(), value))
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest().encode()
+
+    def seal(self, key: str, value: str | bytes) -> bytes:
+        v = _bytes(value)
+        return _MAGIC + self._mac(key, v) + b"." + v
+
+    def open(self, key: str, raw: bytes | None) -> bytes | None:
+        """The value `raw` carries under `key`, or None when it is not validly signed."""
+        if raw is None or len(raw) < _HEAD or not raw.startswith(_MAGIC) or raw[_HEAD - 1:_HEAD] != b".":
+            return None
+        mac, value = raw[len(_MAGIC):_HEAD - 1], raw[_HEAD:]
+        return value if hmac.compare_digest(mac, self._mac(key, value)) else None
+
+
+def family(key: str) -> str:
+    """The family of a key for counting (`gen/12/plan` -> `gen/plan`, `leave/h1/0/7` -> `leave`)."""
+    parts = key.split("/")
+    if parts[0] == "gen" and len(parts) >= 3:
+        return f"gen/{parts[2]}"
+    if parts[0] == "daemon" and len(parts) >= 3:
+        return f"daemon/{parts[-1]}"
+    return parts[0]
+
+
+class Forgeries:
+    """Forged values read, per key family (thread-safe). Each family is logged once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def note(self, key: str) -> None:
+        fam = family(key)
+        with self._lock:
+            first = fam not in self._counts
+            self._counts[fam] = self._counts.get(fam, 0) + 1
+        if first:
+            log.warning("ignored a store value of %s that is not signed with the job's secret (someone who "
+                        "reaches the store's port wrote it; forged values are counted, never acted on)", key)
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+COMPARE_SET_TRIES = 8
+
+
+class SignedStore:
+    """A job-scoped store whose values are signed (the module docstring says how).
+    `raw` is the wrapped store (for process groups and the counters)."""
+
+    def __init__(self, inner: Any, signer: Signer, forgeries: Forgeries | None = None) -> None:
+        self.raw = inner
+        self.signer = signer
+        self.forgeries = forgeries if forgeries is not None else Forgeries()
+        self._good: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def _verified(self, key: str, raw: bytes) -> bytes | None:
+        value = self.signer.open(key, raw)
+        if value is None:
+            self.forgeries.note(key)
+            return None
+        with self._lock:
+            self._good[key] = value
+        return value
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.raw.set(key, self.signer.seal(key, value))
+
+    def get(self, key: str) -> bytes:
+        value = self._verified(key, self.raw.get(key))
+        if value is not None:
+            return value
+        with self._lock:
+            good = self._good.get(key)
+        if good is None:
+            raise ForgedValue(key)
+        return good
+
+    def check(self, keys: list[str]) -> bool:
+        if not self.raw.check(keys):
+            return False
+        return all(self._verified(k, self.raw.get(k)) is not None for k in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.raw.add(key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """The first writer wins, as c10d's compare_set with an empty `expected`; a
+        forged value in the way is replaced (only while it is still the one read)."""
+        if expected != "":
+            raise ValueError("SignedStore.compare_set takes an empty `expected` only")
+        want = self.signer.seal(key, desired)
+        seen = b""
+        for _ in range(COMPARE_SET_TRIES):
+            cur = self.raw.compare_set(key, seen, want)
+            value = self._verified(key, cur)
+            if value is not None:
+                return value
+            # a forgery is there: replace it if it still is (a c10d store hands back a
+            # non-empty `expected` unchanged when the key is gone: then insert again)
+            seen = b"" if cur == seen else cur
+        raise ForgedValue(key)
+
+
+def signed(store: Any, job_prefix: str, secret: bytes | None, forgeries: Forgeries | None = None) -> Any:
+    """`store` (scoped to the job whose prefix is `job_prefix`) signed with `secret`;
+    `store` itself when there is no secret (a job run without eltctl's controller)."""
+    if secret is None:
+        return store
+    return SignedStore(store, Signer(secret, job_prefix), forgeries)
+
+
+def raw_store(store: Any) -> Any:
+    """The unsigned store under `store` (itself when it is not a SignedStore): for
+    process groups, whose rendezvous writes its own keys."""
+    return store.raw if isinstance(store, SignedStore) else store
