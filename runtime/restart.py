@@ -82,7 +82,8 @@ SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
 # The child's environment: eltctl's own variables are the supervisor's, not the script's
 # (ELTCTL_JOB stays: it marks the job's processes for the daemon and `down`).
 _CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOCAL_GPU",
-                "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT")
+                "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT",
+                "ELTCTL_SECRET_FILE")  # the script has no business with the store or its secret
 _PR_SET_PDEATHSIG = 1
 _PYTHON = re.compile(r"python[\d.]*$")
 WARM_MODULE = "eltctl_runtime.warmstart"
