@@ -164,9 +164,9 @@ def scan_joiners(store, after: int) -> tuple[list[tuple[int, str]], int]:
     further ahead, and skips entries that are missing or (on a signed store)
     forged. The scan consumes every number it passes: a joiner caught between
     taking its number and writing its id registers again (await_admission)."""
+    global _warned_join_seq
     last = store.add(Keys.JOIN_SEQ, 0)
     numbers = bounded_range(after, last)
-    global _warned_join_seq
     if numbers.start > after + 1 and _warned_join_seq != last:
         _warned_join_seq = last  # once per counter value: the control thread rescans
         log.warning("the join counter is at %d, %d past the queue's end %d: scanned the newest %d numbers "
