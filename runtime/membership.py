@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Callable, Iterable
 
-from .protocol import EventKind, Keys, job_prefix
+from .auth import ForgedValue, signed
+from .protocol import EventKind, Keys, bounded_range, job_prefix
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -151,19 +152,51 @@ def choose_source(reports: list[tuple[bool, int]]) -> Transfer:
 # ---- store helpers shared by ElasticJob (job.py) and the restart supervisor (restart.py)
 
 
+_warned_join_seq = -1
+
+
 def scan_joiners(store, after: int) -> tuple[list[tuple[int, str]], int]:
     """Live joiners queued after sequence number `after` (sequence number, worker
-    id), and how far the scan got. `store` is scoped to the job."""
+    id), and how far the scan got. `store` is scoped to the job.
+
+    `join/seq` is a hint (anyone who reaches the store can raise it): the scan
+    reads at most protocol.READ_WINDOW entries, the newest when the counter is
+    further ahead, and skips entries that are missing or (on a signed store)
+    forged. The scan consumes every number it passes: a joiner caught between
+    taking its number and writing its id registers again (await_admission)."""
+    global _warned_join_seq
     last = store.add(Keys.JOIN_SEQ, 0)
-    queue, upto = [], after
-    for seq in range(after + 1, last + 1):
-        if not store.check([Keys.join(seq)]):
-            break  # registered its number but not its id yet: take it next time
-        worker = store.get(Keys.join(seq)).decode()
-        upto = seq
-        if not store.check([Keys.dead(worker)]):
+    numbers = bounded_range(after, last)
+    if numbers.start > after + 1 and _warned_join_seq != last:
+        _warned_join_seq = last  # once per counter value: the control thread rescans
+        log.warning("the join counter is at %d, %d past the queue's end %d: scanned the newest %d numbers "
+                    "(someone who reaches the store raised it)", last, last - after, after, len(numbers))
+    queue, upto = [], max(after, last)
+    for seq in numbers:
+        worker = read_verified(store, Keys.join(seq))
+        if worker is None:
+            continue  # never written (a raised counter), forged, or a joiner that re-registers
+        worker = worker.decode(errors="replace")
+        if read_verified(store, Keys.dead(worker)) is None and all(w != worker for _, w in queue):
             queue.append((seq, worker))
     return queue, upto
+
+
+def read_verified(store, key: str) -> bytes | None:
+    """The value of `key`, or None when it is absent or (signed store) forged."""
+    if not store.check([key]):
+        return None
+    try:
+        return store.get(key)
+    except ForgedValue:
+        return None
+
+
+def _register(store, me: str) -> int:
+    seq = store.add(Keys.JOIN_SEQ, 1)
+    store.set(Keys.join(seq), me)
+    log.info("%s: waiting to be admitted (join #%d)", me, seq)
+    return seq
 
 
 def decide(store, proposal: Plan) -> Plan:
@@ -183,9 +216,7 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
     one, restoring the job. `control` is the caller's ControlThread (its
     silence measures and who it watches). Shared by ElasticJob and the restart
     supervisor."""
-    seq = store.add(Keys.JOIN_SEQ, 1)
-    store.set(Keys.join(seq), me)
-    log.info("%s: waiting to be admitted (join #%d)", me, seq)
+    seq = _register(store, me)
     known = -1
     orphan_watch: tuple[str, ...] = ()
     while True:
@@ -200,6 +231,12 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
             plan = Plan.from_json(store.get(Keys.plan(known)))
             if me in plan.members:
                 return plan
+            if plan.join_upto >= seq:
+                # The plan consumed our number without admitting us (the scan skipped
+                # it: raised counter, or our id came after the scan): take a new one.
+                log.info("%s: generation %d consumed join #%d without admitting it; registering again", me,
+                         plan.generation, seq)
+                seq = _register(store, me)
             if plan.members != orphan_watch:
                 orphan_watch = plan.members
                 control.watch(None, others=plan.members)
@@ -221,10 +258,14 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
 # ---- the job's PrefixStore -------------------------------------------------
 
 
-def job_store(store, job: str):
+def job_store(store, job: str, secret: bytes | None = None, forgeries=None):
     """The PrefixStore every key of `job` lives under (a real c10d Store: the
-    generations' process groups nest their own PrefixStore in it). The
-    protocol's helpers need no torch: protocol.scope."""
+    generations' process groups nest their own PrefixStore in
+    `auth.raw_store(...)` of it). With the job's `secret` it is signed
+    (auth.SignedStore: every value written is signed, every value read is
+    checked; forged ones are counted in `forgeries`, an auth.Forgeries shared by
+    a process's connections). Every job store of the runtime and the daemon is
+    built here. The protocol's helpers need no torch: protocol.scope."""
     import torch.distributed as dist
 
-    return dist.PrefixStore(job_prefix(job), store)
+    return signed(dist.PrefixStore(job_prefix(job), store), job_prefix(job), secret, forgeries)

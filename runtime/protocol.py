@@ -26,10 +26,19 @@ the full table)::
     gen/<g>/plan, abort, alive  workers (membership.py)
     gen/<g>/master              restart mode: rank 0's supervisor, `addr:port` of the script's
                                 MASTER_ADDR/MASTER_PORT for generation g (restart.py)
-    status                      rank 0, about once a second (`status_document`)
+    status                      rank 0, about once a second (`status_document`; its `forged`
+                                counts the forged values rank 0 read, per key family)
     events/seq, events/<n>      rank 0, host daemons, controller (`append_event`, `EventKind`)
     daemon/<host>/desired       controller: `Desired` {seq, slots, stop}
-    daemon/<host>/state         host daemon, about once a second (daemon/service.py)
+    daemon/<host>/state         host daemon, about once a second (daemon/service.py); its
+                                `forged: {family: n}` counts the forged values the daemon read
+                                ({} when none), e.g. `{"daemon/desired": 3}`
+
+With a job secret (runtime/auth.py) every value above is signed and checked
+before it is parsed or acted on; the counters (`join/seq`, `dead/seq`,
+`events/seq`) cannot be signed, so readers treat them as hints and read at
+most READ_WINDOW entries behind one (`bounded_range`). A forged value reads
+as absent (`check`) or as the key's last verified value (`get`).
 
 and, outside any job's prefix, `eltctl/storekeeper` (`KEEPER_KEY`): the store
 keeper's pid, written on the raw store when it starts serving.
@@ -38,11 +47,16 @@ keeper's pid, written on the raw store when it starts serving.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterable, Protocol
+
+from .auth import ForgedValue
+
+log = logging.getLogger("eltctl_runtime")
 
 ROOT = "eltctl"
 KEEPER_KEY = f"{ROOT}/storekeeper"
@@ -225,7 +239,7 @@ class Desired:
 def status_document(*, generation: int, world_size: int, members: Iterable[str], step: int, epoch: int,
                     position: int, samples_per_s: float, loss: float | None, checkpoint: dict | None,
                     time: float | None = None, workers: dict | None = None, mode: str | None = None,
-                    restarts: int | None = None) -> dict:
+                    restarts: int | None = None, forged: dict[str, int] | None = None) -> dict:
     """The runtime's `status` document, written by rank 0 about once a second:
     `{generation, world_size, members, step, epoch, position, samples_per_s,
     loss, checkpoint: {step, time, path} | null, time}`, and, once a step of
@@ -235,7 +249,11 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
     what each means). Restart mode (restart.py) adds `mode: "restart"` and
     `restarts` (how many times the script's processes were restarted); its
     `step` counts the snapshots of the script's checkpoint directory. An
-    elastic job's document has neither key (mode "elastic")."""
+    elastic job's document has neither key (mode "elastic"). The runtime adds
+    `forged: {family: n}`: store values that failed their signature check,
+    as rank 0's process counted them, per key family (auth.family: "leave",
+    "dead", "gen/plan", "join", "hb", ...; {} when none, or when the job runs
+    without a secret)."""
     doc = {"generation": generation, "world_size": world_size, "members": list(members), "step": step,
            "epoch": epoch, "position": position, "samples_per_s": samples_per_s, "loss": loss,
            "checkpoint": checkpoint, "time": _now() if time is None else time}
@@ -244,6 +262,8 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
     if mode is not None:
         doc["mode"] = mode
         doc["restarts"] = restarts or 0
+    if forged is not None:
+        doc["forged"] = dict(forged)
     return doc
 
 
@@ -299,13 +319,40 @@ def add_event(js: Store, event: dict) -> int:
     return n
 
 
-def get_events(js: Store, start: int = 1) -> list[dict]:
-    """The job's events from number `start` on (numbers begin at 1)."""
+# Counters (`events/seq`, `join/seq`, `dead/seq`) are store `add`s: they cannot be
+# signed and anyone who reaches the store can raise them. Readers treat them as hints
+# and read at most READ_WINDOW entries behind one per call (`bounded_range`).
+READ_WINDOW = 512
+
+
+def bounded_range(after: int, last: int, window: int = READ_WINDOW) -> range:
+    """The sequence numbers to read after `after` up to the counter's value `last`:
+    all of them, or, when the counter jumped further than `window` (someone raised
+    it), the newest `window`. The numbers skipped are `range.start - after - 1`."""
+    after = max(0, after)
+    return range(max(after + 1, last - window + 1), last + 1)
+
+
+def get_events(js: Store, start: int = 1, window: int = READ_WINDOW) -> list[dict]:
+    """The job's events from number `start` on (numbers begin at 1), at most
+    `window` of them: the newest, when the counter is further ahead (a raised
+    counter, logged). Missing entries, and on a signed store (auth.SignedStore)
+    forged ones (counted there), are left out."""
     last = js.add(Keys.EVENTS_SEQ, 0)
+    numbers = bounded_range(start - 1, last, window)
+    skipped = numbers.start - max(1, start)
+    if skipped > 0:
+        log.warning("the job's event log counter is at %d: read the newest %d events and skipped %d (a "
+                    "counter raised by someone who reaches the store, or a reader far behind)", last,
+                    len(numbers), skipped)
     out = []
-    for n in range(start, last + 1):
+    for n in numbers:
         if js.check([Keys.event(n)]):
-            out.append(json.loads(js.get(Keys.event(n))))
+            try:
+                raw = js.get(Keys.event(n))
+            except ForgedValue:
+                continue
+            out.append(json.loads(raw))
     return out
 
 

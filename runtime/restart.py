@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .auth import Forgeries, ForgedValue, raw_store
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
@@ -81,7 +82,8 @@ SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
 # The child's environment: eltctl's own variables are the supervisor's, not the script's
 # (ELTCTL_JOB stays: it marks the job's processes for the daemon and `down`).
 _CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOCAL_GPU",
-                "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT")
+                "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT",
+                "ELTCTL_SECRET_FILE")  # the script has no business with the store or its secret
 _PR_SET_PDEATHSIG = 1
 _PYTHON = re.compile(r"python[\d.]*$")
 WARM_MODULE = "eltctl_runtime.warmstart"
@@ -322,6 +324,7 @@ class Supervisor:
         self._over = False  # left, finished or stopped: nothing more to do
         self._ckpt = None
         self._control: ControlThread | None = None
+        self._forgeries = Forgeries()  # forged store values read, over all of this supervisor's connections
 
     # -- lifecycle -------------------------------------------------------------
     def run(self) -> int:
@@ -375,7 +378,7 @@ class Supervisor:
     def _connect(self):
         cfg = self.cfg
         raw = dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False, timeout=timedelta(seconds=60))
-        return job_store(raw, cfg.job)
+        return job_store(raw, cfg.job, cfg.secret, self._forgeries)
 
     # -- admission (as ElasticJob._admit) -----------------------------------------
     def _admit(self) -> Plan | None:
@@ -416,7 +419,7 @@ class Supervisor:
         abort = self._control.watch(plan)
         collectives.bury(self._pg)
         self._pg = None
-        prefix = dist.PrefixStore(Keys.pg_prefix(plan.generation), st)
+        prefix = dist.PrefixStore(Keys.pg_prefix(plan.generation), raw_store(st))
         cpu = torch.device("cpu")
         self._pg = collectives.run_abortable(
             lambda: collectives.make_group(prefix, self._rank, plan.world_size, cpu, self._bind),
@@ -424,7 +427,10 @@ class Supervisor:
         if self._rank == 0:
             st.set(Keys.master(plan.generation), f"{self._bind}:{_free_port(self._bind)}")
         restored = self._sync(abort)
-        addr, _, port = st.get(Keys.master(plan.generation)).decode().rpartition(":")
+        try:
+            addr, _, port = st.get(Keys.master(plan.generation)).decode().rpartition(":")
+        except ForgedValue as e:  # overwritten before this member read rank 0's: the generation cannot form
+            raise Aborted(str(e)) from None
         counter, data = self._snap
         if self._unpacked != counter:
             unpack_dir(data, self.script_dir)
@@ -703,7 +709,7 @@ class Supervisor:
         doc = status_document(generation=plan.generation, world_size=plan.world_size, members=plan.members,
                               step=self._snap[0] if self._snap else 0, epoch=0, position=0, samples_per_s=0.0,
                               loss=None, checkpoint=self._last_ckpt, mode="restart",
-                              restarts=max(0, self._starts - 1))
+                              restarts=max(0, self._starts - 1), forged=self._forgeries.counts())
         try:
             self._store.set(Keys.STATUS, json.dumps(doc))
         except Exception as e:  # noqa: BLE001 - status is advisory

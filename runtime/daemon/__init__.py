@@ -8,7 +8,10 @@ appended to daemon.log, prints `ok PID` once it holds the pid file, and exits:
 0 started, 3 another daemon already runs (`running PID`), 2 bad configuration).
 The daemon
 
-* connects to the job's store (`link.StoreLink`, a background thread)
+* connects to the job's store (`link.StoreLink`, a background thread;
+  signed with the job's secret when daemon.json names a `secret_file`, which
+  its workers get as ELTCTL_SECRET_FILE: a forged value is counted, logged once
+  and ignored, the last verified desired state stands)
   and applies the controller's desired state `daemon/<host>/desired`
   (`{seq, slots, stop}`, polled every 0.25 s): one worker per desired slot
   (a GPU index, or a CPU slot number), a planned leave (`leave/<worker_id>` and
@@ -70,7 +73,9 @@ The daemon
      "taken": {"<slot>": "<other job>"},   # slots whose GPU claim another job holds: nothing starts there
      "health": "ok" | "unhealthy" (nvidia-smi failed or hung),
      "watch": {"health": "ok" | "none" | "failed" | "hung", "reason", "since", "last_s"},
-     "store": {"connected", "reconnects", "last_error"}}
+     "store": {"connected", "reconnects", "last_error"},
+     "forged": {"<family>": int}}   # store values that failed the job's signature check, per key
+         # family (auth.family, e.g. "daemon/desired"), ignored and counted; {} when none
 
 Events it appends to the runtime's `events/<n>`: `{time, kind, host, workers,
 pause_s: null, detail}` with kind `yield` or `crash` (`protocol.event_document`);

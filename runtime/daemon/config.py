@@ -26,8 +26,12 @@
       "owner": {"signals": ["login", "keyboard", "load"], "idle_to_start": 900, ...}
                             # optional: owner signals beyond the GPU (eltctl_runtime.owner.OwnerPolicy;
                             # absent or null: none watched)
-      "claims_dir": null    # optional: the host's GPU claims directory (runtime/claims.py); null:
+      "claims_dir": null,   # optional: the host's GPU claims directory (runtime/claims.py); null:
                             # $ELTCTL_CLAIMS_DIR of the daemon's environment, else /tmp/eltctl-gpus
+      "secret_file": "/home/u/.eltctl/jobs/mnist/ws1/secret"
+                            # optional: the job's secret (an absolute path to a 0600 file, runtime/auth.py);
+                            # the daemon signs and checks every store value with it and its workers get
+                            # ELTCTL_SECRET_FILE; absent or null: unsigned
     }
 
 In restart mode each slot runs the supervisor (runtime/restart.py) in place of
@@ -43,7 +47,7 @@ ELTCTL_WORKER_ID=`<host>/<slot>/<incarnation>` (never reused: the incarnation
 counts up from the daemon's start time in ms, logic.first_incarnation),
 ELTCTL_DEVICE, ELTCTL_LOCAL_GPU (0: the one visible GPU), ELTCTL_CHECKPOINT_DIR,
 ELTCTL_HANG_TIMEOUT, ELTCTL_MIN_WORKERS, ELTCTL_MAX_WORKERS, ELTCTL_MAX_MICRO_BATCH
-(when max_micro_batch is set), for a GPU slot
+(when max_micro_batch is set), ELTCTL_SECRET_FILE (when secret_file is set), for a GPU slot
 CUDA_VISIBLE_DEVICES=<index> (also with device cpu: the GPU simulator sees a
 worker by it), and with courtesy.cpu_threads OMP_NUM_THREADS, MKL_NUM_THREADS,
 OPENBLAS_NUM_THREADS and ELTCTL_CPU_THREADS (over the job's own env).
@@ -52,10 +56,11 @@ OPENBLAS_NUM_THREADS and ELTCTL_CPU_THREADS (over the job's own env).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..auth import ENV_SECRET_FILE, SecretError, read_secret
 from ..owner import OwnerPolicy
 from ..protocol import NAME_RULE, valid_name
 from .courtesy import Courtesy, thread_env
@@ -100,6 +105,8 @@ class DaemonConfig:
     courtesy: Courtesy = field(default_factory=Courtesy)
     owner: OwnerPolicy = field(default_factory=OwnerPolicy)
     claims_dir: str | None = None  # None: $ELTCTL_CLAIMS_DIR, else claims.DEFAULT_DIR (runtime/claims.py)
+    secret_file: Path | None = None  # the job's secret on this host (0600); None: unsigned
+    secret: bytes | None = field(default=None, repr=False)  # read from secret_file by `load`
 
     @property
     def gpu_host(self) -> bool:
@@ -133,7 +140,18 @@ class DaemonConfig:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise DaemonConfigError(f"cannot read the daemon configuration {path}: {e.strerror}") from None
-        return cls.from_json(text, source=str(path))
+        cfg = cls.from_json(text, source=str(path))
+        return replace(cfg, secret=cfg.read_secret(str(path)))
+
+    def read_secret(self, source: str = "daemon.json") -> bytes | None:
+        """The job's secret from `secret_file` (None when there is none)."""
+        if self.secret_file is None:
+            return None
+        try:
+            return read_secret(self.secret_file)
+        except SecretError as e:
+            raise DaemonConfigError(f"{source}: 'secret_file': {e}. `eltctl up` writes it (0600, 64 hex digits); "
+                                    f"run `eltctl up` again to deliver it") from None
 
     @classmethod
     def from_json(cls, text: str, source: str = "daemon.json") -> "DaemonConfig":
@@ -202,6 +220,9 @@ class DaemonConfig:
         claims_dir = d.get("claims_dir")
         if claims_dir is not None and (not isinstance(claims_dir, str) or not claims_dir):
             raise DaemonConfigError(f"{source}: 'claims_dir' must be null or a directory path")
+        secret_file = d.get("secret_file")
+        if secret_file is not None and (not isinstance(secret_file, str) or not secret_file.startswith("/")):
+            raise DaemonConfigError(f"{source}: 'secret_file' must be null or an absolute path, not {secret_file!r}")
         floor = stop_grace + STOP_GRACE_MARGIN_S if mode == "restart" else 0.0
         try:
             courtesy = Courtesy.from_json(d.get("courtesy"), source)
@@ -218,7 +239,7 @@ class DaemonConfig:
             leave_timeout=max(floor, number("leave_timeout", 120.0)),
             stop_timeout=max(floor, number("stop_timeout", 300.0)),
             evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, courtesy=courtesy,
-            owner=owner, claims_dir=claims_dir,
+            owner=owner, claims_dir=claims_dir, secret_file=Path(secret_file) if secret_file else None,
         )
 
 
@@ -241,6 +262,10 @@ def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id:
         env["ELTCTL_MAX_MICRO_BATCH"] = str(cfg.max_micro_batch)
     else:
         env.pop("ELTCTL_MAX_MICRO_BATCH", None)
+    if cfg.secret_file is not None:
+        env[ENV_SECRET_FILE] = str(cfg.secret_file)
+    else:
+        env.pop(ENV_SECRET_FILE, None)
     if cfg.gpu_host:
         env["CUDA_VISIBLE_DEVICES"] = str(slot)
     env.update(thread_env(cfg.courtesy))

@@ -8,7 +8,8 @@ daemon's loop, which goes on watching GPUs and reaping workers. The thread:
   any error drops the connection and retries with back-off (0.5 s doubling to
   10 s), logging once per outage;
 * reads `daemon/<host>/desired` about every `poll_s` and hands the newest
-  value to the loop (`desired()`), and follows the runtime's generation plans
+  verified value to the loop (`desired()`; with the job's secret a forged
+  document is counted and ignored: the last verified one stands), and follows the runtime's generation plans
   and its `done` key to learn which of this host's workers are out of the job
   (`departed()`, `job_done`) and which reached it (`joined()`: listed as members);
 * writes the newest state document the loop published (`publish_state`; the
@@ -30,6 +31,7 @@ import time
 from datetime import timedelta
 from typing import Callable
 
+from ..auth import ForgedValue, Forgeries
 from ..membership import Plan, job_store
 from ..protocol import Desired, Keys, get_desired, state_key
 
@@ -46,12 +48,15 @@ Message = tuple[str, Callable[[object], None]]
 
 class StoreLink:
     def __init__(self, address: str, job: str, host: str, *, poll_s: float = 0.25,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, secret: bytes | None = None,
+                 forgeries: Forgeries | None = None) -> None:
         addr, _, port = address.rpartition(":")
         self._addr = addr.strip("[]")
         self._port = int(port)
         self._job = job
         self._host = host
+        self._secret = secret  # the job's: every value read is checked, every value written signed
+        self._forgeries = forgeries
         self._poll_s = poll_s
         self._connect_timeout = connect_timeout_s
         self._lock = threading.Lock()
@@ -153,7 +158,7 @@ class StoreLink:
 
         tcp = dist.TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
                             timeout=timedelta(seconds=self._connect_timeout))
-        return job_store(tcp, self._job)  # it keeps the client alive
+        return job_store(tcp, self._job, self._secret, self._forgeries)  # it keeps the client alive
 
     def _run(self) -> None:
         backoff = BACKOFF_START_S
@@ -194,6 +199,8 @@ class StoreLink:
                     next_poll = now + self._poll_s
                     try:
                         desired = get_desired(js, self._host)
+                    except ForgedValue:
+                        pass  # counted and logged once (auth.Forgeries); the last verified one stands
                     except ValueError as e:
                         log.error("host %s: ignoring a malformed desired state: %s", self._host, e)
                     else:

@@ -26,6 +26,7 @@ from . import courtesy, procs
 from .config import DaemonConfig, worker_env
 from .history import History, process_start
 from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
+from ..auth import Forgeries
 from .link import StoreLink
 from .logic import (
     Decision, Exit, Foreign, Kill, Leave, MarkStopping, Memory, Note, RecordYield, Start, View,
@@ -79,7 +80,8 @@ class Daemon:
         self._workers_dir = cfg.job_dir / "workers"
         self._memory_path = cfg.job_dir / "daemon.memory.json"
         self._lock = procs.PidLock(cfg.job_dir / "daemon.pid")
-        self._link = StoreLink(cfg.store, cfg.job, cfg.host)
+        self._forgeries = Forgeries()  # forged store values the link read (the state document's `forged`)
+        self._link = StoreLink(cfg.store, cfg.job, cfg.host, secret=cfg.secret, forgeries=self._forgeries)
         self._poller: SmiPoller | None = None
         self._memory = Memory()
         self._workers: dict[int, _Worker] = {}
@@ -608,7 +610,7 @@ class Daemon:
             "taken": {str(s): c.job for s, c in sorted(self._taken.items())},
             "health": "ok" if healthy else "unhealthy", "watch": dict(self._watch),
             "store": {"connected": self._link.connected, "reconnects": 0, "last_error": self._link.error},
-            "signal": self._signal_doc(),
+            "signal": self._signal_doc(), "forged": self._forgeries.counts(),
         }
 
     def _signal_doc(self) -> dict | None:

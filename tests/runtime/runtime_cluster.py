@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import eltctl_runtime as elt
+from eltctl_runtime import auth, protocol
 from tests.testbed.hostpython import HOST_PYTHON, host_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,11 +74,15 @@ class Cluster:
     script: Path = TRAIN
     workers: list[Worker] = field(default_factory=list)
     job: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
+    secret: bytes | None = None  # the job's secret: workers get ELTCTL_SECRET_FILE, and this launcher signs
     _n: int = 0
 
     def __post_init__(self) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
+        # The job's store as this launcher (the daemon's part) sees it: signed with the secret, if any.
+        self.js = auth.signed(protocol.scope(self.store, self.job), protocol.job_prefix(self.job), self.secret)
+        self.secret_file: Path | None = None  # written with the first worker's environment
         self.audit = self.tmp / "audit.jsonl"
         self.ckpt = self.tmp / "ckpt"
         self._stop = threading.Event()
@@ -92,6 +97,11 @@ class Cluster:
             "ELTCTL_CHECKPOINT_DIR": str(self.ckpt), "ELTCTL_HANG_TIMEOUT": str(self.hang_timeout),
             "OMP_NUM_THREADS": "1", "ELTCTL_MIN_WORKERS": str(self.min_workers),
         })
+        if self.secret is not None:
+            if self.secret_file is None:
+                self.secret_file = self.tmp / "secret"
+                auth.write_secret(self.secret_file, self.secret)
+            env[auth.ENV_SECRET_FILE] = str(self.secret_file)
         return env
 
     def start(self, n: int = 1, extra: list[str] | None = None, env: dict[str, str] | None = None) -> list[Worker]:
@@ -117,15 +127,15 @@ class Cluster:
                 rc = w.proc.poll()
                 if rc is not None and rc != 0 and not w.reported and self.report_deaths:
                     w.reported = True
-                    elt.report_dead(self.store, self.job, w.id)
+                    protocol.put_dead(self.js, w.id)
             self._stop.wait(0.05)
 
     # -- faults and requests -------------------------------------------------
     def leave(self, w: Worker) -> None:
-        elt.request_leave(self.store, self.job, w.id)
+        protocol.put_leave(self.js, w.id)
 
     def stop(self) -> None:
-        elt.request_stop(self.store, self.job)
+        protocol.put_stop(self.js)
 
     def kill(self, w: Worker, sig: int = signal.SIGKILL) -> None:
         os.kill(w.proc.pid, sig)
@@ -170,7 +180,22 @@ class Cluster:
         return "\n".join(f"--- {w.id} rc={w.proc.poll()}\n{w.log_text()[-3000:]}" for w in self.workers)
 
     def events(self) -> list[dict]:
-        return elt.read_events(self.store, self.job)
+        return protocol.get_events(self.js)
+
+    def status(self) -> dict | None:
+        """Rank 0's newest (verified) status document."""
+        return protocol.get_status(self.js)
+
+    def wait_for_status(self, pred, timeout: float = 60.0) -> dict:
+        """Rank 0's first status document for which `pred` holds."""
+        box: dict = {}
+
+        def ok() -> bool:
+            box["status"] = self.status()
+            return box["status"] is not None and pred(box["status"])
+
+        self.wait_for(ok, timeout, "a status document")
+        return box["status"]
 
     def close(self) -> None:
         self._stop.set()

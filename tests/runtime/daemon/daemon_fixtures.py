@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 import eltctl_runtime as elt
 from eltctl.sim.gpustate import ForeignProcess, GpuState, install_nvidia_smi
-from eltctl_runtime.protocol import desired_key, state_key
+from eltctl_runtime import auth
+from eltctl_runtime.protocol import desired_key, get_events, get_status, state_key
 from tests.testbed.hostpython import HOST_PYTHON, host_env
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -83,10 +84,13 @@ class SimHost:
     nvidia_smi: bool = True  # False: a CPU-only host (no nvidia-smi on the daemon's PATH)
     overrides: dict = field(default_factory=dict)
     job: str = field(default_factory=lambda: f"d{uuid.uuid4().hex[:8]}")
+    secret: bytes | None = None  # the job's secret: in job_dir/secret, named by daemon.json's secret_file
 
     def __post_init__(self) -> None:
         self.job_dir = self.tmp / "jobs" / self.job / self.name
         self.job_dir.mkdir(parents=True)
+        if self.secret is not None:
+            auth.write_secret(self.job_dir / auth.SECRET_FILE_NAME, self.secret)
         self.bin = self.tmp / "bin"
         install_nvidia_smi(self.bin)
         self.gpu = GpuState(self.tmp / "gpus.json", self.name)
@@ -113,6 +117,8 @@ class SimHost:
             "max_workers": None, "watch_interval": 0.5, "nvidia_smi_timeout": 3, "leave_timeout": 60,
             "stop_timeout": 60,
         }
+        if self.secret is not None:
+            cfg["secret_file"] = str(self.job_dir / auth.SECRET_FILE_NAME)
         cfg.update(self.overrides)
         self.config_path.write_text(json.dumps(cfg, indent=1))
 
@@ -146,15 +152,19 @@ class SimHost:
         except (OSError, ValueError, IndexError):
             return None
 
+    def js(self):
+        """The job's store as the controller sees it (signed with the job's secret, if any)."""
+        return elt.job_store(self.store, self.job, self.secret)
+
     def desire(self, slots: list[int], stop: bool = False) -> int:
         self._seq += 1
-        js = elt.job_store(self.store, self.job)
+        js = self.js()
         js.set(desired_key(self.name), json.dumps({"seq": self._seq, "slots": slots, "stop": stop}))
         return self._seq
 
     # -- observation ---------------------------------------------------------------
     def state(self) -> dict | None:
-        js = elt.job_store(self.store, self.job)
+        js = self.js()
         key = state_key(self.name)
         return json.loads(js.get(key)) if js.check([key]) else None
 
@@ -165,13 +175,13 @@ class SimHost:
                 if w["state"] in ("running", "leaving", "stopping", "killed", "evicted")}
 
     def status(self) -> dict | None:
-        return elt.read_status(self.store, self.job)
+        return get_status(self.js())
 
     def events(self, kind: str | None = None) -> list[dict]:
-        return [e for e in elt.read_events(self.store, self.job) if kind is None or e.get("kind") == kind]
+        return [e for e in get_events(self.js()) if kind is None or e.get("kind") == kind]
 
     def dead_reported(self, worker_id: str) -> bool:
-        return elt.job_store(self.store, self.job).check([elt.Keys.dead(worker_id)])
+        return self.js().check([elt.Keys.dead(worker_id)])
 
     def log(self) -> str:
         p = self.job_dir / "daemon.log"
