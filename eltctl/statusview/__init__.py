@@ -54,7 +54,8 @@ from eltctl.statusview.snapshot import (
 __all__ = [
     "CONTROLLER_DOWN", "EVENTS_SHOWN", "FAILED_WORKER_STATES", "SOCKET_FILE", "SOCKET_TIMEOUT_S", "STATUS_FILE",
     "WIDE_MIN_WIDTH", "HostsView", "NoJobError", "Snapshot", "Source", "ViewOptions", "daemon_table",
-    "describe_event", "events_table", "failed_workers", "find_host", "forged_line", "format_age", "format_clock", "format_pause",
+    "describe_event", "events_table", "failed_workers", "find_host", "forged_line", "format_age", "format_clock",
+    "format_pause",
     "gpu_brief", "host_events", "host_notes", "hosts_table", "hosts_table_compact", "job_state_dir", "job_summary",
     "mirror_line", "read_snapshot", "read_status_file", "render_host", "render_status", "utc", "worker_note",
     "workers_table",
