@@ -757,3 +757,31 @@ def test_restart_mode_shows_mode_restarts_and_snapshot():
 
     assert describe_event({"kind": "leave", "mode": "restart", "left": ["a/0/1"], "world_size": 2,
                            "restarts": 3}) == ("a", "left a/0/1; now 2 worker(s); script restarted (restart 3)")
+
+
+# ------------------------------------------------------------------------ forged store values
+
+FORGED = {"controller": {"events": 2, "status": 1}, "hosts": {"ws1": {"daemon/desired": 3}},
+          "rank0": {"leave": 1}, "total": 7, "events_skipped": 0}
+
+
+def test_forged_store_values_show_as_a_warning_line():
+    text = view_text(dict(TRAINING, forged=FORGED), Source.CONTROLLER, NOW + 0.5)
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("warning"))
+    assert lines[at] == ("warning     7 forged store values ignored (controller: events 2, status 1; "
+                         "ws1: daemon/desired 3; rank 0: leave 1)")
+    assert lines[at + 1].strip() == ("someone who reaches the store's port wrote values not signed with the job's "
+                                     "secret; they were ignored, not acted on (docs/commands.md, Security)")
+    # none forged: no line, the view as before
+    none = dict(FORGED, controller={}, hosts={}, rank0={}, total=0)
+    assert view_text(dict(TRAINING, forged=none), Source.CONTROLLER, NOW + 0.5) == view_text(
+        TRAINING, Source.CONTROLLER, NOW + 0.5)
+
+
+def test_status_json_has_the_forged_counts(tmp_path):
+    write_inventory(tmp_path)
+    (state_dir(tmp_path) / "status.json").write_text(json.dumps(dict(TRAINING, forged=FORGED)))
+    r = eltctl(tmp_path, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["forged"] == FORGED

@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 
 from eltctl.controller import socket as csock
-from eltctl.controller.statedir import ControllerLock, StateDir, lock_holder
+from eltctl.controller.statedir import ControllerLock, StateDir, job_secret, lock_holder
 from eltctl_runtime.files import write_json_atomic
 from eltctl.errors import ConfigError, EltctlError
 from eltctl.inventory import Inventory, load_inventory
+from eltctl_runtime.auth import SecretError
 
 log = logging.getLogger("eltctl.controller")
 
@@ -73,14 +74,14 @@ async def choose_address(inventory: Inventory, fleet) -> str:
                       hint="set [controller] address to an address of this machine every host can reach")
 
 
-async def start_mirror_worker(inventory: Inventory, source):
+async def start_mirror_worker(inventory: Inventory, source, secret: bytes | None = None):
     """The background copier of committed checkpoints to `[storage] mirror` (None without one).
 
     `source` is the controller's `checkpoint_place`: a checkpoint's host is reached over
     the controller's own connection, looked up in the inventory as it is now."""
     from eltctl.mirror import Mirror, MirrorWorker
 
-    mirror = Mirror.from_inventory(inventory)
+    mirror = Mirror.from_inventory(inventory, secret=secret)
     if mirror is None:
         return None
     worker = MirrorWorker(mirror, source=source)
@@ -183,6 +184,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
     keeper = None
     run_task = None
     try:
+        secret = job_secret(state)  # before any store client: each one is signed with it
         keeper = kstore.live_keeper(state, inventory.job.name)
         if keeper is not None:
             log.info("Adopting the store keeper %d on %s.", keeper.pid, keeper.endpoint)
@@ -214,11 +216,11 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         write_json_atomic(state.controller_json, {
             "pid": os.getpid(), "started": time.time(), "inventory": str(inventory.path),
             "store": keeper.to_json() if keeper else None, "socket": str(state.socket)})
-        ctl = Controller(inventory, state, store, fleet, endpoint)
+        ctl = Controller(inventory, state, store, fleet, endpoint, secret=secret)
         ctl.ledger = open_ledger(state, inventory.job.name)
         if ctl.ledger is not None:
             ctl.quota_use = ledger_quotas(ctl.ledger, inventory)
-        ctl.mirror_worker = mirror_worker = await start_mirror_worker(inventory, ctl.checkpoint_place)
+        ctl.mirror_worker = mirror_worker = await start_mirror_worker(inventory, ctl.checkpoint_place, secret)
         ctl.load_records()
         if left_out is not None:
             await ctl.leave_out(left_out)
@@ -289,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(amain(inventory, state, down=args.down, force=args.force,
                                  left_out=args.left_out if isinstance(args.left_out, dict) else None))
+    except SecretError as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except EltctlError as exc:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)

@@ -103,6 +103,7 @@ class DaemonStarter:
     fleet: Fleet
     store_endpoint: str
     clock: Callable[[], float]
+    secret: bytes | None = None  # the job's secret, written to each host with daemon.json (0600)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     started_at: dict[str, float] = field(default_factory=dict)  # when we last started each daemon
     paths: dict[str, hostops.HostPaths] = field(default_factory=dict)
@@ -173,8 +174,9 @@ class DaemonStarter:
                 if synced.sent or synced.deleted:
                     log.info("Host %s: code synced (%d sent, %d deleted).", host.name, len(synced.sent),
                              len(synced.deleted))
-            config = hostops.daemon_config(inventory, host, paths, self.store_endpoint, gpus())
-            pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner)
+            config = hostops.daemon_config(inventory, host, paths, self.store_endpoint, gpus(),
+                                           secret=self.secret is not None)
+            pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret)
             self.started_at[host.name] = self.clock()
             log.info("Host %s: daemon started (pid %s).", host.name, pid)
             on_started()

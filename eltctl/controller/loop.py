@@ -55,7 +55,7 @@ class Controller:
     def __init__(self, inventory: Inventory, state: StateDir, store: JobStore, fleet: Fleet,
                  store_endpoint: str, *, clock: Callable[[], float] = time.time,
                  mirror_worker: mir.MirrorWorker | None = None,
-                 quota_use: quotas.QuotaProvider = quotas.no_figures) -> None:
+                 quota_use: quotas.QuotaProvider = quotas.no_figures, secret: bytes | None = None) -> None:
         self.inventory = inventory
         self.state = state
         self.store = store
@@ -70,7 +70,7 @@ class Controller:
         self.message = ""
         self.records: dict[str, pol.HostRecord] = {}  # what is remembered of each host (hosts.json)
         self.observed = observe.Observer()
-        self.starter = act.DaemonStarter(fleet, store_endpoint, clock)
+        self.starter = act.DaemonStarter(fleet, store_endpoint, clock, secret=secret)
         self.restorer = act.Restorer(clock)
         self.decision: pol.Decision | None = None
         self.stopping = False
@@ -478,7 +478,14 @@ class Controller:
             records=self.records, seen=self.observed.seen, events=self.observed.events,
             store_endpoint=self.store_endpoint,
             mirror=self.mirror_worker.status() if self.mirror_worker is not None else self._final_mirror,
-            limits=pol.host_limits(self.inventory, self.records, now, self.quota_use(now)))
+            limits=pol.host_limits(self.inventory, self.records, now, self.quota_use(now)),
+            forged=status.forged_summary(self.store_forgeries(), self.observed.seen, self.observed.runtime_status,
+                                         self.observed.events_skipped))
+
+    def store_forgeries(self) -> dict[str, int]:
+        """The forged values the controller's own store client read, per key family."""
+        counts = getattr(self.store, "forgeries", None)
+        return counts.counts() if counts is not None else {}
 
     def write_status(self) -> None:
         self._status_written = self.clock()

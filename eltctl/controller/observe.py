@@ -7,11 +7,21 @@ a host looks (`policy.HostView`) from its probe report and its daemon's state, a
 which checkpoint the mirror should copy. `Observer` holds what was seen so far (the
 daemons' states, the event log read up to `events_read`, rank 0's status, the probe
 reports); the controller's loop (`loop.py`) feeds it and asks it for views.
+
+Everything read comes through the controller's signed store client (store.py): a
+value not signed with the job's secret is never acted on. A forged event (a fake
+crash that would bench a host) reads as missing; a forged status or daemon state
+reads as its key's last verified value. `events/seq` is a counter (counters cannot
+be signed: anyone can raise it), so it is only a hint: each pass reads at most
+`EVENTS_WINDOW` entries behind it (`events_window`), the newest ones, and counts
+(and logs) the numbers it skipped, so a counter raised to 10^9 never wedges the
+controller.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
@@ -21,7 +31,10 @@ from eltctl.inventory import Host, Policy
 from eltctl.probe import GpuUse, HostReport, HostState
 from eltctl_runtime.protocol import EventKind, Keys, state_key
 
+log = logging.getLogger("eltctl.controller")
+
 EVENTS_KEPT = 50
+EVENTS_WINDOW = 256  # the most event log entries read in one pass
 # Worker states (runtime/daemon/logic.py WorkerState) of a worker that has ended.
 FINISHED_WORKER_STATES = {"left", "finished", "crashed", "lost"}
 
@@ -36,6 +49,15 @@ class DaemonSeen:
 
 
 # --------------------------------------------------------------------------- pure views
+
+
+def events_window(read: int, last: int, window: int = EVENTS_WINDOW) -> tuple[range, int]:
+    """(the event numbers to read, how many are skipped) when the log has been read up
+    to `read` and the counter says `last`: at most `window` numbers, the newest; the
+    ones skipped are never read (a counter raised by someone who reaches the store's
+    port, or a log that grew by more than a window in one pass)."""
+    first = max(read + 1, last - window + 1)
+    return range(first, last + 1), max(0, first - read - 1)
 
 
 def seen_state(old: DaemonSeen | None, raw: bytes, now: float) -> DaemonSeen:
@@ -278,6 +300,7 @@ class Observer:
     crashes: dict[str, dict[int, pol.Crash]] = field(default_factory=dict)  # the same, with causes
     events: deque = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     events_read: int = 0  # the event log's sequence number read up to (kept in hosts.json)
+    events_skipped: int = 0  # event numbers never read: beyond one pass's window (events_window)
     runtime_status: dict | None = None  # rank 0's status document, with `seen` (see read_store)
     born: float | None = None  # when this controller first read the store
     born_seq: int = 0  # the event log's last number then: events up to it are the last controller's
@@ -299,7 +322,13 @@ class Observer:
             self.born_seq = 0
         if self.born == now:
             self.born_seq = last
-        for n in range(self.events_read + 1, last + 1):
+        numbers, skipped = events_window(self.events_read, last)
+        if skipped:
+            self.events_skipped += skipped
+            log.warning("The event log jumped from %d to %d: read the newest %d events, skipped %d (the "
+                        "counter %s is not signed: someone who reaches the store's port may have raised it).",
+                        self.events_read, last, len(numbers), skipped, Keys.EVENTS_SEQ)
+        for n in numbers:
             ev = await store.get_json(Keys.event(n))
             self.events_read = n
             if not isinstance(ev, dict):

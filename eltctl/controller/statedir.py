@@ -9,6 +9,8 @@ between runs and what the commands read (docs/control-plane.md, "Files"):
     status.json       the status document, rewritten about once a second
     hosts.json        the controller's memory about hosts (removed, benched, ...)
     usage.db          the usage ledger (SQLite, eltctl/ledger): written by the controller only
+    secret            the job's secret (32 random bytes, hex; mode 0600): made at the first
+                      `up`, kept while the job lives (`job_secret`), sent to the hosts over SSH
     controller.log, storekeeper.log
     cron.lock, cron.log  `up --unattended`'s run lock and log (eltctl/cron.py)
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from eltctl_runtime.auth import SECRET_FILE_NAME, new_secret, read_secret, write_secret
 from eltctl_runtime.pids import pid_alive
 
 
@@ -95,6 +98,10 @@ class StateDir:
         return self.path / "usage.db"
 
     @property
+    def secret(self) -> Path:
+        return self.path / SECRET_FILE_NAME
+
+    @property
     def controller_log(self) -> Path:
         return self.path / "controller.log"
 
@@ -104,6 +111,28 @@ class StateDir:
 
     def create(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+def job_secret(state: StateDir) -> bytes:
+    """The job's secret: the one in the state directory, or a new one written there
+    (mode 0600) at the job's first `up`. Every later `up` (cron runs it again and again)
+    reuses it, so a running job keeps its secret. A file others can read is refused
+    (auth.SecretError says how to fix it): whoever reads it can sign."""
+    existing = existing_secret(state)
+    if existing is not None:
+        return existing
+    secret = new_secret()
+    state.create()
+    write_secret(state.secret, secret)
+    return secret
+
+
+def existing_secret(state: StateDir) -> bytes | None:
+    """The job's secret when the state directory holds one (None: no job was started
+    from this control machine, or the state directory is gone)."""
+    if not (state.secret.exists() or state.secret.is_symlink()):
+        return None
+    return read_secret(state.secret)
 
 
 class ControllerLock:

@@ -236,8 +236,10 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
                     runtime_status: Mapping | None, views: Mapping[str, pol.HostView],
                     records: Mapping[str, pol.HostRecord], seen: Mapping[str, DaemonSeen],
                     events: Iterable[dict], store_endpoint: str, mirror: dict | None,
-                    limits: Mapping[str, pol.Limit] | None = None) -> dict[str, Any]:
-    """The status document (status.json): the job, rank 0's figures, each host, recent events."""
+                    limits: Mapping[str, pol.Limit] | None = None,
+                    forged: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The status document (status.json): the job, rank 0's figures, each host, recent
+    events, and the forged store values ignored (`forged_summary`)."""
     rs = runtime_status or {}
     job = inventory.job
     ck = rs.get("checkpoint") if isinstance(rs.get("checkpoint"), dict) else None
@@ -264,11 +266,35 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "start_failed": start_failures(now=now, inventory=inventory, views=views, records=records) or None,
         "mode": job.mode.value,
         "restarts": rs.get("restarts") if job.mode.value == "restart" else None,
+        "forged": dict(forged) if forged is not None else forged_summary({}, {}, None),
     }
     workers = worker_entries(rs)
     if workers:
         doc["workers"] = workers
     return doc
+
+
+def _counts(value: Any) -> dict[str, int]:
+    """A `forged` document's counts ({family: n}); anything else (missing, malformed) is {}."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): int(v) for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+
+
+def forged_summary(controller: Mapping[str, int], seen: Mapping[str, DaemonSeen],
+                   runtime_status: Mapping[str, Any] | None, events_skipped: int = 0) -> dict[str, Any]:
+    """The store values that were not signed with the job's secret, ignored and counted,
+    by whom they were read: `{"controller": {family: n}, "hosts": {host: {family: n}},
+    "rank0": {family: n}, "total": n, "events_skipped": n}`. The hosts' counts are their daemons' (the state
+    document's `forged`), rank 0's its status document's; a missing count is {}. Only
+    verified documents carry them, so an attacker cannot write these counts either.
+    `events_skipped`: event numbers the controller never read because the (unsigned)
+    counter jumped by more than a window (observe.events_window); not in `total`."""
+    ctl = _counts(dict(controller))
+    hosts = {name: c for name, s in sorted(seen.items()) if (c := _counts(s.state.get("forged")))}
+    rank0 = _counts((runtime_status or {}).get("forged"))
+    total = sum(ctl.values()) + sum(sum(c.values()) for c in hosts.values()) + sum(rank0.values())
+    return {"controller": ctl, "hosts": hosts, "rank0": rank0, "total": total, "events_skipped": events_skipped}
 
 
 def worker_entries(runtime_status: Mapping[str, Any]) -> list[dict[str, Any]]:

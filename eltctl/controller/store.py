@@ -2,9 +2,13 @@
 
 `JobStore` is the controller's client of the TCPStore served by the store keeper
 (eltctl/storekeeper.py), scoped to the job's prefix exactly as the runtime scopes it
-(`eltctl_runtime.job_store`). TCPStore calls block, so they run on one thread of
-their own (the store client is not shared between threads); the asyncio loop awaits
-them. `StoreLike` is the seam a test can fill with a dict.
+(`eltctl_runtime.job_store`). The client is signed with the job's secret
+(`connect_client`, runtime/auth.py): what the controller writes carries a MAC, what
+it reads is checked first, and a value that is not signed with the secret is never
+used (`JobStore` reads it as missing, or as the last verified value of its key) but
+counted in `forgeries(job)`, which status.json shows. TCPStore calls block, so they
+run on one thread of their own (the store client is not shared between threads); the
+asyncio loop awaits them. `StoreLike` is the seam a test can fill with a dict.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
-from eltctl.controller.statedir import StateDir
+from eltctl.controller.statedir import StateDir, existing_secret
+from eltctl_runtime import auth
 from eltctl_runtime.files import read_json
 from eltctl_runtime.pids import pid_alive
 from eltctl_runtime.protocol import Keys, add_event, job_prefix
@@ -53,12 +58,27 @@ class KeeperInfo:
         return f"{host}:{self.port}"
 
 
-def connect_client(address: str, port: int, job: str, timeout: float = STORE_TIMEOUT_S) -> StoreLike:
-    """A TCPStore client under the job's prefix (blocking; raises when nothing answers)."""
+_FORGERIES: dict[str, auth.Forgeries] = {}
+
+
+def forgeries(job: str) -> auth.Forgeries:
+    """The forged values this process's store clients of `job` have read, per key family
+    (one count for the process's life: it survives a reconnect to a new keeper)."""
+    return _FORGERIES.setdefault(job, auth.Forgeries())
+
+
+def connect_client(address: str, port: int, job: str, timeout: float = STORE_TIMEOUT_S,
+                   secret: bytes | None = None) -> StoreLike:
+    """A TCPStore client under the job's prefix (blocking; raises when nothing answers),
+    signed with the job's secret: `secret`, else the one in the job's state directory
+    (statedir.job_secret, made at the first `up`). The one place the controller's
+    store is built, so a reconnect is signed as the first connection was."""
     import torch.distributed as dist
 
+    if secret is None:
+        secret = existing_secret(StateDir.for_job(job))
     tcp = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
-    return dist.PrefixStore(job_prefix(job), tcp)
+    return auth.signed(dist.PrefixStore(job_prefix(job), tcp), job_prefix(job), secret, forgeries(job))
 
 
 class JobStore:
@@ -71,13 +91,25 @@ class JobStore:
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def get_json(self, key: str) -> Any | None:
-        def read():
-            if not self._client.check([key]):
-                return None
-            return self._client.get(key)
+    @property
+    def forgeries(self) -> auth.Forgeries | None:
+        """The forged values this client read (None: an unsigned client)."""
+        return getattr(self._client, "forgeries", None)
 
-        raw = await self._call(read)
+    def _read(self, key: str) -> bytes | None:
+        """The key's verified value, or None when there is none. A forged value is never
+        returned: the key's last verified value stands in for it (rank 0's status, a
+        daemon's state), or, when it never had one (a forged event), it reads as missing.
+        Either way the forgery is counted (`forgeries`)."""
+        if not auth.raw_store(self._client).check([key]):
+            return None
+        try:
+            return self._client.get(key)
+        except auth.ForgedValue:
+            return None
+
+    async def get_json(self, key: str) -> Any | None:
+        raw = await self._call(self._read, key)
         if raw is None:
             return None
         try:
@@ -86,10 +118,7 @@ class JobStore:
             return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
 
     async def get_raw(self, key: str) -> bytes | None:
-        def read():
-            return self._client.get(key) if self._client.check([key]) else None
-
-        return await self._call(read)
+        return await self._call(self._read, key)
 
     async def set_json(self, key: str, value: Any) -> None:
         await self._call(self._client.set, key, json.dumps(value))

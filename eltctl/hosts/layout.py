@@ -4,6 +4,7 @@
       runtime/<hash>/eltctl_runtime/...   the shipped runtime (hash of its files)
       jobs/<job>/<host>/                  one job on one inventory host (`job_dir`)
         daemon.json                       the daemon's configuration (written by the controller)
+        secret                            the job's secret (mode 0600, written by the controller over SSH)
         daemon.pid                        flocked by the daemon for its life
         daemon.log                        the daemon's log
         daemon.memory.json                the daemon's memory across restarts
@@ -23,12 +24,15 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from eltctl_runtime.auth import SECRET_FILE_NAME
+
 STATE_DIR = ".eltctl"  # under the account's HOME
 JOBS_DIR = f"{STATE_DIR}/jobs"
 RUNTIME_DIR = f"{STATE_DIR}/runtime"
 
 # Names under a job's directory.
 DAEMON_JSON = "daemon.json"
+SECRET_FILE = SECRET_FILE_NAME  # the job's secret, 0600
 DAEMON_PID = "daemon.pid"
 DAEMON_LOG = "daemon.log"
 DAEMON_MEMORY = "daemon.memory.json"
@@ -81,6 +85,10 @@ class HostPaths:
     @property
     def daemon_json(self) -> str:
         return f"{self.job_dir}/{DAEMON_JSON}"
+
+    @property
+    def secret_file(self) -> str:
+        return f"{self.job_dir}/{SECRET_FILE}"
 
     @property
     def daemon_pid(self) -> str:

@@ -10,8 +10,10 @@ Python there (docs/control-plane.md, "Files"):
   the host's Python lists what is there with SHA-256 sums and only changed files are
   sent, removed ones deleted. Skipped when the inventory says the hosts share a
   filesystem (the workers then run in `workdir` itself).
-- `start_daemon`: writes `daemon.json` and starts `python -m eltctl_runtime.daemon`
-  detached (`setsid nohup`, stdin from /dev/null, output to `daemon.log`).
+- `start_daemon`: writes the job's `secret` (mode 0600, carried on the command's
+  stdin: never on a command line or in an environment that `ps` shows) and
+  `daemon.json`, and starts `python -m eltctl_runtime.daemon` detached (`setsid
+  nohup`, stdin from /dev/null, output to `daemon.log`).
 - `daemon_pid`, `job_processes`, `kill_pids`: what runs there, found on the host
   itself (pid files and `/proc/<pid>/environ` holding `ELTCTL_JOB=<job>`), whatever
   the controller remembers.
@@ -41,6 +43,7 @@ from eltctl.hosts import layout, programs
 from eltctl.hosts.layout import HostPaths
 from eltctl.hosts.transport import ErrorKind, RunResult, Transport
 from eltctl.inventory import DeviceKind, Host, Inventory, courtesy
+from eltctl_runtime.auth import encode_secret
 
 RUNTIME_PACKAGE = "eltctl_runtime"
 DAEMON_MODULE = "eltctl_runtime.daemon"
@@ -185,11 +188,13 @@ async def sync_code(t: Transport, workdir: Path, code_dir: str) -> SyncResult:
 # --------------------------------------------------------------------------- the daemon
 
 def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str,
-                  gpus: tuple[int, ...] | None) -> dict:
+                  gpus: tuple[int, ...] | None, *, secret: bool = False) -> dict:
     """daemon.json (runtime/daemon/config.py documents each key).
 
     `gpus`: the GPU indices the job may use on this host (the inventory's list, else
     what the probe found); None on a host without GPUs (then `slots` CPU workers).
+    `secret`: the job's secret is written beside it (`start_daemon`): `secret_file`
+    names it, and the daemon and its workers sign and check every store value with it.
     """
     job, policy = inventory.job, inventory.policy
     code_dir = str(job.workdir) if job.shared_filesystem else paths.code_dir
@@ -220,6 +225,7 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
         "stop_grace": job.stop_grace,
         "courtesy": courtesy.for_host(inventory.courtesy, host.courtesy).to_json(),
         "owner": inventory.owner_policy(host).to_dict(),
+        **({"secret_file": paths.secret_file} if secret else {}),
     }
 
 
@@ -236,11 +242,16 @@ class Owner:
 
 
 OWNER_FILE = "owner"
+SECRET_TMP = f".{layout.SECRET_FILE}.tmp"
 
 
 def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: str,
-                         owner: Owner | None = None) -> str:
+                         owner: Owner | None = None, secret: bool = False) -> str:
     """Write daemon.json from stdin, then start the daemon detached from the session.
+
+    With `secret`, stdin's first line is the job's secret (hex): the shell's `read`
+    and `printf` builtins write it to `secret` under umask 077, so it is 0600 from
+    the start and appears in no process's arguments or environment.
 
     `--detach` makes the daemon start itself again in a new session (stdin from
     /dev/null, output to daemon.log) and answer once it holds its pid file: "ok PID"
@@ -252,12 +263,14 @@ def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: st
            + (f"ELTCTL_CONTROL={q(owner.control)} " if owner else "")
            + f"PYTHONPATH={q(runtime_dir)}${{PYTHONPATH:+:$PYTHONPATH}}")
     claim = f"printf '%s\\n' {q(owner.line())} > {OWNER_FILE} && " if owner else ""
+    keep = (f"IFS= read -r s && (umask 077 && printf '%s\\n' \"$s\" > {SECRET_TMP}) && chmod 600 {SECRET_TMP} && "
+            f"mv {SECRET_TMP} {layout.SECRET_FILE} && s= && " if secret else "")
     jobs = f"{paths.home}/{layout.JOBS_DIR}"
     private = [f"{paths.home}/{layout.STATE_DIR}", jobs, f"{jobs}/{job}", paths.job_dir]
     return (
         # umask 077 (the transport's) makes new ones private; older ones are tightened
         f"mkdir -p {q(paths.workers_dir)} && chmod 700 {' '.join(map(q, private))} && cd {q(paths.job_dir)} && "
-        f"cat > {layout.DAEMON_JSON}.tmp && mv {layout.DAEMON_JSON}.tmp {layout.DAEMON_JSON} && {claim}"
+        f"{keep}cat > {layout.DAEMON_JSON}.tmp && mv {layout.DAEMON_JSON}.tmp {layout.DAEMON_JSON} && {claim}"
         f"{env} {q(host.python)} -m {DAEMON_MODULE} --config {q(paths.daemon_json)} --detach </dev/null"
     )
 
@@ -266,10 +279,12 @@ DAEMON_START_TIMEOUT = 90.0
 
 
 async def start_daemon(t: Transport, paths: HostPaths, runtime_dir: str, config: dict,
-                       owner: Owner | None = None) -> int | None:
-    """Start the daemon; its pid (None if it did not say). One running already is fine."""
-    cmd = start_daemon_command(t.host, paths, runtime_dir, config["job"], owner)
-    result = await t.run(cmd, input=json.dumps(config, indent=1) + "\n", timeout=DAEMON_START_TIMEOUT)
+                       owner: Owner | None = None, secret: bytes | None = None) -> int | None:
+    """Start the daemon; its pid (None if it did not say). One running already is fine.
+    With `secret` (the job's), it is written first, to `config["secret_file"]`."""
+    cmd = start_daemon_command(t.host, paths, runtime_dir, config["job"], owner, secret is not None)
+    head = encode_secret(secret) if secret is not None else ""
+    result = await t.run(cmd, input=head + json.dumps(config, indent=1) + "\n", timeout=DAEMON_START_TIMEOUT)
     if result.exit_status not in (0, 3):
         log = await tail_log(t, paths.daemon_log, 5)
         detail = (result.stdout.strip() + " " + result.stderr.strip()).strip() or f"exit {result.exit_status}"

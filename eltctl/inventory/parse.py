@@ -47,7 +47,7 @@ POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "coo
                "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout",
                "drop_stragglers", "straggler_gain_percent", "straggler_for", *schedules.SCHEDULE_KEYS,
                *OWNER_KEYS)
-STORAGE_KEYS = ("mirror", "keep")
+STORAGE_KEYS = ("mirror", "keep", "trust_unsigned")
 CONTROLLER_KEYS = ("address",)
 HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env",
              *schedules.HOST_SCHEDULE_KEYS, *OWNER_KEYS)
@@ -277,8 +277,10 @@ class Checker:
             else:
                 mirror = str(self.resolve(mirror))
         keep = t.integer("keep", d.keep, lo=1)
+        trust = t.boolean("trust_unsigned", d.trust_unsigned)
         return Storage(mirror=None if mirror is BAD else mirror,
-                       keep=d.keep if keep is BAD else keep)
+                       keep=d.keep if keep is BAD else keep,
+                       trust_unsigned=d.trust_unsigned if trust is BAD else trust)
 
     def hosts(self, value: Any, ssh: SSHSettings) -> tuple[Host, ...]:
         if value is ABSENT or value == []:

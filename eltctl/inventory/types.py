@@ -83,6 +83,8 @@ class ControllerSettings:
 class Storage:
     mirror: str | None = None  # a shared directory or ssh://[user@]host[:port]/path
     keep: int = 3  # mirrored checkpoints kept
+    # restore mirrored checkpoints whose manifest MAC is missing or fails (eltctl/mirror/signing.py)
+    trust_unsigned: bool = False
 
 
 @dataclass(frozen=True)

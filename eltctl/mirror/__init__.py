@@ -22,6 +22,10 @@ sha256sum, mv):
   (`Transport.open_stream` on both; nothing lands on the control machine), then the
   mirror host hashes, compares and renames (mirror_copy's `publish`, or the shell tools).
 
+Who wrote a mirrored checkpoint: the controller adds `manifest.mac` (HMAC-SHA256 with
+the job's secret) to each copy it verified, and restore refuses a mirrored checkpoint
+whose MAC fails (`signing`).
+
 Guarantees: a copy is written under `.tmp-*`, verified, then renamed (`mv` within
 one directory is atomic), so a reader never sees a partial checkpoint; retention
 (`retention_plan`) runs only after a newer checkpoint verified and never deletes it;
@@ -46,6 +50,7 @@ The package, one module per part (each imports only those above it):
 - `copy`: one checkpoint from one place to another (`copy_checkpoint`);
 - `retention`: `apply_retention` on the mirror;
 - `job`: `Mirror`, the mirror of one job and its connection;
+- `signing`: the MAC of a mirrored manifest (`manifest.mac`), checked before a restore;
 - `restore`: `prepare_restore` before a start with no survivor;
 - `worker`: `MirrorWorker`, the background copier;
 - `listing`: `list_all` for `eltctl checkpoints`.

@@ -16,6 +16,7 @@ from eltctl.mirror.copy import copy_checkpoint
 from eltctl.mirror.decisions import restore_order
 from eltctl.mirror.places import list_place, read_located, verify_located
 from eltctl.mirror.retention import apply_retention
+from eltctl.mirror.signing import checked, write_mac
 from eltctl.mirror.target import MirrorTarget, TargetKind, parse_target
 from eltctl.mirror.values import MIRROR_LABEL, Located, MirrorError, Place, RestoreChoice
 
@@ -57,7 +58,8 @@ class Mirror:
     """
 
     def __init__(self, target: MirrorTarget, job: str, *, keep: int = 3,
-                 ssh: SSHSettings | None = None, connector: MirrorConnector | None = None) -> None:
+                 ssh: SSHSettings | None = None, connector: MirrorConnector | None = None,
+                 secret: bytes | None = None, trust_unsigned: bool = False) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.target = target
@@ -65,16 +67,19 @@ class Mirror:
         self.keep = keep
         self._ssh = ssh or SSHSettings()
         self._connector = connector or self._default_connect
+        self.secret = secret  # the job's: mirrored manifests get a MAC, restore checks it (signing.py)
+        self.trust_unsigned = trust_unsigned
         self._transport: Transport | None = None
         self._lock: asyncio.Lock | None = None
 
     @classmethod
-    def from_inventory(cls, inventory: Inventory) -> "Mirror | None":
+    def from_inventory(cls, inventory: Inventory, secret: bytes | None = None) -> "Mirror | None":
         """The job's mirror, or None when `[storage] mirror` is not set."""
         if not inventory.storage.mirror:
             return None
         return cls(parse_target(inventory.storage.mirror), inventory.job.name,
-                   keep=inventory.storage.keep, ssh=inventory.ssh)
+                   keep=inventory.storage.keep, ssh=inventory.ssh, secret=secret,
+                   trust_unsigned=inventory.storage.trust_unsigned)
 
     async def _default_connect(self) -> Transport:
         return await open_transport(self.target.host(self._ssh), self._ssh)
@@ -111,6 +116,8 @@ class Mirror:
         """Copy step `step` from `host` to the mirror, verified, then apply retention."""
         dst = await self.place()
         copied = await copy_checkpoint(host, step, dst)
+        if self.secret is not None:
+            await write_mac(dst, step, self.secret, self.job)
         try:
             removed = await apply_retention(dst, self.keep, step)
             if removed:
@@ -147,12 +154,30 @@ class Mirror:
                 await self.reset()
                 skipped.append(f"mirror: not listed: {exc}")
         for c in restore_order(candidates):
+            refused = await self._refused(places[c.where], c)
+            if refused is not None:
+                log.warning("Restore: refusing step %d on %s: %s", c.step, c.where, refused)
+                skipped.append(refused)
+                continue
             checked = c if c.verified is False else await verify_located(places[c.where], c)
             if checked.verified:
                 return RestoreChoice(c.step, c.where, c.path, tuple(skipped))
             log.warning("Restore: skipping step %d on %s: %s", c.step, c.where, checked.problem)
             skipped.append(f"step {c.step} on {c.where}: {checked.problem}")
         return None
+
+    async def _refused(self, place: Place, c: Located) -> str | None:
+        """Why a mirrored checkpoint is not restored: its manifest's MAC (signing.py)."""
+        if c.where != MIRROR_LABEL or self.secret is None or c.verified is False:
+            return None
+        try:
+            problem = await checked(place, c, self.secret, self.job)
+        except (MirrorError, HostError) as exc:
+            return f"step {c.step} on the {c.where}: its MAC cannot be read: {exc}"
+        if problem is not None and self.trust_unsigned:
+            log.warning("Restore: %s; restoring it all the same ([storage] trust_unsigned).", problem)
+            return None
+        return problem
 
     async def deliver(self, choice: RestoreChoice, source: Place, to_host: Place) -> Located:
         """Put the chosen checkpoint into a host's checkpoint directory (for the runtime's restore)."""

@@ -63,6 +63,10 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     if mirror is not None:
         grid.add_row("mirror", mirror)
 
+    forged = forged_line(doc.get("forged"))
+    if forged is not None:
+        grid.add_row("[red]warning[/]", forged)
+
     controller = doc.get("controller") if isinstance(doc.get("controller"), dict) else {}
     pid = controller.get("pid")
     if snapshot.controller_alive:
@@ -96,3 +100,29 @@ def mirror_line(mirror: Any, now: float, staleness: float = 0.0) -> str | None:
     if mirror.get("last_error"):
         line += f"\n[red]last error: {escape(str(mirror['last_error']))}[/]"
     return line
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def forged_line(forged: Any) -> str | None:
+    """The warning row when forged store values were read (the document's `forged`:
+    controller/status.py `forged_summary`); None when there were none."""
+    from rich.markup import escape
+
+    if not isinstance(forged, dict) or _int(forged.get("total")) <= 0:
+        return None
+    readers: list[tuple[str, Any]] = [("controller", forged.get("controller"))]
+    hosts = forged.get("hosts")
+    readers += sorted(hosts.items()) if isinstance(hosts, dict) else []
+    readers.append(("rank 0", forged.get("rank0")))
+    parts = []
+    for who, counts in readers:
+        if isinstance(counts, dict) and counts:
+            each = ", ".join(f"{k} {_int(v)}" for k, v in sorted(counts.items()))
+            parts.append(f"{who}: {each}")
+    n = _int(forged["total"])
+    return (f"[bold red]{n} forged store value{'' if n == 1 else 's'} ignored[/] ({escape('; '.join(parts))})\n"
+            "[dim]someone who reaches the store's port wrote values not signed with the job's secret; "
+            "they were ignored, not acted on (docs/commands.md, Security)[/]")

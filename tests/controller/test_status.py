@@ -78,8 +78,9 @@ def test_status_document_shape():
     assert list(doc) == ["job", "state", "phase", "message", "updated", "generation", "world_size", "members",
                          "min_workers", "max_workers", "step", "epoch", "samples_per_s", "loss", "checkpoint",
                          "runtime_status_age_s", "controller", "store", "hosts", "events", "mirror",
-                         "start_failed", "mode", "restarts"]
+                         "start_failed", "mode", "restarts", "forged"]
     assert (doc["mode"], doc["restarts"]) == ("elastic", None)
+    assert doc["forged"] == {"controller": {}, "hosts": {}, "rank0": {}, "total": 0, "events_skipped": 0}
     assert (doc["job"], doc["state"], doc["world_size"], doc["min_workers"], doc["max_workers"]) == ("j", "training", 1,
                                                                                                     1, 4)
     # rank 0's clock a minute behind: the age is still the controller's 4 s
