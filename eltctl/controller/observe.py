@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping
 from eltctl.controller import policy as pol
 from eltctl.inventory import Host, Policy
 from eltctl.probe import GpuUse, HostReport, HostState
-from eltctl_runtime.protocol import EventKind, Keys, state_key
+from eltctl_runtime.protocol import EventKind, Keys, bounded_range, state_key
 
 log = logging.getLogger("eltctl.controller")
 
@@ -53,11 +53,11 @@ class DaemonSeen:
 
 def events_window(read: int, last: int, window: int = EVENTS_WINDOW) -> tuple[range, int]:
     """(the event numbers to read, how many are skipped) when the log has been read up
-    to `read` and the counter says `last`: at most `window` numbers, the newest; the
-    ones skipped are never read (a counter raised by someone who reaches the store's
-    port, or a log that grew by more than a window in one pass)."""
-    first = max(read + 1, last - window + 1)
-    return range(first, last + 1), max(0, first - read - 1)
+    to `read` and the counter says `last`: protocol.bounded_range, at most `window`
+    numbers, the newest; the ones skipped are never read (a counter raised by someone
+    who reaches the store's port, or a log that grew by more than a window in one pass)."""
+    numbers = bounded_range(read, last, window)
+    return numbers, max(0, numbers.start - max(0, read) - 1)
 
 
 def seen_state(old: DaemonSeen | None, raw: bytes, now: float) -> DaemonSeen:
