@@ -22,6 +22,7 @@ class Device(str, Enum):
 
 MAX_HANG_TIMEOUT_S = 30.0
 DEFAULT_HANG_TIMEOUT_S = 10.0
+DEFAULT_STORE_LOSS_TIMEOUT_S = 120.0  # storeloss.py: away this long, the workers checkpoint and exit
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,7 @@ class RuntimeConfig:
     max_workers: int | None = None
     min_workers: int = 1
     max_micro_batch: int | None = None  # this host's limit: larger shares run as micro-batches
+    store_loss_timeout_s: float = DEFAULT_STORE_LOSS_TIMEOUT_S
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeConfig":
@@ -81,6 +83,9 @@ class RuntimeConfig:
         max_micro = number("ELTCTL_MAX_MICRO_BATCH", None, int)
         if max_micro is not None and max_micro < 1:
             raise ConfigError(f"ELTCTL_MAX_MICRO_BATCH={max_micro} must be at least 1 (or unset: no limit)")
+        store_loss = number("ELTCTL_STORE_LOSS_TIMEOUT", DEFAULT_STORE_LOSS_TIMEOUT_S)
+        if not store_loss > 0:
+            raise ConfigError(f"ELTCTL_STORE_LOSS_TIMEOUT={store_loss} must be a positive number of seconds")
         ckpt = env.get("ELTCTL_CHECKPOINT_DIR", "").strip()
         audit = env.get("ELTCTL_AUDIT", "").strip()
         return cls(
@@ -96,4 +101,5 @@ class RuntimeConfig:
             max_workers=max_workers,
             min_workers=min_workers,
             max_micro_batch=max_micro,
+            store_loss_timeout_s=store_loss,
         )

@@ -5,7 +5,8 @@ controller: exit 0 at once), adopt the store keeper named by controller.json whe
 still serves (else start one bound to the one address the hosts use to reach this
 machine), write controller.json, serve control.sock and reconcile until `down`.
 SIGTERM or SIGINT end the controller alone: the workers keep training and the next
-`eltctl up` adopts them.
+`eltctl up` adopts them. While it runs it supervises the store keeper: a lost one is
+restarted on the same address and port (controller/loop.py `watch_keeper`).
 
 `--down` (what `eltctl down` runs when no controller is alive): adopt what is there,
 take the job down, print the result as one JSON line and exit.
@@ -215,6 +216,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             "pid": os.getpid(), "started": time.time(), "inventory": str(inventory.path),
             "store": keeper.to_json() if keeper else None, "socket": str(state.socket)})
         ctl = Controller(inventory, state, store, fleet, endpoint)
+        if keeper is not None and not down:
+            ctl.keeper = kstore.KeeperSupervisor(state, inventory.job.name, keeper)
         ctl.ledger = open_ledger(state, inventory.job.name)
         if ctl.ledger is not None:
             ctl.quota_use = ledger_quotas(ctl.ledger, inventory)
@@ -233,7 +236,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         await shutdown.wait()
         await asyncio.sleep(0.3)  # let the answer to `down` reach its caller
         if ctl.stopping:
-            kstore.stop_keeper(keeper)
+            kstore.stop_keeper(ctl.keeper.info if ctl.keeper is not None else keeper)
             log.info("The job is down; the controller exits.")
         else:
             log.info("The controller exits on a signal; the workers keep training.")
