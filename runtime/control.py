@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .membership import Plan
 from .protocol import Keys
-from .storeloss import RECONNECT_EVERY_S, StoreHealth
+from .storeloss import BACK_GRACE_S, RECONNECT_EVERY_S, StoreHealth
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -181,9 +181,9 @@ class ControlThread:
                 self._stop.wait(RECONNECT_EVERY_S)
                 continue
             self._store = store
-            now = time.monotonic()
-            with self._lock:  # the members' silence is measured again from now
-                self._seen = {w: (b"", now) for w in self._seen}
+            later = time.monotonic() + BACK_GRACE_S
+            with self._lock:  # the members' silence is measured again, from a little later
+                self._seen = {w: (b"", later) for w in self._seen}
             self._health.back()
             return
 

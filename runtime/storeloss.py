@@ -46,6 +46,10 @@ log = logging.getLogger("eltctl_runtime")
 
 DEFAULT_STORE_LOSS_TIMEOUT_S = 120.0
 RECONNECT_EVERY_S = 0.5  # how often a worker tries the store again while it is away
+# Once the store is back, the members' silence counts from this much later: each of
+# them reconnects on its own (a loaded host takes seconds), and a heartbeat missing
+# from the new store only means that one has not yet.
+BACK_GRACE_S = 10.0
 
 
 class StoreLost(RuntimeError):
