@@ -185,6 +185,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
     run_task = None
     try:
         keeper = kstore.live_keeper(state, inventory.job.name)
+        previous = kstore.previous_keeper(state) if keeper is None else None
         if keeper is not None:
             log.info("Adopting the store keeper %d on %s.", keeper.pid, keeper.endpoint)
         elif not down:
@@ -201,8 +202,22 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                     except asyncio.TimeoutError:
                         pass
                     continue
-                keeper = await loop.run_in_executor(None, kstore.start_keeper, state, address)
-                log.info("Started the store keeper %d on %s.", keeper.pid, keeper.endpoint)
+                # The last keeper died with the job running: its port is the one the hosts know.
+                port, restarted = ((previous.port, inventory.job.name)
+                                   if previous is not None and previous.address == address else (0, None))
+                try:
+                    keeper = await loop.run_in_executor(None, kstore.start_keeper, state, address, port, restarted)
+                except kstore.KeeperPortTaken as exc:
+                    connecting_message[0] = f"waiting for the store's port {address}:{port}: {exc}"
+                    log.error("The store's port %s:%d (the one the hosts know) is taken: %s; retrying.", address,
+                              port, exc)
+                    try:
+                        await asyncio.wait_for(shutdown.wait(), inventory.policy.probe_interval)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                log.info("Started the store keeper %d on %s%s.", keeper.pid, keeper.endpoint,
+                         " (the lost keeper's port)" if restarted else "")
             if keeper is None:
                 return 0
         if keeper is not None:
@@ -227,6 +242,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             await ctl.leave_out(left_out)
         if keeper is not None:
             await ctl.adopt_desired()
+        if keeper is not None and previous is not None and keeper.port == previous.port:
+            await ctl.store_restarted()  # this controller replaced a keeper lost while none ran
         if down:
             result = await ctl.down(force)
             print(json.dumps(result), flush=True)

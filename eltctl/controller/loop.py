@@ -195,16 +195,22 @@ class Controller:
         self._keeper_down_logged = False
         async with self._pass:  # not between a pass's reading and acting
             self.store.swap(client)
-            self.observed.store_restarted()
-            self._keeper_restarted_at = self.clock()
-            self._keeper_grace_until = self._keeper_restarted_at + KEEPER_GRACE_S
-            await act.republish_desired(self.store, self.records, self.inventory.hosts, self.stopping)
-            self.save_records()
+            await self.store_restarted()
         log.warning("Restarted the store keeper on %s (pid %d, restart %d); the desired slots were written "
                     "again.", info.endpoint, info.pid, sup.restarts)
         await self._event(EventKind.STORE, None, f"the store keeper was restarted on {info.endpoint} (pid "
                           f"{info.pid})", restarts=sup.restarts)
         return True
+
+    async def store_restarted(self) -> None:
+        """The store is a new, empty one on the old port: read its event log from 0,
+        write every host's desired document again, and decide nothing until the
+        daemons report (`_keeper_grace`)."""
+        self.observed.store_restarted()
+        self._keeper_restarted_at = self.clock()
+        self._keeper_grace_until = self._keeper_restarted_at + KEEPER_GRACE_S
+        await act.republish_desired(self.store, self.records, self.inventory.hosts, self.stopping)
+        self.save_records()
 
     def _keeper_grace(self, now: float) -> bool:
         """After a keeper restart, until KEEPER_GRACE_S passed or every host that runs

@@ -126,6 +126,19 @@ class JobStore:
 
 # --------------------------------------------------------------------------- the keeper
 
+def previous_keeper(state: StateDir) -> KeeperInfo | None:
+    """The keeper controller.json names, alive or not, when the job may still run
+    (status.json does not say it was taken down): a new keeper must take its port,
+    the only one the hosts know."""
+    if (read_json(state.status_json) or {}).get("phase") == "stopped":
+        return None
+    store = (read_json(state.controller_json) or {}).get("store") or {}
+    try:
+        return KeeperInfo(address=str(store["address"]), port=int(store["port"]), pid=int(store["pid"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def live_keeper(state: StateDir, job: str) -> KeeperInfo | None:
     """The store keeper named by controller.json, if its pid lives and its store answers."""
     doc = read_json(state.controller_json) or {}
