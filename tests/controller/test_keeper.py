@@ -71,3 +71,31 @@ def test_a_port_taken_by_another_process_is_refused_and_tried_again(state):
     info = sup.restart()  # freed: the next attempt takes the same port
     started.append(info)
     assert info.port == first.port and sup.problem == ""
+
+
+def test_republishing_writes_every_remembered_desired_document_with_its_seq():
+    import asyncio
+
+    from eltctl.controller import act
+    from eltctl.controller.policy import HostRecord
+    from eltctl.inventory import Host
+
+    class Store:
+        def __init__(self) -> None:
+            self.values: dict = {}
+
+        async def set_json(self, key, value):
+            self.values[key] = value
+
+        async def set_raw(self, key, value):
+            self.values[key] = value
+
+    hosts = [Host(name=n, address=n) for n in ("a", "b", "c")]
+    records = {"a": HostRecord(seq=4, desired=(0, 1)), "b": HostRecord(seq=2, desired=())}  # c: never asked
+    store = Store()
+    asyncio.run(act.republish_desired(store, records, hosts, stopping=False))
+    assert store.values == {"daemon/a/desired": {"seq": 4, "slots": [0, 1], "stop": False},
+                            "daemon/b/desired": {"seq": 2, "slots": [], "stop": False}}
+    store = Store()
+    asyncio.run(act.republish_desired(store, records, hosts, stopping=True))
+    assert store.values[Keys.STOP] and store.values["daemon/a/desired"]["stop"] is True
