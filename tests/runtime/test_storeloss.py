@@ -145,3 +145,22 @@ def test_a_joiner_in_a_restarted_store_nobody_republishes_to_starts_the_job_afte
     got = await_admission(js, "h3/0/9", Control(), min_workers=1, max_workers=None, hang_timeout_s=4,
                           restarted_wait_s=0.2)
     assert got.generation == 0 and got.members == ("h3/0/9",)
+
+
+def test_a_daemons_link_follows_a_restarted_stores_plans_from_the_republished_one():
+    from eltctl_runtime.daemon.link import StoreLink
+
+    link = StoreLink("127.0.0.1:1", "job", "h2")  # never started: _follow_plans is fed a store by hand
+    old = DictStore()
+    for g, members, left in ((0, ("h1/0/1", "h2/0/2"), ()), (1, ("h1/0/1", "h2/0/3"), ("h2/0/2",))):
+        old.set(Keys.plan(g), Plan(generation=g, members=members, left=left, kind=EventKind.LEAVE).to_json())
+    link._follow_plans(old)
+    assert link.departed() == {"h2/0/2"} and link.joined() == {"h2/0/2", "h2/0/3"}
+
+    new = DictStore()  # the restarted keeper's store: empty until rank 0 re-publishes generation 9
+    link._generation = -1  # what a reconnect does
+    link._follow_plans(new)
+    assert link._generation == -1
+    republish(new, Plan(generation=9, members=("h1/0/1", "h2/0/4"), kind=EventKind.JOIN), "h1/0/1")
+    link._follow_plans(new)
+    assert link._generation == 9 and "h2/0/4" in link.joined() and link.departed() == {"h2/0/2"}
