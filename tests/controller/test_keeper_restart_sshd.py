@@ -105,3 +105,37 @@ def test_a_killed_keeper_is_restarted_on_its_port_and_the_job_trains_through(tes
         if ctl is not None:
             os.kill(ctl, signal.SIGCONT)
         next(gen, None)
+
+
+def test_keeper_and_controller_both_killed_the_next_up_serves_the_old_port(testbed):
+    """Plan: one host (2 GPUs) trains at 2; the controller and the keeper are SIGKILLed
+    together; the workers train on. `eltctl up` starts a controller whose keeper takes
+    the old port (the daemon and the workers know only that one): the same workers
+    train on at 2, with no crash; `down` leaves nothing."""
+    gen = job_env_on(testbed, testbed.add_hosts(1, gpus=2))
+    je = next(gen)
+    try:
+        je.eltctl("up")
+        st = je.training_at(2)
+        before = _keeper(je)
+        workers = worker_pids(je.job)
+        ctl = je.controller_pid()
+        os.kill(ctl, signal.SIGKILL)
+        os.kill(before["pid"], signal.SIGKILL)
+        wait_for(lambda: _dead(ctl) and _dead(before["pid"]), 30, "the controller and the keeper to die")
+        ckpt = _newest_checkpoint(je)
+        wait_for(lambda: _newest_checkpoint(je) >= ckpt + 25, 90, "steps with neither running", interval=0.2)
+
+        je.eltctl("up")
+        after = wait_for(lambda: (k := _keeper(je)).get("pid") not in (None, before["pid"]) and k, 60,
+                         "a new keeper in controller.json")
+        assert (after["address"], after["port"]) == (before["address"], before["port"])
+        st = je.training_at(2, after_step=st["step"], timeout=90)
+        assert worker_pids(je.job) == workers  # the same workers rode through
+        events = je.status().get("events") or []
+        assert not [e for e in events if e["kind"] in ("crash", "hang", "bench")], \
+            f"{json.dumps(events, indent=1)}\n{je.host_logs(40)}\n{je.controller_log(40)}"
+        out = je.eltctl("down", timeout=300).stdout
+        assert "no process of job" in out, out
+    finally:
+        next(gen, None)
