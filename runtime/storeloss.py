@@ -50,6 +50,7 @@ RECONNECT_EVERY_S = 0.5  # how often a worker tries the store again while it is 
 # them reconnects on its own (a loaded host takes seconds), and a heartbeat missing
 # from the new store only means that one has not yet.
 BACK_GRACE_S = 10.0
+JOIN_ID_WAIT_S = 2.0  # re-queueing an early joiner: how long its id may take to follow its number
 
 
 class StoreLost(RuntimeError):
@@ -156,8 +157,11 @@ def republish(js, plan, worker_id: str) -> bool:
         return False
     registered = js.add(Keys.JOIN_SEQ, plan.join_upto) - plan.join_upto
     for k in range(1, min(registered, plan.join_upto) + 1):
-        worker = js.get(Keys.join(k)).decode()  # waits for the joiner's own write of its id
-        js.set(Keys.join(js.add(Keys.JOIN_SEQ, 1)), worker)
+        deadline = time.monotonic() + JOIN_ID_WAIT_S  # a joiner writes its id right after its number
+        while not js.check([Keys.join(k)]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if js.check([Keys.join(k)]):
+            js.set(Keys.join(js.add(Keys.JOIN_SEQ, 1)), js.get(Keys.join(k)).decode())
     js.compare_set(Keys.plan(g), "", plan.to_json())
     log.info("worker %s: re-published generation %d's plan (%s) in the store that came back empty", worker_id, g,
              ", ".join(plan.members))

@@ -245,6 +245,9 @@ class KeeperSupervisor:
                 os.kill(self.info.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            deadline = time.monotonic() + 2.0
+            while pid_alive(self.info.pid) and time.monotonic() < deadline:  # its port is freed at its exit
+                time.sleep(0.05)
             return False
         self._silent_since = None
         return True
@@ -252,8 +255,7 @@ class KeeperSupervisor:
     def restart(self) -> KeeperInfo:
         """A new keeper on the same address and port; controller.json names it.
         Raises KeeperPortTaken or RuntimeError (the caller tries again later)."""
-        old = self.info
-        stop_keeper(old, timeout=2.0)  # a stopped one still holds the port
+        old = self.info  # gone (`check` killed one that did not answer): never signalled here, its pid may be reused
         try:
             info = start_keeper(self.state, old.address, old.port, restarted_job=self.job)
         except KeeperPortTaken as exc:
