@@ -1,6 +1,6 @@
 """The store keeper: the process that serves one job's c10d TCPStore.
 
-    python -m eltctl.storekeeper --address ADDR [--port N] --info PATH
+    python -m eltctl.storekeeper --address ADDR [--port N] --info PATH [--restarted-job JOB]
 
 It binds a listening socket to ADDR alone (never 0.0.0.0: the store has no
 authentication) and hands it to torch's TCPStore with `master_listen_fd`, writes
@@ -8,11 +8,18 @@ authentication) and hands it to torch's TCPStore with `master_listen_fd`, writes
 only waits for SIGTERM. It is a process of its own, not a thread of the controller,
 so a controller crash loses no store state and no worker notices it; the next
 controller finds it through controller.json and reconnects.
+
+When the keeper itself dies, the controller starts a new one on the same address
+and port (`--port`, with `--restarted-job`: the new store then holds the job's
+`store/restarted` mark from its first moment, so a joiner waits for the members
+to re-publish their plan; runtime/storeloss.py). A port another process holds is
+exit code 3 (PORT_TAKEN); the controller tries again later, never another port.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -23,11 +30,15 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from eltctl_runtime import auth
 from eltctl_runtime.files import write_atomic
-from eltctl_runtime.protocol import KEEPER_KEY
+from eltctl_runtime.protocol import KEEPER_KEY, Keys, job_prefix
+
+PORT_TAKEN = 3
 
 
-def serve(address: str, port: int, info: Path) -> None:
+def serve(address: str, port: int, info: Path, restarted_job: str | None = None,
+          secret_file: Path | None = None) -> None:
     import torch.distributed as dist
 
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -40,6 +51,12 @@ def serve(address: str, port: int, info: Path) -> None:
     store = dist.TCPStore(address, port, is_master=True, master_listen_fd=sock.fileno(), use_libuv=False,
                           wait_for_workers=False, timeout=timedelta(seconds=30))
     store.set(KEEPER_KEY, str(os.getpid()))
+    if restarted_job:
+        mark = str(time.time()).encode()
+        if secret_file is not None:  # the job's readers check it like every value (runtime/auth.py)
+            mark = auth.Signer(auth.read_secret(secret_file), job_prefix(restarted_job)).seal(Keys.STORE_RESTARTED,
+                                                                                                mark)
+        store.set(f"{job_prefix(restarted_job)}/{Keys.STORE_RESTARTED}", mark)
     write_atomic(info, json.dumps({"pid": os.getpid(), "address": address, "port": port, "started": time.time()}))
     print(f"store keeper {os.getpid()}: serving the store on {address}:{port}", flush=True)
     done = threading.Event()
@@ -60,10 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--address", required=True)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--info", type=Path, required=True, help="where to write pid, address and port (JSON)")
+    ap.add_argument("--restarted-job", default=None, help="this keeper replaces a lost one of this job")
+    ap.add_argument("--secret-file", type=Path, default=None,
+                    help="with --restarted-job: the job's secret, to sign its store/restarted mark")
     args = ap.parse_args(argv)
     try:
-        serve(args.address, args.port, args.info)
+        serve(args.address, args.port, args.info, args.restarted_job, args.secret_file)
     except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            print(f"store keeper: port {args.port} on {args.address} is taken by another process; the hosts "
+                  "know only this port, so the controller tries it again (find the process with "
+                  f"`ss -ltnp 'sport = :{args.port}'`)", file=sys.stderr)
+            return PORT_TAKEN
         print(f"store keeper: cannot serve the store on {args.address}:{args.port}: {exc}", file=sys.stderr)
         return 1
     return 0

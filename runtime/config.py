@@ -24,6 +24,7 @@ class Device(str, Enum):
 
 MAX_HANG_TIMEOUT_S = 30.0
 DEFAULT_HANG_TIMEOUT_S = 10.0
+DEFAULT_STORE_LOSS_TIMEOUT_S = 120.0  # storeloss.py: away this long, the workers checkpoint and exit
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,7 @@ class RuntimeConfig:
     # The job's secret (ELTCTL_SECRET_FILE, read once here): every store value is signed
     # and checked with it (auth.py). None: unsigned (a job run without eltctl's controller).
     secret: bytes | None = field(default=None, repr=False)
+    store_loss_timeout_s: float = DEFAULT_STORE_LOSS_TIMEOUT_S
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeConfig":
@@ -95,6 +97,9 @@ class RuntimeConfig:
                 raise ConfigError(f"{ENV_SECRET_FILE}={secret_file}: {e}. The file must hold the job's secret "
                                   f"(64 hex digits, mode 0600, owned by this user), as `eltctl up` writes it; "
                                   f"unset {ENV_SECRET_FILE} to run unsigned") from None
+        store_loss = number("ELTCTL_STORE_LOSS_TIMEOUT", DEFAULT_STORE_LOSS_TIMEOUT_S)
+        if not store_loss > 0:
+            raise ConfigError(f"ELTCTL_STORE_LOSS_TIMEOUT={store_loss} must be a positive number of seconds")
         ckpt = env.get("ELTCTL_CHECKPOINT_DIR", "").strip()
         audit = env.get("ELTCTL_AUDIT", "").strip()
         return cls(
@@ -111,4 +116,5 @@ class RuntimeConfig:
             min_workers=min_workers,
             max_micro_batch=max_micro,
             secret=secret,
+            store_loss_timeout_s=store_loss,
         )

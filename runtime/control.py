@@ -9,6 +9,10 @@ generation unusable (a member reported dead, a member silent past the hang
 timeout, the abort key) sets the abort event that every collective wait
 watches, and writes the abort key so that every other member leaves its wait
 too. It decides nothing else: the training thread acts at the next boundary.
+
+When the store goes away (its keeper died; storeloss.py) it reports no request
+(nothing that needs the store starts), counts the failure in the shared
+`StoreHealth` and connects again through its factory until the store is back.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 from .membership import Plan, read_verified, scan_joiners
 from .protocol import Keys
+from .storeloss import BACK_GRACE_S, RECONNECT_EVERY_S, StoreHealth
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -43,8 +48,10 @@ class Requests:
 
 
 class ControlThread:
-    def __init__(self, store_factory, worker_id: str, hang_timeout_s: float, max_workers: int | None) -> None:
+    def __init__(self, store_factory, worker_id: str, hang_timeout_s: float, max_workers: int | None,
+                 health: StoreHealth | None = None) -> None:
         self._store_factory = store_factory
+        self._health = health  # None: a store error is only logged (no reconnect)
         self._me = worker_id
         self._hang = hang_timeout_s
         self._max_workers = max_workers
@@ -159,8 +166,13 @@ class ControlThread:
                     if plan is not None and not abort.is_set():
                         self._check_members(plan, watch, abort, now)
             except Exception as e:  # noqa: BLE001 - the store went away: the job is over or unreachable
-                log.warning("worker %s: control channel error: %s", self._me, e)
-                self._stop.wait(0.5)
+                if self._health is None:
+                    log.warning("worker %s: control channel error: %s", self._me, e)
+                    self._stop.wait(0.5)
+                else:
+                    self._requests = Requests()  # nothing that needs the store starts while it is away
+                    self._health.failed("control channel", e)
+                    self._reconnect()
             self._stop.wait(POLL_S)
 
     def _joiner_waiting(self, st, plan: Plan, queued: int) -> bool:
@@ -177,6 +189,24 @@ class ControlThread:
         queue, _ = scan_joiners(st, plan.join_upto)
         self._join_found = any(w not in plan.members for _, w in queue)
         return self._join_found
+
+    def _reconnect(self) -> None:
+        """A fresh client through the job's own factory (the same wrapping as at
+        the start), until it works or the thread stops."""
+        while not self._stop.is_set():
+            try:
+                store = self._store_factory()
+                store.set(Keys.heartbeat(self._me), str(self._beat))
+            except Exception as e:  # noqa: BLE001 - not back yet
+                self._health.failed("reconnecting", e)
+                self._stop.wait(RECONNECT_EVERY_S)
+                continue
+            self._store = store
+            later = time.monotonic() + BACK_GRACE_S
+            with self._lock:  # the members' silence is measured again, from a little later
+                self._seen = {w: (b"", later) for w in self._seen}
+            self._health.back()
+            return
 
     def _check_members(self, plan: Plan, watch: tuple[str, ...], abort: threading.Event, now: float) -> None:
         for w in watch:

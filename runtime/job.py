@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from . import collectives, exiting, gradients, state as state_mod
+from . import collectives, exiting, gradients, state as state_mod, storeloss
 from .auth import Forgeries, raw_store
 from .balance import Pace, Split, worker_report
 from .collectives import Aborted
@@ -227,6 +227,8 @@ class ElasticJob:
         self._store = None  # the job's PrefixStore over _tcp (signed with the job's secret, if any)
         self._tcp = None
         self._forgeries = Forgeries()  # forged store values read, over all of this worker's connections
+        self._health: storeloss.StoreHealth | None = None  # whether the store is away (storeloss.py)
+        self._store_epoch = 0  # the health's reconnects when _store was opened
         self._old_sigterm = None
 
     # -- public view -------------------------------------------------------
@@ -316,7 +318,9 @@ class ElasticJob:
         if cfg.max_micro_batch:
             log.info("worker %s: at most %d samples at once on this host (max_micro_batch); a larger share "
                      "runs as micro-batches", cfg.worker_id, cfg.max_micro_batch)
-        self._control = ControlThread(self._connect, cfg.worker_id, cfg.hang_timeout_s, cfg.max_workers)
+        self._health = storeloss.StoreHealth(cfg.worker_id, cfg.store_loss_timeout_s)
+        self._control = ControlThread(self._connect, cfg.worker_id, cfg.hang_timeout_s, cfg.max_workers,
+                                      health=self._health)
         self._control.start()
         state_mod.check_encodable(self._extra)  # an extra state that cannot travel fails here, not at a resize
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
@@ -371,12 +375,46 @@ class ElasticJob:
     def _job_store(self, tcp):
         return job_store(tcp, self.config.job, self.config.secret, self._forgeries)
 
+    def _store_back(self) -> None:
+        """The store came back after a loss (storeloss.py): a fresh client like the
+        first one; rank 0 re-publishes the generation's plan and the held events."""
+        self._store_epoch = self._health.reconnects
+        self._tcp = self._connect_raw()
+        self._store = self._job_store(self._tcp)
+        if self._rank == 0 and self._plan is not None:
+            storeloss.republish(self._store, self._plan, self.worker_id)
+            storeloss.flush_held(self._store, self._health)
+
+    def _await_store(self) -> None:
+        """What comes next needs the store: wait while it is away (raises StoreLost
+        past the store-loss timeout), with a fresh client once it is back."""
+        storeloss.wait_until_back(self._health)
+        if self._health.reconnects != self._store_epoch:
+            self._store_back()
+
+    def _store_lost(self, e: storeloss.StoreLost) -> None:
+        """The store stayed away too long: rank 0 checkpoints (no store needed) and
+        every rank ends cleanly; the next start restores the checkpoint."""
+        log.error("worker %s: %s; %s at step %d and exits", self.worker_id, e,
+                  "checkpointing" if self._rank == 0 else "rank 0 checkpoints", self._step)
+        if self._rank == 0:
+            self._checkpoint_now()
+        self._finished = True
+
     # -- the loop ------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         while True:
-            self._at_boundary()
-            if self._need_recovery:
-                self._recover()
+            try:
+                if not self._health.lost and self._health.reconnects != self._store_epoch:
+                    try:
+                        self._store_back()
+                    except Exception as e:  # noqa: BLE001 - away again: tried at the next boundary
+                        self._health.failed("reconnecting", e, epoch=self._store_epoch)
+                self._at_boundary()
+                if self._need_recovery:
+                    self._recover()
+            except storeloss.StoreLost as e:
+                self._store_lost(e)
             if self._left or self._finished or self._done():
                 self._finish()
                 return
@@ -564,8 +602,9 @@ class ElasticJob:
         req = self._control.requests
         n_ctrl = self._ctrl_size()
         ctrl = torch.zeros(n_ctrl, dtype=torch.float32)
-        ctrl[0] = 1.0 if req.any else 0.0
-        ctrl[1] = 1.0 if req.stop else 0.0
+        lost = self._health.expired()  # the store away too long: every rank ends at this step
+        ctrl[0] = 1.0 if req.any or lost else 0.0
+        ctrl[1] = 1.0 if req.stop or lost else 0.0
         ctrl[2] = float(len(self._local_indices))
         ctrl[3] = self._loss_sum
         ctrl[_N_CTRL + self._rank] = 1.0 if req.leave else 0.0
@@ -745,6 +784,7 @@ class ElasticJob:
 
     # -- membership changes --------------------------------------------------
     def _planned_change(self, leavers: set[str]) -> None:
+        self._await_store()
         plan = self._plan
         survivors = [w for w in plan.members if w not in leavers]
         queue, upto = self._scan_joiners(plan.join_upto)
@@ -762,6 +802,9 @@ class ElasticJob:
         self._switch(decided, old_t=self._last_commit_t)
 
     def _stop_job(self) -> None:
+        if self._health.lost:  # a rank's store-loss timeout (_reduce_and_commit), or the store away now
+            self._store_lost(storeloss.StoreLost(f"the store is away ({self._health.lost_for():.0f} s)"))
+            return
         log.info("worker %s: stop requested; ending at step %d", self.worker_id, self._step)
         if self._rank == 0:
             self._checkpoint_now()
@@ -773,6 +816,7 @@ class ElasticJob:
     def _recover(self) -> None:
         """Roll call after an abort, then the next generation."""
         self._need_recovery = False
+        self._await_store()
         silence_limit = self.config.hang_timeout_s
         peer_gone, self._peer_gone = self._peer_gone, False
         if peer_gone:
@@ -915,7 +959,8 @@ class ElasticJob:
         """Register as a (warm) joiner and wait to be a member of a generation."""
         cfg = self.config
         plan = await_admission(self._store, self.worker_id, self._control, min_workers=cfg.min_workers,
-                               max_workers=cfg.max_workers, hang_timeout_s=cfg.hang_timeout_s)
+                               max_workers=cfg.max_workers, hang_timeout_s=cfg.hang_timeout_s,
+                               restarted_wait_s=cfg.store_loss_timeout_s)
         if plan is None:
             self._finished = True
             return
@@ -966,6 +1011,11 @@ class ElasticJob:
         self._finished = True
         if self._rank == 0:
             self._checkpoint_now()
+            try:
+                self._await_store()
+            except storeloss.StoreLost as e:
+                log.error("worker %s: %s; the job's end is not recorded in the store", self.worker_id, e)
+                return
             self._write_status(time.monotonic())
             self._store.set(Keys.DONE, json.dumps({"step": self._step, "reason": "finished"}))
 
@@ -981,8 +1031,8 @@ class ElasticJob:
                                  forged=self._forgeries.counts())
         try:
             self._store.set(Keys.STATUS, json.dumps(status))
-        except Exception as e:  # noqa: BLE001 - status is advisory
-            log.warning("worker %s: could not write status: %s", self.worker_id, e)
+        except Exception as e:  # noqa: BLE001 - status is advisory (counted and logged once: storeloss.py)
+            self._health.failed("status", e, epoch=self._store_epoch)
 
     def _workers_report(self) -> dict | None:
         """Each member's share and speed as of the last commit (balance.worker_report)."""
@@ -1002,7 +1052,11 @@ class ElasticJob:
 
     def _event(self, ev: dict) -> None:
         ev.setdefault("time", time.time())
-        add_event(self._store, ev)
+        try:
+            add_event(self._store, ev)
+        except Exception as e:  # noqa: BLE001 - the store is away: appended when it is back (storeloss.py)
+            self._health.failed("event", e, epoch=self._store_epoch)
+            self._health.hold(ev)
         log.info("worker %s: event %s", self.worker_id, json.dumps(ev))
 
 

@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Callable, Iterable
 
 from .auth import ForgedValue, signed
-from .protocol import EventKind, Keys, bounded_range, job_prefix
+from .protocol import EventKind, Keys, bounded_range, first_generation, job_prefix
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -206,7 +206,7 @@ def decide(store, proposal: Plan) -> Plan:
 
 def await_admission(store, me: str, control, *, min_workers: int, max_workers: int | None,
                     hang_timeout_s: float, give_up: Callable[[], bool] = lambda: False,
-                    poll_s: float = 0.02) -> "Plan | None":
+                    poll_s: float = 0.02, restarted_wait_s: float = 120.0) -> "Plan | None":
     """Register `me` as a (warm) joiner and wait until a generation's plan names
     it; returns that plan, or None once the job is done or `give_up()` says so.
 
@@ -215,19 +215,30 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
     or silent (nobody is left to admit anyone) the queued joiners form the next
     one, restoring the job. `control` is the caller's ControlThread (its
     silence measures and who it watches). Shared by ElasticJob and the restart
-    supervisor."""
+    supervisor.
+
+    In a store the controller restarted (storeloss.py), plans start at the
+    generation the members re-published (`first_generation`), and before that no
+    generation 0 is formed for `restarted_wait_s`: the members may be about to
+    re-publish theirs."""
+    from .storeloss import restarted_store_waits
+
     seq = _register(store, me)
-    known = -1
+    first, known = 0, -1
     orphan_watch: tuple[str, ...] = ()
+    waiting_since: float | None = None
     while True:
         if store.check([Keys.DONE]):
             log.info("%s: the job is already finished; nothing to do", me)
             return None
         if give_up():
             return None
+        if known < first:  # no plan seen yet: in a restarted store they start at gen/first
+            first = first_generation(store)
+            known = first - 1
         while store.check([Keys.plan(known + 1)]):
             known += 1
-        if known >= 0:
+        if known >= first:
             plan = Plan.from_json(store.get(Keys.plan(known)))
             if me in plan.members:
                 return plan
@@ -248,6 +259,11 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
                     decide(store, propose(plan, [], queue, upto, max_workers, EventKind.RESTORE, time.time()))
                     continue
         else:
+            if restarted_store_waits(store):  # the members are about to re-publish their plan
+                waiting_since = waiting_since or time.monotonic()
+                if time.monotonic() - waiting_since < restarted_wait_s:
+                    time.sleep(poll_s)
+                    continue
             queue, upto = scan_joiners(store, 0)
             if len(queue) >= min_workers:
                 decide(store, propose(None, [], queue, upto, max_workers, EventKind.START, time.time()))

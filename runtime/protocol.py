@@ -26,6 +26,11 @@ the full table)::
     gen/<g>/plan, abort, alive  workers (membership.py)
     gen/<g>/master              restart mode: rank 0's supervisor, `addr:port` of the script's
                                 MASTER_ADDR/MASTER_PORT for generation g (restart.py)
+    gen/first                   rank 0, in a store that came back empty (a restarted keeper):
+                                `{generation, by}`, the first generation whose plan this store
+                                holds (storeloss.py; absent: 0)
+    store/restarted             the store keeper, when the controller restarted it: the time
+                                (a joiner then waits for the members' plan, storeloss.py)
     status                      rank 0, about once a second (`status_document`; its `forged`
                                 counts the forged values rank 0 read, per key family)
     events/seq, events/<n>      rank 0, host daemons, controller (`append_event`, `EventKind`)
@@ -85,6 +90,8 @@ class Keys:
     DONE = "done"
     STATUS = "status"
     EVENTS_SEQ = "events/seq"
+    FIRST_GEN = "gen/first"
+    STORE_RESTARTED = "store/restarted"
 
     @staticmethod
     def heartbeat(worker: str) -> str:
@@ -158,7 +165,9 @@ class EventKind(str, Enum):
       lost, from_step, step, pause_s, time}`; STOP: `{kind, generation, step, time}`);
     * a host daemon: YIELD (a GPU's owner is back; the worker there leaves) and
       CRASH (a worker process exited without being asked, or could not start);
-    * the controller: BENCH (a host whose workers keep failing is benched),
+    * the controller: STORE (it restarted the store keeper on the same address
+      and port after losing it; `restarts`: how many times so far),
+      BENCH (a host whose workers keep failing is benched),
       ADD and REMOVE (`eltctl scale --add/--remove`), RESTORE (it chose and
       delivered a checkpoint before the job starts, or failed to), WINDOW (a host's
       working-hours window closed, `state: "off-hours"`, or opened, `state: "open"`),
@@ -189,6 +198,7 @@ class EventKind(str, Enum):
     CORDON = "cordon"
     ADD = "add"
     REMOVE = "remove"
+    STORE = "store"
 
 
 def event_document(kind: EventKind | str, *, host: str | None, detail: str, workers: Iterable[str] = (),
@@ -354,6 +364,18 @@ def get_events(js: Store, start: int = 1, window: int = READ_WINDOW) -> list[dic
                 continue
             out.append(json.loads(raw))
     return out
+
+
+def first_generation(js: Store) -> int:
+    """The first generation whose plan this store holds: 0, or in a store that came
+    back empty after its keeper was restarted, the generation the members
+    re-published (`gen/first`, storeloss.py). Plans before it are not there."""
+    if not js.check([Keys.FIRST_GEN]):
+        return 0
+    try:
+        return int(json.loads(js.get(Keys.FIRST_GEN))["generation"])
+    except (ValueError, KeyError, TypeError):
+        return 0
 
 
 def get_status(js: Store) -> dict | None:

@@ -5,7 +5,8 @@ controller: exit 0 at once), adopt the store keeper named by controller.json whe
 still serves (else start one bound to the one address the hosts use to reach this
 machine), write controller.json, serve control.sock and reconcile until `down`.
 SIGTERM or SIGINT end the controller alone: the workers keep training and the next
-`eltctl up` adopts them.
+`eltctl up` adopts them. While it runs it supervises the store keeper: a lost one is
+restarted on the same address and port (controller/loop.py `watch_keeper`).
 
 `--down` (what `eltctl down` runs when no controller is alive): adopt what is there,
 take the job down, print the result as one JSON line and exit.
@@ -186,6 +187,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
     try:
         secret = job_secret(state)  # before any store client: each one is signed with it
         keeper = kstore.live_keeper(state, inventory.job.name)
+        previous = kstore.previous_keeper(state) if keeper is None else None
         if keeper is not None:
             log.info("Adopting the store keeper %d on %s.", keeper.pid, keeper.endpoint)
         elif not down:
@@ -202,8 +204,22 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                     except asyncio.TimeoutError:
                         pass
                     continue
-                keeper = await loop.run_in_executor(None, kstore.start_keeper, state, address)
-                log.info("Started the store keeper %d on %s.", keeper.pid, keeper.endpoint)
+                # The last keeper died with the job running: its port is the one the hosts know.
+                port, restarted = ((previous.port, inventory.job.name)
+                                   if previous is not None and previous.address == address else (0, None))
+                try:
+                    keeper = await loop.run_in_executor(None, kstore.start_keeper, state, address, port, restarted)
+                except kstore.KeeperPortTaken as exc:
+                    connecting_message[0] = f"waiting for the store's port {address}:{port}: {exc}"
+                    log.error("The store's port %s:%d (the one the hosts know) is taken: %s; retrying.", address,
+                              port, exc)
+                    try:
+                        await asyncio.wait_for(shutdown.wait(), inventory.policy.probe_interval)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                log.info("Started the store keeper %d on %s%s.", keeper.pid, keeper.endpoint,
+                         " (the lost keeper's port)" if restarted else "")
             if keeper is None:
                 return 0
         if keeper is not None:
@@ -217,6 +233,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             "pid": os.getpid(), "started": time.time(), "inventory": str(inventory.path),
             "store": keeper.to_json() if keeper else None, "socket": str(state.socket)})
         ctl = Controller(inventory, state, store, fleet, endpoint, secret=secret)
+        if keeper is not None and not down:
+            ctl.keeper = kstore.KeeperSupervisor(state, inventory.job.name, keeper)
         ctl.ledger = open_ledger(state, inventory.job.name)
         if ctl.ledger is not None:
             ctl.quota_use = ledger_quotas(ctl.ledger, inventory)
@@ -226,6 +244,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             await ctl.leave_out(left_out)
         if keeper is not None:
             await ctl.adopt_desired()
+        if keeper is not None and previous is not None and keeper.port == previous.port:
+            await ctl.store_restarted()  # this controller replaced a keeper lost while none ran
         if down:
             result = await ctl.down(force)
             print(json.dumps(result), flush=True)
@@ -235,7 +255,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         await shutdown.wait()
         await asyncio.sleep(0.3)  # let the answer to `down` reach its caller
         if ctl.stopping:
-            kstore.stop_keeper(keeper)
+            kstore.stop_keeper(ctl.keeper.info if ctl.keeper is not None else keeper)
             log.info("The job is down; the controller exits.")
         else:
             log.info("The controller exits on a signal; the workers keep training.")

@@ -70,6 +70,18 @@ async def retire_daemon(store, name: str, record: pol.HostRecord) -> pol.HostRec
     return replace(record, seq=seq, desired=())
 
 
+async def republish_desired(store, records: Mapping[str, pol.HostRecord], hosts, stopping: bool) -> None:
+    """Every host's desired document written again, as remembered (its seq unchanged:
+    a daemon that applied it does nothing), into a store that came back empty (a
+    restarted keeper); and the job's stop request while `down` runs."""
+    if stopping:
+        await store.set_raw(Keys.STOP, "republished")
+    for host in hosts:
+        rec = records.get(host.name)
+        if rec is not None and rec.seq > 0:
+            await store.set_json(desired_key(host.name), desired_document(rec.seq, rec.desired, stop=stopping))
+
+
 def code_digest(workdir) -> str:
     """A digest of the job's code directory as the controller syncs it ("" if unreadable)."""
     import hashlib

@@ -15,6 +15,14 @@ Every pass (about every 0.5 s, `Controller.reconcile`):
    workers, and nothing else is acted on until it is;
 4. the status (`status.py`): the phase, and status.json about once a second.
 
+The store keeper (`store.KeeperSupervisor`, set by `__main__`) is checked before
+every pass (`watch_keeper`): a lost keeper is restarted on the same address and
+port, the controller's client swapped, the event log read from 0 again and every
+host's desired document re-published; for KEEPER_GRACE_S after that (or until
+every host that runs workers reports again) nothing is decided, so daemons that
+were silent only because the store was away are never taken for failures. While
+no keeper serves, passes are skipped.
+
 Checkpoint mirror (`eltctl/mirror.py`, when `[storage] mirror` is set): every
 committed checkpoint rank 0 reports is handed to a `MirrorWorker`, which copies it in
 the background. `Controller` is driven by `controller/__main__.py` and answers the
@@ -35,6 +43,7 @@ from eltctl.controller import policy as pol
 from eltctl.controller import quotas, status
 from eltctl.controller.statedir import StateDir
 from eltctl.controller.status import Phase
+from eltctl.controller import store as kstore
 from eltctl.controller.store import JobStore
 from eltctl.inventory import Inventory
 from eltctl.probe import probe_fleet
@@ -45,6 +54,10 @@ from eltctl_runtime.protocol import EventKind, event_document
 log = logging.getLogger("eltctl.controller")
 
 TICK_S = 0.5
+# After a keeper restart: the daemons reconnect (their back-off is at most 10 s)
+# before anything is decided on what they report.
+KEEPER_GRACE_S = 20.0
+KEEPER_RETRY_S = 3.0  # a keeper that cannot be restarted (its port taken) is tried again this often
 STATUS_EVERY_S = 1.0
 DOWN_TIMEOUT_S = 90.0
 
@@ -83,6 +96,11 @@ class Controller:
         self._final_mirror: dict | None = None  # what `down` reported, once the worker is stopped
         self.fingerprint: dict | None = None  # what a fix can change, as last seen (hosts.json)
         self._check_fix = True  # compare the fingerprint at the next pass (at start, after a reload)
+        self.keeper = None  # the store keeper's store.KeeperSupervisor, set by __main__ (None: not watched)
+        self._keeper_grace_until = 0.0  # controller clock: nothing is decided before (a keeper restart)
+        self._keeper_restarted_at = 0.0
+        self._keeper_next_try = 0.0  # monotonic: the next restart attempt of a keeper that could not be
+        self._keeper_down_logged = False
 
     # ----------------------------------------------------------------- the loop
 
@@ -91,7 +109,8 @@ class Controller:
         self.maybe_probe(self.clock(), force=True)
         while not self.stopped.is_set():
             try:
-                await self.reconcile()
+                if await self.watch_keeper():
+                    await self.reconcile()
             except Exception:  # noqa: BLE001 - keep reconciling; the log says what broke
                 log.exception("A reconcile pass failed.")
             if self.clock() - self._status_written >= STATUS_EVERY_S:
@@ -111,6 +130,8 @@ class Controller:
                 self._check_fix = False
             self.maybe_probe(now)
             if not self._probed_once.is_set() or self.observed.settling(now):
+                return None
+            if self._keeper_grace(now):
                 return None
             views = self.observed.views(self.inventory.hosts, now, self.inventory.policy)
             self.observed.clear_crashes()
@@ -142,6 +163,68 @@ class Controller:
             if self.records != before:
                 self.save_records()
             return decision
+
+    # ----------------------------------------------------------------- the store keeper
+
+    async def watch_keeper(self) -> bool:
+        """Check the store keeper; restart a lost one on the same address and port.
+        Returns False while no keeper serves (the pass is skipped)."""
+        sup = self.keeper
+        if sup is None:
+            return True
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(None, sup.check):
+            return True
+        if time.monotonic() < self._keeper_next_try:
+            return False
+        self._keeper_next_try = time.monotonic() + KEEPER_RETRY_S
+        old = sup.info
+        if not self._keeper_down_logged:
+            log.warning("The store keeper %d on %s is gone: starting a new one on the same address and port; "
+                        "the workers train on meanwhile.", old.pid, old.endpoint)
+            self._keeper_down_logged = True
+        try:
+            info = await loop.run_in_executor(None, sup.restart)
+            client = await loop.run_in_executor(None, kstore.connect_client, info.address, info.port,
+                                                self.inventory.job.name)
+        except Exception as exc:  # noqa: BLE001 - tried again in KEEPER_RETRY_S
+            self.message = f"the store keeper is down: {sup.problem or exc}"
+            log.error("The store keeper cannot be restarted (retrying in %.0f s): %s", KEEPER_RETRY_S,
+                      sup.problem or exc)
+            return False
+        self._keeper_down_logged = False
+        async with self._pass:  # not between a pass's reading and acting
+            self.store.swap(client)
+            await self.store_restarted()
+        log.warning("Restarted the store keeper on %s (pid %d, restart %d); the desired slots were written "
+                    "again.", info.endpoint, info.pid, sup.restarts)
+        await self._event(EventKind.STORE, None, f"the store keeper was restarted on {info.endpoint} (pid "
+                          f"{info.pid})", restarts=sup.restarts)
+        return True
+
+    async def store_restarted(self) -> None:
+        """The store is a new, empty one on the old port: read its event log from 0,
+        write every host's desired document again, and decide nothing until the
+        daemons report (`_keeper_grace`)."""
+        self.observed.store_restarted()
+        self._keeper_restarted_at = self.clock()
+        self._keeper_grace_until = self._keeper_restarted_at + KEEPER_GRACE_S
+        await act.republish_desired(self.store, self.records, self.inventory.hosts, self.stopping)
+        self.save_records()
+
+    def _keeper_grace(self, now: float) -> bool:
+        """After a keeper restart, until KEEPER_GRACE_S passed or every host that runs
+        workers has its daemon reporting again: nothing is decided."""
+        if now >= self._keeper_grace_until:
+            return False
+        seen = self.observed.seen
+        waiting = [name for name, rec in self.records.items() if rec.desired
+                   and (name not in seen or seen[name].changed < self._keeper_restarted_at)]
+        if not waiting:
+            self._keeper_grace_until = 0.0
+            return False
+        self.message = f"the store keeper was restarted; waiting for {', '.join(sorted(waiting))} to reconnect"
+        return True
 
     # ----------------------------------------------------------------- observe
 
@@ -480,12 +563,20 @@ class Controller:
             mirror=self.mirror_worker.status() if self.mirror_worker is not None else self._final_mirror,
             limits=pol.host_limits(self.inventory, self.records, now, self.quota_use(now)),
             forged=status.forged_summary(self.store_forgeries(), self.observed.seen, self.observed.runtime_status,
-                                         self.observed.events_skipped))
+                                         self.observed.events_skipped),
+            keeper=self._keeper_status())
 
     def store_forgeries(self) -> dict[str, int]:
         """The forged values the controller's own store client read, per key family."""
         counts = getattr(self.store, "forgeries", None)
         return counts.counts() if counts is not None else {}
+
+    def _keeper_status(self) -> dict | None:
+        sup = self.keeper
+        if sup is None:
+            return None
+        return {"pid": sup.info.pid, "endpoint": sup.info.endpoint, "restarts": sup.restarts,
+                "problem": sup.problem or None}
 
     def write_status(self) -> None:
         self._status_written = self.clock()

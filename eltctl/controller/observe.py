@@ -358,6 +358,13 @@ class Observer:
                 status["seen"] = self._status_first if now - self._status_first < STATUS_SETTLE_S else 0.0
         self.runtime_status = status if isinstance(status, dict) else None
 
+    def store_restarted(self) -> None:
+        """The store keeper was restarted: the new store's event log starts again at 0
+        and every event in it is new. (Rank 0's status needs nothing: the new store's,
+        absent or not, differs from the last one seen, so it counts as changed.)"""
+        self.events_read = 0
+        self.born_seq = 0
+
     def settling(self, now: float) -> bool:
         """A status was there when this controller started and has not changed yet: whether
         a worker holds the job's state is not known for STATUS_SETTLE_S."""

@@ -237,9 +237,10 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
                     records: Mapping[str, pol.HostRecord], seen: Mapping[str, DaemonSeen],
                     events: Iterable[dict], store_endpoint: str, mirror: dict | None,
                     limits: Mapping[str, pol.Limit] | None = None,
-                    forged: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    forged: Mapping[str, Any] | None = None, keeper: dict | None = None) -> dict[str, Any]:
     """The status document (status.json): the job, rank 0's figures, each host, recent
-    events, and the forged store values ignored (`forged_summary`)."""
+    events, the forged store values ignored (`forged_summary`), and `keeper`: the store
+    keeper's pid, restarts and the problem restarting it (when supervised)."""
     rs = runtime_status or {}
     job = inventory.job
     ck = rs.get("checkpoint") if isinstance(rs.get("checkpoint"), dict) else None
@@ -271,6 +272,8 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
     workers = worker_entries(rs)
     if workers:
         doc["workers"] = workers
+    if keeper is not None:
+        doc["keeper"] = keeper
     return doc
 
 

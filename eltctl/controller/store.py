@@ -9,6 +9,17 @@ used (`JobStore` reads it as missing, or as the last verified value of its key) 
 counted in `forgeries(job)`, which status.json shows. TCPStore calls block, so they
 run on one thread of their own (the store client is not shared between threads); the
 asyncio loop awaits them. `StoreLike` is the seam a test can fill with a dict.
+(`eltctl_runtime.job_store`). TCPStore calls block, so they run on one thread of
+their own (the store client is not shared between threads); the asyncio loop awaits
+them. `StoreLike` is the seam a test can fill with a dict.
+
+The keeper's life: `live_keeper` (adopt the one controller.json names),
+`start_keeper`, `stop_keeper`, and `KeeperSupervisor`, which the controller asks
+every pass or two whether its keeper still lives and answers; a lost keeper is
+replaced by a new one on the SAME address and port (the hosts know only that
+one; a port another process took is retried, never changed), controller.json
+names the new pid, and the controller swaps its client (`JobStore.swap`) and
+re-publishes what it owns (controller/loop.py `Controller.watch_keeper`).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -27,10 +39,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from eltctl.controller.statedir import StateDir, existing_secret
+from eltctl.storekeeper import PORT_TAKEN
 from eltctl_runtime import auth
-from eltctl_runtime.files import read_json
+from eltctl_runtime.files import read_json, write_json_atomic
 from eltctl_runtime.pids import pid_alive
 from eltctl_runtime.protocol import Keys, add_event, job_prefix
+
+log = logging.getLogger("eltctl.controller")
 
 STORE_TIMEOUT_S = 10.0
 KEEPER_START_TIMEOUT_S = 60.0
@@ -133,11 +148,28 @@ class JobStore:
         """Append to the job's event log (events/<n>, the runtime's format)."""
         await self._call(add_event, self._client, document)
 
+    def swap(self, client: StoreLike) -> None:
+        """Use a new client from now on (the keeper was restarted: the old one is dead)."""
+        self._client = client
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- the keeper
+
+def previous_keeper(state: StateDir) -> KeeperInfo | None:
+    """The keeper controller.json names, alive or not, when the job may still run
+    (status.json does not say it was taken down): a new keeper must take its port,
+    the only one the hosts know."""
+    if (read_json(state.status_json) or {}).get("phase") == "stopped":
+        return None
+    store = (read_json(state.controller_json) or {}).get("store") or {}
+    try:
+        return KeeperInfo(address=str(store["address"]), port=int(store["port"]), pid=int(store["pid"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
 
 def live_keeper(state: StateDir, job: str) -> KeeperInfo | None:
     """The store keeper named by controller.json, if its pid lives and its store answers."""
@@ -157,17 +189,31 @@ def live_keeper(state: StateDir, job: str) -> KeeperInfo | None:
     return info
 
 
-def start_keeper(state: StateDir, address: str) -> KeeperInfo:
-    """Start a store keeper bound to `address` (detached) and wait until it serves."""
+class KeeperPortTaken(RuntimeError):
+    """The keeper's port is held by another process (the new keeper exited PORT_TAKEN)."""
+
+
+def start_keeper(state: StateDir, address: str, port: int = 0, restarted_job: str | None = None) -> KeeperInfo:
+    """Start a store keeper bound to `address` (and `port`; 0: any) detached, and wait
+    until it serves. `restarted_job`: it replaces a lost keeper of that job (the
+    store gets the job's `store/restarted` mark). Raises KeeperPortTaken when
+    `port` is held by another process, RuntimeError when it fails otherwise."""
     info_path = state.path / "storekeeper.json"
     try:
         info_path.unlink()
     except FileNotFoundError:
         pass
     log = open(state.storekeeper_log, "ab")
+    cmd = [sys.executable, "-m", "eltctl.storekeeper", "--address", address, "--info", str(info_path)]
+    if port:
+        cmd += ["--port", str(port)]
+    if restarted_job:
+        cmd += ["--restarted-job", restarted_job]
+        if existing_secret(state) is not None:
+            cmd += ["--secret-file", str(state.secret)]
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eltctl.storekeeper", "--address", address, "--info", str(info_path)],
+            cmd,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             close_fds=True)
     finally:
@@ -182,8 +228,85 @@ def start_keeper(state: StateDir, address: str) -> KeeperInfo:
         time.sleep(0.1)
     if proc.poll() is None:
         proc.kill()
-    tail = _tail(state.storekeeper_log)
-    raise RuntimeError(f"the store keeper did not start on {address}: {tail}")
+    proc.wait()
+    tail = _tail(state.storekeeper_log, 1)
+    if proc.returncode == PORT_TAKEN:
+        raise KeeperPortTaken(tail)
+    raise RuntimeError(f"the store keeper did not start on {address}: {_tail(state.storekeeper_log)}")
+
+
+class KeeperSupervisor:
+    """Whether the job's store keeper lives and answers, and its restart on the same
+    address and port. Blocking calls (run them off the event loop); the constructor
+    does no I/O.
+
+    `check` is a pid check every call and a store round trip every `round_trip_every`
+    calls (its own short-lived client: the controller's client sits on its own
+    thread). A keeper whose pid is gone is lost at once; one whose pid lives but
+    does not answer for `unresponsive_s` (stopped, wedged) is killed and lost."""
+
+    def __init__(self, state: StateDir, job: str, info: KeeperInfo, *, round_trip_every: int = 2,
+                 unresponsive_s: float = 10.0, clock=time.monotonic) -> None:
+        self.state = state
+        self.job = job
+        self.info = info
+        self.restarts = 0
+        self.problem = ""  # why the keeper cannot be restarted now ("": none)
+        self._round_trip_every = round_trip_every
+        self._unresponsive_s = unresponsive_s
+        self._clock = clock
+        self._calls = 0
+        self._silent_since: float | None = None
+
+    def check(self) -> bool:
+        """True while the keeper serves (as far as this call looked)."""
+        if not pid_alive(self.info.pid):
+            return False
+        self._calls += 1
+        if self._calls % self._round_trip_every:
+            return True
+        try:
+            client = connect_client(self.info.address, self.info.port, self.job, timeout=3.0)
+            client.check([Keys.STATUS])
+        except Exception:  # noqa: BLE001 - no answer: counted against its time
+            now = self._clock()
+            self._silent_since = self._silent_since or now
+            if now - self._silent_since < self._unresponsive_s:
+                return True
+            log.warning("The store keeper %d has not answered for %.0f s: it is killed and replaced.",
+                        self.info.pid, now - self._silent_since)
+            try:
+                os.kill(self.info.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 2.0
+            while pid_alive(self.info.pid) and time.monotonic() < deadline:  # its port is freed at its exit
+                time.sleep(0.05)
+            return False
+        self._silent_since = None
+        return True
+
+    def restart(self) -> KeeperInfo:
+        """A new keeper on the same address and port; controller.json names it.
+        Raises KeeperPortTaken or RuntimeError (the caller tries again later)."""
+        old = self.info  # gone (`check` killed one that did not answer): never signalled here, its pid may be reused
+        try:
+            info = start_keeper(self.state, old.address, old.port, restarted_job=self.job)
+        except KeeperPortTaken as exc:
+            self.problem = (f"the store's port {old.endpoint} is taken by another process ({exc}); the hosts "
+                            "know only this port: free it, the controller retries every few seconds")
+            raise
+        except RuntimeError as exc:
+            self.problem = str(exc)
+            raise
+        self.info, self.problem = info, ""
+        self.restarts += 1
+        self._calls, self._silent_since = 0, None
+        doc = read_json(self.state.controller_json) or {}
+        doc["store"] = info.to_json()
+        doc["keeper_restarts"] = self.restarts
+        write_json_atomic(self.state.controller_json, doc)
+        return info
 
 
 def stop_keeper(info: KeeperInfo | None, timeout: float = 10.0) -> None:

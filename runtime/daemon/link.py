@@ -12,6 +12,9 @@ daemon's loop, which goes on watching GPUs and reaping workers. The thread:
   document is counted and ignored: the last verified one stands), and follows the runtime's generation plans
   and its `done` key to learn which of this host's workers are out of the job
   (`departed()`, `job_done`) and which reached it (`joined()`: listed as members);
+  after a reconnect it follows the new store's plans from its first one (a
+  restarted keeper's store starts at the generation the workers re-published,
+  `protocol.first_generation`), keeping what it learned before;
 * writes the newest state document the loop published (`publish_state`; the
   loop publishes about once a second), stamping its `time` and `store`
   (`{connected, reconnects, last_error}`);
@@ -33,7 +36,7 @@ from typing import Callable
 
 from ..auth import ForgedValue, Forgeries
 from ..membership import Plan, job_store
-from ..protocol import Desired, Keys, get_desired, state_key
+from ..protocol import Desired, Keys, first_generation, get_desired, state_key
 
 log = logging.getLogger("eltctl_runtime.daemon")
 
@@ -235,6 +238,8 @@ class StoreLink:
             except (ValueError, AttributeError, TypeError):
                 self._done_reason = ""
         mine = f"{self._host}/"
+        if self._generation < 0:  # nothing read from this store yet: a restarted one starts later
+            self._generation = first_generation(js) - 1
         while js.check([Keys.plan(self._generation + 1)]):
             self._generation += 1
             plan = Plan.from_json(js.get(Keys.plan(self._generation)))

@@ -342,3 +342,18 @@ def test_in_job(case, rs, host, expected):
 def test_crash_causes_reach_the_view():
     v = host_view(A, None, None, False, {0}, [Crash(0, CAUSE, True)], True)
     assert v.crash_info == (Crash(0, CAUSE, True),) and v.in_job is True
+
+
+def test_after_a_keeper_restart_the_new_stores_log_is_read_from_the_start():
+    import asyncio
+
+    store = FakeStore({"events/seq": 3, "events/1": {"kind": "join"}, "events/2": {"kind": "join"},
+                       "events/3": {"kind": "join"}})
+    o = Observer()
+    asyncio.run(o.read_store(store, [], NOW))
+    assert o.events_read == 3
+    o.store_restarted()
+    # The new store's first event is a crash: numbered 1, after this controller started: it counts.
+    store.values = {"events/seq": 1, "events/1": {"kind": "crash", "host": "a", "workers": ["a/0/5"]}}
+    asyncio.run(o.read_store(store, [], NOW + 5))
+    assert o.events_read == 1 and o.crashed == {"a": {0}}

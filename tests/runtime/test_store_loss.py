@@ -1,0 +1,155 @@
+"""Workers ride through a lost store (runtime/storeloss.py).
+
+The job's store is served by a store keeper process of its own (eltctl/storekeeper.py,
+as the controller runs it), so the test can SIGKILL it and start a new one on the
+same port the way the controller does. Plans:
+
+* 2 workers train; the keeper is killed; steps go on committing with no store;
+  a new keeper comes up on the same port; rank 0 re-publishes the generation's
+  plan; a planned leave and a join work afterwards; a stop ends the job with
+  identical state and exactly-once data.
+* 2 workers with a 3 s store-loss timeout; the keeper is killed and not brought
+  back: both end cleanly at the same step and rank 0's checkpoint holds it.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from eltctl_runtime import read_status
+from eltctl_runtime.checkpoint import CheckpointStore
+from eltctl_runtime.protocol import Keys, first_generation, scope
+from runtime_cluster import ROOT, SMALL, Cluster, assert_exactly_once, assert_identical_state
+
+N_SAMPLES = int(SMALL[SMALL.index("--samples") + 1])
+BATCH = int(SMALL[SMALL.index("--batch") + 1])
+FOREVER = ["--steps", "100000", "--step-sleep", "0.03"]
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KeptCluster(Cluster):
+    """A Cluster whose store is served by a store keeper process on a fixed port."""
+
+    def __post_init__(self) -> None:
+        self.port = _free_port()
+        self.keeper: subprocess.Popen | None = None
+        self.start_keeper(restarted=False)
+        self.audit = self.tmp / "audit.jsonl"
+        self.ckpt = self.tmp / "ckpt"
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, daemon=True)
+        self._monitor.start()
+
+    def start_keeper(self, restarted: bool = True) -> None:
+        info = self.tmp / "keeper.json"
+        info.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "eltctl.storekeeper", "--address", "127.0.0.1", "--port", str(self.port),
+               "--info", str(info)] + (["--restarted-job", self.job] if restarted else [])
+        self.keeper = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                       stdout=(self.tmp / "keeper.log").open("a"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not info.exists():
+            assert self.keeper.poll() is None and time.monotonic() < deadline, (self.tmp / "keeper.log").read_text()
+            time.sleep(0.05)
+        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
+
+    def kill_keeper(self) -> None:
+        self.keeper.kill()
+        self.keeper.wait()
+
+    def _watch(self) -> None:
+        try:
+            super()._watch()
+        except Exception:  # noqa: BLE001 - the store is away: nobody reports deaths meanwhile
+            pass
+
+    def close(self) -> None:
+        super().close()
+        if self.keeper is not None and self.keeper.poll() is None:
+            self.keeper.kill()
+            self.keeper.wait()
+
+
+@pytest.fixture
+def kept(tmp_path):
+    made: list[KeptCluster] = []
+
+    def make(**kw) -> KeptCluster:
+        tmp = tmp_path / f"c{len(made)}"
+        tmp.mkdir()
+        c = KeptCluster(tmp, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_workers_train_through_a_keeper_restart_then_leave_and_join(kept):
+    cluster = kept(min_workers=2)
+    a, b = cluster.start(2, FOREVER)
+    cluster.wait_world(2, steps_after=3)
+    step, gen, _ = cluster.progress()
+
+    cluster.kill_keeper()
+    cluster.wait_step(step + 15)  # training goes on with no store at all
+
+    cluster.start_keeper()
+    js = scope(cluster.store, cluster.job)
+    cluster.wait_for(lambda: js.check([Keys.plan(gen)]), 60, "rank 0 to re-publish the generation's plan")
+    assert first_generation(js) == gen
+    cluster.wait_for(lambda: (read_status(cluster.store, cluster.job) or {}).get("step", 0) > step + 15, 60,
+                     "rank 0's status in the new store")
+
+    cluster.leave(b)  # a planned leave after the restart
+    g = cluster.wait_world(1, min_gen=gen + 1, steps_after=3)
+    cluster.wait_exit([b])
+    assert b.proc.returncode == 0 and b.read_result()["left"], cluster.dump_logs()
+    (c,) = cluster.start(1, FOREVER)  # and a join
+    cluster.wait_world(2, min_gen=g + 1, steps_after=3)
+
+    cluster.stop()
+    cluster.wait_exit([a, c])
+    results = [w.read_result() for w in (a, c)]
+    assert all(w.proc.returncode == 0 for w in (a, c)), cluster.dump_logs()
+    assert_identical_state(results)
+    assert_exactly_once(cluster.audit, N_SAMPLES, BATCH, results[0]["step"])
+    assert "the store is away" in a.log_text() + b.log_text(), cluster.dump_logs()
+    kinds = [ev["kind"] for ev in cluster.events()]
+    assert "leave" in kinds and "join" in kinds, kinds
+
+
+def test_a_long_store_loss_ends_the_workers_cleanly_with_a_checkpoint(kept):
+    cluster = kept(min_workers=2)
+    a, b = cluster.start(2, FOREVER, env={"ELTCTL_STORE_LOSS_TIMEOUT": "3"})
+    cluster.wait_world(2, steps_after=3)
+    step, _, _ = cluster.progress()
+
+    cluster.kill_keeper()
+    cluster.wait_exit([a, b], timeout=90)
+
+    assert all(w.proc.returncode == 0 for w in (a, b)), cluster.dump_logs()
+    results = [w.read_result() for w in (a, b)]
+    assert_identical_state(results)
+    final = results[0]["step"]
+    assert final > step, (final, step)
+    info, _ = CheckpointStore(cluster.ckpt).latest_valid()
+    assert info.step == final, (info.step, final)
+    assert "checkpointing at step" in a.log_text() + b.log_text(), cluster.dump_logs()
+    assert_exactly_once(cluster.audit, N_SAMPLES, BATCH, final)

@@ -1,0 +1,166 @@
+"""The pure parts of riding through a lost store (runtime/storeloss.py), and the
+plan-following of a restarted store (protocol.first_generation, membership.await_admission)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eltctl_runtime.membership import Plan, await_admission
+from eltctl_runtime.protocol import EventKind, Keys, first_generation
+from eltctl_runtime.storeloss import (StoreHealth, StoreLost, flush_held, republish, restarted_store_waits,
+                                      wait_until_back)
+
+
+class DictStore:
+    """set/get/add/check/compare_set over a dict (c10d's compare_set semantics)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.data[key]
+
+    def add(self, key, amount):
+        n = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(n).encode()
+        return n
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def compare_set(self, key, expected, desired):
+        cur = self.data.get(key)
+        if (cur is None and expected == "") or cur == expected.encode():
+            self.data[key] = desired.encode()
+            return desired.encode()
+        return cur if cur is not None else expected.encode()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+PLAN = Plan(generation=7, members=("h1/0/1", "h2/0/2"), join_upto=3, joined=("h2/0/2",), kind=EventKind.JOIN,
+            created=5.0)
+
+
+def test_health_counts_failures_and_expires_after_the_timeout():
+    clock = Clock()
+    h = StoreHealth("w", timeout_s=120, clock=clock)
+    assert not h.lost and h.lost_for() == 0 and not h.expired()
+    h.failed("status", RuntimeError("Connection reset by peer"))
+    clock.t += 60
+    h.failed("control channel", RuntimeError("Broken pipe"))
+    assert h.lost and h.lost_for() == 60 and not h.expired() and h.failures == 2
+    clock.t += 60
+    assert h.expired()
+    h.back()
+    assert not h.lost and h.reconnects == 1 and not h.expired()
+
+
+def test_a_client_older_than_the_last_reconnect_failing_does_not_mark_the_store_away():
+    h = StoreHealth("w", clock=Clock())
+    h.failed("control channel", "gone")
+    h.back()
+    h.failed("status", "old client", epoch=0)  # opened before the reconnect
+    assert not h.lost and h.failures == 2
+    h.failed("status", "new client", epoch=1)
+    assert h.lost
+
+
+def test_waiting_for_the_store_raises_store_lost_past_the_timeout():
+    clock = Clock()
+    h = StoreHealth("w", timeout_s=5, clock=clock)
+    wait_until_back(h)  # not away: returns at once
+    h.failed("status", "gone")
+    clock.t += 5
+    with pytest.raises(StoreLost, match="store_loss_timeout 5 s"):
+        wait_until_back(h)
+
+
+def test_republish_writes_the_plan_first_generation_and_moves_the_join_queue():
+    js = DictStore()
+    assert first_generation(js) == 0
+    js.set(Keys.STORE_RESTARTED, "1")
+    assert restarted_store_waits(js)
+    # A joiner registered in the empty store before the members came back: number 1.
+    js.set(Keys.join(js.add(Keys.JOIN_SEQ, 1)), "h3/0/9")
+    assert republish(js, PLAN, "h1/0/1")
+    assert Plan.from_json(js.get(Keys.plan(7))) == PLAN
+    assert first_generation(js) == 7 and not restarted_store_waits(js)
+    # The counter is past join_upto (3) and the early joiner is queued again above it.
+    assert js.add(Keys.JOIN_SEQ, 0) == 5 and js.get(Keys.join(5)) == b"h3/0/9"
+    # Idempotent: the plan is there now; another member finds nothing to do.
+    assert not republish(js, PLAN, "h2/0/2")
+    assert js.add(Keys.JOIN_SEQ, 0) == 5
+
+
+def test_only_one_member_republishes():
+    js = DictStore()
+    js.set(Keys.FIRST_GEN, json.dumps({"generation": 7, "by": "h2/0/2"}))  # h2 is at it
+    assert not republish(js, PLAN, "h1/0/1")
+    assert not js.check([Keys.plan(7)])
+
+
+def test_events_held_while_away_are_appended_when_back():
+    h = StoreHealth("w", clock=Clock())
+    h.hold({"kind": "leave", "generation": 8})
+    js = DictStore()
+    flush_held(js, h)
+    assert json.loads(js.get(Keys.event(1)))["kind"] == "leave" and h.take_held() == []
+
+
+class Control:
+    def watch(self, plan, others=()):
+        pass
+
+    def silence(self, worker):
+        return 0.0
+
+
+def test_a_joiner_in_a_restarted_store_is_admitted_by_the_republished_plan_not_a_new_generation_0():
+    js = DictStore()
+    js.set(Keys.STORE_RESTARTED, "1")
+    joined = PLAN.__class__(generation=8, members=PLAN.members + ("h3/0/9",), join_upto=4, joined=("h3/0/9",),
+                            kind=EventKind.JOIN)
+    republish(js, PLAN, "h1/0/1")
+    js.set(Keys.plan(8), joined.to_json())  # the members admit the joiner (join #4)
+    got = await_admission(js, "h3/0/9", Control(), min_workers=1, max_workers=None, hang_timeout_s=4,
+                          restarted_wait_s=0.2)
+    assert got == joined and not js.check([Keys.plan(0)])
+
+
+def test_a_joiner_in_a_restarted_store_nobody_republishes_to_starts_the_job_after_the_wait():
+    js = DictStore()
+    js.set(Keys.STORE_RESTARTED, "1")
+    got = await_admission(js, "h3/0/9", Control(), min_workers=1, max_workers=None, hang_timeout_s=4,
+                          restarted_wait_s=0.2)
+    assert got.generation == 0 and got.members == ("h3/0/9",)
+
+
+def test_a_daemons_link_follows_a_restarted_stores_plans_from_the_republished_one():
+    from eltctl_runtime.daemon.link import StoreLink
+
+    link = StoreLink("127.0.0.1:1", "job", "h2")  # never started: _follow_plans is fed a store by hand
+    old = DictStore()
+    for g, members, left in ((0, ("h1/0/1", "h2/0/2"), ()), (1, ("h1/0/1", "h2/0/3"), ("h2/0/2",))):
+        old.set(Keys.plan(g), Plan(generation=g, members=members, left=left, kind=EventKind.LEAVE).to_json())
+    link._follow_plans(old)
+    assert link.departed() == {"h2/0/2"} and link.joined() == {"h2/0/2", "h2/0/3"}
+
+    new = DictStore()  # the restarted keeper's store: empty until rank 0 re-publishes generation 9
+    link._generation = -1  # what a reconnect does
+    link._follow_plans(new)
+    assert link._generation == -1
+    republish(new, Plan(generation=9, members=("h1/0/1", "h2/0/4"), kind=EventKind.JOIN), "h1/0/1")
+    link._follow_plans(new)
+    assert link._generation == 9 and "h2/0/4" in link.joined() and link.departed() == {"h2/0/2"}
