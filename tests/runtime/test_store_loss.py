@@ -24,9 +24,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from eltctl_runtime import read_status
+from eltctl_runtime import auth, protocol
 from eltctl_runtime.checkpoint import CheckpointStore
-from eltctl_runtime.protocol import Keys, first_generation, scope
+from eltctl_runtime.protocol import Keys, first_generation
 from runtime_cluster import ROOT, SMALL, Cluster, assert_exactly_once, assert_identical_state
 
 N_SAMPLES = int(SMALL[SMALL.index("--samples") + 1])
@@ -48,6 +48,7 @@ class KeptCluster(Cluster):
     def __post_init__(self) -> None:
         self.port = _free_port()
         self.keeper: subprocess.Popen | None = None
+        self.secret_file = None
         self.start_keeper(restarted=False)
         self.audit = self.tmp / "audit.jsonl"
         self.ckpt = self.tmp / "ckpt"
@@ -60,6 +61,8 @@ class KeptCluster(Cluster):
         info.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "eltctl.storekeeper", "--address", "127.0.0.1", "--port", str(self.port),
                "--info", str(info)] + (["--restarted-job", self.job] if restarted else [])
+        if restarted and self.secret_file is not None:  # the restarted mark signed, as the controller has it
+            cmd += ["--secret-file", str(self.secret_file)]
         self.keeper = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
                                        stdout=(self.tmp / "keeper.log").open("a"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -67,6 +70,7 @@ class KeptCluster(Cluster):
             assert self.keeper.poll() is None and time.monotonic() < deadline, (self.tmp / "keeper.log").read_text()
             time.sleep(0.05)
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
+        self.js = auth.signed(protocol.scope(self.store, self.job), protocol.job_prefix(self.job), self.secret)
 
     def kill_keeper(self) -> None:
         self.keeper.kill()
@@ -102,7 +106,7 @@ def kept(tmp_path):
 
 
 def test_workers_train_through_a_keeper_restart_then_leave_and_join(kept):
-    cluster = kept(min_workers=2)
+    cluster = kept(min_workers=2, secret=auth.new_secret())  # signed, as under eltctl's controller
     a, b = cluster.start(2, FOREVER)
     cluster.wait_world(2, steps_after=3)
     step, gen, _ = cluster.progress()
@@ -111,10 +115,11 @@ def test_workers_train_through_a_keeper_restart_then_leave_and_join(kept):
     cluster.wait_step(step + 15)  # training goes on with no store at all
 
     cluster.start_keeper()
-    js = scope(cluster.store, cluster.job)
+    js = cluster.js
+    assert js.check([Keys.STORE_RESTARTED])  # signed by the keeper with the job's secret
     cluster.wait_for(lambda: js.check([Keys.plan(gen)]), 60, "rank 0 to re-publish the generation's plan")
     assert first_generation(js) == gen
-    cluster.wait_for(lambda: (read_status(cluster.store, cluster.job) or {}).get("step", 0) > step + 15, 60,
+    cluster.wait_for(lambda: (protocol.get_status(js) or {}).get("step", 0) > step + 15, 60,
                      "rank 0's status in the new store")
 
     cluster.leave(b)  # a planned leave after the restart
