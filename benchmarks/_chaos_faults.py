@@ -48,7 +48,8 @@ DISK_SIZE = "16m"  # the tmpfs that stands in for a host's checkpoint disk
 class StepWatch(threading.Thread):
     """Tails the audit file every `interval` s. `commits`: (monotonic time, step) of every
     audit line as it was seen; `gen_first_seen`: generation -> when its first line came;
-    `redone`: (generation, step) of each step committed again by a newer generation."""
+    `redone`: (newest generation, step) each time a step is recorded by one more generation
+    (soak.py's "lost" steps: committed, then done again)."""
 
     def __init__(self, audit: Path, interval: float = 0.1) -> None:
         super().__init__(daemon=True)
@@ -90,8 +91,8 @@ class StepWatch(threading.Thread):
         self._times.append(now)
         self.gen_first_seen.setdefault(gen, now)
         gens = self._gens_of.setdefault(step, set())
-        if gens and gen not in gens and gen > max(gens):
-            self.redone.append((gen, step))
+        if gens and gen not in gens:  # (a late line of an older generation counts too, by the newest)
+            self.redone.append((max(max(gens), gen), step))
         gens.add(gen)
 
     def stop(self) -> None:
@@ -379,17 +380,36 @@ def disk_full(ctx: Context) -> Injected | None:
         subprocess.run(["mount", "--move", str(stage), str(ck)], check=True, capture_output=True, timeout=30)
         ctx.mounts[host] = ck
     filler = ck / ".chaos-filler"
+    logs = _log_sizes(ctx.host_dir(host) / "workers")
     _fill(filler)
     hold = ctx.rng.uniform(10, 40)
 
     def recover() -> str:
         with contextlib.suppress(OSError):
             filler.unlink()
-        return ""
+        failed = _count_new(ctx.host_dir(host) / "workers", logs, (b"No space left", b"Errno 28"))
+        return f"{failed} log line(s) of {host}'s workers name the full disk"
 
     who = "rank 0's host" if host == rank0 else "rank 0 unknown"
     return Injected(DISK_FULL, host, f"checkpoint disk full ({who}; a {DISK_SIZE} tmpfs, filled) for {hold:.0f} s",
                     hold, recover)
+
+
+def _log_sizes(directory: Path) -> dict[Path, int]:
+    return {f: f.stat().st_size for f in directory.glob("*.log")}
+
+
+def _count_new(directory: Path, before: dict[Path, int], needles: tuple[bytes, ...]) -> int:
+    """Lines written to the logs in `directory` since `before` that hold one of `needles`."""
+    n = 0
+    for f in directory.glob("*.log"):
+        try:
+            with open(f, "rb") as fh:
+                fh.seek(before.get(f, 0))
+                n += sum(1 for line in fh.read().splitlines() if any(x in line for x in needles))
+        except OSError:
+            pass
+    return n
 
 
 def _fill(path: Path) -> None:

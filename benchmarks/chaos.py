@@ -157,7 +157,7 @@ def run(minutes: float, n_hosts: int, gpus: int, seed: int, kinds: list[str], bo
 
     (root / "bed").mkdir()
     with make_testbed(root=root / "bed") as bed:
-        hosts = bed.add_hosts(n_hosts, gpus=gpus, envs=[{"ELTCTL_AUDIT": str(audit)}] * n_hosts)
+        bed.add_hosts(n_hosts, gpus=gpus, envs=[{"ELTCTL_AUDIT": str(audit)}] * n_hosts)
         command = ["python", "train.py", "--steps", "100000000", "--hidden", "16", "--layers", "1",
                    "--samples", str(SAMPLES), "--batch", str(BATCH), "--step-sleep", "0.05",
                    "--checkpoint-every", "50"]
@@ -226,6 +226,7 @@ def run(minutes: float, n_hosts: int, gpus: int, seed: int, kinds: list[str], bo
             # Every stretch of the fault phase without a commit, against the bound.
             times = watch.times(phase_start, phase_end)
             edges = [phase_start, *times, phase_end]
+            result["longest_stall_s"] = round(max(b - a for a, b in zip(edges, edges[1:])), 2)
             for a, b in zip(edges, edges[1:]):
                 if b - a > bound:
                     inv.fail("keeps_training", f"no committed step from t={rel(a)} s to t={rel(b)} s")
@@ -386,8 +387,16 @@ def main(argv: list[str] | None = None) -> int:
     print("  pause per fault kind (longest stretch without a committed step, s):")
     for k, p in r.get("pause_s", {}).items():
         print(f"    {k:16} median {p['median']:7.2f}  max {p['max']:7.2f}  (n={p['n']})")
+    for t in r.get("timeline", ()):
+        print(f"    t={t['t']:7.1f} s  {t['kind']:16} {t['where']:8} pause {t.get('pause_s')} s"
+              + (f", {t['steps_redone']} step(s) redone" if t.get("steps_redone") else "")
+              + (f"  ({t['note']})" if t.get("note") else ""))
+    print(f"  longest stretch without a committed step during the faults: {r.get('longest_stall_s')} s")
     print(f"  steps committed: {r.get('committed_steps')} in {r.get('generations')} generations; redone: "
           f"{r.get('steps_redone')} {r.get('steps_redone_by_fault') or ''}")
+    if r.get("down_exit"):
+        print(f"  `eltctl down` exited {r['down_exit']}:")
+        print("    " + r.get("down_output", "").strip().replace("\n", "\n    "))
     if r.get("stopped_early"):
         print(f"  fault phase stopped early: {r['stopped_early']}")
     for name, v in r["invariants"].items():
