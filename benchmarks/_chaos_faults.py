@@ -199,6 +199,12 @@ def _daemons(ctx: Context) -> list[tuple[str, int]]:
 
 
 def _kill(pid: int, sig: int) -> bool:
+    """Signal a live process (False: gone, or a zombie nobody reaped yet: the keeper is the
+    controller's child)."""
+    from tests.testbed.procs import is_alive
+
+    if not is_alive(pid):
+        return False
     try:
         os.kill(pid, sig)
         return True

@@ -129,6 +129,7 @@ def run(minutes: float, n_hosts: int, gpus: int, seed: int, kinds: list[str], bo
     started = time.monotonic()
     result: dict = {"benchmark": "chaos", "minutes": minutes, "hosts": n_hosts, "gpus_per_host": gpus,
                     "seed": seed, "faults_selected": kinds, "bound_s": bound}
+    phase_reached = False  # the job trained at full width: the audit is worth checking
     pids_seen: dict[str, int] = {}  # "controller 1234" -> pid, the same for keepers
 
     def eltctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -177,6 +178,7 @@ def run(minutes: float, n_hosts: int, gpus: int, seed: int, kinds: list[str], bo
             wait_for(lambda: status().get("world_size") == total and status().get("state") == "training", 300,
                      f"training at {total}")
             phase_start = time.monotonic()
+            phase_reached = True
             deadline = phase_start + minutes * 60
             stalled = None
             while time.monotonic() < deadline:
@@ -240,7 +242,6 @@ def run(minutes: float, n_hosts: int, gpus: int, seed: int, kinds: list[str], bo
 
             log("eltctl down", quiet)
             down_t = time.monotonic()
-            final_status = status()
             down = eltctl("down", timeout=420)
             note_pids()
             result["down_exit"] = down.returncode
@@ -278,14 +279,7 @@ def run(minutes: float, n_hosts: int, gpus: int, seed: int, kinds: list[str], bo
             elif down.returncode != 0:
                 inv.fail("nothing_left_after_down", f"`eltctl down` exited {down.returncode}: "
                          f"{(down.stdout + down.stderr)[-300:]}")
-            # The audit: exactly-once, and redone steps by the fault whose window saw their generation begin.
-            final_step = watch.max_step() or int(final_status.get("step") or 0)
-            figures = audit_figures(audit, final_step) if audit.exists() else {"exactly_once": False,
-                                                                                "exactly_once_error": "no audit"}
-            result.update({k: v for k, v in figures.items() if k != "steps_lost"})
-            result["steps_redone"] = figures.get("steps_lost")
-            if not figures.get("exactly_once"):
-                inv.fail("exactly_once", figures.get("exactly_once_error") or "no audit")
+            # Redone steps by the fault whose window saw their generation begin.
             redone_by: dict[str, int] = {}
             for gen, step in watch.redone:
                 t = watch.gen_first_seen.get(gen, 0.0)
@@ -326,6 +320,15 @@ def run(minutes: float, n_hosts: int, gpus: int, seed: int, kinds: list[str], bo
             problems = cf.unmount_all(ctx)
             if problems:
                 result["unmount_problems"] = problems
+    if phase_reached:
+        # The audit, once every worker is gone (`down` may have left some training): exactly-once.
+        final_step = watch.max_step()
+        figures = audit_figures(audit, final_step) if audit.exists() else {"exactly_once": False,
+                                                                            "exactly_once_error": "no audit"}
+        result.update({k: v for k, v in figures.items() if k != "steps_lost"})
+        result["steps_redone"] = figures.get("steps_lost")
+        if not figures.get("exactly_once"):
+            inv.fail("exactly_once", figures.get("exactly_once_error") or "no audit")
     result["total_s"] = round(time.monotonic() - started, 1)
     counts = {k: 0 for k in cf.KINDS if k in kinds}
     pauses: dict[str, list[float]] = {}
@@ -388,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, p in r.get("pause_s", {}).items():
         print(f"    {k:16} median {p['median']:7.2f}  max {p['max']:7.2f}  (n={p['n']})")
     for t in r.get("timeline", ()):
-        print(f"    t={t['t']:7.1f} s  {t['kind']:16} {t['where']:8} pause {t.get('pause_s')} s"
+        print(f"    t={t['t']:7.1f} s  {t['kind']:16} {t['where']:8} held {t['held_s']} s, pause {t.get('pause_s')} s"
               + (f", {t['steps_redone']} step(s) redone" if t.get("steps_redone") else "")
               + (f"  ({t['note']})" if t.get("note") else ""))
     print(f"  longest stretch without a committed step during the faults: {r.get('longest_stall_s')} s")
