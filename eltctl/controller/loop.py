@@ -139,8 +139,9 @@ class Controller:
             self.records = pol.track(self.records, views, self.inventory, now)
             self.records = pol.track_stragglers(self.records, self.observed.runtime_status, self.inventory, now)
             await self._announce_benched(before, now)
-            for name in self.starter.overdue(views, now):
-                await self._give_up(name, "its daemon did not report (see its daemon.log)")
+            if not self.stopping:  # giving up writes a withdrawn (stop=False) desired over `down`'s stop
+                for name in self.starter.overdue(views, now):
+                    await self._give_up(name, "its daemon did not report (see its daemon.log)")
             if self.stopping:
                 self.save_records()
                 return None
