@@ -113,7 +113,9 @@ class DaemonStarter:
     """Starts hosts' daemons, one background task per host, and remembers when."""
 
     fleet: Fleet
-    store_endpoint: str
+    # the store's host:port for a host's daemon.json: one for all (the "direct" mode), or
+    # per host (the "ssh" mode: its forward's port; None while that forward is not up)
+    store_endpoint: str | Callable[[Host], str | None]
     clock: Callable[[], float]
     secret: bytes | None = None  # the job's secret, written to each host with daemon.json (0600)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
@@ -168,6 +170,7 @@ class DaemonStarter:
                     if running is None:
                         break
             self.retired.discard(host.name)
+            store = self.store_endpoint(host) if callable(self.store_endpoint) else self.store_endpoint
             owner = hostops.Owner(control_id(), socket.gethostname(), str(inventory.path))
             if running is not None:
                 theirs = await hostops.daemon_owner(t, paths)
@@ -175,6 +178,10 @@ class DaemonStarter:
                     raise hostops.foreign_owner_error(host.name, inventory.job.name, theirs)
                 log.info("Host %s: its daemon (pid %d) runs already; waiting for its state.", host.name, running)
                 self.started_at[host.name] = self.clock()
+                return
+            if store is None:  # started once its store forward is up (the keeper opens it)
+                log.info("Host %s: waiting for the store's SSH forward to it before starting its daemon.",
+                         host.name)
                 return
             if self._runtime_files is None:
                 self._runtime_files = hostops.runtime_files()
@@ -186,9 +193,9 @@ class DaemonStarter:
                 if synced.sent or synced.deleted:
                     log.info("Host %s: code synced (%d sent, %d deleted).", host.name, len(synced.sent),
                              len(synced.deleted))
-            config = hostops.daemon_config(inventory, host, paths, self.store_endpoint, gpus(),
-                                           secret=self.secret is not None)
-            pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret)
+            config = hostops.daemon_config(inventory, host, paths, store, gpus(), secret=self.secret is not None)
+            pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret,
+                                             bind_from_ssh=callable(self.store_endpoint) and not host.is_local)
             self.started_at[host.name] = self.clock()
             log.info("Host %s: daemon started (pid %s).", host.name, pid)
             on_started()

@@ -48,7 +48,8 @@ POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "coo
                "drop_stragglers", "straggler_gain_percent", "straggler_for", *schedules.SCHEDULE_KEYS,
                *OWNER_KEYS)
 STORAGE_KEYS = ("mirror", "keep", "trust_unsigned")
-CONTROLLER_KEYS = ("address",)
+CONTROLLER_KEYS = ("address", "store")
+STORE_MODES = ("ssh", "direct")
 HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env",
              *schedules.HOST_SCHEDULE_KEYS, *OWNER_KEYS)
 POLICY_KEYS += courtesy.KEYS
@@ -261,7 +262,12 @@ class Checker:
         if isinstance(address, str) and any(c.isspace() for c in address):
             address = t.fail("address", f"{show(address)} contains whitespace; write one IP "
                                         "address of this machine that every host can reach")
-        return ControllerSettings(address=None if address is BAD else address)
+        store = t.string("store")
+        if isinstance(store, str) and store not in STORE_MODES:
+            store = t.fail("store", f"{show(store)}: write \"ssh\" (the default: the store on loopback, "
+                                    "forwarded over SSH) or \"direct\" (bound to a LAN address: exposed)")
+        return ControllerSettings(address=None if address is BAD else address,
+                                  store=store if isinstance(store, str) else "ssh")
 
     def storage(self, t: Table) -> Storage:
         d = Storage()

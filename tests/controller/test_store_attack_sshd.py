@@ -96,6 +96,10 @@ def test_forged_control_values_from_the_network_are_ignored_and_counted(testbed,
         workers = set(worker_pids(job).values())
         gloo = {p for p, pid in ports.items() if pid in workers}
         assert set(ports) - gloo == {int(keeper["port"])}, f"unexpected listeners: {ports}"
+        # the store is on loopback (each host reaches it through its SSH forward): not on a LAN address
+        from tests.controller.test_store_loopback_sshd import listening_addresses
+
+        assert listening_addresses(int(keeper["pid"])) == {("127.0.0.1", int(keeper["port"]))}
         for port in ports:  # a scan: connect, then go (gloo's data plane is not signed: not probed further)
             with socket.create_connection(("127.0.0.1", port), timeout=5):
                 pass
