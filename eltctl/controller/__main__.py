@@ -93,18 +93,16 @@ def store_through_forwards(state: StateDir, ctl):
     return store_for
 
 
-def warn_direct_store(inventory: Inventory) -> None:
+def warn_direct_store(address: str) -> None:
     """[controller] store = "direct": the store listens on a LAN address (finding 10 of
     issue 14: say so, loudly when the address is public)."""
     import ipaddress
 
-    address = inventory.controller.address
     log.warning("[controller] store = \"direct\": the job's store listens on %s, reachable by anyone on "
                 "that network (every value is signed with the job's secret, but the port is open); the "
-                "default \"ssh\" mode keeps it on 127.0.0.1.", address or "the address the hosts reach this "
-                "machine at")
+                "default \"ssh\" mode keeps it on 127.0.0.1.", address)
     try:
-        public = address is not None and ipaddress.ip_address(address).is_global
+        public = ipaddress.ip_address(address).is_global
     except ValueError:
         public = False
     if public:
@@ -224,8 +222,6 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         secret = job_secret(state)  # before any store client: each one is signed with it
         ssh_store = inventory.controller.store == "ssh"
         forward_to = inventory.path.resolve() if ssh_store else None
-        if not ssh_store:
-            warn_direct_store(inventory)
         keeper = kstore.live_keeper(state, inventory.job.name)
         previous = kstore.previous_keeper(state) if keeper is None else None
         if keeper is not None:
@@ -263,6 +259,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                          " (the lost keeper's port)" if restarted else "")
             if keeper is None:
                 return 0
+        if keeper is not None and not ssh_store:
+            warn_direct_store(keeper.address)
         if keeper is not None:
             client = await loop.run_in_executor(None, kstore.connect_client, keeper.address, keeper.port,
                                                 inventory.job.name)

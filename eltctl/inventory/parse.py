@@ -262,10 +262,7 @@ class Checker:
         if isinstance(address, str) and any(c.isspace() for c in address):
             address = t.fail("address", f"{show(address)} contains whitespace; write one IP "
                                         "address of this machine that every host can reach")
-        store = t.string("store")
-        if isinstance(store, str) and store not in STORE_MODES:
-            store = t.fail("store", f"{show(store)}: write \"ssh\" (the default: the store on loopback, "
-                                    "forwarded over SSH) or \"direct\" (bound to a LAN address: exposed)")
+        store = t.choice("store", "ssh", STORE_MODES)
         return ControllerSettings(address=None if address is BAD else address,
                                   store=store if isinstance(store, str) else "ssh")
 
