@@ -16,34 +16,10 @@ from pathlib import Path
 import pytest
 
 from eltctl.storeforward import forward_port, read_forwards
-from tests.controller.test_store_attack_sshd import listening_ports
+from tests.controller.test_store_attack_sshd import listening_addresses, listening_ports
 from tests.testbed.jobenv import job_env_on, wait_for, worker_pids
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def listening_addresses(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket in LISTEN state `pid` holds (IPv4 and IPv6)."""
-    rows: dict[str, tuple[str, int]] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:]:
-            f = row.split()
-            if f[3] == "0A":
-                hexaddr, hexport = f[1].rsplit(":", 1)
-                if len(hexaddr) == 8:
-                    addr = ".".join(str(b) for b in reversed(bytes.fromhex(hexaddr)))
-                else:
-                    addr = hexaddr
-                rows[f[9]] = (addr, int(hexport, 16))
-    out = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:[") and link[8:-1] in rows:
-            out.add(rows[link[8:-1]])
-    return out
 
 
 def descendants(pid: int) -> list[int]:
@@ -114,5 +90,26 @@ def test_store_on_loopback_forwarded_per_host_and_a_dropped_forward_comes_back(t
         assert forward_port(read_forwards(je.state_dir / "forwards.json"), h1.name, kpid) == ports[h1.name]
         after = je.training_at(2, after_step=before["step"] + 20)
         assert after["step"] > before["step"] + 20
+    finally:
+        next(gen, None)
+
+
+def test_direct_mode_binds_one_address_for_all_and_says_it_is_exposed(testbed):
+    hosts = testbed.add_hosts(2, gpus=1)
+    gen = job_env_on(testbed, hosts, extra='\n[controller]\nstore = "direct"\n')
+    je = next(gen)
+    try:
+        je.eltctl("up")
+        je.training_at(2)
+        keeper = json.loads((je.state_dir / "controller.json").read_text())["store"]
+        endpoint = f"{keeper['address']}:{keeper['port']}"
+        assert not (je.state_dir / "forwards.json").exists()
+        for h in hosts:
+            config = json.loads((h.home / ".eltctl" / "jobs" / je.job / h.name / "daemon.json").read_text())
+            assert config["store"] == endpoint, config
+        assert 'store = "direct": the job\'s store listens on' in je.controller_log(200)
+        for pid in worker_pids(je.job).values():
+            env = Path(f"/proc/{pid}/environ").read_text()
+            assert "ELTCTL_BIND_ADDRESS" not in env  # the runtime's own rule: towards the store
     finally:
         next(gen, None)
