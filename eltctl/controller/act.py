@@ -128,6 +128,21 @@ class DaemonStarter:
     def busy(self) -> bool:
         return bool(self.tasks)
 
+    async def _address_here(self, inventory: Inventory) -> str | None:
+        """The address remote hosts reach this machine at (the local side of an SSH
+        connection to one), for a local host's workers in the "ssh" store mode; None
+        without remote hosts or when none answers."""
+        for other in inventory.hosts:
+            if other.is_local:
+                continue
+            try:
+                address = (await self.fleet.transport(other)).local_address()
+            except HostError:
+                continue
+            if address:
+                return address
+        return None
+
     def forget(self, name: str) -> None:
         """A host lost or changed: its paths are learned again over a new connection."""
         self.paths.pop(name, None)
@@ -194,6 +209,10 @@ class DaemonStarter:
                     log.info("Host %s: code synced (%d sent, %d deleted).", host.name, len(synced.sent),
                              len(synced.deleted))
             config = hostops.daemon_config(inventory, host, paths, store, gpus(), secret=self.secret is not None)
+            if callable(self.store_endpoint) and host.is_local and "ELTCTL_BIND_ADDRESS" not in config["env"]:
+                bind = await self._address_here(inventory)
+                if bind:  # the store is 127.0.0.1 here: gloo binds where the remote hosts reach this machine
+                    config["env"]["ELTCTL_BIND_ADDRESS"] = bind
             pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret,
                                              bind_from_ssh=callable(self.store_endpoint) and not host.is_local)
             self.started_at[host.name] = self.clock()
