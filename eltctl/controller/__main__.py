@@ -83,12 +83,24 @@ def store_through_forwards(state: StateDir, ctl):
     from eltctl.controller import store as kstore
     from eltctl.storeforward import forward_port, read_forwards
 
+    said: dict[str, str] = {}
+
     def store_for(host) -> str | None:
         info = ctl.keeper.info
         if host.is_local:
             return f"127.0.0.1:{info.port}"
-        port = forward_port(read_forwards(kstore.forwards_path(state)), host.name, info.pid)
-        return f"127.0.0.1:{port}" if port else None
+        doc = read_forwards(kstore.forwards_path(state))
+        port = forward_port(doc, host.name, info.pid)
+        if port:
+            said.pop(host.name, None)
+            return f"127.0.0.1:{port}"
+        entry = (doc.get("hosts") or {}).get(host.name) or {} if doc.get("keeper") == info.pid else {}
+        why = str(entry.get("error") or "the store keeper has not opened it yet")
+        if said.get(host.name) != why:  # once per reason, not every pass
+            said[host.name] = why
+            log.warning("Host %s: its daemon waits for the store's SSH forward (%s; forwards.json in the state "
+                        "directory, storekeeper.log).", host.name, why)
+        return None
 
     return store_for
 

@@ -195,9 +195,7 @@ class DaemonStarter:
                 self.started_at[host.name] = self.clock()
                 return
             if store is None:  # started once its store forward is up (the keeper opens it)
-                log.info("Host %s: waiting for the store's SSH forward to it before starting its daemon.",
-                         host.name)
-                return
+                return  # store_through_forwards logs why, once
             if self._runtime_files is None:
                 self._runtime_files = hostops.runtime_files()
             runtime_dir, sent = await hostops.ensure_runtime(t, paths, self._runtime_files)
