@@ -1,6 +1,7 @@
 """The store keeper: the process that serves one job's c10d TCPStore.
 
     python -m eltctl.storekeeper --address ADDR [--port N] --info PATH [--restarted-job JOB]
+                                 [--inventory PATH --forwards PATH]
 
 It binds a listening socket to ADDR alone (never 0.0.0.0: the store has no
 authentication) and hands it to torch's TCPStore with `master_listen_fd`, writes
@@ -14,6 +15,12 @@ and port (`--port`, with `--restarted-job`: the new store then holds the job's
 `store/restarted` mark from its first moment, so a joiner waits for the members
 to re-publish their plan; runtime/storeloss.py). A port another process holds is
 exit code 3 (PORT_TAKEN); the controller tries again later, never another port.
+
+With `--inventory` and `--forwards` (the default `[controller] store = "ssh"` mode:
+ADDR is 127.0.0.1), the keeper also holds one SSH remote forward per remote host
+of the inventory (eltctl/storeforward.py), writes their state to the forwards file,
+and re-reads the inventory when it changes or on SIGHUP (which then no longer stops
+it).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
 import signal
 import socket
@@ -38,7 +46,7 @@ PORT_TAKEN = 3
 
 
 def serve(address: str, port: int, info: Path, restarted_job: str | None = None,
-          secret_file: Path | None = None) -> None:
+          secret_file: Path | None = None, inventory: Path | None = None, forwards: Path | None = None) -> None:
     import torch.distributed as dist
 
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -57,11 +65,21 @@ def serve(address: str, port: int, info: Path, restarted_job: str | None = None,
             mark = auth.Signer(auth.read_secret(secret_file), job_prefix(restarted_job)).seal(Keys.STORE_RESTARTED,
                                                                                                 mark)
         store.set(f"{job_prefix(restarted_job)}/{Keys.STORE_RESTARTED}", mark)
+    forwarder = None
+    if inventory is not None and forwards is not None:
+        from eltctl.storeforward import Forwarder
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        logging.getLogger("asyncssh").setLevel(logging.WARNING)
+        forwarder = Forwarder(inventory, forwards, port, insist=restarted_job is not None)
+        forwarder.start()
     write_atomic(info, json.dumps({"pid": os.getpid(), "address": address, "port": port, "started": time.time()}))
-    print(f"store keeper {os.getpid()}: serving the store on {address}:{port}", flush=True)
+    print(f"store keeper {os.getpid()}: serving the store on {address}:{port}"
+          + (f", forwarded over SSH to the hosts of {inventory}" if forwarder else ""), flush=True)
     done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
+    signal.signal(signal.SIGHUP, (lambda *_: forwarder.reload()) if forwarder else (lambda *_: done.set()))
     while not done.wait(3600):
         pass
     print(f"store keeper {os.getpid()}: stopping", flush=True)
@@ -80,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restarted-job", default=None, help="this keeper replaces a lost one of this job")
     ap.add_argument("--secret-file", type=Path, default=None,
                     help="with --restarted-job: the job's secret, to sign its store/restarted mark")
+    ap.add_argument("--inventory", type=Path, default=None, help="forward the store to this inventory's hosts")
+    ap.add_argument("--forwards", type=Path, default=None, help="with --inventory: the forwards' state file")
     args = ap.parse_args(argv)
     try:
-        serve(args.address, args.port, args.info, args.restarted_job, args.secret_file)
+        serve(args.address, args.port, args.info, args.restarted_job, args.secret_file, args.inventory,
+              args.forwards)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             print(f"store keeper: port {args.port} on {args.address} is taken by another process; the hosts "

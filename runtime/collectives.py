@@ -48,6 +48,18 @@ def local_address_towards(host: str, port: int) -> str:
             return "127.0.0.1"
 
 
+BIND_ADDRESS_ENV = "ELTCTL_BIND_ADDRESS"
+
+
+def bind_address(store_host: str, store_port: int) -> str:
+    """Where this worker's gloo/NCCL listen: $ELTCTL_BIND_ADDRESS when set (the daemon
+    sets it from its SSH connection when the store is reached through an SSH forward
+    on 127.0.0.1, which says nothing about the network), else the local address
+    towards the store (`local_address_towards`)."""
+    chosen = os.environ.get(BIND_ADDRESS_ENV, "").strip()
+    return chosen or local_address_towards(store_host, store_port)
+
+
 def make_group(store, rank: int, size: int, device: torch.device, bind_host: str):
     if device.type == "cuda":
         # Never tear the process down from the watchdog: the runtime aborts

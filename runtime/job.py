@@ -306,7 +306,7 @@ class ElasticJob:
             self.model.to(self._device)  # warm before registering; parameters stay the optimizer's objects
         else:
             self._device = torch.device("cpu")
-        self._bind_host = collectives.local_address_towards(cfg.store_host, cfg.store_port)
+        self._bind_host = collectives.bind_address(cfg.store_host, cfg.store_port)
         self._tcp = self._connect_raw()
         self._store = self._job_store(self._tcp)
         if cfg.audit_path is not None:

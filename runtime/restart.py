@@ -329,7 +329,7 @@ class Supervisor:
     # -- lifecycle -------------------------------------------------------------
     def run(self) -> int:
         cfg = self.cfg
-        self._bind = collectives.local_address_towards(cfg.store_host, cfg.store_port)
+        self._bind = collectives.bind_address(cfg.store_host, cfg.store_port)
         self._store = self._connect()
         if cfg.checkpoint_dir is not None:
             from .checkpoint import CheckpointStore

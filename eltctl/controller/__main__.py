@@ -2,8 +2,9 @@
 
 Normal mode (what `eltctl up` starts, detached): take the job's lock (another live
 controller: exit 0 at once), adopt the store keeper named by controller.json when it
-still serves (else start one bound to the one address the hosts use to reach this
-machine), write controller.json, serve control.sock and reconcile until `down`.
+still serves (else start one: on 127.0.0.1, forwarded to each remote host over SSH
+by the keeper itself, eltctl/storeforward.py; with `[controller] store = "direct"`
+bound to the one address the hosts use to reach this machine), write controller.json, serve control.sock and reconcile until `down`.
 SIGTERM or SIGINT end the controller alone: the workers keep training and the next
 `eltctl up` adopts them. While it runs it supervises the store keeper: a lost one is
 restarted on the same address and port (controller/loop.py `watch_keeper`).
@@ -73,6 +74,51 @@ async def choose_address(inventory: Inventory, fleet) -> str:
     raise ConfigError(f"the hosts are reached from different local addresses: {listed}; the store can "
                       "be bound to one address only", path=str(inventory.path), key="controller.address",
                       hint="set [controller] address to an address of this machine every host can reach")
+
+
+def store_through_forwards(state: StateDir, ctl):
+    """The "ssh" store mode's store address for a host's daemon.json: 127.0.0.1 and the
+    port of the host's forward (eltctl/storeforward.py), None while it is not up; a
+    local host reaches the keeper's own port."""
+    from eltctl.controller import store as kstore
+    from eltctl.storeforward import forward_port, read_forwards
+
+    said: dict[str, str] = {}
+
+    def store_for(host) -> str | None:
+        info = ctl.keeper.info
+        if host.is_local:
+            return f"127.0.0.1:{info.port}"
+        doc = read_forwards(kstore.forwards_path(state))
+        port = forward_port(doc, host.name, info.pid)
+        if port:
+            said.pop(host.name, None)
+            return f"127.0.0.1:{port}"
+        entry = (doc.get("hosts") or {}).get(host.name) or {} if doc.get("keeper") == info.pid else {}
+        why = str(entry.get("error") or "the store keeper has not opened it yet")
+        if said.get(host.name) != why:  # once per reason, not every pass
+            said[host.name] = why
+            log.warning("Host %s: its daemon waits for the store's SSH forward (%s; forwards.json in the state "
+                        "directory, storekeeper.log).", host.name, why)
+        return None
+
+    return store_for
+
+
+def warn_direct_store(address: str) -> None:
+    """[controller] store = "direct": the store listens on a LAN address (finding 10 of
+    issue 14: say so, loudly when the address is public)."""
+    import ipaddress
+
+    log.warning("[controller] store = \"direct\": the job's store listens on %s, reachable by anyone on "
+                "that network (every value is signed with the job's secret, but the port is open); the "
+                "default \"ssh\" mode keeps it on 127.0.0.1.", address)
+    try:
+        public = ipaddress.ip_address(address).is_global
+    except ValueError:
+        public = False
+    if public:
+        log.warning("[controller] address %s is a PUBLIC address: the store is open to the Internet.", address)
 
 
 async def start_mirror_worker(inventory: Inventory, source, secret: bytes | None = None):
@@ -186,6 +232,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
     run_task = None
     try:
         secret = job_secret(state)  # before any store client: each one is signed with it
+        ssh_store = inventory.controller.store == "ssh"
+        forward_to = inventory.path.resolve() if ssh_store else None
         keeper = kstore.live_keeper(state, inventory.job.name)
         previous = kstore.previous_keeper(state) if keeper is None else None
         if keeper is not None:
@@ -193,7 +241,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         elif not down:
             while keeper is None and not shutdown.is_set():
                 try:
-                    address = await choose_address(inventory, fleet)
+                    address = "127.0.0.1" if ssh_store else await choose_address(inventory, fleet)
                 except ConfigError:
                     raise
                 except EltctlError as exc:
@@ -208,7 +256,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                 port, restarted = ((previous.port, inventory.job.name)
                                    if previous is not None and previous.address == address else (0, None))
                 try:
-                    keeper = await loop.run_in_executor(None, kstore.start_keeper, state, address, port, restarted)
+                    keeper = await loop.run_in_executor(None, kstore.start_keeper, state, address, port, restarted,
+                                                        forward_to)
                 except kstore.KeeperPortTaken as exc:
                     connecting_message[0] = f"waiting for the store's port {address}:{port}: {exc}"
                     log.error("The store's port %s:%d (the one the hosts know) is taken: %s; retrying.", address,
@@ -222,6 +271,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                          " (the lost keeper's port)" if restarted else "")
             if keeper is None:
                 return 0
+        if keeper is not None and not ssh_store:
+            warn_direct_store(keeper.address)
         if keeper is not None:
             client = await loop.run_in_executor(None, kstore.connect_client, keeper.address, keeper.port,
                                                 inventory.job.name)
@@ -234,7 +285,9 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             "store": keeper.to_json() if keeper else None, "socket": str(state.socket)})
         ctl = Controller(inventory, state, store, fleet, endpoint, secret=secret)
         if keeper is not None and not down:
-            ctl.keeper = kstore.KeeperSupervisor(state, inventory.job.name, keeper)
+            ctl.keeper = kstore.KeeperSupervisor(state, inventory.job.name, keeper, forward_inventory=forward_to)
+            if ssh_store:
+                ctl.starter.store_endpoint = store_through_forwards(state, ctl)
         ctl.ledger = open_ledger(state, inventory.job.name)
         if ctl.ledger is not None:
             ctl.quota_use = ledger_quotas(ctl.ledger, inventory)

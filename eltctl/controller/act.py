@@ -113,7 +113,9 @@ class DaemonStarter:
     """Starts hosts' daemons, one background task per host, and remembers when."""
 
     fleet: Fleet
-    store_endpoint: str
+    # the store's host:port for a host's daemon.json: one for all (the "direct" mode), or
+    # per host (the "ssh" mode: its forward's port; None while that forward is not up)
+    store_endpoint: str | Callable[[Host], str | None]
     clock: Callable[[], float]
     secret: bytes | None = None  # the job's secret, written to each host with daemon.json (0600)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
@@ -125,6 +127,21 @@ class DaemonStarter:
     @property
     def busy(self) -> bool:
         return bool(self.tasks)
+
+    async def _address_here(self, inventory: Inventory) -> str | None:
+        """The address remote hosts reach this machine at (the local side of an SSH
+        connection to one), for a local host's workers in the "ssh" store mode; None
+        without remote hosts or when none answers."""
+        for other in inventory.hosts:
+            if other.is_local:
+                continue
+            try:
+                address = (await self.fleet.transport(other)).local_address()
+            except HostError:
+                continue
+            if address:
+                return address
+        return None
 
     def forget(self, name: str) -> None:
         """A host lost or changed: its paths are learned again over a new connection."""
@@ -168,6 +185,7 @@ class DaemonStarter:
                     if running is None:
                         break
             self.retired.discard(host.name)
+            store = self.store_endpoint(host) if callable(self.store_endpoint) else self.store_endpoint
             owner = hostops.Owner(control_id(), socket.gethostname(), str(inventory.path))
             if running is not None:
                 theirs = await hostops.daemon_owner(t, paths)
@@ -176,6 +194,8 @@ class DaemonStarter:
                 log.info("Host %s: its daemon (pid %d) runs already; waiting for its state.", host.name, running)
                 self.started_at[host.name] = self.clock()
                 return
+            if store is None:  # started once its store forward is up (the keeper opens it)
+                return  # store_through_forwards logs why, once
             if self._runtime_files is None:
                 self._runtime_files = hostops.runtime_files()
             runtime_dir, sent = await hostops.ensure_runtime(t, paths, self._runtime_files)
@@ -186,9 +206,13 @@ class DaemonStarter:
                 if synced.sent or synced.deleted:
                     log.info("Host %s: code synced (%d sent, %d deleted).", host.name, len(synced.sent),
                              len(synced.deleted))
-            config = hostops.daemon_config(inventory, host, paths, self.store_endpoint, gpus(),
-                                           secret=self.secret is not None)
-            pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret)
+            config = hostops.daemon_config(inventory, host, paths, store, gpus(), secret=self.secret is not None)
+            if callable(self.store_endpoint) and host.is_local and "ELTCTL_BIND_ADDRESS" not in config["env"]:
+                bind = await self._address_here(inventory)
+                if bind:  # the store is 127.0.0.1 here: gloo binds where the remote hosts reach this machine
+                    config["env"]["ELTCTL_BIND_ADDRESS"] = bind
+            pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret,
+                                             bind_from_ssh=callable(self.store_endpoint) and not host.is_local)
             self.started_at[host.name] = self.clock()
             log.info("Host %s: daemon started (pid %s).", host.name, pid)
             on_started()

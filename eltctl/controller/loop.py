@@ -576,8 +576,14 @@ class Controller:
         sup = self.keeper
         if sup is None:
             return None
-        return {"pid": sup.info.pid, "endpoint": sup.info.endpoint, "restarts": sup.restarts,
-                "problem": sup.problem or None}
+        doc = {"pid": sup.info.pid, "endpoint": sup.info.endpoint, "restarts": sup.restarts,
+               "problem": sup.problem or None}
+        if sup.forward_inventory is not None:  # the "ssh" store mode: each remote host's forward
+            from eltctl.storeforward import read_forwards
+
+            forwards = read_forwards(kstore.forwards_path(self.state))
+            doc["forwards"] = (forwards.get("hosts") or {}) if forwards.get("keeper") == sup.info.pid else {}
+        return doc
 
     def write_status(self) -> None:
         self._status_written = self.clock()

@@ -193,10 +193,20 @@ class KeeperPortTaken(RuntimeError):
     """The keeper's port is held by another process (the new keeper exited PORT_TAKEN)."""
 
 
-def start_keeper(state: StateDir, address: str, port: int = 0, restarted_job: str | None = None) -> KeeperInfo:
+def forwards_path(state: StateDir) -> Path:
+    """The keeper's forwards file (eltctl/storeforward.py)."""
+    from eltctl.storeforward import FORWARDS_FILE
+
+    return state.path / FORWARDS_FILE
+
+
+def start_keeper(state: StateDir, address: str, port: int = 0, restarted_job: str | None = None,
+                 forward_inventory: Path | None = None) -> KeeperInfo:
     """Start a store keeper bound to `address` (and `port`; 0: any) detached, and wait
     until it serves. `restarted_job`: it replaces a lost keeper of that job (the
-    store gets the job's `store/restarted` mark). Raises KeeperPortTaken when
+    store gets the job's `store/restarted` mark). `forward_inventory`: the keeper
+    holds SSH remote forwards of its port to this inventory's remote hosts (the
+    "ssh" store mode; their state in `forwards_path(state)`). Raises KeeperPortTaken when
     `port` is held by another process, RuntimeError when it fails otherwise."""
     info_path = state.path / "storekeeper.json"
     try:
@@ -211,6 +221,8 @@ def start_keeper(state: StateDir, address: str, port: int = 0, restarted_job: st
         cmd += ["--restarted-job", restarted_job]
         if existing_secret(state) is not None:
             cmd += ["--secret-file", str(state.secret)]
+    if forward_inventory is not None:
+        cmd += ["--inventory", str(forward_inventory), "--forwards", str(forwards_path(state))]
     try:
         proc = subprocess.Popen(
             cmd,
@@ -246,8 +258,9 @@ class KeeperSupervisor:
     does not answer for `unresponsive_s` (stopped, wedged) is killed and lost."""
 
     def __init__(self, state: StateDir, job: str, info: KeeperInfo, *, round_trip_every: int = 2,
-                 unresponsive_s: float = 10.0, clock=time.monotonic) -> None:
+                 unresponsive_s: float = 10.0, clock=time.monotonic, forward_inventory: Path | None = None) -> None:
         self.state = state
+        self.forward_inventory = forward_inventory  # the "ssh" store mode: a new keeper holds the forwards too
         self.job = job
         self.info = info
         self.restarts = 0
@@ -291,7 +304,8 @@ class KeeperSupervisor:
         Raises KeeperPortTaken or RuntimeError (the caller tries again later)."""
         old = self.info  # gone (`check` killed one that did not answer): never signalled here, its pid may be reused
         try:
-            info = start_keeper(self.state, old.address, old.port, restarted_job=self.job)
+            info = start_keeper(self.state, old.address, old.port, restarted_job=self.job,
+                                forward_inventory=self.forward_inventory)
         except KeeperPortTaken as exc:
             self.problem = (f"the store's port {old.endpoint} is taken by another process ({exc}); the hosts "
                             "know only this port: free it, the controller retries every few seconds")

@@ -246,7 +246,7 @@ SECRET_TMP = f".{layout.SECRET_FILE}.tmp"
 
 
 def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: str,
-                         owner: Owner | None = None, secret: bool = False) -> str:
+                         owner: Owner | None = None, secret: bool = False, bind_from_ssh: bool = False) -> str:
     """Write daemon.json from stdin, then start the daemon detached from the session.
 
     With `secret`, stdin's first line is the job's secret (hex): the shell's `read`
@@ -257,9 +257,15 @@ def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: st
     /dev/null, output to daemon.log) and answer once it holds its pid file: "ok PID"
     (exit 0), or "running PID" (exit 3) when one runs already. ELTCTL_JOB and
     ELTCTL_HOST in its environment (and so its workers') mark the job's processes.
+
+    `bind_from_ssh` (the "ssh" store mode, where the store is 127.0.0.1 on the host):
+    ELTCTL_BIND_ADDRESS is the host's own address of this SSH connection (the third
+    field of SSH_CONNECTION), where its workers' gloo/NCCL listen (runtime/collectives.py
+    `bind_address`); empty when SSH_CONNECTION is missing (the runtime's own rule then).
     """
     q = shlex.quote
-    env = (f"ELTCTL_JOB={q(job)} ELTCTL_HOST={q(host.name)} "
+    bind = "ELTCTL_BIND_ADDRESS=$(set -- ${SSH_CONNECTION:-}; echo ${3:-}) " if bind_from_ssh else ""
+    env = (f"{bind}ELTCTL_JOB={q(job)} ELTCTL_HOST={q(host.name)} "
            + (f"ELTCTL_CONTROL={q(owner.control)} " if owner else "")
            + f"PYTHONPATH={q(runtime_dir)}${{PYTHONPATH:+:$PYTHONPATH}}")
     claim = f"printf '%s\\n' {q(owner.line())} > {OWNER_FILE} && " if owner else ""
@@ -279,10 +285,12 @@ DAEMON_START_TIMEOUT = 90.0
 
 
 async def start_daemon(t: Transport, paths: HostPaths, runtime_dir: str, config: dict,
-                       owner: Owner | None = None, secret: bytes | None = None) -> int | None:
+                       owner: Owner | None = None, secret: bytes | None = None,
+                       bind_from_ssh: bool = False) -> int | None:
     """Start the daemon; its pid (None if it did not say). One running already is fine.
     With `secret` (the job's), it is written first, to `config["secret_file"]`."""
-    cmd = start_daemon_command(t.host, paths, runtime_dir, config["job"], owner, secret is not None)
+    cmd = start_daemon_command(t.host, paths, runtime_dir, config["job"], owner, secret is not None,
+                               bind_from_ssh)
     head = encode_secret(secret) if secret is not None else ""
     result = await t.run(cmd, input=head + json.dumps(config, indent=1) + "\n", timeout=DAEMON_START_TIMEOUT)
     if result.exit_status not in (0, 3):

@@ -48,7 +48,8 @@ POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "coo
                "drop_stragglers", "straggler_gain_percent", "straggler_for", *schedules.SCHEDULE_KEYS,
                *OWNER_KEYS)
 STORAGE_KEYS = ("mirror", "keep", "trust_unsigned")
-CONTROLLER_KEYS = ("address",)
+CONTROLLER_KEYS = ("address", "store")
+STORE_MODES = ("ssh", "direct")
 HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env",
              *schedules.HOST_SCHEDULE_KEYS, *OWNER_KEYS)
 POLICY_KEYS += courtesy.KEYS
@@ -261,7 +262,9 @@ class Checker:
         if isinstance(address, str) and any(c.isspace() for c in address):
             address = t.fail("address", f"{show(address)} contains whitespace; write one IP "
                                         "address of this machine that every host can reach")
-        return ControllerSettings(address=None if address is BAD else address)
+        store = t.choice("store", "ssh", STORE_MODES)
+        return ControllerSettings(address=None if address is BAD else address,
+                                  store=store if isinstance(store, str) else "ssh")
 
     def storage(self, t: Table) -> Storage:
         d = Storage()

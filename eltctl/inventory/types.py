@@ -76,7 +76,10 @@ class StragglerPolicy:
 
 @dataclass(frozen=True)
 class ControllerSettings:
-    address: str | None = None  # the address workers reach the store at (None: worked out)
+    address: str | None = None  # the address workers reach the store at in "direct" mode (None: worked out)
+    # "ssh": the store on 127.0.0.1, forwarded to each host over its SSH connection;
+    # "direct": bound to `address` (exposes the store to the network; the secret covers it)
+    store: str = "ssh"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,35 @@ import pytest
 from eltctl_runtime.protocol import EventKind, Keys, desired_key, job_prefix
 from tests.testbed.jobenv import job_env_on, job_pids, wait_for, worker_pids
 
+
+def listening_addresses(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state `pid` holds (IPv4 dotted; IPv6 as hex)."""
+    rows: dict[str, tuple[str, int]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in lines:
+            f = row.split()
+            if f[3] == "0A":  # LISTEN
+                hexaddr, hexport = f[1].rsplit(":", 1)
+                addr = ".".join(str(b) for b in reversed(bytes.fromhex(hexaddr))) if len(hexaddr) == 8 else hexaddr
+                rows[f[9]] = (addr, int(hexport, 16))
+    out = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in rows:
+            out.add(rows[link[8:-1]])
+    return out
+
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(300)]
 
 HUGE_STEP = 10**12
@@ -96,8 +125,13 @@ def test_forged_control_values_from_the_network_are_ignored_and_counted(testbed,
         workers = set(worker_pids(job).values())
         gloo = {p for p, pid in ports.items() if pid in workers}
         assert set(ports) - gloo == {int(keeper["port"])}, f"unexpected listeners: {ports}"
-        for port in ports:  # a scan: connect, then go (gloo's data plane is not signed: not probed further)
-            with socket.create_connection(("127.0.0.1", port), timeout=5):
+        # the store is on loopback (each host reaches it through its SSH forward): not on a LAN address
+        assert listening_addresses(int(keeper["pid"])) == {("127.0.0.1", int(keeper["port"]))}
+        # a scan: connect, then go (gloo's data plane is not signed: not probed further). gloo
+        # listens on the host's address of its SSH connection (ELTCTL_BIND_ADDRESS), the store on 127.0.0.1
+        where = {p: a for pid in set(ports.values()) for a, p in listening_addresses(pid)}
+        for port in ports:
+            with socket.create_connection((where[port], port), timeout=5):
                 pass
 
         # -- through the store: forge what finding 1 lists

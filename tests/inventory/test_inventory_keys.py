@@ -1,5 +1,5 @@
 """The inventory keys the control plane added: [job] shared_filesystem, [policy]
-watch_interval / bench_after / hang_timeout, [controller] address."""
+watch_interval / bench_after / hang_timeout, [controller] address and store."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def test_defaults():
     assert inv.job.shared_filesystem is False
     assert (inv.policy.watch_interval, inv.policy.bench_after, inv.policy.hang_timeout) == (1.0, 3, 10.0)
     assert inv.controller.address is None
+    assert inv.controller.store == "ssh"  # the store on loopback, forwarded over SSH
 
 
 def test_every_new_key_is_read():
@@ -25,6 +26,8 @@ def test_every_new_key_is_read():
     assert inv.job.shared_filesystem is True
     assert (inv.policy.watch_interval, inv.policy.bench_after, inv.policy.hang_timeout) == (0.5, 5, 20.0)
     assert inv.controller.address == "10.0.0.5"
+    inv = parse_inventory(BASE + '[controller]\nstore = "direct"\n' + HOST, "hosts.toml")
+    assert inv.controller.store == "direct"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -37,6 +40,8 @@ def test_every_new_key_is_read():
     (BASE + '[controller]\naddress = "10.0.0.5 10.0.0.6"\n' + HOST,
      "hosts.toml:5: controller.address: \"10.0.0.5 10.0.0.6\" contains whitespace; write one IP address of this "
      "machine that every host can reach"),
+    (BASE + '[controller]\nstore = "lan"\n' + HOST,
+     'hosts.toml:5: controller.store: must be one of "ssh", "direct", got a string ("lan")'),
     (BASE + '[controller]\nadress = "10.0.0.5"\n' + HOST, "hosts.toml:5: controller.adress: unknown key; did you mean address?"),
 ])
 def test_mistakes_have_exact_messages(text, message):

@@ -87,6 +87,11 @@ class SshdConfig:
             "PrintMotd no",
             "PrintLastLog no",
             "X11Forwarding no",
+            # The store reaches the hosts through remote forwards of the controller's
+            # connections (eltctl/storeforward.py), listening on the host's loopback
+            # only: GatewayPorts stays no.
+            "AllowTcpForwarding yes",
+            "GatewayPorts no",
             # The temp directories are not root-only all the way up.
             "StrictModes no",
             # Every probe of a many-host test opens connections at once.
