@@ -243,7 +243,8 @@ def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, al
                           if s.index in taken and s.use not in (GpuUse.BUSY, GpuUse.TAKEN) else s for s in slots)
     return pol.HostView(name=host.name, reach=reach, reason=reason, slots=slots, daemon_alive=alive,
                         workers=workers, yielded=yielded, taken=taken, crashed=tuple(sorted(crashed)),
-                        seq_applied=seq_applied, watched=watched, crash_info=tuple(crashes), in_job=joined)
+                        seq_applied=seq_applied, watched=watched, crash_info=tuple(crashes), in_job=joined,
+                        owner=dict(report.owner) if report is not None and isinstance(report.owner, dict) else None)
 
 
 def taken_slots(state: Mapping[str, Any]) -> tuple[int, ...]:

@@ -63,7 +63,7 @@ newest checkpoint as after the loss of every host (`Decision.paused`).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 from eltctl.controller import hours as hrs
@@ -163,6 +163,7 @@ class HostView:
     watched: bool = False
     crash_info: tuple[Crash, ...] = ()  # what the daemon said of the crashes in `crashed`
     in_job: bool = False  # a worker of this host is a member in rank 0's fresh status (it reached a step)
+    owner: dict | None = field(default=None, hash=False)  # the probe's owner signal holding the host ({"name", "detail", "since"}), or None
 
     def slot(self, index: int) -> SlotView | None:
         for s in self.slots:

@@ -218,9 +218,13 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
 
 def owner_signal(view: pol.HostView, seen: DaemonSeen | None) -> dict[str, Any] | None:
     """The owner signal that holds the host ({"name", "detail", "since"}): its live daemon's
-    (the state document's `signal`), else the probe's (a busy slot's reason "owner: ...")."""
+    (the state document's `signal`), else the probe's (its owner answer, or a busy slot's
+    reason "owner: ..." where only that is known)."""
     if seen is not None and view.daemon_alive and isinstance(seen.state.get("signal"), dict):
         return dict(seen.state["signal"])
+    if isinstance(view.owner, dict) and view.owner.get("name"):
+        return {"name": view.owner.get("name"), "detail": str(view.owner.get("detail", "")),
+                "since": view.owner.get("since")}
     for s in view.slots:
         if s.reason.startswith("owner: "):
             return {"name": None, "detail": s.reason[len("owner: "):], "since": None}

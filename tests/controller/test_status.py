@@ -219,3 +219,20 @@ def test_when_every_host_failed_at_start_the_phase_says_so_in_the_same_pass():
                                 runtime_status=None, views=views, records=records, decision=Decision((), {}, 0, waiting=False),
                                 starting_daemons=False)
     assert phase == Phase.WAITING and "cooling down after a failure" in message and CANT_OPEN in message
+
+
+def test_the_owner_signal_shown_is_the_daemons_else_the_probes_with_its_name():
+    """Seen in CI: the daemon's state briefly had no signal while the probe held the host;
+    status showed the probe's signal without its name. The probe's answer carries it."""
+    from eltctl.controller.status import owner_signal
+
+    login = {"name": "login", "detail": "alice logged in on pts/3", "since": 5.0}
+    busy = (SlotView(0, GpuUse.BUSY, "owner: alice logged in on pts/3"),)
+    daemon = DaemonSeen(b"", NOW, {"signal": {"name": "keyboard", "detail": "typing", "since": 6.0}})
+    silent = DaemonSeen(b"", NOW, {"signal": None})
+    assert owner_signal(HostView("a", Reach.OK, slots=busy, daemon_alive=True, owner=login), daemon)["name"] == "keyboard"
+    assert owner_signal(HostView("a", Reach.OK, slots=busy, daemon_alive=True, owner=login), silent) == login
+    assert owner_signal(HostView("a", Reach.OK, slots=busy, owner=login), None) == login
+    assert owner_signal(HostView("a", Reach.OK, slots=busy), None) == {
+        "name": None, "detail": "alice logged in on pts/3", "since": None}
+    assert owner_signal(HostView("a", Reach.OK, slots=(SlotView(0, GpuUse.FREE),)), silent) is None
