@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dictstore import DictStore
 from eltctl_runtime import protocol
 from eltctl_runtime.protocol import Desired, EventKind, Keys
 
@@ -111,27 +112,6 @@ def test_the_scope_reads_and_writes_the_same_keys_as_c10ds_prefix_store():
 
 
 # ---------------------------------------------------------------------------- documents
-
-
-class DictStore:
-    """The duck-typed store the protocol's helpers need (set/get/add/check)."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def get(self, key):
-        return self.data[key]
-
-    def add(self, key, amount):
-        n = int(self.data.get(key, b"0")) + amount
-        self.data[key] = str(n).encode()
-        return n
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
 
 
 def test_desired_is_byte_for_byte_what_the_controller_writes():
