@@ -73,21 +73,11 @@ for p in (ROOT, ROOT / "tests" / "runtime", HERE):
         sys.path.insert(0, str(p))
 
 import _chaos_faults as cf  # noqa: E402
-from soak import BATCH, SAMPLES, audit_figures, log  # noqa: E402
+from soak import BATCH, FAST_POLICY, SAMPLES, audit_figures, log  # noqa: E402
 
 # torch without numpy (the hosts' interpreter has none) warns once when the audit check imports it.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 ELTCTL = [sys.executable, "-m", "eltctl"]
-POLICY = """\
-[policy]
-idle_for = "1s"
-cooldown = "3s"
-probe_interval = "1s"
-watch_interval = "0.5s"
-hang_timeout = "6s"
-nvidia_smi_timeout = "5s"
-bench_after = 5
-"""
 INVARIANTS = ("keeps_training", "exactly_once", "no_step_lost_on_planned_leave", "final_checkpoint_mirrored",
               "nothing_left_after_down")
 
@@ -164,7 +154,7 @@ def run(minutes: float, n_hosts: int, gpus: int, seed: int, kinds: list[str], bo
                    "--checkpoint-every", "50"]
         inventory = bed.write_inventory(root / "hosts.toml", job={
             "name": job, "command": command, "workdir": str(workdir), "device": "cpu", "min_workers": 1,
-            "env": {"OMP_NUM_THREADS": "1"}}, extra=POLICY + f'\n[storage]\nmirror = "{mirror}"\n')
+            "env": {"OMP_NUM_THREADS": "1"}}, extra=FAST_POLICY + f'\n[storage]\nmirror = "{mirror}"\n')
         ctx = cf.Context(bed=bed, job=job, state_dir=state_dir, mirror=mirror, root=root, rng=rng, eltctl=eltctl)
         watch = cf.StepWatch(audit)
         total = n_hosts * gpus

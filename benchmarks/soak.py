@@ -54,7 +54,8 @@ for p in (ROOT, ROOT / "tests" / "runtime"):
         sys.path.insert(0, str(p))
 
 ELTCTL = [sys.executable, "-m", "eltctl"]
-POLICY = """\
+# The fast policy of the soak and chaos benchmarks (chaos.py has no owner signals).
+FAST_POLICY = """\
 [policy]
 idle_for = "1s"
 cooldown = "3s"
@@ -63,6 +64,8 @@ watch_interval = "0.5s"
 hang_timeout = "6s"
 nvidia_smi_timeout = "5s"
 bench_after = 5
+"""
+POLICY = FAST_POLICY + """\
 owner_signals = ["login"]
 owner_idle_to_start = "5s"
 owner_active_within = "60s"
