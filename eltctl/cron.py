@@ -27,8 +27,6 @@ cron mails. Waiting longer than `--timeout` for the first step is not a failure.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import shlex
 import shutil
@@ -41,6 +39,7 @@ from typing import Mapping
 
 from eltctl.errors import EltctlError
 from eltctl.inventory import Inventory
+from eltctl_runtime.files import try_flock
 
 CRONTAB_ENV = "ELTCTL_CRONTAB"
 DEFAULT_SCHEDULE = "*/5 * * * *"
@@ -221,16 +220,8 @@ class RunLock:
         self._fd: int | None = None
 
     def try_acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            raise
-        self._fd = fd
-        return True
+        self._fd = try_flock(self.path)
+        return self._fd is not None
 
     def release(self) -> None:
         if self._fd is not None:

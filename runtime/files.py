@@ -11,6 +11,8 @@ writer rewrites them); `fsync_dir` makes a rename in a directory durable.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import tempfile
@@ -85,3 +87,23 @@ def remove(path: Path | str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def try_flock(path: Path | str, mode: int = 0o600, *, write_pid: bool = False) -> int | None:
+    """Open `path` (created with `mode`) and take an exclusive flock on it without
+    waiting: the open descriptor, which holds the lock until it is closed (so the
+    lock goes with its process however that dies), or None when another process
+    holds it. With `write_pid` the file then holds this process's pid (a hint for
+    messages). Other errors raise."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    if write_pid:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    return fd

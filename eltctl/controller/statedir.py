@@ -21,14 +21,13 @@ imports nothing heavy: the CLI commands use it.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from eltctl_runtime.auth import SECRET_FILE_NAME, new_secret, read_secret, write_secret
+from eltctl_runtime.files import try_flock
 from eltctl_runtime.pids import pid_alive
 
 
@@ -149,18 +148,8 @@ class ControllerLock:
     def acquire(self) -> bool:
         """Take the lock without waiting; False when another process holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return False
-            raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return True
+        self._fd = try_flock(self.path, write_pid=True)
+        return self._fd is not None
 
     def release(self) -> None:
         if self._fd is not None:

@@ -10,15 +10,13 @@ life.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import pwd
 import subprocess
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ..files import remove
+from ..files import remove, try_flock
 from ..pids import pid_alive, read_pid_file
 from .courtesy import Courtesy, preexec
 
@@ -49,14 +47,9 @@ class PidLock:
 
     def acquire(self) -> None:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise AlreadyRunning(self.path, read_pid_file(self.path)) from None
-                raise
+            fd = try_flock(self.path, 0o644)
+            if fd is None:
+                raise AlreadyRunning(self.path, read_pid_file(self.path))
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

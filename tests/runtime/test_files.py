@@ -69,3 +69,20 @@ def test_remove_tolerates_a_missing_file(tmp_path):
     remove(p)
     remove(p)
     assert not p.exists()
+
+
+def test_try_flock_holds_the_lock_until_its_descriptor_closes(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from eltctl_runtime.files import try_flock
+
+    lock = tmp_path / "x.lock"
+    fd = try_flock(lock, write_pid=True)
+    assert fd is not None and lock.read_text() == f"{os.getpid()}\n"
+    assert oct(lock.stat().st_mode & 0o777) == oct(0o600)
+    other = [sys.executable, "-c", f"from eltctl_runtime.files import try_flock; print(try_flock({str(lock)!r}))"]
+    assert subprocess.run(other, capture_output=True, text=True, check=True).stdout.strip() == "None"
+    os.close(fd)
+    assert subprocess.run(other, capture_output=True, text=True, check=True).stdout.strip() != "None"
