@@ -270,6 +270,22 @@ def check_workdir(facts: RemoteFacts) -> Check:
                  f"on the host: mkdir -p {WORKDIR} && chmod u+rwx {WORKDIR} (and check the disk is not full)")
 
 
+async def check_store_forward(host: Host, transport: Transport) -> Check | None:
+    """The default `[controller] store = "ssh"` mode reaches the job's store through a remote
+    forward on each host's SSH connection: FAIL when the host's sshd refuses one (None for a
+    local host, which reaches the store directly)."""
+    probe = getattr(transport, "remote_forward_refusal", None)
+    if host.is_local or probe is None:
+        return None
+    refused = await probe()
+    if refused is None:
+        return Check("store forward", Status.OK, "sshd allows a forward on the host's loopback")
+    return Check("store forward", Status.FAIL, f"the host's sshd refused a remote port forward ({refused})",
+                 "the job's store reaches the host through one: set `AllowTcpForwarding yes` (or `remote`) in "
+                 "the host's sshd_config and reload sshd, or set [controller] store = \"direct\" in the "
+                 "inventory (the store then listens on the network)")
+
+
 # --------------------------------------------------------------------------- running it
 
 # More checks run once connected, beside doctor's own (`eltctl up` adds what only the
@@ -372,8 +388,12 @@ def diagnose(inventory: Inventory, *, accept_new: bool = False,
              ssh: SSHSettings | None = None) -> list[HostDiagnosis]:
     """`eltctl doctor`: diagnose every host of the inventory."""
 
+    async def forward(host: Host, transport: Transport) -> list[Check]:
+        check = await check_store_forward(host, transport) if inventory.controller.store == "ssh" else None
+        return [check] if check is not None else []
+
     async def main() -> list[HostDiagnosis]:
         async with Fleet(inventory, ssh=ssh) as fleet:
-            return await diagnose_fleet(fleet, policy=inventory.policy, accept_new=accept_new)
+            return await diagnose_fleet(fleet, policy=inventory.policy, accept_new=accept_new, extra=forward)
 
     return asyncio.run(main())

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from eltctl.doctor import Check, HostDiagnosis, Status
+from eltctl.doctor import Check, HostDiagnosis, Status, check_store_forward
 from eltctl.errors import ConfigError, EltctlError, HostError
 from eltctl.inventory import Host, Inventory, JobSpec
 
@@ -239,6 +239,9 @@ def host_job_checks(inventory: Inventory):
 
     async def extra(host: Host, transport) -> list[Check]:
         checks = await owner_checks(inventory, host, transport)
+        if inventory.controller.store == "ssh":
+            forward = await check_store_forward(host, transport)
+            checks += [forward] if forward is not None else []
         script = host_job_script(job, facts, host.python)
         if script is None:
             return checks

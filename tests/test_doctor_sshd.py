@@ -8,6 +8,7 @@ The plan:
     h-changed  its key changed after it was recorded           -> host key FAIL, CHANGED; never replaced
     h-noauth   our public key is not authorized                -> auth FAIL
     h-nopy     `python` points at a missing interpreter        -> python FAIL
+    h-nofwd    its sshd has AllowTcpForwarding no              -> store forward FAIL (the store's forward)
     dead       nothing listens                                 -> reachable FAIL
 Exit status 3 while any host fails; 0 once all pass.
 """
@@ -43,13 +44,14 @@ def section(out: str, host: str) -> str:
 
 
 def test_doctor_finds_each_problem_and_accept_new_records_only_unknown_keys(testbed, tmp_path):
-    names = ["h-good", "h-cpu", "h-fail", "h-changed", "h-noauth", "h-nopy"]
+    names = ["h-good", "h-cpu", "h-fail", "h-changed", "h-noauth", "h-nopy", "h-nofwd"]
     hosts = dict(zip(names, testbed.add_hosts(len(names), names=names)))
     hosts["h-nokey"] = testbed.add_host("h-nokey", known=False)
     hosts["h-cpu"].set_mode("missing")
     hosts["h-fail"].set_mode("fail")
     hosts["h-changed"].change_host_key()
     (hosts["h-noauth"].dir / "authorized_keys").write_text("")
+    hosts["h-nofwd"].set_sshd_option("AllowTcpForwarding", "no")
     dead = testbed.dead_address()
     inventory = testbed.write_inventory(extra=f"""
 [policy]
@@ -70,7 +72,8 @@ port = {dead[1]}
     out = doctor(inventory)
     assert out.returncode == 3, out.stdout + out.stderr
     good = section(out.stdout, "h-good")
-    for check in ("reachable", "host key", "auth", "python", "torch", "nvidia-smi", "work directory"):
+    for check in ("reachable", "host key", "auth", "python", "torch", "nvidia-smi", "work directory",
+                  "store forward"):
         assert f"ok {check}" in good, good
     assert "FAIL" not in good
     assert "CPU-only" in section(out.stdout, "h-cpu") and "FAIL" not in section(out.stdout, "h-cpu")
@@ -84,6 +87,8 @@ port = {dead[1]}
     nopy_out = section(out.stdout, "h-nopy")
     assert "FAIL python" in nopy_out and "/nonexistent/python3" in nopy_out
     assert "FAIL reachable" in section(out.stdout, "dead")
+    nofwd = section(out.stdout, "h-nofwd")
+    assert "FAIL store forward" in nofwd and "AllowTcpForwarding yes" in nofwd and "ok python" in nofwd, nofwd
     assert testbed.known_hosts.read_text() == known_before, "doctor without --accept-new wrote known_hosts"
 
     out = doctor(inventory, "--accept-new")

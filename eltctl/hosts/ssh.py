@@ -99,6 +99,19 @@ class SSHTransport:
         sock = self._conn.get_extra_info("sockname")
         return sock[0] if sock else None
 
+    async def remote_forward_refusal(self) -> str | None:
+        """Whether the host's sshd lets this connection listen on its loopback (what the
+        "ssh" store mode's forward needs): None when it does (a port is opened and closed
+        again at once), else the server's refusal."""
+        import asyncssh
+
+        try:
+            listener = await self._conn.forward_remote_port("127.0.0.1", 0, "127.0.0.1", 9)
+        except (asyncssh.Error, asyncssh.ChannelListenError, OSError) as exc:
+            return str(exc) or type(exc).__name__
+        listener.close()
+        return None
+
     async def open_stream(self, command: str) -> "SSHStream":
         """A channel of this connection running `command` with binary stdin and stdout."""
         import asyncssh

@@ -242,6 +242,16 @@ class SimHost:
         if was_running:
             self.restore()
 
+    def set_sshd_option(self, keyword: str, value: str) -> None:
+        """One sshd_config keyword set to `value` (e.g. AllowTcpForwarding no); sshd restarted."""
+        path = self.dir / "sshd_config"
+        lines = [line for line in path.read_text().splitlines() if line.split(" ", 1)[0] != keyword]
+        path.write_text("\n".join([*lines, f"{keyword} {value}"]) + "\n")
+        was_running = self._sshd is not None
+        self.stop_sshd()
+        if was_running:
+            self.restore()
+
     @property
     def sshd_pid(self) -> int | None:
         return self._sshd.pid if self._sshd is not None and self._sshd.poll() is None else None
