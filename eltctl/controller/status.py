@@ -278,6 +278,11 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         doc["workers"] = workers
     if keeper is not None:
         doc["keeper"] = keeper
+        forwards = keeper.get("forwards") if isinstance(keeper.get("forwards"), dict) else {}
+        for h in hosts:  # the "ssh" store mode: the host's own forward, beside its other notes
+            f = forwards.get(h["name"])
+            if isinstance(f, dict):
+                h["forward"] = {"port": f.get("port"), "up": bool(f.get("up")), "error": f.get("error") or None}
     return doc
 
 

@@ -63,6 +63,10 @@ def host_notes(host: Mapping[str, Any], options: ViewOptions, *, brief: bool = F
     notes = []
     if host.get("reason"):
         notes.append(str(host["reason"]))
+    forward = host.get("forward")
+    if isinstance(forward, dict) and not forward.get("up"):
+        why = str(forward.get("error") or "not open yet")
+        notes.append("store forward down" if brief else f"store forward down: {why}")
     signal = host.get("signal")
     if isinstance(signal, dict):
         name = f" {signal['name']}" if signal.get("name") else ""

@@ -236,3 +236,27 @@ def test_the_owner_signal_shown_is_the_daemons_else_the_probes_with_its_name():
     assert owner_signal(HostView("a", Reach.OK, slots=busy), None) == {
         "name": None, "detail": "alice logged in on pts/3", "since": None}
     assert owner_signal(HostView("a", Reach.OK, slots=(SlotView(0, GpuUse.FREE),)), silent) is None
+
+
+def test_each_hosts_store_forward_rides_in_its_entry_and_a_down_one_is_a_note():
+    """The "ssh" store mode: the keeper's forwards (status.json `keeper.forwards`) are also
+    each host's `forward`, and the hosts table notes one that is down, with its error."""
+    from eltctl.statusview.formatting import ViewOptions
+    from eltctl.statusview.hosts import host_notes
+
+    keeper = {"pid": 5, "endpoint": "127.0.0.1:1", "restarts": 0, "problem": None,
+              "forwards": {"a": {"port": 4100, "up": True, "error": "", "since": 1.0},
+                           "b": {"port": None, "up": False, "error": "refused: AllowTcpForwarding", "since": 2.0}}}
+    doc = status_document(now=NOW, inventory=INV, phase=Phase.TRAINING, message="", runtime_status=None,
+                          views=IDLE, records={}, seen={}, events=[], store_endpoint="127.0.0.1:1", mirror=None,
+                          keeper=keeper)
+    a, b = doc["hosts"]
+    assert a["forward"] == {"port": 4100, "up": True, "error": None}
+    assert b["forward"] == {"port": None, "up": False, "error": "refused: AllowTcpForwarding"}
+    opts = ViewOptions(now=NOW)
+    assert not [n for n in host_notes(a, opts) if "forward" in n]
+    assert "store forward down: refused: AllowTcpForwarding" in host_notes(b, opts)
+    assert "store forward down" in host_notes(b, opts, brief=True)
+    plain = status_document(now=NOW, inventory=INV, phase=Phase.TRAINING, message="", runtime_status=None,
+                            views=IDLE, records={}, seen={}, events=[], store_endpoint="127.0.0.1:1", mirror=None)
+    assert all("forward" not in h for h in plain["hosts"])
