@@ -30,7 +30,14 @@ round the ratios pipeline / memory and pipeline / DDP; the result is the median
 of each ratio over rounds. Targets: <= 1.15x in-memory, <= 1.05x DDP with
 DataLoader. On 2 cores the 8 data worker processes' decoding competes with the
 2 training processes for the CPU on both sides alike; other load on the
-machine moves every figure.
+machine moves every figure. Also printed: what loading one rank's share costs
+in CPU (measured serially in the benchmark's process: the samples with their
+I/O waits interleaved, collated, pickled), against the in-memory step: the
+part of each core the data workers of either side take from its trainer
+(about 4.7 ms, 22 %, here: the 1 ms sleeps' wake-ups and the cold caches after
+them cost more than the decode). Where the cores are all trainers', the
+in-memory ratio cannot go below about 1 + that fraction of the trainers' busy
+time; with spare cores (a GPU server) it costs the step nothing.
 """
 
 from __future__ import annotations
@@ -68,6 +75,31 @@ def measure(side: str, *, steps: int, workers: int, prefetch: int, io_ms: float,
                                  extra_args=(*records, "--loader-workers", str(workers)))
 
 
+def data_cpu_per_share(io_ms: float, share: int = 32, shares: int = 40) -> float:
+    """The CPU seconds one rank's share of a step costs to load, measured serially in this
+    process: `share` samples of the same RecordDataset (their I/O waits interleaved, as in a
+    data worker), collated and pickled as a data worker sends them. What the data workers of
+    either side take from the cores the trainers use."""
+    import pickle
+
+    import torch
+    from torch.utils.data._utils.collate import default_collate
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import toy
+
+    torch.set_num_threads(1)
+    ds = toy.RecordDataset(toy.make_dataset(), io_ms=io_ms)
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
+    spent = []
+    for k in range(shares):
+        t0 = time.process_time()
+        batch = default_collate([ds[i] for i in order[k * share:(k + 1) * share]])
+        pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        spent.append(time.process_time() - t0)
+    return statistics.median(spent[5:])
+
+
 def ratios(rounds: list[dict], num: str, den: str) -> dict[str, Any]:
     """Median over rounds of (num median step) / (den median step). Pure."""
     got = [r[num]["median_step_s"] / r[den]["median_step_s"] for r in rounds
@@ -90,6 +122,7 @@ def run(*, rounds: int, steps: int, workers: int, prefetch: int, io_ms: float, t
     vs_memory = ratios(out_rounds, "eltctl_pipeline", "eltctl_memory")
     vs_ddp = ratios(out_rounds, "eltctl_pipeline", "ddp_loader")
     medians = {side: _median_of(out_rounds, side) for side in SIDES}
+    data_cpu = data_cpu_per_share(io_ms, share=64 // WORLD)
     targets = [
         _target("pipeline vs in-memory tensors", MEMORY_TARGET, vs_memory["median_ratio"]),
         _target("pipeline vs DDP + DataLoader", DDP_TARGET, vs_ddp["median_ratio"]),
@@ -106,6 +139,11 @@ def run(*, rounds: int, steps: int, workers: int, prefetch: int, io_ms: float, t
                      "data_workers_per_rank": workers, "prefetch_steps": prefetch, "steps": steps,
                      "warmup_discarded": 30},
         "median_step_s": medians,
+        # What loading costs the cores, whoever loads: the data of one rank's share, in CPU
+        # seconds, and as a fraction of the in-memory step (each rank's trainer keeps one
+        # core busy for most of a step; the data workers' CPU comes out of the same cores).
+        "data_cpu_per_share_s": round(data_cpu, 5),
+        "data_cpu_vs_memory_step": round(data_cpu / medians["eltctl_memory"], 4) if medians["eltctl_memory"] else None,
         "vs_memory": vs_memory,
         "vs_ddp_loader": vs_ddp,
         "rounds": out_rounds,
@@ -149,12 +187,19 @@ def render(res: dict) -> str:
     lines += ["", "median step over rounds: " + ", ".join(f"{s} {_fmt(md[s])}" for s in SIDES),
               f"pipeline / in-memory: {res['vs_memory']['ratios']} -> median {res['vs_memory']['median_ratio']}",
               f"pipeline / DDP+DataLoader: {res['vs_ddp_loader']['ratios']} -> median "
-              f"{res['vs_ddp_loader']['median_ratio']}", "",
+              f"{res['vs_ddp_loader']['median_ratio']}",
+              f"loading one rank's share costs {res['data_cpu_per_share_s'] * 1000:.1f} ms of CPU (measured "
+              f"serially), {_pct(res['data_cpu_vs_memory_step'])} of the in-memory step: with {m['cpus']} cores "
+              f"and {w['world']} trainers, data workers of either side take that from the trainers' cores", "",
               f"{'target':<34} {'goal':>9} {'measured':>10}  status"]
     for t in res["targets"]:
         status = "met" if t["met"] else ("n/a" if t["met"] is None else "NOT met")
         lines.append(f"{t['name']:<34} {t['goal']:>9} {t['measured']:>10}  {status}")
     return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 100:.0f} %"
 
 
 def _fmt(x: float | None) -> str:
