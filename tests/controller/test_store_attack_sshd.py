@@ -73,30 +73,7 @@ HUGE_STEP = 10**12
 
 def listening_ports(pids: list[int]) -> dict[int, int]:
     """port -> pid, for every TCP socket in LISTEN state held by one of `pids`."""
-    inodes: dict[str, int] = {}  # socket inode -> port
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            f = row.split()
-            if f[3] == "0A":  # LISTEN
-                inodes[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
-    out = {}
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                out[inodes[link[8:-1]]] = pid
-    return out
+    return {port: pid for pid in pids for _addr, port in listening_addresses(pid)}
 
 
 def mode(path: Path) -> int:

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from eltctl.storeforward import Forwarder, forward_port, read_forwards
+from tests.testbed.jobenv import wait_for
 
 pytestmark = pytest.mark.sshd
 
@@ -48,16 +49,6 @@ def _through(port: int) -> bytes:
         return s.recv(64)
 
 
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _sshd_children(host) -> list[int]:
     """The sshd processes serving the connections of `host` (children of its listener)."""
     listener = host.sshd_pid
@@ -82,8 +73,8 @@ def test_forwards_come_up_keep_their_port_and_follow_the_inventory(testbed, tmp_
     fw = Forwarder(inventory, state, keeper_port)
     try:
         fw.start()
-        doc = _wait(lambda: (d := read_forwards(state)) and forward_port(d, "h1", os.getpid()) and d, 30,
-                    "h1's forward")
+        doc = wait_for(lambda: (d := read_forwards(state)) and forward_port(d, "h1", os.getpid()) and d, 30,
+                       "h1's forward", interval=0.1)
         port = forward_port(doc, "h1", os.getpid())
         # the bed's hosts share this machine's loopback, where the keeper's port is taken: another one
         assert port != keeper_port and doc["keeper_port"] == keeper_port
@@ -93,8 +84,9 @@ def test_forwards_come_up_keep_their_port_and_follow_the_inventory(testbed, tmp_
         # the sshd child serving the forward dies: the connection is opened again, on the same port
         for pid in _sshd_children(h1):
             os.kill(pid, signal.SIGKILL)
-        _wait(lambda: not (read_forwards(state)["hosts"]["h1"]["up"]), 30, "the forward to be seen down")
-        _wait(lambda: forward_port(read_forwards(state), "h1", os.getpid()), 60, "h1's forward again")
+        wait_for(lambda: not (read_forwards(state)["hosts"]["h1"]["up"]), 30, "the forward to be seen down",
+                 interval=0.1)
+        wait_for(lambda: forward_port(read_forwards(state), "h1", os.getpid()), 60, "h1's forward again", interval=0.1)
         assert forward_port(read_forwards(state), "h1", os.getpid()) == port
         assert _through(port) == b"echo:hi"
 
@@ -102,7 +94,7 @@ def test_forwards_come_up_keep_their_port_and_follow_the_inventory(testbed, tmp_
         time.sleep(1.1)
         testbed.write_inventory(inventory, hosts=[h1, h2], job={
             "name": "fw", "command": ["python", "x.py"], "workdir": str(tmp_path), "device": "cpu"})
-        _wait(lambda: forward_port(read_forwards(state), "h2", os.getpid()), 30, "h2's forward")
+        wait_for(lambda: forward_port(read_forwards(state), "h2", os.getpid()), 30, "h2's forward", interval=0.1)
         assert _through(forward_port(read_forwards(state), "h2", os.getpid())) == b"echo:hi"
     finally:
         fw.stop()
@@ -112,7 +104,8 @@ def test_forwards_come_up_keep_their_port_and_follow_the_inventory(testbed, tmp_
     again = Forwarder(inventory, state, keeper_port, insist=True)
     try:
         again.start()
-        _wait(lambda: forward_port(read_forwards(state), "h1", os.getpid()), 30, "h1's forward after a restart")
+        wait_for(lambda: forward_port(read_forwards(state), "h1", os.getpid()), 30, "h1's forward after a restart",
+                 interval=0.1)
         assert forward_port(read_forwards(state), "h1", os.getpid()) == port
     finally:
         again.stop()

@@ -18,25 +18,9 @@ import pytest
 from eltctl.storeforward import forward_port, read_forwards
 from tests.controller.test_store_attack_sshd import listening_addresses, listening_ports
 from tests.testbed.jobenv import job_env_on, wait_for, worker_pids
+from tests.testbed.procs import descendants
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def test_store_on_loopback_forwarded_per_host_and_a_dropped_forward_comes_back(testbed):
