@@ -785,3 +785,12 @@ def test_status_json_has_the_forged_counts(tmp_path):
     r = eltctl(tmp_path, "status", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["forged"] == FORGED
+
+
+def test_after_a_crash_the_view_shows_where_it_stopped_and_the_last_checkpoint():
+    doc = {**WAITING, "runtime_current": False, "step": 10, "members": [],
+           "checkpoint": {"step": 5, "time": NOW - 30.0, "age_s": 30.0, "host": "local-a"}}
+    lines = view_text(doc, Source.CONTROLLER, NOW + 1).splitlines()
+    assert lines[1] == "workers     0 (min 3, max any)   generation 2"
+    assert lines[2] == "progress    step 10   epoch 0   (where it stopped; no worker runs now)"
+    assert lines[3] == "checkpoint  step 5 on local-a, 31 s ago"

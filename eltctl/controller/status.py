@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from eltctl.controller import observe
 from eltctl.controller import policy as pol
 from eltctl.controller.observe import DaemonSeen
 from eltctl_runtime.files import write_json_atomic
@@ -43,11 +44,9 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
                records: Mapping[str, pol.HostRecord], decision: pol.Decision,
                starting_daemons: bool, limits: Mapping[str, pol.Limit] | None = None) -> tuple[str, str]:
     """The phase and message after a pass that acted on `decision`."""
-    rs = runtime_status or {}
     running = sum(len(v.workers) for v in views.values())
-    fresh = rs and now - float(rs.get("seen") or 0) < max(30.0, 3 * inventory.policy.hang_timeout)
     desired = any(records.get(h.name, pol.HostRecord()).desired for h in inventory.hosts)
-    if fresh and int(rs.get("world_size", 0)) > 0 and running:
+    if current_members(runtime_status, views, now, inventory):
         return Phase.TRAINING, ""
     if (decision.waiting and not running) or start_failures(now=now, inventory=inventory, views=views,
                                                             records=records):
@@ -63,6 +62,19 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     if desired:
         return Phase.STARTING, "waiting for the first step" if running else "starting workers"
     return phase, message
+
+
+def current_members(runtime_status: Mapping | None, views: Mapping[str, pol.HostView], now: float,
+                    inventory: Inventory) -> list[str]:
+    """The members of rank 0's status that run now, when that status is the running
+    job's: fresh, and naming at least one live worker. [] otherwise: a crashed run's last
+    status (its workers gone, or replaced by new ones with new ids) describes no one."""
+    rs = runtime_status or {}
+    try:
+        fresh = bool(rs) and now - float(rs.get("seen") or 0) < max(30.0, 3 * inventory.policy.hang_timeout)
+    except (TypeError, ValueError):
+        fresh = False
+    return observe.live_members(rs, views) if fresh else []
 
 
 def _n(count: int, one: str, many: str | None = None) -> str:
@@ -241,27 +253,35 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
                     records: Mapping[str, pol.HostRecord], seen: Mapping[str, DaemonSeen],
                     events: Iterable[dict], store_endpoint: str, mirror: dict | None,
                     limits: Mapping[str, pol.Limit] | None = None,
-                    forged: Mapping[str, Any] | None = None, keeper: dict | None = None) -> dict[str, Any]:
+                    forged: Mapping[str, Any] | None = None, keeper: dict | None = None,
+                    checkpoint: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The status document (status.json): the job, rank 0's figures, each host, recent
     events, the forged store values ignored (`forged_summary`), and `keeper`: the store
-    keeper's pid, restarts and the problem restarting it (when supervised)."""
+    keeper's pid, restarts and the problem restarting it (when supervised).
+
+    Every line is derived from what holds now: `members`, `world_size` and `workers`
+    name only the members that run now (`current_members`); with none, the last status
+    is history (`runtime_current` false: its step and loss stay as the last seen, no
+    speed, no worker). `checkpoint` is the job's last checkpoint (observe.newest_checkpoint:
+    rank 0's, else the last the controller saw), not only the current rank 0's."""
     rs = runtime_status or {}
     job = inventory.job
-    ck = rs.get("checkpoint") if isinstance(rs.get("checkpoint"), dict) else None
+    live = current_members(rs, views, now, inventory)
+    if checkpoint is None:
+        checkpoint = observe.newest_checkpoint(None, rs, now, job.name)
     limits = limits or {}
     hosts = [host_entry(views[h.name], records.get(h.name, pol.HostRecord()), seen.get(h.name), now,
                         limits.get(h.name, pol.NO_LIMIT))
              for h in inventory.hosts]
     doc = {
         "job": job.name, "state": job_state(phase), "phase": phase, "message": message, "updated": now,
-        "generation": rs.get("generation"), "world_size": int(rs.get("world_size") or 0),
-        "members": rs.get("members", []),
+        "generation": rs.get("generation"), "world_size": len(live),
+        "members": live, "runtime_current": bool(live),
         "min_workers": job.min_workers, "max_workers": job.max_workers,
-        "step": rs.get("step"), "epoch": rs.get("epoch"), "samples_per_s": rs.get("samples_per_s"),
+        "step": rs.get("step"), "epoch": rs.get("epoch"),
+        "samples_per_s": rs.get("samples_per_s") if live else None,
         "loss": rs.get("loss"),
-        "checkpoint": ({"step": ck.get("step"), "time": ck.get("time"), "path": ck.get("path"),
-                        "age_s": _checkpoint_age(rs, ck, now)}
-                       if ck else None),
+        "checkpoint": _checkpoint_entry(checkpoint, now),
         "runtime_status_age_s": round(now - float(rs["seen"]), 2) if rs.get("seen") else None,
         "controller": {"pid": os.getpid(), "alive": True},
         "store": store_endpoint,
@@ -273,7 +293,7 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "restarts": rs.get("restarts") if job.mode.value == "restart" else None,
         "forged": dict(forged) if forged is not None else forged_summary({}, {}, None),
     }
-    workers = worker_entries(rs)
+    workers = [w for w in worker_entries(rs) if w["worker"] in live]
     if workers:
         doc["workers"] = workers
     if keeper is not None:
@@ -325,14 +345,19 @@ def worker_entries(runtime_status: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _checkpoint_age(rs: Mapping, ck: Mapping, now: float) -> float | None:
-    """The checkpoint's age by the controller's clock: its time and the status's are both
-    rank 0's host clock, so their difference holds whatever that clock's offset; the
-    rest is how long ago the controller saw the status change."""
-    try:
-        return round(float(rs["time"]) - float(ck["time"]) + now - float(rs["seen"]), 1)
-    except (KeyError, TypeError, ValueError):
+def _checkpoint_entry(ck: Mapping[str, Any] | None, now: float) -> dict[str, Any] | None:
+    """The document's `checkpoint`: {step, time, path, host, age_s}. Its age is by the
+    controller's clock: the age it had when the controller saw it (rank 0's clock
+    measures both its time and the status's, so their difference holds whatever that
+    clock's offset) plus how long ago that was."""
+    if not ck or not isinstance(ck.get("step"), int):
         return None
+    try:
+        age = round(float(ck["age_s"]) + now - float(ck["seen"]), 1)
+    except (KeyError, TypeError, ValueError):
+        age = None
+    return {"step": ck["step"], "time": ck.get("time"), "path": ck.get("path"), "host": ck.get("host"),
+            "age_s": age}
 
 
 def write_status(path: Path, document: dict) -> None:

@@ -47,6 +47,9 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     loss = num(doc.get("loss"))
     if loss is not None:
         progress += f"   loss {loss:.4g}"
+    if doc.get("runtime_current") is False and doc.get("step") is not None:
+        # the last status of a run none of whose workers runs now: history, not a live figure
+        progress += "   [dim](where it stopped; no worker runs now)[/]"
     grid.add_row("progress", progress)
 
     ckpt = doc.get("checkpoint")
@@ -55,7 +58,8 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
         t = num(ckpt.get("time"))
         age = num(ckpt.get("age_s")) + staleness if num(ckpt.get("age_s")) is not None else (
             now - t if t is not None else None)
-        grid.add_row("checkpoint", f"step {ckpt.get('step')}, {format_age(age)} ago")
+        where = f" on {escape(str(ckpt['host']))}" if ckpt.get("host") else ""
+        grid.add_row("checkpoint", f"step {ckpt.get('step')}{where}, {format_age(age)} ago")
     else:
         grid.add_row("checkpoint", "[dim]none yet[/]")
 
