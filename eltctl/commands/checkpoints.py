@@ -63,7 +63,11 @@ def export(
     from eltctl.errors import EltctlError
     from eltctl.mirror.fetch import fetch_checkpoint
 
+    from eltctl.mirror.values import MIRROR_LABEL
+
     inventory = ctx.obj.inventory()
+    if source is not None and source != MIRROR_LABEL:
+        inventory.hosts_named([source])  # an unknown name: exit 2, with a did-you-mean
     out = out.expanduser().resolve()
     if out.is_dir():
         raise EltctlError(f"{out} is a directory", hint="give the file to write, e.g. model.pt")

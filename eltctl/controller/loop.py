@@ -460,7 +460,7 @@ class Controller:
                                               benched_until=0.0 if force else rec.benched_until,
                                               failures=0)
             await self._event(EventKind.ADD, host.name, "added by eltctl scale --add" + (" --force" if force else ""))
-            results.append({"host": host.name, "ok": True, "message": "added; its free GPUs join now"})
+            results.append({"host": host.name, "ok": True, "message": observe.added_message(reports[host.name])})
         self.save_records()
         await self.reconcile()
         self.write_status()

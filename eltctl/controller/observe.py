@@ -331,8 +331,15 @@ def add_refusal(report: HostReport, force: bool) -> str | None:
               or bool(report.gpus_in(GpuUse.OURS)))
     if not usable and not force:
         why = "; ".join(f"GPU {g.gpu.index}: {g.reason}" for g in report.gpus) or report.reason
-        return f"refused: no free GPU ({why}); --force adds it anyway"
+        return f"no free GPU ({why}); --force adds it anyway"
     return None
+
+
+def added_message(report: HostReport) -> str:
+    """What `scale --add` says of a host it added: what joins, GPUs or CPU slots."""
+    if report.state is HostState.CPU_ONLY:
+        return "added; its CPU slots join now"
+    return "added; its free GPUs join now"
 
 
 def adopted(record: pol.HostRecord, desired: Any) -> pol.HostRecord:

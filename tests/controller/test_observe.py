@@ -224,10 +224,10 @@ ADDS = [
     ("unreachable: refused even with force", report("a", HostState.UNREACHABLE, reason="timeout"), True,
      "unreachable: timeout"),
     ("every GPU busy: refused, with each reason", report("a", HostState.OK, gpu(0, "busy", "pid 7"), gpu(1, "busy", "x")),
-     False, "refused: no free GPU (GPU 0: pid 7; GPU 1: x); --force adds it anyway"),
+     False, "no free GPU (GPU 0: pid 7; GPU 1: x); --force adds it anyway"),
     ("every GPU busy, forced: it joins", report("a", HostState.OK, gpu(0, "busy", "pid 7")), True, None),
     ("unhealthy: refused with the probe's reason", report("a", HostState.UNHEALTHY, reason="smi hung"), False,
-     "refused: no free GPU (smi hung); --force adds it anyway"),
+     "no free GPU (smi hung); --force adds it anyway"),
 ]
 
 
