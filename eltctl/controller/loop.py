@@ -488,7 +488,7 @@ class Controller:
             results.append({"host": name, "ok": True,
                             "message": ("cordoned; its workers leave at the next step boundary and none start "
                                         "there until `eltctl uncordon`") if on
-                            else "uncordoned; its free GPUs are used again"})
+                            else "uncordoned; its free GPUs (or CPU slots) are used again"})
         self.save_records()
         await self.reconcile()
         self.write_status()

@@ -216,6 +216,7 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
             for s in view.slots]
     return {
         "name": view.name, "state": phase.value, "reason": reason, "workers": len(view.workers),
+        "device": device_of(view),
         "heartbeat_age_s": round(now - seen.changed, 2) if seen is not None else None,
         "benched_until": record.benched_until if record.benched_until > now else None,
         "cooldown_until": cooling if cooling > now else None,
@@ -226,6 +227,14 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
         "usable_at": limit.until if limit.phase is not None and limit.until is not None else None,
         "signal": owner_signal(view, seen),
     }
+
+
+def device_of(view: pol.HostView) -> str | None:
+    """What a host's slots (its entry's `gpus`) are: "gpu", "cpu" (CPU slots, on a host
+    without GPUs), or None while it is not known (not probed, unreachable)."""
+    if view.reach is pol.Reach.CPU_ONLY:
+        return "cpu"
+    return "gpu" if view.slots else None
 
 
 def owner_signal(view: pol.HostView, seen: DaemonSeen | None) -> dict[str, Any] | None:

@@ -413,3 +413,10 @@ def test_after_a_resize_the_new_rank_0_has_none_yet_and_the_last_one_stays():
 def test_no_checkpoint_anywhere_is_none():
     assert newest_checkpoint(None, None, 1.0, "j") is None
     assert newest_checkpoint(None, {**RS, "checkpoint": {"step": "x"}}, 1.0, "j") is None
+
+
+def test_scale_add_says_what_joins_gpus_or_cpu_slots():
+    from eltctl.controller.observe import added_message
+
+    assert added_message(report("c", HostState.CPU_ONLY)) == "added; its CPU slots join now"
+    assert added_message(report("a", HostState.OK, gpu(0, "free"))) == "added; its free GPUs join now"

@@ -98,7 +98,8 @@ def test_status_document_shape():
     assert doc["runtime_status_age_s"] == 2.0
     assert doc["events"] == events[-20:]
     a, b = doc["hosts"]
-    assert a == {"name": "a", "state": "running", "reason": "1 worker(s)", "workers": 1, "heartbeat_age_s": 0.5,
+    assert a == {"name": "a", "state": "running", "reason": "1 worker(s)", "workers": 1, "device": "gpu",
+                 "heartbeat_age_s": 0.5,
                  "benched_until": None, "cooldown_until": NOW + 5, "failures": 0, "desired": [0],
                  "gpus": [{"index": 0, "state": "ours", "reason": ""}, {"index": 1, "state": "busy", "reason": "pid 9"}],
                  "last_problem": "", "start_failure": None, "daemon": {}, "usable_at": None, "signal": None}
