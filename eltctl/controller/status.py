@@ -86,7 +86,7 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     """What a job that waits for slots waits for: the free slots and, counted, why the
     others are held back (a failure's cooldown with its cause, an owner's, benching,
     busy GPUs, hosts unreachable, unhealthy, not probed yet, removed); then min_workers."""
-    free = busy = taken = 0
+    free = busy = busy_cpu = taken = taken_cpu = 0
     cooling: list[tuple[int, pol.HostRecord]] = []
     owner: list[int] = []
     straggler: list[int] = []
@@ -118,8 +118,12 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
         n_busy = sum(1 for s in slots if s.use is pol.GpuUse.BUSY and not rec.force)
         n_taken = sum(1 for s in slots if s.use is pol.GpuUse.TAKEN)
         others = len(slots) - n_busy - n_taken
-        busy += n_busy
-        taken += n_taken
+        if view.reach is pol.Reach.CPU_ONLY:  # CPU slots: held by an owner signal or another job, no GPU
+            busy_cpu += n_busy
+            taken_cpu += n_taken
+        else:
+            busy += n_busy
+            taken += n_taken
         waived = rec.join_now
         if not others:
             continue
@@ -151,8 +155,13 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     if busy:
         parts.append(f"{_n(busy, 'GPU')} busy " + ("(its owner's process)" if busy == 1 else
                                                   "(their owners' processes)"))
+    if busy_cpu:
+        parts.append(f"{_n(busy_cpu, 'CPU slot')} held by {'its owner' if busy_cpu == 1 else 'their owners'} "
+                     "(an owner signal)")
     if taken:
         parts.append(f"{_n(taken, 'GPU')} taken by another eltctl job")
+    if taken_cpu:
+        parts.append(f"{_n(taken_cpu, 'CPU slot')} taken by another eltctl job")
     if unreachable:
         parts.append(f"{_n(len(unreachable), 'host')} unreachable ({'; '.join(unreachable)})")
     if unhealthy:

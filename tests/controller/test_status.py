@@ -313,3 +313,13 @@ def test_a_member_that_died_is_left_out_of_the_members_and_the_workers():
     doc = _doc(views)
     assert (doc["world_size"], doc["members"]) == (1, ["a/0/1"])
     assert [w["worker"] for w in doc["workers"]] == ["a/0/1"]
+
+
+def test_waiting_for_cpu_slots_names_slots_never_gpus():
+    cpu_busy = (SlotView(0, GpuUse.BUSY, "owner: login alice"),)
+    cpu_taken = (SlotView(0, GpuUse.TAKEN, "taken by job other"),)
+    views = {"a": HostView("a", Reach.CPU_ONLY, slots=cpu_busy), "b": HostView("b", Reach.CPU_ONLY, slots=cpu_taken)}
+    msg = waiting_message(now=NOW, inventory=inv(2), views=views, records={})
+    assert msg == ("1 CPU slot held by its owner (an owner signal), 1 CPU slot taken by another eltctl job; "
+                   "min_workers is 2")
+    assert "GPU" not in msg
