@@ -58,6 +58,34 @@ class AppContext:
         return self._inventory
 
 
+def _flags_take_no_value() -> None:
+    """`--help` shows a flag (`--force`) as a flag, with no value to give.
+
+    typer's rich help labels every option with its type, flags too (`--force <bool>`),
+    so a reader tries `--force true`, which click refuses as an extra argument. A flag's
+    type label is dropped here, for every command at once (also typer's own `--help`),
+    and so is the type of an argument named by its metavar (`HOST`, not `HOST <list[str]>`).
+    """
+    from typer.core import TyperArgument, TyperOption
+
+    if getattr(TyperOption.display_type_rich, "_eltctl", False):
+        return
+    option_label, argument_label = TyperOption.display_type_rich, TyperArgument.display_type_rich
+
+    def option_type(self, ctx):
+        return None if self.is_flag else option_label(self, ctx)
+
+    def argument_type(self, ctx):
+        return None if self.metavar is not None else argument_label(self, ctx)
+
+    for patched in (option_type, argument_type):
+        patched._eltctl = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = option_type  # type: ignore[method-assign]
+    TyperArgument.display_type_rich = argument_type  # type: ignore[method-assign]
+
+
+_flags_take_no_value()
+
 app = typer.Typer(
     name="eltctl",
     help="Elastic PyTorch training on the GPUs your lab already has, over SSH.",

@@ -27,6 +27,28 @@ class UsageError(EltctlError):
     exit_code = 2
 
 
+class UnknownHostError(UsageError):
+    """Host names that are not in the inventory. Every command that takes a host name
+    says so the same way (this message, exit status 2), with the names closest to each
+    one ("did you mean") and the inventory's hosts."""
+
+    def __init__(self, unknown: list[str], known: list[str], inventory: str) -> None:
+        import difflib
+
+        quoted = ", ".join(repr(n) for n in unknown)
+        message = f"no host {quoted} in {inventory}" if len(unknown) == 1 else f"no hosts {quoted} in {inventory}"
+        close: list[str] = []
+        for name in unknown:  # the closest names (ties all), if close at all
+            scores = {k: difflib.SequenceMatcher(None, name.lower(), k.lower()).ratio() for k in known}
+            best = max(scores.values(), default=0.0)
+            close += [k for k, r in scores.items() if r >= 0.6 and r == best and k not in close]
+        close.sort(key=known.index)
+        hosts = f"hosts: {', '.join(known)}" if known else f"{inventory} has no hosts"
+        hint = f"did you mean {' or '.join(close)}? ({hosts})" if close else hosts
+        super().__init__(message, hint=hint)
+        self.unknown = tuple(unknown)
+
+
 class ConfigError(EltctlError):
     """The inventory (hosts.toml) is missing, unreadable or invalid."""
 

@@ -999,6 +999,7 @@ class ElasticJob:
             return False
         info, saved = found
         self._apply_state(saved)
+        self._on_checkpoint(info)  # the job's last checkpoint until it writes a newer one (status shows it)
         log.info("worker %s: restored step %d from %s", self.worker_id, info.step, info.path)
         return True
 

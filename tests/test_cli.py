@@ -281,3 +281,82 @@ def test_each_command_is_a_plain_function_registered_in_help_order():
     assert [g.name for g in app.registered_groups] == ["checkpoints"]  # `checkpoints` and `checkpoints export`
     callbacks = {c.name: c.callback for c in app.registered_commands}
     assert callbacks["up"] is up and callbacks["down"] is down
+
+
+# ---------------------------------------------------------------- host names: one answer everywhere
+
+TWO_LOCAL = JOB + '[[hosts]]\nname = "local-a"\naddress = "local"\n[[hosts]]\nname = "local-b"\naddress = "local"\n'
+
+# Every command that takes a host name, given one that is not in the inventory.
+HOST_ARGS = [["status", "{}"], ["status", "--json", "{}"], ["logs", "{}"], ["scale", "--add", "{}"],
+             ["scale", "--remove", "{}"], ["cordon", "{}"], ["uncordon", "{}"], ["probe", "{}"],
+             ["checkpoints", "export", "out.pt", "--from", "{}"]]
+
+
+def in_process(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run the CLI in this process (cheap: no interpreter start) on tmp_path/hosts.toml."""
+    from eltctl.cli import main
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("COLUMNS", "200")
+    code = main(["-i", str(tmp_path / "hosts.toml"), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("args", HOST_ARGS, ids=[" ".join(a) for a in HOST_ARGS])
+def test_an_unknown_host_is_the_same_usage_error_with_a_did_you_mean_everywhere(tmp_path, monkeypatch, capsys,
+                                                                                  args):
+    (tmp_path / "hosts.toml").write_text(TWO_LOCAL)
+    code, out, err = in_process(tmp_path, monkeypatch, capsys, *[a.format("local-c") for a in args])
+    assert (code, out) == (2, "")
+    assert err == (f"error: no host 'local-c' in {tmp_path / 'hosts.toml'}\n"
+                   "  hint: did you mean local-a or local-b? (hosts: local-a, local-b)\n")
+    code, out, err = in_process(tmp_path, monkeypatch, capsys, *[a.format("nosuchhost") for a in args])
+    assert (code, out) == (2, "")
+    assert err == (f"error: no host 'nosuchhost' in {tmp_path / 'hosts.toml'}\n"
+                   "  hint: hosts: local-a, local-b\n")
+
+
+def test_scale_names_every_unknown_host_at_once_and_the_closest_one(tmp_path, monkeypatch, capsys):
+    (tmp_path / "hosts.toml").write_text(TWO_LOCAL)
+    code, out, err = in_process(tmp_path, monkeypatch, capsys, "scale", "--add", "locl-a", "--remove", "zz")
+    assert (code, err) == (2, f"error: no hosts 'locl-a', 'zz' in {tmp_path / 'hosts.toml'}\n"
+                              "  hint: did you mean local-a? (hosts: local-a, local-b)\n")
+
+
+def test_scale_refuses_a_host_both_added_and_removed(tmp_path, monkeypatch, capsys):
+    (tmp_path / "hosts.toml").write_text(TWO_LOCAL)
+    code, out, err = in_process(tmp_path, monkeypatch, capsys, "scale", "--add", "local-a", "--remove", "local-a")
+    assert (code, err) == (2, "error: local-a: both --add and --remove\n"
+                              "  hint: name a host once: --add to use it now, --remove to keep it out\n")
+
+
+# ---------------------------------------------------------------- --help shows flags as flags
+
+def _help(*command: str) -> str:
+    from typer.testing import CliRunner
+
+    from eltctl.cli import app
+
+    r = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "120", "NO_COLOR": "1"})
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def test_help_shows_flags_without_a_value_and_host_arguments_by_name():
+    commands = [[c.name] for c in _commands() if c.name != "checkpoints"] + [["checkpoints"],
+                                                                          ["checkpoints", "export"]]
+    for command in commands:
+        text = _help(*command)
+        assert "<bool>" not in text and "list[str]" not in text, (command, text)
+    assert "--force " in _help("down") and "--force <" not in _help("down")
+    assert "--add" in _help("scale") and "HOST" in _help("scale")
+    assert "[HOST]" in _help("status") and "{HOST}" in _help("logs")
+
+
+def _commands():
+    from eltctl.cli import app
+
+    return [c for c in app.registered_commands]
+

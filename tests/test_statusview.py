@@ -97,14 +97,14 @@ def test_training_job_from_a_live_controller():
         checkpoint  step 1200, 10 s ago
         controller  running (pid 4242), status 0.5 s old
 
-          host   state     workers   heartbeat   GPUs                                    note
-         ───────────────────────────────────────────────────────────────────────────────────────────────────────────────────────
-          ws1    running         2       0.9 s   0 ours worker ws1/0/1
-                                                 1 ours worker ws1/1/1
-          ws2    busy            0       1.2 s   0 busy alice (pid 999): 6000 MiB, 90%   its owner is back
-          ws3    running         1       1.7 s   0 ours worker ws3/0/1
-          cpu1   benched         0           -   no GPUs (CPU slots)                     daemon failed 3 times
-                                                                                         benched until 14:15:00 (in 1 min 39 s)
+          host   state     workers   heartbeat   GPUs                                        note
+         ───────────────────────────────────────────────────────────────────────────────────────────────────────────────────────────
+          ws1    running         2       0.9 s   GPU 0 ours worker ws1/0/1
+                                                 GPU 1 ours worker ws1/1/1
+          ws2    busy            0       1.2 s   GPU 0 busy alice (pid 999): 6000 MiB, 90%   its owner is back
+          ws3    running         1       1.7 s   GPU 0 ours worker ws3/0/1
+          cpu1   benched         0           -   no GPUs (CPU slots)                         daemon failed 3 times
+                                                                                             benched until 14:15:00 (in 1 min 39 s)
 
         recent events (4 of 4)
 
@@ -527,6 +527,29 @@ def test_mirror_with_nothing_mirrored_and_an_error_says_both():
     assert lines[5] == "            last error: step 1200 from ws1: mkdir: No space left on device"
 
 
+def test_a_mirror_that_cannot_work_is_a_warning_with_its_fix():
+    problem = {"kind": "permission", "message": "step 100 from h1: PermissionError: [Errno 13] Permission denied",
+               "fix": "log in to every host as the same uid"}
+    doc = _with_mirror(lag_steps=100, last_error="step 100 from h1: PermissionError", problem=problem)
+    lines = view_text(doc, Source.CONTROLLER, NOW).splitlines()
+    assert lines[4] == "mirror      /mnt/nfs/ckpt: nothing mirrored yet   100 steps behind"
+    assert lines[5].startswith("warning     the mirror cannot work (permission): checkpoints are on the hosts")
+    text = "\n".join(lines)
+    assert "Permission denied" in text and "fix: log in to every host as the same uid" in text
+    assert "last error" not in text  # said once, in the warning
+
+
+def test_down_reports_a_mirror_that_cannot_work_and_its_fix():
+    from eltctl.commands.down import describe_mirror
+
+    problem = {"kind": "permission", "message": "Permission denied", "fix": "same uid"}
+    line = describe_mirror({"target": "/m", "ok": False, "step": None, "problem": problem}, {"step": 300})
+    assert "final checkpoint step 300 NOT mirrored to /m; nothing is mirrored" in line
+    assert "Permission denied" in line and "same uid" in line
+    line = describe_mirror({"target": "/m", "ok": False, "step": None, "problem": problem}, None)
+    assert line.startswith("no checkpoint on the mirror /m") and "same uid" in line
+
+
 def test_no_mirror_no_mirror_line():
     assert "mirror" not in view_text({**TRAINING, "mirror": None}, Source.CONTROLLER, NOW)
 
@@ -598,16 +621,16 @@ def test_at_80_columns_no_gpu_entry_wraps(doc):
             continue
         # Each GPU on exactly one line, in order; no line of the block continues one.
         for gpu, cell in zip(gpus, cells):
-            assert cell.startswith(f"{gpu['index']} {gpu['state']}"), (gpu, cell)
+            assert cell.startswith(f"GPU {gpu['index']} {gpu['state']}"), (gpu, cell)
         assert not any(cells[len(gpus):]), cells
     assert "full reasons: eltctl status HOST" in text
 
 
 def test_the_compact_layout_names_who_holds_each_gpu():
     rows = "\n".join(_hosts_section(view_text(CROWDED, Source.CONTROLLER, NOW, width=80)))
-    assert "0 ours w3" in rows and "1 ours pid 4711" in rows
-    assert "0 busy alice" in rows and "1 busy alice, b…" in rows  # cut, not wrapped
-    assert "1 busy 23000 MiB" in rows and "2 busy 97%" in rows and "3 free" in rows
+    assert "GPU 0 ours w3" in rows and "GPU 1 ours pid 4711" in rows
+    assert "GPU 0 busy alice" in rows and "GPU 1 busy alice, b…" in rows  # cut, not wrapped
+    assert "GPU 1 busy 23000 MiB" in rows and "GPU 2 busy 97%" in rows and "GPU 3 free" in rows
     assert "its owner is back" in rows
     # The note beside a host's GPUs: its reason folded in those lines, then cut.
     notes = " ".join(" ".join(row[row.index("  ", 40):] if "  " in row[40:] else "" for row in
@@ -627,7 +650,7 @@ def test_at_160_columns_the_wide_layout_shows_every_full_reason():
     note_text = "".join("".join(row[note_col:] for row in rows).split())
     for host in CROWDED["hosts"]:
         for gpu in host["gpus"]:
-            assert "".join(f"{gpu['index']} {gpu['state']} {gpu['reason']}".split()) in gpu_text, gpu
+            assert "".join(f"GPU {gpu['index']} {gpu['state']} {gpu['reason']}".split()) in gpu_text, gpu
     assert "".join(CRASH_REASON.split()) in note_text
     assert "coolingdownuntil14:18:10(in4min49s)" in note_text
 
@@ -705,21 +728,30 @@ def test_failed_workers_come_from_worker_states_and_crash_events():
 
 
 @pytest.mark.parametrize("state, reason, brief", [
-    ("ours", "worker ws1/0/3", "0 ours w3"),
-    ("ours", "runs this job's pid 4711 python (trainer)", "0 ours pid 4711"),
-    ("ours", "", "0 ours"),
-    ("busy", "used by pid 999 python (alice)", "0 busy alice"),
-    ("busy", "used by pid 1 a (alice), pid 2 b (bob), pid 3 c (alice)", "0 busy alice, bob"),
-    ("busy", "alice (pid 999): 6000 MiB, 90%", "0 busy alice"),
-    ("busy", "23000 of 24576 MiB used (threshold 1000 MiB) with no process listed", "0 busy 23000 MiB"),
-    ("busy", "97% utilisation (threshold 10%) with no process listed", "0 busy 97%"),
-    ("free", "no processes, 3 MiB used, 0% utilisation", "0 free"),
-    ("unknown", "nvidia-smi failed:\nexit 9", "0 unknown nvidia-smi failed: exit 9"),
+    ("ours", "worker ws1/0/3", "GPU 0 ours w3"),
+    ("ours", "runs this job's pid 4711 python (trainer)", "GPU 0 ours pid 4711"),
+    ("ours", "", "GPU 0 ours"),
+    ("busy", "used by pid 999 python (alice)", "GPU 0 busy alice"),
+    ("busy", "used by pid 1 a (alice), pid 2 b (bob), pid 3 c (alice)", "GPU 0 busy alice, bob"),
+    ("busy", "alice (pid 999): 6000 MiB, 90%", "GPU 0 busy alice"),
+    ("busy", "23000 of 24576 MiB used (threshold 1000 MiB) with no process listed", "GPU 0 busy 23000 MiB"),
+    ("busy", "97% utilisation (threshold 10%) with no process listed", "GPU 0 busy 97%"),
+    ("free", "no processes, 3 MiB used, 0% utilisation", "GPU 0 free"),
+    ("unknown", "nvidia-smi failed:\nexit 9", "GPU 0 unknown nvidia-smi failed: exit 9"),
 ])
 def test_gpu_brief(state, reason, brief):
     from eltctl.statusview import gpu_brief
 
     assert gpu_brief({"index": 0, "state": state, "reason": reason}) == brief
+
+
+@pytest.mark.parametrize("state, reason, brief", [
+    ("ours", "worker local-a/0/3", "slot 0 ours w3"), ("free", "CPU slot", "slot 0 free"),
+    ("busy", "owner: login alice", "slot 0 busy owner: login alice")])
+def test_a_cpu_slot_is_called_a_slot_never_a_bare_number(state, reason, brief):
+    from eltctl.statusview import gpu_brief
+
+    assert gpu_brief({"index": 0, "state": state, "reason": reason}, "slot") == brief
 
 
 def test_a_failed_worker_that_was_replaced_is_not_failed_any_more():
@@ -785,3 +817,38 @@ def test_status_json_has_the_forged_counts(tmp_path):
     r = eltctl(tmp_path, "status", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["forged"] == FORGED
+
+
+def test_after_a_crash_the_view_shows_where_it_stopped_and_the_last_checkpoint():
+    doc = {**WAITING, "runtime_current": False, "step": 10, "members": [],
+           "checkpoint": {"step": 5, "time": NOW - 30.0, "age_s": 30.0, "host": "local-a"}}
+    lines = view_text(doc, Source.CONTROLLER, NOW + 1).splitlines()
+    assert lines[1] == "workers     0 (min 3, max any)   generation 2"
+    assert lines[2] == "progress    step 10   epoch 0   (where it stopped; no worker runs now)"
+    assert lines[3] == "checkpoint  step 5 on local-a, 31 s ago"
+
+
+CPU_HOSTS = {**TRAINING, "world_size": 2, "generation": 1, "hosts": [
+    {"name": "local-a", "state": "running", "reason": "1 worker(s)", "workers": 1, "device": "cpu",
+     "heartbeat_age_s": 0.4, "gpus": [{"index": 0, "state": "ours", "reason": "CPU slot"}]},
+    {"name": "local-b", "state": "idle", "reason": "", "workers": 0, "device": "cpu",
+     "heartbeat_age_s": 0.4, "gpus": [{"index": 0, "state": "free", "reason": "CPU slot"}]}], "events": []}
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_cpu_slots_are_called_slots_not_numbers_under_gpus(width):
+    rows = _hosts_section(view_text(CPU_HOSTS, Source.CONTROLLER, NOW, width=width))
+    text = view_text(CPU_HOSTS, Source.CONTROLLER, NOW, width=width)
+    header = next(line for line in text.splitlines() if "host" in line and "state" in line)
+    assert "slots" in header and "GPUs" not in header, header
+    assert "slot 0 ours" in rows[0] and "slot 0 free" in rows[1], rows
+    assert "CPU slot" not in "\n".join(rows)  # not "slot 0 free CPU slot"
+
+
+def test_status_host_of_a_cpu_host_lists_its_slots():
+    from eltctl.statusview import render_host
+
+    console = Console(width=100, record=True, file=io.StringIO(), color_system=None)
+    console.print(render_host(Snapshot(CPU_HOSTS, Source.CONTROLLER, NOW), "local-a", ViewOptions(now=NOW, tz=utc())))
+    text = console.export_text()
+    assert "CPU slots" in text and "GPUs" not in text, text

@@ -63,7 +63,11 @@ def export(
     from eltctl.errors import EltctlError
     from eltctl.mirror.fetch import fetch_checkpoint
 
+    from eltctl.mirror.values import MIRROR_LABEL
+
     inventory = ctx.obj.inventory()
+    if source is not None and source != MIRROR_LABEL:
+        inventory.hosts_named([source])  # an unknown name: exit 2, with a did-you-mean
     out = out.expanduser().resolve()
     if out.is_dir():
         raise EltctlError(f"{out} is a directory", hint="give the file to write, e.g. model.pt")
@@ -107,6 +111,15 @@ def render(listing) -> None:
 
     console = Console(highlight=False)
     console.print(f"mirror: {escape(listing.mirror or 'none (set [storage] mirror)')}", soft_wrap=True)
+    if not listing.checkpoints:
+        places = "the hosts" + (" or the mirror" if listing.mirror else "")
+        console.print(f"no checkpoints on {places}"
+                      + ("" if listing.errors else
+                         " yet: rank 0 writes one every checkpoint_every_steps (or _seconds) of ElasticJob "
+                         "while the job trains"), soft_wrap=True)
+        for where, error in listing.errors:
+            console.print(f"[red]{escape(where)}[/]: {escape(error)}")
+        return
     table = Table()
     for col in ("step", "time", "size", "where", "verified"):
         table.add_column(col, justify="right" if col in ("step", "size") else "left")
@@ -115,7 +128,5 @@ def render(listing) -> None:
         verified = {True: "[green]yes[/]", False: f"[red]NO[/] {escape(c.problem or '')}", None: "-"}[c.verified]
         table.add_row(str(c.step), when, _size(c.size), escape(c.where), verified)
     console.print(table)
-    if not listing.checkpoints:
-        console.print("no checkpoints found")
     for where, error in listing.errors:
         console.print(f"[red]{escape(where)}[/]: {escape(error)}")

@@ -6,6 +6,8 @@ from typing import List
 
 import typer
 
+from eltctl.completion import complete_host
+
 
 def _render(answer: dict) -> None:
     from rich.console import Console
@@ -23,7 +25,8 @@ def _render(answer: dict) -> None:
         raise typer.Exit(1)
 
 
-def cordon(ctx: typer.Context, hosts: List[str] = typer.Argument(..., help="The host(s) to cordon.")) -> None:
+def cordon(ctx: typer.Context, hosts: List[str] = typer.Argument(..., metavar="HOST", help="The host(s) to cordon.",
+                                                                 autocompletion=complete_host)) -> None:
     """Cordon hosts: their workers leave in the planned way and none start there until uncordoned
     (remembered across controller restarts)."""
     from eltctl.controller import client
@@ -31,7 +34,9 @@ def cordon(ctx: typer.Context, hosts: List[str] = typer.Argument(..., help="The 
     _render(client.cordon(ctx.obj.inventory(), list(hosts), True))
 
 
-def uncordon(ctx: typer.Context, hosts: List[str] = typer.Argument(..., help="The host(s) to uncordon.")) -> None:
+def uncordon(ctx: typer.Context, hosts: List[str] = typer.Argument(..., metavar="HOST",
+                                                                   help="The host(s) to uncordon.",
+                                                                   autocompletion=complete_host)) -> None:
     """Uncordon hosts: they are used again like any other."""
     from eltctl.controller import client
 

@@ -14,30 +14,26 @@ from eltctl.completion import complete_host
 
 def logs(
     ctx: typer.Context,
-    host: str = typer.Argument(..., help="The inventory name of the host.", autocompletion=complete_host),
+    host: str = typer.Argument(..., metavar="HOST", help="The inventory name of the host.",
+                               autocompletion=complete_host),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until Ctrl-C."),
     lines: int = typer.Option(20, "--lines", "-n", min=0, help="How many of the last lines of each log to show first."),
     failed: bool = typer.Option(
         False, "--failed", help="Only the logs of the workers that failed (crashed or lost), as the job's "
                                 "status says; each is named first, with what is known of why, on stderr."),
     worker: list[int] = typer.Option(
-        None, "--worker", "-w", min=0, show_default=False,
+        None, "--worker", "-w", min=0, show_default=False, metavar="SLOT",
         help="Only the log of the worker on this slot (a GPU index, or a CPU slot); repeat for several."),
 ) -> None:
     """The daemon's and the workers' logs from HOST, each line prefixed with its source."""
     import asyncio
     import sys
 
-    from eltctl.errors import UsageError
     from eltctl.logs import show_logs
     from eltctl.hosts.fleet import Fleet
 
     inventory = ctx.obj.inventory()
-    try:
-        target = inventory.host(host)
-    except KeyError:
-        names = ", ".join(h.name for h in inventory.hosts)
-        raise UsageError(f"no host {host!r} in {inventory.path}", hint=f"hosts: {names}") from None
+    (target,) = inventory.hosts_named([host])  # an unknown name: exit 2, with a did-you-mean
 
     slots: set[int] | None = set(worker) if worker else None
     if failed:

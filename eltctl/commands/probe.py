@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+from typing import List, Optional
+
 import typer
+
+from eltctl.completion import complete_host
 
 STATE_STYLE = {"ok": "green", "cpu-only": "cyan", "unhealthy": "yellow", "unreachable": "red",
                "free": "green", "busy": "red", "ours": "blue", "taken": "magenta"}
@@ -11,13 +15,18 @@ STATE_STYLE = {"ok": "green", "cpu-only": "cyan", "unhealthy": "yellow", "unreac
 
 def probe(
     ctx: typer.Context,
+    hosts: Optional[List[str]] = typer.Argument(None, metavar="HOST", help="Only these hosts (default: every host).",
+                                                show_default=False, autocompletion=complete_host),
     json_out: bool = typer.Option(
         False, "--json", help="Print the JSON document (a list of hosts; see README) instead of a table."),
 ) -> None:
-    """Probe every host: reachable or why not, and each GPU free / busy / ours / taken (by which job) with the reason."""
+    """Probe every host (or HOSTS): reachable or why not, and each GPU free / busy / ours / taken (by which job)
+    with the reason."""
     from eltctl.probe import probe_inventory, reports_to_json
 
-    reports = probe_inventory(ctx.obj.inventory())
+    inventory = ctx.obj.inventory()
+    chosen = inventory.hosts_named(hosts) if hosts else None  # unknown names: exit 2, with a did-you-mean
+    reports = probe_inventory(inventory, hosts=chosen)
     if json_out:
         import json
         import sys

@@ -6,12 +6,17 @@ from typing import List
 
 import typer
 
+from eltctl.completion import complete_host
+
 
 def scale(
     ctx: typer.Context,
-    add: List[str] = typer.Option([], "--add", help="A host to use now (repeatable)."),
-    remove: List[str] = typer.Option([], "--remove", help="A host to leave now and keep out (repeatable)."),
-    force: bool = typer.Option(False, "--force", help="Add a host even if its GPUs look busy."),
+    add: List[str] = typer.Option([], "--add", metavar="HOST", help="A host to use now (repeatable).",
+                                  show_default=False, autocompletion=complete_host),
+    remove: List[str] = typer.Option([], "--remove", metavar="HOST", show_default=False,
+                                     help="A host to leave now and keep out (repeatable).",
+                                     autocompletion=complete_host),
+    force: bool = typer.Option(False, "--force", help="Add a host even if its GPUs (or CPU slots) look busy."),
 ) -> None:
     """Add or remove hosts now; a removed host stays out until it is added again."""
     from rich.console import Console

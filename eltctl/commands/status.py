@@ -24,7 +24,7 @@ WATCH_INTERVAL_S = 1.0
 
 def status(
     ctx: typer.Context,
-    host: str = typer.Argument(None, help="Show this host's full entry: every GPU with its full reason, "
+    host: str = typer.Argument(None, metavar="HOST", help="Show this host's full entry: every GPU with its full reason, "
                                           "its daemon and workers, its recent events.",
                                show_default=False, autocompletion=complete_host),
     watch: bool = typer.Option(False, "--watch", "-w", help="Keep the view live (about once a second); Ctrl-C ends it."),
@@ -39,7 +39,7 @@ def status(
 
     inventory = ctx.obj.inventory()
     if host is not None:
-        _check_host(inventory, host)
+        inventory.hosts_named([host])  # an unknown name: exit 2, with a did-you-mean
     job = inventory.job.name
     state_dir = job_state_dir(job, os.environ)
     if json_out:
@@ -58,15 +58,6 @@ def status(
         _watch(job, state_dir, events, host)
         return
     _show_once(job, state_dir, events, host)
-
-
-def _check_host(inventory, host: str) -> None:
-    """HOST must be a host of the inventory: a usage error naming them otherwise."""
-    from eltctl.errors import UsageError
-
-    names = [h.name for h in inventory.hosts]
-    if host not in names:
-        raise UsageError(f"no host {host!r} in {inventory.path}", hint=f"hosts: {', '.join(names)}")
 
 
 def _view(snapshot, events: int, host: str | None):

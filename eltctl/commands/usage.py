@@ -2,8 +2,10 @@
 
 Reads the usage ledger (`usage.db` in the job's state directory, eltctl/ledger)
 read-only: it works while the controller runs and after it is gone. Shows GPU-hours,
-owner yields and pauses, grouped as asked, and a per-host timeline: one row per GPU,
-time across, who held it (this job, its owner, another eltctl job, nobody).
+owner yields and pauses, grouped as asked, and a per-host timeline: one row per GPU
+(or CPU slot), time across, who held it (this job, its owner, another eltctl job, nobody).
+Without --since, a job younger than the default window is shown from its first
+observation, so the timeline spreads over the job's life instead of one character.
 
 Exit status: 0 shown; 1 no ledger on this machine (the job never ran here); 2 bad usage.
 """
@@ -30,7 +32,7 @@ def usage(
     from eltctl.controller.statedir import StateDir, lock_holder
     from eltctl.durations import parse_duration
     from eltctl.errors import UsageError
-    from eltctl.ledger import BY_CHOICES, open_reader, timeline
+    from eltctl.ledger import BY_CHOICES, first_seen, open_reader, slot_kinds, timeline
     from eltctl.ledger import usage as figures
 
     if by not in BY_CHOICES:
@@ -44,8 +46,12 @@ def usage(
     conn = open_reader(state.usage_db)
     try:
         now = time.time()
+        start = now - window
+        if getattr(ctx.get_parameter_source("since"), "name", "") != "COMMANDLINE":
+            first = first_seen(conn)  # a younger job: from its first observation on
+            start = max(start, min(first, now - 1.0)) if first is not None else start
         live = lock_holder(state.lock) is not None
-        doc = figures(conn, since=now - window, until=now, live=live, by=by)
+        doc = figures(conn, since=start, until=now, live=live, by=by)
         if json_out:
             buckets = TIMELINE_MAX
         else:
@@ -53,14 +59,15 @@ def usage(
 
             console = Console(highlight=False)
             buckets = max(TIMELINE_MIN, min(TIMELINE_MAX, console.width - 24))
-        lines = timeline(conn, since=now - window, until=now, live=live, buckets=buckets)
+        lines = timeline(conn, since=start, until=now, live=live, buckets=buckets)
+        kinds = slot_kinds(conn)
     finally:
         conn.close()
     if json_out:
-        doc["timeline"] = {"buckets": buckets, "bucket_s": round(window / buckets, 3),
+        doc["timeline"] = {"buckets": buckets, "bucket_s": round((now - start) / buckets, 3),
                            "hosts": {h: {str(s): cells for s, cells in slots.items()} for h, slots in lines.items()}}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     from eltctl.statusview.usage import render_usage
 
-    console.print(render_usage(doc, lines))
+    console.print(render_usage(doc, lines, kinds=kinds))

@@ -19,7 +19,7 @@ from eltctl.controller import socket as csock
 from eltctl.controller.statedir import StateDir
 from eltctl_runtime.files import read_json
 from eltctl_runtime.pids import pid_alive
-from eltctl.errors import EltctlError
+from eltctl.errors import EltctlError, UsageError
 from eltctl.inventory import Inventory
 
 Progress = Callable[[str], None]
@@ -133,12 +133,13 @@ class UpResult:
 
 
 def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOUT_S,
-       progress: Progress = lambda _m: None) -> UpResult:
+       progress: Progress = lambda _m: None, ignore_mirror_check: bool = False) -> UpResult:
     """Start what is missing and return when the job trains (or waits for GPUs)."""
     from eltctl import preflight
 
     state = state_of(inventory)
-    left_out = preflight.for_up(inventory, progress)  # raises when nothing can run: starts nothing
+    # raises when nothing can run (or the mirror cannot work): starts nothing
+    left_out = preflight.for_up(inventory, progress, ignore_mirror_check=ignore_mirror_check)
     answer, started = ensure_controller(inventory, progress, left_out)
     pid = int(answer["pid"])
     if not started:
@@ -202,6 +203,13 @@ def start_failed_error(failed: dict[str, str]) -> EltctlError:
 
 
 def scale(inventory: Inventory, add: list[str], remove: list[str], force: bool) -> dict:
+    """`eltctl scale`: ask the live controller. Unknown names and a host both added and
+    removed are usage errors (exit 2) before anything is asked."""
+    inventory.hosts_named([*add, *remove])
+    both = [n for n in dict.fromkeys(add) if n in remove]
+    if both:
+        raise UsageError(f"{', '.join(both)}: both --add and --remove",
+                         hint="name a host once: --add to use it now, --remove to keep it out")
     state = state_of(inventory)
     if same_inventory(inventory, ping(state)) is None:
         raise EltctlError(f"no controller runs job {inventory.job.name}",
@@ -211,6 +219,7 @@ def scale(inventory: Inventory, add: list[str], remove: list[str], force: bool) 
 
 def cordon(inventory: Inventory, hosts: list[str], on: bool) -> dict:
     """`eltctl cordon` (on) / `uncordon`: ask the live controller."""
+    inventory.hosts_named(hosts)  # unknown names: exit 2, with a did-you-mean
     state = state_of(inventory)
     verb = "cordon" if on else "uncordon"
     if same_inventory(inventory, ping(state)) is None:

@@ -232,6 +232,11 @@ class Controller:
     async def observe_store(self) -> None:
         now = self.clock()
         await self.observed.read_store(self.store, [h.name for h in self.inventory.hosts], now)
+        known = self.observed.checkpoint
+        self.observed.checkpoint = observe.newest_checkpoint(known, self.observed.runtime_status, now,
+                                                             self.inventory.job.name)
+        if self.observed.checkpoint is not known:
+            self.save_records()  # hosts.json keeps it: a controller started later shows it too
         if self.ledger is not None:
             self.ledger.record(now, self.inventory, self.observed, self.records, self.limits)
         if self.mirror_worker is not None:
@@ -371,13 +376,16 @@ class Controller:
             except (TypeError, ValueError):
                 log.warning("Ignoring the unreadable memory of host %s in %s.", name, self.state.hosts_json)
         self.observed.events_read = int(doc.get("events_read", 0))
+        ck = doc.get("checkpoint")
+        self.observed.checkpoint = ck if isinstance(ck, dict) and isinstance(ck.get("step"), int) else None
         fp = doc.get("fingerprint")
         self.fingerprint = fp if isinstance(fp, dict) else None
 
     def save_records(self) -> None:
         write_json_atomic(self.state.hosts_json, {
             "hosts": {name: r.to_json() for name, r in self.records.items()},
-            "events_read": self.observed.events_read, "fingerprint": self.fingerprint})
+            "events_read": self.observed.events_read, "fingerprint": self.fingerprint,
+            "checkpoint": self.observed.checkpoint})
 
     async def adopt_desired(self) -> None:
         """Seed the memory from the store's desired keys: a controller that lost
@@ -452,7 +460,7 @@ class Controller:
                                               benched_until=0.0 if force else rec.benched_until,
                                               failures=0)
             await self._event(EventKind.ADD, host.name, "added by eltctl scale --add" + (" --force" if force else ""))
-            results.append({"host": host.name, "ok": True, "message": "added; its free GPUs join now"})
+            results.append({"host": host.name, "ok": True, "message": observe.added_message(reports[host.name])})
         self.save_records()
         await self.reconcile()
         self.write_status()
@@ -480,7 +488,7 @@ class Controller:
             results.append({"host": name, "ok": True,
                             "message": ("cordoned; its workers leave at the next step boundary and none start "
                                         "there until `eltctl uncordon`") if on
-                            else "uncordoned; its free GPUs are used again"})
+                            else "uncordoned; its free GPUs (or CPU slots) are used again"})
         self.save_records()
         await self.reconcile()
         self.write_status()
@@ -560,6 +568,7 @@ class Controller:
             runtime_status=self.observed.runtime_status,
             views=self.observed.views(self.inventory.hosts, now, self.inventory.policy),
             records=self.records, seen=self.observed.seen, events=self.observed.events,
+            checkpoint=self.observed.checkpoint,
             store_endpoint=self.store_endpoint,
             mirror=self.mirror_worker.status() if self.mirror_worker is not None else self._final_mirror,
             limits=pol.host_limits(self.inventory, self.records, now, self.quota_use(now)),

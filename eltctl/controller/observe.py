@@ -167,6 +167,61 @@ def checkpoint_to_mirror(runtime_status: Mapping | None, now: float, policy: Pol
     return host, ck["step"]
 
 
+def member_alive(member: str, views: Mapping[str, pol.HostView]) -> bool:
+    """A member of rank 0's status runs now: its host's live daemon lists it among its
+    running workers (by worker id; by slot where the daemon names no ids). A worker id
+    carries its start (`<host>/<slot>/<n>`), so the member of a crashed run never
+    matches the worker started in its slot since."""
+    view = views.get(str(member).split("/")[0])
+    if view is None:
+        return False
+    if view.worker_ids:
+        return str(member) in view.worker_ids
+    slot = slot_of(member)
+    return slot is not None and slot in view.workers
+
+
+def live_members(runtime_status: Mapping | None, views: Mapping[str, pol.HostView]) -> list[str]:
+    """The members of rank 0's status that run now, in rank order (`member_alive`)."""
+    members = (runtime_status or {}).get("members") or []
+    return [str(m) for m in members if member_alive(m, views)]
+
+
+def checkpoint_seen(runtime_status: Mapping | None, now: float, job: str) -> dict | None:
+    """Rank 0's newest committed checkpoint as the controller keeps it: {step, time, path,
+    host, age_s, seen} where `age_s` was its age when seen at `seen` (the controller's clock:
+    rank 0's `time` and the checkpoint's are its host's clock, so only their difference
+    counts). None when the status names none."""
+    from eltctl.hosts.layout import checkpoint_host
+
+    rs = runtime_status or {}
+    ck = rs.get("checkpoint")
+    if not isinstance(ck, dict) or not isinstance(ck.get("step"), int) or isinstance(ck.get("step"), bool):
+        return None
+    try:
+        seen = float(rs["seen"])  # 0: a dead run's status, never seen to change: no basis for an age
+        age: float | None = max(0.0, float(rs["time"]) - float(ck["time"]) + now - seen) if seen else None
+    except (KeyError, TypeError, ValueError):
+        age = None
+    path = str(ck.get("path") or "")
+    return {"step": ck["step"], "time": ck.get("time"), "path": path or None,
+            "host": checkpoint_host(path, job) if path else None,
+            "age_s": None if age is None else round(age, 1), "seen": now}
+
+
+def newest_checkpoint(known: dict | None, runtime_status: Mapping | None, now: float, job: str) -> dict | None:
+    """The job's last checkpoint: the one rank 0's status names, else the one the controller
+    saw last (`known`, kept in hosts.json). A resize or a crash starts a rank 0 that has
+    saved nothing yet: the checkpoints written before it are still there (`eltctl
+    checkpoints` lists them), so status keeps showing the last one instead of none."""
+    current = checkpoint_seen(runtime_status, now, job)
+    if current is None:
+        return known if isinstance(known, dict) and isinstance(known.get("step"), int) else None
+    if isinstance(known, dict) and known.get("step") == current["step"] and known.get("path") == current["path"]:
+        return known  # the same one, unchanged (its age counts from when it was first seen)
+    return current
+
+
 def final_checkpoint(runtime_status: Mapping | None) -> dict | None:
     """What `down` reports of rank 0's last checkpoint."""
     ck = (runtime_status or {}).get("checkpoint")
@@ -208,6 +263,7 @@ def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, al
     """One host as the policy sees it: the probe's view, corrected by its live daemon's state."""
     reach, reason, slots = probed(host, report)
     workers: tuple[int, ...] = ()
+    worker_ids: tuple[str, ...] = ()
     yielded: tuple[int, ...] = ()
     taken: tuple[int, ...] = ()
     seq_applied = -1
@@ -219,8 +275,10 @@ def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, al
             reach, reason = pol.Reach.OK if st.get("gpus") else pol.Reach.CPU_ONLY, "daemon reporting"
             if reach is pol.Reach.CPU_ONLY:
                 slots = cpu_slots(host)
-        workers = tuple(sorted(_slots_in(w for w in st.get("workers", []) if isinstance(w, dict)
-                                         and str(w.get("state", "running")) not in FINISHED_WORKER_STATES)))
+        live = [w for w in st.get("workers", []) if isinstance(w, dict)
+                and str(w.get("state", "running")) not in FINISHED_WORKER_STATES]
+        workers = tuple(sorted(_slots_in(live)))
+        worker_ids = tuple(sorted(str(w["worker_id"]) for w in live if w.get("worker_id")))
         yielded = tuple(sorted(_slots_in(st.get("yielded", []))))
         taken = taken_slots(st)
         seq_applied = int(st.get("seq_applied", -1) if st.get("seq_applied") is not None else -1)
@@ -242,7 +300,8 @@ def host_view(host: Host, report: HostReport | None, seen: DaemonSeen | None, al
             slots = tuple(pol.SlotView(s.index, GpuUse.TAKEN, f"taken by job {jobs.get(str(s.index), '?')}")
                           if s.index in taken and s.use not in (GpuUse.BUSY, GpuUse.TAKEN) else s for s in slots)
     return pol.HostView(name=host.name, reach=reach, reason=reason, slots=slots, daemon_alive=alive,
-                        workers=workers, yielded=yielded, taken=taken, crashed=tuple(sorted(crashed)),
+                        workers=workers, worker_ids=worker_ids, yielded=yielded, taken=taken,
+                        crashed=tuple(sorted(crashed)),
                         seq_applied=seq_applied, watched=watched, crash_info=tuple(crashes), in_job=joined,
                         owner=dict(report.owner) if report is not None and isinstance(report.owner, dict) else None)
 
@@ -272,8 +331,15 @@ def add_refusal(report: HostReport, force: bool) -> str | None:
               or bool(report.gpus_in(GpuUse.OURS)))
     if not usable and not force:
         why = "; ".join(f"GPU {g.gpu.index}: {g.reason}" for g in report.gpus) or report.reason
-        return f"refused: no free GPU ({why}); --force adds it anyway"
+        return f"no free GPU ({why}); --force adds it anyway"
     return None
+
+
+def added_message(report: HostReport) -> str:
+    """What `scale --add` says of a host it added: what joins, GPUs or CPU slots."""
+    if report.state is HostState.CPU_ONLY:
+        return "added; its CPU slots join now"
+    return "added; its free GPUs join now"
 
 
 def adopted(record: pol.HostRecord, desired: Any) -> pol.HostRecord:
@@ -303,6 +369,7 @@ class Observer:
     events_read: int = 0  # the event log's sequence number read up to (kept in hosts.json)
     events_skipped: int = 0  # event numbers never read: beyond one pass's window (events_window)
     runtime_status: dict | None = None  # rank 0's status document, with `seen` (see read_store)
+    checkpoint: dict | None = None  # the job's last checkpoint (newest_checkpoint; kept in hosts.json)
     born: float | None = None  # when this controller first read the store
     born_seq: int = 0  # the event log's last number then: events up to it are the last controller's
     _status_raw: bytes | None = None

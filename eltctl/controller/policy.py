@@ -154,6 +154,7 @@ class HostView:
     slots: tuple[SlotView, ...] = ()  # its GPUs (or CPU slots), by index
     daemon_alive: bool = False  # its daemon's state heartbeat is fresh
     workers: tuple[int, ...] = ()  # slots where one of our workers runs now
+    worker_ids: tuple[str, ...] = ()  # the ids of those workers (its live daemon's state), when it names them
     yielded: tuple[int, ...] = ()  # slots the daemon gave back to their owner
     taken: tuple[int, ...] = ()  # slots its daemon found claimed by another eltctl job (started nothing there)
     crashed: tuple[int, ...] = ()  # slots whose worker crashed since the last observation

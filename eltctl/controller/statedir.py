@@ -7,7 +7,7 @@ between runs and what the commands read (docs/control-plane.md, "Files"):
     controller.json   {pid, started, inventory, store: {address, port, pid}, socket}
     control.sock      the command socket
     status.json       the status document, rewritten about once a second
-    hosts.json        the controller's memory about hosts (removed, benched, ...)
+    hosts.json        the controller's memory about hosts (removed, benched, ...) and the last checkpoint seen
     usage.db          the usage ledger (SQLite, eltctl/ledger): written by the controller only
     secret            the job's secret (32 random bytes, hex; mode 0600): made at the first
                       `up`, kept while the job lives (`job_secret`), sent to the hosts over SSH

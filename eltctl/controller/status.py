@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from eltctl.controller import observe
 from eltctl.controller import policy as pol
 from eltctl.controller.observe import DaemonSeen
 from eltctl_runtime.files import write_json_atomic
@@ -43,11 +44,9 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
                records: Mapping[str, pol.HostRecord], decision: pol.Decision,
                starting_daemons: bool, limits: Mapping[str, pol.Limit] | None = None) -> tuple[str, str]:
     """The phase and message after a pass that acted on `decision`."""
-    rs = runtime_status or {}
     running = sum(len(v.workers) for v in views.values())
-    fresh = rs and now - float(rs.get("seen") or 0) < max(30.0, 3 * inventory.policy.hang_timeout)
     desired = any(records.get(h.name, pol.HostRecord()).desired for h in inventory.hosts)
-    if fresh and int(rs.get("world_size", 0)) > 0 and running:
+    if current_members(runtime_status, views, now, inventory):
         return Phase.TRAINING, ""
     if (decision.waiting and not running) or start_failures(now=now, inventory=inventory, views=views,
                                                             records=records):
@@ -65,6 +64,19 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     return phase, message
 
 
+def current_members(runtime_status: Mapping | None, views: Mapping[str, pol.HostView], now: float,
+                    inventory: Inventory) -> list[str]:
+    """The members of rank 0's status that run now, when that status is the running
+    job's: fresh, and naming at least one live worker. [] otherwise: a crashed run's last
+    status (its workers gone, or replaced by new ones with new ids) describes no one."""
+    rs = runtime_status or {}
+    try:
+        fresh = bool(rs) and now - float(rs.get("seen") or 0) < max(30.0, 3 * inventory.policy.hang_timeout)
+    except (TypeError, ValueError):
+        fresh = False
+    return observe.live_members(rs, views) if fresh else []
+
+
 def _n(count: int, one: str, many: str | None = None) -> str:
     return f"{count} {one if count == 1 else (many or one + 's')}"
 
@@ -74,7 +86,7 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     """What a job that waits for slots waits for: the free slots and, counted, why the
     others are held back (a failure's cooldown with its cause, an owner's, benching,
     busy GPUs, hosts unreachable, unhealthy, not probed yet, removed); then min_workers."""
-    free = busy = taken = 0
+    free = busy = busy_cpu = taken = taken_cpu = 0
     cooling: list[tuple[int, pol.HostRecord]] = []
     owner: list[int] = []
     straggler: list[int] = []
@@ -106,8 +118,12 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
         n_busy = sum(1 for s in slots if s.use is pol.GpuUse.BUSY and not rec.force)
         n_taken = sum(1 for s in slots if s.use is pol.GpuUse.TAKEN)
         others = len(slots) - n_busy - n_taken
-        busy += n_busy
-        taken += n_taken
+        if view.reach is pol.Reach.CPU_ONLY:  # CPU slots: held by an owner signal or another job, no GPU
+            busy_cpu += n_busy
+            taken_cpu += n_taken
+        else:
+            busy += n_busy
+            taken += n_taken
         waived = rec.join_now
         if not others:
             continue
@@ -139,8 +155,13 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     if busy:
         parts.append(f"{_n(busy, 'GPU')} busy " + ("(its owner's process)" if busy == 1 else
                                                   "(their owners' processes)"))
+    if busy_cpu:
+        parts.append(f"{_n(busy_cpu, 'CPU slot')} held by {'its owner' if busy_cpu == 1 else 'their owners'} "
+                     "(an owner signal)")
     if taken:
         parts.append(f"{_n(taken, 'GPU')} taken by another eltctl job")
+    if taken_cpu:
+        parts.append(f"{_n(taken_cpu, 'CPU slot')} taken by another eltctl job")
     if unreachable:
         parts.append(f"{_n(len(unreachable), 'host')} unreachable ({'; '.join(unreachable)})")
     if unhealthy:
@@ -204,6 +225,7 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
             for s in view.slots]
     return {
         "name": view.name, "state": phase.value, "reason": reason, "workers": len(view.workers),
+        "device": device_of(view),
         "heartbeat_age_s": round(now - seen.changed, 2) if seen is not None else None,
         "benched_until": record.benched_until if record.benched_until > now else None,
         "cooldown_until": cooling if cooling > now else None,
@@ -214,6 +236,14 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
         "usable_at": limit.until if limit.phase is not None and limit.until is not None else None,
         "signal": owner_signal(view, seen),
     }
+
+
+def device_of(view: pol.HostView) -> str | None:
+    """What a host's slots (its entry's `gpus`) are: "gpu", "cpu" (CPU slots, on a host
+    without GPUs), or None while it is not known (not probed, unreachable)."""
+    if view.reach is pol.Reach.CPU_ONLY:
+        return "cpu"
+    return "gpu" if view.slots else None
 
 
 def owner_signal(view: pol.HostView, seen: DaemonSeen | None) -> dict[str, Any] | None:
@@ -241,27 +271,35 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
                     records: Mapping[str, pol.HostRecord], seen: Mapping[str, DaemonSeen],
                     events: Iterable[dict], store_endpoint: str, mirror: dict | None,
                     limits: Mapping[str, pol.Limit] | None = None,
-                    forged: Mapping[str, Any] | None = None, keeper: dict | None = None) -> dict[str, Any]:
+                    forged: Mapping[str, Any] | None = None, keeper: dict | None = None,
+                    checkpoint: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The status document (status.json): the job, rank 0's figures, each host, recent
     events, the forged store values ignored (`forged_summary`), and `keeper`: the store
-    keeper's pid, restarts and the problem restarting it (when supervised)."""
+    keeper's pid, restarts and the problem restarting it (when supervised).
+
+    Every line is derived from what holds now: `members`, `world_size` and `workers`
+    name only the members that run now (`current_members`); with none, the last status
+    is history (`runtime_current` false: its step and loss stay as the last seen, no
+    speed, no worker). `checkpoint` is the job's last checkpoint (observe.newest_checkpoint:
+    rank 0's, else the last the controller saw), not only the current rank 0's."""
     rs = runtime_status or {}
     job = inventory.job
-    ck = rs.get("checkpoint") if isinstance(rs.get("checkpoint"), dict) else None
+    live = current_members(rs, views, now, inventory)
+    if checkpoint is None:
+        checkpoint = observe.newest_checkpoint(None, rs, now, job.name)
     limits = limits or {}
     hosts = [host_entry(views[h.name], records.get(h.name, pol.HostRecord()), seen.get(h.name), now,
                         limits.get(h.name, pol.NO_LIMIT))
              for h in inventory.hosts]
     doc = {
         "job": job.name, "state": job_state(phase), "phase": phase, "message": message, "updated": now,
-        "generation": rs.get("generation"), "world_size": int(rs.get("world_size") or 0),
-        "members": rs.get("members", []),
+        "generation": rs.get("generation"), "world_size": len(live),
+        "members": live, "runtime_current": bool(live),
         "min_workers": job.min_workers, "max_workers": job.max_workers,
-        "step": rs.get("step"), "epoch": rs.get("epoch"), "samples_per_s": rs.get("samples_per_s"),
+        "step": rs.get("step"), "epoch": rs.get("epoch"),
+        "samples_per_s": rs.get("samples_per_s") if live else None,
         "loss": rs.get("loss"),
-        "checkpoint": ({"step": ck.get("step"), "time": ck.get("time"), "path": ck.get("path"),
-                        "age_s": _checkpoint_age(rs, ck, now)}
-                       if ck else None),
+        "checkpoint": _checkpoint_entry(checkpoint, now),
         "runtime_status_age_s": round(now - float(rs["seen"]), 2) if rs.get("seen") else None,
         "controller": {"pid": os.getpid(), "alive": True},
         "store": store_endpoint,
@@ -273,7 +311,7 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "restarts": rs.get("restarts") if job.mode.value == "restart" else None,
         "forged": dict(forged) if forged is not None else forged_summary({}, {}, None),
     }
-    workers = worker_entries(rs)
+    workers = [w for w in worker_entries(rs) if w["worker"] in live]
     if workers:
         doc["workers"] = workers
     if keeper is not None:
@@ -325,14 +363,19 @@ def worker_entries(runtime_status: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _checkpoint_age(rs: Mapping, ck: Mapping, now: float) -> float | None:
-    """The checkpoint's age by the controller's clock: its time and the status's are both
-    rank 0's host clock, so their difference holds whatever that clock's offset; the
-    rest is how long ago the controller saw the status change."""
-    try:
-        return round(float(rs["time"]) - float(ck["time"]) + now - float(rs["seen"]), 1)
-    except (KeyError, TypeError, ValueError):
+def _checkpoint_entry(ck: Mapping[str, Any] | None, now: float) -> dict[str, Any] | None:
+    """The document's `checkpoint`: {step, time, path, host, age_s}. Its age is by the
+    controller's clock: the age it had when the controller saw it (rank 0's clock
+    measures both its time and the status's, so their difference holds whatever that
+    clock's offset) plus how long ago that was."""
+    if not ck or not isinstance(ck.get("step"), int):
         return None
+    try:
+        age = round(float(ck["age_s"]) + now - float(ck["seen"]), 1)
+    except (KeyError, TypeError, ValueError):
+        age = None
+    return {"step": ck["step"], "time": ck.get("time"), "path": ck.get("path"), "host": ck.get("host"),
+            "age_s": age}
 
 
 def write_status(path: Path, document: dict) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from eltctl_runtime.owner import OwnerPolicy
 
@@ -133,3 +133,15 @@ class Inventory:
             if h.name == name:
                 return h
         raise KeyError(name)
+
+    def hosts_named(self, names: Iterable[str]) -> tuple[Host, ...]:
+        """The hosts of these names, in the order given (each once); `UnknownHostError`
+        (exit status 2, with a did-you-mean) naming every name that is not one."""
+        from eltctl.errors import UnknownHostError
+
+        by_name = {h.name: h for h in self.hosts}
+        wanted = list(dict.fromkeys(names))
+        unknown = [n for n in wanted if n not in by_name]
+        if unknown:
+            raise UnknownHostError(unknown, list(by_name), str(self.path))
+        return tuple(by_name[n] for n in wanted)

@@ -8,7 +8,7 @@ top level stays light so that the CLI's readers do not load them.
 """
 
 from eltctl.ledger.db import DB_NAME, LedgerError, open_reader, open_writer
-from eltctl.ledger.figures import BY_CHOICES, gpu_seconds, samples, timeline, usage
+from eltctl.ledger.figures import BY_CHOICES, first_seen, gpu_seconds, samples, slot_kinds, timeline, usage
 
-__all__ = ["BY_CHOICES", "DB_NAME", "LedgerError", "gpu_seconds", "open_reader", "open_writer", "samples",
-           "timeline", "usage"]
+__all__ = ["BY_CHOICES", "DB_NAME", "LedgerError", "first_seen", "gpu_seconds", "open_reader", "open_writer",
+           "samples", "slot_kinds", "timeline", "usage"]

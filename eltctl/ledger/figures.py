@@ -181,11 +181,26 @@ def timeline(conn: sqlite3.Connection, *, since: float, until: float, live: bool
     return out
 
 
+def slot_kinds(conn: sqlite3.Connection) -> dict[str, str]:
+    """host -> "gpu" or "cpu": what its slots are, as its newest worker interval says
+    (a host the job never ran on is not named)."""
+    return {host: kind for host, kind in conn.execute("SELECT host, kind FROM intervals ORDER BY start")}
+
+
+def first_seen(conn: sqlite3.Connection) -> float | None:
+    """When the ledger's first observation was made (None: an empty ledger)."""
+    firsts = [row[0] for row in conn.execute(
+        "SELECT MIN(start) FROM intervals UNION ALL SELECT MIN(start) FROM holders UNION ALL "
+        "SELECT MIN(t) FROM samples") if row[0] is not None]
+    return min(firsts) if firsts else None
+
+
 def samples(conn: sqlite3.Connection, since: float) -> list[tuple[float, int, float | None]]:
     """(t, world_size, samples_per_s) from `since` on, oldest first."""
     return [(t, ws, sps) for t, ws, sps in
             conn.execute("SELECT t, world_size, samples_per_s FROM samples WHERE t >= ? ORDER BY t", (since,))]
 
 
-__all__ = ["BY_CHOICES", "HOLDERS", "Interval", "gpu_seconds", "intervals", "pauses", "samples", "timeline",
+__all__ = ["BY_CHOICES", "HOLDERS", "Interval", "first_seen", "gpu_seconds", "intervals", "pauses", "samples",
+           "slot_kinds", "timeline",
            "usage"]

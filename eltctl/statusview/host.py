@@ -16,7 +16,7 @@ from eltctl.statusview.snapshot import CONTROLLER_DOWN, Snapshot
 # --------------------------------------------------------------------------- one host: `status HOST`
 
 _HOST_KEYS_SHOWN = {"name", "state", "reason", "workers", "heartbeat_age_s", "benched_until",
-                    "cooldown_until", "failures", "desired", "gpus", "daemon"}
+                    "cooldown_until", "failures", "desired", "gpus", "daemon", "device"}
 
 
 def find_host(doc: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
@@ -75,9 +75,10 @@ def render_host(snapshot: Snapshot, name: str, options: ViewOptions):
             grid.add_row(escape(str(key).replace("_", " ")), escape(_value(host[key])))
     parts.append(grid)
 
-    gpus = Table(header_style="bold", expand=False, box=_box(), title="GPUs", title_justify="left",
-                 title_style="bold")
-    gpus.add_column("GPU", justify="right", no_wrap=True)
+    cpu = host.get("device") == "cpu"
+    gpus = Table(header_style="bold", expand=False, box=_box(), title="CPU slots" if cpu else "GPUs",
+                 title_justify="left", title_style="bold")
+    gpus.add_column("slot" if cpu else "GPU", justify="right", no_wrap=True)
     gpus.add_column("state", no_wrap=True)
     gpus.add_column("reason", overflow="fold")
     for gpu in host.get("gpus") or []:

@@ -8,15 +8,31 @@ from typing import Any, Mapping
 from eltctl.statusview.formatting import GPU_STATE_STYLE, HOST_STATE_STYLE, ViewOptions, format_age, format_clock, num
 
 
+def slot_word(host: Mapping[str, Any]) -> str:
+    """What each of a host's `gpus` is called: "slot" on a host of CPU slots, else "GPU"."""
+    return "slot" if host.get("device") == "cpu" else "GPU"
+
+
+def slots_header(hosts: Any) -> str:
+    """The hosts table's column of GPUs and CPU slots, named for what it holds."""
+    words = {slot_word(h) for h in hosts or [] if isinstance(h, dict) and h.get("gpus")}
+    return {frozenset({"slot"}): "slots", frozenset({"slot", "GPU"}): "GPUs/slots"}.get(frozenset(words), "GPUs")
+
+
+def _reason(host: Mapping[str, Any], gpu: Mapping[str, Any]) -> str:
+    reason = str(gpu.get("reason") or "")
+    return "" if host.get("device") == "cpu" and reason == "CPU slot" else reason  # "slot 0 free CPU slot"
+
+
 def _gpu_lines(host: Mapping[str, Any]) -> str:
     from rich.markup import escape
 
     lines = []
     for gpu in host.get("gpus") or []:
         state = str(gpu.get("state", "?"))
-        text = f"{gpu.get('index', '?')} [{GPU_STATE_STYLE.get(state, 'white')}]{escape(state)}[/]"
-        if gpu.get("reason"):
-            text += f" [dim]{escape(str(gpu['reason']))}[/]"
+        text = f"{slot_word(host)} {gpu.get('index', '?')} [{GPU_STATE_STYLE.get(state, 'white')}]{escape(state)}[/]"
+        if _reason(host, gpu):
+            text += f" [dim]{escape(_reason(host, gpu))}[/]"
         lines.append(text)
     return "\n".join(lines) or "[dim]no GPUs (CPU slots)[/]"
 
@@ -30,8 +46,9 @@ _UTIL = re.compile(r"^(\d+)% utilisation")
 _TAKEN_BY = re.compile(r"^taken by job ([\w.-]+)")  # daemon or probe: "taken by job B (user bob, pid 42)"
 
 
-def gpu_brief(gpu: Mapping[str, Any]) -> str:
-    """A GPU in a few words, for the compact layout: `0 ours w3`, `1 busy alice`, `2 free`.
+def gpu_brief(gpu: Mapping[str, Any], word: str = "GPU") -> str:
+    """A GPU (or, `word` "slot", a CPU slot) in a few words, for the compact layout:
+    `GPU 0 ours w3`, `GPU 1 busy alice`, `slot 2 free`.
 
     Who holds it, shortened: our worker's incarnation (`w<n>` of `<host>/<slot>/<n>`), a
     busy GPU's owners (the users the probe names), else the reason's first words (the
@@ -52,9 +69,9 @@ def gpu_brief(gpu: Mapping[str, Any]) -> str:
     elif state == "taken":  # `taken by job B (user bob, pid 42)`: the job's name
         m = _TAKEN_BY.match(reason)
         who = m.group(1) if m else reason
-    elif state != "free":
+    elif state != "free" and not (word == "slot" and reason == "CPU slot"):
         who = reason
-    return " ".join(f"{gpu.get('index', '?')} {state} {who}".split())  # one line, whatever the reason holds
+    return " ".join(f"{word} {gpu.get('index', '?')} {state} {who}".split())  # one line, whatever the reason holds
 
 
 def host_notes(host: Mapping[str, Any], options: ViewOptions, *, brief: bool = False) -> list[str]:
@@ -129,9 +146,9 @@ def hosts_table(doc: Mapping[str, Any], options: ViewOptions):
     table.add_column("state", no_wrap=True)
     table.add_column("workers", justify="right", no_wrap=True)
     table.add_column("heartbeat", justify="right", no_wrap=True)
-    table.add_column("GPUs", overflow="fold")
-    table.add_column("note", overflow="fold", min_width=20)
     hosts = doc.get("hosts") or []
+    table.add_column(slots_header(hosts), overflow="fold")
+    table.add_column("note", overflow="fold", min_width=20)
     for host in hosts:
         state = str(host.get("state", "?"))
         table.add_row(f"[bold]{escape(str(host.get('name', '?')))}[/]",
@@ -144,7 +161,7 @@ def hosts_table(doc: Mapping[str, Any], options: ViewOptions):
 
 
 COMPACT_HOST_WIDTH = 14  # a longer host name is cut with an ellipsis (in full: `status HOST`)
-COMPACT_GPU_WIDTH = 16
+COMPACT_GPU_WIDTH = 20
 NOTE_MIN = 20
 NOTE_LINES = 3  # a host's note takes the lines of its GPUs, and at least this many
 
@@ -164,10 +181,11 @@ def hosts_table_compact(doc: Mapping[str, Any], options: ViewOptions, width: int
     for host in hosts:
         state = str(host.get("state", "?"))
         gpus = []
+        word = slot_word(host)
         for gpu in host.get("gpus") or []:
-            line = Text(gpu_brief(gpu))
+            line = Text(gpu_brief(gpu, word))
             gstate = str(gpu.get("state", "?"))
-            start = len(str(gpu.get("index", "?"))) + 1
+            start = len(word) + 1 + len(str(gpu.get("index", "?"))) + 1
             line.stylize(GPU_STATE_STYLE.get(gstate, "white"), start, start + len(gstate))
             gpus.append(line)
         rows.append((Text(str(host.get("name", "?")), style="bold"),
@@ -182,7 +200,7 @@ def hosts_table_compact(doc: Mapping[str, Any], options: ViewOptions, width: int
         return min(longest, cap) if cap else longest
 
     widths = [fit(0, "host", COMPACT_HOST_WIDTH), fit(1, "state"), fit(2, "wk"), fit(3, "beat"),
-              fit(4, "GPUs", COMPACT_GPU_WIDTH)]
+              fit(4, slots_header(hosts), COMPACT_GPU_WIDTH)]
     overhead = 2 + 5 + 6  # the box's edges, the dividers, one padding (right) per column
     # The note gets what is left, at least NOTE_MIN: GPUs, then host names, give way first.
     for i, floor in ((0, 10), (4, 12)):
@@ -193,7 +211,7 @@ def hosts_table_compact(doc: Mapping[str, Any], options: ViewOptions, width: int
     table = Table(header_style="bold", expand=False, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
                   caption="full reasons: eltctl status HOST" if hosts else None,
                   caption_justify="left", caption_style="dim")
-    for header, w, justify in zip(("host", "state", "wk", "beat", "GPUs", "note"), widths + [note_w],
+    for header, w, justify in zip(("host", "state", "wk", "beat", slots_header(hosts), "note"), widths + [note_w],
                                   ("left", "left", "right", "right", "left", "left")):
         table.add_column(header, justify=justify, no_wrap=True, overflow="ellipsis", width=w)
     for name, state, workers, beat, gpus, note in rows:

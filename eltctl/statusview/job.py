@@ -47,6 +47,9 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     loss = num(doc.get("loss"))
     if loss is not None:
         progress += f"   loss {loss:.4g}"
+    if doc.get("runtime_current") is False and doc.get("step") is not None:
+        # the last status of a run none of whose workers runs now: history, not a live figure
+        progress += "   [dim](where it stopped; no worker runs now)[/]"
     grid.add_row("progress", progress)
 
     ckpt = doc.get("checkpoint")
@@ -55,13 +58,17 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
         t = num(ckpt.get("time"))
         age = num(ckpt.get("age_s")) + staleness if num(ckpt.get("age_s")) is not None else (
             now - t if t is not None else None)
-        grid.add_row("checkpoint", f"step {ckpt.get('step')}, {format_age(age)} ago")
+        where = f" on {escape(str(ckpt['host']))}" if ckpt.get("host") else ""
+        grid.add_row("checkpoint", f"step {ckpt.get('step')}{where}, {format_age(age)} ago")
     else:
         grid.add_row("checkpoint", "[dim]none yet[/]")
 
     mirror = mirror_line(doc.get("mirror"), now, staleness)
     if mirror is not None:
         grid.add_row("mirror", mirror)
+    unprotected = mirror_warning(doc.get("mirror"))
+    if unprotected is not None:
+        grid.add_row("[red]warning[/]", unprotected)
 
     forged = forged_line(doc.get("forged"))
     if forged is not None:
@@ -97,8 +104,23 @@ def mirror_line(mirror: Any, now: float, staleness: float = 0.0) -> str | None:
     lag = mirror.get("lag_steps")
     if isinstance(lag, int):
         line += "   [green]up to date[/]" if lag == 0 else f"   [yellow]{lag} steps behind[/]"
-    if mirror.get("last_error"):
+    if mirror.get("last_error") and not isinstance(mirror.get("problem"), dict):
         line += f"\n[red]last error: {escape(str(mirror['last_error']))}[/]"
+    return line
+
+
+def mirror_warning(mirror: Any) -> str | None:
+    """The warning row when the mirror failed in a way retrying cannot fix (the status
+    document's `mirror.problem`: {kind, message, fix}); None otherwise."""
+    from rich.markup import escape
+
+    problem = mirror.get("problem") if isinstance(mirror, dict) else None
+    if not isinstance(problem, dict):
+        return None
+    line = (f"[red]the mirror cannot work ({escape(str(problem.get('kind', '?')))}): checkpoints are on the hosts "
+            f"only, not retried until the next one[/]\n{escape(str(problem.get('message', '')))}")
+    if problem.get("fix"):
+        line += f"\n[bold]fix:[/] {escape(str(problem['fix']))}"
     return line
 
 

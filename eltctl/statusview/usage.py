@@ -75,13 +75,14 @@ def summary_lines(doc: Mapping, tz: tzinfo | None = None) -> list[str]:
 
 
 def timeline_rows(timeline: Mapping[str, Mapping[int, Sequence[str]]], kinds: Mapping[str, str] | None = None):
-    """(label, rich text) per GPU: `host GPU n │cells│`."""
+    """(label, rich text) per GPU or CPU slot: `host GPU n │cells│`, `host slot n │cells│`
+    (`kinds`: host -> "gpu" or "cpu"; a host not named is taken for a GPU host)."""
     from rich.text import Text
 
     rows = []
     for host, slots in timeline.items():
         for slot, cells in sorted(slots.items()):
-            label = f"{host} {'CPU' if (kinds or {}).get(host) == 'cpu' else 'GPU'} {slot}"
+            label = f"{host} {'slot' if (kinds or {}).get(host) == 'cpu' else 'GPU'} {slot}"
             text = Text()
             for holder in cells:
                 text.append(TIMELINE_CHARS.get(holder, "?"), style=TIMELINE_STYLES.get(holder, ""))
@@ -90,14 +91,14 @@ def timeline_rows(timeline: Mapping[str, Mapping[int, Sequence[str]]], kinds: Ma
 
 
 def render_timeline(timeline: Mapping[str, Mapping[int, Sequence[str]]], since: float, until: float,
-                    tz: tzinfo | None = None):
-    """The per-host timeline with its time axis and legend."""
+                    tz: tzinfo | None = None, kinds: Mapping[str, str] | None = None):
+    """The per-host timeline with its time axis and legend (`kinds`: timeline_rows)."""
     from rich.console import Group
     from rich.text import Text
 
-    rows = timeline_rows(timeline)
+    rows = timeline_rows(timeline, kinds)
     if not rows:
-        return Text("no GPU was observed in this window", style="dim")
+        return Text("no GPU or CPU slot was observed in this window", style="dim")
     width = max(len(label) for label, _ in rows)
     cells = max(len(t.plain) for _, t in rows)
     out = [Text("timeline (one character per " + _span((until - since) / max(1, cells)) + ")",
@@ -116,7 +117,7 @@ def render_timeline(timeline: Mapping[str, Mapping[int, Sequence[str]]], since: 
 
 
 def render_usage(doc: Mapping, timeline: Mapping[str, Mapping[int, Sequence[str]]] | None,
-                 tz: tzinfo | None = None):
+                 tz: tzinfo | None = None, kinds: Mapping[str, str] | None = None):
     """The whole `eltctl usage` view."""
     from rich.console import Group
     from rich.text import Text
@@ -125,7 +126,7 @@ def render_usage(doc: Mapping, timeline: Mapping[str, Mapping[int, Sequence[str]
     if doc["rows"]:
         parts += [Text(""), usage_table(doc)]
     if timeline is not None:
-        parts += [Text(""), render_timeline(timeline, doc["since"], doc["until"], tz)]
+        parts += [Text(""), render_timeline(timeline, doc["since"], doc["until"], tz, kinds)]
     return Group(*parts)
 
 

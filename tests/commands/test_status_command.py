@@ -57,7 +57,7 @@ def test_status_at_80_columns_is_compact_and_fits(tmp_path):
     assert r.returncode == 0, r.stderr
     assert all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
     assert "full reasons: eltctl status HOST" in r.stdout
-    for brief in ("0 ours w3", "1 busy alice, b…", "1 busy 23000 MiB", "7 ours w7"):
+    for brief in ("GPU 0 ours w3", "GPU 1 busy alice, b…", "GPU 1 busy 23000 MiB", "GPU 7 ours w7"):
         assert sum(brief in line for line in r.stdout.splitlines()) == 1, brief
 
 
@@ -70,7 +70,7 @@ def test_status_at_160_columns_is_wide_with_full_reasons(tmp_path):
     # Folded in its column beside the long host name, but whole.
     header = next(line for line in r.stdout.splitlines() if "heartbeat" in line)
     gpus = "".join(line[header.index("GPUs"):header.index("note")] for line in _hosts_section(r.stdout))
-    assert "0busyusedbypid999python(alice);sharesitwiththisjob'spid4712" in "".join(gpus.split())
+    assert "GPU0busyusedbypid999python(alice);sharesitwiththisjob'spid4712" in "".join(gpus.split())
 
 
 def test_status_host_shows_that_hosts_full_entry(tmp_path):

@@ -540,3 +540,43 @@ def test_the_quotas_figures_count_each_host_from_its_own_local_midnight(world):
                          "b": pytest.approx(T0 + 61_000 - utc_midnight)}
     assert use.total == pytest.approx(2 * 61_000)
     rec.close(world.now)
+
+
+def test_the_timeline_calls_a_cpu_hosts_rows_slots(world):
+    world.obs.reports["a"] = HostReport(name="a", address="a.lab", state=HostState.CPU_ONLY, reason="")
+    rec = world.recorder()
+    world.daemon("a", workers=[running("a/0/1", T0)])
+    world.docs["a"]["gpus"] = []
+    world.run(rec, T0 + 20, step=2.0)
+    rec.close(world.now)
+    conn = open_reader(world.path)
+    try:
+        tl = figures.timeline(conn, since=T0, until=T0 + 20, live=False, buckets=10)
+        kinds = figures.slot_kinds(conn)
+        first = figures.first_seen(conn)
+    finally:
+        conn.close()
+    assert kinds == {"a": "cpu"} and first == pytest.approx(T0 + 2, abs=2)
+    from rich.console import Console
+
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render_timeline(tl, T0, T0 + 20, kinds=kinds))
+    text = console.export_text()
+    assert "a slot 0 │" in text and "a GPU" not in text and "b GPU 0  │" in text, text
+
+
+def test_eltctl_usage_of_a_job_younger_than_its_window_spreads_the_timeline_over_its_life(tmp_path):
+    (tmp_path / "hosts.toml").write_text(INV_TEXT)
+    world = World(tmp_path / "state" / "eltctl" / "j" / "usage.db")
+    world.now = __import__("time").time() - 120  # a job of two minutes, under the default 7 days
+    rec = world.recorder()
+    world.daemon("a", workers=[running("a/0/1", world.now)])
+    world.run(rec, world.now + 100, step=5.0)
+    rec.close(world.now)
+    from tests.test_statusview import cli_env
+
+    r = subprocess.run([sys.executable, "-m", "eltctl", "usage"], cwd=tmp_path, env={**cli_env(tmp_path),
+                       "COLUMNS": "100"}, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("a GPU 0"))
+    assert row.count("█") >= 40, r.stdout  # most of the row, not one character of seven days

@@ -224,10 +224,10 @@ ADDS = [
     ("unreachable: refused even with force", report("a", HostState.UNREACHABLE, reason="timeout"), True,
      "unreachable: timeout"),
     ("every GPU busy: refused, with each reason", report("a", HostState.OK, gpu(0, "busy", "pid 7"), gpu(1, "busy", "x")),
-     False, "refused: no free GPU (GPU 0: pid 7; GPU 1: x); --force adds it anyway"),
+     False, "no free GPU (GPU 0: pid 7; GPU 1: x); --force adds it anyway"),
     ("every GPU busy, forced: it joins", report("a", HostState.OK, gpu(0, "busy", "pid 7")), True, None),
     ("unhealthy: refused with the probe's reason", report("a", HostState.UNHEALTHY, reason="smi hung"), False,
-     "refused: no free GPU (smi hung); --force adds it anyway"),
+     "no free GPU (smi hung); --force adds it anyway"),
 ]
 
 
@@ -357,3 +357,66 @@ def test_after_a_keeper_restart_the_new_stores_log_is_read_from_the_start():
     store.values = {"events/seq": 1, "events/1": {"kind": "crash", "host": "a", "workers": ["a/0/5"]}}
     asyncio.run(o.read_store(store, [], NOW + 5))
     assert o.events_read == 1 and o.crashed == {"a": {0}}
+
+
+# ---------------------------------------------------------------- who runs now, the last checkpoint
+
+from eltctl.controller.observe import live_members, newest_checkpoint  # noqa: E402
+from eltctl.controller.policy import HostView  # noqa: E402
+
+
+def test_a_daemons_running_workers_reach_the_view_by_id():
+    s = seen(0.0, phase="running", workers=[{"slot": 0, "worker_id": "c/0/3", "state": "running"},
+                                            {"slot": 1, "worker_id": "c/1/2", "state": "crashed"}])
+    v = host_view(C, report("c", HostState.CPU_ONLY), s, True)
+    assert (v.workers, v.worker_ids) == ((0,), ("c/0/3",))
+
+
+RS = {"seen": 100.0, "time": 5000.0, "members": ["a/0/1", "b/0/1"]}
+
+# (case, views, live members)
+LIVE = [
+    ("both members run", {"a": HostView("a", worker_ids=("a/0/1",), workers=(0,)),
+                          "b": HostView("b", worker_ids=("b/0/1",), workers=(0,))}, ["a/0/1", "b/0/1"]),
+    ("the script crashed: no worker runs", {"a": HostView("a"), "b": HostView("b")}, []),
+    ("restarted after a crash: new ids in the same slots are not the old members",
+     {"a": HostView("a", worker_ids=("a/0/2",), workers=(0,)), "b": HostView("b", worker_ids=("b/0/2",),
+                                                                            workers=(0,))}, []),
+    ("a daemon that names no ids: by slot", {"a": HostView("a", workers=(0,)), "b": HostView("b")}, ["a/0/1"]),
+    ("a host not in the views", {"a": HostView("a", worker_ids=("a/0/1",), workers=(0,))}, ["a/0/1"]),
+]
+
+
+@pytest.mark.parametrize("case, views, expected", LIVE, ids=[c[0] for c in LIVE])
+def test_live_members(case, views, expected):
+    assert live_members(RS, views) == expected
+
+
+CK_A = {"step": 800, "time": 4990.0, "path": "/h/.eltctl/jobs/j/a/checkpoints/step-800"}
+
+
+def test_newest_checkpoint_is_rank_0s_with_its_host_and_age():
+    got = newest_checkpoint(None, {**RS, "checkpoint": CK_A}, 110.0, "j")
+    assert got == {"step": 800, "time": 4990.0, "path": CK_A["path"], "host": "a", "age_s": 20.0, "seen": 110.0}
+    # seen again later: the same entry, its age still counted from when it was first seen
+    assert newest_checkpoint(got, {**RS, "checkpoint": CK_A}, 130.0, "j") is got
+
+
+def test_after_a_resize_the_new_rank_0_has_none_yet_and_the_last_one_stays():
+    known = newest_checkpoint(None, {**RS, "checkpoint": CK_A}, 110.0, "j")
+    assert newest_checkpoint(known, {**RS, "members": ["b/0/1"], "checkpoint": None}, 140.0, "j") is known
+    newer = {"step": 825, "time": 5010.0, "path": "/h/.eltctl/jobs/j/b/checkpoints/step-825"}
+    got = newest_checkpoint(known, {**RS, "time": 5012.0, "checkpoint": newer}, 150.0, "j")
+    assert (got["step"], got["host"], got["age_s"]) == (825, "b", 52.0)
+
+
+def test_no_checkpoint_anywhere_is_none():
+    assert newest_checkpoint(None, None, 1.0, "j") is None
+    assert newest_checkpoint(None, {**RS, "checkpoint": {"step": "x"}}, 1.0, "j") is None
+
+
+def test_scale_add_says_what_joins_gpus_or_cpu_slots():
+    from eltctl.controller.observe import added_message
+
+    assert added_message(report("c", HostState.CPU_ONLY)) == "added; its CPU slots join now"
+    assert added_message(report("a", HostState.OK, gpu(0, "free"))) == "added; its free GPUs join now"

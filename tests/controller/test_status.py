@@ -20,17 +20,27 @@ def decision(waiting=False, message="") -> Decision:
     return Decision(actions=(), desired={}, usable=0, waiting=waiting, message=message)
 
 
-RUNNING = {"a": HostView("a", Reach.OK, workers=(0,)), "b": HostView("b", Reach.OK)}
+RUNNING = {"a": HostView("a", Reach.OK, workers=(0,), worker_ids=("a/0/1",)), "b": HostView("b", Reach.OK)}
 IDLE = {"a": HostView("a", Reach.OK), "b": HostView("b", Reach.OK)}
-TRAINING_STATUS = {"seen": NOW - 1, "time": NOW - 3600, "world_size": 1}  # rank 0's clock is never read
+# rank 0's clock is never read
+TRAINING_STATUS = {"seen": NOW - 1, "time": NOW - 3600, "world_size": 1, "members": ["a/0/1"], "step": 7}
+# The script crashed; the daemon started a new worker in the slot (a new id): the old status names no one running.
+RESTARTED = {"a": HostView("a", Reach.OK, workers=(0,), worker_ids=("a/0/2",)), "b": HostView("b", Reach.OK)}
 WANTED = {"a": HostRecord(desired=(0,))}
 
 # (case, phase before, runtime status, views, records, decision, daemons starting, phase and message after)
 PHASES = [
     ("rank 0 reports a world and workers run: training", Phase.STARTING, TRAINING_STATUS, RUNNING, WANTED,
      decision(), False, (Phase.TRAINING, "")),
-    ("a stale rank 0 status is not training", Phase.TRAINING, {"seen": NOW - 31, "time": NOW, "world_size": 1}, RUNNING, WANTED,
+    ("a stale rank 0 status is not training", Phase.TRAINING,
+     {"seen": NOW - 31, "time": NOW, "world_size": 1, "members": ["a/0/1"]}, RUNNING, WANTED,
      decision(), False, (Phase.STARTING, "waiting for the first step")),
+    ("a fresh status of a crashed run, its worker replaced: not training (up must not print its step)",
+     Phase.TRAINING, TRAINING_STATUS, RESTARTED, WANTED, decision(), False,
+     (Phase.STARTING, "waiting for the first step")),
+    ("a fresh status whose members all ended (both hosts cooling down): not training", Phase.TRAINING,
+     TRAINING_STATUS, IDLE, {}, decision(waiting=True), False,
+     (Phase.WAITING, "no slot free; min_workers is 1")),
     ("too few GPUs and nothing runs: waiting, with what it waits for counted", Phase.PROBING, None, IDLE, {},
      decision(waiting=True, message="1 usable slot(s), min_workers is 2"), False,
      (Phase.WAITING, "no slot free; min_workers is 1")),
@@ -76,7 +86,7 @@ def test_status_document_shape():
                           views=views, records=records, seen={"a": DaemonSeen(b"{}", NOW - 0.5, {})},
                           events=events, store_endpoint="127.0.0.1:29500", mirror=None)
     assert list(doc) == ["job", "state", "phase", "message", "updated", "generation", "world_size", "members",
-                         "min_workers", "max_workers", "step", "epoch", "samples_per_s", "loss", "checkpoint",
+                         "runtime_current", "min_workers", "max_workers", "step", "epoch", "samples_per_s", "loss", "checkpoint",
                          "runtime_status_age_s", "controller", "store", "hosts", "events", "mirror",
                          "start_failed", "mode", "restarts", "forged"]
     assert (doc["mode"], doc["restarts"]) == ("elastic", None)
@@ -84,11 +94,12 @@ def test_status_document_shape():
     assert (doc["job"], doc["state"], doc["world_size"], doc["min_workers"], doc["max_workers"]) == ("j", "training", 1,
                                                                                                     1, 4)
     # rank 0's clock a minute behind: the age is still the controller's 4 s
-    assert doc["checkpoint"] == {"step": 10, "time": NOW - 64, "path": "/c", "age_s": 4.0}
+    assert doc["checkpoint"] == {"step": 10, "time": NOW - 64, "path": "/c", "host": None, "age_s": 4.0}
     assert doc["runtime_status_age_s"] == 2.0
     assert doc["events"] == events[-20:]
     a, b = doc["hosts"]
-    assert a == {"name": "a", "state": "running", "reason": "1 worker(s)", "workers": 1, "heartbeat_age_s": 0.5,
+    assert a == {"name": "a", "state": "running", "reason": "1 worker(s)", "workers": 1, "device": "gpu",
+                 "heartbeat_age_s": 0.5,
                  "benched_until": None, "cooldown_until": NOW + 5, "failures": 0, "desired": [0],
                  "gpus": [{"index": 0, "state": "ours", "reason": ""}, {"index": 1, "state": "busy", "reason": "pid 9"}],
                  "last_problem": "", "start_failure": None, "daemon": {}, "usable_at": None, "signal": None}
@@ -260,3 +271,55 @@ def test_each_hosts_store_forward_rides_in_its_entry_and_a_down_one_is_a_note():
     plain = status_document(now=NOW, inventory=INV, phase=Phase.TRAINING, message="", runtime_status=None,
                             views=IDLE, records={}, seen={}, events=[], store_endpoint="127.0.0.1:1", mirror=None)
     assert all("forward" not in h for h in plain["hosts"])
+
+
+# ----------------------------------------------------------------------- the document tells what holds now
+
+LAST_CK = {"step": 800, "time": NOW - 100, "path": "/h/.eltctl/jobs/j/a/checkpoints/step-800", "host": "a",
+           "age_s": 30.0, "seen": NOW - 10}
+RS2 = {"seen": NOW - 1, "time": NOW - 1, "generation": 2, "world_size": 2, "members": ["a/0/1", "b/0/1"],
+       "step": 872, "epoch": 1, "samples_per_s": 1486.0, "loss": 0.3, "checkpoint": None,
+       "workers": {"a/0/1": {"share": 0.5, "samples_per_s": 743.0}, "b/0/1": {"share": 0.5, "samples_per_s": 743.0}}}
+
+
+def _doc(views, rs=RS2, checkpoint=None, records=None):
+    return status_document(now=NOW, inventory=INV, phase=Phase.TRAINING, message="", runtime_status=rs,
+                           views=views, records=records or {}, seen={}, events=[], store_endpoint="x", mirror=None,
+                           checkpoint=checkpoint)
+
+
+def test_after_a_resize_the_checkpoint_is_the_last_one_not_none_yet():
+    views = {"a": HostView("a", Reach.CPU_ONLY, worker_ids=("a/0/1",), workers=(0,)),
+             "b": HostView("b", Reach.CPU_ONLY, worker_ids=("b/0/1",), workers=(0,))}
+    doc = _doc(views, checkpoint=LAST_CK)  # the new rank 0 has saved nothing yet
+    assert doc["checkpoint"] == {"step": 800, "time": NOW - 100, "path": LAST_CK["path"], "host": "a",
+                                 "age_s": 40.0}
+    assert (doc["world_size"], doc["members"], doc["runtime_current"]) == (2, ["a/0/1", "b/0/1"], True)
+    assert [w["worker"] for w in doc["workers"]] == ["a/0/1", "b/0/1"]
+
+
+def test_after_a_crash_no_stale_worker_is_shown():
+    cooling = HostRecord(cooldown_until=NOW + 100, failures=1, last_problem="worker crashed")
+    views = {"a": HostView("a", Reach.CPU_ONLY), "b": HostView("b", Reach.CPU_ONLY)}
+    doc = _doc(views, checkpoint=LAST_CK, records={"a": cooling, "b": cooling})
+    assert (doc["world_size"], doc["members"], doc["runtime_current"]) == (0, [], False)
+    assert "workers" not in doc and doc["samples_per_s"] is None
+    assert (doc["step"], doc["checkpoint"]["step"]) == (872, 800)  # where it stopped, and what it resumes from
+
+
+def test_a_member_that_died_is_left_out_of_the_members_and_the_workers():
+    views = {"a": HostView("a", Reach.CPU_ONLY, worker_ids=("a/0/1",), workers=(0,)),
+             "b": HostView("b", Reach.CPU_ONLY)}
+    doc = _doc(views)
+    assert (doc["world_size"], doc["members"]) == (1, ["a/0/1"])
+    assert [w["worker"] for w in doc["workers"]] == ["a/0/1"]
+
+
+def test_waiting_for_cpu_slots_names_slots_never_gpus():
+    cpu_busy = (SlotView(0, GpuUse.BUSY, "owner: login alice"),)
+    cpu_taken = (SlotView(0, GpuUse.TAKEN, "taken by job other"),)
+    views = {"a": HostView("a", Reach.CPU_ONLY, slots=cpu_busy), "b": HostView("b", Reach.CPU_ONLY, slots=cpu_taken)}
+    msg = waiting_message(now=NOW, inventory=inv(2), views=views, records={})
+    assert msg == ("1 CPU slot held by its owner (an owner signal), 1 CPU slot taken by another eltctl job; "
+                   "min_workers is 2")
+    assert "GPU" not in msg
