@@ -289,13 +289,52 @@ def scale(inventory: Inventory, add: list[str], remove: list[str], force: bool) 
 
 
 def cordon(inventory: Inventory, hosts: list[str], on: bool) -> dict:
-    """`eltctl cordon` (on) / `uncordon`: ask the live controller."""
+    """`eltctl cordon` (on) / `uncordon`: ask the live controller; with none running,
+    write the cordon into hosts.json, where the next controller finds it (cordons
+    persist: one need not start the job to keep it off a host)."""
     state = state_of(inventory)
     verb = "cordon" if on else "uncordon"
     if same_inventory(inventory, ping(state)) is None:
-        raise EltctlError(f"no controller runs job {inventory.job.name}",
-                          hint=f"`eltctl up` starts it; then {verb}")
+        return _cordon_stopped(inventory, state, hosts, on)
     return ask(state, {"op": verb, "hosts": hosts}, timeout=180)
+
+
+def _cordon_stopped(inventory: Inventory, state: StateDir, hosts: list[str], on: bool) -> dict:
+    """The cordon of a job without a controller: its memory (hosts.json) changed under
+    the controller's lock, so a controller starting meanwhile reads it whole."""
+    from eltctl.controller.policy import HostRecord
+    from eltctl.controller.statedir import ControllerLock
+    from eltctl_runtime.files import write_json_atomic
+
+    verb = "cordon" if on else "uncordon"
+    state.create()
+    lock = ControllerLock(state.lock)
+    if not lock.acquire():
+        raise EltctlError(f"a controller of job {inventory.job.name} is starting",
+                          hint=f"run `eltctl {verb}` again in a moment")
+    try:
+        doc = read_json(state.hosts_json) or {}
+        memory = dict(doc.get("hosts") or {})
+        known = [h.name for h in inventory.hosts]
+        results = []
+        for name in hosts:
+            if name not in known:
+                results.append({"host": name, "ok": False,
+                                "message": f"no host {name!r} in the inventory (hosts: {', '.join(sorted(known))})"})
+                continue
+            rec = HostRecord.from_json(memory.get(name) or {})
+            if rec.cordoned == on:
+                results.append({"host": name, "ok": True, "message": "already cordoned" if on else "not cordoned"})
+                continue
+            memory[name] = {**rec.to_json(), "cordoned": on}
+            results.append({"host": name, "ok": True, "message": (
+                "cordoned (no controller runs: the next `eltctl up` keeps it out until `eltctl uncordon`)" if on
+                else "uncordoned (no controller runs: the next `eltctl up` uses it again)")})
+        if any(r["ok"] for r in results):
+            write_json_atomic(state.hosts_json, {**doc, "hosts": memory})
+    finally:
+        lock.release()
+    return {"ok": all(r["ok"] for r in results), "results": results}
 
 
 # --------------------------------------------------------------------------- down
