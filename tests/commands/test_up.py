@@ -242,3 +242,32 @@ def test_a_start_that_waits_for_idle_for_returns_with_a_countdown_and_ctrl_c_say
     assert re.search(r"starting: starts in \d+ s: 1 free GPU/slot", stdout), stdout  # the countdown
     assert f"interrupted: the controller (pid {pid}) keeps running" in stderr, stderr
     assert "`eltctl status` follows it; `eltctl down` stops it" in stderr, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_in_up_says_the_controller_keeps_running_and_how_to_stop_it(local_job):
+    """Issue 25, finding 5: Ctrl-C during `up` printed nothing (exit 130) while the
+    controller went on starting the job."""
+    import signal
+
+    # Workers that never reach a first step: `up` waits for one until it is interrupted.
+    local_job.write({"h1": HOST_PYTHON}, command=["python", "-c", "import time; time.sleep(600)"])
+    up = subprocess.Popen([*ELTCTL, "-i", str(local_job.inventory), "up"], env=local_job.env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: local_job.controller_pid() is not None or up.poll() is not None, 120,
+                 "the controller to start")
+        time.sleep(1.0)
+        assert up.poll() is None, up.communicate()
+        up.send_signal(signal.SIGINT)
+        stdout, stderr = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    pid = local_job.controller_pid()
+    assert up.returncode == 130, stdout + stderr
+    assert pid is not None, "the controller should run on"
+    assert (f"interrupted: the controller (pid {pid}) keeps running: `up` started it and only stopped waiting; "
+            f"job {local_job.job} starts (or goes on) by itself") in stderr, stderr
+    assert "`eltctl status` follows it; `eltctl down` stops it" in stderr, stderr
