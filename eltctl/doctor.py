@@ -385,8 +385,10 @@ async def _guarded(coro, host: Host) -> HostDiagnosis:
 
 
 def diagnose(inventory: Inventory, *, accept_new: bool = False,
-             ssh: SSHSettings | None = None) -> list[HostDiagnosis]:
-    """`eltctl doctor`: diagnose every host of the inventory."""
+             ssh: SSHSettings | None = None, extra: ExtraChecks | None = None) -> list[HostDiagnosis]:
+    """`eltctl doctor`: diagnose every host of the inventory. `extra`: more checks per
+    connected host (`eltctl doctor` passes the job's, preflight.host_job_checks, which
+    include the store forward's); default: the store forward's alone."""
 
     async def forward(host: Host, transport: Transport) -> list[Check]:
         check = await check_store_forward(host, transport) if inventory.controller.store == "ssh" else None
@@ -394,7 +396,8 @@ def diagnose(inventory: Inventory, *, accept_new: bool = False,
 
     async def main() -> list[HostDiagnosis]:
         async with Fleet(inventory, ssh=ssh) as fleet:
-            results = await diagnose_fleet(fleet, policy=inventory.policy, accept_new=accept_new, extra=forward)
+            results = await diagnose_fleet(fleet, policy=inventory.policy, accept_new=accept_new,
+                                           extra=extra or forward)
             return results + await mirror_diagnosis(inventory, fleet, results)
 
     return asyncio.run(main())

@@ -63,3 +63,15 @@ def format_duration(seconds: float) -> str:
         if n:
             parts.append(f"{n}{unit}")
     return "".join(parts) or "0s"
+
+
+def format_left(seconds: float) -> str:
+    """A countdown as a person reads it: `42 s`, `9 min 12 s`, `1 h 05 min` (whole seconds, rounded up)."""
+    s = max(0, math.ceil(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        m, r = divmod(s, 60)
+        return f"{m} min {r} s" if r else f"{m} min"
+    h, m = divmod(s // 60, 60)
+    return f"{h} h {m:02d} min"

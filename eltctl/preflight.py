@@ -374,6 +374,15 @@ def _live_status(inventory: Inventory) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
+def for_doctor(inventory: Inventory, *, accept_new: bool = False) -> tuple[list[ConfigError], list[HostDiagnosis]]:
+    """`eltctl doctor`: the job's problems on this machine (`job_problems`) and every
+    host's diagnosis with the job's checks there (`host_job_checks`): what `up` checks,
+    so a job `doctor` passes does not fail at `up`."""
+    from eltctl.doctor import diagnose
+
+    return job_problems(inventory), diagnose(inventory, accept_new=accept_new, extra=host_job_checks(inventory))
+
+
 def for_up(inventory: Inventory, progress: Progress = lambda _m: None, *,
            ignore_mirror_check: bool = False) -> dict[str, str]:
     """Run the checks; raise ConfigError (job), HostError (no host usable) or
@@ -400,5 +409,5 @@ def for_up(inventory: Inventory, progress: Progress = lambda _m: None, *,
 
 
 __all__ = ["LEFT_OUT", "JobFacts", "Target", "Verdict", "check_hosts", "command_target", "describe",
-           "error_of", "for_up", "host_job_checks", "host_job_script", "hosts_to_check", "job_facts",
+           "error_of", "for_doctor", "for_up", "host_job_checks", "host_job_script", "hosts_to_check", "job_facts",
            "job_problems", "module_files", "parse_host_job", "verdict", "warnings"]

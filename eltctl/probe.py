@@ -40,7 +40,7 @@ from eltctl_runtime import owner as owner_signals  # stdlib only; its source is 
 from eltctl_runtime.owner import OwnerPolicy
 
 from eltctl_runtime import nvsmi  # the one nvidia-smi parser, shared with the host daemon; stdlib only
-from eltctl_runtime.claims import DEFAULT_DIR as CLAIMS_DEFAULT_DIR, ENV as CLAIMS_ENV, Claim
+from eltctl_runtime.claims import DEFAULT_DIR as CLAIMS_DEFAULT_DIR, ENV as CLAIMS_ENV, Claim, parse_slot_file
 from eltctl_runtime.nvsmi import parse_number
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy
@@ -363,7 +363,7 @@ def parse_claims(lines: Iterable[str]) -> tuple[tuple[str, Claim], ...]:
     out = []
     for line in lines:
         name, _, content = line.strip().partition(" ")
-        if name.startswith(("gpu", "cpu")) and name[3:].isdigit():
+        if parse_slot_file(name) is not None:
             out.append((name, Claim.from_json(content)))
     return tuple(sorted(out))
 

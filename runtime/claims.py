@@ -2,9 +2,9 @@
 
 Several eltctl jobs (of one user or of several) may share hosts. Before a host
 daemon starts a worker on GPU N it takes an exclusive claim on the file
-`<claims dir>/gpuN` (`cpuN` for a CPU slot): `flock(LOCK_EX | LOCK_NB)` on an
-open file description that it passes to the worker (`pass_fds`) and then
-closes. The lock lives exactly as long as the worker (and anything the worker
+`<claims dir>/gpuN` (`cpuN.HOST` for CPU slot N of the inventory host HOST:
+`slot_file`): `flock(LOCK_EX | LOCK_NB)` on an open file description that it
+passes to the worker (`pass_fds`) and then closes. The lock lives exactly as long as the worker (and anything the worker
 started that inherited it): a dead daemon keeps it, a dead worker frees it,
 and no claim is ever stale, so nothing has to clean claims up. A slot whose
 claim another job holds is "taken by job X": the daemon starts nothing there.
@@ -90,9 +90,29 @@ class Claim:
         return f"{name} ({', '.join(facts)})" if facts else name
 
 
-def slot_file(slot: int, gpu: bool = True) -> str:
-    """The claim file's name for a slot: `gpu0`, or `cpu0` for a CPU slot."""
-    return f"{'gpu' if gpu else 'cpu'}{int(slot)}"
+def slot_file(slot: int, gpu: bool = True, host: str = "") -> str:
+    """The claim file's name for a slot: `gpu0`; for a CPU slot of the inventory host
+    `host`, `cpu0.HOST` (`cpu0` without a host).
+
+    A GPU is one device, whatever name an inventory gives its machine. A CPU slot is a
+    share of the machine that an inventory host entry declares (`slots`): two entries
+    for one machine (`address = "local"` twice) each have their own slot 0, so the
+    claim is per host name. Jobs that call a CPU box by the same name share its slots
+    first come, first served, as they share GPUs."""
+    if gpu:
+        return f"gpu{int(slot)}"
+    return f"cpu{int(slot)}.{host}" if host else f"cpu{int(slot)}"
+
+
+def parse_slot_file(name: str) -> tuple[str, int, str] | None:
+    """(`gpu` or `cpu`, slot, host) of a claim file's name (`slot_file`); None for another file."""
+    kind, rest = name[:3], name[3:]
+    if kind not in ("gpu", "cpu"):
+        return None
+    number, dot, host = rest.partition(".")
+    if not number.isdigit() or (dot and (kind == "gpu" or not host)):
+        return None
+    return kind, int(number), host
 
 
 def claims_dir(configured: str | os.PathLike | None, env: Mapping[str, str]) -> Path:
@@ -265,4 +285,4 @@ def holders(directory: Path, names: Iterable[str]) -> dict[str, Claim]:
 
 
 __all__ = ["Claim", "ClaimError", "DEFAULT_DIR", "ENV", "Held", "Taken", "claims_dir", "ensure_dir", "holder",
-           "holders", "slot_file", "take"]
+           "holders", "parse_slot_file", "slot_file", "take"]

@@ -896,12 +896,12 @@ class ElasticJob:
             lambda: collectives.make_group(store, self._rank, plan.world_size, self._device, self._bind_host),
             self._abort, f"process group of generation {plan.generation}")
         restored = self._sync_state()
-        if previous is not None or restored:
-            kind = EventKind.RESTORE if restored else plan.kind
-            self._pending_event = {"kind": kind.value, "generation": plan.generation,
-                                   "world_size": plan.world_size, "members": list(plan.members),
-                                   "joined": list(plan.joined), "left": list(plan.left), "lost": list(plan.lost),
-                                   "from_step": self._step, "old_t": old_t if self._has_state_before else None}
+        # Every generation's first commit is an event (rank 0 writes it), the job's first start too.
+        kind = EventKind.RESTORE if restored else plan.kind
+        self._pending_event = {"kind": kind.value, "generation": plan.generation,
+                               "world_size": plan.world_size, "members": list(plan.members),
+                               "joined": list(plan.joined), "left": list(plan.left), "lost": list(plan.lost),
+                               "from_step": self._step, "old_t": old_t if self._has_state_before else None}
         log.info("worker %s: rank %d of %d in generation %d (%s) at step %d", self.worker_id, self._rank,
                  plan.world_size, plan.generation, plan.kind.value, self._step)
 

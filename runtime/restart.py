@@ -413,7 +413,7 @@ class Supervisor:
         if me not in plan.members:
             raise ExcludedFromJob(f"supervisor {me} is not a member of generation {plan.generation} "
                                   f"(members: {', '.join(plan.members)}); it was presumed hung or dead")
-        previous, self._plan = self._plan, plan
+        self._plan = plan
         self._rank = plan.members.index(me)
         self._child, self._child_ran = None, False
         abort = self._control.watch(plan)
@@ -449,7 +449,7 @@ class Supervisor:
         log.info("supervisor %s: started the script (pid %d, %s) as rank %d of %d in generation %d (%s), "
                  "restart %d, snapshot %d", me, self._child.proc.pid, "warm" if self._child_warm else "cold",
                  self._rank, plan.world_size, plan.generation, plan.kind.value, restarts, counter)
-        if self._rank == 0 and (previous is not None or restored):
+        if self._rank == 0:  # every generation's start is an event, the job's first too
             kind = EventKind.RESTORE if restored else (self._change_kind or plan.kind)
             pause = round(now - self._t_change, 4) if self._t_change is not None else None
             self._event({"kind": kind.value, "mode": "restart", "generation": plan.generation,

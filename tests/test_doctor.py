@@ -173,3 +173,40 @@ def test_a_local_host_is_diagnosed_for_real(tmp_path):
     b = by["badwd"]
     assert not b.ok and b.check("work directory").status is Status.FAIL
     assert isinstance(b.checks[0], Check)
+
+
+def test_doctor_runs_the_job_checks_up_runs_on_the_inventory_init_writes(tmp_path):
+    """Issue 25, finding 10: `doctor` said "2 of 2 host(s) ready" for a job whose workdir
+    did not exist (only `up` caught it), and the first `doctor` after `init` failed on
+    made-up hosts. Now `init`'s file, with its command set, passes `doctor`; a missing
+    script or workdir fails it (exit 2, as `up` refuses it), with the fix."""
+    import os
+    import subprocess
+    import textwrap
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "200"}
+    env.pop("ELTCTL_INVENTORY", None)
+
+    def eltctl(*args):
+        return subprocess.run([sys.executable, "-m", "eltctl", *args], cwd=proj, env=env, capture_output=True,
+                              text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+    assert eltctl("init").returncode == 0
+    r = eltctl("doctor")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "FAIL" in r.stdout and "the command runs train.py, which is not in the workdir" in r.stdout
+    assert "fix: fix the script's name in [job] command" in r.stdout
+    assert "the job has 1 problem(s); 1 of 1 host(s) ready" in r.stdout
+
+    (proj / "train.py").write_text(textwrap.dedent("print('a training script')\n"))
+    r = eltctl("doctor")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "job proj (this machine): ok" in r.stdout and "job ok; 1 of 1 host(s) ready" in r.stdout
+
+    inv = proj / "hosts.toml"
+    inv.write_text(inv.read_text().replace('workdir = "."', 'workdir = "nowhere"'))
+    r = eltctl("doctor")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "job.workdir: the job's code directory" in r.stdout and "does not exist on this machine" in r.stdout

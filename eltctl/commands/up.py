@@ -33,12 +33,21 @@ def up(
         cron.run_unattended(inventory, timeout=timeout if given else cron.UNATTENDED_TIMEOUT_S)
         return
     out = Console(highlight=False, soft_wrap=True)
-    result = client.up(inventory, detach=detach, timeout=timeout, ignore_mirror_check=ignore_mirror_check,
-                       progress=lambda m: out.print(f"[yellow]! {escape(m)}[/]" if m.startswith("warning:")
-                                                    else f"[dim]·[/] {escape(m)}"))
+    try:
+        result = client.up(inventory, detach=detach, timeout=timeout, ignore_mirror_check=ignore_mirror_check,
+                           progress=lambda m: out.print(f"[yellow]! {escape(m)}[/]" if m.startswith("warning:")
+                                                        else f"[dim]·[/] {escape(m)}"))
+    except client.UpInterrupted as stopped:
+        err = Console(stderr=True, highlight=False, soft_wrap=True)
+        for line in stopped.lines(inventory.job.name):
+            err.print(escape(line))
+        raise typer.Exit(130) from None  # EXIT_INTERRUPTED (eltctl/cli.py): 128 + SIGINT
     who = "started" if result.started else "already running"
     out.print(f"controller {result.controller_pid} ({who})")
-    if result.state == "waiting":
+    if result.state == "waiting" and result.status.get("starts_at"):
+        out.print(f"[yellow]waiting:[/] {escape(result.message)}")
+        out.print("the controller starts the job by itself then (`eltctl status` shows the countdown)")
+    elif result.state == "waiting":
         out.print(f"[yellow]waiting:[/] {escape(result.message)}; the controller starts the job "
                   "when enough GPUs are free (`eltctl status` shows them)")
     elif result.state == "paused":

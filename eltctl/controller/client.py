@@ -123,6 +123,28 @@ class NotTrainingYet(EltctlError):
     """`up` gave up waiting for the first step; the controller goes on (not a failure of the job)."""
 
 
+class UpInterrupted(KeyboardInterrupt):
+    """Ctrl-C in `up`: what keeps running. `controller_pid` None: nothing was started."""
+
+    def __init__(self, controller_pid: int | None, started: bool) -> None:
+        super().__init__()
+        self.controller_pid = controller_pid
+        self.started = started
+
+    def lines(self, job: str) -> list[str]:
+        """What a person needs to know after the Ctrl-C: what runs on, and the next commands."""
+        if self.controller_pid is None:
+            return ["interrupted: nothing was started"]
+        how = "started it and " if self.started else ""
+        return [f"interrupted: the controller (pid {self.controller_pid}) keeps running: `up` {how}only stopped "
+                f"waiting; job {job} starts (or goes on) by itself",
+                "  `eltctl status` follows it; `eltctl down` stops it"]
+
+
+# `up` waits (with a countdown) for a start due this soon; one due later is a plan: it returns.
+UP_COUNTDOWN_S = 60.0
+
+
 @dataclass(frozen=True)
 class UpResult:
     controller_pid: int
@@ -134,13 +156,43 @@ class UpResult:
 
 def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOUT_S,
        progress: Progress = lambda _m: None, ignore_mirror_check: bool = False) -> UpResult:
-    """Start what is missing and return when the job trains (or waits for GPUs)."""
+    """Start what is missing and return when the job trains (or waits for GPUs, or
+    starts by itself later: `starts_at`). Ctrl-C raises `UpInterrupted`, which says
+    whether a controller runs on."""
     from eltctl import preflight
 
     state = state_of(inventory)
-    # raises when nothing can run (or the mirror cannot work): starts nothing
-    left_out = preflight.for_up(inventory, progress, ignore_mirror_check=ignore_mirror_check)
-    answer, started = ensure_controller(inventory, progress, left_out)
+    try:
+        # raises when nothing can run (or the mirror cannot work): starts nothing
+        left_out = preflight.for_up(inventory, progress, ignore_mirror_check=ignore_mirror_check)
+    except KeyboardInterrupt:
+        raise UpInterrupted(_live_controller(state), False) from None
+    pid: int | None = None
+    started = False
+    try:
+        answer, started = ensure_controller(inventory, progress, left_out)
+        pid = int(answer["pid"])
+        return _reconcile_and_wait(inventory, state, answer, started, left_out, detach, timeout, progress)
+    except KeyboardInterrupt:
+        if pid is None:  # interrupted while the controller was being started: did it come up?
+            pid = _live_controller(state)
+            started = pid is not None
+        raise UpInterrupted(pid, started) from None
+
+
+def _live_controller(state: StateDir) -> int | None:
+    """The pid of the job's live controller: the one answering, else the lock's holder (one
+    still starting up holds it before it answers)."""
+    from eltctl.controller.statedir import lock_holder
+
+    live = ping(state, timeout=2.0)
+    return int(live["pid"]) if live else lock_holder(state.lock)
+
+
+def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, started: bool, left_out: dict,
+                        detach: bool, timeout: float, progress: Progress) -> UpResult:
+    from eltctl.durations import format_left
+
     pid = int(answer["pid"])
     if not started:
         progress(f"controller {pid} is running; reconciling")
@@ -153,6 +205,7 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
     last = None
     doc: dict = {}
     problems: dict[str, str] = {}
+    shown_left: int | None = None
     while time.monotonic() < deadline:
         try:
             doc = csock.request(state.socket, {"op": "status"}, timeout=30)
@@ -168,10 +221,15 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
             held = host.get("state") in ("cooldown", "benched") or host.get("start_failure")
             if problem and held and problems.get(host.get("name")) != problem:
                 problems[host.get("name")] = problem
-                progress(f"{host.get('name')}: {problem}")
-        shown = (phase, message)
-        if shown != last:
-            last = shown
+                progress(f"{host.get('name')}: {_problem_line(host, problem)}")
+        left = _starts_in(doc)
+        if left is not None and (left > UP_COUNTDOWN_S or left > deadline - time.monotonic()):
+            # Starting later by itself is the plan (free slots wait for their idle_for): not a failure.
+            return UpResult(pid, started, "waiting", message, doc)
+        shown = (phase, message if left is None else "countdown")
+        tick = None if left is None else int(left // 10)
+        if shown != last or (tick is not None and tick != shown_left):
+            last, shown_left = shown, tick
             progress(f"{phase}{': ' + message if message else ''}")
         if doc.get("start_failed"):
             raise start_failed_error(doc["start_failed"])
@@ -185,8 +243,29 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
         if doc.get("state") in ("stopping", "stopped"):
             raise EltctlError(f"the job is {doc.get('state')} (an `eltctl down` is under way)")
         time.sleep(0.5)
+    left = _starts_in(doc)
+    if left is not None:
+        return UpResult(pid, started, "waiting", f"starts in {format_left(left)}", doc)
     raise NotTrainingYet(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
                          "the controller goes on", hint="`eltctl status` shows why; `eltctl logs HOST` the hosts' logs")
+
+
+def _problem_line(host: dict, problem: str) -> str:
+    """A held host's problem as `up` shows it: with when it is usable again and the next command."""
+    from eltctl.controller.policy import next_step
+
+    reason = str(host.get("reason") or "")
+    if host.get("state") in ("cooldown", "benched") and reason.startswith(problem):
+        return reason
+    return f"{problem} ({next_step(str(host.get('name')), problem)})"
+
+
+def _starts_in(doc: dict) -> float | None:
+    """Seconds until a starting job starts by itself (status `starts_at`), else None."""
+    at, now = doc.get("starts_at"), doc.get("updated")
+    if doc.get("state") != "starting" or not isinstance(at, (int, float)) or not isinstance(now, (int, float)):
+        return None
+    return max(0.0, float(at) - float(now))
 
 
 def start_failed_error(failed: dict[str, str]) -> EltctlError:
@@ -218,14 +297,53 @@ def scale(inventory: Inventory, add: list[str], remove: list[str], force: bool) 
 
 
 def cordon(inventory: Inventory, hosts: list[str], on: bool) -> dict:
-    """`eltctl cordon` (on) / `uncordon`: ask the live controller."""
+    """`eltctl cordon` (on) / `uncordon`: ask the live controller; with none running,
+    write the cordon into hosts.json, where the next controller finds it (cordons
+    persist: one need not start the job to keep it off a host)."""
     inventory.hosts_named(hosts)  # unknown names: exit 2, with a did-you-mean
     state = state_of(inventory)
     verb = "cordon" if on else "uncordon"
     if same_inventory(inventory, ping(state)) is None:
-        raise EltctlError(f"no controller runs job {inventory.job.name}",
-                          hint=f"`eltctl up` starts it; then {verb}")
+        return _cordon_stopped(inventory, state, hosts, on)
     return ask(state, {"op": verb, "hosts": hosts}, timeout=180)
+
+
+def _cordon_stopped(inventory: Inventory, state: StateDir, hosts: list[str], on: bool) -> dict:
+    """The cordon of a job without a controller: its memory (hosts.json) changed under
+    the controller's lock, so a controller starting meanwhile reads it whole."""
+    from eltctl.controller.policy import HostRecord
+    from eltctl.controller.statedir import ControllerLock
+    from eltctl_runtime.files import write_json_atomic
+
+    verb = "cordon" if on else "uncordon"
+    state.create()
+    lock = ControllerLock(state.lock)
+    if not lock.acquire():
+        raise EltctlError(f"a controller of job {inventory.job.name} is starting",
+                          hint=f"run `eltctl {verb}` again in a moment")
+    try:
+        doc = read_json(state.hosts_json) or {}
+        memory = dict(doc.get("hosts") or {})
+        known = [h.name for h in inventory.hosts]
+        results = []
+        for name in hosts:
+            if name not in known:
+                results.append({"host": name, "ok": False,
+                                "message": f"no host {name!r} in the inventory (hosts: {', '.join(sorted(known))})"})
+                continue
+            rec = HostRecord.from_json(memory.get(name) or {})
+            if rec.cordoned == on:
+                results.append({"host": name, "ok": True, "message": "already cordoned" if on else "not cordoned"})
+                continue
+            memory[name] = {**rec.to_json(), "cordoned": on}
+            results.append({"host": name, "ok": True, "message": (
+                "cordoned (no controller runs: the next `eltctl up` keeps it out until `eltctl uncordon`)" if on
+                else "uncordoned (no controller runs: the next `eltctl up` uses it again)")})
+        if any(r["ok"] for r in results):
+            write_json_atomic(state.hosts_json, {**doc, "hosts": memory})
+    finally:
+        lock.release()
+    return {"ok": all(r["ok"] for r in results), "results": results}
 
 
 # --------------------------------------------------------------------------- down

@@ -574,7 +574,9 @@ class Controller:
             limits=pol.host_limits(self.inventory, self.records, now, self.quota_use(now)),
             forged=status.forged_summary(self.store_forgeries(), self.observed.seen, self.observed.runtime_status,
                                          self.observed.events_skipped),
-            keeper=self._keeper_status())
+            keeper=self._keeper_status(),
+            starts_at=(self.decision.starts_at if self.decision is not None and self.phase == Phase.STARTING
+                       else None))
 
     def store_forgeries(self) -> dict[str, int]:
         """The forged values the controller's own store client read, per key family."""

@@ -11,7 +11,9 @@ The rules (the README's "Policy"):
 
 - A slot is a GPU index (or a CPU slot number on a host without GPUs). A free GPU is
   used only after it has looked free for `idle_for`; a busy one never (except once
-  after `scale --add --force`). A GPU another eltctl job holds (`GpuUse.TAKEN`, its
+  after `scale --add --force`). A CPU slot has no owner process to watch: it waits for
+  `cpu_idle_for` (default 0, at once; `owner_signals` watch the owner there). While
+  free slots only wait for that, the job is starting and `Decision.starts_at` says when. A GPU another eltctl job holds (`GpuUse.TAKEN`, its
   claim: runtime/claims.py) is never used and is no owner's: a slot its daemon reports
   taken leaves the desired slots with no failure and no cooldown; the job takes it
   once it has looked free for `idle_for` again (first come, first served).
@@ -68,6 +70,7 @@ from typing import Iterable, Mapping
 
 from eltctl.controller import hours as hrs
 from eltctl.controller import quotas
+from eltctl.durations import format_duration, format_left
 from eltctl.inventory import Inventory
 from eltctl.inventory.hours import for_host
 from eltctl.probe import GpuUse  # one vocabulary: what the probe classified a GPU as
@@ -271,6 +274,9 @@ class Decision:
     waiting: bool  # fewer than min_workers usable and nothing running: the job waits
     message: str = ""
     paused: str = ""  # the limits leave fewer than min_workers slots: every worker leaves; why, and until when
+    # When the job starts by itself: enough free slots will have looked free for their
+    # idle_for (the clock of `decide`'s `now`); None when it is not waiting for that.
+    starts_at: float | None = None
 
 
 # --------------------------------------------------------------------------- tracking
@@ -420,6 +426,19 @@ def crash_problem(slots: list[int], info: Iterable[Crash]) -> tuple[str, bool]:
     return (f"{text}: {cause}" if cause else text), at_start
 
 
+def next_step(host: str, problem: str) -> str:
+    """What to run about a host's failure (`last_problem`), for the lines that show it:
+    where its cause is seen, and that a fix is tried at once (`after_fix`)."""
+    retry = "after a fix `eltctl up` retries at once"
+    if problem.startswith("benched after") and "; last: " in problem:
+        problem = problem.split("; last: ", 1)[1]
+    if problem.startswith("worker on slot"):
+        return f"`eltctl logs {host} --failed` shows its output; {retry}"
+    if "unreachable" in problem:
+        return "`eltctl doctor` checks the host; it is used again once it answers"
+    return f"`eltctl logs {host}` shows the host's log; {retry}"
+
+
 def after_fix(record: HostRecord) -> HostRecord:
     """A host whose setup changed (the code, the job, its entry): its failures, failure
     cooldown and benching are forgotten, so the fix is tried at once. An owner's
@@ -482,23 +501,42 @@ def eligible_slots(view: HostView, record: HostRecord, inventory: Inventory, now
                 out.append(s.index)
             continue
         since = record.free_since_of(s.index)
-        if waived or (since is not None and now - since >= inventory.policy.idle_for):
+        if waived or (since is not None and now - since >= idle_for(view, inventory)):
             out.append(s.index)
     return out
 
 
+def idle_for(view: HostView, inventory: Inventory) -> float:
+    """How long a slot of this host must look free before it is used: `idle_for` for a
+    GPU, `cpu_idle_for` (default 0: at once) for a CPU slot of a host without GPUs, where
+    no owner's process can be seen (`owner_signals` watch the owner there)."""
+    policy = inventory.policy
+    return policy.cpu_idle_for if view.reach is Reach.CPU_ONLY else policy.idle_for
+
+
+def idle_for_key(view: HostView) -> str:
+    """The inventory key `idle_for` reads for this host."""
+    return "cpu_idle_for" if view.reach is Reach.CPU_ONLY else "idle_for"
+
+
 def maturing_slots(view: HostView, record: HostRecord, inventory: Inventory, now: float) -> list[int]:
     """Free slots that only wait for their `idle_for` to pass (usable soon)."""
+    return [i for i, _ in maturing(view, record, inventory, now)]
+
+
+def maturing(view: HostView, record: HostRecord, inventory: Inventory, now: float) -> list[tuple[int, float]]:
+    """(slot, when it is usable) of the free slots that only wait for their `idle_for`."""
     if record.removed or record.join_now or view.reach not in (Reach.OK, Reach.CPU_ONLY):
         return []
     if record.benched_until > now or record.cooling(now):
         return []
+    wait = idle_for(view, inventory)
     out = []
     for s in view.slots:
         since = record.free_since_of(s.index)
         if (s.use not in (GpuUse.BUSY, GpuUse.TAKEN) and s.index not in record.desired and since is not None
-                and now - since < inventory.policy.idle_for):
-            out.append(s.index)
+                and now - since < wait):
+            out.append((s.index, since + wait))
     return out
 
 
@@ -586,7 +624,7 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
     cap = job.max_workers if job.max_workers is not None else 1 << 30
     kept: dict[str, list[int]] = {}
     candidates: list[tuple[str, int]] = []
-    maturing = 0
+    soon_at: list[tuple[float, str, str]] = []  # (when usable, the key that delays it, host) per maturing slot
     capacity = 0.0
     for host in inventory.hosts:
         view = views.get(host.name)
@@ -600,11 +638,11 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
         capacity += _capacity(view, lim)
         if view is not None:
             new = [i for i in eligible_slots(view, rec, inventory, now) if i not in here]
-            soon = maturing_slots(view, rec, inventory, now)
+            soon = maturing(view, rec, inventory, now)
             if room is not None:
                 new, soon = new[:room], soon[:max(room - len(new), 0)]
             candidates += [(host.name, i) for i in new]
-            maturing += len(soon)
+            soon_at += [(at, idle_for_key(view), host.name) for _, at in soon]
     if capacity < job.min_workers and any(lim.phase for lim in limits.values()):
         # The limits alone leave too few slots: pause (every worker leaves; rank 0
         # checkpoints first) and start again from that checkpoint when they lift.
@@ -615,8 +653,10 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
                         message="", paused=pause_reason(limits, inventory))
     n_kept = sum(len(v) for v in kept.values())
     usable = n_kept + len(candidates)
+    maturing_n = len(soon_at)
     waiting = False
     message = ""
+    starts_at = None
     desired = {name: list(slots) for name, slots in kept.items()}
     if n_kept > cap:  # max_workers was lowered: drop from the last hosts first
         extra = n_kept - cap
@@ -626,13 +666,18 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
                 extra -= 1
     elif usable < job.min_workers and n_kept == 0:
         # Free GPUs that only wait for idle_for will do: the job is starting, not waiting.
-        waiting = usable + maturing < job.min_workers
+        waiting = usable + maturing_n < job.min_workers
         if waiting:
-            message = (f"{usable + maturing} GPU/slot(s) free, min_workers is {job.min_workers}: "
+            message = (f"{usable + maturing_n} GPU/slot(s) free, min_workers is {job.min_workers}: "
                        "waiting for more to be free")
         else:
-            message = (f"{maturing} free GPU/slot(s) are used once they have been free for "
-                       f"idle_for ({inventory.policy.idle_for:g} s)")
+            # The job starts when the min_workers-th slot is usable: the last of the
+            # soonest maturing slots it needs.
+            starts_at, key, host_name = sorted(soon_at)[max(job.min_workers - usable, 1) - 1]
+            wait = inventory.policy.cpu_idle_for if key == "cpu_idle_for" else inventory.policy.idle_for
+            message = (f"starts in {format_left(starts_at - now)}: {maturing_n} free GPU/slot(s) are used once "
+                       f"they have been free for {key} ({format_duration(wait)}); "
+                       f"`eltctl scale --add {host_name}` uses them now")
     else:
         room = cap - n_kept
         for name, index in candidates:
@@ -654,7 +699,7 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
         # restarted after a clean stop would start its worker ids over, and a reused
         # id finds its old `leave/<id>` key in the store and leaves at once.
     return Decision(actions=tuple(actions), desired={k: tuple(sorted(v)) for k, v in desired.items()},
-                    usable=usable, waiting=waiting, message=message)
+                    usable=usable, waiting=waiting, message=message, starts_at=starts_at)
 
 
 def leave_out(records: Mapping[str, HostRecord], left_out: Mapping[str, str],
@@ -697,7 +742,8 @@ def host_state(view: HostView | None, record: HostRecord, now: float,
     if view.reach is Reach.UNREACHABLE:
         return HostPhase.UNREACHABLE, view.reason
     if record.benched_until > now:
-        return HostPhase.BENCHED, f"{record.last_problem} (for {record.benched_until - now:.0f} s more)"
+        return HostPhase.BENCHED, (f"{record.last_problem} (for {record.benched_until - now:.0f} s more; "
+                                   f"{next_step(view.name, record.last_problem)})")
     if view.workers:
         return HostPhase.RUNNING, f"{len(view.workers)} worker(s)"
     if record.desired:
@@ -705,7 +751,8 @@ def host_state(view: HostView | None, record: HostRecord, now: float,
     if view.reach is Reach.UNHEALTHY:
         return HostPhase.UNHEALTHY, view.reason
     if record.cooldown_until > now:
-        return HostPhase.COOLDOWN, f"{record.last_problem} (usable again in {record.cooldown_until - now:.0f} s)"
+        return HostPhase.COOLDOWN, (f"{record.last_problem} (usable again in {record.cooldown_until - now:.0f} s; "
+                                    f"{next_step(view.name, record.last_problem)})")
     if record.owner_until > now:
         return HostPhase.COOLDOWN, f"{record.owner_note} (usable again in {record.owner_until - now:.0f} s)"
     if record.straggler_until > now:
@@ -746,6 +793,6 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
 __all__ = ["LIMIT_PHASES", "NO_LIMIT", "Action", "Crash", "Decision", "GpuUse", "HostRecord", "HostPhase",
            "HostView", "Limit", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "after_fix", "applied", "changed_hosts", "crash_problem", "decide",
-           "eligible_slots", "fingerprint", "fixed", "host_limits", "host_state", "leave_out", "pause_reason",
+           "eligible_slots", "fingerprint", "idle_for", "maturing", "next_step", "fixed", "host_limits", "host_state", "leave_out", "pause_reason",
            "record_failure",
            "survivor_holds_state", "track", "track_stragglers", "worker_slot"]

@@ -87,10 +87,10 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
     others are held back (a failure's cooldown with its cause, an owner's, benching,
     busy GPUs, hosts unreachable, unhealthy, not probed yet, removed); then min_workers."""
     free = busy = busy_cpu = taken = taken_cpu = 0
-    cooling: list[tuple[int, pol.HostRecord]] = []
+    cooling: list[tuple[int, pol.HostRecord, str]] = []  # (slots, record, host)
     owner: list[int] = []
     straggler: list[int] = []
-    benched: list[tuple[int, pol.HostRecord]] = []
+    benched: list[tuple[int, pol.HostRecord, str]] = []
     unreachable: list[str] = []
     unhealthy: list[str] = []
     unknown = removed = 0
@@ -128,9 +128,9 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
         if not others:
             continue
         if rec.benched_until > now and not waived:
-            benched.append((others, rec))
+            benched.append((others, rec, host.name))
         elif rec.cooldown_until > now and not waived:
-            cooling.append((others, rec))
+            cooling.append((others, rec, host.name))
         elif rec.owner_until > now and not waived:
             owner.append(others)
         elif rec.straggler_until > now and not waived:
@@ -139,19 +139,19 @@ def waiting_message(*, now: float, inventory: Inventory, views: Mapping[str, pol
             free += others
     parts = [f"{_n(free, 'slot')} free"] if free else []
     if cooling:
-        n = sum(c for c, _ in cooling)
+        n = sum(c for c, _, _ in cooling)
         first = cooling[0][1]
         parts.append(f"{_n(n, 'slot')} cooling down after a failure ({first.last_problem}; "
-                     f"{first.cooldown_until - now:.0f} s more)")
+                     f"{first.cooldown_until - now:.0f} s more; {pol.next_step(cooling[0][2], first.last_problem)})")
     if owner:
         parts.append(f"{_n(sum(owner), 'slot')} cooling down after an owner came back")
     if straggler:
         parts.append(f"{_n(sum(straggler), 'slot')} resting after a straggler was dropped there")
     if benched:
-        n = sum(c for c, _ in benched)
+        n = sum(c for c, _, _ in benched)
         first = benched[0][1]
         parts.append(f"{_n(n, 'slot')} on a benched host ({first.last_problem}; "
-                     f"{first.benched_until - now:.0f} s more)")
+                     f"{first.benched_until - now:.0f} s more; {pol.next_step(benched[0][2], first.last_problem)})")
     if busy:
         parts.append(f"{_n(busy, 'GPU')} busy " + ("(its owner's process)" if busy == 1 else
                                                   "(their owners' processes)"))
@@ -272,10 +272,13 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
                     events: Iterable[dict], store_endpoint: str, mirror: dict | None,
                     limits: Mapping[str, pol.Limit] | None = None,
                     forged: Mapping[str, Any] | None = None, keeper: dict | None = None,
-                    checkpoint: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    checkpoint: Mapping[str, Any] | None = None,
+                    starts_at: float | None = None) -> dict[str, Any]:
     """The status document (status.json): the job, rank 0's figures, each host, recent
-    events, the forged store values ignored (`forged_summary`), and `keeper`: the store
-    keeper's pid, restarts and the problem restarting it (when supervised).
+    events, the forged store values ignored (`forged_summary`), `keeper`: the store
+    keeper's pid, restarts and the problem restarting it (when supervised), and
+    `starts_at`: when a starting job starts by itself (its free slots waiting for their
+    idle_for, `Decision.starts_at`).
 
     Every line is derived from what holds now: `members`, `world_size` and `workers`
     name only the members that run now (`current_members`); with none, the last status
@@ -310,6 +313,7 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "mode": job.mode.value,
         "restarts": rs.get("restarts") if job.mode.value == "restart" else None,
         "forged": dict(forged) if forged is not None else forged_summary({}, {}, None),
+        "starts_at": starts_at,
     }
     workers = [w for w in worker_entries(rs) if w["worker"] in live]
     if workers:

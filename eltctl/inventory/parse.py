@@ -43,7 +43,7 @@ JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device"
             "shared_filesystem", "mode", "stop_grace")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
-POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
+POLICY_KEYS = ("idle_for", "cpu_idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
                "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout",
                "drop_stragglers", "straggler_gain_percent", "straggler_for", *schedules.SCHEDULE_KEYS,
                *OWNER_KEYS)
@@ -228,6 +228,7 @@ class Checker:
         d = Policy()
         values = dict(
             idle_for=t.duration("idle_for", d.idle_for, positive=False),
+            cpu_idle_for=t.duration("cpu_idle_for", d.cpu_idle_for, positive=False),
             memory_threshold_mib=t.integer("memory_threshold_mib", d.memory_threshold_mib, lo=0,
                                            meaning=" (MiB)"),
             utilization_threshold=t.integer("utilization_threshold", d.utilization_threshold,

@@ -62,6 +62,9 @@ class Policy:
     watch_interval: float = 1.0  # seconds between a host daemon's looks at its GPUs
     bench_after: int = 3  # failures of a host's daemon or workers in a row before it is benched
     hang_timeout: float = 10.0  # seconds of silence after which a worker counts as hung
+    # seconds a CPU slot (a host without GPUs) must look free first: no owner process can
+    # be seen on a CPU slot, so by default it is used at once (owner_signals watch the owner)
+    cpu_idle_for: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -492,7 +492,7 @@ class Daemon:
 
     # -- GPU claims (runtime/claims.py) ------------------------------------------------
     def _claim_name(self, slot: int) -> str:
-        return claims.slot_file(slot, gpu=self.cfg.gpu_host)
+        return claims.slot_file(slot, gpu=self.cfg.gpu_host, host=self.cfg.host)
 
     def _claim(self, slot: int, wid: str) -> "claims.Held | None | bool":
         """Claim the slot for the worker `wid` about to start: the Held claim; None when

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -53,13 +55,15 @@ class LocalJob(ControllerFiles):
     def state_dir(self) -> Path:
         return self.root / "state" / "eltctl" / self.job
 
-    def write(self, hosts: dict[str, str], *, command=None, workdir=None) -> None:
+    def write(self, hosts: dict[str, str], *, command=None, workdir=None, policy: dict[str, str] | None = None) -> None:
         command = command or ["python", "train.py", "--steps", "1000000", "--hidden", "16", "--layers", "1",
                               "--samples", "512", "--batch", "8", "--step-sleep", "0.05"]
         lines = ["[job]", f'name = "{self.job}"', f"command = {json.dumps(command)}",
                  f"workdir = {json.dumps(str(workdir or self.workdir))}", 'device = "cpu"',
                  'env = { OMP_NUM_THREADS = "1" }', "",
-                 "[policy]", 'idle_for = "1s"', 'cooldown = "2s"', 'probe_interval = "1s"']
+                 "[policy]"]
+        policy = {"idle_for": "1s", "cooldown": "2s", "probe_interval": "1s", **(policy or {})}
+        lines += [f"{k} = {json.dumps(v)}" for k, v in policy.items()]
         for name, python in hosts.items():
             home = self.root / "home" / name
             home.mkdir(parents=True, exist_ok=True)
@@ -184,3 +188,86 @@ def test_mixed_hosts_the_good_one_trains_the_bad_one_is_left_out_until_fixed(loc
         assert "already run on this machine from another inventory" in out.stderr, out.stderr
         assert str(local_job.inventory) in out.stderr and "[job] name" in out.stderr, out.stderr
     assert local_job.controller_pid() == pid and local_job.status()["state"] == "training"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cpu_slots_train_at_once_whatever_idle_for_says(local_job):
+    """Issue 25, finding 1: the starter's idle_for = "10m" held CPU slots (no owner process
+    to watch) for 10 minutes; `up --timeout` then failed although nothing was wrong."""
+    local_job.write({"h1": HOST_PYTHON}, policy={"idle_for": "10m"})
+    out, took = local_job.eltctl("up", "--timeout", "240")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "training: world size 1" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_start_that_waits_for_idle_for_returns_with_a_countdown_and_ctrl_c_says_what_runs_on(local_job):
+    """Issue 25, findings 1 and 5: waiting is the plan, so `up` returns (exit 0) with when the
+    job starts; and a Ctrl-C in `up` says that the controller goes on and how to stop it."""
+    import signal
+
+    local_job.write({"h1": HOST_PYTHON}, policy={"cpu_idle_for": "10m"})
+    out, took = local_job.eltctl("up")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"waiting: starts in (9 min \d+ s|10 min): 1 free GPU/slot\(s\) are used once they have been "
+                     r"free for cpu_idle_for \(10m\); `eltctl scale --add h1` uses them now", out.stdout), out.stdout
+    assert "the controller starts the job by itself then" in out.stdout and took < QUICK_S
+    shown, _ = local_job.eltctl("status")
+    assert re.search(r"starts in (9|10) min", shown.stdout), shown.stdout
+
+    # A start due within a minute: `up` waits for it, counting down; Ctrl-C then says what
+    # keeps running and how to stop it (it printed nothing and left the user guessing).
+    local_job.write({"h1": HOST_PYTHON}, policy={"cpu_idle_for": "50s"})
+    up = subprocess.Popen([*ELTCTL, "-i", str(local_job.inventory), "up"], env=local_job.env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: any("starting: starts in " in ln for ln in lines) or up.poll() is not None, 120,
+                 "up's countdown")
+        assert up.poll() is None, lines
+        up.send_signal(signal.SIGINT)
+        stderr = up.stderr.read()
+        up.wait(timeout=60)
+        reader.join(timeout=10)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    stdout = "".join(lines)
+    pid = local_job.controller_pid()
+    assert up.returncode == 130, stdout + stderr
+    assert re.search(r"starting: starts in \d+ s: 1 free GPU/slot", stdout), stdout  # the countdown
+    assert f"interrupted: the controller (pid {pid}) keeps running" in stderr, stderr
+    assert "`eltctl status` follows it; `eltctl down` stops it" in stderr, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_in_up_says_the_controller_keeps_running_and_how_to_stop_it(local_job):
+    """Issue 25, finding 5: Ctrl-C during `up` printed nothing (exit 130) while the
+    controller went on starting the job."""
+    import signal
+
+    # Workers that never reach a first step: `up` waits for one until it is interrupted.
+    local_job.write({"h1": HOST_PYTHON}, command=["python", "-c", "import time; time.sleep(600)"])
+    up = subprocess.Popen([*ELTCTL, "-i", str(local_job.inventory), "up"], env=local_job.env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: local_job.controller_pid() is not None or up.poll() is not None, 120,
+                 "the controller to start")
+        time.sleep(1.0)
+        assert up.poll() is None, up.communicate()
+        up.send_signal(signal.SIGINT)
+        stdout, stderr = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    pid = local_job.controller_pid()
+    assert up.returncode == 130, stdout + stderr
+    assert pid is not None, "the controller should run on"
+    assert (f"interrupted: the controller (pid {pid}) keeps running: `up` started it and only stopped waiting; "
+            f"job {local_job.job} starts (or goes on) by itself") in stderr, stderr
+    assert "`eltctl status` follows it; `eltctl down` stops it" in stderr, stderr

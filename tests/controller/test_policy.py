@@ -137,6 +137,40 @@ def test_decide(case, inv, views, records, desired, actions, waiting):
     assert d.waiting is waiting
 
 
+def test_cpu_slots_start_at_once_while_gpus_wait_for_idle_for():
+    # Issue 25, finding 1: a CPU slot has no owner process to watch; idle_for (600 s in
+    # the starter) kept the first `up` of two local CPU hosts blocked for 10 minutes.
+    inv = inventory(idle_for=600, hosts=("cpu", "gpu"))
+    views = {"cpu": view("cpu", "free", reach=Reach.CPU_ONLY), "gpu": view("gpu", "free")}
+    records = track({}, views, inv, NOW)
+    d = decide(views, records, inv, NOW)
+    assert d.desired == {"cpu": (0,), "gpu": ()}
+    assert StartDaemon("cpu") in d.actions and d.starts_at is None
+
+
+def test_cpu_idle_for_makes_cpu_slots_wait_when_the_inventory_asks():
+    text = ('[job]\nname = "j"\ncommand = "python t.py"\n[policy]\ncpu_idle_for = "90s"\n'
+            '[[hosts]]\nname = "c"\naddress = "local"\nslots = 2\n')
+    inv = parse_inventory(text, "hosts.toml")
+    views = {"c": view("c", "free", "free", reach=Reach.CPU_ONLY)}
+    d = decide(views, {"c": HostRecord(free_since=free_for(30, 0, 1))}, inv, NOW)
+    assert d.desired == {"c": ()} and not d.waiting
+    assert d.starts_at == NOW + 60
+    assert d.message.startswith("starts in 1 min: 2 free GPU/slot(s) are used once they have been free for "
+                                "cpu_idle_for (1m30s)")
+    assert "`eltctl scale --add c` uses them now" in d.message
+
+
+def test_a_start_that_waits_for_idle_for_says_when_it_starts():
+    # `up` and `status` show a countdown instead of repeating "idle_for (600 s)".
+    inv = inventory(min_workers=2, idle_for=600, hosts=("a", "b"))
+    views = {"a": view("a", "free"), "b": view("b", "free")}
+    records = {"a": HostRecord(free_since=free_for(48, 0)), "b": HostRecord(free_since=free_for(20, 0))}
+    d = decide(views, records, inv, NOW)
+    assert not d.waiting and d.starts_at == NOW + 580  # the second slot it needs (b's) decides
+    assert d.message.startswith("starts in 9 min 40 s: ")
+
+
 # ----------------------------------------------------------------------- track
 
 def test_free_clock_starts_at_first_free_sight_and_busy_resets_it():
@@ -291,7 +325,9 @@ def test_a_failure_at_start_is_remembered_with_its_cause_until_the_host_reaches_
     r = track({"a": HostRecord(desired=(0,), seq=1)}, {"a": v}, inv, NOW)["a"]
     assert r.start_failure == r.last_problem == f"worker on slot 0 failed at start: {CANT_OPEN}"
     assert r.cooldown_until == NOW + 60 and r.failures == 1 and r.desired == ()
-    assert host_state(view("a", "free"), r, NOW + 1) == (HostPhase.COOLDOWN, f"{r.last_problem} (usable again in 59 s)")
+    assert host_state(view("a", "free"), r, NOW + 1) == (
+        HostPhase.COOLDOWN, f"{r.last_problem} (usable again in 59 s; `eltctl logs a --failed` shows its output; "
+                            "after a fix `eltctl up` retries at once)")
     # a worker of the host in rank 0's status: it reached a step
     r2 = track({"a": r}, {"a": replace(view("a", "ours", alive=True, workers=(0,)), in_job=True)}, inv, NOW + 70)["a"]
     assert r2.start_failure == ""
@@ -510,3 +546,22 @@ def test_a_disabled_host_never_observed_shows_disabled():
     assert host_state(None, HostRecord(), NOW, limits["a"]) == (
         HostPhase.DISABLED, "enabled = false in the inventory: not probed, not used")
     assert host_state(None, HostRecord(), NOW, limits["b"])[0] is HostPhase.STARTING
+
+
+def test_every_cooldown_and_benching_line_names_the_next_command():
+    # Issue 25, finding 6: "worker on slot 0 crashed: ValueError: ... (usable again in 291 s)"
+    # said neither where the traceback is nor that a fix is tried at once.
+    inv = inventory(hosts=("a",), cooldown=300, bench_after=2)
+    crash = replace(view("a", "free", alive=True, crashed=(0,)),
+                    crash_info=(Crash(0, "ValueError: bad shape", False),))
+    r = track({"a": HostRecord(desired=(0,), seq=1)}, {"a": crash}, inv, NOW)["a"]
+    assert host_state(view("a", "free"), r, NOW + 9) == (
+        HostPhase.COOLDOWN, "worker on slot 0 crashed: ValueError: bad shape (usable again in 291 s; "
+                            "`eltctl logs a --failed` shows its output; after a fix `eltctl up` retries at once)")
+    r = track({"a": replace(r, desired=(0,), seq=2)}, {"a": crash}, inv, NOW + 400)["a"]
+    phase, reason = host_state(view("a", "free"), r, NOW + 401)
+    assert phase is HostPhase.BENCHED and reason.endswith(
+        "s more; `eltctl logs a --failed` shows its output; after a fix `eltctl up` retries at once)")
+    lost = track({"a": HostRecord(desired=(0,), seq=1)}, {"a": view("a", reach=Reach.UNREACHABLE)}, inv, NOW)["a"]
+    assert host_state(view("a", "free"), lost, NOW + 1)[1].endswith(
+        "(usable again in 299 s; `eltctl doctor` checks the host; it is used again once it answers)")

@@ -88,7 +88,7 @@ def test_status_document_shape():
     assert list(doc) == ["job", "state", "phase", "message", "updated", "generation", "world_size", "members",
                          "runtime_current", "min_workers", "max_workers", "step", "epoch", "samples_per_s", "loss", "checkpoint",
                          "runtime_status_age_s", "controller", "store", "hosts", "events", "mirror",
-                         "start_failed", "mode", "restarts", "forged"]
+                         "start_failed", "mode", "restarts", "forged", "starts_at"]
     assert (doc["mode"], doc["restarts"]) == ("elastic", None)
     assert doc["forged"] == {"controller": {}, "hosts": {}, "rank0": {}, "total": 0, "events_skipped": 0}
     assert (doc["job"], doc["state"], doc["world_size"], doc["min_workers"], doc["max_workers"]) == ("j", "training", 1,
@@ -132,7 +132,8 @@ WAITING = [
     ("a slot held back by a failure's cooldown: counted with its cause, never '0 free'", 1,
      {"a": HostView("a", Reach.OK, slots=FREE1), "b": HostView("b", Reach.UNREACHABLE, reason="timed out")},
      {"a": FAILED},
-     f"1 slot cooling down after a failure ({CANT_OPEN}; 118 s more), 1 host unreachable (b: timed out); "
+     f"1 slot cooling down after a failure ({CANT_OPEN}; 118 s more; `eltctl logs a --failed` shows its output; "
+     "after a fix `eltctl up` retries at once), 1 host unreachable (b: timed out); "
      "min_workers is 1"),
     ("busy GPUs are their owners'", 3,
      {"a": HostView("a", Reach.OK, slots=FREE1), "b": HostView("b", Reach.OK, slots=BUSY2)}, {},
@@ -144,7 +145,8 @@ WAITING = [
     ("benched, unhealthy", 1,
      {"a": HostView("a", Reach.OK, slots=FREE2), "b": HostView("b", Reach.UNHEALTHY, reason="nvidia-smi hangs")},
      {"a": HostRecord(benched_until=NOW + 60, last_problem="benched after 3 failures in a row")},
-     "2 slots on a benched host (benched after 3 failures in a row; 60 s more), "
+     "2 slots on a benched host (benched after 3 failures in a row; 60 s more; `eltctl logs a` shows the host's "
+     "log; after a fix `eltctl up` retries at once), "
      "1 host unhealthy (b: nvidia-smi hangs); min_workers is 1"),
     ("not probed yet, removed", 1, {"a": HostView("a")}, {"b": HostRecord(removed=True)},
      "1 host not probed yet, 1 host removed (`eltctl scale --add` brings it back); min_workers is 1"),
@@ -204,7 +206,8 @@ def test_status_document_names_the_failure_at_start():
     assert doc["start_failed"] == {"a": CANT_OPEN}
     a = doc["hosts"][0]
     assert (a["state"], a["last_problem"], a["start_failure"]) == ("cooldown", CANT_OPEN, CANT_OPEN)
-    assert a["reason"] == f"{CANT_OPEN} (usable again in 118 s)"
+    assert a["reason"] == (f"{CANT_OPEN} (usable again in 118 s; `eltctl logs a --failed` shows its output; after "
+                           "a fix `eltctl up` retries at once)")
 
 
 def test_a_hosts_entry_carries_its_daemons_phase_health_and_workers():

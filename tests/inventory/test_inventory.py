@@ -131,7 +131,7 @@ def test_every_key_is_read_into_its_field(tmp_path):
     assert inv.ssh.known_hosts == Path("/etc/eltctl/known_hosts")
     assert (inv.ssh.user, inv.ssh.port, inv.ssh.max_parallel) == ("alice", 2200, 8)
     assert (inv.ssh.connect_timeout, inv.ssh.command_timeout) == (1.5, 45.0)
-    assert dataclasses.astuple(inv.policy) == (5400.0, 0, 100, 0.0, 2.5, 3.0, 1.0, 3, 10.0)
+    assert dataclasses.astuple(inv.policy) == (5400.0, 0, 100, 0.0, 2.5, 3.0, 1.0, 3, 10.0, 0.0)
     assert (inv.storage.mirror, inv.storage.keep) == ("ssh://bob@store:2222/ckpt", 1)
     ws, srv, here = inv.hosts
     assert (ws.port, ws.user, ws.gpus) == (2200, "alice", None)  # [ssh] defaults

@@ -63,6 +63,8 @@ def test_planned_leaves_and_joins_keep_training(cluster_factory):
     finish(cluster, steps, [c, d, e, f], 4)
     kinds = [ev["kind"] for ev in cluster.events()]
     assert kinds.count("leave") == 2 and kinds.count("join") >= 2, kinds
+    # Issue 25: the job's first start is in the event list too (`eltctl status` showed only later resizes).
+    assert kinds[0] == "start" and cluster.events()[0]["world_size"] == 3, cluster.events()
     assert all(ev["pause_s"] is not None for ev in cluster.events() if ev["kind"] in ("leave", "join"))
 
 

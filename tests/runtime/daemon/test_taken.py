@@ -61,3 +61,29 @@ def test_a_gpu_claimed_by_one_job_is_taken_for_the_other_until_it_leaves(two, tm
     for h in (a, b):  # neither took the other for an owner, nothing crashed
         assert h.events("yield") == [] and h.events("crash") == [], h.log()[-3000:]
         assert h.state()["yielded"] == []
+
+
+def test_two_cpu_hosts_of_one_job_on_one_machine_each_claim_their_own_slot(tmp_path):
+    # Issue 25, finding 2: two `address = "local"` hosts of one CPU slot each used the same
+    # claim file (cpu0), so the second host's worker started without a claim and its daemon
+    # warned that "a process of this job" (the other host's healthy worker) held it.
+    sleeper = {"gpus": None, "slots": 1, "command": ["python", "-c", "import time; time.sleep(600)"]}
+    a = SimHost(tmp_path, name="local-a", nvidia_smi=False, overrides=sleeper)
+    b = SimHost(tmp_path, name="local-b", nvidia_smi=False, overrides=sleeper, job=a.job)
+    try:
+        for h in (a, b):
+            h.start_daemon()
+            h.desire([0])
+        pids = {h.name: h.wait_for(lambda h=h: h.live_workers().get(0), f"{h.name}'s worker", timeout=60)["pid"]
+                for h in (a, b)}
+        d = tmp_path / "claims"
+        held = a.wait_for(lambda: len(claims.holders(d, ["cpu0.local-a", "cpu0.local-b"])) == 2
+                          and claims.holders(d, ["cpu0.local-a", "cpu0.local-b"]), "both claims held")
+        assert {name: (c.host, c.pid) for name, c in held.items()} == {
+            "cpu0.local-a": ("local-a", pids["local-a"]), "cpu0.local-b": ("local-b", pids["local-b"])}
+        for h in (a, b):
+            assert "still held by a process of this job" not in h.log(), h.log()[-3000:]
+            assert "starts without" not in h.log()
+    finally:
+        a.close()
+        b.close()
