@@ -219,8 +219,8 @@ def restart_failed_error(doc: Mapping) -> EltctlError:
     ran = bool((doc.get("script") or {}).get("ever_running"))
     what = "the job's script failed" + ("" if ran else " at start")
     return EltctlError(f"{what}; the job stopped: {failed}",
-                       hint=(f"{fix_hint(line)}; " if line else "") + "`eltctl logs HOST` shows the script's "
-                            "output; then `eltctl down` and `eltctl up` start it again")
+                       hint=(fix_hint(line) if line else "`eltctl logs HOST` shows the script's output")
+                       + "; then `eltctl down` and `eltctl up` start it again")
 
 
 def start_failed_error(failed: dict[str, str]) -> EltctlError:

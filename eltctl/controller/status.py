@@ -276,7 +276,8 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "forged": dict(forged) if forged is not None else forged_summary({}, {}, None),
     }
     if doc.get("failed"):  # restart mode: the script failed max_restarts times; the job stopped
-        doc["state"], doc["message"] = "failed", f"failed: {doc['failed']}"
+        doc["state"] = doc["phase"] = "failed"
+        doc["message"] = doc["failed"]
     workers = worker_entries(rs)
     if workers:
         doc["workers"] = workers
