@@ -62,8 +62,10 @@ def test_up_says_it_trains_status_shows_the_scripts_step_and_a_crash_costs_one_s
     assert "training: world size 1" in out, out
     first = json.loads(env.eltctl("status", "--json").stdout)
     assert first["mode"] == "restart" and first["script"]["step_from"] == "output", first
-    wait_for(lambda: (json.loads(env.eltctl("status", "--json").stdout).get("step") or 0) > (first["step"] or 0) + 20,
-             60, "the script's step to grow in status --json")
+    t_first = time.monotonic()
+    grown = wait_for(lambda: (lambda d: d if (d.get("step") or 0) > (first["step"] or 0) + 20 else None)(
+        json.loads(env.eltctl("status", "--json").stdout)), 60, "the script's step to grow in status --json")
+    rate = (grown["step"] - first["step"]) / (time.monotonic() - t_first)  # steps/s, as status saw them
     # Its saves are mirrored while it runs (no restart happened).
     wait_for(lambda: ((env.status().get("mirror") or {}).get("step") or 0) >= 3, 120,
              "three snapshots of the script's saves mirrored")
@@ -76,19 +78,20 @@ def test_up_says_it_trains_status_shows_the_scripts_step_and_a_crash_costs_one_s
     h1.crash()
     use([h2])
     t1 = time.monotonic()
-    out = env.eltctl("up", "--timeout", "120").stdout
-    resume_up_s = time.monotonic() - t1
-    assert "training: world size 1" in out, out
-    text = wait_for(lambda: logs(env, "h2") if RESUMED.search(logs(env, "h2")) else None, 60,
+    env.eltctl("up", "--timeout", "120")  # may return "waiting" until h2 is probed: the controller goes on
+    text = wait_for(lambda: logs(env, "h2") if RESUMED.search(logs(env, "h2")) else None, 120,
                     "the script to resume on h2")
+    resume_up_s = time.monotonic() - t1
     resumed = int(RESUMED.search(text).group(1))
     steps_per_s = 1 / 0.05
     lost = before - resumed
-    print(f"\nup -> training in {up_s:.1f} s; last step on h1 {before}; resumed on h2 at {resumed} "
-          f"({lost} steps back; save interval {SAVE_EVERY}); last mirrored script step {last_mirrored_script_step}; "
-          f"up on h2 -> training in {resume_up_s:.1f} s")
-    # at most one save interval plus the mirror's delay (the snapshot poll 2 s + the controller's copy) behind
-    assert resumed >= before - SAVE_EVERY - int(10 * steps_per_s), (resumed, before)
+    print(f"\nup -> training in {up_s:.1f} s; status: step {first['step']} then {grown['step']} "
+          f"({rate:.1f} steps/s); last step on h1 {before}; resumed on h2 at {resumed} "
+          f"({lost} steps = {lost / rate:.1f} s back; save interval {SAVE_EVERY} steps = {SAVE_EVERY / rate:.1f} s); "
+          f"last mirrored script step seen {last_mirrored_script_step}; up on h2 -> the script resumed in "
+          f"{resume_up_s:.1f} s")
+    # at most one save interval plus the mirror's delay (the snapshot poll 2 s, the controller's copy) behind
+    assert resumed >= before - SAVE_EVERY - int(15 * max(rate, steps_per_s)), (resumed, before)
     assert resumed > 0
     out = env.eltctl("down").stdout
     assert "final checkpoint: script step" in out, out
