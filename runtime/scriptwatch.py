@@ -229,9 +229,10 @@ class CheckpointWatch:
 @dataclass(frozen=True)
 class RestartLimit:
     """`max_restarts` failures of the script within `window_s` stop the job; before
-    each restart after a failure the supervisors wait backoff_s * 2^(n-1) (n: the
-    failures in the window), at most `backoff_cap_s`. Leaves, joins, owner yields and
-    crashes of a host are not failures of the script and never count."""
+    a restart after the n-th failure in the window (n >= 2: a one-off crash restarts
+    at once) the supervisors wait backoff_s * 2^(n-2), at most `backoff_cap_s`.
+    Leaves, joins, owner yields and crashes of a host are not failures of the script
+    and never count."""
 
     max_restarts: int = 5
     window_s: float = 600.0
@@ -246,7 +247,7 @@ class RestartLimit:
 
     def backoff(self, failures: Iterable[float], now: float) -> float:
         n = len(self.recent(failures, now))
-        return 0.0 if n == 0 else min(self.backoff_cap_s, self.backoff_s * 2 ** (n - 1))
+        return 0.0 if n <= 1 else min(self.backoff_cap_s, self.backoff_s * 2 ** (n - 2))
 
     def message(self, n: int, last_line: str) -> str:
         return (f"the script exited {n} time{'' if n == 1 else 's'} in {_span(self.window_s)}"

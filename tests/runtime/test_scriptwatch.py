@@ -40,7 +40,7 @@ def test_checkpoint_watch_takes_the_same_listing_once():
 
 def test_restart_limit_backs_off_and_gives_up_within_its_window():
     limit = RestartLimit(max_restarts=3, window_s=60, backoff_s=1, backoff_cap_s=3)
-    assert [limit.backoff([0.0] * n, 1.0) for n in range(4)] == [0, 1, 2, 3]
+    assert [limit.backoff([0.0] * n, 1.0) for n in range(5)] == [0, 0, 1, 2, 3]
     assert not limit.gives_up([10, 20], 30) and limit.gives_up([10, 20, 30], 30)
     assert not limit.gives_up([10, 20, 30], 80)  # the first fell out of the window
     assert not RestartLimit(max_restarts=0).gives_up([1] * 100, 2)
