@@ -206,7 +206,8 @@ def checkpoint_seen(runtime_status: Mapping | None, now: float, job: str) -> dic
     path = str(ck.get("path") or "")
     return {"step": ck["step"], "time": ck.get("time"), "path": path or None,
             "host": checkpoint_host(path, job) if path else None,
-            "age_s": None if age is None else round(age, 1), "seen": now}
+            "age_s": None if age is None else round(age, 1), "seen": now,
+            **({"script_step": ck.get("script_step")} if "script_step" in ck else {})}
 
 
 def newest_checkpoint(known: dict | None, runtime_status: Mapping | None, now: float, job: str) -> dict | None:
@@ -226,7 +227,10 @@ def final_checkpoint(runtime_status: Mapping | None) -> dict | None:
     """What `down` reports of rank 0's last checkpoint."""
     ck = (runtime_status or {}).get("checkpoint")
     if isinstance(ck, dict):
-        return {"step": ck.get("step"), "path": ck.get("path"), "time": ck.get("time")}
+        out = {"step": ck.get("step"), "path": ck.get("path"), "time": ck.get("time")}
+        if "snapshot" in ck:  # restart mode: `step` is the snapshot counter; the script's step beside it
+            out["snapshot"], out["script_step"] = ck.get("snapshot"), ck.get("script_step")
+        return out
     return None
 
 

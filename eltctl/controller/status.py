@@ -312,9 +312,13 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "start_failed": start_failures(now=now, inventory=inventory, views=views, records=records) or None,
         "mode": job.mode.value,
         "restarts": rs.get("restarts") if job.mode.value == "restart" else None,
+        **(restart_fields(rs) if job.mode.value == "restart" else {}),
         "forged": dict(forged) if forged is not None else forged_summary({}, {}, None),
         "starts_at": starts_at,
     }
+    if doc.get("failed"):  # restart mode: the script failed max_restarts times; the job stopped
+        doc["state"] = doc["phase"] = "failed"
+        doc["message"] = doc["failed"]
     workers = [w for w in worker_entries(rs) if w["worker"] in live]
     if workers:
         doc["workers"] = workers
@@ -326,6 +330,18 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
             if isinstance(f, dict):
                 h["forward"] = {"port": f.get("port"), "up": bool(f.get("up")), "error": f.get("error") or None}
     return doc
+
+
+def restart_fields(rs: Mapping[str, Any]) -> dict[str, Any]:
+    """Restart mode's figures from rank 0's status: `snapshot` (the counter of the
+    script directory's snapshots; `step` is the script's own step, null until it is
+    known), `script` (where the step came from, whether every member's script runs)
+    and `failed` (why the job stopped on its restart limit; null while it runs)."""
+    script = rs.get("script") if isinstance(rs.get("script"), dict) else {}
+    return {"snapshot": rs.get("snapshot"),
+            "script": {k: script.get(k) for k in ("step", "step_from", "running", "running_since", "ever_running", "updated",
+                                                  "steps_per_s", "epoch")},
+            "failed": rs.get("failed") or None}
 
 
 def _counts(value: Any) -> dict[str, int]:
@@ -379,7 +395,7 @@ def _checkpoint_entry(ck: Mapping[str, Any] | None, now: float) -> dict[str, Any
     except (KeyError, TypeError, ValueError):
         age = None
     return {"step": ck["step"], "time": ck.get("time"), "path": ck.get("path"), "host": ck.get("host"),
-            "age_s": age}
+            "age_s": age, **({"script_step": ck.get("script_step")} if "script_step" in ck else {})}
 
 
 def write_status(path: Path, document: dict) -> None:
