@@ -13,7 +13,8 @@ keys, event kinds and the store helpers: protocol.py) and membership.py need
 only the standard library; the training machinery
 (`ElasticJob`, the sampler) imports torch on first use (PEP 562), so the host
 daemon and the control plane start without it. `load_checkpoint` and
-`export_checkpoint` (checkpoint.py) import torch only when called.
+`export_checkpoint` (checkpoint.py) import torch only when called. Restart
+mode's `report` and `checkpoint_saved` (progress.py) are standard library only.
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ _LAZY = {
     "Commit": "job", "ElasticJob": "job", "ExcludedFromJob": "job", "DataLoadError": "pipeline",
     "SamplerState": "sampler", "epoch_order": "sampler", "share_bounds": "sampler",
     "load_checkpoint": "checkpoint", "export_checkpoint": "checkpoint",
+    # restart mode's calls for a torchrun script (stdlib only: no torch)
+    "report": "progress", "checkpoint_saved": "progress",
 }
 
 if TYPE_CHECKING:
     from .job import Commit, ElasticJob, ExcludedFromJob
     from .checkpoint import export_checkpoint, load_checkpoint
     from .pipeline import DataLoadError
+    from .progress import checkpoint_saved, report
     from .sampler import SamplerState, epoch_order, share_bounds
 
 
@@ -64,6 +68,6 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Commit", "ConfigError", "DataLoadError", "Desired", "Device", "ElasticJob", "EventKind", "ExcludedFromJob",
-    "Keys", "Plan", "RuntimeConfig", "SamplerState", "append_event", "epoch_order", "export_checkpoint", "job_store",
-    "load_checkpoint", "read_events", "read_status", "report_dead", "request_leave", "request_stop", "share_bounds",
+    "Keys", "Plan", "RuntimeConfig", "SamplerState", "append_event", "checkpoint_saved", "epoch_order",
+    "export_checkpoint", "job_store", "load_checkpoint", "read_events", "read_status", "report", "report_dead", "request_leave", "request_stop", "share_bounds",
 ]

@@ -12,6 +12,10 @@ import eltctl_runtime as elt
 import eltctl_runtime.daemon
 assert "torch" not in sys.modules, "importing the package or the daemon imported torch"
 assert callable(elt.report_dead) and elt.EventKind.YIELD.value == "yield"
+from eltctl_runtime import report, checkpoint_saved
+report(step=1, loss=0.5)  # outside eltctl: a no-op
+checkpoint_saved("x")
+assert "torch" not in sys.modules, "restart mode's report() imported torch"
 job_class = elt.ElasticJob
 assert "torch" in sys.modules and job_class.__module__ == "eltctl_runtime.job"
 from eltctl_runtime import share_bounds, SamplerState, ExcludedFromJob, Commit
