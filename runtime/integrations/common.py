@@ -9,6 +9,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from ..progress import checkpoint_saved, report  # noqa: F401 - re-exported for the callbacks
+
 # The exit status of a script that stopped on SIGTERM after saving (128 + SIGTERM,
 # as a shell reports a process killed by it). Not 0: under restart mode rank 0's
 # script exiting 0 means the job is finished, and a stranger's SIGTERM is no finish.
@@ -80,18 +82,3 @@ def torchrun_world() -> tuple[int, int, int]:
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
 
-
-def report(**fields: Any) -> None:
-    try:  # TEMPORARY until restart-core's progress module is merged
-        from ..progress import report as _report
-    except ImportError:
-        return
-    _report(**fields)
-
-
-def checkpoint_saved(path: str | os.PathLike) -> None:
-    try:  # TEMPORARY until restart-core's progress module is merged
-        from ..progress import checkpoint_saved as _saved
-    except ImportError:
-        return
-    _saved(path)

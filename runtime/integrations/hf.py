@@ -52,13 +52,18 @@ class EltctlCallback(TrainerCallback):
     def __init__(self) -> None:
         self._signal = StopSignal()
         self._stopping = False
+        self._samples = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._signal.install()
+        # The samples before a resume at this size (the steps taken at other sizes
+        # are not recorded); the rate eltctl derives from the count is exact.
+        self._samples = state.global_step * _samples_per_step(args)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            report(step=state.global_step, samples=state.global_step * _samples_per_step(args))
+            self._samples += _samples_per_step(args)
+            report(step=state.global_step, samples=self._samples)
         if agree(self._signal.requested, args.device):
             self._stopping = True
             control.should_save = True

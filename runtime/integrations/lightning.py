@@ -103,8 +103,8 @@ class EltctlCallback(Callback):
         if trainer.is_global_zero:
             self._announce(trainer)
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            report(step=trainer.global_step,
-                   loss=float(loss.detach()) if isinstance(loss, torch.Tensor) else None)
+            # The tensor itself: report() converts it only when it writes (no sync per step).
+            report(step=trainer.global_step, loss=loss.detach() if isinstance(loss, torch.Tensor) else None)
         if agree(self._signal.requested, trainer.strategy.root_device):
             path = os.path.join(self.dirpath, f"step={trainer.global_step}.ckpt")
             trainer.save_checkpoint(path)  # every rank: it holds a barrier; rank 0 writes
