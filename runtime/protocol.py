@@ -92,6 +92,12 @@ class Keys:
     EVENTS_SEQ = "events/seq"
     FIRST_GEN = "gen/first"
     STORE_RESTARTED = "store/restarted"
+    SCRIPT_FAILURES = "restart/failures"  # restart mode, rank 0: times the script failed (JSON list, the window's)
+
+    @staticmethod
+    def script_failure(worker: str) -> str:
+        """Restart mode: {time, rc, line} of the worker's script's last failure."""
+        return f"restart/failed/{worker}"
 
     @staticmethod
     def heartbeat(worker: str) -> str:
@@ -249,7 +255,8 @@ class Desired:
 def status_document(*, generation: int, world_size: int, members: Iterable[str], step: int, epoch: int,
                     position: int, samples_per_s: float, loss: float | None, checkpoint: dict | None,
                     time: float | None = None, workers: dict | None = None, mode: str | None = None,
-                    restarts: int | None = None, forged: dict[str, int] | None = None) -> dict:
+                    restarts: int | None = None, forged: dict[str, int] | None = None,
+                    extra: dict | None = None) -> dict:
     """The runtime's `status` document, written by rank 0 about once a second:
     `{generation, world_size, members, step, epoch, position, samples_per_s,
     loss, checkpoint: {step, time, path} | null, time}`, and, once a step of
@@ -258,7 +265,13 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
     straggler}}` (WORKER_FIELDS; eltctl_runtime.balance.worker_report says
     what each means). Restart mode (restart.py) adds `mode: "restart"` and
     `restarts` (how many times the script's processes were restarted); its
-    `step` counts the snapshots of the script's checkpoint directory. An
+    `step` is the script's own step where known (report() or the `[job]
+    progress` pattern; null otherwise) and `extra` adds `snapshot` (the counter
+    of snapshots of the script's checkpoint directory), `script: {step,
+    step_from, loss, samples, samples_per_s, steps_per_s, epoch, updated,
+    running, running_since, metrics}` (running: every member's script ran past
+    the settle time or reported a step) and, once the job stopped on its
+    restart limit, `failed` (why). An
     elastic job's document has neither key (mode "elastic"). The runtime adds
     `forged: {family: n}`: store values that failed their signature check,
     as rank 0's process counted them, per key family (auth.family: "leave",
@@ -274,6 +287,8 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
         doc["restarts"] = restarts or 0
     if forged is not None:
         doc["forged"] = dict(forged)
+    if extra:
+        doc.update(extra)
     return doc
 
 

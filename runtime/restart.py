@@ -47,6 +47,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -64,7 +65,9 @@ from .control import ControlThread
 from .job import ExcludedFromJob
 from .membership import (Plan, Verdict, await_admission, choose_source, decide, job_store, propose, roll_call,
                          scan_joiners)
+from .progress import ENV_PROGRESS, ProgressFile, ProgressTracker, compile_progress
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
+from .scriptwatch import CheckpointWatch, OutputPump, RestartLimit, group_pids, listing, progress_matcher, writers_under
 from .state import tensor_bytes
 
 log = logging.getLogger("eltctl_runtime")
@@ -77,6 +80,10 @@ WARM_READY_S = 120.0  # a joiner waits this long at most for its warm interprete
 STATUS_EVERY_S = 1.0
 CRASH_CONFIRM_S = 2.0  # as job.py: a member silent this long after our collective failed is gone
 DEFAULT_STOP_GRACE_S = 30.0
+# The scripts count as training once every member's has run this long (or rank 0's reported a step).
+SETTLE_S = 5.0
+PROGRESS_POLL_S = 0.5
+DEFAULT_CHECKPOINT_POLL_S = 2.0  # rank 0 looks this often for a new complete checkpoint of its script
 SNAPSHOT_FORMAT = "eltctl-restart-snapshot"
 SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
 # The child's environment: eltctl's own variables are the supervisor's, not the script's
@@ -199,14 +206,17 @@ def _killpg(pid: int, sig: int) -> None:
 class Child:
     """The script's process (its own group) in one generation."""
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    def __init__(self, proc: subprocess.Popen, pump: OutputPump) -> None:
         self.proc = proc
+        self.pump = pump  # its output, passed through to ours
         self.stopping = False
 
     @classmethod
-    def start(cls, argv: Sequence[str], env: Mapping[str, str]) -> "Child":
-        return cls(subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL,
-                                    preexec_fn=_child_setup, close_fds=True))
+    def start(cls, argv: Sequence[str], env: Mapping[str, str], pump: OutputPump) -> "Child":
+        proc = subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, preexec_fn=_child_setup, close_fds=True)
+        pump.attach(proc.stdout, proc.stderr)
+        return cls(proc, pump)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -229,19 +239,21 @@ class Warm:
     """The next generation's process, started ahead with torch imported
     (warmstart.py); `hand` gives it the script to run."""
 
-    def __init__(self, proc: subprocess.Popen, pipe: int, ready: int) -> None:
+    def __init__(self, proc: subprocess.Popen, pipe: int, ready: int, pump: OutputPump) -> None:
         self.proc = proc
+        self.pump = pump
         self._pipe: int | None = pipe
         self._ready: int | None = ready  # read end: one byte once torch is imported
 
     @classmethod
-    def start(cls, python: str, env: Mapping[str, str]) -> "Warm":
+    def start(cls, python: str, env: Mapping[str, str], pump: OutputPump) -> "Warm":
         r, w = os.pipe()
         rr, rw = os.pipe()
         try:
             proc = subprocess.Popen([python, "-m", WARM_MODULE, str(r), str(rw)], env=dict(env),
-                                    stdin=subprocess.DEVNULL, pass_fds=(r, rw), preexec_fn=_child_setup,
-                                    close_fds=True)
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    pass_fds=(r, rw), preexec_fn=_child_setup, close_fds=True)
+            pump.attach(proc.stdout, proc.stderr)
         except BaseException:
             os.close(w)
             os.close(rr)
@@ -249,7 +261,7 @@ class Warm:
         finally:
             os.close(r)
             os.close(rw)
-        return cls(proc, w, rr)
+        return cls(proc, w, rr, pump)
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until it has imported torch; False if it died or the time ran out."""
@@ -276,7 +288,7 @@ class Warm:
         if self._ready is not None:
             os.close(self._ready)
             self._ready = None
-        return Child(self.proc)
+        return Child(self.proc, self.pump)
 
     def discard(self) -> None:
         if self._pipe is not None:
@@ -296,10 +308,30 @@ class Supervisor:
     """See the module docstring. `run()` does everything; the constructor nothing."""
 
     def __init__(self, config: RuntimeConfig, command: Sequence[str], script_dir: Path,
-                 stop_grace: float = DEFAULT_STOP_GRACE_S, keep: int = 3, warm: bool = True) -> None:
+                 stop_grace: float = DEFAULT_STOP_GRACE_S, keep: int = 3, warm: bool = True,
+                 progress: str | None = None, limit: RestartLimit = RestartLimit(),
+                 checkpoint_poll_s: float = DEFAULT_CHECKPOINT_POLL_S) -> None:
         self.cfg = config
         self.me = config.worker_id
         self.script_dir = Path(script_dir)
+        # The script's report() lines: beside its directory (never in its snapshots).
+        self.progress_path = self.script_dir.parent / f".{self.script_dir.name}.progress"
+        self._patterns = compile_progress(progress) if progress else ()
+        self._limit = limit
+        self._poll_s = checkpoint_poll_s
+        self._progress_file = ProgressFile(self.progress_path)
+        self._tracker = ProgressTracker()
+        self._tracker_lock = threading.Lock()
+        self._step_from: str | None = None  # "report" | "output": where the script's step came from
+        self._last_progress_poll = 0.0
+        self._running_since: float | None = None  # wall time the scripts counted as training
+        self._failure: str | None = None  # the job stopped on the restart limit: why
+        self._failure_noted = False  # this generation's child's failure is in the store
+        self._ckpt_watch = CheckpointWatch()
+        self._announced = False  # the script called checkpoint_saved since the last look
+        self._last_look = 0.0
+        self._live: threading.Thread | None = None  # rank 0: a snapshot taken while the script runs
+        self._snap_steps: dict[int, int | None] = {}  # snapshot counter -> the script's step when it was taken
         self.argv = expand_command(command, self.script_dir)
         self.stop_grace = stop_grace
         self._keep = keep
@@ -365,6 +397,7 @@ class Supervisor:
                     pass
             raise
         finally:
+            self._join_live()
             if self._child is not None:
                 self._child.stop(grace=min(self.stop_grace, 5.0))
             if self._warm is not None:
@@ -439,7 +472,14 @@ class Supervisor:
         if self._rank == 0 and counter > self._saved:
             self._save_checkpoint(wait=False)
         restarts = self._starts
-        env = _child_env(os.environ, self.script_dir)
+        if self._rank == 0 and self._tracker.step is None:
+            self._seed_progress()
+        self._running_since, self._failure_noted = None, False
+        self._progress_file.poll()
+        self._progress_file.reset()
+        with self._tracker_lock:
+            self._tracker.reset()
+        env = _child_env(os.environ, self.script_dir, self.progress_path)
         env.update(torchrun_env(plan.members, me, addr, int(port), restarts, self.cfg.job,
                                 gpus=self.cfg.device is Device.CUDA))
         self._child = self._start_child(env)
@@ -469,14 +509,18 @@ class Supervisor:
             child, self._warm = self._warm.hand(argv, module, env), None
         self._child_warm = child is not None
         if child is None:
-            child = Child.start(self.argv, env)
+            child = Child.start(self.argv, env, self._pump())
         self._child_t = time.monotonic()
         return child
+
+    def _pump(self) -> OutputPump:
+        return OutputPump(progress_matcher(self._patterns, self._on_output) if self._patterns else None)
 
     def _prewarm(self) -> None:
         if self._warm_form is not None and self._warm is None:
             try:
-                self._warm = Warm.start(self._warm_form[0], _child_env(os.environ, self.script_dir))
+                self._warm = Warm.start(self._warm_form[0],
+                                        _child_env(os.environ, self.script_dir, self.progress_path), self._pump())
             except OSError as e:
                 log.warning("supervisor %s: no warm interpreter (%s); scripts start cold", self.me, e)
                 self._warm_form = None
@@ -535,7 +579,18 @@ class Supervisor:
                 log.info("supervisor %s: generation %d changes (leave: %s, join: %s, failed scripts: %s); "
                          "stopping the script", self.me, self._plan.generation, sorted(leavers) or "-",
                          "yes" if join else "no", failed or "-")
-                return self._change(leavers, kind, abort)
+                return self._change(leavers, kind, abort, failed)
+            if now - self._last_progress_poll >= PROGRESS_POLL_S:
+                self._last_progress_poll = now
+                self._read_progress()
+            if self._running_since is None and (now - self._child_t >= SETTLE_S or self._tracker.step is not None
+                                                and self._tracker.updated is not None
+                                                and self._tracker.updated >= time.time() - (now - self._child_t)):
+                # every member's script ran past the settle time (no failure flag came up) or reported a step
+                self._running_since = time.time()
+            if r == 0 and now - self._last_look >= self._poll_s:
+                self._last_look = now
+                self._look_for_checkpoint()
             if r == 0 and now - self._last_status >= STATUS_EVERY_S:
                 self._write_status(now)
             if self._warm is None and now - self._child_t >= PREWARM_AFTER_S:
@@ -557,9 +612,23 @@ class Supervisor:
                 flags[2 + W] = 1
             elif rc != 0:
                 flags[2 + 2 * W + r] = 1
+                if not self._failure_noted:
+                    self._note_failure(rc)
         return flags
 
-    def _change(self, leavers: set[str], kind: EventKind, abort) -> Plan | None:
+    def _note_failure(self, rc: int) -> None:
+        """The script failed by itself: its last line goes to the store, for rank 0's verdict."""
+        self._failure_noted = True
+        self._child.pump.join(timeout=1.0)
+        cause = self._child.pump.cause() or f"exit status {rc}"
+        log.warning("supervisor %s: the script exited with status %s: %s", self.me, rc, cause)
+        try:
+            self._store.set(Keys.script_failure(self.me), json.dumps({"time": time.time(), "rc": rc,
+                                                                      "line": cause}))
+        except Exception as e:  # noqa: BLE001 - the verdict then lacks this line
+            log.warning("supervisor %s: could not record the script's failure: %s", self.me, e)
+
+    def _change(self, leavers: set[str], kind: EventKind, abort, failed: Sequence[str] = ()) -> Plan | None:
         """Stop every script, hand rank 0's directory to every member, decide the next plan."""
         self._change_kind = kind
         self._stop_child()
@@ -568,6 +637,13 @@ class Supervisor:
         flags = collectives.allreduce(self._pg, self._flags(), abort).tolist()
         W = self._plan.world_size
         leavers |= {self._plan.members[i] for i in range(W) if flags[2 + i] > 0}
+        if failed:
+            give_up, backoff = self._verdict(failed, abort)
+            if give_up:
+                return self._end("failed")
+            if backoff > 0:
+                log.info("supervisor %s: the script failed; waiting %g s before it starts again", self.me, backoff)
+                abort.wait(backoff)
         self._share_snapshot(abort)
         if self._rank == 0:
             self._save_checkpoint(wait=False)
@@ -589,6 +665,35 @@ class Supervisor:
                 return None
             raise ExcludedFromJob(f"supervisor {self.me} is not a member of generation {decided.generation}")
         return decided
+
+    def _verdict(self, failed: Sequence[str], abort) -> tuple[bool, float]:
+        """Rank 0 adds this failure to the job's list (the store) and decides, for
+        everyone: stop the job (the restart limit) or wait the back-off."""
+        header = torch.zeros(2, dtype=torch.int64)
+        if self._rank == 0:
+            now = time.time()
+            try:
+                raw = self._store.get(Keys.SCRIPT_FAILURES) if self._store.check([Keys.SCRIPT_FAILURES]) else b"[]"
+                times = [float(t) for t in json.loads(raw)]
+            except (ValueError, TypeError, ForgedValue):
+                times = []
+            times = self._limit.recent(times + [now], now)
+            self._store.set(Keys.SCRIPT_FAILURES, json.dumps(times))
+            give_up = self._limit.gives_up(times, now)
+            if give_up:
+                line = ""
+                for w in failed:
+                    try:
+                        line = json.loads(self._store.get(Keys.script_failure(w))).get("line", "") or line
+                    except (ValueError, ForgedValue, AttributeError):
+                        pass
+                    if line:
+                        break
+                self._failure = self._limit.message(len(times), line)
+                log.error("supervisor %s: the job stops: %s", self.me, self._failure)
+            header[0], header[1] = int(give_up), int(self._limit.backoff(times, now) * 1000)
+        give_up, backoff_ms = (int(x) for x in collectives.broadcast(self._pg, header, 0, abort).tolist())
+        return bool(give_up), backoff_ms / 1000.0
 
     def _share_snapshot(self, abort) -> None:
         """Rank 0 packs its script directory (no script runs) and broadcasts it."""
@@ -613,7 +718,8 @@ class Supervisor:
                  len(self._snap[1]))
 
     def _end(self, reason: str) -> None:
-        """The job ends (a stop request, or rank 0's script finished)."""
+        """The job ends (a stop request, rank 0's script finished, or the script failed
+        `max_restarts` times: "failed", the reason in the status and the done key)."""
         grace = self.stop_grace
         if reason == "finished" and self._child is not None:
             try:  # the other ranks' scripts are finishing too: let them
@@ -629,14 +735,22 @@ class Supervisor:
                 self._event({"kind": EventKind.STOP.value, "mode": "restart", "generation": self._plan.generation,
                              "step": self._snap[0]})
             self._write_status(time.monotonic())
-            self._store.set(Keys.DONE, json.dumps({"step": self._snap[0], "reason": reason}))
+            done = {"step": self._snap[0], "reason": reason, "script_step": self._tracker.step}
+            if reason == "failed":
+                done["failed"] = self._failure
+                self._event({"kind": EventKind.STOP.value, "mode": "restart", "generation": self._plan.generation,
+                             "step": self._snap[0], "failed": self._failure})
+            self._store.set(Keys.DONE, json.dumps(done))
         log.info("supervisor %s: the job ends (%s)", self.me, reason)
         return None
 
     def _stop_child(self, grace: float | None = None) -> None:
+        self._join_live()
         if self._child is not None:
             rc = self._child.stop(self.stop_grace if grace is None else grace)
+            self._child.pump.join()
             log.info("supervisor %s: the script exited (%s)", self.me, rc)
+        self._read_progress()  # its last reports
 
     # -- after an abort (as ElasticJob._recover) ------------------------------------
     def _recover(self, peer_gone: bool) -> Plan | None:
@@ -685,6 +799,11 @@ class Supervisor:
             return False
         self._snap = (info.step, tensor_bytes(state["tar"]))
         self._saved = info.step
+        script_step = int(state.get("script_step", -1))
+        if script_step >= 0:
+            self._snap_steps[info.step] = script_step
+            with self._tracker_lock:
+                self._tracker.step = script_step  # where it was when saved; its own output corrects it
         # The generation that ran after this snapshot used the saved count: the
         # restored scripts get a higher one (TORCHELASTIC_RESTART_COUNT only grows).
         self._starts = max(self._starts, int(state.get("starts", 0)) + 1)
@@ -695,21 +814,102 @@ class Supervisor:
         if self._ckpt is None or self._snap is None or self._snap[0] <= self._saved:
             return
         counter, data = self._snap
-        self._ckpt.save_async(counter, {"format": SNAPSHOT_FORMAT, "tar": _as_tensor(data), "starts": self._starts})
+        self._snap_steps[counter] = self._tracker.step
+        self._ckpt.save_async(counter, {"format": SNAPSHOT_FORMAT, "tar": _as_tensor(data), "starts": self._starts,
+                                        "script_step": self._tracker.step if self._tracker.step is not None else -1})
         self._saved = counter
         if wait:
             self._ckpt.wait()
 
     def _on_checkpoint(self, info) -> None:  # writer thread
-        self._last_ckpt = {"step": info.step, "time": info.created, "path": str(info.path)}
+        self._last_ckpt = {"step": info.step, "time": info.created, "path": str(info.path),
+                           "snapshot": info.step, "script_step": self._snap_steps.get(info.step)}
+
+    # -- the script's progress ------------------------------------------------------
+    def _on_output(self, values) -> None:  # an output thread: a progress pattern matched
+        with self._tracker_lock:
+            if self._step_from == "report" and "step" in values:
+                values = {k: v for k, v in values.items() if k != "step"}  # report() is the better source
+            elif "step" in values:
+                self._step_from = "output"
+            self._tracker.update(values)
+
+    def _read_progress(self) -> None:
+        for line in self._progress_file.poll():
+            if "checkpoint" in line:
+                self._announced = True
+                continue
+            with self._tracker_lock:
+                if line.get("step") is not None:
+                    self._step_from = "report"
+                self._tracker.update(line, now=float(line.get("t") or time.time()))
+
+    def _seed_progress(self) -> None:
+        """A new rank 0 starts from the step the previous one last wrote (it resumes near it)."""
+        try:
+            if self._store.check([Keys.STATUS]):
+                step = json.loads(self._store.get(Keys.STATUS)).get("step")
+                if isinstance(step, int):
+                    with self._tracker_lock:
+                        self._tracker.step = step
+        except (ValueError, ForgedValue, AttributeError):
+            pass
+
+    # -- rank 0: mirroring the script's checkpoints while it runs ----------------------
+    def _look_for_checkpoint(self) -> None:
+        """Pack the script's directory in the background when it holds a new complete checkpoint."""
+        if self._ckpt is None or self._child is None or self._child.stopping or (
+                self._live is not None and self._live.is_alive()):
+            return
+        current = listing(self.script_dir)
+        announced, self._announced = self._announced, False
+        writers = bool(current) and bool(writers_under(group_pids(self._child.proc.pid), self.script_dir))
+        if not self._ckpt_watch.look(current, writers, announced):
+            return
+        self._live = threading.Thread(target=self._live_snapshot, args=(current,), name="live-snapshot",
+                                      daemon=True)
+        self._live.start()
+
+    def _live_snapshot(self, before) -> None:
+        try:
+            data = pack_dir(self.script_dir)
+        except OSError as e:  # a file went away while it was packed: look again later
+            log.info("supervisor %s: the script's directory changed while it was copied (%s)", self.me, e)
+            return
+        if listing(self.script_dir) != before:
+            log.info("supervisor %s: the script's directory changed while it was copied; next look", self.me)
+            return
+        self._ckpt_watch.taken(before)
+        counter = (self._snap[0] if self._snap else 0) + 1
+        self._snap = (counter, data)
+        self._unpacked = counter
+        log.info("supervisor %s: snapshot %d of %s while the script runs (script step %s, %d bytes)", self.me,
+                 counter, self.script_dir, self._tracker.step, len(data))
+        self._save_checkpoint(wait=False)
+
+    def _join_live(self) -> None:
+        if self._live is not None:
+            self._live.join()
+            self._live = None
 
     def _write_status(self, now: float) -> None:
         self._last_status = now
         plan = self._plan
+        t = self._tracker
+        running = self._running_since is not None
+        script = {"step": t.step, "step_from": self._step_from, "loss": t.loss, "samples": t.samples,
+                  "samples_per_s": t.samples_per_s, "steps_per_s": t.steps_per_s, "epoch": t.epoch,
+                  "updated": t.updated, "running": running, "running_since": self._running_since,
+                  "metrics": dict(t.metrics)}
+        extra = {"snapshot": self._snap[0] if self._snap else 0, "script": script}
+        if self._failure is not None:
+            extra["failed"] = self._failure
+        samples_per_s = t.samples_per_s
         doc = status_document(generation=plan.generation, world_size=plan.world_size, members=plan.members,
-                              step=self._snap[0] if self._snap else 0, epoch=0, position=0, samples_per_s=0.0,
-                              loss=None, checkpoint=self._last_ckpt, mode="restart",
-                              restarts=max(0, self._starts - 1), forged=self._forgeries.counts())
+                              step=t.step, epoch=int(t.epoch or 0), position=0,
+                              samples_per_s=samples_per_s if samples_per_s is not None else 0.0,
+                              loss=t.loss, checkpoint=self._last_ckpt, mode="restart",
+                              restarts=max(0, self._starts - 1), forged=self._forgeries.counts(), extra=extra)
         try:
             self._store.set(Keys.STATUS, json.dumps(doc))
         except Exception as e:  # noqa: BLE001 - status is advisory
@@ -733,9 +933,13 @@ def _free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def _child_env(base: Mapping[str, str], script_dir: Path) -> dict[str, str]:
+def _child_env(base: Mapping[str, str], script_dir: Path, progress_path: Path) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in _CHILD_DROPS}
     env["ELTCTL_CHECKPOINT_DIR"] = str(script_dir)
+    env[ENV_PROGRESS] = str(progress_path)
+    # Its output reaches the worker's log (and the progress patterns) through a pipe:
+    # unbuffered, as on a terminal, so a line is seen when it is printed.
+    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
@@ -754,6 +958,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-warm", action="store_true",
                     help="start each generation's script cold (default: a process with torch already "
                          "imported waits for it, for `python script.py` and `python -m module` commands)")
+    ap.add_argument("--progress", default=None,
+                    help="a regex with named groups (step, loss, samples, samples_per_s, ...) or a name in "
+                         "eltctl_runtime.progress.PATTERNS, matched against rank 0's output lines")
+    ap.add_argument("--max-restarts", type=int, default=RestartLimit.max_restarts,
+                    help="the job stops once the script failed this often within --restart-window "
+                         "(0: never; default 5)")
+    ap.add_argument("--restart-window", type=float, default=RestartLimit.window_s,
+                    help="seconds (default 600)")
+    ap.add_argument("--checkpoint-poll", type=float, default=DEFAULT_CHECKPOINT_POLL_S,
+                    help="how often rank 0 looks for a new complete checkpoint of its script to mirror "
+                         "while it runs (seconds, default 2)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- the script's command")
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -761,6 +976,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give the script's command after --")
     if args.stop_grace <= 0:
         ap.error("--stop-grace must be positive")
+    if args.max_restarts < 0 or args.restart_window <= 0 or args.checkpoint_poll <= 0:
+        ap.error("--max-restarts must be >= 0, --restart-window and --checkpoint-poll positive")
+    if args.progress:
+        try:
+            compile_progress(args.progress)
+        except ValueError as e:
+            ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     cfg = RuntimeConfig.from_env()
     base = args.script_dir
@@ -769,7 +991,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("give --script-dir (or set ELTCTL_CHECKPOINT_DIR)")
         base = cfg.checkpoint_dir.parent / "script-checkpoints"
     sup = Supervisor(cfg, command, base / slot_of(cfg.worker_id), stop_grace=args.stop_grace,
-                     warm=not args.no_warm)
+                     warm=not args.no_warm, progress=args.progress,
+                     limit=RestartLimit(max_restarts=args.max_restarts, window_s=args.restart_window),
+                     checkpoint_poll_s=args.checkpoint_poll)
     try:
         return sup.run()
     except ExcludedFromJob as e:

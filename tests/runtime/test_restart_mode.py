@@ -79,7 +79,8 @@ def test_directory_snapshot_round_trips_and_replaces(tmp_path):
 class RestartCluster(Cluster):
     """Cluster whose workers are restart-mode supervisors of the DDP script."""
 
-    def start(self, n: int = 1, extra: list[str] | None = None) -> list[Worker]:
+    def start(self, n: int = 1, extra: list[str] | None = None, supervisor: list[str] | None = None,
+              script: list[str] | None = None) -> list[Worker]:
         new = []
         for _ in range(n):
             i = self._n
@@ -88,7 +89,8 @@ class RestartCluster(Cluster):
             log = self.tmp / f"w{i}.log"
             w = Worker(wid, None, log, self.tmp / f"w{i}.result.json", self.tmp / f"w{i}.progress")  # type: ignore[arg-type]
             cmd = [PYTHON, "-m", "eltctl_runtime.restart", "--stop-grace", "15", "--script-dir",
-                   str(self.tmp / f"s{i}"), "--", PYTHON, str(SCRIPT), *SCRIPT_ARGS, *(extra or [])]
+                   str(self.tmp / f"s{i}"), *(supervisor or []), "--",
+                   *(script or [PYTHON, str(SCRIPT), *SCRIPT_ARGS, *(extra or [])])]
             env = self.env(wid)
             env.pop("ELTCTL_AUDIT")
             w.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log.open("w"),
@@ -191,3 +193,55 @@ def _zombie(pid: int) -> bool:
 ])
 def test_warm_interpreter_runs_plain_python_commands_only(argv, form):
     assert warm_form(argv) == form
+
+
+@pytest.mark.slow
+def test_status_shows_the_scripts_step_and_its_checkpoints_are_snapshotted_while_it_runs(tmp_path):
+    """One supervisor, the unmodified DDP script, `--progress step-loss`: the status
+    carries the script's step (it grows) and the scripts count as running; each save
+    of the script (every 30 steps, with rename) becomes an eltctl checkpoint while the
+    script runs, labelled with the script's step."""
+    cluster = RestartCluster(tmp_path, hang_timeout=10.0, min_workers=1)
+    try:
+        (a,) = cluster.start(1, supervisor=["--progress", "step-loss", "--checkpoint-poll", "0.3"],
+                             extra=["--save-every", "30"])  # a save every ~1.5 s
+        first = cluster.wait_for_status(lambda s: (s.get("step") or 0) >= 5 and s["script"]["running"], 120)
+        assert first["mode"] == "restart" and first["script"]["step_from"] == "output", first
+        assert first["loss"] is not None and first["snapshot"] >= 0
+        later = cluster.wait_for_status(lambda s: (s.get("step") or 0) > first["step"] + 5
+                                        and (s.get("checkpoint") or {}).get("script_step"), 60)
+        ck = later["checkpoint"]
+        assert ck["snapshot"] == ck["step"] >= 1 and 0 < ck["script_step"] <= later["step"], later
+        assert a.proc.poll() is None and cluster.events() == [] or all(
+            e.get("kind") not in ("crash", "leave", "join") for e in cluster.events())  # no restart was needed
+        info, state = CheckpointStore(cluster.ckpt).latest_valid()
+        assert state["format"] == "eltctl-restart-snapshot" and int(state["script_step"]) > 0
+        cluster.stop()
+        cluster.wait_exit([a])
+        assert a.proc.returncode == 0, cluster.dump_logs()
+    finally:
+        cluster.close()
+
+
+FAILING = "import time, sys; print('starting', flush=True); time.sleep(2); raise RuntimeError('no data in /nowhere')"
+
+
+@pytest.mark.slow
+def test_a_script_that_fails_at_every_start_stops_the_job_at_max_restarts(tmp_path):
+    cluster = RestartCluster(tmp_path, hang_timeout=10.0, min_workers=1)
+    try:
+        (a,) = cluster.start(1, supervisor=["--max-restarts", "3", "--restart-window", "120"],
+                             script=[PYTHON, "-c", FAILING])
+        cluster.wait_exit([a], timeout=120)
+        assert a.proc.returncode == 0, cluster.dump_logs()
+        done = json.loads(cluster.store.get(f"eltctl/{cluster.job}/done"))
+        assert done["reason"] == "failed", done
+        assert done["failed"] == ("the script exited 3 times in 2 min; last line: "
+                                  "RuntimeError: no data in /nowhere"), done
+        status = read_status(cluster.store, cluster.job)
+        assert status["failed"] == done["failed"] and not status["script"]["running"], status
+        log = a.log_text()
+        assert log.count("starting") == 3 and "waiting 1 s before it starts again" in log
+        assert "waiting 2 s before it starts again" in log
+    finally:
+        cluster.close()
