@@ -110,8 +110,8 @@ def _run_through_yield_and_scale(je, script: str) -> None:
     def progress():
         doc = json.loads(je.eltctl("status", "--json").stdout)
         assert doc["mode"] == "restart", doc
-        p = doc.get("progress") or {}
-        return doc if (p.get("step") or 0) >= last else None
+        step = max(doc.get("step") or 0, (doc.get("script") or {}).get("step") or 0)
+        return doc if step >= last else None
     doc = wait_for(progress, 60, f"status showing the script's step >= {last}")
     assert doc["restarts"] >= 2, doc
 
