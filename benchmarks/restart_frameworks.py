@@ -1,10 +1,11 @@
 """The frameworks' restart pause under restart mode: HF Trainer and Lightning.
 
-`python benchmarks/restart_frameworks.py [--framework hf|lightning] [--rounds N]`
+`python benchmarks/restart_frameworks.py [--framework hf|lightning] [--gap S] [--json]`
 
 For each framework: a store here and two restart-mode supervisors (`python -m
-eltctl_runtime.restart`, run by this interpreter) of examples/hf_trainer.py or
-examples/lightning_train.py (with eltctl_runtime.integrations' callback, run by
+eltctl_runtime.restart`) of examples/hf_trainer.py or
+examples/lightning_train.py (run by the torch-only host interpreter, .venv-host,
+as on a host; the script, with eltctl_runtime.integrations' callback, by
 the frameworks' interpreter, .venv-host-frameworks; ELTCTL_BENCH_FRAMEWORKS_PYTHON
 names another). Then:
 
@@ -14,7 +15,8 @@ names another). Then:
 
 Printed per event: `pause_s`, from the last step line of the old scripts to the
 first of the new ones (for the leave also `from_sigterm_s`, from the SIGTERM),
-and `redone`/`skipped` steps by the script's own step log (0 and 0: the
+`stop_s`, from the supervisors' `stopping the script` to the last script's
+exit (the SIGTERM save), and `redone`/`skipped` steps by the script's own step log (0 and 0: the
 callback's SIGTERM save). Each event fires `--gap` seconds (default 10) after
 the previous generation's first step, so the supervisors' warm interpreters
 (torch imported ahead; the framework is not) are ready, as they would be for
@@ -36,9 +38,13 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.testbed.hostpython import HOST_PYTHON, runtime_path  # noqa: E402
 FRAMEWORKS_PYTHON = (os.environ.get("ELTCTL_BENCH_FRAMEWORKS_PYTHON")
                      or str(ROOT / ".venv-host-frameworks" / "bin" / "python"))
 SCRIPTS = {"hf": "hf_trainer.py", "lightning": "lightning_train.py"}
+LOGTIME = re.compile(rb"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO supervisor \S+: (?:generation \d+ changes.*stopping"
+                     rb"|the script exited \((-?\d+)\))", re.M)
 STEP = re.compile(rb"^step (\d+) world (\d+) restart (\d+)", re.M)
 RESUMED = re.compile(rb"^resumed at step (\d+) world (\d+) restart (\d+)", re.M)
 
@@ -83,6 +89,26 @@ class Lines:
         return max(got) if len(got) >= n else None
 
 
+def _stop_s(logs: list[Path], since: float) -> float | None:
+    """From the first supervisor's `stopping the script` after `since` to the last
+    `the script exited` (143: it saved) that followed it: the SIGTERM save and exit."""
+    from datetime import datetime
+
+    per_log = []
+    for log in logs:
+        marks = [(datetime.strptime(stamp.decode(), "%Y-%m-%d %H:%M:%S,%f").timestamp(), bool(code))
+                 for stamp, code in LOGTIME.findall(log.read_bytes())]
+        per_log.append([m for m in marks if m[0] >= since - 0.5])
+    stops = [t for marks in per_log for t, is_exit in marks if not is_exit]
+    if not stops:
+        return None
+    first = min(stops)
+    # Each supervisor's first exit after the change: the script it was running then.
+    done = [min((t for t, is_exit in marks if is_exit and t >= first), default=None) for marks in per_log]
+    done = [t for t in done if t is not None]
+    return round(max(done) - first, 2) if done else None
+
+
 def measure(framework: str, gap: float, stop_grace: float) -> dict:
     import torch.distributed as dist
 
@@ -100,8 +126,8 @@ def measure(framework: str, gap: float, stop_grace: float) -> dict:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ELTCTL_JOB=job,
                    ELTCTL_STORE=f"127.0.0.1:{store.port}", ELTCTL_WORKER_ID=f"node{i}/0/{os.getpid()}",
                    ELTCTL_DEVICE="cpu", ELTCTL_CHECKPOINT_DIR=str(wd / "eltctl-ckpt"), ELTCTL_MIN_WORKERS="1",
-                   PYTHONPATH=str(ROOT / "build" / "host-pythonpath"))
-        cmd = [sys.executable, "-m", "eltctl_runtime.restart", "--stop-grace", f"{stop_grace:g}", "--script-dir",
+                   PYTHONPATH=runtime_path())
+        cmd = [HOST_PYTHON, "-m", "eltctl_runtime.restart", "--stop-grace", f"{stop_grace:g}", "--script-dir",
                str(wd / f"script-{i}"), "--", FRAMEWORKS_PYTHON, str(ROOT / "examples" / SCRIPTS[framework]),
                "--max-steps", "1000000", "--save-steps", "1000", "--step-sleep", "0.05"]
         log = wd / f"supervisor-{i}.log"
@@ -125,6 +151,7 @@ def measure(framework: str, gap: float, stop_grace: float) -> dict:
                "redone": max(0, last_s - new[0][1] + 1), "skipped": max(0, new[0][1] - last_s - 1)}
         if name == "leave":
             fig["from_sigterm_s"] = round(new[0][0] - t_event, 2)
+        fig["stop_s"] = _stop_s(logs, t_event)
         return fig, restart
 
     result = {"framework": framework, "events": []}
@@ -157,12 +184,14 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"{'framework':<10} {'event':<6} {'pause_s':>8} {'from_sigterm_s':>15} {'resumed_at':>10} "
+    print(f"{'framework':<10} {'event':<6} {'pause_s':>8} {'from_sigterm_s':>15} {'stop_s':>7} {'resumed_at':>10} "
           f"{'last_before':>11} {'redone':>6} {'skipped':>7}")
     for res in results:
         for e in res["events"]:
             print(f"{res['framework']:<10} {e['event']:<6} {e['pause_s']:>8} {e.get('from_sigterm_s', '-'):>15} "
-                  f"{e['resumed_at']!s:>10} {e['last_step_before']:>11} {e['redone']:>6} {e['skipped']:>7}")
+                  f"{e['stop_s']!s:>7} {e['resumed_at']!s:>10} {e['last_step_before']:>11} {e['redone']:>6} "
+                  f"{e['skipped']:>7}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} CPUs")
     return 0
 
 
