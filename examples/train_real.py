@@ -15,7 +15,8 @@ loop is marked (*):
 
 The GradScaler is enabled on CPU as well as on CUDA (it works on float32
 training too: it scales the loss and skips a step whose gradients are not
-finite); `--bf16` adds bf16 autocast, which needs nothing from the job.
+finite); `--bf16` adds bf16 autocast, `--fp16` fp16 autocast (on CUDA), which
+need nothing from the job.
 `--progress` lines are `step generation world_size time loss lr skipped
 fingerprint`: the LR the step was taken with, 1 if the GradScaler skipped it,
 and at the first step of each generation the state's fingerprint (else `-`).
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--no-scaler", action="store_true", help="no GradScaler")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass")
+    ap.add_argument("--fp16", action="store_true", help="fp16 autocast for the forward pass (what the GradScaler is for)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--bucket-mb", type=float, default=4.0)
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         for x, y in job:
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.bf16):
+            with torch.autocast(device_type, dtype=torch.float16 if args.fp16 else torch.bfloat16,
+                                enabled=args.bf16 or args.fp16):
                 out = model(x)
             step_loss = job.step(nn.functional.mse_loss(out.float(), y))  # (*)
             if step_loss is None:

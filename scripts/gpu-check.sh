@@ -8,7 +8,11 @@
 # nvidia-smi; `eltctl up` trains on it with NCCL; a CUDA process of another user
 # (`nobody`, when run as root) appearing on the GPU makes our worker leave and release
 # its memory (the time is printed); the job resumes when the owner has gone; `down`
-# takes a final checkpoint and `up` restores it; nothing is left running.
+# takes a final checkpoint and `up` restores it; nothing is left running. Then restart
+# mode on NCCL (examples/ddp_restart.py, unmodified) through an owner yield: it resumes at
+# the step it stopped at; and examples/train_real.py with fp16 autocast and its GradScaler
+# on CUDA through a yield, a resume and `eltctl checkpoints export`. Events are waited
+# for, not asserted the instant the GPU is free. A few minutes in all (under 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -13,13 +13,30 @@ share one job, in order:
    from its checkpoint (a restore on CUDA);
 5. `eltctl down` takes a final checkpoint; `up` again restores it (the step goes on);
    `down` leaves nothing running.
+
+Then two more jobs on the same GPU, one after the other:
+
+6. restart mode on NCCL: the unmodified DDP script examples/ddp_restart.py; an owner
+   comes: the supervisor SIGTERMs the script, which saves, and the job pauses; the
+   owner goes: the script starts again and resumes at exactly the step it had reached
+   (its own step log);
+7. examples/train_real.py with fp16 autocast and its GradScaler on CUDA: an owner
+   yield, the resume (the scaler's state travels with the checkpoint), and
+   `eltctl checkpoints export` of the result, which loads with plain torch.
+
+Events are waited for, never asserted the instant something else is seen: the
+status file is written about once a second, after the worker's memory is already
+free (asserting the yield event at once raced on an H200). The whole check takes a
+few minutes (under 5 on an H100/H200 machine).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -40,22 +57,27 @@ pytestmark = pytest.mark.skipif(
 OWNER_MIB = 2048
 
 
+TRAIN = ["python", "train.py", "--steps", "1000000", "--hidden", "256", "--layers", "2",
+         "--samples", "4096", "--batch", "64", "--step-sleep", "0.02", "--checkpoint-every", "50"]
+STEP = re.compile(r"^step (\d+) world (\d+) restart (\d+)", re.M)
+RESUMED = re.compile(r"^resumed at step (\d+) world (\d+) restart (\d+)", re.M)
+
+
 class GpuJob(ControllerFiles):
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, command: list[str] = TRAIN, files: tuple[str, ...] = ("train.py", "toy.py"),
+                 job_keys: tuple[str, ...] = ()) -> None:
         self.root = root
         self.job = f"g{uuid.uuid4().hex[:8]}"
         self.workdir = root / "code"
         self.workdir.mkdir()
-        for f in ("train.py", "toy.py"):
+        for f in files:
             shutil.copy(REPO / "examples" / f, self.workdir / f)
         self.inventory = root / "hosts.toml"
         home = root / "home"
         home.mkdir()
-        command = ["python", "train.py", "--steps", "1000000", "--hidden", "256", "--layers", "2",
-                   "--samples", "4096", "--batch", "64", "--step-sleep", "0.02", "--checkpoint-every", "50"]
         self.inventory.write_text("\n".join([
             "[job]", f'name = "{self.job}"', f"command = {json.dumps(command)}",
-            f"workdir = {json.dumps(str(self.workdir))}", 'device = "cuda"', "",
+            f"workdir = {json.dumps(str(self.workdir))}", 'device = "cuda"', *job_keys, "",
             "[policy]", 'idle_for = "2s"', 'cooldown = "3s"', 'probe_interval = "1s"', 'watch_interval = "0.5s"',
             "memory_threshold_mib = 500", "",
             "[[hosts]]", 'name = "gpu"', 'address = "local"', f"python = {json.dumps(sys.executable)}",
@@ -83,6 +105,26 @@ class GpuJob(ControllerFiles):
             return wait_for(ok, timeout, f"training past step {after_step}")
         except AssertionError as e:
             raise AssertionError(f"{e}\n{self.logs()}") from None
+
+    def script_log(self) -> str:
+        """What the job's workers printed (restart mode: rank 0's script lines among them)."""
+        out = []
+        for f in sorted((self.root / "home").glob(f".eltctl/jobs/{self.job}/*/workers/*.log")):
+            try:
+                out.append(f.read_text(errors="replace"))
+            except OSError:
+                pass
+        return "\n".join(out)
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in self.status().get("events") or [] if e.get("kind") == kind]
+
+    def wait_event(self, kind: str, timeout: float = 60) -> dict:
+        """The newest `kind` event, once the status file shows one (it is written about once a second)."""
+        try:
+            return wait_for(lambda: (self.events(kind) or [None])[-1], timeout, f"a {kind!r} event in status")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nevents: {self.status().get('events')}\n{self.logs()}") from None
 
     def logs(self) -> str:
         out = []
@@ -120,11 +162,26 @@ def owner_command() -> list[str]:
     return argv
 
 
-@pytest.fixture(scope="module")
-def gpu_job():
+class Owner:
+    """Another user's CUDA process on GPU 0 while the `with` block runs."""
+
+    def __enter__(self) -> "Owner":
+        self.proc = subprocess.Popen(owner_command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        assert "owner holds the GPU" in self.proc.stdout.readline()
+        self.t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.killpg(self.proc.pid, 9)
+        self.proc.wait()
+
+
+@contextlib.contextmanager
+def new_job(**kwargs):
     root = Path(tempfile.mkdtemp(prefix="eltg-"))
     root.chmod(0o755)
-    job = GpuJob(root)
+    job = GpuJob(root, **kwargs)
     try:
         yield job
     finally:
@@ -140,6 +197,12 @@ def gpu_job():
                 except (ProcessLookupError, PermissionError):
                     pass
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def gpu_job():
+    with new_job() as job:
+        yield job
 
 
 def test_probe_reads_the_real_gpu(gpu_job):
@@ -162,21 +225,14 @@ def test_a_one_gpu_job_on_nccl_yields_to_an_owner_and_survives_a_stop(gpu_job):
     print(f"training on the GPU: worker pid {worker}, {gpu_pids()[worker]} MiB, step {st['step']}")
 
     # An owner takes the GPU: our worker leaves and its memory is released.
-    owner = subprocess.Popen(owner_command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-    try:
-        assert "owner holds the GPU" in owner.stdout.readline()
-        t0 = time.monotonic()
+    with Owner() as owner:
         wait_for(lambda: worker not in gpu_pids(), 120, "our worker to leave the GPU", interval=0.05)
-        released = time.monotonic() - t0
+        released = time.monotonic() - owner.t0
         print(f"owner yield: our worker left the GPU and its memory was released {released:.2f} s after the "
               f"owner's process held it (watch_interval 0.5 s)")
+        # The memory is free before the status file says why: wait for the event.
+        gpu_job.wait_event("yield")
         step_at_yield = gpu_job.step()
-        events = [e for e in gpu_job.status().get("events", []) if e.get("kind") == "yield"]
-        assert events, gpu_job.status().get("events")
-    finally:
-        os.killpg(owner.pid, 9)
-        owner.wait()
 
     # The owner is gone: after idle_for + cooldown the job resumes from its checkpoint, on CUDA.
     st = gpu_job.training(after_step=step_at_yield, timeout=240)
@@ -198,3 +254,57 @@ def test_a_one_gpu_job_on_nccl_yields_to_an_owner_and_survives_a_stop(gpu_job):
     out = gpu_job.eltctl("down", timeout=300)
     assert out.returncode == 0
     assert job_pids(gpu_job.job) == []
+
+
+def test_restart_mode_on_nccl_resumes_an_unmodified_script_after_an_owner_yield():
+    command = ["python", "ddp_restart.py", "--steps", "1000000", "--save-every", "1000", "--step-sleep", "0.02",
+               "--samples", "4096", "--batch", "64", "--hidden", "256", "--checkpoint-dir", "{checkpoint_dir}"]
+    with new_job(command=command, files=("ddp_restart.py",), job_keys=('mode = "restart"', 'stop_grace = "30s"')) as job:
+        out = job.eltctl("up", timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr + job.logs()
+        steps = lambda: [tuple(map(int, m)) for m in STEP.findall(job.script_log())]  # noqa: E731
+        wait_for(lambda: len(steps()) >= 10, 180, "10 steps of the script on the GPU")
+        assert all(w == 1 for _s, w, _r in steps())
+        with Owner():
+            job.wait_event("yield")
+            wait_for(lambda: not [p for p in job_pids(job.job) if p in gpu_pids()], 120, "the script off the GPU")
+        # The owner went: after idle_for + cooldown the script starts again where it stopped.
+        resumed = wait_for(lambda: [tuple(map(int, m)) for m in RESUMED.findall(job.script_log())], 240,
+                           "the script to resume")
+        step, world, restart = resumed[-1]
+        last = max(s for s, _w, r in steps() if r < restart)
+        assert step == last, (step, last, job.script_log()[-3000:])  # its SIGTERM save: nothing redone
+        wait_for(lambda: [s for s, _w, r in steps() if r == restart], 120, "a step after the resume")
+        assert min(s for s, _w, r in steps() if r == restart) == last + 1
+        print(f"restart mode on NCCL: stopped at step {last} for the owner, resumed at {step} (restart {restart})")
+        out = job.eltctl("down", timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert job_pids(job.job) == []
+
+
+def test_fp16_grad_scaler_on_cuda_through_a_yield_a_resume_and_an_export():
+    command = ["python", "train_real.py", "--steps", "1000000", "--schedule-steps", "5000", "--hidden", "256",
+               "--samples", "4096", "--batch", "64", "--fp16", "--step-sleep", "0.02", "--checkpoint-every", "25"]
+    with new_job(command=command, files=("train_real.py",)) as job:
+        out = job.eltctl("up", timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr + job.logs()
+        job.training(after_step=30)
+        with Owner():
+            job.wait_event("yield")
+            step_at_yield = job.step()
+        st = job.training(after_step=step_at_yield, timeout=240)
+        print(f"fp16 + GradScaler: yielded at step {step_at_yield}, resumed past it (step {st['step']})")
+        wait_for(lambda: ((job.status().get("checkpoint") or {}).get("step") or 0) > step_at_yield, 120,
+                 "a checkpoint after the resume")
+        out_pt = job.root / "model.pt"
+        out = job.eltctl("checkpoints", "export", str(out_pt), timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        exported = torch.load(out_pt, weights_only=True)
+        assert exported["step"] > step_at_yield, exported["step"]
+        scaler = exported["extra_state"].get("grad_scaler")
+        assert scaler and scaler.get("scale", 0) > 0, scaler
+        assert all(torch.isfinite(v).all() for v in exported["model"].values() if v.is_floating_point())
+        print(f"exported step {exported['step']}, GradScaler scale {scaler['scale']}")
+        out = job.eltctl("down", timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert job_pids(job.job) == []

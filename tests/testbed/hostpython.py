@@ -34,3 +34,22 @@ def runtime_path() -> str:
 def host_env(env: dict[str, str]) -> dict[str, str]:
     """`env` with the runtime on PYTHONPATH, as on a host."""
     return {**env, "PYTHONPATH": runtime_path()}
+
+
+# A second host interpreter for the tests of eltctl_runtime.integrations: the one
+# above plus the pinned frameworks (pyproject's `frameworks` extra). Jobs name it
+# as their command's interpreter; the runtime itself still runs on HOST_PYTHON.
+FRAMEWORKS_PYTHON = (os.environ.get("ELTCTL_TEST_FRAMEWORKS_PYTHON")
+                     or str(ROOT / ".venv-host-frameworks" / "bin" / "python"))
+
+
+def frameworks_missing_reason() -> str | None:
+    """Why the framework tests cannot run here (None: they can)."""
+    import subprocess
+
+    if not os.path.exists(FRAMEWORKS_PYTHON):
+        return f"no {FRAMEWORKS_PYTHON}: run `bash scripts/setup.sh` (it makes .venv-host-frameworks)"
+    probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('transformers') and u.find_spec('lightning') else 1)"
+    if subprocess.run([FRAMEWORKS_PYTHON, "-c", probe]).returncode != 0:
+        return f"{FRAMEWORKS_PYTHON} lacks transformers or lightning: run `bash scripts/setup.sh`"
+    return None

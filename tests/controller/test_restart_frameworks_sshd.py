@@ -1,0 +1,134 @@
+"""Restart mode with the frameworks people use, on real sshd hosts: HF Trainer and Lightning.
+
+Plan, on one test bed of two hosts with one simulated GPU each, one job per
+framework after the other (examples/hf_trainer.py, then
+examples/lightning_train.py, both with eltctl_runtime.integrations' callback,
+run by the frameworks' host interpreter; the runtime itself runs on the
+torch-only one):
+
+1. `up` on h1 and h2: the script trains at world size 2;
+2. the owner of h2's GPU comes back: the job restarts at 1 (owner yield);
+3. the owner leaves and `scale --add h2`: it restarts at 2 (the policy's long
+   cooldown keeps h2 out until then).
+
+After each restart the script resumes at exactly the step it had reached (the
+callback's SIGTERM save): no optimizer step redone or skipped, by the script's
+own step log. `status` shows the script's progress; `down` leaves no process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.testbed.hostpython import FRAMEWORKS_PYTHON, frameworks_missing_reason
+from tests.testbed.jobenv import REPO, job_env_on, job_pids, wait_for
+
+pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEP = re.compile(r"^step (\d+) world (\d+) restart (\d+)", re.M)
+RESUMED = re.compile(r"^resumed at step (\d+) world (\d+) restart (\d+)", re.M)
+# As tests/testbed/jobenv.POLICY, with a cooldown that keeps a yielded host out until `scale --add`.
+POLICY = """\
+[policy]
+idle_for = "1s"
+cooldown = "10m"
+probe_interval = "1s"
+watch_interval = "0.5s"
+hang_timeout = "6s"
+nvidia_smi_timeout = "5s"
+"""
+
+
+class StepLog:
+    """Rank 0's step log of a job, read from every worker log on the bed."""
+
+    def __init__(self, bed_dir: Path, job: str) -> None:
+        self.files = f"*/home/.eltctl/jobs/{job}/*/workers/*.log"
+        self.bed_dir = Path(bed_dir)
+
+    def text(self) -> str:
+        out = []
+        for f in sorted(self.bed_dir.glob(self.files)):
+            try:
+                out.append(f.read_text(errors="replace"))
+            except OSError:
+                pass
+        return "\n".join(out)
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        return [tuple(map(int, m)) for m in STEP.findall(self.text())]
+
+    def at(self, world: int, after_restart: int, steps: int = 3, timeout: float = 240) -> int:
+        """Wait for `steps` steps at `world` in a restart after `after_restart`; that restart."""
+        def ok():
+            got = [r for _s, w, r in self.steps() if w == world and r > after_restart]
+            return max(got) if len(got) >= steps else None
+        try:
+            return wait_for(ok, timeout, f"{steps} steps at world size {world} after restart {after_restart}")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.text()[-4000:]}") from None
+
+    def check_planned(self, restart: int) -> None:
+        """Resumed at the last step reached before the restart, and went on from the next one."""
+        steps = self.steps()
+        before = max(s for s, _w, r in steps if r < restart)
+        resumed = {int(r): int(s) for s, _w, r in RESUMED.findall(self.text())}[restart]
+        assert resumed == before, (restart, resumed, before)
+        after = sorted({s for s, _w, r in steps if r == restart})
+        assert after[0] == resumed + 1 and after == list(range(after[0], after[0] + len(after))), after[:20]
+
+
+def _run_through_yield_and_scale(je, script: str) -> None:
+    h1, h2 = je.hosts
+    shutil.copy(REPO / "examples" / script, je.workdir / script)
+    job = {"name": je.job, "workdir": str(je.workdir), "device": "cpu", "min_workers": 1, "mode": "restart",
+           "stop_grace": "30s", "env": {"OMP_NUM_THREADS": "1"},
+           "command": [FRAMEWORKS_PYTHON, script, "--max-steps", "1000000", "--save-steps", "1000",
+                       "--step-sleep", "0.1"]}
+    je.bed.write_inventory(je.inventory, hosts=[h1, h2], job=job, extra=POLICY)
+    log = StepLog(je.bed.dir, je.job)
+
+    je.eltctl("up")
+    r = log.at(2, after_restart=-1)
+
+    owner = h2.start_foreign_process(0, memory_mib=8000, utilization=90)  # the owner is back
+    r = log.at(1, after_restart=r)
+    log.check_planned(r)
+    assert any(e["kind"] == "yield" for e in je.status().get("events") or []), je.status().get("events")
+
+    h2.stop_foreign_process(owner)
+    assert "h2: ok" in je.eltctl("scale", "--add", "h2").stdout
+    r = log.at(2, after_restart=r)
+    log.check_planned(r)
+
+    last = max(s for s, _w, _r in log.steps())
+    def progress():
+        doc = json.loads(je.eltctl("status", "--json").stdout)
+        assert doc["mode"] == "restart", doc
+        step = max(doc.get("step") or 0, (doc.get("script") or {}).get("step") or 0)
+        return doc if step >= last else None
+    doc = wait_for(progress, 60, f"status showing the script's step >= {last}")
+    assert doc["restarts"] >= 2, doc
+
+    out = je.eltctl("down").stdout
+    assert "final checkpoint" in out, out
+    assert job_pids(je.job) == []
+
+
+def test_hf_trainer_and_lightning_lose_no_step_through_yield_and_scale(testbed):
+    reason = frameworks_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    hosts = testbed.add_hosts(2, gpus=1)
+    for script in ("hf_trainer.py", "lightning_train.py"):
+        env = job_env_on(testbed, hosts)
+        je = next(env)
+        try:
+            _run_through_yield_and_scale(je, script)
+        finally:
+            env.close()
