@@ -76,6 +76,19 @@ def test_session_environment_is_per_host(testbed):
     assert h1.home != h2.home and h1.address != h2.address
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a login account of its own needs root (useradd)")
+def test_a_host_can_log_in_as_an_account_of_its_own(testbed):
+    """As on a lab whose machines' accounts differ from the control machine's: h2's sessions
+    run as eltsim-h2, which owns h2's directory and runs the host interpreter; h1 stays ours."""
+    h1, h2 = testbed.add_host("h1"), testbed.add_host("h2", login=True)
+    assert h1.user == testbed.user and h2.user == "eltsim-h2"
+    out = ssh(h2, 'id -un; pwd; touch "$HOME/mine" && stat -c %U "$HOME/mine"; '
+                  'python -c "import torch, sys; print(sys.version_info[0])" 2>/dev/null').stdout.split()
+    assert out == ["eltsim-h2", str(h2.home), "eltsim-h2", "3"]
+    assert ssh(h1, "id -un").stdout.strip() == testbed.user
+    assert f'user = "eltsim-h2"' in testbed.write_inventory().read_text()
+
+
 def test_host_python_has_torch_and_nothing_else(testbed):
     """A host has what `pip install torch==2.13.0` leaves: the host interpreter, not the test tools'."""
     host = testbed.add_host()

@@ -40,6 +40,14 @@ sys.path; do not import it as plain `testbed`, which would load a second copy):
         h1.crash(); h1.restore()
         subprocess.run(h1.ssh_argv("nvidia-smi -L"), ...)
 
+Accounts: every host's sessions log in as the account running the tests (root here),
+unless `add_host(login=True)`: that host's sessions then log in as a local account of
+their own, `eltsim-<name>` (created once, kept; procs.ensure_login_user), which owns the
+host's directory, as on a lab whose machines' accounts differ from the control
+machine's (different uids, or NFS root_squash). `host.user` is the login name; the
+inventory names it as that host's `user`. Without root (no useradd) such a host is
+skipped by its test (`TestbedError`).
+
 Host keys: `add_host(known=False)` is missing from known_hosts;
 `host.change_host_key()` makes the recorded key stale. `testbed.silent_host()`
 accepts TCP but never speaks SSH; `testbed.dead_address()` refuses.
@@ -113,8 +121,9 @@ class SimHost:
     __test__ = False  # not a pytest test class
 
     def __init__(self, bed: "Testbed", name: str, address: str, port: int, directory: Path,
-                 known: bool, env: dict[str, str] | None = None) -> None:
+                 known: bool, env: dict[str, str] | None = None, login: str | None = None) -> None:
         self.bed = bed
+        self.login = login  # the local account its sessions log in as (None: the test bed's own)
         self.extra_env = dict(env or {})  # more environment for its sessions (e.g. clock_offset_env)
         self.name = name
         self.address = address
@@ -152,6 +161,11 @@ class SimHost:
     @property
     def python(self) -> str:
         return PYTHON
+
+    @property
+    def user(self) -> str:
+        """The account a session on this host logs in as."""
+        return self.login or self.bed.user
 
     # -- GPUs ------------------------------------------------------------------
 
@@ -280,7 +294,7 @@ class SimHost:
             "-o", f"UserKnownHostsFile={self.bed.known_hosts}", "-o", "GlobalKnownHostsFile=/dev/null",
             "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes",
             "-o", "ConnectTimeout=20", "-o", "LogLevel=ERROR",
-            "-p", str(self.port), f"{self.bed.user}@{self.address}",
+            "-p", str(self.port), f"{self.user}@{self.address}",
             *(("--", *cmd) if cmd else ()),
         ]
 
@@ -311,6 +325,14 @@ class SimHost:
             no_penalties=sshd_knows("PerSourcePenalties"),
         )
         (self.dir / "sshd_config").write_text(config.render())
+        if self.login is not None:
+            account = procs.ensure_login_user(self.login)
+            if account is None:
+                raise TestbedError(f"cannot create the login account {self.login} (needs root and useradd)")
+            procs.chown_tree(str(self.dir), account.pw_uid, account.pw_gid)
+            gid = procs.ensure_login_group()
+            if gid is not None:  # the host interpreter may live below a directory only we enter
+                procs.grant_group_traverse(PYTHON, gid)
 
     def _launch(self) -> None:
         sshd_env = {"PATH": BASE_PATH, "ELTSIM_HOST": self.name, "ELTSIM_STATE": str(self.state_path)}
@@ -430,15 +452,18 @@ class Testbed:
         return f"127.{a}.{(b + (octet - 1) // 250) % 256}.{(octet - 1) % 250 + 1}"
 
     def add_host(self, name: str | None = None, *, gpus: int = 2, known: bool = True,
-                 env: dict[str, str] | None = None) -> SimHost:
+                 env: dict[str, str] | None = None, login: bool = False) -> SimHost:
         """Start one host with `gpus` idle GPUs. known=False: its key is not in known_hosts.
-        env: more environment for every session on it (e.g. `clock_offset_env(-60)`)."""
+        env: more environment for every session on it (e.g. `clock_offset_env(-60)`).
+        login=True: its sessions log in as a local account of its own (`host.user`)."""
         return self.add_hosts(1, gpus=gpus, known=known, names=[name] if name else None,
-                              envs=[env] if env else None)[0]
+                              envs=[env] if env else None, login=login)[0]
 
     def add_hosts(self, n: int, *, gpus: int = 2, known: bool = True,
-                  names: list[str] | None = None, envs: list[dict[str, str] | None] | None = None) -> list[SimHost]:
-        """Start `n` hosts at once (sshd processes start in parallel); envs: one per host."""
+                  names: list[str] | None = None, envs: list[dict[str, str] | None] | None = None,
+                  login: bool = False) -> list[SimHost]:
+        """Start `n` hosts at once (sshd processes start in parallel); envs: one per host;
+        login=True: each logs in as a local account of its own, `eltsim-<name>`."""
         self.start()
         if self._closed:
             raise TestbedError("the test bed is closed")
@@ -456,7 +481,9 @@ class Testbed:
         for i, name in enumerate(names):
             address = self._address()
             host = SimHost(self, name, address, free_port(address), self.dir / name, known,
-                           (envs or [None] * n)[i])
+                           (envs or [None] * n)[i], procs.login_account_name(name) if login else None)
+            if login:
+                self.dir.chmod(0o711)  # its account must reach its own directory below ours
             self.hosts.append(host)  # before start: close() must find it whatever happens
             host._prepare(gpus)
             new.append(host)
@@ -525,6 +552,7 @@ class Testbed:
                 f"address = {_toml_value(host.address)}",
                 f"port = {host.port}",
                 f"python = {_toml_value(host.python)}",
+                *([f"user = {_toml_value(host.login)}"] if host.login else []),
             ]
         text = "\n".join(lines) + "\n"
         if extra:

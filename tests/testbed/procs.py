@@ -11,6 +11,7 @@ cannot be found that way (sshd's setproctitle overwrites the memory that
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import signal
@@ -152,6 +153,124 @@ def ensure_foreign_user(name: str = FOREIGN_USER) -> pwd.struct_passwd | None:
         return pwd.getpwnam(name)
     except KeyError:
         return None
+
+
+LOGIN_PREFIX = "eltsim-"
+
+
+def login_account_name(host: str) -> str:
+    """The local account a simulated host's sessions log in as (`add_host(login=True)`)."""
+    return (LOGIN_PREFIX + "".join(c if c.isalnum() or c in "-_" else "-" for c in host).lower())[:32]
+
+
+def ensure_login_user(name: str) -> pwd.struct_passwd | None:
+    """A local account a simulated host's sessions log in as, other than ours (as on a lab
+    where the hosts' accounts differ from the control machine's); created once if we are root.
+
+    Unlike the foreign user it has a shell, bash (sshd runs commands with it; Debian's bash
+    sources the host's .bashrc, which starts in the host's HOME) and an unlocked
+    password field (`*`: no password can match, but sshd with `UsePAM no` refuses a
+    locked `!` account even for a key). None when it cannot exist (not root, no useradd).
+    Accounts are kept after the test session, like the foreign user: another session
+    running beside this one may be logged in as the same name, and everything they own
+    lies in a test bed's directory, which goes with it.
+    """
+    for attempt in range(10):
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            entry = None
+        if entry is not None:
+            return entry
+        if os.geteuid() != 0:
+            return None
+        try:
+            gid = ensure_login_group()
+            subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/",
+                            "--shell", "/bin/bash", "--password", "*",
+                            *(["--groups", LOGIN_GROUP] if gid is not None else []), name],
+                           check=False, capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        time.sleep(0.1 * attempt)  # another test session may hold the passwd lock
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        return None
+
+
+LOGIN_GROUP = "eltsim-logins"  # every login account is a member: what they may traverse is granted to it
+
+
+def ensure_login_group() -> int | None:
+    """The gid of LOGIN_GROUP, created once if we are root (None when it cannot exist)."""
+    for attempt in range(10):
+        try:
+            return grp.getgrnam(LOGIN_GROUP).gr_gid
+        except KeyError:
+            pass
+        if os.geteuid() != 0:
+            return None
+        try:
+            subprocess.run(["groupadd", "--system", LOGIN_GROUP], check=False, capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        time.sleep(0.1 * attempt)
+    return None
+
+
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+_ACL_UNDEFINED = 0xFFFFFFFF
+
+
+def grant_group_traverse(path: str, gid: int) -> None:
+    """Let group `gid` reach `path`: each directory above it that others cannot enter
+    (`/root` 0700 holding the test interpreter, say) gets a POSIX ACL entry `group:gid:--x`.
+
+    Narrower than `chmod o+x`: only the test bed's login accounts gain it. The entry is
+    written through the ACL's extended attribute (no `setfacl` needed) and kept, as the
+    accounts are; it is idempotent."""
+    import struct
+
+    real = os.path.realpath(path)
+    parts = real.split("/")[1:-1]
+    for i in range(len(parts) + 1):
+        d = "/" + "/".join(parts[:i])
+        st = os.stat(d)
+        if st.st_mode & 0o001:
+            continue
+        try:
+            raw = os.getxattr(d, _ACL_XATTR)
+        except OSError:
+            raw = b""
+        entries: dict[tuple[int, int], int] = {}
+        if len(raw) >= 4:
+            for off in range(4, len(raw), 8):
+                tag, perm, ident = struct.unpack_from("<HHI", raw, off)
+                entries[(tag, ident)] = perm
+        else:
+            mode = st.st_mode
+            entries = {(_ACL_USER_OBJ, _ACL_UNDEFINED): (mode >> 6) & 7,
+                       (_ACL_GROUP_OBJ, _ACL_UNDEFINED): (mode >> 3) & 7,
+                       (_ACL_OTHER, _ACL_UNDEFINED): mode & 7}
+        if entries.get((_ACL_GROUP, gid), 0) & 1:
+            continue
+        entries[(_ACL_GROUP, gid)] = entries.get((_ACL_GROUP, gid), 0) | 1
+        group_class = [p for (t, _i), p in entries.items() if t in (_ACL_USER, _ACL_GROUP, _ACL_GROUP_OBJ)]
+        entries[(_ACL_MASK, _ACL_UNDEFINED)] = 0
+        for perm in group_class:
+            entries[(_ACL_MASK, _ACL_UNDEFINED)] |= perm
+        data = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", t, p, i) for (t, i), p in sorted(entries.items()))
+        os.setxattr(d, _ACL_XATTR, data)
+
+
+def chown_tree(root: str, uid: int, gid: int) -> None:
+    """`chown -R uid:gid root` (links themselves, never what they point at)."""
+    os.chown(root, uid, gid, follow_symlinks=False)
+    for parent, dirs, files in os.walk(root):
+        for name in dirs + files:
+            os.chown(os.path.join(parent, name), uid, gid, follow_symlinks=False)
 
 
 def start_as_user(argv: list[str], user: pwd.struct_passwd | None) -> subprocess.Popen:
