@@ -100,6 +100,8 @@ def _one_shot_result(result: RunResult, what: str, host: str) -> dict[str, Any] 
         problem = str(out.get("problem") or f"exit {result.exit_status}")
         if out.get("source_gone"):
             raise MirrorError(f"{what} on {host}: the source is gone ({problem[:200]})", source_gone=True)
+        if out.get("errno") or result.exit_status == 5:
+            raise MirrorError(f"{what} on {host} failed: {problem[:300]}", errno=out.get("errno"))
         raise MirrorError(f"{what} on {host}: the copy does not verify: {problem[:300]}")
     return out
 

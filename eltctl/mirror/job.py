@@ -13,12 +13,12 @@ from eltctl.hosts.fleet import open_transport
 from eltctl.hosts.transport import Transport
 from eltctl.inventory import Inventory, SSHSettings
 from eltctl.mirror.copy import copy_checkpoint
-from eltctl.mirror.decisions import restore_order
+from eltctl.mirror.decisions import classify, fault_fix, restore_order
 from eltctl.mirror.places import list_place, read_located, verify_located
 from eltctl.mirror.retention import apply_retention
 from eltctl.mirror.signing import checked, write_mac
 from eltctl.mirror.target import MirrorTarget, TargetKind, parse_target
-from eltctl.mirror.values import MIRROR_LABEL, Located, MirrorError, Place, RestoreChoice
+from eltctl.mirror.values import MIRROR_LABEL, Fault, Located, MirrorError, Place, RestoreChoice
 
 log = logging.getLogger("eltctl.mirror")
 
@@ -26,18 +26,38 @@ MirrorConnector = Callable[[], Awaitable[Transport]]
 
 
 async def claim_job_dir(t: Transport, directory: str) -> None:
-    """Make sure the mirror's job directory is this account's own and private.
+    """Make sure the mirror's job directory is this account's own and private, or, in a
+    group-shared mirror, the group's.
 
-    It is created with mode 0700 where missing; an existing one must belong to the
-    account the mirror is reached as (another user's job of the same name, or a
-    directory someone created first to feed us checkpoints, is refused) and is
-    tightened to 0700. Portable sh (`ls -ldn`), for a storage host without Python."""
+    Private (the default): created with mode 0700 where missing; an existing one must
+    belong to the account the mirror is reached as (another user's job of the same name,
+    or a directory someone created first to feed us checkpoints, is refused) and is
+    tightened to 0700. Only one account can then use it: the hosts of a directory
+    mirror must log in as this machine's uid (`eltctl doctor` checks it).
+
+    Group-shared: when the mirror's root directory is group-writable with the setgid
+    bit (`chgrp lab ROOT; chmod 2770 ROOT`, docs/checkpoints.md), the job directory is
+    made 2770 and kept in the root's group, whoever of the group created it: every
+    account of the group (this machine's, each host's login) copies, verifies and
+    removes there. The group is then the trust boundary; restore still checks each
+    checkpoint's MAC. Portable sh (`ls -ldn`), for a storage host without Python."""
     q = shlex.quote(directory)
+    root = shlex.quote(directory.rsplit("/", 1)[0] or "/")
     result = await t.run(
+        # group-shared: the root is group-writable and setgid (`ls -l` shows rwxrws---)
+        f"set -- $(ls -ldn {root} 2>/dev/null) x; case $1 in ?????w[sS]*) g=$4;; *) g=;; esac; "
+        f'if [ -n "$g" ]; then mkdir -p -m 2770 {q} 2>&1 || exit 4; set -- $(ls -ldn {q}); '
+        f'case $1 in ????rw[sx]*) ;; *) chmod 2770 {q} 2>&1 || {{ echo "mode $1 group $4"; exit 7; }};; esac; '
+        f'[ "$4" = "$g" ] || {{ echo "group $4, the mirror\'s $g"; exit 7; }}; echo ok; exit 0; fi; '
         f"mkdir -p -m 700 {q} 2>&1 || exit 4; set -- $(ls -ldn {q}); me=$(id -u); "
         f'[ "$3" = "$me" ] || {{ echo "owner $3 me $me"; exit 5; }}; chmod 700 {q} 2>&1 || exit 6; echo ok',
         timeout=60)
     out = (result.stdout + result.stderr).strip()
+    if result.exit_status == 7:
+        raise MirrorError(
+            f"the mirror directory {directory} on {t.host.name} is in a group-shared mirror but not the "
+            f"group's ({out[-200:]})", hint=f"chgrp it to the mirror's group and chmod 2770 {directory}, "
+                                            "or move it away")
     if result.exit_status == 5:
         raise MirrorError(
             f"the mirror directory {directory} on {t.host.name} belongs to another account ({out}): "
@@ -99,6 +119,16 @@ class Mirror:
                 self._transport = transport
         return Place(MIRROR_LABEL, self._transport, self.target.job_dir(self.job),
                      shared=self.target.kind is TargetKind.DIRECTORY)
+
+    def fault(self, exc: BaseException) -> Fault:
+        """`exc` (from `mirror_checkpoint`) sorted: retried, or permanent with its fix."""
+        login = str(exc.kind) if isinstance(exc, HostError) and exc.kind is not None else None
+        kind = classify(str(getattr(exc, "message", exc)), errno=getattr(exc, "errno", None),
+                        login_error=login if self.target.kind is TargetKind.SSH else None,
+                        source_gone=bool(getattr(exc, "source_gone", False)))
+        fix = fault_fix(kind, target=str(self.target), directory=self.target.kind is TargetKind.DIRECTORY,
+                        job_dir=self.target.job_dir(self.job))
+        return Fault(kind, str(getattr(exc, "message", exc)), fix)
 
     async def reset(self) -> None:
         """Drop the connection (after an error), so that the next use reconnects."""

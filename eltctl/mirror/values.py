@@ -1,8 +1,10 @@
 """The mirror's value types: a checkpoint somewhere (`Located`), a checkpoint directory
-and its transport (`Place`), the restore choice, and `MirrorError`."""
+and its transport (`Place`), the restore choice, `MirrorError`, and what kind of failure
+it was (`FaultKind`, `Fault`: retried, or waiting for a person)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +20,52 @@ class MirrorError(EltctlError):
 
     exit_code = 1
 
-    def __init__(self, message: str, *, hint: str | None = None, source_gone: bool = False) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, source_gone: bool = False,
+                 errno: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.source_gone = source_gone  # the checkpoint is no longer where it was: do not retry it
+        self.errno = errno  # the OS error's name where the host program said it ("EACCES")
+
+
+class FaultKind(str, enum.Enum):
+    """Why mirroring failed, sorted by what helps: waiting, or a person.
+
+    TRANSIENT (a reset connection, a timeout, the mirror host rebooting) is retried with
+    back-off. Every other kind cannot succeed by retrying: the worker stops retrying the
+    checkpoint, `eltctl status` shows it with its fix, and `eltctl down` reports it
+    without waiting; the next committed checkpoint tries once more (so a fix is seen).
+    """
+
+    TRANSIENT = "transient"
+    PERMISSION = "permission"  # an account cannot create, write, rename or remove there
+    NO_SPACE = "no-space"  # the filesystem or the account's quota is full
+    READ_ONLY = "read-only"  # the filesystem is mounted read-only
+    MISSING_PATH = "missing-path"  # the mirror's path (or a directory on it) is not there
+    HOST_KEY = "host-key"  # the ssh:// mirror host's key is unknown or changed
+    AUTH = "auth"  # the ssh:// mirror host refused the login
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def permanent(self) -> bool:
+        return self is not FaultKind.TRANSIENT
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A mirror failure sorted (`decisions.classify`): its kind, what happened, the fix."""
+
+    kind: FaultKind
+    message: str
+    fix: str | None = None
+
+    @property
+    def permanent(self) -> bool:
+        return self.kind.permanent
+
+    def as_json(self) -> dict[str, Any]:
+        return {"kind": str(self.kind), "message": self.message, "fix": self.fix}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any, Awaitable, Callable
 from eltctl.errors import HostError
 from eltctl.mirror.decisions import backoff_delay, lag
 from eltctl.mirror.job import Mirror
-from eltctl.mirror.values import MirrorError, Place
+from eltctl.mirror.values import Fault, MirrorError, Place
 
 log = logging.getLogger("eltctl.mirror")
 
@@ -30,6 +30,13 @@ class _State:
     failures: int = 0
     mirrored_count: int = 0
     history: list[str] = field(default_factory=list)
+    # the last failure, when it cannot succeed by retrying (permission, no space, ...):
+    # the step it happened at is not retried; a newer notice tries once more
+    fault: Fault | None = None
+    fault_step: int | None = None
+    # the last attempt failed because the checkpoint's host could not be reached
+    source_unreachable: bool = False
+    attempts_done: int = 0  # attempts ended, successful or not (flush counts them)
 
 
 class MirrorWorker:
@@ -45,6 +52,11 @@ class MirrorWorker:
     Only the newest notice matters: one still waiting is replaced by a newer one, and a
     failed copy is retried with back-off until it succeeds or a newer step is notified.
     A step whose source disappeared (host gone, retention) is dropped, not retried.
+    Failures are sorted (`Mirror.fault`): a transient one (a reset connection, a
+    timeout) is retried with back-off; a permanent one (permission, no space, a missing
+    path, the mirror host's key or login) is not: the worker waits for a newer
+    checkpoint to try once more, `status()["problem"]` holds it with its fix, and
+    `flush` returns at once.
     """
 
     def __init__(self, mirror: Mirror, source: SourceLookup, *, clock: Callable[[], float] = time.time,
@@ -58,6 +70,7 @@ class MirrorWorker:
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._attempted: asyncio.Event | None = None  # set after each attempt, while a flush waits
 
     async def start(self) -> None:
         if self._task is not None:
@@ -108,6 +121,8 @@ class MirrorWorker:
             "pending": s.committed if s.committed is not None and s.committed != s.mirrored else None,
             "failures": s.failures,
             "mirrored": s.mirrored_count,
+            # a permanent failure ({kind, message, fix}): not retried, shown as a warning
+            "problem": s.fault.as_json() if s.fault is not None else None,
         }
 
     def _todo(self) -> tuple[str, int] | None:
@@ -116,6 +131,8 @@ class MirrorWorker:
             return None
         if s.mirrored is not None and s.committed <= s.mirrored:
             return None
+        if s.fault is not None and s.fault_step is not None and s.committed <= s.fault_step:
+            return None  # permanent: waits for a person, or a newer checkpoint to try again
         return s.committed_host, s.committed
 
     async def _loop(self) -> None:
@@ -130,15 +147,29 @@ class MirrorWorker:
             host, step = todo
             s = self._state
             s.last_attempt = self._clock()
+            source_reached = False
             try:
-                copied = await self.mirror.mirror_checkpoint(await self._source(host), step)
+                source = await self._source(host)
+                source_reached = True
+                copied = await self.mirror.mirror_checkpoint(source, step)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - any failure is recorded and retried; training goes on
+            except Exception as exc:  # noqa: BLE001 - any failure is recorded; training goes on
                 s.failures += 1
                 s.last_error = f"step {step} from {host}: {exc}"
-                log.warning("Mirror %s: %s", self.mirror.target, s.last_error)
+                s.source_unreachable = not source_reached
+                fault = self.mirror.fault(exc) if source_reached else None
                 await self.mirror.reset()
+                s.attempts_done += 1
+                if fault is not None and fault.permanent:
+                    if s.fault is None or s.fault.message != fault.message:
+                        log.warning("Mirror %s: %s; not retried until a newer checkpoint (fix: %s)",
+                                    self.mirror.target, s.last_error, fault.fix)
+                    s.fault, s.fault_step = fault, step
+                    self._changed()
+                    continue
+                log.warning("Mirror %s: %s", self.mirror.target, s.last_error)
+                self._changed()
                 if isinstance(exc, MirrorError) and exc.source_gone and self._todo() == todo:
                     s.committed_host = None  # gone from its host: wait for the next notice
                     continue
@@ -155,18 +186,51 @@ class MirrorWorker:
             s.mirrored_count += 1
             s.attempts = 0
             s.last_error = None
+            s.fault = s.fault_step = None
+            s.source_unreachable = False
+            s.attempts_done += 1
+            self._changed()
             log.info("Mirror %s: step %d from %s mirrored and verified.", self.mirror.target, step, host)
 
-    async def flush(self, timeout: float) -> bool:
-        """Wait until the newest notified checkpoint is on the mirror, verified; False on timeout."""
-        if self._idle is not None and self._wake is not None:
-            self._wake.set()  # skip a back-off wait
-            try:
-                await asyncio.wait_for(self._idle.wait(), timeout)
-            except asyncio.TimeoutError:
-                return False
+    def _changed(self) -> None:
+        if self._attempted is not None:
+            self._attempted.set()
+
+    def _flushed(self) -> bool:
         s = self._state
         return s.committed is None or (s.mirrored is not None and s.mirrored >= s.committed)
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait until the newest notified checkpoint is on the mirror, verified; False on
+        timeout, and False at once when waiting cannot help: a permanent failure (see the
+        class), or an attempt made during the flush could not reach the checkpoint's host
+        (`eltctl down` after the hosts were lost: the copy cannot be made without them)."""
+        if self._idle is None or self._wake is None:
+            return self._flushed()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        s = self._state
+        started = s.attempts_done
+        self._wake.set()  # skip a back-off wait
+        while True:
+            if self._idle.is_set() and self._todo() is None:
+                return self._flushed()
+            if s.fault is not None and self._todo() is None:
+                return False  # permanent: nothing will be tried until a newer checkpoint
+            if s.attempts_done > started and s.source_unreachable:
+                return False
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            self._attempted = asyncio.Event()
+            idle = asyncio.ensure_future(self._idle.wait())
+            attempted = asyncio.ensure_future(self._attempted.wait())
+            try:
+                await asyncio.wait({idle, attempted}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                idle.cancel()
+                attempted.cancel()
+                self._attempted = None
 
     async def stop(self) -> None:
         task, self._task = self._task, None

@@ -130,3 +130,57 @@ def test_checkpoint_host_from_the_runtime_path(path, host):
     from eltctl.mirror import checkpoint_host
 
     assert checkpoint_host(path, "j") == host
+
+
+from eltctl.mirror.decisions import classify, fault_fix  # noqa: E402
+from eltctl.mirror.values import FaultKind  # noqa: E402
+
+
+@pytest.mark.parametrize("message, errno, login, gone, kind", [
+    # the host program's answer: its errno decides
+    ("mirroring step 100 from h1 to mirror on h1 failed: PermissionError: [Errno 13] Permission denied: "
+     "'/m/j/.tmp-step-00000100-mirror-1'", "EACCES", None, False, FaultKind.PERMISSION),
+    ("... failed: OSError: [Errno 28] No space left on device", "ENOSPC", None, False, FaultKind.NO_SPACE),
+    ("... failed: OSError: [Errno 122] Disk quota exceeded", "EDQUOT", None, False, FaultKind.NO_SPACE),
+    ("... failed: OSError: [Errno 30] Read-only file system", "EROFS", None, False, FaultKind.READ_ONLY),
+    ("... failed: NotADirectoryError: [Errno 20] Not a directory: '/m/j'", "ENOTDIR", None, False,
+     FaultKind.MISSING_PATH),
+    # shell tools (a host without Python, the claim, a relay's tar): their words
+    ("the mirror directory /m/j on mirror cannot be created or made private: mkdir: cannot create "
+     "directory '/m/j': Permission denied", None, None, False, FaultKind.PERMISSION),
+    ("writing the copy on mirror failed: tar: state.pt: Cannot write: No space left on device", None, None, False,
+     FaultKind.NO_SPACE),
+    ("chmod: changing permissions of '/m/j': Operation not permitted", None, None, False, FaultKind.PERMISSION),
+    # the ssh:// mirror host's login
+    ("mirror: host key not in known_hosts", None, "host-key-unknown", False, FaultKind.HOST_KEY),
+    ("mirror: host key changed", None, "host-key-changed", False, FaultKind.HOST_KEY),
+    ("mirror: no key accepted", None, "auth", False, FaultKind.AUTH),
+    ("mirror: connection refused", None, "unreachable", False, FaultKind.TRANSIENT),
+    ("mirror: timed out", None, "timeout", False, FaultKind.TRANSIENT),
+    # retried: cut connections, timeouts, what eltctl does not know
+    ("the copy from h1 to mirror was cut after 1048576 bytes: ConnectionResetError: reset by peer", None, None,
+     False, FaultKind.TRANSIENT),
+    ("h1: command timed out after 60 s", None, None, False, FaultKind.TRANSIENT),
+    ("the copy of step 7 on mirror does not verify: state.pt sha256 ab... differs", None, None, False,
+     FaultKind.TRANSIENT),
+    # the SOURCE gone is not the mirror's missing path (the worker drops that step instead)
+    ("checkpoint of step 7 is not on h1 any more (No such file or directory)", None, None, True,
+     FaultKind.TRANSIENT),
+])
+def test_mirror_failures_are_sorted_into_retried_and_permanent(message, errno, login, gone, kind):
+    got = classify(message, errno=errno, login_error=login, source_gone=gone)
+    assert got is kind
+    assert got.permanent is (kind is not FaultKind.TRANSIENT)
+
+
+@pytest.mark.parametrize("kind, directory, words", [
+    (FaultKind.PERMISSION, True, ("same uid", "ssh:// mirror", "group-writable", "/m/job")),
+    (FaultKind.PERMISSION, False, ("mirror host's account", "/m/job")),
+    (FaultKind.NO_SPACE, True, ("free space", "[storage] keep")),
+    (FaultKind.MISSING_PATH, True, ("mount it",)),
+    (FaultKind.HOST_KEY, False, ("known_hosts",)),
+])
+def test_each_permanent_failure_has_a_fix(kind, directory, words):
+    fix = fault_fix(kind, target="/m", directory=directory, job_dir="/m/job")
+    assert fix is not None and all(w in fix for w in words), fix
+    assert fault_fix(FaultKind.TRANSIENT, target="/m", directory=directory, job_dir="/m/job") is None

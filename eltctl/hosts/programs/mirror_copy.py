@@ -8,6 +8,7 @@ ssh:// relay), so it uses the standard library only and works on any Python 3.8+
     python -c <this file> copy    SRC  PARENT STEPNAME TMPNAME EXPECTED
     python -c <this file> publish -    PARENT STEPNAME TMPNAME EXPECTED
     python -c <this file> sums    DIR  NAME...
+    python -c <this file> probe   PARENT TMPNAME
 
 `copy`: if PARENT/STEPNAME already holds a copy whose manifest and files match
 EXPECTED, keep it. Otherwise copy every file of SRC into the new directory
@@ -26,14 +27,29 @@ read by the controller, so the copy is checked against the source, not itself.
 `sha256sum` does (a file that cannot be read is left out, which the caller reports
 as missing); exit 0.
 
+`probe` (`eltctl doctor`, `eltctl up`: can this host's account use the mirror?): make
+PARENT/TMPNAME as a copy would, write a file into it, fsync, rename it there; the
+directory is left for the controller, which reads, renames and removes it. Prints
+{"ok", "user", "uid", "problem", "errno"}.
+
 copy and publish print one JSON line: {"ok", "kept", "sums", "problem", "source_gone", "bytes"};
 exit 0 when published or kept, 3 when the source is gone, 4 when the copy does not
-verify (the temporary directory is then removed).
+verify (the temporary directory is then removed). An OS error (permission, no space, a
+missing path) is answered, not raised: exit 5 and {"ok": false, "problem", "errno"},
+`errno` its name ("EACCES"), from which the controller tells a permanent failure from
+one worth retrying.
+
+A group-shared mirror (PARENT group-writable, as docs/checkpoints.md sets one up for
+hosts whose accounts differ): what is created is made group-writable (directories
+2770, files 0660), so the other accounts of the group can verify, sign, rename and
+remove it. Elsewhere the account's umask applies, as before.
 """
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import queue
 import shutil
 import sys
@@ -96,8 +112,27 @@ def hash_file(path, fsync=False):
         return result
 
 
-def copy_file(src, dst):
+def group_shared(parent):
+    """Whether PARENT is a group-shared mirror directory (group-writable)."""
+    try:
+        return bool(os.stat(parent).st_mode & stat.S_IWGRP)
+    except OSError:
+        return False
+
+
+def make_tmp_dir(parent, tmp):
+    """mkdir PARENT/TMP; group-writable (setgid) in a group-shared mirror. True: shared."""
+    os.mkdir(tmp)
+    shared = group_shared(parent)
+    if shared:
+        os.chmod(tmp, 0o2770)
+    return shared
+
+
+def copy_file(src, dst, shared=False):
     with open(src, "rb") as f, open(dst, "xb") as g:
+        if shared:
+            os.fchmod(g.fileno(), 0o660)
         def write(view):
             while view:
                 n = g.write(view)
@@ -181,12 +216,12 @@ def run(mode, src, parent, stepname, tmpname, expected):
             if problem is None:
                 out.update(ok=True, kept=True, sums=sums)
                 return out, 0
-        os.mkdir(tmp)
+        shared = make_tmp_dir(parent, tmp)
         sums, sizes = {}, {}
         try:
             for name in names_of(expected):
                 try:
-                    sums[name], sizes[name] = copy_file(os.path.join(src, name), os.path.join(tmp, name))
+                    sums[name], sizes[name] = copy_file(os.path.join(src, name), os.path.join(tmp, name), shared)
                 except FileNotFoundError as exc:
                     if exc.filename and exc.filename.startswith(src):
                         out["source_gone"] = True
@@ -235,16 +270,56 @@ def print_sums(directory, names):
     return 0
 
 
+def os_failure(exc):
+    """An OSError as the answer's fields: what failed, and the errno's name."""
+    return {"ok": False, "problem": "%s: %s" % (type(exc).__name__, exc),
+            "errno": errno.errorcode.get(exc.errno) if exc.errno else None}
+
+
+def probe(parent, tmpname):
+    """Can this account use PARENT as a copy does? (see the module's docstring)"""
+    out = {"ok": False, "problem": None, "errno": None, "uid": os.getuid(), "user": str(os.getuid())}
+    try:
+        import pwd
+        out["user"] = pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        pass
+    tmp = os.path.join(parent, tmpname)
+    try:
+        shared = make_tmp_dir(parent, tmp)
+        with open(os.path.join(tmp, ".probe"), "xb") as g:
+            if shared:
+                os.fchmod(g.fileno(), 0o660)
+            g.write(b"eltctl mirror probe\n")
+            g.flush()
+            os.fsync(g.fileno())
+        os.rename(os.path.join(tmp, ".probe"), os.path.join(tmp, "probe"))
+        fsync_dir(tmp)
+    except OSError as exc:
+        out.update(os_failure(exc))
+        return out, 5
+    out["ok"] = True
+    return out, 0
+
+
 def main(argv):
     idle_priority()
     if argv[:1] == ["sums"]:
         return print_sums(argv[1], argv[2:])
-    mode, src, parent, stepname, tmpname, expected = argv[:6]
-    if mode not in ("copy", "publish"):
-        sys.exit("mode must be copy or publish, not %r" % mode)
-    if "/" in stepname or "/" in tmpname or not tmpname.startswith(".tmp-"):
-        sys.exit("bad names %r %r" % (stepname, tmpname))
-    out, code = run(mode, src, parent, stepname, tmpname, json.loads(expected))
+    if argv[:1] == ["probe"]:
+        if len(argv) != 3 or "/" in argv[2] or not argv[2].startswith(".tmp-"):
+            sys.exit("usage: probe PARENT .tmp-NAME")
+        out, code = probe(argv[1], argv[2])
+    else:
+        mode, src, parent, stepname, tmpname, expected = argv[:6]
+        if mode not in ("copy", "publish"):
+            sys.exit("mode must be copy or publish, not %r" % mode)
+        if "/" in stepname or "/" in tmpname or not tmpname.startswith(".tmp-"):
+            sys.exit("bad names %r %r" % (stepname, tmpname))
+        try:
+            out, code = run(mode, src, parent, stepname, tmpname, json.loads(expected))
+        except OSError as exc:
+            out, code = os_failure(exc), 5
     sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()
     return code

@@ -160,3 +160,60 @@ def test_sums_prints_sha256sum_lines_and_leaves_out_what_is_missing(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [f"{hashlib.sha256(b'abc').hexdigest()}  a",
                                      f"{hashlib.sha256(b'').hexdigest()}  b"]
+
+
+def test_an_os_error_is_answered_with_its_errno_not_a_traceback(tmp_path):
+    # The controller sorts failures by errno: a mirror path that is not a directory
+    # (an unmounted share replaced by a file) is permanent, not worth retrying.
+    src, expected = make_source(tmp_path, FILES)
+    (tmp_path / "mirror").write_text("not a directory\n")
+    code, out, err = run("copy", src, tmp_path / "mirror" / "job", expected)
+    assert code == 5 and out is not None, err
+    assert out["ok"] is False and out["errno"] == "ENOTDIR" and "NotADirectoryError" in out["problem"]
+    assert "Traceback" not in err
+
+
+def probe(parent: Path, tmp: str = ".tmp-check-h1", user: str | None = None):
+    argv = [sys.executable, "-c", SOURCE, "probe", str(parent), tmp]
+    if user is not None:
+        import pwd
+        entry = pwd.getpwnam(user)
+        argv = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups", *argv]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    return r.returncode, json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def test_probe_leaves_a_written_and_renamed_file_for_the_controller(tmp_path):
+    code, out, err = probe(tmp_path)
+    assert code == 0 and out["ok"], err
+    assert (tmp_path / ".tmp-check-h1" / "probe").read_bytes() == b"eltctl mirror probe\n"
+    assert not (tmp_path / ".tmp-check-h1" / ".probe").exists()
+    assert out["uid"] == os.getuid() and out["user"]
+
+
+def test_in_a_group_shared_mirror_what_is_made_is_group_writable(tmp_path):
+    shared = tmp_path / "job"
+    shared.mkdir()
+    shared.chmod(0o2770)
+    assert probe(shared)[0] == 0
+    made = shared / ".tmp-check-h1"
+    assert made.stat().st_mode & 0o7777 == 0o2770
+    assert (made / "probe").stat().st_mode & 0o777 == 0o660
+    src, expected = make_source(tmp_path, FILES)
+    code, out, err = run("copy", src, shared, expected)
+    assert code == 0, err
+    assert (shared / STEP).stat().st_mode & 0o2070 == 0o2070
+    assert all((shared / STEP / n).stat().st_mode & 0o060 == 0o060 for n in FILES)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as another account needs root")
+def test_probe_as_an_account_that_cannot_write_says_eacces(tmp_path):
+    from tests.testbed.procs import FOREIGN_USER, ensure_foreign_user
+
+    if ensure_foreign_user() is None:
+        pytest.skip("no foreign user")
+    tmp_path.chmod(0o755)
+    private = tmp_path / "job"
+    private.mkdir(mode=0o700)  # the controller's own, as `claim_job_dir` made it before
+    code, out, _err = probe(private, user=FOREIGN_USER)
+    assert code == 5 and out["errno"] == "EACCES" and out["user"] == FOREIGN_USER
