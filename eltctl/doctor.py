@@ -394,6 +394,20 @@ def diagnose(inventory: Inventory, *, accept_new: bool = False,
 
     async def main() -> list[HostDiagnosis]:
         async with Fleet(inventory, ssh=ssh) as fleet:
-            return await diagnose_fleet(fleet, policy=inventory.policy, accept_new=accept_new, extra=forward)
+            results = await diagnose_fleet(fleet, policy=inventory.policy, accept_new=accept_new, extra=forward)
+            return results + await mirror_diagnosis(inventory, fleet, results)
 
     return asyncio.run(main())
+
+
+async def mirror_diagnosis(inventory: Inventory, fleet: Fleet, results: list[HostDiagnosis]) -> list[HostDiagnosis]:
+    """`[storage] mirror` checked as every account will use it (eltctl/mirror/check.py), shown
+    as one more entry, `mirror`, with a check per account; [] without a mirror."""
+    from eltctl.mirror.check import check_mirror
+
+    ready = [inventory.host(r.host) for r in results if r.ok]
+    found = await check_mirror(inventory, fleet.transport, ready)
+    if found is None:
+        return []
+    checks = tuple(Check(f.name, Status.OK if f.ok else Status.FAIL, f.detail, f.fix) for f in found.findings)
+    return [HostDiagnosis("mirror", found.target, checks)]

@@ -374,9 +374,12 @@ def _live_status(inventory: Inventory) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def for_up(inventory: Inventory, progress: Progress = lambda _m: None) -> dict[str, str]:
-    """Run the checks; raise ConfigError (job) or HostError (no host usable); else the
-    hosts to leave out, with their reasons (warnings go to `progress`)."""
+def for_up(inventory: Inventory, progress: Progress = lambda _m: None, *,
+           ignore_mirror_check: bool = False) -> dict[str, str]:
+    """Run the checks; raise ConfigError (job), HostError (no host usable) or
+    MirrorCheckError (the mirror unusable by an account that touches it, unless
+    `ignore_mirror_check`); else the hosts to leave out, with their reasons (warnings go
+    to `progress`)."""
     problems = job_problems(inventory)
     if problems:
         raise ConfigError.several(problems)
@@ -390,6 +393,9 @@ def for_up(inventory: Inventory, progress: Progress = lambda _m: None) -> dict[s
         raise err
     for line in warnings(v):
         progress(line)
+    from eltctl.mirror import check as mirror_check  # the mirror as every account will use it
+
+    mirror_check.for_up(inventory, [h for h in hosts if h.name in v.passed], progress, ignore=ignore_mirror_check)
     return dict(v.left_out)
 
 

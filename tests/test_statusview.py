@@ -527,6 +527,29 @@ def test_mirror_with_nothing_mirrored_and_an_error_says_both():
     assert lines[5] == "            last error: step 1200 from ws1: mkdir: No space left on device"
 
 
+def test_a_mirror_that_cannot_work_is_a_warning_with_its_fix():
+    problem = {"kind": "permission", "message": "step 100 from h1: PermissionError: [Errno 13] Permission denied",
+               "fix": "log in to every host as the same uid"}
+    doc = _with_mirror(lag_steps=100, last_error="step 100 from h1: PermissionError", problem=problem)
+    lines = view_text(doc, Source.CONTROLLER, NOW).splitlines()
+    assert lines[4] == "mirror      /mnt/nfs/ckpt: nothing mirrored yet   100 steps behind"
+    assert lines[5].startswith("warning     the mirror cannot work (permission): checkpoints are on the hosts")
+    text = "\n".join(lines)
+    assert "Permission denied" in text and "fix: log in to every host as the same uid" in text
+    assert "last error" not in text  # said once, in the warning
+
+
+def test_down_reports_a_mirror_that_cannot_work_and_its_fix():
+    from eltctl.commands.down import describe_mirror
+
+    problem = {"kind": "permission", "message": "Permission denied", "fix": "same uid"}
+    line = describe_mirror({"target": "/m", "ok": False, "step": None, "problem": problem}, {"step": 300})
+    assert "final checkpoint step 300 NOT mirrored to /m; nothing is mirrored" in line
+    assert "Permission denied" in line and "same uid" in line
+    line = describe_mirror({"target": "/m", "ok": False, "step": None, "problem": problem}, None)
+    assert line.startswith("no checkpoint on the mirror /m") and "same uid" in line
+
+
 def test_no_mirror_no_mirror_line():
     assert "mirror" not in view_text({**TRAINING, "mirror": None}, Source.CONTROLLER, NOW)
 

@@ -63,12 +63,20 @@ def describe_mirror(mirror: dict | None, checkpoint: dict | None) -> str | None:
         return None
     target = escape(str(mirror.get("target")))
     step = (checkpoint or {}).get("step")
+    problem = mirror.get("problem") if isinstance(mirror.get("problem"), dict) else None
+    # a failure retrying cannot fix (permission, no space...): `down` did not wait for it
+    cannot = (f"\n[red]the mirror cannot work: {escape(str(problem.get('message')))}[/]"
+              + (f"\n[bold]fix:[/] {escape(str(problem['fix']))}" if problem.get("fix") else "")) if problem else ""
     if step is None:  # no final checkpoint is known (the store was gone): say what the mirror holds
         newest = mirror.get("step")
         return (f"newest checkpoint on the mirror {target}: step {newest}" if newest is not None
-                else f"no checkpoint on the mirror {target}")
+                else f"no checkpoint on the mirror {target}") + cannot
     if mirror.get("ok") and mirror.get("step") is not None:
         return f"[green]final checkpoint step {mirror['step']} mirrored and verified to {target}[/]"
+    if problem:
+        newest = mirror.get("step")
+        have = f"; the newest mirrored step is {newest}" if newest is not None else "; nothing is mirrored"
+        return f"[red]final checkpoint step {step} NOT mirrored to {target}{have}[/]" + cannot
     why = mirror.get("last_error") or "the copy did not finish in time"
     newest = mirror.get("step")
     have = f"; the newest mirrored step is {newest}" if newest is not None else ""

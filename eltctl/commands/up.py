@@ -14,6 +14,10 @@ def up(
         False, "--unattended",
         help="For cron (`eltctl cron`): skip if another run holds the lock, log to the job's state directory, "
              "print nothing unless it fails."),
+    ignore_mirror_check: bool = typer.Option(
+        False, "--ignore-mirror-check",
+        help="Start even when [storage] mirror fails its check (an account cannot write it): the job trains "
+             "with its checkpoints on the hosts only; `eltctl status` warns."),
 ) -> None:
     """Start (or adopt) the job's controller; idempotent: a healthy job is left as it is."""
     from rich.console import Console
@@ -29,7 +33,7 @@ def up(
         cron.run_unattended(inventory, timeout=timeout if given else cron.UNATTENDED_TIMEOUT_S)
         return
     out = Console(highlight=False, soft_wrap=True)
-    result = client.up(inventory, detach=detach, timeout=timeout,
+    result = client.up(inventory, detach=detach, timeout=timeout, ignore_mirror_check=ignore_mirror_check,
                        progress=lambda m: out.print(f"[yellow]! {escape(m)}[/]" if m.startswith("warning:")
                                                     else f"[dim]·[/] {escape(m)}"))
     who = "started" if result.started else "already running"

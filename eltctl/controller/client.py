@@ -133,12 +133,13 @@ class UpResult:
 
 
 def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOUT_S,
-       progress: Progress = lambda _m: None) -> UpResult:
+       progress: Progress = lambda _m: None, ignore_mirror_check: bool = False) -> UpResult:
     """Start what is missing and return when the job trains (or waits for GPUs)."""
     from eltctl import preflight
 
     state = state_of(inventory)
-    left_out = preflight.for_up(inventory, progress)  # raises when nothing can run: starts nothing
+    # raises when nothing can run (or the mirror cannot work): starts nothing
+    left_out = preflight.for_up(inventory, progress, ignore_mirror_check=ignore_mirror_check)
     answer, started = ensure_controller(inventory, progress, left_out)
     pid = int(answer["pid"])
     if not started:

@@ -47,7 +47,10 @@ async def claim_job_dir(t: Transport, directory: str) -> None:
         # group-shared: the root is group-writable and setgid (`ls -l` shows rwxrws---)
         f"set -- $(ls -ldn {root} 2>/dev/null) x; case $1 in ?????w[sS]*) g=$4;; *) g=;; esac; "
         f'if [ -n "$g" ]; then mkdir -p -m 2770 {q} 2>&1 || exit 4; set -- $(ls -ldn {q}); '
-        f'case $1 in ????rw[sx]*) ;; *) chmod 2770 {q} 2>&1 || {{ echo "mode $1 group $4"; exit 7; }};; esac; '
+        # one this account made private before the root was shared: give it to the group
+        f'if [ "$3" = "$(id -u)" ]; then chgrp "$g" {q} 2>/dev/null; chmod 2770 {q} 2>/dev/null; '
+        f'set -- $(ls -ldn {q}); fi; '
+        f'case $1 in ????rw[sx]*) ;; *) echo "mode $1"; exit 7;; esac; '
         f'[ "$4" = "$g" ] || {{ echo "group $4, the mirror\'s $g"; exit 7; }}; echo ok; exit 0; fi; '
         f"mkdir -p -m 700 {q} 2>&1 || exit 4; set -- $(ls -ldn {q}); me=$(id -u); "
         f'[ "$3" = "$me" ] || {{ echo "owner $3 me $me"; exit 5; }}; chmod 700 {q} 2>&1 || exit 6; echo ok',

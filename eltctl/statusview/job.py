@@ -62,6 +62,9 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     mirror = mirror_line(doc.get("mirror"), now, staleness)
     if mirror is not None:
         grid.add_row("mirror", mirror)
+    unprotected = mirror_warning(doc.get("mirror"))
+    if unprotected is not None:
+        grid.add_row("[red]warning[/]", unprotected)
 
     forged = forged_line(doc.get("forged"))
     if forged is not None:
@@ -97,8 +100,23 @@ def mirror_line(mirror: Any, now: float, staleness: float = 0.0) -> str | None:
     lag = mirror.get("lag_steps")
     if isinstance(lag, int):
         line += "   [green]up to date[/]" if lag == 0 else f"   [yellow]{lag} steps behind[/]"
-    if mirror.get("last_error"):
+    if mirror.get("last_error") and not isinstance(mirror.get("problem"), dict):
         line += f"\n[red]last error: {escape(str(mirror['last_error']))}[/]"
+    return line
+
+
+def mirror_warning(mirror: Any) -> str | None:
+    """The warning row when the mirror failed in a way retrying cannot fix (the status
+    document's `mirror.problem`: {kind, message, fix}); None otherwise."""
+    from rich.markup import escape
+
+    problem = mirror.get("problem") if isinstance(mirror, dict) else None
+    if not isinstance(problem, dict):
+        return None
+    line = (f"[red]the mirror cannot work ({escape(str(problem.get('kind', '?')))}): checkpoints are on the hosts "
+            f"only, not retried until the next one[/]\n{escape(str(problem.get('message', '')))}")
+    if problem.get("fix"):
+        line += f"\n[bold]fix:[/] {escape(str(problem['fix']))}"
     return line
 
 
