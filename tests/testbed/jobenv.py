@@ -187,7 +187,9 @@ def job_env(testbed):
 
 def job_env_on(testbed, hosts: list, extra: str = ""):
     """The `job_env` fixture's body on hosts of the caller's (a generator: yield the JobEnv,
-    tear everything down after). `extra`: more inventory text (e.g. a [storage] table)."""
+    tear everything down after); the inventory lists those hosts only (others of the test
+    bed may stand for something else, an ssh:// mirror's host). `extra`: more inventory
+    text (e.g. a [storage] table)."""
     job = f"t{uuid.uuid4().hex[:8]}"
     root = Path(tempfile.mkdtemp(prefix="eltc-"))  # short: unix socket paths are limited to 108 bytes
     workdir = root / "code"
@@ -196,7 +198,7 @@ def job_env_on(testbed, hosts: list, extra: str = ""):
         shutil.copy(REPO / "examples" / f, workdir / f)
     command = ["python", "train.py", "--steps", "1000000", "--hidden", "16", "--layers", "1", "--samples", "4096",
                "--batch", "24", "--step-sleep", "0.05", "--checkpoint-every", "25"]
-    inventory = testbed.write_inventory(root / "hosts.toml", job={
+    inventory = testbed.write_inventory(root / "hosts.toml", hosts=hosts, job={
         "name": job, "command": command, "workdir": str(workdir), "device": "cpu", "min_workers": 1,
         "env": {"OMP_NUM_THREADS": "1"}}, extra=POLICY + extra)
     state_home = root / "state"
