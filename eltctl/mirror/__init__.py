@@ -34,7 +34,8 @@ expired checkpoints are renamed to `.tmp-*` before removal, as the runtime does.
 `MirrorWorker` is the background part: the controller calls `notify(host, step)` when
 rank 0 reports a new committed checkpoint; an asyncio task mirrors the newest one,
 retrying with exponential back-off (`backoff_delay`) while the mirror is unreachable
-or full, without ever blocking training (the copy runs beside it; a newer notice
+(a permanent failure, `FaultKind`: permission, no space, a missing path, the mirror
+host's key, is not retried but held with its fix), without ever blocking training (the copy runs beside it; a newer notice
 replaces an older one still waiting). `status()` is what `eltctl status` shows.
 
 The decisions (what to restore from, what retention deletes, the back-off schedule,
@@ -42,9 +43,10 @@ lag) are pure functions tested by tables; the rest is thin shell over a `Transpo
 
 The package, one module per part (each imports only those above it):
 
-- `values`: `Located`, `Place`, `RestoreChoice`, `MirrorError`, `MIRROR_LABEL`;
+- `values`: `Located`, `Place`, `RestoreChoice`, `MirrorError`, `FaultKind`, `Fault`, `MIRROR_LABEL`;
 - `target`: `[storage] mirror` parsed (`parse_target`, `MirrorTarget`);
-- `decisions`: the pure functions (back-off, retention plan, restore order, lag, sums);
+- `decisions`: the pure functions (back-off, retention plan, restore order, lag, sums,
+  sorting a failure into transient or permanent and its fix);
 - `manifests`: reading manifests, listings and `sha256sum` output;
 - `places`: shell on a place (list, read, verify; `host_place`);
 - `copy`: one checkpoint from one place to another (`copy_checkpoint`);
@@ -53,7 +55,9 @@ The package, one module per part (each imports only those above it):
 - `signing`: the MAC of a mirrored manifest (`manifest.mac`), checked before a restore;
 - `restore`: `prepare_restore` before a start with no survivor;
 - `worker`: `MirrorWorker`, the background copier;
-- `listing`: `list_all` for `eltctl checkpoints`.
+- `listing`: `list_all` for `eltctl checkpoints`;
+- `check`: `check_mirror`, the mirror as every account that touches it will use it
+  (`eltctl doctor`, and `eltctl up` before it starts anything).
 """
 
 from eltctl.hosts.layout import checkpoint_host
