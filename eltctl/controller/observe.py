@@ -171,10 +171,13 @@ def member_alive(member: str, views: Mapping[str, pol.HostView]) -> bool:
     """A member of rank 0's status runs now: its host's live daemon lists it among its
     running workers (by worker id; by slot where the daemon names no ids). A worker id
     carries its start (`<host>/<slot>/<n>`), so the member of a crashed run never
-    matches the worker started in its slot since."""
+    matches the worker started in its slot since. Where the host's daemon is silent (a
+    loaded host, a lost link) nothing contradicts rank 0's status: the member counts."""
     view = views.get(str(member).split("/")[0])
     if view is None:
         return False
+    if not view.daemon_alive:
+        return True
     if view.worker_ids:
         return str(member) in view.worker_ids
     slot = slot_of(member)

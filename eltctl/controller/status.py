@@ -46,7 +46,7 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     """The phase and message after a pass that acted on `decision`."""
     running = sum(len(v.workers) for v in views.values())
     desired = any(records.get(h.name, pol.HostRecord()).desired for h in inventory.hosts)
-    if current_members(runtime_status, views, now, inventory):
+    if running and current_members(runtime_status, views, now, inventory):
         return Phase.TRAINING, ""
     if (decision.waiting and not running) or start_failures(now=now, inventory=inventory, views=views,
                                                             records=records):

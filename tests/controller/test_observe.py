@@ -376,14 +376,21 @@ RS = {"seen": 100.0, "time": 5000.0, "members": ["a/0/1", "b/0/1"]}
 
 # (case, views, live members)
 LIVE = [
-    ("both members run", {"a": HostView("a", worker_ids=("a/0/1",), workers=(0,)),
-                          "b": HostView("b", worker_ids=("b/0/1",), workers=(0,))}, ["a/0/1", "b/0/1"]),
-    ("the script crashed: no worker runs", {"a": HostView("a"), "b": HostView("b")}, []),
+    ("both members run", {"a": HostView("a", daemon_alive=True, worker_ids=("a/0/1",), workers=(0,)),
+                          "b": HostView("b", daemon_alive=True, worker_ids=("b/0/1",), workers=(0,))},
+     ["a/0/1", "b/0/1"]),
+    ("the script crashed: no worker runs", {"a": HostView("a", daemon_alive=True),
+                                            "b": HostView("b", daemon_alive=True)}, []),
     ("restarted after a crash: new ids in the same slots are not the old members",
-     {"a": HostView("a", worker_ids=("a/0/2",), workers=(0,)), "b": HostView("b", worker_ids=("b/0/2",),
-                                                                            workers=(0,))}, []),
-    ("a daemon that names no ids: by slot", {"a": HostView("a", workers=(0,)), "b": HostView("b")}, ["a/0/1"]),
-    ("a host not in the views", {"a": HostView("a", worker_ids=("a/0/1",), workers=(0,))}, ["a/0/1"]),
+     {"a": HostView("a", daemon_alive=True, worker_ids=("a/0/2",), workers=(0,)),
+      "b": HostView("b", daemon_alive=True, worker_ids=("b/0/2",), workers=(0,))}, []),
+    ("a daemon that names no ids: by slot", {"a": HostView("a", daemon_alive=True, workers=(0,)),
+                                             "b": HostView("b", daemon_alive=True)}, ["a/0/1"]),
+    ("a silent daemon contradicts nothing: rank 0's status counts",
+     {"a": HostView("a", daemon_alive=True, worker_ids=("a/0/1",), workers=(0,)), "b": HostView("b")},
+     ["a/0/1", "b/0/1"]),
+    ("a host not in the views", {"a": HostView("a", daemon_alive=True, worker_ids=("a/0/1",), workers=(0,))},
+     ["a/0/1"]),
 ]
 
 

@@ -20,12 +20,14 @@ def decision(waiting=False, message="") -> Decision:
     return Decision(actions=(), desired={}, usable=0, waiting=waiting, message=message)
 
 
-RUNNING = {"a": HostView("a", Reach.OK, workers=(0,), worker_ids=("a/0/1",)), "b": HostView("b", Reach.OK)}
+RUNNING = {"a": HostView("a", Reach.OK, daemon_alive=True, workers=(0,), worker_ids=("a/0/1",)),
+           "b": HostView("b", Reach.OK)}
 IDLE = {"a": HostView("a", Reach.OK), "b": HostView("b", Reach.OK)}
 # rank 0's clock is never read
 TRAINING_STATUS = {"seen": NOW - 1, "time": NOW - 3600, "world_size": 1, "members": ["a/0/1"], "step": 7}
 # The script crashed; the daemon started a new worker in the slot (a new id): the old status names no one running.
-RESTARTED = {"a": HostView("a", Reach.OK, workers=(0,), worker_ids=("a/0/2",)), "b": HostView("b", Reach.OK)}
+RESTARTED = {"a": HostView("a", Reach.OK, daemon_alive=True, workers=(0,), worker_ids=("a/0/2",)),
+             "b": HostView("b", Reach.OK)}
 WANTED = {"a": HostRecord(desired=(0,))}
 
 # (case, phase before, runtime status, views, records, decision, daemons starting, phase and message after)
@@ -292,8 +294,8 @@ def _doc(views, rs=RS2, checkpoint=None, records=None):
 
 
 def test_after_a_resize_the_checkpoint_is_the_last_one_not_none_yet():
-    views = {"a": HostView("a", Reach.CPU_ONLY, worker_ids=("a/0/1",), workers=(0,)),
-             "b": HostView("b", Reach.CPU_ONLY, worker_ids=("b/0/1",), workers=(0,))}
+    views = {"a": HostView("a", Reach.CPU_ONLY, daemon_alive=True, worker_ids=("a/0/1",), workers=(0,)),
+             "b": HostView("b", Reach.CPU_ONLY, daemon_alive=True, worker_ids=("b/0/1",), workers=(0,))}
     doc = _doc(views, checkpoint=LAST_CK)  # the new rank 0 has saved nothing yet
     assert doc["checkpoint"] == {"step": 800, "time": NOW - 100, "path": LAST_CK["path"], "host": "a",
                                  "age_s": 40.0}
@@ -303,7 +305,7 @@ def test_after_a_resize_the_checkpoint_is_the_last_one_not_none_yet():
 
 def test_after_a_crash_no_stale_worker_is_shown():
     cooling = HostRecord(cooldown_until=NOW + 100, failures=1, last_problem="worker crashed")
-    views = {"a": HostView("a", Reach.CPU_ONLY), "b": HostView("b", Reach.CPU_ONLY)}
+    views = {"a": HostView("a", Reach.CPU_ONLY, daemon_alive=True), "b": HostView("b", Reach.CPU_ONLY, daemon_alive=True)}
     doc = _doc(views, checkpoint=LAST_CK, records={"a": cooling, "b": cooling})
     assert (doc["world_size"], doc["members"], doc["runtime_current"]) == (0, [], False)
     assert "workers" not in doc and doc["samples_per_s"] is None
@@ -311,8 +313,8 @@ def test_after_a_crash_no_stale_worker_is_shown():
 
 
 def test_a_member_that_died_is_left_out_of_the_members_and_the_workers():
-    views = {"a": HostView("a", Reach.CPU_ONLY, worker_ids=("a/0/1",), workers=(0,)),
-             "b": HostView("b", Reach.CPU_ONLY)}
+    views = {"a": HostView("a", Reach.CPU_ONLY, daemon_alive=True, worker_ids=("a/0/1",), workers=(0,)),
+             "b": HostView("b", Reach.CPU_ONLY, daemon_alive=True)}
     doc = _doc(views)
     assert (doc["world_size"], doc["members"]) == (1, ["a/0/1"])
     assert [w["worker"] for w in doc["workers"]] == ["a/0/1"]

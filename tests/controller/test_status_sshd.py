@@ -37,28 +37,26 @@ def job_env(testbed):
     gen.close()
 
 
-def newest_listed(job_env) -> int | None:
-    """The newest verified checkpoint `eltctl checkpoints --json` lists."""
+def listed_steps(job_env) -> list[int]:
+    """The verified checkpoints' steps that `eltctl checkpoints --json` lists."""
     doc = json.loads(job_env.eltctl("checkpoints", "--json").stdout)
-    steps = [c["step"] for c in doc["checkpoints"] if c["verified"]]
-    return max(steps) if steps else None
+    return sorted(c["step"] for c in doc["checkpoints"] if c["verified"])
 
 
 def status_json(job_env) -> dict:
     return json.loads(job_env.eltctl("status", "--json").stdout)
 
 
-def agrees_with_checkpoints(job_env) -> tuple[dict, int | None]:
-    """The status's checkpoint and the listing's newest, read while no new checkpoint was
-    written between them (the status read before and after names the same step)."""
-    for _ in range(10):
-        before = status_json(job_env)
-        listed = newest_listed(job_env)
-        after = status_json(job_env)
-        step = (before.get("checkpoint") or {}).get("step")
-        if step == (after.get("checkpoint") or {}).get("step"):
-            return after, listed
-    raise AssertionError("a checkpoint was written during every comparison")
+def agrees_with_checkpoints(job_env) -> tuple[dict, int]:
+    """`status --json`'s checkpoint is the newest `eltctl checkpoints` lists: read between
+    two listings (rank 0 may write one meanwhile), it is listed and verified in the
+    second, and no older than the newest of the first. Returns the status and that step."""
+    before = listed_steps(job_env)
+    doc = status_json(job_env)
+    after = listed_steps(job_env)
+    step = (doc.get("checkpoint") or {}).get("step")
+    assert before and step in after and step >= before[-1], (doc.get("checkpoint"), before, after)
+    return doc, step
 
 
 def members_run(doc: dict, job: str) -> bool:
@@ -79,10 +77,9 @@ def test_status_agrees_with_checkpoints_and_the_running_workers_after_a_resize_a
     st = job_env.training_at(1)  # the new generation's first status (read every 0.5 s)
     assert (st["checkpoint"] or {}).get("step", 0) >= first, st["checkpoint"]  # not "none yet"
     doc, listed = agrees_with_checkpoints(job_env)
-    assert listed is not None and doc["checkpoint"]["step"] == listed, (doc["checkpoint"], listed)
     assert doc["checkpoint"]["host"] in ("h1", "h2")
     text = " ".join(job_env.eltctl("status").stdout.split())
-    assert f"checkpoint step {listed} on " in text and "none yet" not in text, text
+    assert "checkpoint step " in text and "none yet" not in text, text
     assert members_run(doc, job_env.job), (doc["members"], worker_pids(job_env.job))
 
     # 2. A crash: every worker is killed at once. Once its daemon has reported it (the host
@@ -97,7 +94,7 @@ def test_status_agrees_with_checkpoints_and_the_running_workers_after_a_resize_a
     assert (doc["world_size"], doc["members"], doc.get("workers")) == (0, [], None), doc
     assert doc["state"] != "training" and doc["samples_per_s"] is None, doc
     assert members_run(doc, job_env.job)
-    assert doc["checkpoint"]["step"] == listed  # the checkpoint it will resume from
+    assert doc["checkpoint"]["step"] >= listed and doc["checkpoint"]["step"] in listed_steps(job_env)
     text = " ".join(job_env.eltctl("status").stdout.split())
     assert "no worker runs now" in text and "samples/s" not in text, text
     # 3. The job resumes from that checkpoint: training again, its step past it, and `up`
@@ -108,5 +105,5 @@ def test_status_agrees_with_checkpoints_and_the_running_workers_after_a_resize_a
     line = next((x for x in out.splitlines() if x.startswith("training:")), out)
     assert int(line.rsplit("step ", 1)[1]) > listed, (line, listed)
     doc, newest = agrees_with_checkpoints(job_env)
-    assert doc["checkpoint"]["step"] == newest >= listed
+    assert newest >= listed
     assert members_run(doc, job_env.job) and doc["world_size"] == 1
