@@ -245,8 +245,11 @@ def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, sta
     left = _starts_in(doc)
     if left is not None:
         return UpResult(pid, started, "waiting", f"starts in {format_left(left)}", doc)
+    used = [str(h.get("name")) for h in doc.get("hosts") or [] if h.get("desired") or h.get("workers")]
+    logs = " and ".join(f"`eltctl logs {name}`" for name in used[:2]) or "`eltctl logs HOST`"
     raise NotTrainingYet(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
-                         "the controller goes on", hint="`eltctl status` shows why; `eltctl logs HOST` the hosts' logs")
+                         "the controller goes on",
+                         hint=f"`eltctl status` shows why; {logs} the workers' output; `eltctl down` stops it")
 
 
 def _problem_line(host: dict, problem: str) -> str:
