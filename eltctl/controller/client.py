@@ -245,10 +245,13 @@ def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, sta
             raise EltctlError(f"the job is {doc.get('state')} (an `eltctl down` is under way)")
         time.sleep(0.5)
     left = _starts_in(doc)
-    if left is not None:
-        return UpResult(pid, started, "waiting", f"starts in {format_left(left)}", doc)
+    if left is not None:  # the timeout ran out while the job only waits for idle_for: the plan, not a failure
+        return UpResult(pid, started, "waiting", str(doc.get("message") or f"starts in {format_left(left)}"), doc)
+    used = [str(h.get("name")) for h in doc.get("hosts") or [] if h.get("desired") or h.get("workers")]
+    logs = " and ".join(f"`eltctl logs {name}`" for name in used[:2]) or "`eltctl logs HOST`"
     raise NotTrainingYet(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
-                         "the controller goes on", hint="`eltctl status` shows why; `eltctl logs HOST` the hosts' logs")
+                         "the controller goes on",
+                         hint=f"`eltctl status` shows why; {logs} the workers' output; `eltctl down` stops it")
 
 
 def _problem_line(host: dict, problem: str) -> str:

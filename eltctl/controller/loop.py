@@ -152,7 +152,7 @@ class Controller:
                                                 observe.runtime_fresh_for(self.inventory.policy))
             targets = [name for name, slots in decision.desired.items() if slots]
             if not self.restorer.ready(survivor, targets, self._restore):
-                self.phase, self.message = Phase.STARTING, "restoring the newest checkpoint onto the hosts"
+                self.phase, self.message = Phase.STARTING, "looking for a checkpoint to start from (none: step 0)"
             else:
                 await self.act(decision, now)
                 self.phase, self.message = status.next_phase(

@@ -13,10 +13,11 @@ The rules (the README's "Policy"):
   used only after it has looked free for `idle_for`; a busy one never (except once
   after `scale --add --force`). A CPU slot has no owner process to watch: it waits for
   `cpu_idle_for` (default 0, at once; `owner_signals` watch the owner there). While
-  free slots only wait for that, the job is starting and `Decision.starts_at` says when. A GPU another eltctl job holds (`GpuUse.TAKEN`, its
-  claim: runtime/claims.py) is never used and is no owner's: a slot its daemon reports
-  taken leaves the desired slots with no failure and no cooldown; the job takes it
-  once it has looked free for `idle_for` again (first come, first served).
+  free slots only wait for that, the job is starting and `Decision.starts_at` says when.
+  A GPU another eltctl job holds (`GpuUse.TAKEN`, its claim: runtime/claims.py) is
+  never used and is no owner's: a slot its daemon reports taken leaves the desired
+  slots with no failure and no cooldown; the job takes it once it has looked free for
+  `idle_for` again (first come, first served).
 - At most `max_workers` slots are used; fewer than `min_workers` usable slots and the
   job waits (nothing new starts; what runs keeps running).
 - A host whose worker left (its owner came back, a crash, the host vanished) rests for
@@ -793,6 +794,7 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
 __all__ = ["LIMIT_PHASES", "NO_LIMIT", "Action", "Crash", "Decision", "GpuUse", "HostRecord", "HostPhase",
            "HostView", "Limit", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "after_fix", "applied", "changed_hosts", "crash_problem", "decide",
-           "eligible_slots", "fingerprint", "idle_for", "maturing", "next_step", "fixed", "host_limits", "host_state", "leave_out", "pause_reason",
+           "eligible_slots", "fingerprint", "fixed", "host_limits", "host_state", "idle_for", "leave_out", "maturing",
+           "next_step", "pause_reason",
            "record_failure",
            "survivor_holds_state", "track", "track_stragglers", "worker_slot"]

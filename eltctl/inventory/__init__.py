@@ -7,7 +7,7 @@ nothing deeper reads the file or the environment.
 key in one pass and raises one `ConfigError` that lists every problem found, each
 named by its TOML key path (`hosts[3].port (host "gpu4")`), with the line where the
 key (or its table) is written and what to write instead. The documented example of
-every key is hosts.example.toml (the starter that `eltctl init` writes).
+every key is hosts.example.toml (the reference that `eltctl init --full` writes).
 """
 
 from eltctl.inventory.parse import (
