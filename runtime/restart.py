@@ -470,8 +470,10 @@ class Supervisor:
             unpack_dir(data, self.script_dir)
             self._unpacked = counter
         self.script_dir.mkdir(parents=True, exist_ok=True)
-        if self._rank == 0 and counter > self._saved:
-            self._save_checkpoint(wait=False)
+        if self._rank == 0:
+            self._ckpt_watch.taken(listing(self.script_dir))  # the directory is snapshot `counter`
+            if counter > self._saved:
+                self._save_checkpoint(wait=False)
         restarts = self._starts
         if self._rank == 0 and self._tracker.step is None:
             self._seed_progress()
