@@ -909,10 +909,9 @@ class Supervisor:
         extra = {"snapshot": self._snap[0] if self._snap else 0, "script": script}
         if self._failure is not None:
             extra["failed"] = self._failure
-        samples_per_s = t.samples_per_s
         doc = status_document(generation=plan.generation, world_size=plan.world_size, members=plan.members,
                               step=t.step, epoch=int(t.epoch or 0), position=0,
-                              samples_per_s=samples_per_s if samples_per_s is not None else 0.0,
+                              samples_per_s=t.samples_per_s,  # None while unknown: not "0.0 samples/s"
                               loss=t.loss, checkpoint=self._last_ckpt, mode="restart",
                               restarts=max(0, self._starts - 1), forged=self._forgeries.counts(), extra=extra)
         try:
