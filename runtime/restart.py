@@ -819,8 +819,10 @@ class Supervisor:
             return
         counter, data = self._snap
         self._snap_steps[counter] = self._tracker.step
+        script_step = self._tracker.step
         self._ckpt.save_async(counter, {"format": SNAPSHOT_FORMAT, "tar": _as_tensor(data), "starts": self._starts,
-                                        "script_step": self._tracker.step if self._tracker.step is not None else -1})
+                                        "script_step": script_step if script_step is not None else -1},
+                              meta={"mode": "restart", "snapshot": counter, "script_step": script_step})
         self._saved = counter
         if wait:
             self._ckpt.wait()
