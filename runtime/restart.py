@@ -912,7 +912,7 @@ class Supervisor:
         if self._failure is not None:
             extra["failed"] = self._failure
         doc = status_document(generation=plan.generation, world_size=plan.world_size, members=plan.members,
-                              step=t.step, epoch=int(t.epoch or 0), position=0,
+                              step=t.step, epoch=t.epoch, position=0,  # epoch: None while unknown
                               samples_per_s=t.samples_per_s,  # None while unknown: not "0.0 samples/s"
                               loss=t.loss, checkpoint=self._last_ckpt, mode="restart",
                               restarts=max(0, self._starts - 1), forged=self._forgeries.counts(), extra=extra)
