@@ -269,7 +269,7 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
     progress` pattern; null otherwise) and `extra` adds `snapshot` (the counter
     of snapshots of the script's checkpoint directory), `script: {step,
     step_from, loss, samples, samples_per_s, steps_per_s, epoch, updated,
-    running, running_since, metrics}` (running: every member's script ran past
+    running, running_since, ever_running, metrics}` (running: every member's script ran past
     the settle time or reported a step) and, once the job stopped on its
     restart limit, `failed` (why). An
     elastic job's document has neither key (mode "elastic"). The runtime adds

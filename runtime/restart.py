@@ -325,6 +325,7 @@ class Supervisor:
         self._step_from: str | None = None  # "report" | "output": where the script's step came from
         self._last_progress_poll = 0.0
         self._running_since: float | None = None  # wall time the scripts counted as training
+        self._ever_running = False  # they did in some generation of this supervisor
         self._failure: str | None = None  # the job stopped on the restart limit: why
         self._failure_noted = False  # this generation's child's failure is in the store
         self._ckpt_watch = CheckpointWatch()
@@ -588,6 +589,7 @@ class Supervisor:
                                                 and self._tracker.updated >= time.time() - (now - self._child_t)):
                 # every member's script ran past the settle time (no failure flag came up) or reported a step
                 self._running_since = time.time()
+                self._ever_running = True
             if r == 0 and now - self._last_look >= self._poll_s:
                 self._last_look = now
                 self._look_for_checkpoint()
@@ -900,6 +902,7 @@ class Supervisor:
         script = {"step": t.step, "step_from": self._step_from, "loss": t.loss, "samples": t.samples,
                   "samples_per_s": t.samples_per_s, "steps_per_s": t.steps_per_s, "epoch": t.epoch,
                   "updated": t.updated, "running": running, "running_since": self._running_since,
+                  "ever_running": self._ever_running,
                   "metrics": dict(t.metrics)}
         extra = {"snapshot": self._snap[0] if self._snap else 0, "script": script}
         if self._failure is not None:

@@ -8,8 +8,10 @@
   complete checkpoint, so that rank 0 can mirror it while the script runs. A
   directory counts as complete when no process of the script's group holds a
   file in it open for writing and its listing (names, sizes, mtimes) has not
-  changed since the previous look; a script that writes with rename, or that
-  calls `checkpoint_saved`, is never caught half-way. The listing is checked
+  changed since the previous look or no file in it changed for QUIET_S (a
+  save of several files is not taken between two of them); a script that
+  writes with rename, or that calls `checkpoint_saved`, is never caught
+  half-way. The listing is checked
   again after packing: a file that changed meanwhile discards the copy.
 - `RestartLimit`: the failures of the script within a window, the back-off
   before the next start and when to give up (pure).
@@ -30,6 +32,7 @@ from .daemon.logic import cause_line
 from .progress import match_progress
 
 LAST_LINES = 40
+QUIET_S = 0.5  # no file of the directory changed this long: the save is over
 LINE_MAX = 16 * 1024  # a longer "line" (a progress bar without \r?) is cut here
 
 Listing = Mapping[str, tuple[int, int]]  # relative path -> (size, mtime_ns)
@@ -206,13 +209,15 @@ class CheckpointWatch:
     last_taken: Mapping[str, tuple[int, int]] | None = None
     previous: Mapping[str, tuple[int, int]] | None = None
 
-    def look(self, current: Listing, writers: bool, announced: bool = False) -> bool:
+    def look(self, current: Listing, writers: bool, announced: bool = False, now_ns: int | None = None) -> bool:
         previous, self.previous = self.previous, dict(current)
         if not current or current == self.last_taken:
             return False
         if announced:
             return True  # the script said it is complete
-        return not writers and current == previous
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        quiet = now_ns - max(m for _s, m in current.values()) >= QUIET_S * 1e9
+        return not writers and (current == previous or quiet)
 
     def taken(self, current: Listing) -> None:
         self.last_taken = dict(current)
@@ -224,9 +229,10 @@ class CheckpointWatch:
 @dataclass(frozen=True)
 class RestartLimit:
     """`max_restarts` failures of the script within `window_s` stop the job; before
-    each restart after a failure the supervisors wait backoff_s * 2^(n-1) (n: the
-    failures in the window), at most `backoff_cap_s`. Leaves, joins, owner yields and
-    crashes of a host are not failures of the script and never count."""
+    a restart after the n-th failure in the window (n >= 2: a one-off crash restarts
+    at once) the supervisors wait backoff_s * 2^(n-2), at most `backoff_cap_s`.
+    Leaves, joins, owner yields and crashes of a host are not failures of the script
+    and never count."""
 
     max_restarts: int = 5
     window_s: float = 600.0
@@ -241,7 +247,7 @@ class RestartLimit:
 
     def backoff(self, failures: Iterable[float], now: float) -> float:
         n = len(self.recent(failures, now))
-        return 0.0 if n == 0 else min(self.backoff_cap_s, self.backoff_s * 2 ** (n - 1))
+        return 0.0 if n <= 1 else min(self.backoff_cap_s, self.backoff_s * 2 ** (n - 2))
 
     def message(self, n: int, last_line: str) -> str:
         return (f"the script exited {n} time{'' if n == 1 else 's'} in {_span(self.window_s)}"

@@ -757,6 +757,17 @@ def test_restart_mode_shows_mode_restarts_and_snapshot():
 
     assert describe_event({"kind": "leave", "mode": "restart", "left": ["a/0/1"], "world_size": 2,
                            "restarts": 3}) == ("a", "left a/0/1; now 2 worker(s); script restarted (restart 3)")
+    assert describe_event({"kind": "stop", "mode": "restart", "failed": "the script exited 5 times in 10 min; "
+                           "last line: ValueError: x"}) == (
+        "", "failed: the script exited 5 times in 10 min; last line: ValueError: x")
+    doc = dict(TRAINING, mode="restart", restarts=2, step=11234, snapshot=4, epoch=0,
+               checkpoint={"step": 4, "script_step": 11200, "time": NOW - 10.0, "age_s": 10.0})
+    text = view_text(doc, Source.CONTROLLER, NOW + 0.5)
+    assert "restart mode, 2 restarts" in text
+    assert "step 11234   snapshot 4   epoch 0" in text
+    assert "snapshot 4 (script step 11200), 10 s ago" in text
+    text = view_text(dict(doc, step=None), Source.CONTROLLER, NOW + 0.5)
+    assert "step unknown (set [job] progress or call eltctl_runtime.report)   snapshot 4" in text
 
 
 # ------------------------------------------------------------------------ forged store values

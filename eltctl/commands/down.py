@@ -20,7 +20,8 @@ def down(
     result = client.down(inventory, force=force, progress=lambda m: out.print(f"[dim]·[/] {escape(m)}"))
     ck = result.checkpoint
     if ck and ck.get("step") is not None:
-        out.print(f"final checkpoint: step {ck['step']}" + (f" at {escape(str(ck['path']))}" if ck.get("path") else ""))
+        out.print(f"final checkpoint: {checkpoint_name(ck)}"
+                  + (f" at {escape(str(ck['path']))}" if ck.get("path") else ""))
     mirror_line = describe_mirror(result.mirror, ck)
     if mirror_line:
         out.print(mirror_line)
@@ -55,6 +56,16 @@ def _cron_note(inventory, out) -> None:
                   "next run starts it again; `eltctl cron --remove` takes the entry out")
 
 
+def checkpoint_name(ck: dict) -> str:
+    """`step N`; in restart mode `script step N (snapshot M)`: eltctl's checkpoints of a
+    restart-mode job are numbered by the snapshot counter, the user knows the script's step."""
+    if "snapshot" not in ck:
+        return f"step {ck.get('step')}"
+    if ck.get("script_step") is None:
+        return f"snapshot {ck.get('step')} (the script's step is not known)"
+    return f"script step {ck['script_step']} (snapshot {ck.get('step')})"
+
+
 def describe_mirror(mirror: dict | None, checkpoint: dict | None) -> str | None:
     """The line `down` prints about the final checkpoint's copy on the mirror (rich markup)."""
     from rich.markup import escape
@@ -68,7 +79,9 @@ def describe_mirror(mirror: dict | None, checkpoint: dict | None) -> str | None:
         return (f"newest checkpoint on the mirror {target}: step {newest}" if newest is not None
                 else f"no checkpoint on the mirror {target}")
     if mirror.get("ok") and mirror.get("step") is not None:
-        return f"[green]final checkpoint step {mirror['step']} mirrored and verified to {target}[/]"
+        name = (checkpoint_name(checkpoint) if checkpoint and "snapshot" in checkpoint and mirror["step"] == step
+                else f"step {mirror['step']}")
+        return f"[green]final checkpoint {name} mirrored and verified to {target}[/]"
     why = mirror.get("last_error") or "the copy did not finish in time"
     newest = mirror.get("step")
     have = f"; the newest mirrored step is {newest}" if newest is not None else ""

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from eltctl.controller import socket as csock
 from eltctl.controller.statedir import StateDir
@@ -174,9 +174,10 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
             progress(f"{phase}{': ' + message if message else ''}")
         if doc.get("start_failed"):
             raise start_failed_error(doc["start_failed"])
-        if doc.get("state") == "training" and (doc.get("step") or 0) >= 1:
-            return UpResult(pid, started, "training",
-                            f"training: world size {doc.get('world_size')}, step {doc.get('step')}", doc)
+        if doc.get("failed"):
+            raise restart_failed_error(doc)
+        if doc.get("state") == "training" and trains(doc):
+            return UpResult(pid, started, "training", training_message(doc), doc)
         if doc.get("state") == "waiting":
             return UpResult(pid, started, "waiting", message or "waiting for free GPUs", doc)
         if doc.get("state") == "paused":  # outside working hours or over a quota: resumes by itself
@@ -186,6 +187,40 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
         time.sleep(0.5)
     raise NotTrainingYet(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
                          "the controller goes on", hint="`eltctl status` shows why; `eltctl logs HOST` the hosts' logs")
+
+
+def trains(doc: Mapping) -> bool:
+    """The job trains: a first step (elastic mode); in restart mode every member's
+    script started and still runs after the settle time, or rank 0's reported a
+    step (the supervisors' `script.running`: the status `step` is the script's and
+    may stand still, or be unknown, while it trains)."""
+    if doc.get("mode") == "restart":
+        return bool((doc.get("script") or {}).get("running"))
+    return (doc.get("step") or 0) >= 1
+
+
+def training_message(doc: Mapping) -> str:
+    step = doc.get("step")
+    if doc.get("mode") != "restart":
+        return f"training: world size {doc.get('world_size')}, step {step}"
+    if step is None:
+        return (f"training: world size {doc.get('world_size')} (restart mode; the script's step is not known: "
+                "set [job] progress or call eltctl_runtime.report)")
+    return f"training: world size {doc.get('world_size')}, step {step} (the script's)"
+
+
+def restart_failed_error(doc: Mapping) -> EltctlError:
+    """`up`'s error when a restart-mode job stopped on its restart limit: the script's
+    last line, as for workers that failed at start."""
+    from eltctl.controller.status import fix_hint
+
+    failed = str(doc.get("failed"))
+    line = failed.split("; last line: ", 1)[1] if "; last line: " in failed else ""
+    ran = bool((doc.get("script") or {}).get("ever_running"))
+    what = "the job's script failed" + ("" if ran else " at start")
+    return EltctlError(f"{what}; the job stopped: {failed}",
+                       hint=(fix_hint(line) if line else "`eltctl logs HOST` shows the script's output")
+                       + "; then `eltctl down` and `eltctl up` start it again")
 
 
 def start_failed_error(failed: dict[str, str]) -> EltctlError:

@@ -171,7 +171,10 @@ def final_checkpoint(runtime_status: Mapping | None) -> dict | None:
     """What `down` reports of rank 0's last checkpoint."""
     ck = (runtime_status or {}).get("checkpoint")
     if isinstance(ck, dict):
-        return {"step": ck.get("step"), "path": ck.get("path"), "time": ck.get("time")}
+        out = {"step": ck.get("step"), "path": ck.get("path"), "time": ck.get("time")}
+        if "snapshot" in ck:  # restart mode: `step` is the snapshot counter; the script's step beside it
+            out["snapshot"], out["script_step"] = ck.get("snapshot"), ck.get("script_step")
+        return out
     return None
 
 

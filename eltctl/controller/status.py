@@ -260,7 +260,8 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "step": rs.get("step"), "epoch": rs.get("epoch"), "samples_per_s": rs.get("samples_per_s"),
         "loss": rs.get("loss"),
         "checkpoint": ({"step": ck.get("step"), "time": ck.get("time"), "path": ck.get("path"),
-                        "age_s": _checkpoint_age(rs, ck, now)}
+                        "age_s": _checkpoint_age(rs, ck, now),
+                        **({"script_step": ck.get("script_step")} if "script_step" in ck else {})}
                        if ck else None),
         "runtime_status_age_s": round(now - float(rs["seen"]), 2) if rs.get("seen") else None,
         "controller": {"pid": os.getpid(), "alive": True},
@@ -271,8 +272,12 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "start_failed": start_failures(now=now, inventory=inventory, views=views, records=records) or None,
         "mode": job.mode.value,
         "restarts": rs.get("restarts") if job.mode.value == "restart" else None,
+        **(restart_fields(rs) if job.mode.value == "restart" else {}),
         "forged": dict(forged) if forged is not None else forged_summary({}, {}, None),
     }
+    if doc.get("failed"):  # restart mode: the script failed max_restarts times; the job stopped
+        doc["state"] = doc["phase"] = "failed"
+        doc["message"] = doc["failed"]
     workers = worker_entries(rs)
     if workers:
         doc["workers"] = workers
@@ -284,6 +289,18 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
             if isinstance(f, dict):
                 h["forward"] = {"port": f.get("port"), "up": bool(f.get("up")), "error": f.get("error") or None}
     return doc
+
+
+def restart_fields(rs: Mapping[str, Any]) -> dict[str, Any]:
+    """Restart mode's figures from rank 0's status: `snapshot` (the counter of the
+    script directory's snapshots; `step` is the script's own step, null until it is
+    known), `script` (where the step came from, whether every member's script runs)
+    and `failed` (why the job stopped on its restart limit; null while it runs)."""
+    script = rs.get("script") if isinstance(rs.get("script"), dict) else {}
+    return {"snapshot": rs.get("snapshot"),
+            "script": {k: script.get(k) for k in ("step", "step_from", "running", "running_since", "ever_running", "updated",
+                                                  "steps_per_s", "epoch")},
+            "failed": rs.get("failed") or None}
 
 
 def _counts(value: Any) -> dict[str, int]:

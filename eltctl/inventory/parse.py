@@ -32,6 +32,7 @@ from eltctl.inventory.types import (
     Storage,
     StragglerPolicy,
 )
+from eltctl_runtime.progress import PatternError, compile_progress
 from eltctl_runtime.protocol import NAME_RULE
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # = protocol.valid_name: names end up in file names
@@ -40,7 +41,7 @@ _SSH_URL = re.compile(r"ssh://(?:[^@/\s]+@)?[^:/\s]+(?::\d+)?/\S*")
 # The accepted keys, per table, in the order hosts.example.toml documents them.
 TOP_KEYS = ("job", "ssh", "policy", "storage", "controller", "hosts")
 JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device", "env",
-            "shared_filesystem", "mode", "stop_grace")
+            "shared_filesystem", "mode", "stop_grace", "progress", "max_restarts", "restart_window")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
 POLICY_KEYS = ("idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
@@ -182,11 +183,20 @@ class Checker:
         mode = t.choice("mode", JobMode.ELASTIC.value, [m.value for m in JobMode],
                         aliases={"torchrun": "restart"})
         stop_grace = t.duration("stop_grace", JobSpec.stop_grace, positive=True)
+        progress = t.string("progress")
+        if isinstance(progress, str):
+            try:
+                compile_progress(progress)
+            except PatternError as exc:
+                t.fail("progress", str(exc))
+        max_restarts = t.integer("max_restarts", JobSpec.max_restarts, lo=0, meaning=" (0: never stop)")
+        restart_window = t.duration("restart_window", JobSpec.restart_window, positive=True)
         if self.problems:
             return None
         return JobSpec(name=name, command=command, workdir=workdir, min_workers=min_workers,
                        max_workers=max_workers, device=DeviceKind(device), env=env,
-                       shared_filesystem=shared, mode=JobMode(mode), stop_grace=stop_grace)
+                       shared_filesystem=shared, mode=JobMode(mode), stop_grace=stop_grace,
+                       progress=progress, max_restarts=max_restarts, restart_window=restart_window)
 
     def command(self, t: Table) -> Any:
         value = t.raw("command", required='["python", "train.py"]')

@@ -65,6 +65,8 @@ def how_ended(state: str, why: str, planned: str = "", signal: bool = False) -> 
         return "signal" if (signal or why == "signal") else "yield"
     if why == "down":
         return "down"
+    if why == "failed":  # restart mode: the job stopped when its script hit [job] max_restarts
+        return "failed"
     if why == "planned":
         return planned or "planned"
     if state == "finished":

@@ -22,7 +22,9 @@ def describe_event(event: Mapping[str, Any]) -> tuple[str, str]:
             parts.append(", ".join(map(str, event["workers"])))
         if event.get("world_size") is not None:
             parts.append(f"now {event['world_size']} worker(s)")
-        if event.get("mode") == "restart":  # restart mode: the scripts were restarted
+        if event.get("failed"):  # restart mode: the job stopped on its restart limit
+            parts.append(f"failed: {event['failed']}")
+        elif event.get("mode") == "restart" and event.get("restarts") is not None:  # the scripts were restarted
             parts.append(f"script restarted (restart {event.get('restarts', '?')})")
         detail = "; ".join(parts)
     return host, detail

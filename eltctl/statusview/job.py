@@ -37,8 +37,11 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
         workers += f"   restart mode, {n} restart{'' if n == 1 else 's'}"
     grid.add_row("workers", workers)
 
-    # Restart mode: eltctl sees the script's checkpoint snapshots, not its steps.
-    progress = f"{'snapshot' if restart_mode else 'step'} {show(doc.get('step'))}"
+    progress = f"step {show(doc.get('step'))}"
+    if restart_mode:  # the script's own step (report() or [job] progress), and the snapshots eltctl took
+        if doc.get("step") is None:
+            progress = "step [dim]unknown (set \\[job] progress or call eltctl_runtime.report)[/]"
+        progress += f"   snapshot {show(doc.get('snapshot'))}"
     if doc.get("epoch") is not None:
         progress += f"   epoch {doc.get('epoch')}"
     sps = num(doc.get("samples_per_s"))
@@ -55,7 +58,13 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
         t = num(ckpt.get("time"))
         age = num(ckpt.get("age_s")) + staleness if num(ckpt.get("age_s")) is not None else (
             now - t if t is not None else None)
-        grid.add_row("checkpoint", f"step {ckpt.get('step')}, {format_age(age)} ago")
+        if restart_mode:
+            script_step = ckpt.get("script_step")
+            what = f"snapshot {ckpt.get('step')}" + (f" (script step {script_step})" if script_step is not None
+                                                     else "")
+        else:
+            what = f"step {ckpt.get('step')}"
+        grid.add_row("checkpoint", f"{what}, {format_age(age)} ago")
     else:
         grid.add_row("checkpoint", "[dim]none yet[/]")
 

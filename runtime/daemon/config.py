@@ -21,6 +21,8 @@
       "evict_grace": 2,     # optional: how long a worker that left for a GPU's owner may linger
       "mode": "elastic",    # optional: or "restart" (an unmodified torchrun script)
       "stop_grace": 30,     # optional, restart mode: seconds the script has to save after SIGTERM
+      "progress": null,     # optional, restart mode: regex or name (progress.PATTERNS) for rank 0's output
+      "max_restarts": 5, "restart_window": 600,   # optional, restart mode: the script's failures that stop the job
       "courtesy": {"nice": 10, "ionice": "best-effort", "cpu_threads": null, "memory_limit_mib": null}
                             # optional: the workers' priority and limits (courtesy.py); absent: none
       "owner": {"signals": ["login", "keyboard", "load"], "idle_to_start": 900, ...}
@@ -36,7 +38,8 @@
 
 In restart mode each slot runs the supervisor (runtime/restart.py) in place of
 the command: `<python> -m eltctl_runtime.restart --stop-grace S --script-dir
-<job_dir>/script-checkpoints -- <command>`; it runs the command itself with
+<job_dir>/script-checkpoints --max-restarts N --restart-window S [--progress P]
+-- <command>`; it runs the command itself with
 torchrun's environment. `leave_timeout` and `stop_timeout` are raised to at
 least `stop_grace` + 60 s so the daemon never kills a supervisor that is still
 waiting for its script to save.
@@ -102,6 +105,9 @@ class DaemonConfig:
     evict_grace: float = 2.0
     mode: str = "elastic"
     stop_grace: float = 30.0
+    progress: str | None = None
+    max_restarts: int = 5
+    restart_window: float = 600.0
     courtesy: Courtesy = field(default_factory=Courtesy)
     owner: OwnerPolicy = field(default_factory=OwnerPolicy)
     claims_dir: str | None = None  # None: $ELTCTL_CLAIMS_DIR, else claims.DEFAULT_DIR (runtime/claims.py)
@@ -131,7 +137,9 @@ class DaemonConfig:
         supervisor that runs it (see the module docstring)."""
         if self.mode == "restart":
             return (self.python, "-m", RESTART_MODULE, "--stop-grace", f"{self.stop_grace:g}", "--script-dir",
-                    str(self.job_dir / SCRIPT_CHECKPOINTS_DIR), "--", *self.script_argv)
+                    str(self.job_dir / SCRIPT_CHECKPOINTS_DIR), "--max-restarts", str(self.max_restarts),
+                    "--restart-window", f"{self.restart_window:g}",
+                    *(("--progress", self.progress) if self.progress else ()), "--", *self.script_argv)
         return self.script_argv
 
     @classmethod
@@ -213,6 +221,15 @@ class DaemonConfig:
         if mode not in MODES:
             raise DaemonConfigError(f"{source}: 'mode' must be 'elastic' or 'restart', not {mode!r}")
         stop_grace = number("stop_grace", 30.0)
+        progress = d.get("progress")
+        if progress is not None and (not isinstance(progress, str) or not progress):
+            raise DaemonConfigError(f"{source}: 'progress' must be null or a non-empty string")
+        max_restarts = d.get("max_restarts", 5)
+        if max_restarts is None:
+            max_restarts = 5
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+            raise DaemonConfigError(f"{source}: 'max_restarts' must be an integer >= 0, not {max_restarts!r}")
+        restart_window = number("restart_window", 600.0)
         try:
             owner = OwnerPolicy.from_dict(d.get("owner"), source=f"{source}: 'owner'")
         except ValueError as e:
@@ -238,7 +255,8 @@ class DaemonConfig:
             watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),
             leave_timeout=max(floor, number("leave_timeout", 120.0)),
             stop_timeout=max(floor, number("stop_timeout", 300.0)),
-            evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, courtesy=courtesy,
+            evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, progress=progress,
+            max_restarts=max_restarts, restart_window=restart_window, courtesy=courtesy,
             owner=owner, claims_dir=claims_dir, secret_file=Path(secret_file) if secret_file else None,
         )
 

@@ -282,6 +282,8 @@ class Daemon:
         cause = self._cause(w) if out.crash_event else ""
         if out.state is WorkerState.FINISHED and self._link.done_reason == "stop":
             self._history.note_why(w.worker_id, "down")  # it saw the stop before this daemon did
+        elif out.state is WorkerState.FINISHED and self._link.done_reason == "failed":
+            self._history.note_why(w.worker_id, "failed")  # restart mode: the script hit max_restarts
         ran_s = round(time.monotonic() - w.since, 1) if out.at_start else None
         del self._workers[w.slot]
         self._history.ended(w.worker_id, w.slot, w.start_wall or w.since_wall, time.time(), out.state.value)

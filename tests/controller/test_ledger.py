@@ -265,6 +265,7 @@ def test_a_planned_leave_takes_the_controllers_reason_for_its_host(world, record
     ("left", "planned", "window", False, "window"),
     ("left", "planned", "", False, "planned"),
     ("finished", "", "", False, "finished"),
+    ("finished", "failed", "", False, "failed"),  # restart mode: the script hit max_restarts
     ("crashed", "", "", False, "crash"),
     ("killed", "planned", "quota", False, "quota"),
     ("lost", "", "", False, "lost"),

@@ -142,5 +142,5 @@ def test_unmodified_script_trains_through_yield_scale_and_loss_of_every_host(job
     assert any(e.get("where") == "mirror" and (e.get("step") or 0) >= mirrored for e in restores), restores
 
     out = job_env.eltctl("down").stdout
-    assert "final checkpoint: step" in out, out
+    assert "final checkpoint: snapshot " in out, out  # no [job] progress: the script's step is not known
     assert job_pids(job_env.job) == []

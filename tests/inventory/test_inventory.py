@@ -191,7 +191,8 @@ ERRORS = [
      'hosts.toml:7: hosts[0].adress (host "h1"): unknown key; did you mean address?'),
     ("unknown key without a near name", JOB + "colour = 1\n" + HOST,
      "hosts.toml:4: job.colour: unknown key; [job] accepts: name, command, workdir, "
-     "min_workers, max_workers, device, env, shared_filesystem, mode, stop_grace"),
+     "min_workers, max_workers, device, env, shared_filesystem, mode, stop_grace, progress, max_restarts, "
+     "restart_window"),
     ("unknown section", JOB + "[host]\nname = 'a'\n" + HOST,
      "hosts.toml:4: host: unknown section; did you mean hosts?"),
     ("missing job section", HOST,

@@ -55,12 +55,20 @@ def test_job_mode_and_stop_grace():
     assert (inv.job.mode.value, inv.job.stop_grace) == ("elastic", 30.0)
     inv = parse_inventory(BASE + 'mode = "restart"\nstop_grace = "45s"\n' + HOST, "hosts.toml")
     assert (inv.job.mode.value, inv.job.stop_grace) == ("restart", 45.0)
+    assert (inv.job.progress, inv.job.max_restarts, inv.job.restart_window) == (None, 5, 600.0)
+    inv = parse_inventory(BASE + 'mode = "restart"\nprogress = "hf-trainer"\nmax_restarts = 3\n'
+                          'restart_window = "5m"\n' + HOST, "hosts.toml")
+    assert (inv.job.progress, inv.job.max_restarts, inv.job.restart_window) == ("hf-trainer", 3, 300.0)
 
 
 @pytest.mark.parametrize("text, message", [
     (BASE + 'mode = "restrat"\n' + HOST,
      'hosts.toml:4: job.mode: must be one of "elastic", "restart", got a string ("restrat"); did you mean "restart"?'),
     (BASE + 'stop_grace = "0s"\n' + HOST, 'hosts.toml:4: job.stop_grace: must be longer than 0 s, got "0s"'),
+    (BASE + 'progress = "step \\\\d+"\n' + HOST,
+     "hosts.toml:4: job.progress: the progress pattern 'step \\\\d+' has no named group: give (?P<step>...) "
+     "(and optionally loss, samples, samples_per_s), or name one of: step-loss, hf-trainer, lightning"),
+    (BASE + 'max_restarts = -1\n' + HOST, "hosts.toml:4: job.max_restarts: must be >= 0 (0: never stop), got -1"),
 ])
 def test_job_mode_mistakes_have_exact_messages(text, message):
     with pytest.raises(ConfigError) as info:

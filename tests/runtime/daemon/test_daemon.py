@@ -323,7 +323,12 @@ def test_config_reads_the_documented_fields():
 def test_restart_mode_runs_the_supervisor_with_time_to_save():
     cfg = DaemonConfig.from_json(json.dumps(dict(BASE_CFG, mode="restart", stop_grace=100, leave_timeout=30)))
     assert cfg.argv == ("/usr/bin/python3", "-m", "eltctl_runtime.restart", "--stop-grace", "100", "--script-dir",
-                        f"{BASE_CFG['job_dir']}/script-checkpoints", "--", "/usr/bin/python3", "train.py")
+                        f"{BASE_CFG['job_dir']}/script-checkpoints", "--max-restarts", "5", "--restart-window", "600",
+                        "--", "/usr/bin/python3", "train.py")
+    tuned = DaemonConfig.from_json(json.dumps(dict(BASE_CFG, mode="restart", progress="step-loss", max_restarts=0,
+                                                   restart_window=60)))
+    assert tuned.argv[-9:] == ("--max-restarts", "0", "--restart-window", "60", "--progress", "step-loss", "--",
+                             "/usr/bin/python3", "train.py")
     assert cfg.leave_timeout == 160 and cfg.stop_timeout == 300
     assert DaemonConfig.from_json(json.dumps(BASE_CFG)).mode == "elastic"
 
