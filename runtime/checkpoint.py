@@ -312,6 +312,7 @@ class _Request:
     step: int
     state: Any
     created: float
+    meta: dict | None = None  # written as the manifest's "meta" (restart mode: the script's step)
 
 
 class CheckpointStore:
@@ -379,12 +380,13 @@ class CheckpointStore:
 
     # -- writing -----------------------------------------------------------
 
-    def save_async(self, step: int, state: dict) -> None:
-        """Snapshot `state` now and write it as `step` in the background."""
+    def save_async(self, step: int, state: dict, meta: dict | None = None) -> None:
+        """Snapshot `state` now and write it as `step` in the background. `meta`: small
+        JSON facts the manifest carries (`meta`), for listings that do not load the state."""
         step_dirname(step)  # validates
         if self._closed:  # checked again below; this one spares the copy
             raise RuntimeError(f"checkpoint store {self.directory} is closed")
-        req = _Request(step, snapshot(state), time.time())
+        req = _Request(step, snapshot(state), time.time(), dict(meta) if meta else None)
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"checkpoint store {self.directory} is closed")
@@ -511,6 +513,8 @@ class CheckpointStore:
                 "torch": torch.__version__,
                 "files": {STATE_FILE: {"size": sink.size, "sha256": sink.sha256.hexdigest()}},
             }
+            if req.meta:
+                manifest["meta"] = req.meta
             with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
                 f.write("\n")

@@ -252,8 +252,8 @@ class Desired:
         return json.dumps(self.to_dict())
 
 
-def status_document(*, generation: int, world_size: int, members: Iterable[str], step: int, epoch: int,
-                    position: int, samples_per_s: float, loss: float | None, checkpoint: dict | None,
+def status_document(*, generation: int, world_size: int, members: Iterable[str], step: int | None, epoch: int,
+                    position: int, samples_per_s: float | None, loss: float | None, checkpoint: dict | None,
                     time: float | None = None, workers: dict | None = None, mode: str | None = None,
                     restarts: int | None = None, forged: dict[str, int] | None = None,
                     extra: dict | None = None) -> dict:

@@ -470,8 +470,10 @@ class Supervisor:
             unpack_dir(data, self.script_dir)
             self._unpacked = counter
         self.script_dir.mkdir(parents=True, exist_ok=True)
-        if self._rank == 0 and counter > self._saved:
-            self._save_checkpoint(wait=False)
+        if self._rank == 0:
+            self._ckpt_watch.taken(listing(self.script_dir))  # the directory is snapshot `counter`
+            if counter > self._saved:
+                self._save_checkpoint(wait=False)
         restarts = self._starts
         if self._rank == 0 and self._tracker.step is None:
             self._seed_progress()
@@ -817,8 +819,10 @@ class Supervisor:
             return
         counter, data = self._snap
         self._snap_steps[counter] = self._tracker.step
+        script_step = self._tracker.step
         self._ckpt.save_async(counter, {"format": SNAPSHOT_FORMAT, "tar": _as_tensor(data), "starts": self._starts,
-                                        "script_step": self._tracker.step if self._tracker.step is not None else -1})
+                                        "script_step": script_step if script_step is not None else -1},
+                              meta={"mode": "restart", "snapshot": counter, "script_step": script_step})
         self._saved = counter
         if wait:
             self._ckpt.wait()
@@ -907,10 +911,9 @@ class Supervisor:
         extra = {"snapshot": self._snap[0] if self._snap else 0, "script": script}
         if self._failure is not None:
             extra["failed"] = self._failure
-        samples_per_s = t.samples_per_s
         doc = status_document(generation=plan.generation, world_size=plan.world_size, members=plan.members,
                               step=t.step, epoch=int(t.epoch or 0), position=0,
-                              samples_per_s=samples_per_s if samples_per_s is not None else 0.0,
+                              samples_per_s=t.samples_per_s,  # None while unknown: not "0.0 samples/s"
                               loss=t.loss, checkpoint=self._last_ckpt, mode="restart",
                               restarts=max(0, self._starts - 1), forged=self._forgeries.counts(), extra=extra)
         try:

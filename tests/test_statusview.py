@@ -766,6 +766,9 @@ def test_restart_mode_shows_mode_restarts_and_snapshot():
     assert "restart mode, 2 restarts" in text
     assert "step 11234   snapshot 4   epoch 0" in text
     assert "snapshot 4 (script step 11200), 10 s ago" in text
+    text = view_text(dict(doc, mirror={"target": "/m", "step": 3, "age_s": 5.0, "lag_steps": 1}),
+                     Source.CONTROLLER, NOW + 0.5)
+    assert "/m: snapshot 3, 5.5 s old   1 snapshots behind" in text
     text = view_text(dict(doc, step=None), Source.CONTROLLER, NOW + 0.5)
     assert "step unknown (set [job] progress or call eltctl_runtime.report)   snapshot 4" in text
 

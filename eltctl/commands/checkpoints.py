@@ -108,12 +108,16 @@ def render(listing) -> None:
     console = Console(highlight=False)
     console.print(f"mirror: {escape(listing.mirror or 'none (set [storage] mirror)')}", soft_wrap=True)
     table = Table()
-    for col in ("step", "time", "size", "where", "verified"):
-        table.add_column(col, justify="right" if col in ("step", "size") else "left")
+    # restart mode: eltctl's checkpoints are the snapshots of the script's directory; the script's step beside
+    restart = any(c.script_step is not None for c in listing.checkpoints)
+    cols = ("snapshot", "script step") if restart else ("step",)
+    for col in (*cols, "time", "size", "where", "verified"):
+        table.add_column(col, justify="right" if col in ("step", "snapshot", "script step", "size") else "left")
     for c in listing.checkpoints:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created)) if c.created else "?"
         verified = {True: "[green]yes[/]", False: f"[red]NO[/] {escape(c.problem or '')}", None: "-"}[c.verified]
-        table.add_row(str(c.step), when, _size(c.size), escape(c.where), verified)
+        steps = (str(c.step), str(c.script_step) if c.script_step is not None else "?") if restart else (str(c.step),)
+        table.add_row(*steps, when, _size(c.size), escape(c.where), verified)
     console.print(table)
     if not listing.checkpoints:
         console.print("no checkpoints found")

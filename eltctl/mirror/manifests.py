@@ -50,8 +50,19 @@ def parse_listing(text: str, place: Place) -> list[Located]:
             step = ckpt.parse_step_dirname(name) or 0
             out.append(Located(step, place.label, path, 0.0, 0, (), verified=False, problem=str(exc)))
             continue
-        out.append(Located(step, place.label, path, created, sum(f[1] for f in files), files))
+        out.append(Located(step, place.label, path, created, sum(f[1] for f in files), files,
+                           script_step=manifest_script_step(body)))
     return sorted(out, key=lambda c: -c.step)
+
+
+def manifest_script_step(text: str) -> int | None:
+    """Restart mode: the script's step a snapshot's manifest names (`meta.script_step`), else None."""
+    try:
+        meta = json.loads(text).get("meta")
+    except (ValueError, AttributeError):
+        return None
+    step = meta.get("script_step") if isinstance(meta, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def parse_sums(text: str) -> dict[str, str]:

@@ -35,6 +35,7 @@ class Located:
     files: tuple[tuple[str, int, str], ...]  # (name, size, sha256) from the manifest
     verified: bool | None = None  # None: not checked; False: `problem` says why
     problem: str | None = None
+    script_step: int | None = None  # restart mode: the script's step when this snapshot was taken (manifest meta)
 
     @property
     def on_mirror(self) -> bool:
@@ -42,7 +43,8 @@ class Located:
 
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "where": self.where, "path": self.path, "time": self.created,
-                "size": self.size, "verified": self.verified, "problem": self.problem}
+                "size": self.size, "verified": self.verified, "problem": self.problem,
+                **({"script_step": self.script_step} if self.script_step is not None else {})}
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     else:
         grid.add_row("checkpoint", "[dim]none yet[/]")
 
-    mirror = mirror_line(doc.get("mirror"), now, staleness)
+    mirror = mirror_line(doc.get("mirror"), now, staleness, "snapshot" if restart_mode else "step")
     if mirror is not None:
         grid.add_row("mirror", mirror)
 
@@ -88,9 +88,10 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     return grid
 
 
-def mirror_line(mirror: Any, now: float, staleness: float = 0.0) -> str | None:
+def mirror_line(mirror: Any, now: float, staleness: float = 0.0, unit: str = "step") -> str | None:
     """The `mirror` row: target, newest mirrored step and its age, lag, last error
-    (None when the job has no `[storage] mirror`)."""
+    (None when the job has no `[storage] mirror`). `unit`: "snapshot" in restart mode
+    (its checkpoints are numbered by the snapshot counter)."""
     from rich.markup import escape
 
     if not isinstance(mirror, dict):
@@ -102,10 +103,10 @@ def mirror_line(mirror: Any, now: float, staleness: float = 0.0) -> str | None:
         t = num(mirror.get("time"))
         age = num(mirror.get("age_s")) + staleness if num(mirror.get("age_s")) is not None else (
             now - t if t is not None else None)
-        line += f": step {mirror.get('step')}, {format_age(age)} old"
+        line += f": {unit} {mirror.get('step')}, {format_age(age)} old"
     lag = mirror.get("lag_steps")
     if isinstance(lag, int):
-        line += "   [green]up to date[/]" if lag == 0 else f"   [yellow]{lag} steps behind[/]"
+        line += "   [green]up to date[/]" if lag == 0 else f"   [yellow]{lag} {unit}s behind[/]"
     if mirror.get("last_error"):
         line += f"\n[red]last error: {escape(str(mirror['last_error']))}[/]"
     return line

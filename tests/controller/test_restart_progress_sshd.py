@@ -116,4 +116,4 @@ def test_a_script_that_fails_at_every_start_stops_the_job_and_up_says_why(one_gp
     assert doc["state"] == "failed" and doc["failed"] == (
         "the script exited 3 times in 2 min; last line: RuntimeError: no data in /nowhere"), doc
     view = env.eltctl("status").stdout
-    assert "failed: the script exited 3 times" in view, view
+    assert "failed (the script exited 3 times in 2 min; last line: RuntimeError: no data in /nowhere)" in view, view
