@@ -9,7 +9,8 @@ A few lines in the script::
     trainer.fit(model, data, ckpt_path=last_checkpoint(cb.dirpath))
 
 On SIGTERM every rank finishes its batch, the ranks agree on the stop at the
-batch's end, `trainer.save_checkpoint` writes `step=<global_step>.ckpt` (as a
+end of the batch that completes an optimizer step (with gradient accumulation,
+not in between), `trainer.save_checkpoint` writes `step=<global_step>.ckpt` (as a
 `ModelCheckpoint(every_n_train_steps=1)` would at that point), the supervisor
 is told (`checkpoint_saved`) and the script exits 143. Lightning's own SIGTERM
 handling (a broadcast inside the signal handler, then an exit at the next batch
@@ -93,11 +94,13 @@ class EltctlCallback(Callback):
         self.dirpath = str(dirpath) if dirpath is not None else checkpoint_dir("checkpoints")
         self._signal = StopSignal()
         self._announced: set[str] = set()
+        self._step_seen = -1
 
     def on_train_start(self, trainer, pl_module) -> None:
         # After Lightning's own signal connector registered its SIGTERM handler.
         self._signal.install()
         self._announced = set(self._saved_paths(trainer))  # those existed before this run
+        self._step_seen = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.is_global_zero:
@@ -105,6 +108,9 @@ class EltctlCallback(Callback):
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             # The tensor itself: report() converts it only when it writes (no sync per step).
             report(step=trainer.global_step, loss=loss.detach() if isinstance(loss, torch.Tensor) else None)
+        if trainer.global_step == self._step_seen:
+            return  # mid gradient accumulation: stop only where an optimizer step ended (same on every rank)
+        self._step_seen = trainer.global_step
         if agree(self._signal.requested, trainer.strategy.root_device):
             path = os.path.join(self.dirpath, f"step={trainer.global_step}.ckpt")
             trainer.save_checkpoint(path)  # every rank: it holds a barrier; rank 0 writes

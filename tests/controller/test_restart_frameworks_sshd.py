@@ -110,10 +110,11 @@ def _run_through_yield_and_scale(je, script: str) -> None:
     def progress():
         doc = json.loads(je.eltctl("status", "--json").stdout)
         assert doc["mode"] == "restart", doc
-        step = max(doc.get("step") or 0, (doc.get("script") or {}).get("step") or 0)
+        step = doc.get("step") or 0  # restart mode: the script's own step
         return doc if step >= last else None
     doc = wait_for(progress, 60, f"status showing the script's step >= {last}")
-    assert doc["restarts"] >= 2, doc
+    assert doc["restarts"] >= 2 and doc.get("loss") is not None, doc  # the callback's report() calls
+    assert "restart mode" in je.eltctl("status").stdout
 
     out = je.eltctl("down").stdout
     assert "final checkpoint" in out, out

@@ -259,7 +259,8 @@ def test_a_one_gpu_job_on_nccl_yields_to_an_owner_and_survives_a_stop(gpu_job):
 def test_restart_mode_on_nccl_resumes_an_unmodified_script_after_an_owner_yield():
     command = ["python", "ddp_restart.py", "--steps", "1000000", "--save-every", "1000", "--step-sleep", "0.02",
                "--samples", "4096", "--batch", "64", "--hidden", "256", "--checkpoint-dir", "{checkpoint_dir}"]
-    with new_job(command=command, files=("ddp_restart.py",), job_keys=('mode = "restart"', 'stop_grace = "30s"')) as job:
+    keys = ('mode = "restart"', 'stop_grace = "30s"', 'progress = "step-loss"')  # status reads its step lines
+    with new_job(command=command, files=("ddp_restart.py",), job_keys=keys) as job:
         out = job.eltctl("up", timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr + job.logs()
         steps = lambda: [tuple(map(int, m)) for m in STEP.findall(job.script_log())]  # noqa: E731
