@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 import io
 import json
-import re
 import os
+import re
 import signal
 import socket
 import subprocess
