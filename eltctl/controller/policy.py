@@ -626,6 +626,7 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
     kept: dict[str, list[int]] = {}
     candidates: list[tuple[str, int]] = []
     soon_at: list[tuple[float, str, str]] = []  # (when usable, the key that delays it, host) per maturing slot
+    kinds: set[str] = set()  # "idle_for" (GPUs) / "cpu_idle_for" (CPU slots) of the free slots counted
     capacity = 0.0
     for host in inventory.hosts:
         view = views.get(host.name)
@@ -644,6 +645,8 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
                 new, soon = new[:room], soon[:max(room - len(new), 0)]
             candidates += [(host.name, i) for i in new]
             soon_at += [(at, idle_for_key(view), host.name) for _, at in soon]
+            if new or soon:
+                kinds.add(idle_for_key(view))
     if capacity < job.min_workers and any(lim.phase for lim in limits.values()):
         # The limits alone leave too few slots: pause (every worker leaves; rank 0
         # checkpoints first) and start again from that checkpoint when they lift.
@@ -669,14 +672,14 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
         # Free GPUs that only wait for idle_for will do: the job is starting, not waiting.
         waiting = usable + maturing_n < job.min_workers
         if waiting:
-            message = (f"{usable + maturing_n} GPU/slot(s) free, min_workers is {job.min_workers}: "
+            message = (f"{usable + maturing_n} {_slot_word(kinds)} free, min_workers is {job.min_workers}: "
                        "waiting for more to be free")
         else:
             # The job starts when the min_workers-th slot is usable: the last of the
             # soonest maturing slots it needs.
             starts_at, key, host_name = sorted(soon_at)[max(job.min_workers - usable, 1) - 1]
             wait = inventory.policy.cpu_idle_for if key == "cpu_idle_for" else inventory.policy.idle_for
-            message = (f"starts in {format_left(starts_at - now)}: {maturing_n} free GPU/slot(s) are used once "
+            message = (f"starts in {format_left(starts_at - now)}: {maturing_n} free {_slot_word(kinds)} are used once "
                        f"they have been free for {key} ({format_duration(wait)}); "
                        f"`eltctl scale --add {host_name}` uses them now")
     else:
@@ -701,6 +704,13 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
         # id finds its old `leave/<id>` key in the store and leaves at once.
     return Decision(actions=tuple(actions), desired={k: tuple(sorted(v)) for k, v in desired.items()},
                     usable=usable, waiting=waiting, message=message, starts_at=starts_at)
+
+
+def _slot_word(kinds: set[str]) -> str:
+    """What the free slots counted are called: GPUs, CPU slots (hosts without GPUs), or both."""
+    if kinds == {"cpu_idle_for"}:
+        return "CPU slot(s)"
+    return "GPU(s)" if kinds == {"idle_for"} else "GPU/slot(s)"
 
 
 def leave_out(records: Mapping[str, HostRecord], left_out: Mapping[str, str],

@@ -239,7 +239,7 @@ def test_a_start_that_waits_for_idle_for_returns_with_a_countdown_and_ctrl_c_say
     stdout = "".join(lines)
     pid = local_job.controller_pid()
     assert up.returncode == 130, stdout + stderr
-    assert re.search(r"starting: starts in \d+ s: 1 free GPU/slot", stdout), stdout  # the countdown
+    assert re.search(r"starting: starts in \d+ s: 1 free CPU slot", stdout), stdout  # the countdown
     assert f"interrupted: the controller (pid {pid}) keeps running" in stderr, stderr
     assert "`eltctl status` follows it; `eltctl down` stops it" in stderr, stderr
 

@@ -156,7 +156,7 @@ def test_cpu_idle_for_makes_cpu_slots_wait_when_the_inventory_asks():
     d = decide(views, {"c": HostRecord(free_since=free_for(30, 0, 1))}, inv, NOW)
     assert d.desired == {"c": ()} and not d.waiting
     assert d.starts_at == NOW + 60
-    assert d.message.startswith("starts in 1 min: 2 free GPU/slot(s) are used once they have been free for "
+    assert d.message.startswith("starts in 1 min: 2 free CPU slot(s) are used once they have been free for "
                                 "cpu_idle_for (1m30s)")
     assert "`eltctl scale --add c` uses them now" in d.message
 
