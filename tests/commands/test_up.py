@@ -211,7 +211,7 @@ def test_a_start_that_waits_for_idle_for_returns_with_a_countdown_and_ctrl_c_say
     local_job.write({"h1": HOST_PYTHON}, policy={"cpu_idle_for": "10m"})
     out, took = local_job.eltctl("up")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert re.search(r"waiting: starts in (9 min \d+ s|10 min): 1 free GPU/slot\(s\) are used once they have been "
+    assert re.search(r"waiting: starts in (9 min \d+ s|10 min): 1 free CPU slot\(s\) are used once they have been "
                      r"free for cpu_idle_for \(10m\); `eltctl scale --add h1` uses them now", out.stdout), out.stdout
     assert "the controller starts the job by itself then" in out.stdout and took < QUICK_S
     shown, _ = local_job.eltctl("status")
