@@ -49,7 +49,7 @@ def up(
         out.print("the controller starts the job by itself then (`eltctl status` shows the countdown)")
     elif result.state == "waiting":
         out.print(f"[yellow]waiting:[/] {escape(result.message)}; the controller starts the job "
-                  "when enough GPUs are free (`eltctl status` shows them)")
+                  "when enough GPUs (or CPU slots) are free (`eltctl status` shows them)")
     elif result.state == "paused":
         out.print(f"[blue]paused:[/] {escape(result.message)}; the controller resumes the job by itself "
                   "(`eltctl status` shows the hosts)")

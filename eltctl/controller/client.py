@@ -238,7 +238,7 @@ def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, sta
         if doc.get("state") == "training" and trains(doc):
             return UpResult(pid, started, "training", training_message(doc), doc)
         if doc.get("state") == "waiting":
-            return UpResult(pid, started, "waiting", message or "waiting for free GPUs", doc)
+            return UpResult(pid, started, "waiting", message or "waiting for free GPUs or CPU slots", doc)
         if doc.get("state") == "paused":  # outside working hours or over a quota: resumes by itself
             return UpResult(pid, started, "paused", message, doc)
         if doc.get("state") in ("stopping", "stopped"):
