@@ -208,6 +208,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                     return {"ok": False, "error": str(exc)}
             if isinstance(req.get("left_out"), dict):
                 await ctl.leave_out({str(k): str(v) for k, v in req["left_out"].items()})
+            if ctl.mirror_worker is not None:
+                ctl.mirror_worker.retry()  # a mirror failure someone may have fixed: try now
             await ctl.reconcile()
             ctl.write_status()
             return {"ok": True, "phase": ctl.phase, "message": ctl.message}

@@ -16,6 +16,7 @@ from eltctl.mirror.values import Fault, MirrorError, Place
 log = logging.getLogger("eltctl.mirror")
 
 SourceLookup = Callable[[str], Awaitable[Place]]
+RECHECK_S = 600.0  # after a permanent failure, the next try waits this long (or for `retry()`)
 
 
 @dataclass
@@ -31,9 +32,11 @@ class _State:
     mirrored_count: int = 0
     history: list[str] = field(default_factory=list)
     # the last failure, when it cannot succeed by retrying (permission, no space, ...):
-    # the step it happened at is not retried; a newer notice tries once more
+    # the step it happened at is not retried; a newer one is tried once `recheck_s`
+    # after it (or at once after `retry()`)
     fault: Fault | None = None
     fault_step: int | None = None
+    fault_time: float | None = None
     # the last attempt failed because the checkpoint's host could not be reached
     source_unreachable: bool = False
     attempts_done: int = 0  # attempts ended, successful or not (flush counts them)
@@ -54,14 +57,16 @@ class MirrorWorker:
     A step whose source disappeared (host gone, retention) is dropped, not retried.
     Failures are sorted (`Mirror.fault`): a transient one (a reset connection, a
     timeout) is retried with back-off; a permanent one (permission, no space, a missing
-    path, the mirror host's key or login) is not: the worker waits for a newer
-    checkpoint to try once more, `status()["problem"]` holds it with its fix, and
-    `flush` returns at once.
+    path, the mirror host's key or login) is not: `status()["problem"]` holds it with
+    its fix, `flush` returns at once, and the newest checkpoint is tried again only
+    `recheck_s` later (a fix is seen without a restart) or at once after `retry()`
+    (`eltctl up` of the running job).
     """
 
     def __init__(self, mirror: Mirror, source: SourceLookup, *, clock: Callable[[], float] = time.time,
-                 backoff_base: float = 2.0, backoff_cap: float = 60.0) -> None:
+                 backoff_base: float = 2.0, backoff_cap: float = 60.0, recheck_s: float = RECHECK_S) -> None:
         self.mirror = mirror
+        self._recheck = recheck_s
         self._source = source
         self._clock = clock
         self._base = backoff_base
@@ -71,6 +76,9 @@ class MirrorWorker:
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._attempted: asyncio.Event | None = None  # set after each attempt, while a flush waits
+        # stop() asked: the loop ends at its next turn. Cancelling alone is not enough: a
+        # wait_for whose event is set as the cancel arrives swallows it (Python < 3.12).
+        self._stopping = False
 
     async def start(self) -> None:
         if self._task is not None:
@@ -131,18 +139,40 @@ class MirrorWorker:
             return None
         if s.mirrored is not None and s.committed <= s.mirrored:
             return None
-        if s.fault is not None and s.fault_step is not None and s.committed <= s.fault_step:
-            return None  # permanent: waits for a person, or a newer checkpoint to try again
+        if self._held_for() > 0:
+            return None  # permanent: waits for a person (`retry()`), or `recheck_s`
         return s.committed_host, s.committed
+
+    def _held_for(self) -> float:
+        """Seconds until the next try after a permanent failure (0: not held; inf: only a
+        newer checkpoint or `retry()` ends it)."""
+        s = self._state
+        if s.fault is None or s.fault_time is None:
+            return 0.0
+        if s.committed is not None and s.fault_step is not None and s.committed <= s.fault_step:
+            return float("inf")
+        return max(0.0, s.fault_time + self._recheck - self._clock())
+
+    def retry(self) -> None:
+        """Try the newest checkpoint now, whatever failed before (someone says it is fixed)."""
+        s = self._state
+        s.fault_time = None  # not held any more (status still shows the fault until a copy works)
+        s.attempts = 0
+        if self._wake is not None:
+            self._wake.set()
 
     async def _loop(self) -> None:
         assert self._wake is not None and self._idle is not None
-        while True:
+        while not self._stopping:
             todo = self._todo()
             if todo is None:
                 self._idle.set()
                 self._wake.clear()
-                await self._wake.wait()
+                held = self._held_for()
+                try:  # held after a permanent failure: wake when the hold ends, or on news
+                    await asyncio.wait_for(self._wake.wait(), None if held in (0.0, float("inf")) else held)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             host, step = todo
             s = self._state
@@ -163,9 +193,9 @@ class MirrorWorker:
                 s.attempts_done += 1
                 if fault is not None and fault.permanent:
                     if s.fault is None or s.fault.message != fault.message:
-                        log.warning("Mirror %s: %s; not retried until a newer checkpoint (fix: %s)",
-                                    self.mirror.target, s.last_error, fault.fix)
-                    s.fault, s.fault_step = fault, step
+                        log.warning("Mirror %s: %s; not retried for %g s or until `eltctl up` (fix: %s)",
+                                    self.mirror.target, s.last_error, self._recheck, fault.fix)
+                    s.fault, s.fault_step, s.fault_time = fault, step, self._clock()
                     self._changed()
                     continue
                 log.warning("Mirror %s: %s", self.mirror.target, s.last_error)
@@ -186,7 +216,7 @@ class MirrorWorker:
             s.mirrored_count += 1
             s.attempts = 0
             s.last_error = None
-            s.fault = s.fault_step = None
+            s.fault = s.fault_step = s.fault_time = None
             s.source_unreachable = False
             s.attempts_done += 1
             self._changed()
@@ -235,6 +265,9 @@ class MirrorWorker:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
+            self._stopping = True
+            if self._wake is not None:
+                self._wake.set()
             task.cancel()
             try:
                 await task

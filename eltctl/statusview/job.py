@@ -128,7 +128,8 @@ def mirror_warning(mirror: Any) -> str | None:
     if not isinstance(problem, dict):
         return None
     line = (f"[red]the mirror cannot work ({escape(str(problem.get('kind', '?')))}): checkpoints are on the hosts "
-            f"only, not retried until the next one[/]\n{escape(str(problem.get('message', '')))}")
+            f"only; tried again in 10 min, or at once by `eltctl up` once fixed[/]"
+            f"\n{escape(str(problem.get('message', '')))}")
     if problem.get("fix"):
         line += f"\n[bold]fix:[/] {escape(str(problem['fix']))}"
     return line

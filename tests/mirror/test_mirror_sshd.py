@@ -11,7 +11,7 @@ the host to another simulated host). Plans:
   delivers it to a fresh host, and the runtime loads it there;
 - the mirror away for a while: errors recorded, retries (ssh://: unreachable, retried
   with back-off; a directory that is not there: permanent, shown with its fix, tried
-  again at the next checkpoint), the worker catches up after;
+  again when told, as `eltctl up` does), the worker catches up after;
 - a newer copy that fails verification never removes the last good one (keep=1);
 - the source host dies mid-copy: no step appears on the mirror;
 - `eltctl checkpoints --json` lists local and mirrored ones and imports no torch.
@@ -326,9 +326,10 @@ def test_mirror_away_for_a_while_delays_mirroring_but_stops_nothing(testbed, kin
                 commit(h1, 30)  # and another, while the mirror is still away
                 worker.notify("h1", 30)
                 bring_back()
-                if store_host is None:  # the next checkpoint tries again
+                if store_host is None:  # fixed: `eltctl up` has the worker try again
                     commit(h1, 40)
                     worker.notify("h1", 40)
+                    worker.retry()
                 flushed = await worker.flush(timeout=120)
                 after = worker.status()
             finally:

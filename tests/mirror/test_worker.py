@@ -1,8 +1,8 @@
 """`MirrorWorker` in-process, with a stand-in mirror: how it treats each kind of failure.
 
 - a permanent failure (permission): one attempt, no back-off retries; `status()` holds
-  the problem and its fix; `flush` answers at once; a newer checkpoint tries once more
-  and, the fix made, mirrors and clears the problem;
+  the problem and its fix; `flush` answers at once; newer checkpoints wait `recheck_s`
+  (or `retry()`, what `eltctl up` does) and, the fix made, mirror and clear the problem;
 - a transient failure (a cut connection) is retried with back-off until it succeeds;
 - the checkpoint's host unreachable during `flush` (`down` after the hosts were lost):
   `flush` answers after that attempt instead of waiting out its timeout.
@@ -64,23 +64,48 @@ def test_a_permanent_failure_is_not_retried_shows_its_fix_and_does_not_hold_up_f
             parked = worker.status()
             # it answers at once: were it to wait out its 600 s, the guard would fail the test
             flushed = await asyncio.wait_for(worker.flush(timeout=600), 30)
-            worker.notify("h1", 200)  # a newer checkpoint: one more try, still denied
+            worker.notify("h1", 200)  # newer checkpoints are not tried either, for recheck_s (10 min)
+            await asyncio.sleep(0.3)
+            held = list(mirror.attempts)
+            worker.retry()  # `eltctl up`: someone says it is fixed; it is not
             await asyncio.sleep(0.3)
             again = worker.status()
-            worker.notify("h1", 300)  # fixed meanwhile
-            ok = await worker.flush(timeout=60)
-            return mirror.attempts, parked, flushed, again, ok, worker.status()
+            worker.notify("h1", 300)
+            worker.retry()  # fixed now
+            ok = await asyncio.wait_for(worker.flush(timeout=600), 30)
+            return mirror.attempts, held, parked, flushed, again, ok, worker.status()
         finally:
             await worker.stop()
 
-    attempts, parked, flushed, again, ok, after = asyncio.run(main())
-    assert attempts == [100, 200, 300]
+    attempts, held, parked, flushed, again, ok, after = asyncio.run(main())
+    assert held == [100] and attempts == [100, 200, 300]
     assert parked["failures"] == 1 and parked["lag_steps"] == 100
     assert parked["problem"]["kind"] == "permission" and "Permission denied" in parked["problem"]["message"]
     assert "same uid" in parked["problem"]["fix"] and "group-writable" in parked["problem"]["fix"]
     assert flushed is False
     assert again["failures"] == 2 and again["problem"] is not None
     assert ok and after["step"] == 300 and after["problem"] is None and after["last_error"] is None
+
+
+def test_after_a_permanent_failure_a_newer_checkpoint_is_tried_once_recheck_s_has_passed():
+    async def main():
+        mirror = StandIn([DENIED, None])
+        worker = MirrorWorker(mirror, source, recheck_s=0.5)  # type: ignore[arg-type]
+        await worker.start()
+        try:
+            worker.notify("h1", 100)
+            await asyncio.sleep(0.1)
+            worker.notify("h1", 200)  # within recheck_s: held
+            await asyncio.sleep(0.1)
+            held = list(mirror.attempts)
+            await asyncio.sleep(1.0)  # the hold ends by itself: 200 is tried and mirrored
+            return held, mirror.attempts, worker.status()
+        finally:
+            await worker.stop()
+
+    held, attempts, status = asyncio.run(main())
+    assert held == [100] and attempts == [100, 200]
+    assert status["step"] == 200 and status["problem"] is None
 
 
 def test_a_transient_failure_is_retried_with_back_off_until_it_succeeds():
@@ -123,3 +148,24 @@ def test_flush_ends_when_the_checkpoints_host_cannot_be_reached():
     ok, status = asyncio.run(main())
     assert ok is False  # after one more attempt (the back-off skipped)
     assert len(calls) == 2 and status["problem"] is None and "connection refused" in status["last_error"]
+
+
+def test_stop_ends_the_worker_even_when_its_wait_ends_as_the_cancel_arrives():
+    # `down`: flush wakes the worker (its event set), then stop cancels it at once; a
+    # wait_for whose event is already set swallows that cancel (Python < 3.12), and the
+    # worker would wait on for its 10-minute hold, with `down` waiting on it.
+    async def main():
+        worker = MirrorWorker(StandIn([DENIED]), source)  # type: ignore[arg-type]
+        await worker.start()
+        worker.notify("h1", 100)
+        await asyncio.sleep(0.1)
+        worker.notify("h1", 200)  # held: the worker waits (up to recheck_s) on its event
+        await asyncio.sleep(0.1)
+        assert await worker.flush(timeout=600) is False  # sets the event
+        loop_task = worker._task
+        stopping = asyncio.ensure_future(worker.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=30)
+        return stopping in done, loop_task is not None and loop_task.done()
+
+    stopped, loop_ended = asyncio.run(main())
+    assert stopped and loop_ended

@@ -28,8 +28,9 @@ read by the controller, so the copy is checked against the source, not itself.
 as missing); exit 0.
 
 `probe` (`eltctl doctor`, `eltctl up`: can this host's account use the mirror?): make
-PARENT/TMPNAME as a copy would, write a file into it, fsync, rename it there; the
-directory is left for the controller, which reads, renames and removes it. Prints
+PARENT/TMPNAME as a copy would, write a file into it, fsync, rename it there, create
+and remove another; the directory is left for the controller, which reads, renames
+and removes it. Prints
 {"ok", "user", "uid", "problem", "errno"}.
 
 copy and publish print one JSON line: {"ok", "kept", "sums", "problem", "source_gone", "bytes"};
@@ -294,6 +295,9 @@ def probe(parent, tmpname):
             g.flush()
             os.fsync(g.fileno())
         os.rename(os.path.join(tmp, ".probe"), os.path.join(tmp, "probe"))
+        with open(os.path.join(tmp, ".gone"), "xb"):
+            pass
+        os.unlink(os.path.join(tmp, ".gone"))  # what a copy removes (a replaced step, a failed copy)
         fsync_dir(tmp)
     except OSError as exc:
         out.update(os_failure(exc))
