@@ -4,6 +4,12 @@ The files are written into a temporary directory beside TARGET (as
 TARGET/eltctl_runtime/<relative path>, subdirectories created) and the directory is
 renamed into place: a half-sent runtime is never used. An existing TARGET is kept
 (the hash in its name says it holds the same files). Standard library only.
+
+stdin is read to its end first, even when TARGET exists: two controllers ship the
+same runtime to a host at once (two jobs on one lab), and the one that finds TARGET
+made meanwhile must not exit before the sender is done. Over SSH, a command that
+ends (and closes its channel) before the sender writes its input fails the sender
+with "Channel not open for sending", counted as a failure of the host.
 """
 
 import base64
@@ -34,12 +40,13 @@ def unpack(data, root):
 
 def main(argv):
     target = argv[0]
+    data = sys.stdin.read()  # all of it, before any early exit (the module docstring)
     if os.path.isdir(target):
         return 0
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".incoming-")
-    unpack(base64.b64decode(sys.stdin.read()), os.path.join(tmp, PACKAGE))
+    unpack(base64.b64decode(data), os.path.join(tmp, PACKAGE))
     try:
         os.rename(tmp, target)
     except OSError:
