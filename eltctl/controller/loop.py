@@ -351,7 +351,11 @@ class Controller:
             if name not in self.records:
                 continue
             view = self.observed.view(self.inventory.host(name), now, self.inventory.policy)
-            if view.daemon_alive and not view.workers:
+            # Every daemon that may still run with the old configuration is retired, not
+            # only one whose state is fresh: one whose state merely went stale would
+            # otherwise be kept ("its daemon runs already") and start the next workers
+            # with the old command and code, which then fail with the old cause.
+            if not view.workers and (view.daemon_alive or observe.daemon_may_run(self.observed.seen.get(name))):
                 self.records[name] = await act.retire_daemon(self.store, name, self.records[name])
                 self.starter.retired.add(name)
                 self.starter.started_at.pop(name, None)
@@ -363,7 +367,8 @@ class Controller:
         while retired and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
             await self.observe_store()
-            retired = [n for n in retired if self.observed.daemon_alive(n, self.clock(), self.inventory.policy)]
+            # gone once its last word (phase stopped) is read: a stale state is no exit
+            retired = [n for n in retired if observe.daemon_may_run(self.observed.seen.get(n))]
         return changed
 
     # ----------------------------------------------------------------- memory

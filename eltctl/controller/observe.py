@@ -111,6 +111,14 @@ def in_job(host: str, runtime_status: Mapping | None, now: float, policy: Policy
     return any(str(m).split("/")[0] == host for m in (runtime_status or {}).get("members") or [])
 
 
+def daemon_may_run(seen: DaemonSeen | None) -> bool:
+    """The daemon may still run: it reported, and its last state is not its last word
+    (phase stopped or failed). A state that merely went stale (a loaded host, a slow
+    link) says nothing of whether the process is gone: unlike `daemon_alive`, this
+    one does not count that as an exit."""
+    return seen is not None and seen.state.get("phase") not in ("stopped", "failed")
+
+
 def daemon_alive(seen: DaemonSeen | None, now: float, policy: Policy) -> bool:
     """The daemon's state changed recently (by the controller's clock: a daemon rewrites
     it every second) and is not a last word. The host's own timestamps are never

@@ -14,6 +14,7 @@ from eltctl.controller.observe import (
     checkpoint_to_mirror,
     crashed_slots,
     daemon_alive,
+    daemon_may_run,
     final_checkpoint,
     gpus_of,
     host_view,
@@ -70,6 +71,21 @@ ALIVE = [
 @pytest.mark.parametrize("case, s, expected", ALIVE, ids=[c[0] for c in ALIVE])
 def test_daemon_alive(case, s, expected):
     assert daemon_alive(s, NOW, POLICY) is expected
+
+
+# (case, seen, may run): what a fix's retirement of the old daemon waits for (loop.apply_fixes)
+MAY_RUN = [
+    ("never seen: nothing to retire", None, False),
+    ("state changing: may run", seen(0.0, phase="idle"), True),
+    ("a stale state is no exit: may run (a loaded host)", seen(60.0, phase="idle"), True),
+    ("the last word 'stopped': gone", seen(0.0, phase="stopped"), False),
+    ("the last word 'failed': gone", seen(60.0, phase="failed"), False),
+]
+
+
+@pytest.mark.parametrize("case, s, expected", MAY_RUN, ids=[c[0] for c in MAY_RUN])
+def test_daemon_may_run(case, s, expected):
+    assert daemon_may_run(s) is expected
 
 
 def test_an_unchanged_state_keeps_the_time_it_changed():
