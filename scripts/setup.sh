@@ -4,9 +4,10 @@
 # the interpreter the test bed's simulated hosts run the runtime with: what
 # `pip install torch==2.13.0` leaves on a lab host, nothing more (no numpy). With --sshd it
 # also installs Debian's openssh-server/openssh-client when missing (the multi-host
-# tests start real sshd servers on loopback). The pinned frameworks (pyproject's `frameworks`
-# extra: HF Trainer, Lightning) go into .venv and into a second host interpreter,
-# .venv-host-frameworks, with torch held at 2.13.0. Idempotent: a second run is quick.
+# tests start real sshd servers on loopback) and, for their tests, the pinned frameworks
+# (pyproject's `frameworks` extra: HF Trainer, Lightning) into .venv and into a second host
+# interpreter, .venv-host-frameworks, with torch held at 2.13.0 (the demo needs neither).
+# Idempotent: a second run is quick.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,8 +45,13 @@ constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==2.13.0" > "$constraints"
 frameworks=$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["frameworks"]))')
-echo "setup: installing eltctl (editable) with its test tools and the pinned frameworks"
-pip install -c "$constraints" -e '.[test,frameworks]'
+if [ "$want_sshd" = 1 ]; then
+  echo "setup: installing eltctl (editable) with its test tools and the pinned frameworks"
+  pip install -c "$constraints" -e '.[test,frameworks]'
+else
+  echo "setup: installing eltctl (editable) with its test tools"
+  pip install -c "$constraints" -e '.[test]'
+fi
 
 # The simulated hosts' interpreter: Python and torch only, as on a lab host.
 if [ ! -x .venv-host/bin/python ]; then
@@ -58,12 +64,13 @@ if ! .venv-host/bin/python -c 'import importlib.metadata as m; assert m.version(
 fi
 # A second simulated-host interpreter for the framework tests: .venv-host plus the
 # pinned frameworks (.venv-host itself stays Python and torch only).
-if ! .venv-host-frameworks/bin/python -c 'import importlib.metadata as m; assert m.version("torch").startswith("2.13.0"); import transformers, lightning, accelerate' 2>/dev/null; then
+if [ "$want_sshd" = 1 ] && ! .venv-host-frameworks/bin/python -c 'import importlib.metadata as m; assert m.version("torch").startswith("2.13.0"); import transformers, lightning, accelerate' 2>/dev/null; then
   echo "setup: creating .venv-host-frameworks (torch and the frameworks, for the integration tests)"
   [ -x .venv-host-frameworks/bin/python ] || "$PY" -m venv .venv-host-frameworks
   .venv-host-frameworks/bin/python -m pip --disable-pip-version-check -q install -c "$constraints" "torch==2.13.0" $frameworks 2>&1 | { grep -v -e 'is ignored: it is neither a file nor a directory' || true; }
 fi
 for py in .venv/bin/python .venv-host-frameworks/bin/python; do
+  [ -x "$py" ] || continue
   "$py" -c 'import importlib.metadata as m, sys; v = m.version("torch"); sys.exit(0 if v.startswith("2.13.0") else f"setup: {sys.executable} has torch {v}, not 2.13.0")'
 done
 echo "setup: ready (.venv/bin/eltctl)"
