@@ -24,19 +24,16 @@ own step log. `status` shows the script's progress; `down` leaves no process.
 from __future__ import annotations
 
 import json
-import re
 import shutil
-from pathlib import Path
 
 import pytest
 
 from tests.testbed.hostpython import FRAMEWORKS_PYTHON, frameworks_missing_reason
 from tests.testbed.jobenv import REPO, job_env_on, job_pids, wait_for
+from tests.testbed.scriptlog import ScriptLog
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEP = re.compile(r"^step (\d+) world (\d+) restart (\d+)", re.M)
-RESUMED = re.compile(r"^resumed at step (\d+) world (\d+) restart (\d+)", re.M)
 # As tests/testbed/jobenv.POLICY, with a cooldown that keeps a yielded host out until `scale --add`.
 POLICY = """\
 [policy]
@@ -49,40 +46,16 @@ nvidia_smi_timeout = "5s"
 """
 
 
-class StepLog:
-    """Rank 0's step log of a job, read from every worker log on the bed."""
+class StepLog(ScriptLog):
+    """Rank 0's step log of a job (tests/testbed/scriptlog.py)."""
 
-    def __init__(self, bed_dir: Path, job: str) -> None:
-        self.files = f"*/home/.eltctl/jobs/{job}/*/workers/*.log"
-        self.bed_dir = Path(bed_dir)
-
-    def text(self) -> str:
-        out = []
-        for f in sorted(self.bed_dir.glob(self.files)):
-            try:
-                out.append(f.read_text(errors="replace"))
-            except OSError:
-                pass
-        return "\n".join(out)
-
-    def steps(self) -> list[tuple[int, int, int]]:
-        return [tuple(map(int, m)) for m in STEP.findall(self.text())]
-
-    def at(self, world: int, after_restart: int, steps: int = 2, timeout: float = 180) -> int:
-        """Wait for `steps` steps at `world` in a restart after `after_restart`; that restart."""
-        def ok():
-            got = [r for _s, w, r in self.steps() if w == world and r > after_restart]
-            return (max(got),) if len(got) >= steps else None  # a tuple: restart 0 (the first start) is falsy
-        try:
-            return wait_for(ok, timeout, f"{steps} steps at world size {world} after restart {after_restart}")[0]
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{self.text()[-4000:]}") from None
+    steps_wanted = 2
 
     def check_planned(self, restart: int) -> None:
         """Resumed at the last step reached before the restart, and went on from the next one."""
         steps = self.steps()
         before = max(s for s, _w, r in steps if r < restart)
-        resumed = {int(r): int(s) for s, _w, r in RESUMED.findall(self.text())}[restart]
+        resumed = {int(r): int(s) for r, (s, _w) in self.resumed().items()}[restart]
         assert resumed == before, (restart, resumed, before)
         after = sorted({s for s, _w, r in steps if r == restart})
         assert after[0] == resumed + 1 and after == list(range(after[0], after[0] + len(after))), after[:20]

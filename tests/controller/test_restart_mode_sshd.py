@@ -19,50 +19,17 @@ snapshot's step at most. `status` shows the mode and the restart count all along
 from __future__ import annotations
 
 import json
-import re
 import shutil
-from pathlib import Path
 
 import pytest
 
 from tests.testbed.jobenv import POLICY, REPO, job_pids, wait_for
+from tests.testbed.scriptlog import ScriptLog
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEP = re.compile(r"^step (\d+) world (\d+) restart (\d+)", re.M)
-RESUMED = re.compile(r"^resumed at step (\d+) world (\d+) restart (\d+)", re.M)
-
-
-class Script:
-    """What rank 0's script printed, read from every worker log of the job on the bed."""
-
-    def __init__(self, bed_dir: Path, job: str) -> None:
-        self.glob = f"*/home/.eltctl/jobs/{job}/*/workers/*.log"
-        self.bed_dir = Path(bed_dir)
-
-    def text(self) -> str:
-        out = []
-        for f in sorted(self.bed_dir.glob(self.glob)):
-            try:
-                out.append(f.read_text(errors="replace"))
-            except OSError:
-                pass
-        return "\n".join(out)
-
-    def steps(self) -> list[tuple[int, int, int]]:
-        return [tuple(map(int, m)) for m in STEP.findall(self.text())]
-
-    def resumed(self) -> dict[int, tuple[int, int]]:
-        """restart count -> (step resumed at, world size)."""
-        return {int(r): (int(s), int(w)) for s, w, r in RESUMED.findall(self.text())}
-
-    def at(self, world: int, after_restart: int, steps: int = 3, timeout: float = 180) -> int:
-        """Wait for `steps` steps at `world` in a restart after `after_restart`; returns that restart."""
-        def ok():
-            got = [r for _s, w, r in self.steps() if w == world and r > after_restart]
-            return max(got) if len(got) >= steps else None
-        return wait_for(ok, timeout, f"{steps} script steps at world size {world} after restart {after_restart}",
-                        interval=0.3)
+class Script(ScriptLog):
+    """What rank 0's script printed (tests/testbed/scriptlog.py)."""
 
     def check_planned(self, restart: int) -> int:
         """The restart resumed at the last step the script had reached before it: nothing redone."""
