@@ -68,6 +68,8 @@ def _flags_take_no_value() -> None:
     """
     from typer.core import TyperArgument, TyperOption
 
+    if not (hasattr(TyperOption, "display_type_rich") and hasattr(TyperArgument, "display_type_rich")):
+        return  # a typer without the rich type labels (older, or changed since 0.24): nothing to drop
     if getattr(TyperOption.display_type_rich, "_eltctl", False):
         return
     option_label, argument_label = TyperOption.display_type_rich, TyperArgument.display_type_rich

@@ -375,3 +375,16 @@ def _commands():
 
     return [c for c in app.registered_commands]
 
+
+
+def test_the_cli_imports_with_a_typer_that_has_no_rich_type_labels(monkeypatch):
+    # typer 0.27 (the GPU machine's) has no `display_type_rich`: `import eltctl.cli`
+    # raised AttributeError there, so no command ran at all.
+    import typer.core
+
+    from eltctl.cli import _flags_take_no_value
+
+    for cls in (typer.core.TyperOption, typer.core.TyperArgument):
+        if hasattr(cls, "display_type_rich"):
+            monkeypatch.delattr(cls, "display_type_rich")
+    _flags_take_no_value()  # nothing to patch: returns without an error
