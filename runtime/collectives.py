@@ -82,8 +82,9 @@ def make_group(store, rank: int, size: int, device: torch.device, bind_host: str
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
-def bury(pg) -> None:
-    """Drop an aborted group without blocking anyone (see module docstring)."""
+def bury(pg, *keep) -> None:
+    """Drop an aborted group without blocking anyone (see module docstring). `keep`:
+    what must live as long as the group (its Python store, pgstore.py)."""
     if pg is None:
         return
     abort = getattr(pg, "abort", None)
@@ -92,12 +93,13 @@ def bury(pg) -> None:
             abort()
         except RuntimeError:
             pass  # already aborted by the watchdog
-    threading.Thread(target=_hold, args=(pg,), name="eltctl-buried-pg", daemon=True).start()
+    threading.Thread(target=_hold, args=(pg, keep), name="eltctl-buried-pg", daemon=True).start()
 
 
-def _hold(pg) -> None:
+def _hold(pg, keep) -> None:
     time.sleep(BACKEND_TIMEOUT.total_seconds() + 30)
     del pg  # its stuck work has timed out by now, so the destructor is quick
+    del keep  # after the group: its destructor may still call its store
 
 
 def wait_work(work, abort: threading.Event, poll_s: float = 0.02) -> None:
