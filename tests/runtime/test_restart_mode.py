@@ -23,8 +23,9 @@ import pytest
 
 from eltctl_runtime import read_status
 from eltctl_runtime.checkpoint import CheckpointStore
-from eltctl_runtime.restart import expand_command, pack_dir, torchrun_env, unpack_dir, warm_form
+from eltctl_runtime.restart import ScriptStore, expand_command, pack_dir, torchrun_env, unpack_dir, warm_form
 from runtime_cluster import PYTHON, ROOT, Cluster, Worker
+from tests.testbed.hostpython import host_env
 
 SCRIPT = ROOT / "examples" / "ddp_restart.py"
 SCRIPT_ARGS = ["--steps", "100000", "--save-every", "5", "--step-sleep", "0.05", "--samples", "512",
@@ -51,6 +52,37 @@ def test_torchrun_env_ranks_members_by_plan_and_host(members, me, expect):
     assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "29500"
     assert env["TORCHELASTIC_RESTART_COUNT"] == "2" and env["TORCHELASTIC_RUN_ID"] == "job"
     assert "CUDA_VISIBLE_DEVICES" not in torchrun_env(members, me, "x", 1, 0, "j", gpus=False)
+
+
+def _listeners(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) listening on `port`."""
+    out = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, _remote, state = line.split()[1:4]
+        addr, _, p = local.partition(":")
+        if state == "0A" and int(p, 16) == port:
+            out.append(addr)
+    return out
+
+
+def test_the_scripts_store_listens_on_the_data_plane_address_before_its_port_is_published():
+    """Rank 0's supervisor hosts the scripts' env:// store: bound to the address the
+    members reach it at (never 0.0.0.0), listening from open() on (nobody can take the
+    port first), and the script's env:// init connects to it as a client."""
+    store = ScriptStore("127.0.0.2").open()
+    try:
+        assert _listeners(store.port) == ["0200007F"]  # 127.0.0.2, and nothing on other addresses
+        env = host_env(dict(os.environ))
+        env.update(torchrun_env(["h/0/1"], "h/0/1", store.addr, store.port, 0, "job", gpus=False))
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        code = ("import torch, torch.distributed as dist; dist.init_process_group('gloo'); "
+                "t = torch.ones(2); dist.all_reduce(t); print(dist.get_world_size(), t.tolist()); "
+                "dist.destroy_process_group()")
+        out = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "1 [1.0, 1.0]" in out.stdout, out.stderr[-2000:]
+    finally:
+        store.close()
+    assert _listeners(store.port) == []
 
 
 def test_checkpoint_dir_placeholder_is_expanded():
