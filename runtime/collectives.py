@@ -11,7 +11,6 @@ the reference instead, so neither training nor interpreter exit waits for it.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -19,6 +18,8 @@ from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from .netif import BIND_ADDRESS_ENV, local_address_towards
 
 T = TypeVar("T")
 
@@ -35,20 +36,6 @@ class Aborted(Exception):
     def __init__(self, message: str, backend_error: bool = False) -> None:
         super().__init__(message)
         self.backend_error = backend_error
-
-
-def local_address_towards(host: str, port: int) -> str:
-    """The local IP this machine uses to reach the store: gloo binds there, so
-    it works on multi-homed lab machines without naming an interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, port))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-BIND_ADDRESS_ENV = "ELTCTL_BIND_ADDRESS"
 
 
 def bind_address(store_host: str, store_port: int) -> str:
