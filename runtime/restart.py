@@ -86,6 +86,7 @@ SETTLE_S = 5.0
 PROGRESS_POLL_S = 0.5
 DEFAULT_CHECKPOINT_POLL_S = 2.0  # rank 0 looks this often for a new complete checkpoint of its script
 SNAPSHOT_FORMAT = "eltctl-restart-snapshot"
+MASTER_BYTES = 128  # room for rank 0's script store `addr:port` (an IPv6 address with its port fits)
 SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
 # The child's environment: eltctl's own variables are the supervisor's, not the script's
 # (ELTCTL_JOB stays: it marks the job's processes for the daemon and `down`).
@@ -510,12 +511,9 @@ class Supervisor:
             abort, f"supervisors' group of generation {plan.generation}")
         if self._rank == 0:
             self._script_store = ScriptStore(self._bind).open()
-            st.set(Keys.master(plan.generation), self._script_store.endpoint)
+            st.set(Keys.master(plan.generation), self._script_store.endpoint)  # signed; for who looks
         restored = self._sync(abort)
-        try:
-            addr, _, port = st.get(Keys.master(plan.generation)).decode().rpartition(":")
-        except ForgedValue as e:  # overwritten before this member read rank 0's: the generation cannot form
-            raise Aborted(str(e)) from None
+        addr, _, port = self._master(abort).rpartition(":")
         counter, data = self._snap
         if self._unpacked != counter:
             unpack_dir(data, self.script_dir)
@@ -615,6 +613,18 @@ class Supervisor:
         elif self._rank != transfer.source:
             self._snap = (counter, b"")
         return bool(restored)
+
+    def _master(self, abort) -> str:
+        """Rank 0's script store (`addr:port`), broadcast over the supervisors' group
+        (whose members the signed rendezvous vouches for): nothing written to the store
+        after rank 0 wrote gen/<g>/master can redirect the scripts or abort the generation."""
+        buf = torch.zeros(MASTER_BYTES, dtype=torch.uint8)
+        if self._rank == 0:
+            raw = self._script_store.endpoint.encode()
+            buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if self._plan.world_size > 1:
+            buf = collectives.broadcast(self._pg, buf, 0, abort)
+        return tensor_bytes(buf).rstrip(b"\0").decode()
 
     def _watch(self, abort) -> Plan | None:
         """The control-flag rounds of a running generation; acts on the first change."""

@@ -15,13 +15,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
+import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
-from eltctl_runtime import read_status
+from eltctl_runtime import auth, read_status
+from eltctl_runtime.daemon.procs import environ_of as procs_environ
+from eltctl_runtime.protocol import Keys, job_prefix
 from eltctl_runtime.checkpoint import CheckpointStore
 from eltctl_runtime.restart import ScriptStore, expand_command, pack_dir, torchrun_env, unpack_dir, warm_form
 from runtime_cluster import PYTHON, ROOT, Cluster, Worker
@@ -277,4 +283,43 @@ def test_a_script_that_fails_at_every_start_stops_the_job_at_max_restarts(tmp_pa
         assert log.count("starting") == 3 and log.count("waiting 1 s before it starts again") == 1
         assert "waiting 2 s" not in log
     finally:
+        cluster.close()
+
+
+@pytest.mark.slow
+def test_the_scripts_rendezvous_at_rank_0s_store_whatever_gen_master_says(tmp_path):
+    """Someone who reaches the job's store rewrites every generation's `gen/<g>/master`
+    (unsigned, pointing elsewhere) all the time: the scripts of a job with a secret still
+    rendezvous at the store rank 0's supervisor holds on its data-plane address (their
+    MASTER_ADDR), as clients of it, and train; no generation is aborted for it."""
+    cluster = RestartCluster(tmp_path, hang_timeout=10.0, min_workers=2,
+                             secret=secrets.token_bytes(auth.SECRET_BYTES))
+    evil = dist.PrefixStore(job_prefix(cluster.job), dist.TCPStore(
+        "127.0.0.1", cluster.store.port, is_master=False, timeout=timedelta(seconds=10)))
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            for g in range(4):
+                evil.set(Keys.master(g), "127.0.0.9:1")
+            stop.wait(0.002)
+
+    attacker = threading.Thread(target=rewrite, daemon=True)
+    attacker.start()
+    try:
+        a, b = cluster.start(2, supervisor=["--no-warm"])  # cold: /proc/<pid>/environ is the script's
+        cluster.wait_world(2, steps_after=3)
+        pids = cluster.script_pids()
+        assert len(pids) == 2, cluster.logs()
+        for pid in pids:
+            env = procs_environ(pid)
+            assert env["MASTER_ADDR"] == "127.0.0.1" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True", env
+        assert not [e for e in cluster.events() if e["kind"] in ("crash", "hang")], cluster.events()
+        stop.set()
+        attacker.join()
+        cluster.stop()
+        cluster.wait_exit([a, b])
+        assert a.proc.returncode == 0 and b.proc.returncode == 0, cluster.dump_logs()
+    finally:
+        stop.set()
         cluster.close()
