@@ -312,7 +312,8 @@ def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id:
 def data_plane(cfg: DaemonConfig, base: Mapping[str, str]) -> tuple[netif.DataPlane, dict[str, str]]:
     """This host's data plane (runtime/netif.py) and the variables it adds to the workers'
     environment (`base`: the daemon's own; the job's env wins over them in worker_env)."""
-    address = base.get(netif.BIND_ADDRESS_ENV, "").strip()
+    # the workers' bind address: the job's env (the controller puts a local host's there), the daemon's own
+    address = (cfg.env.get(netif.BIND_ADDRESS_ENV) or base.get(netif.BIND_ADDRESS_ENV) or "").strip()
     if not address:
         host, _, port = cfg.store.rpartition(":")
         address = netif.local_address_towards(host.strip("[]"), int(port))

@@ -77,6 +77,8 @@ def test_the_daemon_names_the_interface_of_its_address_to_its_workers():
     user = DaemonConfig.from_json(json.dumps(dict(CFG, env={"GLOO_SOCKET_IFNAME": "eth7"})))
     assert data_plane(user, {})[1] == {"NCCL_SOCKET_IFNAME": "lo"}  # the job's own setting stays
     assert data_plane(cfg, {"NCCL_SOCKET_IFNAME": "x"})[1] == {"GLOO_SOCKET_IFNAME": "lo"}
+    local = DaemonConfig.from_json(json.dumps(dict(CFG, env={"ELTCTL_BIND_ADDRESS": "127.0.0.3"})))
+    assert data_plane(local, {"ELTCTL_BIND_ADDRESS": "10.9.9.9"})[0].address == "127.0.0.3"  # a local host's
     lo = DaemonConfig.from_json(json.dumps(dict(CFG, data_interface="lo")))
     assert data_plane(lo, {"ELTCTL_BIND_ADDRESS": "10.9.9.9"})[1]["ELTCTL_BIND_ADDRESS"] == "127.0.0.1"
 
