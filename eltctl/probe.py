@@ -39,6 +39,7 @@ from typing import Callable, Iterable
 from eltctl_runtime import owner as owner_signals  # stdlib only; its source is run on the host
 from eltctl_runtime.owner import OwnerPolicy
 
+from eltctl_runtime import netif  # the data plane's choice, shared with the host daemon; stdlib only
 from eltctl_runtime import nvsmi  # the one nvidia-smi parser, shared with the host daemon; stdlib only
 from eltctl_runtime.claims import DEFAULT_DIR as CLAIMS_DEFAULT_DIR, ENV as CLAIMS_ENV, Claim, parse_slot_file
 from eltctl_runtime.nvsmi import parse_number
@@ -116,6 +117,9 @@ class HostProbe:
     owner: dict | None = None  # its answer {"wait": signal or null, "leave": ...}; None: no answer
     owner_output: str = ""  # what it printed when it gave no answer
     claims: tuple[tuple[str, Claim], ...] = ()  # (claim file name, holder) of the held GPU claims
+    net: bool = False  # the net section arrived
+    ssh_address: str | None = None  # the host's address of the probe's SSH connection; None: none (local)
+    interfaces: dict[str, tuple[str, ...]] | None = None  # `ip -o addr show`: name -> addresses; None: no `ip`
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,8 @@ class HostReport:
     users: tuple[str, ...] = ()
     # The owner signal that keeps workers off this host ({"name", "detail", "since"}), or None.
     owner: dict | None = None
+    # Where its collectives listen ({"interface", "address", "source", "error"}; data_plane()), or None.
+    data_plane: dict | None = None
 
     @property
     def reachable(self) -> bool:
@@ -203,7 +209,9 @@ if [ -n "$3" ]; then
   echo "${{m}}owner"
   $to "$2" -c "$4" check "$3" </dev/null 2>&1
 fi
-{claims_section()}echo "${{m}}end"
+{claims_section()}echo "${{m}}net $(set -- ${{SSH_CONNECTION:-}}; echo ${{3:-}})"
+if command -v ip >/dev/null 2>&1; then ip -o addr show 2>/dev/null; else echo "!no-ip"; fi
+echo "${{m}}end"
 """
 
 
@@ -350,7 +358,14 @@ def parse_probe_output(text: str) -> HostProbe:
             pass
         if owner is None:
             owner_output = "\n".join(lines)
+    ssh_address, interfaces = None, None
+    if "net" in s:
+        arg, lines = s["net"]
+        ssh_address = arg or None
+        if "!no-ip" not in lines:
+            interfaces = netif.parse_ip_addr("\n".join(lines))
     return HostProbe(
+        net="net" in s, ssh_address=ssh_address, interfaces=interfaces,
         complete="end" in s, cpu_count=cpu_count, load_avg=load_avg, users=tuple(users),
         nvidia_smi=nvidia_smi, gpu_status=gpu_status, gpu_output=gpu_output or "", gpus=tuple(gpus),
         apps_status=apps_status, apps_output=apps_output or "", processes=tuple(procs),
@@ -478,7 +493,33 @@ def with_owner(report: HostReport, hold: dict | None) -> HostReport:
 def assess_host(host: Host, probe: HostProbe, policy: Policy, *, job: str = "") -> HostReport:
     """The host's state and its GPUs' states from the probe's facts. `job`: this job's
     name (a GPU claim of another job makes that GPU taken; "" counts every claim as another's)."""
-    return with_owner(_assess_host(host, probe, policy, job=job), owner_hold(probe))
+    report = with_owner(_assess_host(host, probe, policy, job=job), owner_hold(probe))
+    plane = data_plane(host, probe)
+    if plane is not None and plane["error"] and plane["source"] == "inventory":  # its daemon would not start
+        report = replace(report, reason=f"{report.reason}; {plane['error']}")
+    return replace(report, data_plane=plane)
+
+
+def data_plane(host: Host, probe: HostProbe) -> dict | None:
+    """Where the host's collectives would listen, as its daemon decides (runtime/netif.py):
+    the inventory's data_interface, else the interface of the probe's SSH address. None
+    when the probe printed no net section (cut short). Without an SSH address (a `local` host) and
+    without data_interface the daemon decides from its route to the store: `source`
+    says so and `interface` is null."""
+    if not probe.net:
+        return None
+    table = probe.interfaces
+    ssh = None if host.is_local else probe.ssh_address  # a local host's daemon is started without SSH
+    if table is None:
+        return {"interface": None, "address": ssh, "source": "address",
+                "error": "no `ip` command on the host: its interfaces are unknown here"}
+    if ssh is None and not host.data_interface:
+        return {"interface": None, "address": None, "source": "store route", "error": None}
+    try:
+        plane = netif.choose(table, address=ssh or "", interface=host.data_interface)
+    except netif.DataInterfaceError as e:
+        return {"interface": host.data_interface, "address": None, "source": "inventory", "error": str(e)}
+    return {**plane.to_json(), "error": None}
 
 
 def _assess_host(host: Host, probe: HostProbe, policy: Policy, *, job: str = "") -> HostReport:
@@ -626,6 +667,7 @@ JSON_FORMAT = """\
 | `load_avg` | [float, float, float] or null | 1, 5 and 15 minute load average |
 | `users` | [string] | users logged in (from `who`), sorted, once each |
 | `owner` | object or null | the owner signal that keeps workers off the host (the inventory's owner_* keys; then every GPU is `busy` and `slots` is 0): `name` (`login`, `keyboard`, `load`, `memory`, or `unknown` when the check could not run), `detail` (e.g. "alice logged in on pts/3, idle 40 s (starts after 900 s idle)"), `since` (wall clock or null) |
+| `data_plane` | object or null | where the job's collectives (gloo, NCCL) listen on the host, as its daemon chooses (docs/control-plane.md, "The data plane"): `interface` (string or null: none holds the address, or a `local` host decides from its route to the store), `address` (string or null), `source` (`inventory`: the host's `data_interface`; `address`: the interface of the host's address of its SSH connection; `store route`), `error` (string or null: e.g. a `data_interface` the host lacks, then also in `reason`); null when the host was not probed to the end |
 | `gpus` | [object] | the GPUs considered (the host's `gpus` list, or all), by index; empty unless `state` is `ok` |
 
 Each GPU:
@@ -663,6 +705,7 @@ def report_to_json(r: HostReport) -> dict:
         "load_avg": list(r.load_avg) if r.load_avg is not None else None,
         "users": list(r.users),
         "owner": r.owner,
+        "data_plane": r.data_plane,
         "gpus": [
             {
                 "index": g.gpu.index,

@@ -20,8 +20,8 @@ empty `expected`: the first writer wins) replaces a forged value rather than ado
 Every forged value read is counted (`Forgeries`) and logged once per key family,
 never acted on. Counters (`add`: join/seq, dead/seq, events/seq) cannot be signed:
 readers treat them as hints and read a bounded number of entries behind them
-(protocol.bounded_range). Process groups keep the unsigned store (`raw`): the
-rendezvous of gloo and NCCL writes its own keys under gen/<g>/pg.
+(protocol.bounded_range). The rendezvous of gloo and NCCL (gen/<g>/pg) is signed
+through pgstore.PgStore, a c10d Store over this one.
 
 What a signature does not stop: deleting keys or overwriting them with garbage (a
 denial of service, counted), replaying an old signed value under the same key, and
@@ -271,6 +271,5 @@ def signed(store: Any, job_prefix: str, secret: bytes | None, forgeries: Forgeri
 
 
 def raw_store(store: Any) -> Any:
-    """The unsigned store under `store` (itself when it is not a SignedStore): for
-    process groups, whose rendezvous writes its own keys."""
+    """The unsigned store under `store` (itself when it is not a SignedStore)."""
     return store.raw if isinstance(store, SignedStore) else store

@@ -11,7 +11,6 @@ the reference instead, so neither training nor interpreter exit waits for it.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -19,6 +18,8 @@ from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from .netif import BIND_ADDRESS_ENV, local_address_towards
 
 T = TypeVar("T")
 
@@ -35,20 +36,6 @@ class Aborted(Exception):
     def __init__(self, message: str, backend_error: bool = False) -> None:
         super().__init__(message)
         self.backend_error = backend_error
-
-
-def local_address_towards(host: str, port: int) -> str:
-    """The local IP this machine uses to reach the store: gloo binds there, so
-    it works on multi-homed lab machines without naming an interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, port))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-BIND_ADDRESS_ENV = "ELTCTL_BIND_ADDRESS"
 
 
 def bind_address(store_host: str, store_port: int) -> str:
@@ -82,8 +69,9 @@ def make_group(store, rank: int, size: int, device: torch.device, bind_host: str
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
-def bury(pg) -> None:
-    """Drop an aborted group without blocking anyone (see module docstring)."""
+def bury(pg, *keep) -> None:
+    """Drop an aborted group without blocking anyone (see module docstring). `keep`:
+    what must live as long as the group (its Python store, pgstore.py)."""
     if pg is None:
         return
     abort = getattr(pg, "abort", None)
@@ -92,12 +80,13 @@ def bury(pg) -> None:
             abort()
         except RuntimeError:
             pass  # already aborted by the watchdog
-    threading.Thread(target=_hold, args=(pg,), name="eltctl-buried-pg", daemon=True).start()
+    threading.Thread(target=_hold, args=(pg, keep), name="eltctl-buried-pg", daemon=True).start()
 
 
-def _hold(pg) -> None:
+def _hold(pg, keep) -> None:
     time.sleep(BACKEND_TIMEOUT.total_seconds() + 30)
     del pg  # its stuck work has timed out by now, so the destructor is quick
+    del keep  # after the group: its destructor may still call its store
 
 
 def wait_work(work, abort: threading.Event, poll_s: float = 0.02) -> None:

@@ -42,13 +42,14 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from . import collectives, exiting, gradients, state as state_mod, storeloss
-from .auth import Forgeries, raw_store
+from .auth import Forgeries
 from .balance import Pace, Split, worker_report
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
 from .membership import (Plan, Verdict, await_admission, choose_source, decide, job_store, propose, roll_call,
                          scan_joiners)
+from .pgstore import pg_store
 from .pipeline import Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .sampler import SamplerState
@@ -202,6 +203,7 @@ class ElasticJob:
         self._plan: Plan | None = None
         self._rank = -1
         self._pg = None
+        self._pg_store = None  # the store _pg formed on (pgstore.py): referenced while _pg lives
         self._abort = threading.Event()
         self._step = 0
         self._has_state = False
@@ -357,8 +359,8 @@ class ElasticJob:
                 signal.signal(signal.SIGTERM, self._old_sigterm)
             if self._audit_fd is not None:
                 os.close(self._audit_fd)
-            collectives.bury(self._pg)  # never block the exit on a group
-            self._pg = None
+            collectives.bury(self._pg, self._pg_store)  # never block the exit on a group
+            self._pg = self._pg_store = None
             if self._fast_exit and exc is None and (self._left or self._finished):
                 # Out of the job: the script's code after the loop still runs,
                 # but the interpreter's teardown (seconds, GPU memory held) is
@@ -828,8 +830,8 @@ class ElasticJob:
             t_old = self._last_commit_t
             st.compare_set(Keys.abort(g), "", json.dumps({"reason": "error", "worker": self.worker_id}))
             st.set(Keys.alive(g, self.worker_id), str(self._step))
-            collectives.bury(self._pg)
-            self._pg = None
+            collectives.bury(self._pg, self._pg_store)
+            self._pg = self._pg_store = None
             decided = None
             while decided is None:
                 if st.check([Keys.plan(g + 1)]):
@@ -891,7 +893,10 @@ class ElasticJob:
         self._abort = self._control.watch(plan)
         if previous is not None and self._pg is not None and plan.lost == ():
             self._pg = None  # a cleanly finished group has no work in flight: dropping it is quick
-        store = dist.PrefixStore(Keys.pg_prefix(plan.generation), raw_store(self._store))
+        # Signed (pgstore.py): a forged peer address fails the group's construction
+        # (Aborted: the roll call forms the next generation), never connects to it.
+        # Kept referenced as long as the group: its C++ side calls back into it.
+        self._pg_store = store = pg_store(self._store, plan.generation)
         self._pg = collectives.run_abortable(
             lambda: collectives.make_group(store, self._rank, plan.world_size, self._device, self._bind_host),
             self._abort, f"process group of generation {plan.generation}")

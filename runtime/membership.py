@@ -275,9 +275,8 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
 
 
 def job_store(store, job: str, secret: bytes | None = None, forgeries=None):
-    """The PrefixStore every key of `job` lives under (a real c10d Store: the
-    generations' process groups nest their own PrefixStore in
-    `auth.raw_store(...)` of it). With the job's `secret` it is signed
+    """The PrefixStore every key of `job` lives under (the generations' process
+    groups form on pgstore.pg_store(...) of it). With the job's `secret` it is signed
     (auth.SignedStore: every value written is signed, every value read is
     checked; forged ones are counted in `forgeries`, an auth.Forgeries shared by
     a process's connections). Every job store of the runtime and the daemon is

@@ -58,13 +58,14 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .auth import Forgeries, ForgedValue, raw_store
+from .auth import Forgeries, ForgedValue
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
 from .job import ExcludedFromJob
 from .membership import (Plan, Verdict, await_admission, choose_source, decide, job_store, propose, roll_call,
                          scan_joiners)
+from .pgstore import pg_store
 from .progress import ENV_PROGRESS, ProgressFile, ProgressTracker, compile_progress
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .scriptwatch import CheckpointWatch, OutputPump, RestartLimit, group_pids, listing, progress_matcher, writers_under
@@ -85,6 +86,7 @@ SETTLE_S = 5.0
 PROGRESS_POLL_S = 0.5
 DEFAULT_CHECKPOINT_POLL_S = 2.0  # rank 0 looks this often for a new complete checkpoint of its script
 SNAPSHOT_FORMAT = "eltctl-restart-snapshot"
+MASTER_BYTES = 128  # room for rank 0's script store `addr:port` (an IPv6 address with its port fits)
 SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
 # The child's environment: eltctl's own variables are the supervisor's, not the script's
 # (ELTCTL_JOB stays: it marks the job's processes for the daemon and `down`).
@@ -127,6 +129,9 @@ def torchrun_env(members: Sequence[str], me: str, master_addr: str, master_port:
         "GROUP_WORLD_SIZE": str(len(hosts)), "ROLE_NAME": "default", "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_RUN_ID": run_id,
+        # env:// connects as a client to the store rank 0's supervisor hosts (ScriptStore),
+        # as torchrun's agent store: no script hosts one on a port it must find free first.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot_of(w) for w in local)
@@ -301,6 +306,47 @@ class Warm:
         self.proc.wait()
 
 
+class ScriptStore:
+    """The scripts' rendezvous store (their env:// MASTER_ADDR:MASTER_PORT) for one
+    generation, hosted by rank 0's supervisor: a libuv TCPStore server on a socket
+    bound to the data-plane address (`addr`, where the other members reach this host;
+    never every interface) and listening before its port is published, so nobody can
+    take the port between a probe and the script's bind. The scripts connect as
+    clients (TORCHELASTIC_USE_AGENT_STORE). One per generation: a fresh store, as
+    re-used keys hang (pytorch#55967). `open()` binds, `close()` stops the server."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.port: int | None = None
+        self._server = None
+
+    def open(self) -> "ScriptStore":
+        family = socket.AF_INET6 if ":" in self.addr else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((self.addr, 0))
+            sock.listen(socket.SOMAXCONN)
+            self.port = sock.getsockname()[1]
+        except OSError:
+            sock.close()
+            raise
+        fd = sock.detach()  # the server owns the listening socket from here
+        try:
+            self._server = dist.TCPStore(self.addr, self.port, is_master=True, wait_for_workers=False,
+                                         timeout=timedelta(seconds=60), master_listen_fd=fd, use_libuv=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.addr}:{self.port}"
+
+    def close(self) -> None:
+        self._server = None  # the TCPStore's destructor stops the server and closes its socket
+
+
 # ---- the supervisor --------------------------------------------------------------
 
 
@@ -343,6 +389,8 @@ class Supervisor:
         self._plan: Plan | None = None
         self._rank = -1
         self._pg = None
+        self._pg_store = None  # the store _pg formed on (pgstore.py): referenced while _pg lives
+        self._script_store: ScriptStore | None = None  # rank 0: this generation's scripts' store
         self._child: Child | None = None
         self._child_ran = False  # a child ran in the current generation
         self._snap: tuple[int, bytes] | None = None  # (snapshot counter, tar) held in memory
@@ -407,7 +455,8 @@ class Supervisor:
                 self._ckpt.close()
             self._control.close()
             signal.signal(signal.SIGTERM, old)
-            collectives.bury(self._pg)
+            collectives.bury(self._pg, self._pg_store)
+            self._close_script_store()
 
     def _connect(self):
         cfg = self.cfg
@@ -451,20 +500,20 @@ class Supervisor:
         self._rank = plan.members.index(me)
         self._child, self._child_ran = None, False
         abort = self._control.watch(plan)
-        collectives.bury(self._pg)
+        collectives.bury(self._pg, self._pg_store)
         self._pg = None
-        prefix = dist.PrefixStore(Keys.pg_prefix(plan.generation), raw_store(st))
+        self._close_script_store()  # the last generation's scripts have exited
+        # Signed (pgstore.py): a forged peer address fails the group (Aborted), never connects to it.
+        self._pg_store = prefix = pg_store(st, plan.generation)
         cpu = torch.device("cpu")
         self._pg = collectives.run_abortable(
             lambda: collectives.make_group(prefix, self._rank, plan.world_size, cpu, self._bind),
             abort, f"supervisors' group of generation {plan.generation}")
         if self._rank == 0:
-            st.set(Keys.master(plan.generation), f"{self._bind}:{_free_port(self._bind)}")
+            self._script_store = ScriptStore(self._bind).open()
+            st.set(Keys.master(plan.generation), self._script_store.endpoint)  # signed; for who looks
         restored = self._sync(abort)
-        try:
-            addr, _, port = st.get(Keys.master(plan.generation)).decode().rpartition(":")
-        except ForgedValue as e:  # overwritten before this member read rank 0's: the generation cannot form
-            raise Aborted(str(e)) from None
+        addr, _, port = self._master(abort).rpartition(":")
         counter, data = self._snap
         if self._unpacked != counter:
             unpack_dir(data, self.script_dir)
@@ -503,6 +552,11 @@ class Supervisor:
         if self._rank == 0:
             self._write_status(now)
         return self._watch(abort)
+
+    def _close_script_store(self) -> None:
+        if self._script_store is not None:
+            self._script_store.close()
+            self._script_store = None
 
     def _start_child(self, env: Mapping[str, str]) -> Child:
         """The script in the warm process if there is one, else cold; then the next warm one."""
@@ -559,6 +613,18 @@ class Supervisor:
         elif self._rank != transfer.source:
             self._snap = (counter, b"")
         return bool(restored)
+
+    def _master(self, abort) -> str:
+        """Rank 0's script store (`addr:port`), broadcast over the supervisors' group
+        (whose members the signed rendezvous vouches for): nothing written to the store
+        after rank 0 wrote gen/<g>/master can redirect the scripts or abort the generation."""
+        buf = torch.zeros(MASTER_BYTES, dtype=torch.uint8)
+        if self._rank == 0:
+            raw = self._script_store.endpoint.encode()
+            buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if self._plan.world_size > 1:
+            buf = collectives.broadcast(self._pg, buf, 0, abort)
+        return tensor_bytes(buf).rstrip(b"\0").decode()
 
     def _watch(self, abort) -> Plan | None:
         """The control-flag rounds of a running generation; acts on the first change."""
@@ -763,8 +829,8 @@ class Supervisor:
         limit = min(self.cfg.hang_timeout_s, CRASH_CONFIRM_S) if peer_gone else self.cfg.hang_timeout_s
         st.compare_set(Keys.abort(g), "", json.dumps({"reason": "error", "worker": self.me}))
         st.set(Keys.alive(g, self.me), str(self._snap[0] if self._snap else 0))
-        collectives.bury(self._pg)
-        self._pg = None
+        collectives.bury(self._pg, self._pg_store)
+        self._pg = self._pg_store = None
         self._change_kind = None
         while True:
             if st.check([Keys.plan(g + 1)]):
@@ -931,12 +997,6 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     if not data:
         return torch.zeros(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def _child_env(base: Mapping[str, str], script_dir: Path, progress_path: Path) -> dict[str, str]:

@@ -306,3 +306,35 @@ def test_host_without_nvidia_smi_is_cpu_only():
     if Path("/usr/bin/nvidia-smi").exists():
         pytest.skip("this machine has a real nvidia-smi")
     assert r.state is HostState.CPU_ONLY and r.slots == 3
+
+
+# --------------------------------------------------------------------------- the data plane
+
+NET = ":::eltctl:net {ssh}\n1: lo    inet 127.0.0.1/8 scope host lo\n2: eth0    inet 10.0.0.5/24 scope global eth0\n"
+
+
+@pytest.mark.parametrize("ssh, interface, local, expect", [
+    ("10.0.0.5", None, False, {"interface": "eth0", "address": "10.0.0.5", "source": "address", "error": None}),
+    ("10.0.0.5", "lo", False, {"interface": "lo", "address": "127.0.0.1", "source": "inventory", "error": None}),
+    ("", None, True, {"interface": None, "address": None, "source": "store route", "error": None}),
+    ("10.0.0.5", None, True, {"interface": None, "address": None, "source": "store route", "error": None}),
+])
+def test_the_probe_shows_where_the_collectives_listen(ssh, interface, local, expect):
+    text = _output(smi=None).replace(":::eltctl:end", NET.format(ssh=ssh) + ":::eltctl:end")
+    host = Host(name="h", address="local" if local else "h.lab", data_interface=interface)
+    r = assess_host(host, parse_probe_output(text), POLICY)
+    assert report_to_json(r)["data_plane"] == expect
+
+
+def test_a_data_interface_the_host_lacks_is_in_the_probes_reason():
+    text = _output(smi=None).replace(":::eltctl:end", NET.format(ssh="10.0.0.5") + ":::eltctl:end")
+    r = assess_host(Host(name="h", address="h.lab", data_interface="eth9"), parse_probe_output(text), POLICY)
+    assert r.data_plane["error"].startswith("data_interface 'eth9' is not an interface of this host; it has: "
+                                            "eth0 (10.0.0.5), lo (127.0.0.1)")
+    assert "data_interface 'eth9'" in r.reason
+
+
+def test_the_probe_script_lists_this_hosts_interfaces(sim_host):
+    host, _state = sim_host
+    [r] = _probe([Host(name="h1", address="local", env=host.env, data_interface="lo")])
+    assert r.data_plane == {"interface": "lo", "address": "127.0.0.1", "source": "inventory", "error": None}

@@ -127,6 +127,9 @@ def check_document(doc: list[dict]) -> None:
     assert f"did not answer in {NVIDIA_SMI_TIMEOUT} s" in by["h-hang"]["reason"]
     assert by["h-free"]["slots"] == 2 and by["h-free"]["cpu_count"] >= 1
     assert len(by["h-free"]["load_avg"]) == 3 and isinstance(by["h-free"]["users"], list)
+    # the hosts' sshd listen on loopback addresses (127.x.y.z): their collectives would too, on lo
+    assert by["h-free"]["data_plane"] == {"interface": "lo", "address": by["h-free"]["address"],
+                                          "source": "address", "error": None}, by["h-free"]
     for h in doc:
         for g in h["gpus"]:
             assert {"index", "uuid", "state", "reason", "memory_used_mib", "memory_total_mib",

@@ -215,6 +215,7 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
         "gpus": list(gpus) if gpus else None,
         "slots": host.slots,
         "max_micro_batch": host.max_micro_batch,
+        "data_interface": host.data_interface,
         "checkpoint_dir": paths.checkpoint_dir,
         "hang_timeout": policy.hang_timeout,
         "min_workers": job.min_workers,

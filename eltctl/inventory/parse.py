@@ -35,6 +35,7 @@ from eltctl.inventory.types import (
 from eltctl_runtime.progress import PatternError, compile_progress
 from eltctl_runtime.protocol import NAME_RULE
 
+INTERFACE_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@-]{0,14}")  # Linux: at most 15 characters
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # = protocol.valid_name: names end up in file names
 _SSH_URL = re.compile(r"ssh://(?:[^@/\s]+@)?[^:/\s]+(?::\d+)?/\S*")
 
@@ -51,7 +52,7 @@ POLICY_KEYS = ("idle_for", "cpu_idle_for", "memory_threshold_mib", "utilization_
 STORAGE_KEYS = ("mirror", "keep", "trust_unsigned")
 CONTROLLER_KEYS = ("address", "store")
 STORE_MODES = ("ssh", "direct")
-HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "env",
+HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "data_interface", "env",
              *schedules.HOST_SCHEDULE_KEYS, *OWNER_KEYS)
 POLICY_KEYS += courtesy.KEYS
 HOST_KEYS += courtesy.KEYS
@@ -359,6 +360,8 @@ class Checker:
         slots = t.integer("slots", 1, lo=1, meaning=" (CPU workers on this host)")
         max_micro = t.integer("max_micro_batch", None, lo=1,
                               meaning=" (samples a worker on this host computes at once; leave it out: no limit)")
+        data_interface = t.string("data_interface", None, pattern=INTERFACE_PATTERN,
+                                  pattern_says='is not a network interface name (e.g. "eth1", "ib0")')
         env = t.env("env")
         host_courtesy = courtesy.parse_host(t)
         schedule = schedules.host_schedule(t)
@@ -366,7 +369,7 @@ class Checker:
         if len(self.problems) > before:
             return None
         return Host(name=name, address=address, port=port, user=user, python=python,
-                    gpus=gpus, slots=slots, max_micro_batch=max_micro, env=env, courtesy=host_courtesy,
+                    gpus=gpus, slots=slots, max_micro_batch=max_micro, data_interface=data_interface, env=env, courtesy=host_courtesy,
                     schedule=schedule, owner=owner)
 
     def gpus(self, t: Table) -> Any:

@@ -108,6 +108,7 @@ class Host:
     gpus: tuple[int, ...] | None = None  # None: all GPUs the host has
     slots: int = 1  # CPU workers on a host without GPUs
     max_micro_batch: int | None = None  # samples a worker here computes at once; None: no limit
+    data_interface: str | None = None  # the interface gloo and NCCL use; None: the SSH address's
     env: tuple[tuple[str, str], ...] = ()  # extra environment for commands on this host
     courtesy: Overrides = ()  # the courtesy keys this host sets (courtesy.for_host merges them)
     schedule: HostSchedule = field(default_factory=HostSchedule)  # enabled, hours, quotas (inventory/hours.py)

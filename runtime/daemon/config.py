@@ -30,6 +30,8 @@
                             # absent or null: none watched)
       "claims_dir": null,   # optional: the host's GPU claims directory (runtime/claims.py); null:
                             # $ELTCTL_CLAIMS_DIR of the daemon's environment, else /tmp/eltctl-gpus
+      "data_interface": null,   # optional: the interface gloo and NCCL use here (the inventory's host
+                                # key); null: the one holding the host's address (module docstring)
       "secret_file": "/home/u/.eltctl/jobs/mnist/ws1/secret"
                             # optional: the job's secret (an absolute path to a 0600 file, runtime/auth.py);
                             # the daemon signs and checks every store value with it and its workers get
@@ -54,6 +56,13 @@ ELTCTL_HANG_TIMEOUT, ELTCTL_MIN_WORKERS, ELTCTL_MAX_WORKERS, ELTCTL_MAX_MICRO_BA
 CUDA_VISIBLE_DEVICES=<index> (also with device cpu: the GPU simulator sees a
 worker by it), and with courtesy.cpu_threads OMP_NUM_THREADS, MKL_NUM_THREADS,
 OPENBLAS_NUM_THREADS and ELTCTL_CPU_THREADS (over the job's own env).
+
+The data plane (runtime/netif.py): the daemon names the interface holding its
+workers' bind address (ELTCTL_BIND_ADDRESS from its SSH connection, else its address
+towards the store; a loopback address is `lo`) as GLOO_SOCKET_IFNAME and
+NCCL_SOCKET_IFNAME; with `data_interface`, that interface, and its address as
+ELTCTL_BIND_ADDRESS. The job's `env` (and the daemon's own environment, for the two
+*_SOCKET_IFNAME) wins over both. An interface the host lacks fails `load`.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from .. import netif
 from ..auth import ENV_SECRET_FILE, SecretError, read_secret
 from ..owner import OwnerPolicy
 from ..protocol import NAME_RULE, valid_name
@@ -111,6 +121,7 @@ class DaemonConfig:
     courtesy: Courtesy = field(default_factory=Courtesy)
     owner: OwnerPolicy = field(default_factory=OwnerPolicy)
     claims_dir: str | None = None  # None: $ELTCTL_CLAIMS_DIR, else claims.DEFAULT_DIR (runtime/claims.py)
+    data_interface: str | None = None  # the interface gloo and NCCL use here; None: netif's rule
     secret_file: Path | None = None  # the job's secret on this host (0600); None: unsigned
     secret: bytes | None = field(default=None, repr=False)  # read from secret_file by `load`
 
@@ -149,6 +160,11 @@ class DaemonConfig:
         except OSError as e:
             raise DaemonConfigError(f"cannot read the daemon configuration {path}: {e.strerror}") from None
         cfg = cls.from_json(text, source=str(path))
+        if cfg.data_interface is not None:
+            try:
+                netif.choose(netif.addresses(), address="", interface=cfg.data_interface)
+            except netif.DataInterfaceError as e:
+                raise DaemonConfigError(f"host {cfg.host}: {e}") from None
         return replace(cfg, secret=cfg.read_secret(str(path)))
 
     def read_secret(self, source: str = "daemon.json") -> bytes | None:
@@ -240,6 +256,9 @@ class DaemonConfig:
         secret_file = d.get("secret_file")
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file.startswith("/")):
             raise DaemonConfigError(f"{source}: 'secret_file' must be null or an absolute path, not {secret_file!r}")
+        data_interface = d.get("data_interface")
+        if data_interface is not None and (not isinstance(data_interface, str) or not data_interface):
+            raise DaemonConfigError(f"{source}: 'data_interface' must be null or an interface name")
         floor = stop_grace + STOP_GRACE_MARGIN_S if mode == "restart" else 0.0
         try:
             courtesy = Courtesy.from_json(d.get("courtesy"), source)
@@ -257,7 +276,7 @@ class DaemonConfig:
             stop_timeout=max(floor, number("stop_timeout", 300.0)),
             evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, progress=progress,
             max_restarts=max_restarts, restart_window=restart_window, courtesy=courtesy,
-            owner=owner, claims_dir=claims_dir, secret_file=Path(secret_file) if secret_file else None,
+            owner=owner, claims_dir=claims_dir, data_interface=data_interface, secret_file=Path(secret_file) if secret_file else None,
         )
 
 
@@ -288,3 +307,17 @@ def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id:
         env["CUDA_VISIBLE_DEVICES"] = str(slot)
     env.update(thread_env(cfg.courtesy))
     return env
+
+
+def data_plane(cfg: DaemonConfig, base: Mapping[str, str]) -> tuple[netif.DataPlane, dict[str, str]]:
+    """This host's data plane (runtime/netif.py) and the variables it adds to the workers'
+    environment (`base`: the daemon's own; the job's env wins over them in worker_env)."""
+    # the workers' bind address: the job's env (the controller puts a local host's there), the daemon's own
+    address = (cfg.env.get(netif.BIND_ADDRESS_ENV) or base.get(netif.BIND_ADDRESS_ENV) or "").strip()
+    if not address:
+        host, _, port = cfg.store.rpartition(":")
+        address = netif.local_address_towards(host.strip("[]"), int(port))
+    plane = netif.choose(netif.addresses(), address=address, interface=cfg.data_interface)
+    keep = {k: v for k, v in base.items() if k in (netif.GLOO_IFNAME, netif.NCCL_IFNAME)}
+    keep.update(cfg.env)
+    return plane, netif.plane_env(plane, keep)

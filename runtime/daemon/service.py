@@ -23,7 +23,7 @@ from ..owner import OwnerSignal, OwnerWatch, Sources, Verdict
 from ..pids import read_pid_file
 from ..protocol import EventKind, add_event, event_document, put_dead, put_leave
 from . import courtesy, procs
-from .config import DaemonConfig, worker_env
+from .config import DaemonConfig, data_plane, worker_env
 from .history import History, process_start
 from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
 from ..auth import Forgeries
@@ -126,6 +126,7 @@ class Daemon:
                      ("any GPU" if self.cfg.device == "cuda" else f"{self.cfg.slots} CPU slot(s)"))
             log.info("host %s: workers run with %s", self.cfg.host,
                      courtesy.describe(self.cfg.courtesy, self.cfg.device))
+            self._data_plane()
             self._install_signals()
             if ready:
                 ready(f"ok {os.getpid()}")
@@ -453,6 +454,23 @@ class Daemon:
                 log.info("host %s: %s; the daemon stops", self.cfg.host, a.reason)
                 done = True
         return done
+
+    def _data_plane(self) -> None:
+        """Name the data plane's interface to the workers (config.data_plane, runtime/netif.py)."""
+        try:
+            plane, env = data_plane(self.cfg, self._base_env)
+        except (OSError, ValueError) as e:  # an interface that vanished since load; no table
+            log.warning("host %s: the data plane's interface is unknown (%s); gloo and NCCL choose their own",
+                        self.cfg.host, e)
+            return
+        self._base_env.update(env)
+        if plane.interface is None:
+            log.warning("host %s: no interface holds the data-plane address %s; gloo and NCCL choose their own "
+                        "interface (set data_interface in the inventory)", self.cfg.host, plane.address)
+        else:
+            log.info("host %s: data plane on interface %s (%s, from %s)", self.cfg.host, plane.interface,
+                     plane.address, "the inventory's data_interface" if plane.source == "inventory"
+                     else "the host's address")
 
     def _start(self, slot: int, wid: str, now: float) -> None:
         cfg = self.cfg

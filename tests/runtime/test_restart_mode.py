@@ -15,16 +15,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
+import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
-from eltctl_runtime import read_status
+from eltctl_runtime import auth, read_status
+from eltctl_runtime.daemon.procs import environ_of as procs_environ
+from eltctl_runtime.protocol import Keys, job_prefix
 from eltctl_runtime.checkpoint import CheckpointStore
-from eltctl_runtime.restart import expand_command, pack_dir, torchrun_env, unpack_dir, warm_form
+from eltctl_runtime.restart import ScriptStore, expand_command, pack_dir, torchrun_env, unpack_dir, warm_form
 from runtime_cluster import PYTHON, ROOT, Cluster, Worker
+from tests.testbed.hostpython import host_env
 
 SCRIPT = ROOT / "examples" / "ddp_restart.py"
 SCRIPT_ARGS = ["--steps", "100000", "--save-every", "5", "--step-sleep", "0.05", "--samples", "512",
@@ -51,6 +58,37 @@ def test_torchrun_env_ranks_members_by_plan_and_host(members, me, expect):
     assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "29500"
     assert env["TORCHELASTIC_RESTART_COUNT"] == "2" and env["TORCHELASTIC_RUN_ID"] == "job"
     assert "CUDA_VISIBLE_DEVICES" not in torchrun_env(members, me, "x", 1, 0, "j", gpus=False)
+
+
+def _listeners(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) listening on `port`."""
+    out = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, _remote, state = line.split()[1:4]
+        addr, _, p = local.partition(":")
+        if state == "0A" and int(p, 16) == port:
+            out.append(addr)
+    return out
+
+
+def test_the_scripts_store_listens_on_the_data_plane_address_before_its_port_is_published():
+    """Rank 0's supervisor hosts the scripts' env:// store: bound to the address the
+    members reach it at (never 0.0.0.0), listening from open() on (nobody can take the
+    port first), and the script's env:// init connects to it as a client."""
+    store = ScriptStore("127.0.0.2").open()
+    try:
+        assert _listeners(store.port) == ["0200007F"]  # 127.0.0.2, and nothing on other addresses
+        env = host_env(dict(os.environ))
+        env.update(torchrun_env(["h/0/1"], "h/0/1", store.addr, store.port, 0, "job", gpus=False))
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        code = ("import torch, torch.distributed as dist; dist.init_process_group('gloo'); "
+                "t = torch.ones(2); dist.all_reduce(t); print(dist.get_world_size(), t.tolist()); "
+                "dist.destroy_process_group()")
+        out = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "1 [1.0, 1.0]" in out.stdout, out.stderr[-2000:]
+    finally:
+        store.close()
+    assert _listeners(store.port) == []
 
 
 def test_checkpoint_dir_placeholder_is_expanded():
@@ -245,4 +283,43 @@ def test_a_script_that_fails_at_every_start_stops_the_job_at_max_restarts(tmp_pa
         assert log.count("starting") == 3 and log.count("waiting 1 s before it starts again") == 1
         assert "waiting 2 s" not in log
     finally:
+        cluster.close()
+
+
+@pytest.mark.slow
+def test_the_scripts_rendezvous_at_rank_0s_store_whatever_gen_master_says(tmp_path):
+    """Someone who reaches the job's store rewrites every generation's `gen/<g>/master`
+    (unsigned, pointing elsewhere) all the time: the scripts of a job with a secret still
+    rendezvous at the store rank 0's supervisor holds on its data-plane address (their
+    MASTER_ADDR), as clients of it, and train; no generation is aborted for it."""
+    cluster = RestartCluster(tmp_path, hang_timeout=10.0, min_workers=2,
+                             secret=secrets.token_bytes(auth.SECRET_BYTES))
+    evil = dist.PrefixStore(job_prefix(cluster.job), dist.TCPStore(
+        "127.0.0.1", cluster.store.port, is_master=False, timeout=timedelta(seconds=10)))
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            for g in range(4):
+                evil.set(Keys.master(g), "127.0.0.9:1")
+            stop.wait(0.002)
+
+    attacker = threading.Thread(target=rewrite, daemon=True)
+    attacker.start()
+    try:
+        a, b = cluster.start(2, supervisor=["--no-warm"])  # cold: /proc/<pid>/environ is the script's
+        cluster.wait_world(2, steps_after=3)
+        pids = cluster.script_pids()
+        assert len(pids) == 2, cluster.logs()
+        for pid in pids:
+            env = procs_environ(pid)
+            assert env["MASTER_ADDR"] == "127.0.0.1" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True", env
+        assert not [e for e in cluster.events() if e["kind"] in ("crash", "hang")], cluster.events()
+        stop.set()
+        attacker.join()
+        cluster.stop()
+        cluster.wait_exit([a, b])
+        assert a.proc.returncode == 0 and b.proc.returncode == 0, cluster.dump_logs()
+    finally:
+        stop.set()
         cluster.close()

@@ -631,6 +631,8 @@ def test_cpu_host_crash_is_reported_once_and_sigterm_ends_everything(tmp_path):
         assert st["wanted"] == [0, 1] and "does not have" in host.log()
         env = procs_environ(st["workers"][0]["pid"])
         assert env["ELTCTL_WORKER_ID"].startswith("h1/0/") and env["ELTCTL_JOB"] == host.job
+        # the data plane: the interface of the workers' address (the store's route: 127.0.0.1)
+        assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo" and "interface lo" in host.log()
         assert incarnation_of(env["ELTCTL_WORKER_ID"]) + 1 == incarnation_of(crashed)  # slot 0 started first
         assert "CUDA_VISIBLE_DEVICES" not in env or env["CUDA_VISIBLE_DEVICES"] == os.environ.get(
             "CUDA_VISIBLE_DEVICES")
