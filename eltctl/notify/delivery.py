@@ -109,6 +109,7 @@ class Notifier:
         self._queue: collections.deque[dict] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._stop_event = threading.Event()  # cuts a back-off wait short (a new event does not)
         self._busy = False
         self._thread: threading.Thread | None = None
         self._record: dict[str, Any] = {"delivered": 0, "failed": 0, "dropped": 0, "pending": 0,
@@ -148,6 +149,7 @@ class Notifier:
         then leave the rest: the thread is a daemon and does not hold the process."""
         with self._cond:
             self._stopping = True
+            self._stop_event.set()
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -201,8 +203,9 @@ class Notifier:
                 send()
             except Exception as exc:  # noqa: BLE001 - every failure is retried and recorded
                 error = describe(exc)
-                log.warning("Notification %s to %s failed (attempt %d of %d): %s", event.get("kind"), target,
-                            attempt, tries, error)
+                log.log(logging.WARNING if attempt == tries else logging.INFO,
+                        "Notification %s to %s failed (attempt %d of %d): %s", event.get("kind"), target,
+                        attempt, tries, error)
                 if attempt < tries and not self._wait(backoff(attempt)):
                     break
                 continue
@@ -214,11 +217,9 @@ class Notifier:
         return result
 
     def _wait(self, seconds: float) -> bool:
-        """Sleep before a retry; False (retry now, once) when the notifier is stopping."""
-        with self._cond:
-            if self._stopping:
-                return True
-            self._cond.wait(seconds)
+        """Sleep before a retry (cut short when the notifier stops: the retries then
+        follow at once). Always True: retry."""
+        self._stop_event.wait(seconds)
         return True
 
     def _note(self, result: dict[str, Any]) -> None:
