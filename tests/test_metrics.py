@@ -81,3 +81,21 @@ def test_eltctl_metrics_prints_the_text_of_status_json(tmp_path):
     fams = parse(r.stdout)
     assert value(fams, "eltctl_step") == doc["step"] and value(fams, "eltctl_controller_up") == 0  # from the file
     assert "import torch" not in r.stderr
+
+
+def test_the_ledgers_figures_count_gpu_seconds_and_how_workers_ended(tmp_path):
+    from eltctl.ledger.db import open_writer
+    from eltctl.metrics import ledger_figures
+
+    conn = open_writer(tmp_path / "usage.db", "mnist")
+    rows = [("ws1/0/0", "ws1", 0, 100.0, 160.0, "yield"), ("ws1/1/0", "ws1", 1, 100.0, 130.0, "crash"),
+            ("cpu1/0/0", "cpu1", 0, 100.0, None, "")]
+    for wid, host, slot, start, end, how in rows:
+        conn.execute("INSERT INTO intervals (worker_id, job, host, slot, kind, start, end, last_seen, how, exact) "
+                     "VALUES (?, 'mnist', ?, ?, ?, ?, ?, ?, ?, 1)",
+                     (wid, host, slot, "cpu" if host == "cpu1" else "gpu", start, end, end or 150.0, how))
+    figures = ledger_figures(conn, 200.0, live=True)
+    assert figures == {"gpu_seconds": {"ws1": 90.0}, "ends": {("ws1", "yield"): 1, ("ws1", "crash"): 1}}
+    fams = parse(render(DOC, figures))
+    assert value(fams, "eltctl_gpu_seconds_total", host="ws1") == 90.0
+    assert value(fams, "eltctl_yields_total", host="ws1", cause="yield") == 1

@@ -178,3 +178,25 @@ def test_a_command_gets_the_event_on_stdin_and_its_failure_is_recorded(tmp_path)
     slow = (sys.executable, "-c", "import time; time.sleep(30)")
     [r] = Notifier(NotifySettings(command=slow, retries=0, timeout=0.5)).deliver(FAILED)
     assert not r["ok"] and "killed" in r["error"]
+
+
+def test_eltctl_notify_test_sends_one_and_says_how_it_went(tmp_path):
+    import os
+    import subprocess
+
+    def run(url: str) -> subprocess.CompletedProcess:
+        (tmp_path / "hosts.toml").write_text('[job]\nname = "bert"\ncommand = "python t.py"\n'
+                                             f'[notify]\nwebhook = "{url}"\nretries = 1\ntimeout = "2s"\n'
+                                             '[[hosts]]\nname = "a"\naddress = "local"\n')
+        env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "XDG_STATE_HOME": str(tmp_path / "state")}
+        return subprocess.run([sys.executable, "-m", "eltctl", "notify", "test", "--kind", "failed"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+    with Endpoint(answers=[200, 503, 503]).running() as ep:
+        ok = run(ep.url + "/topic")
+        bad = run(ep.url + "/topic")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == f"sent to webhook http://127.0.0.1:{ep.url.rsplit(':', 1)[1]}/… (json) (1 attempt(s))"
+    assert ep.received[0][2]["kind"] == "failed" and ep.received[0][2]["test"] is True
+    assert bad.returncode == 1 and "failed to webhook" in bad.stdout and "HTTP 503" in bad.stdout, bad.stdout
+    assert not (tmp_path / "state").exists()  # the controller's record is not touched
