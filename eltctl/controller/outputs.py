@@ -93,6 +93,13 @@ class Outputs:
         return doc
 
     def published(self, doc: dict[str, Any], now: float) -> None:
+        """Never raises: the loop writes the status outside its pass's error handling."""
+        try:
+            self._published(doc, now)
+        except Exception:  # noqa: BLE001 - notifications and metrics are advisory; the loop goes on
+            log.exception("Notifications or metrics failed on a status document.")
+
+    def _published(self, doc: dict[str, Any], now: float) -> None:
         settings = self.inventory.notify
         if settings.enabled:
             self.watch, events = watch(self.watch, doc, now, settings.stall_after)

@@ -99,3 +99,16 @@ def test_an_endpoint_that_never_answers_holds_none_of_the_loops_passes(tmp_path)
         finally:
             ep.release.set()
             out.stop(timeout=0.1)
+
+
+def test_a_failure_of_the_outputs_never_stops_the_loop(tmp_path, monkeypatch, caplog):
+    import eltctl.metrics
+
+    out = Outputs(inventory(tmp_path, "http://127.0.0.1:9"), StateDir(tmp_path / "state"))
+    out.published({"job": "bert", "hosts": "not a list", "forged": None, "step": object()}, T0)  # no raise
+    monkeypatch.setattr(eltctl.metrics, "render", lambda *a, **k: 1 / 0)
+    out.published(document(), T0 + 1)  # no raise: logged
+    assert "Notifications or metrics failed" in caplog.text
+    monkeypatch.undo()
+    out.published(document(step=11), T0 + 2)
+    assert value(parse((tmp_path / "bert.prom").read_text()), "eltctl_step") == 11
