@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 from eltctl.controller.statedir import StateDir
 from eltctl.inventory import Inventory
-from eltctl.notify import NOTIFY_FILE, Notifier, Watch, watch
+from eltctl.notify import Notifier, Watch, watch
 from eltctl_runtime.protocol import Keys
 
 log = logging.getLogger("eltctl.controller")
@@ -36,7 +36,7 @@ class Outputs:
     def __init__(self, inventory: Inventory, state: StateDir) -> None:
         self.inventory = inventory  # replaced by the loop's reload_inventory
         self.state = state
-        self.notifier = Notifier(inventory.notify, state.path / NOTIFY_FILE)
+        self.notifier = Notifier(inventory.notify, state.notify_json)
         self.watch = Watch()
         self.done: dict | None = None  # rank 0's `done` document: the job ended (finished, stop, failed)
         self.resizes: dict[str, Any] = {"count": 0, "pause_s": 0.0, "last_pause_s": None}

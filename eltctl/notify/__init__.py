@@ -9,7 +9,7 @@ directory; the status document's `notify`). docs/notifications.md is the user's 
 """
 
 from eltctl.notify.bodies import command_input, webhook_request
-from eltctl.notify.delivery import NOTIFY_FILE, Notifier
+from eltctl.notify.delivery import Notifier
 from eltctl.notify.events import Watch, notification, watch
 
-__all__ = ["NOTIFY_FILE", "Notifier", "Watch", "command_input", "notification", "watch", "webhook_request"]
+__all__ = ["Notifier", "Watch", "command_input", "notification", "watch", "webhook_request"]

@@ -8,7 +8,8 @@ constructor) sends each event to the webhook and to the command of `[notify]`
 operations; the command is killed), a failed one is tried again `retries` times after
 1 s, 2 s, 4 s ... (at most BACKOFF_MAX_S). At most MAX_PENDING events wait; beyond
 that the oldest is dropped (counted). After each delivery the record is rewritten
-atomically: `notify.json` in the job's state directory,
+atomically to `record_path` (the controller's: notify.json in the job's state
+directory, `StateDir.notify_json`),
 
     {"delivered": n, "failed": n, "dropped": n, "pending": n,
      "last": {kind, target, ok, attempts, time, error},        # the last delivery
@@ -40,7 +41,6 @@ from eltctl_runtime.files import write_json_atomic
 
 log = logging.getLogger("eltctl.notify")
 
-NOTIFY_FILE = "notify.json"
 MAX_PENDING = 100
 BACKOFF_S = 1.0
 BACKOFF_MAX_S = 60.0
@@ -248,5 +248,5 @@ def read_record(path: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-__all__ = ["BACKOFF_MAX_S", "MAX_PENDING", "NOTIFY_FILE", "Notifier", "backoff", "describe", "post_json",
+__all__ = ["BACKOFF_MAX_S", "MAX_PENDING", "Notifier", "backoff", "describe", "post_json",
            "read_record", "run_command"]
