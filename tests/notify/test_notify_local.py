@@ -16,7 +16,7 @@ from tests.notify.test_delivery import Endpoint, wait
 from tests.testbed.hostpython import HOST_PYTHON
 from tests.testbed.promtext import parse, value
 
-STEPS = 150
+STEPS = 60
 
 
 def agreeing(lj, prom):
