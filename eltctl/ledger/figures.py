@@ -208,6 +208,5 @@ def ended_counts(conn: sqlite3.Connection) -> dict[tuple[str, str], int]:
         "SELECT host, how, COUNT(*) FROM intervals WHERE end IS NOT NULL GROUP BY host, how")}
 
 
-__all__ = ["BY_CHOICES", "HOLDERS", "Interval", "ended_counts", "first_seen", "gpu_seconds", "intervals", "pauses", "samples",
-           "slot_kinds", "timeline",
-           "usage"]
+__all__ = ["BY_CHOICES", "HOLDERS", "Interval", "ended_counts", "first_seen", "gpu_seconds", "intervals", "pauses",
+           "samples", "slot_kinds", "timeline", "usage"]
