@@ -7,7 +7,8 @@ of the last one (`Watch`) and returns the new memory and the events to send:
     finished  rank 0 wrote the job's end (`done.reason` "finished"): the training returned
     failed    the job cannot go on by itself: restart mode stopped on its restart limit
               (`failed`), or every host given slots failed at start (`start_failed`);
-              `cause` is the failing line (a traceback's exception line)
+              `cause` is the failing line (a traceback's exception line); the same
+              cause again is news only after the job made progress
     paused    the job's state became "paused" (working hours, quotas, cordons leave too
               few slots); `resumed` when it leaves "paused" again
     stalled   no new step (nor restart-mode snapshot) for `stall_after` while the job is
@@ -134,9 +135,12 @@ def watch(before: Watch, doc: Mapping[str, Any], now: float, stall_after: float)
     elif forged < before.forged:
         forged_told = forged  # a new controller's counts start again
 
+    # A failure told stays told until the job makes progress again: a start failure that
+    # comes and goes while hosts are retried is one notification, not one per retry.
+    failed = cause or (before.failed if progress == before.progress else "")
     return replace(before, state=state, progress=progress, progress_at=progress_at, stalled=stalled,
                    benched=benched, quota=quota, forged=forged_told, forged_told_at=told_at,
-                   done=done_reason, failed=cause), events
+                   done=done_reason, failed=failed), events
 
 
 def _minutes(seconds: float) -> str:

@@ -59,6 +59,11 @@ def test_failed_carries_the_cause_line_restart_mode_and_failed_at_start():
                   (2, doc(state="waiting", start_failed={"b": "ModuleNotFoundError: No module named 'foo'"})))
     assert kinds(events) == ["failed"]
     assert events[0]["host"] == "b" and events[0]["cause"] == "ModuleNotFoundError: No module named 'foo'"
+    # a start failure that comes and goes while hosts are retried is told once, until a new step
+    failing = doc(state="waiting", step=None, start_failed={"b": "ImportError: x"})
+    retried = doc(state="starting", step=None)
+    events = feed((0, doc(step=None)), (1, failing), (2, retried), (3, failing), (4, doc(step=1)), (5, failing))
+    assert kinds(events) == ["failed", "failed"] and [e["time"] for e in events] == [T0 + 1, T0 + 5]
 
 
 def test_paused_and_resumed():
