@@ -286,6 +286,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             "pid": os.getpid(), "started": time.time(), "inventory": str(inventory.path),
             "store": keeper.to_json() if keeper else None, "socket": str(state.socket)})
         ctl = Controller(inventory, state, store, fleet, endpoint, secret=secret)
+        ctl.outputs.start()
         if keeper is not None and not down:
             ctl.keeper = kstore.KeeperSupervisor(state, inventory.job.name, keeper, forward_inventory=forward_to)
             if ssh_store:
@@ -326,6 +327,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                 await asyncio.wait_for(run_task, 10)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - exiting anyway
                 pass
+        if ctl is not None:
+            ctl.outputs.stop()  # what is still queued gets a few seconds more
         if ctl is not None and ctl.ledger is not None:
             # Down: what is still open ended (inferred) when it was last seen.
             ctl.ledger.close(ctl.clock(), job_down=ctl.phase is Phase.STOPPED)

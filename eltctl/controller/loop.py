@@ -13,7 +13,9 @@ Every pass (about every 0.5 s, `Controller.reconcile`):
    workers start while no survivor holds the job's state (the first `up`, or every
    host lost), the newest valid checkpoint is delivered to the hosts about to run
    workers, and nothing else is acted on until it is;
-4. the status (`status.py`): the phase, and status.json about once a second.
+4. the status (`status.py`): the phase, and status.json about once a second; with each
+   status.json the notifications it brings are queued on their own thread and
+   `[controller] metrics_file` is rewritten (`outputs.py`).
 
 The store keeper (`store.KeeperSupervisor`, set by `__main__`) is checked before
 every pass (`watch_keeper`): a lost keeper is restarted on the same address and
@@ -41,6 +43,7 @@ from eltctl import mirror as mir
 from eltctl.controller import act, observe
 from eltctl.controller import policy as pol
 from eltctl.controller import quotas, status
+from eltctl.controller.outputs import Outputs
 from eltctl.controller.statedir import StateDir
 from eltctl.controller.status import Phase
 from eltctl.controller import store as kstore
@@ -101,6 +104,7 @@ class Controller:
         self._keeper_restarted_at = 0.0
         self._keeper_next_try = 0.0  # monotonic: the next restart attempt of a keeper that could not be
         self._keeper_down_logged = False
+        self.outputs = Outputs(inventory, state)  # notifications and metrics; started by __main__
 
     # ----------------------------------------------------------------- the loop
 
@@ -232,6 +236,7 @@ class Controller:
     async def observe_store(self) -> None:
         now = self.clock()
         await self.observed.read_store(self.store, [h.name for h in self.inventory.hosts], now)
+        await self.outputs.observe(self.store, self.observed.events)
         known = self.observed.checkpoint
         self.observed.checkpoint = observe.newest_checkpoint(known, self.observed.runtime_status, now,
                                                              self.inventory.job.name)
@@ -408,6 +413,7 @@ class Controller:
         and `down` go over `fleet.hosts`); a host removed or moved loses its connection."""
         old = {h.name: h for h in self.inventory.hosts}
         self.inventory = inventory
+        self.outputs.reload(inventory)
         self.fleet.hosts = tuple(inventory.hosts)
         for name, host in old.items():
             if host != next((h for h in inventory.hosts if h.name == name), None):
@@ -568,7 +574,7 @@ class Controller:
 
     def status_document(self) -> dict:
         now = self.clock()
-        return status.status_document(
+        return self.outputs.extend(status.status_document(
             now=now, inventory=self.inventory, phase=self.phase, message=self.message,
             runtime_status=self.observed.runtime_status,
             views=self.observed.views(self.inventory.hosts, now, self.inventory.policy),
@@ -581,7 +587,7 @@ class Controller:
                                          self.observed.events_skipped),
             keeper=self._keeper_status(),
             starts_at=(self.decision.starts_at if self.decision is not None and self.phase == Phase.STARTING
-                       else None))
+                       else None)))
 
     def store_forgeries(self) -> dict[str, int]:
         """The forged values the controller's own store client read, per key family."""
@@ -603,7 +609,9 @@ class Controller:
 
     def write_status(self) -> None:
         self._status_written = self.clock()
-        status.write_status(self.state.status_json, self.status_document())
+        doc = self.status_document()
+        status.write_status(self.state.status_json, doc)
+        self.outputs.published(doc, self._status_written)
 
 
 __all__ = ["Controller", "Phase"]

@@ -9,6 +9,7 @@ between runs and what the commands read (docs/control-plane.md, "Files"):
     status.json       the status document, rewritten about once a second
     hosts.json        the controller's memory about hosts (removed, benched, ...) and the last checkpoint seen
     usage.db          the usage ledger (SQLite, eltctl/ledger): written by the controller only
+    notify.json       the notifications' deliveries (eltctl/notify/delivery.py)
     secret            the job's secret (32 random bytes, hex; mode 0600): made at the first
                       `up`, kept while the job lives (`job_secret`), sent to the hosts over SSH
     controller.log, storekeeper.log
@@ -95,6 +96,10 @@ class StateDir:
     @property
     def usage_db(self) -> Path:
         return self.path / "usage.db"
+
+    @property
+    def notify_json(self) -> Path:
+        return self.path / "notify.json"
 
     @property
     def secret(self) -> Path:

@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
 from eltctl.errors import ConfigError
 from eltctl.inventory import courtesy
 from eltctl.inventory import hours as schedules
+from eltctl.inventory.notify import NOTIFY_KEYS, notify_settings
 from eltctl.inventory.owner import OWNER_KEYS, owner_policy, owner_values
 from eltctl.inventory.tables import ABSENT, BAD, KeyLines, Table, got, raw_host_name, show, toml_error
 from eltctl.inventory.types import (
@@ -40,7 +41,7 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # = protocol.va
 _SSH_URL = re.compile(r"ssh://(?:[^@/\s]+@)?[^:/\s]+(?::\d+)?/\S*")
 
 # The accepted keys, per table, in the order hosts.example.toml documents them.
-TOP_KEYS = ("job", "ssh", "policy", "storage", "controller", "hosts")
+TOP_KEYS = ("job", "ssh", "policy", "storage", "controller", "notify", "hosts")
 JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device", "env",
             "shared_filesystem", "mode", "stop_grace", "progress", "max_restarts", "restart_window")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
@@ -50,7 +51,7 @@ POLICY_KEYS = ("idle_for", "cpu_idle_for", "memory_threshold_mib", "utilization_
                "drop_stragglers", "straggler_gain_percent", "straggler_for", *schedules.SCHEDULE_KEYS,
                *OWNER_KEYS)
 STORAGE_KEYS = ("mirror", "keep", "trust_unsigned")
-CONTROLLER_KEYS = ("address", "store")
+CONTROLLER_KEYS = ("address", "store", "metrics_file")
 STORE_MODES = ("ssh", "direct")
 HOST_KEYS = ("name", "address", "port", "user", "python", "gpus", "slots", "max_micro_batch", "data_interface", "env",
              *schedules.HOST_SCHEDULE_KEYS, *OWNER_KEYS)
@@ -155,12 +156,14 @@ class Checker:
         storage = self.storage(self.table(raw, "storage", STORAGE_KEYS) or self.empty("storage"))
         controller = self.controller(self.table(raw, "controller", CONTROLLER_KEYS)
                                      or self.empty("controller"))
+        notify = notify_settings(self.table(raw, "notify", NOTIFY_KEYS) or self.empty("notify"))
         hosts = self.hosts(raw.get("hosts", ABSENT), ssh)
         if self.problems or job is None:
             return None
         return Inventory(path=Path(os.path.abspath(self.shown)), job=job, ssh=ssh,
                          policy=policy, storage=storage, hosts=hosts, controller=controller,
-                         stragglers=stragglers, courtesy=policy_courtesy, schedule=schedule, owner=owner)
+                         stragglers=stragglers, courtesy=policy_courtesy, schedule=schedule, owner=owner,
+                         notify=notify)
 
     def empty(self, key: str) -> Table:
         return Table(self, {}, key, accepted=(), where=f"[{key}]")
@@ -275,8 +278,10 @@ class Checker:
             address = t.fail("address", f"{show(address)} contains whitespace; write one IP "
                                         "address of this machine that every host can reach")
         store = t.choice("store", "ssh", STORE_MODES)
+        metrics_file = t.path_value("metrics_file")
         return ControllerSettings(address=None if address is BAD else address,
-                                  store=store if isinstance(store, str) else "ssh")
+                                  store=store if isinstance(store, str) else "ssh",
+                                  metrics_file=None if metrics_file is BAD else metrics_file)
 
     def storage(self, t: Table) -> Storage:
         d = Storage()

@@ -11,6 +11,7 @@ from eltctl_runtime.owner import OwnerPolicy
 
 from eltctl.inventory.courtesy import Courtesy, Overrides
 from eltctl.inventory.hours import HostSchedule, Schedule
+from eltctl.inventory.notify import NotifySettings
 
 LOCAL = "local"  # `address = "local"`: run on this machine, no SSH
 
@@ -88,6 +89,8 @@ class ControllerSettings:
     # "ssh": the store on 127.0.0.1, forwarded to each host over its SSH connection;
     # "direct": bound to `address` (exposes the store to the network; the secret covers it)
     store: str = "ssh"
+    # the Prometheus text file rewritten with status.json (for node_exporter's textfile collector)
+    metrics_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class Inventory:
     courtesy: Courtesy = field(default_factory=Courtesy)  # read from [policy]; per host: courtesy.for_host
     schedule: Schedule = field(default_factory=Schedule)  # [policy]'s hours and quotas (inventory/hours.py)
     owner: OwnerPolicy = field(default_factory=OwnerPolicy)  # [policy]'s owner_* keys (inventory/owner.py)
+    notify: NotifySettings = field(default_factory=NotifySettings)  # [notify] (inventory/notify.py)
 
     def owner_policy(self, host: Host) -> OwnerPolicy:
         """The owner signals watched on `host`: [policy]'s owner_* keys with its own over them."""

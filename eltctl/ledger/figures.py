@@ -201,6 +201,12 @@ def samples(conn: sqlite3.Connection, since: float) -> list[tuple[float, int, fl
             conn.execute("SELECT t, world_size, samples_per_s FROM samples WHERE t >= ? ORDER BY t", (since,))]
 
 
-__all__ = ["BY_CHOICES", "HOLDERS", "Interval", "first_seen", "gpu_seconds", "intervals", "pauses", "samples",
-           "slot_kinds", "timeline",
-           "usage"]
+def ended_counts(conn: sqlite3.Connection) -> dict[tuple[str, str], int]:
+    """(host, how) -> how many of the job's workers ended that way there, ever (one
+    aggregate query: the metrics ask about once a second)."""
+    return {(str(host), str(how or "unknown")): int(n) for host, how, n in conn.execute(
+        "SELECT host, how, COUNT(*) FROM intervals WHERE end IS NOT NULL GROUP BY host, how")}
+
+
+__all__ = ["BY_CHOICES", "HOLDERS", "Interval", "ended_counts", "first_seen", "gpu_seconds", "intervals", "pauses",
+           "samples", "slot_kinds", "timeline", "usage"]

@@ -83,6 +83,10 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     if forged is not None:
         grid.add_row("[red]warning[/]", forged)
 
+    notify = notify_line(doc.get("notify"), now)
+    if notify is not None:
+        grid.add_row("notify", notify)
+
     controller = doc.get("controller") if isinstance(doc.get("controller"), dict) else {}
     pid = controller.get("pid")
     if snapshot.controller_alive:
@@ -132,6 +136,25 @@ def mirror_warning(mirror: Any) -> str | None:
             f"\n{escape(str(problem.get('message', '')))}")
     if problem.get("fix"):
         line += f"\n[bold]fix:[/] {escape(str(problem['fix']))}"
+    return line
+
+
+def notify_line(notify: Any, now: float) -> str | None:
+    """The `notify` row: the last failed delivery of a notification (the document's
+    `notify.last_failure`, notify/delivery.py) and whether one got through since; None
+    while none failed."""
+    from rich.markup import escape
+
+    fail = notify.get("last_failure") if isinstance(notify, dict) else None
+    if not isinstance(fail, dict):
+        return None
+    t = num(fail.get("time"))
+    line = (f"[yellow]last failure {format_age(now - t if t is not None else None)} ago[/]: "
+            f"{escape(str(fail.get('kind')))} to {escape(str(fail.get('target')))} after "
+            f"{_int(fail.get('attempts'))} attempt(s): {escape(str(fail.get('error')))}")
+    last = notify.get("last") if isinstance(notify.get("last"), dict) else {}
+    if last.get("ok") and (num(last.get("time")) or 0) > (t or 0):
+        line += "   [green]delivered since[/]"
     return line
 
 
