@@ -123,3 +123,19 @@ def test_runtime_modules_the_control_side_uses_need_no_torch():
     control_uses = {d for name, deps in graph().items() if name.split(".")[0] == "eltctl"
                     for d in deps if d.startswith("eltctl_runtime")}
     assert control_uses <= set(STDLIB_ONLY), sorted(control_uses - set(STDLIB_ONLY))
+
+
+def test_every_package_folder_is_in_pyprojects_packages():
+    # A folder left out is missing from a non-editable install (`pip install .`):
+    # eltctl.ledger was, and `eltctl usage` failed there with ModuleNotFoundError.
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = set()
+    for name, folder in config["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder)
+            found.add(".".join((name, *rel.parts)))
+    assert found - listed == set(), f"add to [tool.setuptools] packages in pyproject.toml: {sorted(found - listed)}"
