@@ -160,14 +160,33 @@ def unix_connect(path: str, timeout: float | None) -> socket.socket:
     return sock
 
 
+def answers(path: str, timeout: float = 2.0) -> bool:
+    """Whether a store server answers at the Unix socket `path` (a PING round trip)."""
+    try:
+        sock = unix_connect(path, timeout)
+    except OSError:
+        return False
+    try:
+        sock.sendall(encode(Op.PING))
+        head = sock.recv(4)
+        return len(head) == 4
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
 def bind_unix(path: str | Path, backlog: int = 512) -> socket.socket:
     """A listening Unix socket at `path`, mode 0600 from its creation (umask), in a
-    directory that must be 0700 and this account's own (made so when missing). A
+    directory that must be this account's own (made when missing, tightened to 0700). A
     stale socket file is replaced; any other file there is an error."""
     path = str(path)
     parent = os.path.dirname(path) or "."
     os.makedirs(parent, mode=0o700, exist_ok=True)
     st = os.stat(parent)
+    if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(parent, 0o700)  # ours: tightened (an older eltctl made it 0755)
+        st = os.stat(parent)
     if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise PermissionError(errno.EPERM, f"the store's directory {parent} must be this account's own and "
                                            f"mode 0700 (it is {stat.S_IMODE(st.st_mode):o}, owner {st.st_uid})")
@@ -275,12 +294,15 @@ class StoreServer:
         self._last_refusal = ""
         self._last_refusal_at = 0.0
         self.unix_path: str | None = None
+        self._inode: tuple[int, int] | None = None
         self.tcp_address: tuple[str, int] | None = None
 
     # -- listeners ---------------------------------------------------------------
     def listen_unix(self, path: str | Path) -> str:
         self._socks.append(bind_unix(path))
         self.unix_path = str(path)
+        st = os.stat(self.unix_path)
+        self._inode = (st.st_dev, st.st_ino)
         return self.unix_path
 
     def listen_tcp(self, address: str, port: int = 0) -> int:
@@ -337,9 +359,11 @@ class StoreServer:
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
-        if self.unix_path:
+        if self.unix_path:  # unless another server bound the path since
             try:
-                os.unlink(self.unix_path)
+                st = os.stat(self.unix_path)
+                if (st.st_dev, st.st_ino) == self._inode:
+                    os.unlink(self.unix_path)
             except OSError:
                 pass
 
@@ -574,4 +598,4 @@ class StoreServer:
 
 
 __all__ = ["Limits", "Op", "Spec", "Status", "StoreClosed", "StoreError", "StoreRefused", "StoreServer",
-           "StoreTimeout", "bind_tcp", "bind_unix", "decode", "encode", "parse_spec", "unix_connect"]
+           "StoreTimeout", "answers", "bind_tcp", "bind_unix", "decode", "encode", "parse_spec", "unix_connect"]

@@ -148,12 +148,21 @@ def test_the_socket_is_0600_in_a_0700_directory(server):
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
 
 
-def test_a_directory_others_can_enter_is_refused(tmp_path):
+def test_a_loose_directory_is_tightened_and_a_foreign_one_refused(tmp_path):
     loose = tmp_path / "loose"
-    loose.mkdir(mode=0o755)
+    loose.mkdir()
     loose.chmod(0o755)
-    with pytest.raises(PermissionError, match="mode 0700"):
-        StoreServer().listen_unix(loose / "store.sock")
+    srv = StoreServer()
+    srv.listen_unix(loose / "store.sock")
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    srv.stop()
+    if os.getuid() != 0:
+        return
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)
+    with pytest.raises(PermissionError, match="account's own"):
+        StoreServer().listen_unix(foreign / "store.sock")
 
 
 def test_a_path_longer_than_sun_path_works(tmp_path):
