@@ -2,12 +2,12 @@
 
 Normal mode (what `eltctl up` starts, detached): take the job's lock (another live
 controller: exit 0 at once), adopt the store keeper named by controller.json when it
-still serves (else start one: on 127.0.0.1, forwarded to each remote host over SSH
+still serves (else start one: on a Unix socket in the state directory, forwarded to each remote host over SSH
 by the keeper itself, eltctl/storeforward.py; with `[controller] store = "direct"`
 bound to the one address the hosts use to reach this machine), write controller.json, serve control.sock and reconcile until `down`.
 SIGTERM or SIGINT end the controller alone: the workers keep training and the next
 `eltctl up` adopts them. While it runs it supervises the store keeper: a lost one is
-restarted on the same address and port (controller/loop.py `watch_keeper`).
+restarted at the same address (controller/loop.py `watch_keeper`).
 
 `--down` (what `eltctl down` runs when no controller is alive): adopt what is there,
 take the job down, print the result as one JSON line and exit.
@@ -113,7 +113,7 @@ def warn_direct_store(address: str) -> None:
 
     log.warning("[controller] store = \"direct\": the job's store listens on %s, reachable by anyone on "
                 "that network (every value is signed with the job's secret, but the port is open); the "
-                "default \"ssh\" mode keeps it on 127.0.0.1.", address)
+                "default \"ssh\" mode keeps it on a Unix socket only the job's account reaches.", address)
     try:
         public = ipaddress.ip_address(address).is_global
     except ValueError:

@@ -73,7 +73,8 @@ def test_forwards_come_up_after_the_run_id_keep_their_path_and_follow_the_invent
     h3.set_sshd_option("AllowStreamLocalForwarding", "no")
     job = dict(JOB, workdir=str(tmp_path))
     inventory = testbed.write_inventory(tmp_path / "hosts.toml", hosts=[h1, h3], job=job)
-    keeper_sock = tmp_path / "state" / "store.sock"
+    keeper_sock = tmp_path / ("s" * 60) / "state" / "store.sock"  # longer than sun_path: the keeper's alias
+    assert len(str(keeper_sock)) > 108
     srv = _echo_server(keeper_sock)
     state = tmp_path / "forwards.json"
     fw = Forwarder(inventory, state, str(keeper_sock), "a" * 32)
