@@ -8,6 +8,10 @@ process against a server in its own process (as the store keeper is):
   - get: ops/s and latency of `get(key)` of an existing key;
   - a gloo rendezvous of 2 ranks through a PrefixStore over it (threads), wall time.
 
+c10d's `set` does not wait for the server (nothing is read back), so its set figures
+are the client's send alone; SocketStore's `set` is a round trip (a value over a limit
+must raise). Compare the gets for the protocol's cost.
+
 The servers: TCPStore on 127.0.0.1 (non-libuv, as the old store keeper served it,
 and the default libuv one), and eltctl_runtime.sockstore on a Unix socket (the
 keeper's "ssh" mode) and on TCP (the direct mode).
