@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import errno
+import logging
 import os
 import socket
 import stat
@@ -43,6 +44,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("eltctl_runtime.sockstore")
 
 SCHEME_UNIX = "unix:"
 SCHEME_TCP = "tcp:"
@@ -418,10 +421,12 @@ class StoreServer:
                 pass
             writer.close()
             return
+        early = b""  # a byte of the next request read while a GET waited
         try:
             while True:
                 try:
-                    head = await reader.readexactly(1)  # idle between requests: no limit
+                    head = early or await reader.readexactly(1)  # idle between requests: no limit
+                    early = b""
                 except (asyncio.IncompleteReadError, OSError):
                     return
                 try:
@@ -445,7 +450,17 @@ class StoreServer:
                     self._stats["requests"] += 1
                 try:
                     op, items = decode(body)
-                    status, out = Status.OK, await self._handle(op, items)
+                    if op in (Op.GET, Op.WAIT, Op.MULTI_GET) and not self._present(items[:-1]):
+                        kept: list[bytes] = []
+                        try:
+                            out = await self._waiting(self._handle(op, items), reader, kept)
+                        finally:
+                            early = b"".join(kept)
+                        if out is None:
+                            return  # the client left while it waited: its slot is freed now
+                    else:
+                        out = await self._handle(op, items)
+                    status = Status.OK
                 except _Refused as exc:
                     self._count_refusal(exc.reason, str(exc))
                     status, out = Status.REFUSED, [str(exc).encode()]
@@ -462,10 +477,44 @@ class StoreServer:
             return
         except asyncio.CancelledError:  # the server stops
             return
+        except Exception:  # noqa: BLE001 - a bug: this connection ends, the server goes on
+            log.exception("store: a connection ended on an unexpected error")
+            return
         finally:
             with self._lock:
                 self._connections -= 1
             writer.close()
+
+    def _present(self, keys: list[bytes]) -> bool:
+        """Whether every key exists: a GET of them answers at once, no need to watch."""
+        try:
+            return all(k.decode() in self._data for k in keys)
+        except UnicodeDecodeError:
+            return True  # _handle refuses it
+
+    async def _waiting(self, handling, reader: asyncio.StreamReader, kept: list[bytes]) -> list[bytes] | None:
+        """A blocking request's answer, watching the connection meanwhile: None when the
+        client closed it first (the wait is abandoned, its slot freed). A byte the
+        client already sent of its next request goes to `kept`."""
+        task = asyncio.ensure_future(handling)
+        peek = asyncio.ensure_future(reader.read(1))
+        try:
+            await asyncio.wait({task, peek}, return_when=asyncio.FIRST_COMPLETED)
+            if peek.done():
+                kept.append(peek.result())  # raises OSError when the connection broke
+                if not kept[-1] and not task.done():  # end of file: gone
+                    task.cancel()
+                    return None
+            else:  # nothing was read: the next request's bytes stay in the buffer
+                peek.cancel()
+                await asyncio.wait({peek})  # its read is over before the next one starts
+                if not peek.cancelled() and peek.exception() is None:
+                    kept.append(peek.result())  # it read a byte before the cancel reached it
+            return await task
+        except BaseException:
+            task.cancel()
+            peek.cancel()
+            raise
 
     async def _discard(self, reader: asyncio.StreamReader, size: int) -> None:
         deadline = time.monotonic() + self.limits.frame_timeout_s

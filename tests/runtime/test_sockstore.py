@@ -211,3 +211,29 @@ def test_gloo_rendezvous_through_a_prefix_store(server):
     for t in threads:
         t.join(60)
     assert results == {0: [3.0] * 4, 1: [3.0] * 4}
+
+
+def test_a_client_that_leaves_during_a_get_frees_its_connection(server):
+    c = client(server, timeout=600)
+    waiting = threading.Thread(target=lambda: pytest.raises(Exception, c.get, "never"), daemon=True)
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while server.stats()["connections"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    c._sock.shutdown(socket.SHUT_RDWR)  # gone while its GET waits (600 s)
+    while server.stats()["connections"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.stats()["connections"] == 0
+    waiting.join(10)
+
+
+def test_requests_after_a_get_on_the_same_connection_stay_in_step(server):
+    c = client(server)
+    threading.Timer(0.2, client(server).set, ("late", "v")).start()
+    assert c.get("late") == b"v"  # answered while the server watched the connection
+    for i in range(50):
+        c.set(f"s{i % 5}", str(i))
+        assert c.get(f"s{i % 5}") == str(i).encode()
+    with pytest.raises(StoreTimeout):
+        c.wait(["nope"], timedelta(seconds=0.1))
+    assert c.add("n", 1) == 1
