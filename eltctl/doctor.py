@@ -279,11 +279,11 @@ async def check_store_forward(host: Host, transport: Transport) -> Check | None:
         return None
     refused = await probe()
     if refused is None:
-        return Check("store forward", Status.OK, "sshd allows a forward on the host's loopback")
-    return Check("store forward", Status.FAIL, f"the host's sshd refused a remote port forward ({refused})",
-                 "the job's store reaches the host through one: set `AllowTcpForwarding yes` (or `remote`) in "
-                 "the host's sshd_config and reload sshd, or set [controller] store = \"direct\" in the "
-                 "inventory (the store then listens on the network)")
+        return Check("store forward", Status.OK, "sshd forwards a Unix socket (streamlocal) for the job's store")
+    from eltctl.storeforward import STREAMLOCAL_FIX
+
+    return Check("store forward", Status.FAIL, f"the host's sshd refused to forward a Unix socket ({refused})",
+                 f"the job's store reaches the host through one: {STREAMLOCAL_FIX}")
 
 
 # --------------------------------------------------------------------------- running it

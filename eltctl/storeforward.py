@@ -1,33 +1,42 @@
-"""The store's SSH remote forwards, held by the store keeper (docs/control-plane.md).
+"""The store's SSH forwards and the run id's delivery, held by the store keeper
+(docs/control-plane.md).
 
-In the default `[controller] store = "ssh"` mode the keeper binds 127.0.0.1 alone, and
-each remote host reaches it through a remote port forward on the controller's own,
-verified SSH connection to that host (eltctl/hosts/ssh.py `connect`: the inventory's
-known_hosts and identity, agent forwarding off, ProxyJump hops checked the same way):
-the host's sshd listens on ITS 127.0.0.1:P_h and carries each connection back to the
-keeper's 127.0.0.1:K. The daemon and workers of that host use `127.0.0.1:P_h`.
+In the default `[controller] store = "ssh"` mode the keeper serves the store on a Unix
+socket in the controller's 0700 state directory, and each remote host reaches it
+through a remote **Unix-socket** forward (OpenSSH's streamlocal forwarding) on the
+controller's own, verified SSH connection to that host (eltctl/hosts/ssh.py `connect`:
+the inventory's known_hosts and identity, agent forwarding off, ProxyJump hops checked
+the same way): the host's sshd listens on `store.sock` in the host's 0700 job directory
+(eltctl/hosts/layout.py) and carries each connection back to the keeper's socket. Only
+the job's account on the host can connect to it (the directory's mode; sshd creates
+the socket 0600 with its default StreamLocalBindMask), no TCP port is open anywhere.
+The host's sshd must allow it: `AllowStreamLocalForwarding yes` (the default);
+`eltctl doctor` and `up` name a host whose sshd refuses.
+
+Before it opens a host's forward the keeper writes its run id (a fresh random value at
+every keeper start) to the host's job directory, file `run` (0600, atomically, over the
+same connection), and removes a stale `store.sock` there (sshd's StreamLocalBindUnlink
+is off by default). So a store reachable on a host is always the keeper whose run id
+the host holds. With `forward=False` (the "direct" store mode) only the run id is
+delivered.
 
 The keeper holds the forwards (not the controller), so a controller crash costs
-nothing; a keeper restart re-opens them. `Forwarder` runs an asyncio loop on a thread
-of its own in the keeper process:
+nothing; a keeper restart re-opens them at the same paths. `Forwarder` runs an asyncio
+loop on a thread of its own in the keeper process:
 
 - which hosts: the inventory's remote hosts (address other than "local"); the file is
   re-read when its mtime changes (checked every `RELOAD_EVERY_S`) or on `reload()`
   (the keeper calls it on SIGHUP), so `scale --add` of a host newly written into the
   inventory gets its forward. A host removed from the inventory loses its forward.
-- which port: the one remembered for the host in forwards.json, else K, else any
-  (0). Within one keeper's life, and in a keeper that replaces a lost one
-  (`insist=True`), a remembered port is asked for again and again, never changed: the
-  host's daemon knows only that one. A fresh keeper (a new `up`) takes another port
-  when the remembered one is taken.
 - a lost connection is opened again with back-off (`BACKOFF_S`, doubling to
   `BACKOFF_MAX_S`).
 
 forwards.json (`FORWARDS_FILE` in the state directory, written atomically on every
-change): {"keeper": pid, "keeper_port": K, "hosts": {host: {"port": P_h or null,
-"up": bool, "error": str, "since": time}}}. The controller reads it for the port to
-write into a host's daemon.json (only while "keeper" is its keeper's pid and the
-host's forward is up) and `status` shows it.
+change): {"keeper": pid, "keeper_socket": path, "forward": bool, "hosts": {host:
+{"socket": the host's store.sock path or null, "up": bool, "error": str, "since":
+time}}}. The controller reads it for the address to write into a host's daemon.json
+(only while "keeper" is its keeper's pid and the host's forward is up) and `status`
+shows it.
 """
 
 from __future__ import annotations
@@ -36,11 +45,13 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import threading
 import time
 from pathlib import Path
 
 from eltctl_runtime.files import read_json, write_atomic
+from eltctl_runtime.sockstore import UNIX_PATH_MAX
 
 log = logging.getLogger("eltctl.storeforward")
 
@@ -48,6 +59,8 @@ FORWARDS_FILE = "forwards.json"
 RELOAD_EVERY_S = 2.0
 BACKOFF_S = 1.0
 BACKOFF_MAX_S = 30.0
+STREAMLOCAL_FIX = ("set `AllowStreamLocalForwarding yes` in the host's sshd_config and reload sshd, or set "
+                   "[controller] store = \"direct\" in the inventory (the store then listens on the network)")
 
 
 def read_forwards(path: Path) -> dict:
@@ -56,24 +69,48 @@ def read_forwards(path: Path) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
-def forward_port(doc: dict, host: str, keeper_pid: int) -> int | None:
-    """The port `host` reaches the store at, when keeper `keeper_pid` holds its forward up."""
+def forward_socket(doc: dict, host: str, keeper_pid: int) -> str | None:
+    """The Unix socket `host` reaches the store at, when keeper `keeper_pid` holds its forward up."""
     if doc.get("keeper") != keeper_pid:
         return None
     entry = (doc.get("hosts") or {}).get(host) or {}
-    port = entry.get("port")
-    return int(port) if entry.get("up") and isinstance(port, int) and port > 0 else None
+    path = entry.get("socket")
+    return path if entry.get("up") and isinstance(path, str) and path.startswith("/") else None
+
+
+def prepare_command(job: str, host: str) -> str:
+    """The host's side of a forward, before it opens: the job directory (0700), the run
+    id from stdin into `run` (0600, renamed into place), no stale `store.sock`; prints
+    the job directory's absolute path."""
+    from eltctl.hosts import layout
+
+    q = shlex.quote
+    home = "$HOME"
+    private = [f"{home}/{layout.STATE_DIR}", f"{home}/{layout.JOBS_DIR}", f"{home}/{layout.JOBS_DIR}/{q(job)}",
+               layout.shell_job_dir(job, host)]
+    return (f"umask 077 && mkdir -p {private[-1]} && chmod 700 {' '.join(private)} && cd {private[-1]} && "
+            f"IFS= read -r r && printf '%s\\n' \"$r\" > .{layout.RUN_FILE}.tmp && chmod 600 .{layout.RUN_FILE}.tmp "
+            f"&& mv -f .{layout.RUN_FILE}.tmp {layout.RUN_FILE} && rm -f {layout.STORE_SOCKET} && pwd")
+
+
+def write_local_run(job_dir: Path, run_id: str) -> None:
+    """The run id into a job directory on this machine (a "local" host's), before the
+    store serves."""
+    from eltctl.hosts import layout
+
+    job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(job_dir, 0o700)
+    write_atomic(job_dir / layout.RUN_FILE, run_id + "\n")  # 0600
 
 
 class Forwarder:
-    def __init__(self, inventory_path: Path, state_file: Path, keeper_port: int, *, insist: bool = False) -> None:
+    def __init__(self, inventory_path: Path, state_file: Path, keeper_socket: str | None, run_id: str, *,
+                 forward: bool = True) -> None:
         self.inventory_path = Path(inventory_path)
         self.state_file = Path(state_file)
-        self.keeper_port = keeper_port
-        self.insist = insist
-        previous = (read_forwards(self.state_file).get("hosts") or {})
-        self.remembered: dict[str, int] = {h: int(e["port"]) for h, e in previous.items()
-                                           if isinstance(e, dict) and isinstance(e.get("port"), int) and e["port"] > 0}
+        self.keeper_socket = keeper_socket
+        self.run_id = run_id
+        self.forward = forward and keeper_socket is not None
         self.hosts: dict[str, dict] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._addresses: dict[str, tuple] = {}
@@ -82,10 +119,17 @@ class Forwarder:
         self._wake: asyncio.Event | None = None
         self._lock = threading.Lock()
         self._stopping = False
-        self._pinned: set[str] = set()  # hosts whose daemon may know their port: never changed
+        self._dest: str | None = None  # the keeper's socket as asyncssh connects to it
+        self._dir_fd: int | None = None
 
     # ------------------------------------------------------------------ the thread
     def start(self) -> None:
+        if self.forward and self.keeper_socket is not None:
+            self._dest = self.keeper_socket
+            if len(os.fsencode(self.keeper_socket)) > UNIX_PATH_MAX:  # held for the keeper's life
+                parent, name = os.path.split(self.keeper_socket)
+                self._dir_fd = os.open(parent, os.O_PATH | os.O_DIRECTORY)
+                self._dest = f"/proc/{os.getpid()}/fd/{self._dir_fd}/{name}"
         ready = threading.Event()
 
         def run() -> None:
@@ -151,10 +195,10 @@ class Forwarder:
         for name, host in wanted.items():
             if name not in self._tasks:
                 self._addresses[name] = (host.address, host.port, host.user, inventory.ssh)
-                self._tasks[name] = asyncio.ensure_future(self._hold(host, inventory.ssh))
+                self._tasks[name] = asyncio.ensure_future(self._hold(host, inventory.ssh, inventory.job.name))
         self._write()
 
-    async def _hold(self, host, settings) -> None:
+    async def _hold(self, host, settings, job: str) -> None:
         """Keep one host's forward up, for ever (until cancelled)."""
         import asyncssh
 
@@ -166,12 +210,16 @@ class Forwarder:
             transport = None
             try:
                 transport = await connect(host, settings)
-                conn = transport._conn
-                port = await self._listen(conn, host.name)
-                self._set(host.name, port=port, up=True, error="")
-                log.info("store forwards: %s: 127.0.0.1:%d there reaches the store", host.name, port)
+                path = await self._prepare(transport, job)
+                if not self.forward:
+                    self._set(host.name, socket=None, up=True, error="")
+                    log.info("store forwards: %s: the run id is in its job directory", host.name)
+                    return  # the direct mode: nothing to hold
+                await self._listen(transport._conn, path)
+                self._set(host.name, socket=path, up=True, error="")
+                log.info("store forwards: %s: %s there reaches the store", host.name, path)
                 delay = BACKOFF_S
-                await conn.wait_closed()
+                await transport._conn.wait_closed()
                 self._set(host.name, up=False, error="the SSH connection was lost; opening it again")
             except asyncio.CancelledError:
                 if transport is not None:
@@ -192,34 +240,34 @@ class Forwarder:
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX_S)
 
-    async def _listen(self, conn, name: str) -> int:
-        """The remote forward 127.0.0.1:P_h -> 127.0.0.1:K on the host; P_h as the module says."""
+    async def _prepare(self, transport, job: str) -> str:
+        """The run id written on the host, its stale socket removed: the socket's path there."""
+        from eltctl.hosts import layout
+
+        res = await transport.run(prepare_command(job, transport.host.name), input=self.run_id + "\n", timeout=60)
+        lines = res.stdout.strip().splitlines()
+        if not res.ok or not lines or not lines[-1].startswith("/"):
+            raise OSError(f"cannot write the run id to the host's job directory: "
+                          f"{(res.stderr or res.stdout).strip()[-300:] or f'exit status {res.exit_status}'}")
+        path = f"{lines[-1]}/{layout.STORE_SOCKET}"
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise OSError(f"the host's store socket {path} is longer than a Unix socket path may be "
+                          f"({UNIX_PATH_MAX} bytes): use a shorter HOME there, or [controller] store = \"direct\"")
+        return path
+
+    async def _listen(self, conn, path: str) -> None:
+        """The remote forward of `path` on the host to the keeper's socket."""
         import asyncssh
 
-        remembered = self.remembered.get(name)
-        insist = self.insist or name in self._pinned
-        tries = [remembered] if remembered else []
-        if not (remembered and insist):
-            tries += [p for p in (self.keeper_port, 0) if p not in tries]
-        error: Exception | None = None
-        for port in tries:
-            try:
-                listener = await conn.forward_remote_port("127.0.0.1", port, "127.0.0.1", self.keeper_port)
-            except (asyncssh.Error, asyncssh.ChannelListenError) as exc:
-                error = exc
-                continue
-            got = listener.get_port()
-            self.remembered[name] = got
-            self._pinned.add(name)
-            return got
-        raise OSError(f"the host's sshd refused to listen on 127.0.0.1:{tries[-1]} for the store "
-                      f"({error}): it needs AllowTcpForwarding yes (or remote)"
-                      + (f", and port {remembered} (the one this host's daemon knows) must be free there"
-                         if remembered and insist else ""))
+        try:
+            await conn.forward_remote_path(path, self._dest)
+        except (asyncssh.Error, asyncssh.ChannelListenError) as exc:
+            raise OSError(f"the host's sshd refused to forward the store's Unix socket {path} ({exc}): "
+                          + STREAMLOCAL_FIX) from exc
 
     # ------------------------------------------------------------------ the file
     def _set(self, name: str, **fields) -> None:
-        entry = self.hosts.setdefault(name, {"port": self.remembered.get(name), "up": False, "error": ""})
+        entry = self.hosts.setdefault(name, {"socket": None, "up": False, "error": ""})
         if "up" in fields and fields["up"] != entry.get("up"):
             entry["since"] = time.time()
         entry.update(fields)
@@ -229,7 +277,7 @@ class Forwarder:
         with self._lock:
             hosts = {}
             for name in self._tasks or self.hosts:
-                hosts[name] = dict(self.hosts.get(name) or {"port": self.remembered.get(name), "up": False,
-                                                             "error": "connecting"})
-            doc = {"keeper": os.getpid(), "keeper_port": self.keeper_port, "hosts": hosts, "time": time.time()}
+                hosts[name] = dict(self.hosts.get(name) or {"socket": None, "up": False, "error": "connecting"})
+            doc = {"keeper": os.getpid(), "keeper_socket": self.keeper_socket, "forward": self.forward,
+                   "hosts": hosts, "time": time.time()}
             write_atomic(self.state_file, json.dumps(doc, indent=1))

@@ -1,26 +1,41 @@
-"""The store keeper: the process that serves one job's c10d TCPStore.
+"""The store keeper: the process that serves one job's store.
 
-    python -m eltctl.storekeeper --address ADDR [--port N] --info PATH [--restarted-job JOB]
-                                 [--inventory PATH --forwards PATH]
+    python -m eltctl.storekeeper (--socket PATH | --address ADDR [--port N]) --info PATH
+                                 [--run-file PATH] [--stats PATH] [--restarted-job JOB]
+                                 [--inventory PATH [--forwards PATH] [--no-forward]]
 
-It binds a listening socket to ADDR alone (never 0.0.0.0: the store has no
-authentication) and hands it to torch's TCPStore with `master_listen_fd`, writes
-`{"pid", "address", "port"}` to PATH (atomically) once the store answers, and then
-only waits for SIGTERM. It is a process of its own, not a thread of the controller,
-so a controller crash loses no store state and no worker notices it; the next
-controller finds it through controller.json and reconnects.
+It serves eltctl_runtime.sockstore's store (the standard library only: the keeper
+imports no torch): on the Unix socket PATH (the default `[controller] store = "ssh"`
+mode: in the controller's 0700 state directory, so only the job's account can
+connect), or on TCP at ADDR:N (the warned "direct" mode). Either way the store's
+limits hold (sockstore.Limits). It writes `{"pid", "address", "port", "socket",
+"spec", "started"}` to the info file (atomically) once the store serves, and then
+only waits for SIGTERM, writing the store's counters (connections, requests,
+refusals by reason) to the stats file every few seconds: refusals mean someone
+other than the job's clients is talking to it, and the controller reports them.
+It is a process of its own, not a thread of the controller, so a controller crash
+loses no store state and no worker notices it; the next controller finds it
+through controller.json and reconnects.
 
-When the keeper itself dies, the controller starts a new one on the same address
-and port (`--port`, with `--restarted-job`: the new store then holds the job's
-`store/restarted` mark from its first moment, so a joiner waits for the members
-to re-publish their plan; runtime/storeloss.py). A port another process holds is
-exit code 3 (PORT_TAKEN); the controller tries again later, never another port.
+At every start the keeper makes a fresh run id (`secrets.token_hex(16)`) and writes
+it, mode 0600, to the run file (the state directory's `run`) and to the job
+directory of every "local" inventory host BEFORE it serves; the forwarder writes it
+to each remote host's job directory before it opens that host's forward
+(eltctl/storeforward.py). A store reachable anywhere is thus always the keeper
+whose run id is written there.
 
-With `--inventory` and `--forwards` (the default `[controller] store = "ssh"` mode:
-ADDR is 127.0.0.1), the keeper also holds one SSH remote forward per remote host
-of the inventory (eltctl/storeforward.py), writes their state to the forwards file,
-and re-reads the inventory when it changes or on SIGHUP (which then no longer stops
-it).
+When the keeper itself dies, the controller starts a new one at the same address
+(`--socket` again, or `--port`; with `--restarted-job`: the new store then holds the
+job's `store/restarted` mark from its first moment, so a joiner waits for the
+members to re-publish their plan; runtime/storeloss.py). An address another process
+holds (a port, or a socket a live store answers on) is exit code 3 (PORT_TAKEN);
+the controller tries again later, never another address.
+
+With `--inventory`, the keeper writes the run id to its local hosts and (with
+`--forwards`) holds one SSH forward per remote host of the inventory
+(eltctl/storeforward.py; `--no-forward`, the direct mode: it only delivers the run
+id), writes their state to the forwards file, and re-reads the inventory when it
+changes or on SIGHUP (which then no longer stops it).
 """
 
 from __future__ import annotations
@@ -30,90 +45,130 @@ import errno
 import json
 import logging
 import os
+import secrets
 import signal
-import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from eltctl_runtime import auth
 from eltctl_runtime.files import write_atomic
 from eltctl_runtime.protocol import KEEPER_KEY, Keys, job_prefix
+from eltctl_runtime.sockstore import Spec, StoreServer, answers
 
 PORT_TAKEN = 3
+STATS_EVERY_S = 2.0
 
 
-def serve(address: str, port: int, info: Path, restarted_job: str | None = None,
-          secret_file: Path | None = None, inventory: Path | None = None, forwards: Path | None = None) -> None:
-    import torch.distributed as dist
+class AddressTaken(OSError):
+    """Another live store serves the keeper's socket."""
 
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((address, port))
-    sock.listen(512)
-    port = sock.getsockname()[1]
-    # use_libuv=False: the libuv backend does not take a listening fd.
-    store = dist.TCPStore(address, port, is_master=True, master_listen_fd=sock.fileno(), use_libuv=False,
-                          wait_for_workers=False, timeout=timedelta(seconds=30))
-    store.set(KEEPER_KEY, str(os.getpid()))
+
+def local_job_dirs(inventory: Path) -> list[Path]:
+    """The job directories of the inventory's "local" hosts on this machine."""
+    from eltctl.hosts.layout import job_dir_in
+    from eltctl.inventory import load_inventory
+
+    inv = load_inventory(inventory)
+    out = []
+    for host in inv.hosts:
+        if host.is_local:
+            home = dict(host.env).get("HOME") or os.environ.get("HOME") or str(Path.home())
+            out.append(job_dir_in(Path(home), inv.job.name, host.name))
+    return out
+
+
+def serve(info: Path, *, socket_path: Path | None = None, address: str | None = None, port: int = 0,
+          restarted_job: str | None = None, secret_file: Path | None = None, inventory: Path | None = None,
+          forwards: Path | None = None, forward: bool = True, run_file: Path | None = None,
+          stats_file: Path | None = None) -> None:
+    server = StoreServer()
+    if socket_path is not None:
+        if answers(str(socket_path)):
+            raise AddressTaken(errno.EADDRINUSE, f"a live store answers on {socket_path}")
+        server.listen_unix(socket_path)
+        where = Spec("unix", path=str(socket_path))
+    else:
+        port = server.listen_tcp(address, port)
+        where = Spec("tcp", host=address, port=port)
+    run_id = secrets.token_hex(16)
+    write_atomic(run_file or info.parent / auth.RUN_FILE_NAME, run_id + "\n")  # 0600, before anyone can connect
+    server.set(KEEPER_KEY, str(os.getpid()))
     if restarted_job:
         mark = str(time.time()).encode()
         if secret_file is not None:  # the job's readers check it like every value (runtime/auth.py)
             mark = auth.Signer(auth.read_secret(secret_file), job_prefix(restarted_job)).seal(Keys.STORE_RESTARTED,
                                                                                                 mark)
-        store.set(f"{job_prefix(restarted_job)}/{Keys.STORE_RESTARTED}", mark)
+        server.set(f"{job_prefix(restarted_job)}/{Keys.STORE_RESTARTED}", mark)
     forwarder = None
-    if inventory is not None and forwards is not None:
-        from eltctl.storeforward import Forwarder
+    if inventory is not None:
+        from eltctl.storeforward import FORWARDS_FILE, Forwarder, write_local_run
 
+        for job_dir in local_job_dirs(inventory):
+            write_local_run(job_dir, run_id)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         logging.getLogger("asyncssh").setLevel(logging.WARNING)
-        forwarder = Forwarder(inventory, forwards, port, insist=restarted_job is not None)
+        forwarder = Forwarder(inventory, forwards or info.parent / FORWARDS_FILE,
+                              str(socket_path) if socket_path is not None else None, run_id,
+                              forward=forward and forwards is not None)
+    server.start()
+    if forwarder is not None:
         forwarder.start()
-    write_atomic(info, json.dumps({"pid": os.getpid(), "address": address, "port": port, "started": time.time()}))
-    print(f"store keeper {os.getpid()}: serving the store on {address}:{port}"
-          + (f", forwarded over SSH to the hosts of {inventory}" if forwarder else ""), flush=True)
+    write_atomic(info, json.dumps({"pid": os.getpid(), "address": where.host or "", "port": where.port,
+                                   "socket": where.path or None, "spec": str(where), "started": time.time()}))
+    print(f"store keeper {os.getpid()}: serving the store on {where}"
+          + (f", forwarded over SSH to the hosts of {inventory}" if forwarder and forwarder.forward else ""),
+          flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     signal.signal(signal.SIGHUP, (lambda *_: forwarder.reload()) if forwarder else (lambda *_: done.set()))
-    while not done.wait(3600):
-        pass
+    stats_file = stats_file or info.parent / "storestats.json"
+    written = None
+    while not done.wait(STATS_EVERY_S):
+        stats = server.stats()
+        if stats != written:
+            write_atomic(stats_file, json.dumps(dict(stats, keeper=os.getpid(), time=time.time())), sync=False)
+            written = stats
     print(f"store keeper {os.getpid()}: stopping", flush=True)
-    # Leave without running finalizers: closing the listening socket under the
-    # store's server thread makes torch abort with a core dump.
+    server.stop()
     sys.stdout.flush()
-    os._exit(0)
-    del store  # unreachable; keeps the store referenced until the exit
+    os._exit(0)  # the forwarder's and the server's threads end with the process
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eltctl.storekeeper", description=__doc__.split("\n")[0])
-    ap.add_argument("--address", required=True)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", type=Path, help="serve on this Unix socket (its directory: 0700)")
+    where.add_argument("--address", help="serve on TCP at this address (the direct mode)")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--info", type=Path, required=True, help="where to write pid, address and port (JSON)")
+    ap.add_argument("--info", type=Path, required=True, help="where to write pid and address (JSON)")
+    ap.add_argument("--run-file", type=Path, default=None, help="where to write the run id (default: run beside --info)")
+    ap.add_argument("--stats", type=Path, default=None, help="the store's counters (default: storestats.json beside --info)")
     ap.add_argument("--restarted-job", default=None, help="this keeper replaces a lost one of this job")
     ap.add_argument("--secret-file", type=Path, default=None,
                     help="with --restarted-job: the job's secret, to sign its store/restarted mark")
-    ap.add_argument("--inventory", type=Path, default=None, help="forward the store to this inventory's hosts")
+    ap.add_argument("--inventory", type=Path, default=None,
+                    help="write the run id to this inventory's hosts (and forward the store to them)")
     ap.add_argument("--forwards", type=Path, default=None, help="with --inventory: the forwards' state file")
+    ap.add_argument("--no-forward", action="store_true", help="with --inventory: deliver the run id only")
     args = ap.parse_args(argv)
+    shown = str(args.socket) if args.socket else f"{args.address}:{args.port}"
     try:
-        serve(args.address, args.port, args.info, args.restarted_job, args.secret_file, args.inventory,
-              args.forwards)
+        serve(args.info, socket_path=args.socket, address=args.address, port=args.port,
+              restarted_job=args.restarted_job, secret_file=args.secret_file, inventory=args.inventory,
+              forwards=args.forwards, forward=not args.no_forward, run_file=args.run_file, stats_file=args.stats)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            print(f"store keeper: port {args.port} on {args.address} is taken by another process; the hosts "
-                  "know only this port, so the controller tries it again (find the process with "
-                  f"`ss -ltnp 'sport = :{args.port}'`)", file=sys.stderr)
+            print(f"store keeper: {shown} is taken by another process; the hosts know only this address, so "
+                  "the controller tries it again"
+                  + (f" (find the process with `ss -ltnp 'sport = :{args.port}'`)" if not args.socket else
+                     f" (find the process with `ss -lxp src {args.socket}`)"), file=sys.stderr)
             return PORT_TAKEN
-        print(f"store keeper: cannot serve the store on {args.address}:{args.port}: {exc}", file=sys.stderr)
+        print(f"store keeper: cannot serve the store on {shown}: {exc}", file=sys.stderr)
         return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

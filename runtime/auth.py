@@ -45,6 +45,11 @@ log = logging.getLogger("eltctl_runtime")
 SECRET_BYTES = 32
 ENV_SECRET_FILE = "ELTCTL_SECRET_FILE"
 SECRET_FILE_NAME = "secret"  # in the job's directory on each host, and in the controller's state dir
+# The keeper's run id (a fresh secrets.token_hex(16) at every keeper start): written to the
+# controller's state dir and, before the store is reachable there, to each host's job
+# directory (eltctl/storekeeper.py, eltctl/storeforward.py); mode 0600.
+RUN_FILE_NAME = "run"
+ENV_RUN_FILE = "ELTCTL_RUN_FILE"
 
 _MAGIC = b"elt1."
 _MAC_HEX = 64

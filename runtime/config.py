@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .auth import ENV_SECRET_FILE, SecretError, read_secret
+from .sockstore import parse_spec
 
 
 class Device(str, Enum):
@@ -49,6 +50,12 @@ class RuntimeConfig:
     # and checked with it (auth.py). None: unsigned (a job run without eltctl's controller).
     secret: bytes | None = field(default=None, repr=False)
     store_loss_timeout_s: float = DEFAULT_STORE_LOSS_TIMEOUT_S
+    store: str = ""  # ELTCTL_STORE as given (eltctl_runtime.sockstore's grammar); "": store_host:store_port
+
+    @property
+    def store_spec(self) -> str:
+        """The address `storeclient.connect` takes."""
+        return self.store or f"{self.store_host}:{self.store_port}"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeConfig":
@@ -61,9 +68,10 @@ class RuntimeConfig:
             return value
 
         store = need("ELTCTL_STORE")
-        host, sep, port = store.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"ELTCTL_STORE={store!r} is not host:port")
+        try:
+            where = parse_spec(store)
+        except ValueError:
+            raise ConfigError(f"ELTCTL_STORE={store!r} is not unix:/path, tcp:host:port or host:port") from None
         try:
             device = Device(env.get("ELTCTL_DEVICE", "cpu").strip() or "cpu")
         except ValueError:
@@ -103,8 +111,9 @@ class RuntimeConfig:
         ckpt = env.get("ELTCTL_CHECKPOINT_DIR", "").strip()
         audit = env.get("ELTCTL_AUDIT", "").strip()
         return cls(
-            store_host=host.strip("[]"),
-            store_port=int(port),
+            # a Unix socket says nothing about the network: gloo binds at ELTCTL_BIND_ADDRESS
+            store_host=where.host or "127.0.0.1",
+            store_port=where.port,
             job=need("ELTCTL_JOB"),
             worker_id=need("ELTCTL_WORKER_ID"),
             device=device,
@@ -117,4 +126,5 @@ class RuntimeConfig:
             max_micro_batch=max_micro,
             secret=secret,
             store_loss_timeout_s=store_loss,
+            store=str(where),
         )

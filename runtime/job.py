@@ -53,6 +53,7 @@ from .pgstore import pg_store
 from .pipeline import Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .sampler import SamplerState
+from . import storeclient
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -369,7 +370,7 @@ class ElasticJob:
 
     def _connect_raw(self):
         cfg = self.config
-        return dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False, timeout=timedelta(seconds=60))
+        return storeclient.connect(cfg.store_spec, 60)
 
     def _connect(self):
         return self._job_store(self._connect_raw())

@@ -281,6 +281,6 @@ def job_store(store, job: str, secret: bytes | None = None, forgeries=None):
     checked; forged ones are counted in `forgeries`, an auth.Forgeries shared by
     a process's connections). Every job store of the runtime and the daemon is
     built here. The protocol's helpers need no torch: protocol.scope."""
-    import torch.distributed as dist
+    from .storeclient import prefix_store  # keeps a SocketStore client alive with it
 
-    return signed(dist.PrefixStore(job_prefix(job), store), job_prefix(job), secret, forgeries)
+    return signed(prefix_store(job_prefix(job), store), job_prefix(job), secret, forgeries)

@@ -70,6 +70,7 @@ from .progress import ENV_PROGRESS, ProgressFile, ProgressTracker, compile_progr
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .scriptwatch import CheckpointWatch, OutputPump, RestartLimit, group_pids, listing, progress_matcher, writers_under
 from .state import tensor_bytes
+from . import storeclient
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -460,7 +461,7 @@ class Supervisor:
 
     def _connect(self):
         cfg = self.cfg
-        raw = dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False, timeout=timedelta(seconds=60))
+        raw = storeclient.connect(cfg.store_spec, 60)
         return job_store(raw, cfg.job, cfg.secret, self._forgeries)
 
     # -- admission (as ElasticJob._admit) -----------------------------------------

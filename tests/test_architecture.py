@@ -17,7 +17,8 @@ PACKAGES = {"eltctl": ROOT / "eltctl", "eltctl_runtime": ROOT / "runtime"}
 # What the control side imports from the runtime: these must not need torch.
 STDLIB_ONLY = ("eltctl_runtime", "eltctl_runtime.protocol", "eltctl_runtime.files", "eltctl_runtime.pids",
                "eltctl_runtime.nvsmi", "eltctl_runtime.checkpoint", "eltctl_runtime.owner",
-               "eltctl_runtime.claims", "eltctl_runtime.auth", "eltctl_runtime.progress", "eltctl_runtime.netif")
+               "eltctl_runtime.claims", "eltctl_runtime.auth", "eltctl_runtime.progress", "eltctl_runtime.netif",
+               "eltctl_runtime.sockstore", "eltctl_runtime.storeclient")
 
 
 def modules() -> dict[str, Path]:

@@ -8,7 +8,7 @@ The plan:
     h-changed  its key changed after it was recorded           -> host key FAIL, CHANGED; never replaced
     h-noauth   our public key is not authorized                -> auth FAIL
     h-nopy     `python` points at a missing interpreter        -> python FAIL
-    h-nofwd    its sshd has AllowTcpForwarding no              -> store forward FAIL (the store's forward)
+    h-nofwd    its sshd has AllowStreamLocalForwarding no       -> store forward FAIL (the store's forward)
     dead       nothing listens                                 -> reachable FAIL
 Exit status 3 while any host fails; 0 once all pass.
 """
@@ -54,7 +54,7 @@ def test_doctor_finds_each_problem_and_accept_new_records_only_unknown_keys(test
     hosts["h-fail"].set_mode("fail")
     hosts["h-changed"].change_host_key()
     (hosts["h-noauth"].dir / "authorized_keys").write_text("")
-    hosts["h-nofwd"].set_sshd_option("AllowTcpForwarding", "no")
+    hosts["h-nofwd"].set_sshd_option("AllowStreamLocalForwarding", "no")
     dead = testbed.dead_address()
     inventory = testbed.write_inventory(extra=f"""
 [policy]
@@ -91,7 +91,7 @@ port = {dead[1]}
     assert "FAIL python" in nopy_out and "/nonexistent/python3" in nopy_out
     assert "FAIL reachable" in section(out.stdout, "dead")
     nofwd = section(out.stdout, "h-nofwd")
-    assert "FAIL store forward" in nofwd and "AllowTcpForwarding yes" in nofwd and "ok python" in nofwd, nofwd
+    assert "FAIL store forward" in nofwd and "AllowStreamLocalForwarding yes" in nofwd and "ok python" in nofwd, nofwd
     assert testbed.known_hosts.read_text() == known_before, "doctor without --accept-new wrote known_hosts"
 
     out = doctor(inventory, "--accept-new")

@@ -2,12 +2,12 @@
 
 Normal mode (what `eltctl up` starts, detached): take the job's lock (another live
 controller: exit 0 at once), adopt the store keeper named by controller.json when it
-still serves (else start one: on 127.0.0.1, forwarded to each remote host over SSH
+still serves (else start one: on a Unix socket in the state directory, forwarded to each remote host over SSH
 by the keeper itself, eltctl/storeforward.py; with `[controller] store = "direct"`
 bound to the one address the hosts use to reach this machine), write controller.json, serve control.sock and reconcile until `down`.
 SIGTERM or SIGINT end the controller alone: the workers keep training and the next
 `eltctl up` adopts them. While it runs it supervises the store keeper: a lost one is
-restarted on the same address and port (controller/loop.py `watch_keeper`).
+restarted at the same address (controller/loop.py `watch_keeper`).
 
 `--down` (what `eltctl down` runs when no controller is alive): adopt what is there,
 take the job down, print the result as one JSON line and exit.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -77,23 +78,23 @@ async def choose_address(inventory: Inventory, fleet) -> str:
 
 
 def store_through_forwards(state: StateDir, ctl):
-    """The "ssh" store mode's store address for a host's daemon.json: 127.0.0.1 and the
-    port of the host's forward (eltctl/storeforward.py), None while it is not up; a
-    local host reaches the keeper's own port."""
+    """The "ssh" store mode's store address for a host's daemon.json: the Unix socket
+    of the host's forward in its job directory (eltctl/storeforward.py), None while it
+    is not up; a local host reaches the keeper's own socket."""
     from eltctl.controller import store as kstore
-    from eltctl.storeforward import forward_port, read_forwards
+    from eltctl.storeforward import forward_socket, read_forwards
 
     said: dict[str, str] = {}
 
     def store_for(host) -> str | None:
         info = ctl.keeper.info
         if host.is_local:
-            return f"127.0.0.1:{info.port}"
+            return info.endpoint
         doc = read_forwards(kstore.forwards_path(state))
-        port = forward_port(doc, host.name, info.pid)
-        if port:
+        path = forward_socket(doc, host.name, info.pid)
+        if path:
             said.pop(host.name, None)
-            return f"127.0.0.1:{port}"
+            return f"unix:{path}"
         entry = (doc.get("hosts") or {}).get(host.name) or {} if doc.get("keeper") == info.pid else {}
         why = str(entry.get("error") or "the store keeper has not opened it yet")
         if said.get(host.name) != why:  # once per reason, not every pass
@@ -112,7 +113,7 @@ def warn_direct_store(address: str) -> None:
 
     log.warning("[controller] store = \"direct\": the job's store listens on %s, reachable by anyone on "
                 "that network (every value is signed with the job's secret, but the port is open); the "
-                "default \"ssh\" mode keeps it on 127.0.0.1.", address)
+                "default \"ssh\" mode keeps it on a Unix socket only the job's account reaches.", address)
     try:
         public = ipaddress.ip_address(address).is_global
     except ValueError:
@@ -243,7 +244,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         elif not down:
             while keeper is None and not shutdown.is_set():
                 try:
-                    address = "127.0.0.1" if ssh_store else await choose_address(inventory, fleet)
+                    address = None if ssh_store else await choose_address(inventory, fleet)
                 except ConfigError:
                     raise
                 except EltctlError as exc:
@@ -254,12 +255,14 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                     except asyncio.TimeoutError:
                         pass
                     continue
-                # The last keeper died with the job running: its port is the one the hosts know.
-                port, restarted = ((previous.port, inventory.job.name)
-                                   if previous is not None and previous.address == address else (0, None))
+                # The last keeper died with the job running: its address is the one the hosts know.
+                same = previous is not None and (bool(previous.socket) if ssh_store else
+                                                 not previous.socket and previous.address == address)
+                port, restarted = (previous.port, inventory.job.name) if same else (0, None)
                 try:
-                    keeper = await loop.run_in_executor(None, kstore.start_keeper, state, address, port, restarted,
-                                                        forward_to)
+                    keeper = await loop.run_in_executor(None, functools.partial(
+                        kstore.start_keeper, state, address, port, restarted, forward_to,
+                        inventory=None if ssh_store else inventory.path.resolve()))
                 except kstore.KeeperPortTaken as exc:
                     connecting_message[0] = f"waiting for the store's port {address}:{port}: {exc}"
                     log.error("The store's port %s:%d (the one the hosts know) is taken: %s; retrying.", address,
@@ -276,8 +279,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         if keeper is not None and not ssh_store:
             warn_direct_store(keeper.address)
         if keeper is not None:
-            client = await loop.run_in_executor(None, kstore.connect_client, keeper.address, keeper.port,
-                                                inventory.job.name)
+            client = await loop.run_in_executor(None, kstore.connect_client, keeper.endpoint, inventory.job.name)
             endpoint = keeper.endpoint
         else:
             client, endpoint = _NoStore(), ""
@@ -288,7 +290,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         ctl = Controller(inventory, state, store, fleet, endpoint, secret=secret)
         ctl.outputs.start()
         if keeper is not None and not down:
-            ctl.keeper = kstore.KeeperSupervisor(state, inventory.job.name, keeper, forward_inventory=forward_to)
+            ctl.keeper = kstore.KeeperSupervisor(state, inventory.job.name, keeper, forward_inventory=forward_to,
+                                                 inventory=None if ssh_store else inventory.path.resolve())
             if ssh_store:
                 ctl.starter.store_endpoint = store_through_forwards(state, ctl)
         ctl.ledger = open_ledger(state, inventory.job.name)
@@ -300,7 +303,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             await ctl.leave_out(left_out)
         if keeper is not None:
             await ctl.adopt_desired()
-        if keeper is not None and previous is not None and keeper.port == previous.port:
+        if keeper is not None and previous is not None and keeper.endpoint == previous.endpoint:
             await ctl.store_restarted()  # this controller replaced a keeper lost while none ran
         if down:
             result = await ctl.down(force)

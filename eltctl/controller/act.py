@@ -209,7 +209,7 @@ class DaemonStarter:
             config = hostops.daemon_config(inventory, host, paths, store, gpus(), secret=self.secret is not None)
             if callable(self.store_endpoint) and host.is_local and "ELTCTL_BIND_ADDRESS" not in config["env"]:
                 bind = await self._address_here(inventory)
-                if bind:  # the store is 127.0.0.1 here: gloo binds where the remote hosts reach this machine
+                if bind:  # the store is a Unix socket here: gloo binds where the remote hosts reach this machine
                     config["env"]["ELTCTL_BIND_ADDRESS"] = bind
             pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret,
                                              bind_from_ssh=callable(self.store_endpoint) and not host.is_local)

@@ -179,6 +179,7 @@ class Controller:
             return True
         loop = asyncio.get_running_loop()
         if await loop.run_in_executor(None, sup.check):
+            await self._report_attack(sup)
             return True
         if time.monotonic() < self._keeper_next_try:
             return False
@@ -190,8 +191,7 @@ class Controller:
             self._keeper_down_logged = True
         try:
             info = await loop.run_in_executor(None, sup.restart)
-            client = await loop.run_in_executor(None, kstore.connect_client, info.address, info.port,
-                                                self.inventory.job.name)
+            client = await loop.run_in_executor(None, kstore.connect_client, info.endpoint, self.inventory.job.name)
         except Exception as exc:  # noqa: BLE001 - tried again in KEEPER_RETRY_S
             self.message = f"the store keeper is down: {sup.problem or exc}"
             log.error("The store keeper cannot be restarted (retrying in %.0f s): %s", KEEPER_RETRY_S,
@@ -206,6 +206,18 @@ class Controller:
         await self._event(EventKind.STORE, None, f"the store keeper was restarted on {info.endpoint} (pid "
                           f"{info.pid})", restarts=sup.restarts)
         return True
+
+    async def _report_attack(self, sup) -> None:
+        """The keeper's store refused requests (storestats.json): an event and a log line,
+        once a minute at most while the count grows. The keeper is not restarted for it."""
+        attack = sup.attack()
+        refused = int(sup.stats().get("refused") or 0)
+        said_count, said_at = getattr(self, "_attack_said", (0, 0.0))
+        if attack is None or refused <= said_count or self.clock() - said_at < 60:
+            return
+        self._attack_said = (refused, self.clock())
+        log.warning("Store keeper %d: %s.", sup.info.pid, attack)
+        await self._event(EventKind.STORE, None, attack, refused=refused)
 
     async def store_restarted(self) -> None:
         """The store is a new, empty one on the old port: read its event log from 0,
@@ -599,7 +611,8 @@ class Controller:
         if sup is None:
             return None
         doc = {"pid": sup.info.pid, "endpoint": sup.info.endpoint, "restarts": sup.restarts,
-               "problem": sup.problem or None}
+               "problem": sup.problem or None, "attack": sup.attack(),
+               "refused": int(sup.stats().get("refused") or 0)}
         if sup.forward_inventory is not None:  # the "ssh" store mode: each remote host's forward
             from eltctl.storeforward import read_forwards
 

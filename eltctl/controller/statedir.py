@@ -4,8 +4,11 @@
 between runs and what the commands read (docs/control-plane.md, "Files"):
 
     controller.lock   flock'ed by the live controller for its whole life
-    controller.json   {pid, started, inventory, store: {address, port, pid}, socket}
+    controller.json   {pid, started, inventory, store: {address, port, socket, pid}, socket}
     control.sock      the command socket
+    store.sock        the job's store (the store keeper's Unix socket; the "ssh" store mode)
+    run               the store keeper's run id (mode 0600), new at every keeper start
+    storekeeper.json  the live keeper's pid and address; storestats.json: its store's refusals
     status.json       the status document, rewritten about once a second
     hosts.json        the controller's memory about hosts (removed, benched, ...) and the last checkpoint seen
     usage.db          the usage ledger (SQLite, eltctl/ledger): written by the controller only
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from eltctl_runtime.auth import SECRET_FILE_NAME, new_secret, read_secret, write_secret
+from eltctl_runtime.auth import RUN_FILE_NAME, SECRET_FILE_NAME, new_secret, read_secret, write_secret
 from eltctl_runtime.files import try_flock
 from eltctl_runtime.pids import pid_alive
 
@@ -104,6 +107,18 @@ class StateDir:
     @property
     def secret(self) -> Path:
         return self.path / SECRET_FILE_NAME
+
+    @property
+    def run_file(self) -> Path:
+        return self.path / RUN_FILE_NAME
+
+    @property
+    def store_socket(self) -> Path:
+        return self.path / "store.sock"
+
+    @property
+    def store_stats(self) -> Path:
+        return self.path / "storestats.json"
 
     @property
     def controller_log(self) -> Path:

@@ -328,7 +328,7 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         for h in hosts:  # the "ssh" store mode: the host's own forward, beside its other notes
             f = forwards.get(h["name"])
             if isinstance(f, dict):
-                h["forward"] = {"port": f.get("port"), "up": bool(f.get("up")), "error": f.get("error") or None}
+                h["forward"] = {"socket": f.get("socket"), "up": bool(f.get("up")), "error": f.get("error") or None}
     return doc
 
 

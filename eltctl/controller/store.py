@@ -34,7 +34,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,17 +59,31 @@ class StoreLike(Protocol):
 
 @dataclass(frozen=True)
 class KeeperInfo:
+    """Where the keeper serves: its Unix `socket` (the "ssh" mode), else TCP at
+    `address`:`port` (the direct mode)."""
+
     address: str
     port: int
     pid: int
+    socket: str | None = None
 
     def to_json(self) -> dict:
-        return {"address": self.address, "port": self.port, "pid": self.pid}
+        return {"address": self.address, "port": self.port, "socket": self.socket, "pid": self.pid}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "KeeperInfo":
+        """Raises KeyError, TypeError or ValueError when `doc` is not one."""
+        sock = doc.get("socket")
+        return cls(address=str(doc.get("address") or ""), port=int(doc.get("port") or 0), pid=int(doc["pid"]),
+                   socket=str(sock) if sock else None)
 
     @property
     def endpoint(self) -> str:
+        """The store's address for `storeclient.connect` (eltctl_runtime.sockstore's grammar)."""
+        if self.socket:
+            return f"unix:{self.socket}"
         host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"{host}:{self.port}"
+        return f"tcp:{host}:{self.port}"
 
 
 _FORGERIES: dict[str, auth.Forgeries] = {}
@@ -82,18 +95,19 @@ def forgeries(job: str) -> auth.Forgeries:
     return _FORGERIES.setdefault(job, auth.Forgeries())
 
 
-def connect_client(address: str, port: int, job: str, timeout: float = STORE_TIMEOUT_S,
+def connect_client(endpoint: str, job: str, timeout: float = STORE_TIMEOUT_S,
                    secret: bytes | None = None) -> StoreLike:
-    """A TCPStore client under the job's prefix (blocking; raises when nothing answers),
-    signed with the job's secret: `secret`, else the one in the job's state directory
-    (statedir.job_secret, made at the first `up`). The one place the controller's
-    store is built, so a reconnect is signed as the first connection was."""
-    import torch.distributed as dist
+    """A client of the store at `endpoint` (`KeeperInfo.endpoint`) under the job's
+    prefix (blocking; raises when nothing answers), signed with the job's secret:
+    `secret`, else the one in the job's state directory (statedir.job_secret, made at
+    the first `up`). The one place the controller's store is built, so a reconnect is
+    signed as the first connection was."""
+    from eltctl_runtime.storeclient import connect, prefix_store
 
     if secret is None:
         secret = existing_secret(StateDir.for_job(job))
-    tcp = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
-    return auth.signed(dist.PrefixStore(job_prefix(job), tcp), job_prefix(job), secret, forgeries(job))
+    raw = connect(endpoint, timeout)
+    return auth.signed(prefix_store(job_prefix(job), raw), job_prefix(job), secret, forgeries(job))
 
 
 class JobStore:
@@ -166,8 +180,8 @@ def previous_keeper(state: StateDir) -> KeeperInfo | None:
         return None
     store = (read_json(state.controller_json) or {}).get("store") or {}
     try:
-        return KeeperInfo(address=str(store["address"]), port=int(store["port"]), pid=int(store["pid"]))
-    except (KeyError, TypeError, ValueError):
+        return KeeperInfo.from_json(store)
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 
@@ -176,13 +190,13 @@ def live_keeper(state: StateDir, job: str) -> KeeperInfo | None:
     doc = read_json(state.controller_json) or {}
     store = doc.get("store") or {}
     try:
-        info = KeeperInfo(address=str(store["address"]), port=int(store["port"]), pid=int(store["pid"]))
-    except (KeyError, TypeError, ValueError):
+        info = KeeperInfo.from_json(store)
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
     if not pid_alive(info.pid):
         return None
     try:
-        client = connect_client(info.address, info.port, job, timeout=3.0)
+        client = connect_client(info.endpoint, job, timeout=3.0)
         client.check([Keys.STATUS])  # a round trip: whether the key exists does not matter
     except Exception:  # noqa: BLE001 - any failure means "not usable": a new keeper is started
         return None
@@ -200,22 +214,27 @@ def forwards_path(state: StateDir) -> Path:
     return state.path / FORWARDS_FILE
 
 
-def start_keeper(state: StateDir, address: str, port: int = 0, restarted_job: str | None = None,
-                 forward_inventory: Path | None = None) -> KeeperInfo:
-    """Start a store keeper bound to `address` (and `port`; 0: any) detached, and wait
-    until it serves. `restarted_job`: it replaces a lost keeper of that job (the
-    store gets the job's `store/restarted` mark). `forward_inventory`: the keeper
-    holds SSH remote forwards of its port to this inventory's remote hosts (the
-    "ssh" store mode; their state in `forwards_path(state)`). Raises KeeperPortTaken when
-    `port` is held by another process, RuntimeError when it fails otherwise."""
+def start_keeper(state: StateDir, address: str | None, port: int = 0, restarted_job: str | None = None,
+                 forward_inventory: Path | None = None, *, inventory: Path | None = None) -> KeeperInfo:
+    """Start a store keeper detached, and wait until it serves: on TCP at `address`
+    (and `port`; 0: any), or, with `address` None, on the state directory's Unix
+    socket (`state.store_socket`). `restarted_job`: it replaces a lost keeper of that
+    job (the store gets the job's `store/restarted` mark). `forward_inventory`: the
+    keeper holds SSH forwards of its socket to this inventory's remote hosts (the
+    "ssh" store mode; their state in `forwards_path(state)`); `inventory` (the direct
+    mode): the keeper only writes its run id to that inventory's hosts. Raises
+    KeeperPortTaken when the address is held by another process, RuntimeError when
+    it fails otherwise."""
     info_path = state.path / "storekeeper.json"
     try:
         info_path.unlink()
     except FileNotFoundError:
         pass
     log = open(state.storekeeper_log, "ab")
-    cmd = [sys.executable, "-m", "eltctl.storekeeper", "--address", address, "--info", str(info_path)]
-    if port:
+    cmd = [sys.executable, "-m", "eltctl.storekeeper", "--info", str(info_path), "--run-file", str(state.run_file),
+           "--stats", str(state.store_stats)]
+    cmd += ["--socket", str(state.store_socket)] if address is None else ["--address", address]
+    if port and address is not None:
         cmd += ["--port", str(port)]
     if restarted_job:
         cmd += ["--restarted-job", restarted_job]
@@ -223,6 +242,8 @@ def start_keeper(state: StateDir, address: str, port: int = 0, restarted_job: st
             cmd += ["--secret-file", str(state.secret)]
     if forward_inventory is not None:
         cmd += ["--inventory", str(forward_inventory), "--forwards", str(forwards_path(state))]
+    elif inventory is not None:
+        cmd += ["--inventory", str(inventory), "--forwards", str(forwards_path(state)), "--no-forward"]
     try:
         proc = subprocess.Popen(
             cmd,
@@ -234,7 +255,7 @@ def start_keeper(state: StateDir, address: str, port: int = 0, restarted_job: st
     while time.monotonic() < deadline:
         doc = read_json(info_path)
         if doc and doc.get("pid") == proc.pid:
-            return KeeperInfo(address=str(doc["address"]), port=int(doc["port"]), pid=proc.pid)
+            return KeeperInfo.from_json(doc)
         if proc.poll() is not None:
             break
         time.sleep(0.1)
@@ -244,7 +265,8 @@ def start_keeper(state: StateDir, address: str, port: int = 0, restarted_job: st
     tail = _tail(state.storekeeper_log, 1)
     if proc.returncode == PORT_TAKEN:
         raise KeeperPortTaken(tail)
-    raise RuntimeError(f"the store keeper did not start on {address}: {_tail(state.storekeeper_log)}")
+    raise RuntimeError(f"the store keeper did not start on {address or state.store_socket}: "
+                       f"{_tail(state.storekeeper_log)}")
 
 
 class KeeperSupervisor:
@@ -255,12 +277,19 @@ class KeeperSupervisor:
     `check` is a pid check every call and a store round trip every `round_trip_every`
     calls (its own short-lived client: the controller's client sits on its own
     thread). A keeper whose pid is gone is lost at once; one whose pid lives but
-    does not answer for `unresponsive_s` (stopped, wedged) is killed and lost."""
+    does not answer for `unresponsive_s` (stopped, wedged) is killed and lost.
+
+    A keeper whose store refuses requests (over its limits: someone else is talking to
+    it, in the direct mode) is not restarted for it: a new one would be flooded the
+    same way. `attack()` reports it (status.json, an event), and while it refuses, a
+    missed round trip is not held against it."""
 
     def __init__(self, state: StateDir, job: str, info: KeeperInfo, *, round_trip_every: int = 2,
-                 unresponsive_s: float = 10.0, clock=time.monotonic, forward_inventory: Path | None = None) -> None:
+                 unresponsive_s: float = 10.0, clock=time.monotonic, forward_inventory: Path | None = None,
+                 inventory: Path | None = None) -> None:
         self.state = state
         self.forward_inventory = forward_inventory  # the "ssh" store mode: a new keeper holds the forwards too
+        self.inventory = inventory  # the direct mode: a new keeper writes its run id to these hosts
         self.job = job
         self.info = info
         self.restarts = 0
@@ -279,9 +308,13 @@ class KeeperSupervisor:
         if self._calls % self._round_trip_every:
             return True
         try:
-            client = connect_client(self.info.address, self.info.port, self.job, timeout=3.0)
+            client = connect_client(self.info.endpoint, self.job, timeout=3.0)
             client.check([Keys.STATUS])
-        except Exception:  # noqa: BLE001 - no answer: counted against its time
+        except Exception as exc:  # noqa: BLE001 - no answer: counted against its time
+            if type(exc).__name__ == "StoreRefused" or self.attack() is not None:
+                log.warning("The store keeper %d refuses requests (%s); it is not restarted for it.",
+                            self.info.pid, self.attack() or exc)
+                return True  # alive and flooded: a new keeper would be flooded the same way
             now = self._clock()
             self._silent_since = self._silent_since or now
             if now - self._silent_since < self._unresponsive_s:
@@ -299,16 +332,32 @@ class KeeperSupervisor:
         self._silent_since = None
         return True
 
+    def stats(self) -> dict:
+        """The live keeper's store counters (storestats.json; {} before its first)."""
+        doc = read_json(self.state.store_stats) or {}
+        return doc if isinstance(doc, dict) and doc.get("keeper") == self.info.pid else {}
+
+    def attack(self) -> str | None:
+        """What the keeper's store refused, when it refused anything: the job's own
+        clients stay within its limits, so refusals mean someone else connects."""
+        stats = self.stats()
+        refused = int(stats.get("refused") or 0)
+        if not refused:
+            return None
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted((stats.get("refused_by_reason") or {}).items()))
+        return (f"the store refused {refused} requests ({reasons}; last: {stats.get('last_refusal') or '?'}): "
+                "possible attack on the store's address")
+
     def restart(self) -> KeeperInfo:
-        """A new keeper on the same address and port; controller.json names it.
+        """A new keeper at the same address; controller.json names it.
         Raises KeeperPortTaken or RuntimeError (the caller tries again later)."""
         old = self.info  # gone (`check` killed one that did not answer): never signalled here, its pid may be reused
         try:
-            info = start_keeper(self.state, old.address, old.port, restarted_job=self.job,
-                                forward_inventory=self.forward_inventory)
+            info = start_keeper(self.state, None if old.socket else old.address, old.port, restarted_job=self.job,
+                                forward_inventory=self.forward_inventory, inventory=self.inventory)
         except KeeperPortTaken as exc:
-            self.problem = (f"the store's port {old.endpoint} is taken by another process ({exc}); the hosts "
-                            "know only this port: free it, the controller retries every few seconds")
+            self.problem = (f"the store's address {old.endpoint} is taken by another process ({exc}); the hosts "
+                            "know only this address: free it, the controller retries every few seconds")
             raise
         except RuntimeError as exc:
             self.problem = str(exc)

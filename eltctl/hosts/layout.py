@@ -5,6 +5,8 @@
       jobs/<job>/<host>/                  one job on one inventory host (`job_dir`)
         daemon.json                       the daemon's configuration (written by the controller)
         secret                            the job's secret (mode 0600, written by the controller over SSH)
+        run                               the store keeper's run id (mode 0600, written by the keeper over SSH)
+        store.sock                        the job's store: the keeper's SSH forward of its Unix socket
         daemon.pid                        flocked by the daemon for its life
         daemon.log                        the daemon's log
         daemon.memory.json                the daemon's memory across restarts
@@ -24,7 +26,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from eltctl_runtime.auth import SECRET_FILE_NAME
+from eltctl_runtime.auth import RUN_FILE_NAME, SECRET_FILE_NAME
 
 STATE_DIR = ".eltctl"  # under the account's HOME
 JOBS_DIR = f"{STATE_DIR}/jobs"
@@ -33,6 +35,8 @@ RUNTIME_DIR = f"{STATE_DIR}/runtime"
 # Names under a job's directory.
 DAEMON_JSON = "daemon.json"
 SECRET_FILE = SECRET_FILE_NAME  # the job's secret, 0600
+RUN_FILE = RUN_FILE_NAME  # the store keeper's run id, 0600 (written before the store is reachable here)
+STORE_SOCKET = "store.sock"  # the store, forwarded over SSH from the keeper (a Unix socket)
 DAEMON_PID = "daemon.pid"
 DAEMON_LOG = "daemon.log"
 DAEMON_MEMORY = "daemon.memory.json"
@@ -89,6 +93,14 @@ class HostPaths:
     @property
     def secret_file(self) -> str:
         return f"{self.job_dir}/{SECRET_FILE}"
+
+    @property
+    def run_file(self) -> str:
+        return f"{self.job_dir}/{RUN_FILE}"
+
+    @property
+    def store_socket(self) -> str:
+        return f"{self.job_dir}/{STORE_SOCKET}"
 
     @property
     def daemon_pid(self) -> str:

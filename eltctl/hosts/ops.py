@@ -262,7 +262,7 @@ def start_daemon_command(host: Host, paths: HostPaths, runtime_dir: str, job: st
     (exit 0), or "running PID" (exit 3) when one runs already. ELTCTL_JOB and
     ELTCTL_HOST in its environment (and so its workers') mark the job's processes.
 
-    `bind_from_ssh` (the "ssh" store mode, where the store is 127.0.0.1 on the host):
+    `bind_from_ssh` (the "ssh" store mode, where the store is a Unix socket on the host):
     ELTCTL_BIND_ADDRESS is the host's own address of this SSH connection (the third
     field of SSH_CONNECTION), where its workers' gloo/NCCL listen (runtime/collectives.py
     `bind_address`); empty when SSH_CONNECTION is missing (the runtime's own rule then).

@@ -100,16 +100,25 @@ class SSHTransport:
         return sock[0] if sock else None
 
     async def remote_forward_refusal(self) -> str | None:
-        """Whether the host's sshd lets this connection listen on its loopback (what the
-        "ssh" store mode's forward needs): None when it does (a port is opened and closed
-        again at once), else the server's refusal."""
+        """Whether the host's sshd forwards a Unix socket for this connection (OpenSSH's
+        streamlocal forwarding, what the "ssh" store mode's forward needs): None when it
+        does (a socket in ~/.eltctl is opened, closed and removed at once), else why not."""
+        import secrets
+
         import asyncssh
 
+        res = await self.run("umask 077 && mkdir -p ~/.eltctl && chmod 700 ~/.eltctl && cd ~/.eltctl && pwd",
+                             timeout=30)
+        where = res.stdout.strip().splitlines()
+        if not res.ok or not where or not where[-1].startswith("/"):
+            return f"cannot make ~/.eltctl there: {(res.stderr or res.stdout).strip()[-200:]}"
+        path = f"{where[-1]}/.probe-{secrets.token_hex(4)}.sock"
         try:
-            listener = await self._conn.forward_remote_port("127.0.0.1", 0, "127.0.0.1", 9)
+            listener = await self._conn.forward_remote_path(path, "/nonexistent/eltctl-probe")
         except (asyncssh.Error, asyncssh.ChannelListenError, OSError) as exc:
             return str(exc) or type(exc).__name__
         listener.close()
+        await self.run(f"rm -f {shlex.quote(path)}", timeout=30)
         return None
 
     async def open_stream(self, command: str) -> "SSHStream":

@@ -82,6 +82,9 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     forged = forged_line(doc.get("forged"))
     if forged is not None:
         grid.add_row("[red]warning[/]", forged)
+    keeper = doc.get("keeper") if isinstance(doc.get("keeper"), dict) else {}
+    if keeper.get("attack"):  # the keeper's store refused requests: someone else talks to it
+        grid.add_row("[red]warning[/]", escape(str(keeper["attack"])))
 
     notify = notify_line(doc.get("notify"), now)
     if notify is not None:

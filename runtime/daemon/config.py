@@ -4,7 +4,7 @@
 
     {
       "job": "mnist", "host": "ws1",          # names; the host name is the inventory's
-      "store": "10.0.0.5:29400",              # the job's TCPStore
+      "store": "unix:/home/u/.eltctl/jobs/j/h/store.sock",  # the job's store (or tcp:host:port)
       "job_dir": "/home/u/.eltctl/jobs/mnist/ws1",
       "code_dir": "/home/u/.eltctl/jobs/mnist/ws1/code",   # the workers' cwd
       "python": "/usr/bin/python3",           # replaces "python"/"python3" as command[0]
@@ -77,6 +77,7 @@ from ..auth import ENV_SECRET_FILE, SecretError, read_secret
 from ..owner import OwnerPolicy
 from ..protocol import NAME_RULE, valid_name
 from .courtesy import Courtesy, thread_env
+from ..sockstore import parse_spec
 
 
 MODES = ("elastic", "restart")
@@ -94,7 +95,7 @@ class DaemonConfigError(ValueError):
 class DaemonConfig:
     job: str
     host: str
-    store: str  # host:port of the job's TCPStore
+    store: str  # the job's store: unix:/path, tcp:host:port or host:port (eltctl_runtime.sockstore)
     job_dir: Path
     code_dir: Path
     command: tuple[str, ...]
@@ -205,9 +206,11 @@ class DaemonConfig:
         if not command or not all(isinstance(a, str) for a in command):
             raise DaemonConfigError(f"{source}: 'command' must be a non-empty list of strings")
         store = need("store")
-        addr, sep, port = store.rpartition(":")
-        if not sep or not addr or not port.isdigit():
-            raise DaemonConfigError(f"{source}: 'store' must be host:port, not {store!r}")
+        try:
+            parse_spec(store)
+        except ValueError:
+            raise DaemonConfigError(f"{source}: 'store' must be unix:/path, tcp:host:port or host:port, "
+                                    f"not {store!r}") from None
         env = d.get("env") or {}
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise DaemonConfigError(f"{source}: 'env' must map names to strings")

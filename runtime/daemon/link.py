@@ -1,4 +1,4 @@
-"""The host daemon's link to the job's store (the controller's TCPStore).
+"""The host daemon's link to the job's store (served by the store keeper; eltctl_runtime.storeclient).
 
 One background thread owns the connection, so a store that has gone away (the
 control machine rebooted, the store keeper was killed) never blocks the
@@ -31,7 +31,6 @@ import json
 import logging
 import threading
 import time
-from datetime import timedelta
 from typing import Callable
 
 from ..auth import ForgedValue, Forgeries
@@ -53,9 +52,7 @@ class StoreLink:
     def __init__(self, address: str, job: str, host: str, *, poll_s: float = 0.25,
                  connect_timeout_s: float = 5.0, secret: bytes | None = None,
                  forgeries: Forgeries | None = None) -> None:
-        addr, _, port = address.rpartition(":")
-        self._addr = addr.strip("[]")
-        self._port = int(port)
+        self._spec = address  # unix:/path, tcp:host:port or host:port (eltctl_runtime.sockstore)
         self._job = job
         self._host = host
         self._secret = secret  # the job's: every value read is checked, every value written signed
@@ -157,11 +154,10 @@ class StoreLink:
 
     # -- the thread --------------------------------------------------------------
     def _connect(self):
-        import torch.distributed as dist
+        from ..storeclient import connect  # torch: imported by the link's thread, not the daemon's start
 
-        tcp = dist.TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
-                            timeout=timedelta(seconds=self._connect_timeout))
-        return job_store(tcp, self._job, self._secret, self._forgeries)  # it keeps the client alive
+        raw = connect(self._spec, self._connect_timeout)
+        return job_store(raw, self._job, self._secret, self._forgeries)  # it keeps the client alive
 
     def _run(self) -> None:
         backoff = BACKOFF_START_S
@@ -175,8 +171,8 @@ class StoreLink:
                 except Exception as e:  # noqa: BLE001 - any failure to connect means: try again later
                     self._error = str(e).splitlines()[0] if str(e) else type(e).__name__
                     if not outage_logged:
-                        log.warning("host %s: the store at %s:%d is unreachable (%s); the workers keep running "
-                                    "and the daemon retries", self._host, self._addr, self._port, self._error)
+                        log.warning("host %s: the store at %s is unreachable (%s); the workers keep running "
+                                    "and the daemon retries", self._host, self._spec, self._error)
                         outage_logged = True
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -190,9 +186,9 @@ class StoreLink:
                 backoff = BACKOFF_START_S
                 if outage_logged:
                     self._reconnects += 1
-                    log.info("host %s: connected to the store at %s:%d again", self._host, self._addr, self._port)
+                    log.info("host %s: connected to the store at %s again", self._host, self._spec)
                 else:
-                    log.info("host %s: connected to the store at %s:%d", self._host, self._addr, self._port)
+                    log.info("host %s: connected to the store at %s", self._host, self._spec)
                 outage_logged = False
             js = conn
             try:
@@ -220,8 +216,8 @@ class StoreLink:
                 self._last_ok = time.time()
             except Exception as e:  # noqa: BLE001 - the store went away: reconnect with back-off
                 self._error = str(e).splitlines()[0] if str(e) else type(e).__name__
-                log.warning("host %s: lost the store at %s:%d (%s); the workers keep running and the daemon "
-                            "reconnects", self._host, self._addr, self._port, self._error)
+                log.warning("host %s: lost the store at %s (%s); the workers keep running and the daemon "
+                            "reconnects", self._host, self._spec, self._error)
                 outage_logged = True
                 self._connected = False
                 conn = None

@@ -100,13 +100,13 @@ def test_workdir_that_does_not_exist(testbed, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mixed_hosts_good_ones_train_bad_ones_are_left_out(job_env):
-    """h1, h2 good; h3 without torch; h4 with an unknown host key; h5's sshd allows no port
+    """h1, h2 good; h3 without torch; h4 with an unknown host key; h5's sshd allows no Unix-socket
     forward (the default store mode needs one)."""
     _skip_without_no_torch_python()
     h3 = job_env.hosts[2]
     h4 = job_env.bed.add_host("h4", known=False)
     h5 = job_env.bed.add_host("h5")
-    h5.set_sshd_option("AllowTcpForwarding", "no")
+    h5.set_sshd_option("AllowStreamLocalForwarding", "no")
     good3, bad3 = f'port = {h3.port}\npython = "{h3.python}"\n', f'port = {h3.port}\npython = "{NO_TORCH}"\n'
     text = job_env.inventory.read_text().replace(good3, bad3)
     assert bad3 in text
@@ -120,7 +120,7 @@ def test_mixed_hosts_good_ones_train_bad_ones_are_left_out(job_env):
     took = time.monotonic() - t0
     assert "warning: h3 is left out" in out.stdout and "No module named 'torch'" in out.stdout, out.stdout
     assert "warning: h4 is left out" in out.stdout and "--accept-new" in out.stdout, out.stdout
-    assert "warning: h5 is left out: store forward" in out.stdout and "AllowTcpForwarding yes" in out.stdout, \
+    assert "warning: h5 is left out: store forward" in out.stdout and "AllowStreamLocalForwarding yes" in out.stdout, \
         out.stdout
     assert "training: world size" in out.stdout, out.stdout
     print(f"\nup with two bad hosts of four returned after {took:.1f} s")
@@ -130,7 +130,7 @@ def test_mixed_hosts_good_ones_train_bad_ones_are_left_out(job_env):
     assert hosts["h3"]["state"] == "removed" and "No module named 'torch'" in hosts["h3"]["reason"]
     assert "pip install torch" in hosts["h3"]["reason"]
     assert hosts["h4"]["state"] == "removed" and "unknown host key" in hosts["h4"]["reason"]
-    assert hosts["h5"]["state"] == "removed" and "AllowTcpForwarding" in hosts["h5"]["reason"]
+    assert hosts["h5"]["state"] == "removed" and "AllowStreamLocalForwarding" in hosts["h5"]["reason"]
     assert not any(w.startswith(("h3/", "h4/", "h5/")) for w in worker_pids(job_env.job))
 
     # h3 fixed: the next `up` checks only the hosts not running (h3, h4) and h3 joins.

@@ -9,11 +9,14 @@ import json
 import os
 import signal
 import socket
+import stat
+import time
 
 import pytest
 
 from eltctl.controller import store as kstore
 from eltctl.controller.statedir import StateDir
+from eltctl_runtime.pids import pid_alive
 from eltctl_runtime.protocol import Keys
 
 JOB = "kjob"
@@ -46,8 +49,51 @@ def test_a_killed_keeper_is_replaced_on_the_same_port(state):
     assert sup.restarts == 1 and sup.check()
     doc = json.loads(s.controller_json.read_text())
     assert doc["store"] == info.to_json() and doc["keeper_restarts"] == 1 and doc["pid"] == 1
-    client = kstore.connect_client(info.address, info.port, JOB)
+    client = kstore.connect_client(info.endpoint, JOB)
     assert client.check([Keys.STORE_RESTARTED]) and not client.check([Keys.STATUS])
+
+
+def test_a_socket_keeper_has_a_fresh_run_id_and_is_replaced_at_the_same_path(state):
+    s, started = state
+    first = kstore.start_keeper(s, None)
+    started.append(first)
+    assert first.socket == str(s.store_socket) and first.endpoint == f"unix:{s.store_socket}"
+    assert stat.S_IMODE(s.store_socket.stat().st_mode) == 0o600 and stat.S_IMODE(s.path.stat().st_mode) == 0o700
+    run = s.run_file.read_text().strip()
+    assert len(run) == 32 and stat.S_IMODE(s.run_file.stat().st_mode) == 0o600
+    sup = kstore.KeeperSupervisor(s, JOB, first, round_trip_every=1)
+    assert sup.check()
+    with pytest.raises(kstore.KeeperPortTaken):  # a live store answers there: never taken over
+        kstore.start_keeper(s, None)
+    os.kill(first.pid, signal.SIGKILL)
+    os.waitpid(first.pid, 0)
+    assert not sup.check()
+    info = sup.restart()
+    started.append(info)
+    assert info.socket == first.socket and info.pid != first.pid
+    assert s.run_file.read_text().strip() not in ("", run)
+    client = kstore.connect_client(info.endpoint, JOB)
+    assert client.check([Keys.STORE_RESTARTED])
+
+
+def test_a_store_that_refuses_requests_is_reported_not_restarted(state):
+    s, started = state
+    info = kstore.start_keeper(s, "127.0.0.1")
+    started.append(info)
+    sup = kstore.KeeperSupervisor(s, JOB, info, round_trip_every=1, unresponsive_s=0.0)
+    flood = socket.create_connection(("127.0.0.1", info.port))
+    flood.sendall((1 << 30).to_bytes(4, "big"))  # a 1 GiB request: refused, counted
+    flood.recv(4)
+    flood.close()
+    deadline = time.monotonic() + 20
+    while sup.attack() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "refused 1 requests (1 frame_size" in sup.attack() and "possible attack" in sup.attack()
+    os.kill(info.pid, signal.SIGSTOP)  # and now it does not answer either
+    try:
+        assert sup.check() and pid_alive(info.pid)  # not killed: a new one would be flooded alike
+    finally:
+        os.kill(info.pid, signal.SIGCONT)
 
 
 def test_a_port_taken_by_another_process_is_refused_and_tried_again(state):
@@ -64,7 +110,7 @@ def test_a_port_taken_by_another_process_is_refused_and_tried_again(state):
     try:
         with pytest.raises(kstore.KeeperPortTaken):
             sup.restart()
-        assert f"port 127.0.0.1:{first.port} is taken by another process" in sup.problem
+        assert f"address tcp:127.0.0.1:{first.port} is taken by another process" in sup.problem
         assert "free it" in sup.problem and sup.restarts == 0
     finally:
         squatter.close()

@@ -4,7 +4,7 @@ Plan: two simulated GPU hosts (1 GPU each: two CPU workers) with a checkpoint
 mirror train at world size 2. The controller is stopped (SIGSTOP) so that nothing
 restarts the keeper at once, and the keeper is SIGKILLed: the workers train on
 with no store (rank 0's checkpoints keep coming at higher steps). The controller
-goes on (SIGCONT): it starts a new keeper on the SAME port (controller.json names
+goes on (SIGCONT): it starts a new keeper at the SAME address (controller.json names
 its pid, status.json counts one restart, a `store` event says so), no host is
 benched, and training shows again in status.json. Then another user's process
 takes h2's GPU: h2's worker leaves in the planned way (no crash, nobody lost);
@@ -72,7 +72,8 @@ def test_a_killed_keeper_is_restarted_on_its_port_and_the_job_trains_through(tes
         ctl = None
         after = wait_for(lambda: (k := _keeper(je)).get("pid") not in (None, before["pid"]) and k, 60,
                          "a new keeper in controller.json")
-        assert (after["address"], after["port"]) == (before["address"], before["port"])
+        assert (after["address"], after["port"], after["socket"]) == (before["address"], before["port"],
+                                                                     before["socket"])
         st = je.training_at(2, after_step=st["step"], timeout=90)
         assert (st.get("keeper") or {}).get("restarts") == 1, st.get("keeper")
         assert je.controller_pid() == ctl_running
@@ -129,7 +130,8 @@ def test_keeper_and_controller_both_killed_the_next_up_serves_the_old_port(testb
         je.eltctl("up")
         after = wait_for(lambda: (k := _keeper(je)).get("pid") not in (None, before["pid"]) and k, 60,
                          "a new keeper in controller.json")
-        assert (after["address"], after["port"]) == (before["address"], before["port"])
+        assert (after["address"], after["port"], after["socket"]) == (before["address"], before["port"],
+                                                                     before["socket"])
         st = je.training_at(2, after_step=st["step"], timeout=90)
         assert worker_pids(je.job) == workers  # the same workers rode through
         events = je.status().get("events") or []

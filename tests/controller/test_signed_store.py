@@ -45,7 +45,7 @@ class Bed:
         self.job = f"sig-{uuid.uuid4().hex[:8]}"
         self.master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=10))
-        self.client = kstore.connect_client("127.0.0.1", self.master.port, self.job, secret=SECRET)
+        self.client = kstore.connect_client(f"127.0.0.1:{self.master.port}", self.job, secret=SECRET)
         self.store = kstore.JobStore(self.client)
         self.owner = auth.signed(self.raw(), job_prefix(self.job), SECRET)
         self.attacker = self.raw()
@@ -136,7 +136,7 @@ def test_a_reconnected_client_is_signed_and_counts_on(bed):
     """connect_client is the one place the client is built: a new connection (a new
     keeper, helper B's reconnect) is signed alike and adds to the same counts."""
     bed.attacker.set("leave/a/0/0", "1")
-    again = kstore.JobStore(kstore.connect_client("127.0.0.1", bed.master.port, bed.job, secret=SECRET))
+    again = kstore.JobStore(kstore.connect_client(f"127.0.0.1:{bed.master.port}", bed.job, secret=SECRET))
     try:
         assert asyncio.run(again.get_raw("leave/a/0/0")) is None
         assert asyncio.run(bed.store.get_raw("leave/a/0/0")) is None

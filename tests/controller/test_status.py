@@ -261,17 +261,18 @@ def test_each_hosts_store_forward_rides_in_its_entry_and_a_down_one_is_a_note():
     from eltctl.statusview.hosts import host_notes
 
     keeper = {"pid": 5, "endpoint": "127.0.0.1:1", "restarts": 0, "problem": None,
-              "forwards": {"a": {"port": 4100, "up": True, "error": "", "since": 1.0},
-                           "b": {"port": None, "up": False, "error": "refused: AllowTcpForwarding", "since": 2.0}}}
+              "forwards": {"a": {"socket": "/h/a/store.sock", "up": True, "error": "", "since": 1.0},
+                           "b": {"socket": None, "up": False, "error": "refused: AllowStreamLocalForwarding",
+                                 "since": 2.0}}}
     doc = status_document(now=NOW, inventory=INV, phase=Phase.TRAINING, message="", runtime_status=None,
                           views=IDLE, records={}, seen={}, events=[], store_endpoint="127.0.0.1:1", mirror=None,
                           keeper=keeper)
     a, b = doc["hosts"]
-    assert a["forward"] == {"port": 4100, "up": True, "error": None}
-    assert b["forward"] == {"port": None, "up": False, "error": "refused: AllowTcpForwarding"}
+    assert a["forward"] == {"socket": "/h/a/store.sock", "up": True, "error": None}
+    assert b["forward"] == {"socket": None, "up": False, "error": "refused: AllowStreamLocalForwarding"}
     opts = ViewOptions(now=NOW)
     assert not [n for n in host_notes(a, opts) if "forward" in n]
-    assert "store forward down: refused: AllowTcpForwarding" in host_notes(b, opts)
+    assert "store forward down: refused: AllowStreamLocalForwarding" in host_notes(b, opts)
     assert "store forward down" in host_notes(b, opts, brief=True)
     plain = status_document(now=NOW, inventory=INV, phase=Phase.TRAINING, message="", runtime_status=None,
                             views=IDLE, records={}, seen={}, events=[], store_endpoint="127.0.0.1:1", mirror=None)

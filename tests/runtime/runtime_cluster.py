@@ -89,10 +89,15 @@ class Cluster:
         self._monitor = threading.Thread(target=self._watch, daemon=True)
         self._monitor.start()
 
+    @property
+    def store_spec(self) -> str:
+        """ELTCTL_STORE for the workers (eltctl_runtime.sockstore's grammar)."""
+        return f"127.0.0.1:{self.store.port}"
+
     def env(self, worker_id: str) -> dict:
         env = host_env(dict(os.environ))
         env.update({
-            "ELTCTL_STORE": f"127.0.0.1:{self.store.port}", "ELTCTL_JOB": self.job,
+            "ELTCTL_STORE": self.store_spec, "ELTCTL_JOB": self.job,
             "ELTCTL_WORKER_ID": worker_id, "ELTCTL_DEVICE": "cpu", "ELTCTL_AUDIT": str(self.audit),
             "ELTCTL_CHECKPOINT_DIR": str(self.ckpt), "ELTCTL_HANG_TIMEOUT": str(self.hang_timeout),
             "OMP_NUM_THREADS": "1", "ELTCTL_MIN_WORKERS": str(self.min_workers),

@@ -1,11 +1,11 @@
 """Workers ride through a lost store (runtime/storeloss.py).
 
 The job's store is served by a store keeper process of its own (eltctl/storekeeper.py,
-as the controller runs it), so the test can SIGKILL it and start a new one on the
-same port the way the controller does. Plans:
+as the controller runs it, on a Unix socket), so the test can SIGKILL it and start a
+new one on the same socket the way the controller does. Plans:
 
 * 2 workers train; the keeper is killed; steps go on committing with no store;
-  a new keeper comes up on the same port; rank 0 re-publishes the generation's
+  a new keeper comes up on the same socket; rank 0 re-publishes the generation's
   plan; a planned leave and a join work afterwards; a stop ends the job with
   identical state and exactly-once data.
 * 2 workers with a 3 s store-loss timeout; the keeper is killed and not brought
@@ -14,17 +14,14 @@ same port the way the controller does. Plans:
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
-from eltctl_runtime import auth, protocol
+from eltctl_runtime import auth, protocol, storeclient
 from eltctl_runtime.checkpoint import CheckpointStore
 from eltctl_runtime.protocol import Keys, first_generation
 from runtime_cluster import ROOT, SMALL, Cluster, assert_exactly_once, assert_identical_state
@@ -36,17 +33,11 @@ FOREVER = ["--steps", "100000", "--step-sleep", "0.03"]
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class KeptCluster(Cluster):
-    """A Cluster whose store is served by a store keeper process on a fixed port."""
+    """A Cluster whose store is served by a store keeper process on a fixed Unix socket."""
 
     def __post_init__(self) -> None:
-        self.port = _free_port()
+        self.socket = self.tmp / "state" / "store.sock"
         self.keeper: subprocess.Popen | None = None
         self.secret_file = None
         self.start_keeper(restarted=False)
@@ -59,7 +50,7 @@ class KeptCluster(Cluster):
     def start_keeper(self, restarted: bool = True) -> None:
         info = self.tmp / "keeper.json"
         info.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "eltctl.storekeeper", "--address", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "eltctl.storekeeper", "--socket", str(self.socket),
                "--info", str(info)] + (["--restarted-job", self.job] if restarted else [])
         if restarted and self.secret_file is not None:  # the restarted mark signed, as the controller has it
             cmd += ["--secret-file", str(self.secret_file)]
@@ -69,8 +60,12 @@ class KeptCluster(Cluster):
         while not info.exists():
             assert self.keeper.poll() is None and time.monotonic() < deadline, (self.tmp / "keeper.log").read_text()
             time.sleep(0.05)
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
+        self.store = storeclient.connect(self.store_spec, 30)
         self.js = auth.signed(protocol.scope(self.store, self.job), protocol.job_prefix(self.job), self.secret)
+
+    @property
+    def store_spec(self) -> str:
+        return f"unix:{self.socket}"
 
     def kill_keeper(self) -> None:
         self.keeper.kill()
