@@ -1,7 +1,8 @@
 """Another unix account against a training job on the real-sshd test bed (issue 21).
 
 One job trains on two simulated hosts (one GPU each: world size 2) with a checkpoint
-mirror, for the whole module; every test attacks it as `nobody` (tests/testbed/
+mirror, for the whole module; h2's sshd has `GatewayPorts yes` (a remote TCP forward
+there listens on every interface); every test attacks it as `nobody` (tests/testbed/
 attacker.py) and checks what must hold. The job's processes are found from /proc: the
 controller and the store keeper (controller.json), every process whose environment
 names the job (the daemons, the workers), and the hosts' SSH connections (their sshd
@@ -115,6 +116,9 @@ def attacked():
         pytest.skip(reason)
     with make_testbed() as bed:
         hosts = bed.add_hosts(2, gpus=1)
+        # h2's sshd lets remote forwards listen on every interface (finding 7): what the
+        # job forwards there must still be out of the LAN's and other accounts' reach
+        hosts[1].set_sshd_option("GatewayPorts", "yes")
         mirror = Path(tempfile.mkdtemp(prefix="eltc-mirror-"))
         gen = job_env_on(bed, hosts, extra=f'\n[storage]\nmirror = "{mirror}"\n')
         je = next(gen)
@@ -146,16 +150,19 @@ def test_no_socket_of_the_control_plane_is_reachable_by_another_account(attacked
     h1 = je.hosts[0]
     seen = {"control machine": attacker.probe(control_tcp + unix),
             f"host {h1.name} ({h1.address})": attacker.probe(control_tcp + unix, source=h1.address)}
-    print(json.dumps({"processes": {str(p): r for p, r in sorted(processes.items())},
-                      "control_plane_tcp": attacker.describe(control_tcp),
-                      "data_plane_tcp (gloo)": [s.key for s in data_tcp],
-                      "unix": attacker.describe(unix), "as_nobody": seen}, indent=1))
+    print("the job's processes:", json.dumps({str(p): r for p, r in sorted(processes.items())}))
+    print("gloo's listeners (the data plane; attacked by the next test):", [s.key for s in data_tcp])
+    for where, found in seen.items():
+        print(f"as {attacker.ATTACKER} on the {where}:")
+        for s in control_tcp + unix:
+            print(f"  {s.key} ({s.role} {s.pid}): {json.dumps(found[s.key])}")
 
     problems = []
     for where, found in seen.items():
         for s in control_tcp:
+            wide = " on every interface (the LAN reaches it)" if s.address in ("0.0.0.0", "::") else ""
             problems.append(f"{where}: {s.key} of the {s.role} (pid {s.pid}) is a TCP listener of the control "
-                            f"plane; {attacker.ATTACKER}: {found[s.key]}")
+                            f"plane{wide}; {attacker.ATTACKER}: {found[s.key]}")
         for s in unix:
             got = found[s.key].get("connect")
             if got not in REFUSED:
@@ -181,14 +188,19 @@ def test_one_byte_silence_and_floods_on_every_socket_do_not_stop_training(attack
     finally:
         wedge.stop()
     end = time.time()
-    print(json.dumps({"attacked": attacker.describe(sockets), "as_nobody": found,
-                      "status_during": samples}, indent=1))
+    fps = attacked.fingerprints()
+    during = {w: [r for r in rows if start + 1 <= r[3] <= end] for w, rows in fps.items()}
+    print(f"as {attacker.ATTACKER} from {je.hosts[1].address}, against every socket for {HOLD} s:")
+    for s in sockets:
+        print(f"  {s.key} ({s.role} {s.pid}): {json.dumps(found.get(s.key))}")
+    print("  status.json during it (s, state, world size, step):",
+          [(round(t - start, 1), state, ws, step) for t, state, ws, step in samples])
+    print("  steps the workers committed during it (fingerprint log):",
+          {w: [r[0] for r in rows] for w, rows in during.items()})
     # the attacker did reach the sockets it could (else nothing was tested)
     reached = [k for k, r in found.items() if r.get("one_byte_connect") == "ok"]
     assert reached, found
 
-    fps = attacked.fingerprints()
-    during = {w: [r for r in rows if start + 1 <= r[3] <= end] for w, rows in fps.items()}
     problems = []
     for w, rows in during.items():
         steps = [r[0] for r in rows]
