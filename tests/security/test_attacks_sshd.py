@@ -123,6 +123,13 @@ def attacked():
         gen = job_env_on(bed, hosts, extra=f'\n[storage]\nmirror = "{mirror}"\n')
         je = next(gen)
         try:
+            # Only the job's own directories may keep the other account out: the test
+            # bed's (private temporary directories) are made traversable, as a home
+            # directory and /tmp are on a lab machine.
+            for d in [bed.dir, *(p for h in hosts for p in (h.dir, h.home)), je.workdir.parent,
+                      je.state_home]:
+                d.mkdir(parents=True, exist_ok=True)
+                d.chmod(0o711)
             fpdir = je.workdir.parent / "fp"
             fpdir.mkdir()
             (je.workdir / "train.py").rename(je.workdir / "example_train.py")
@@ -158,6 +165,14 @@ def test_no_socket_of_the_control_plane_is_reachable_by_another_account(attacked
             print(f"  {s.key} ({s.role} {s.pid}): {json.dumps(found[s.key])}")
 
     problems = []
+    bed_dirs = {str(d) for d in [je.bed.dir, *(p for h in je.hosts for p in (h.dir, h.home)), je.workdir.parent,
+                                 je.state_home]}
+    for s in unix:
+        guard = attacker.refusing_directory(s.address)
+        print(f"  {s.key}: the first directory refusing {attacker.ATTACKER}: {guard}")
+        if guard is not None and any(b == guard or b.startswith(guard.rstrip("/") + "/") for b in bed_dirs):
+            problems.append(f"{s.key}: the test bed's directory {guard}, not the job's own, keeps "
+                            f"{attacker.ATTACKER} out (the test proves nothing about it)")
     for where, found in seen.items():
         for s in control_tcp:
             wide = " on every interface (the LAN reaches it)" if s.address in ("0.0.0.0", "::") else ""

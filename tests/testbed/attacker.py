@@ -186,6 +186,31 @@ def listening_sockets(processes: dict[int, str]) -> list[Socket]:
     return sorted(seen.values(), key=lambda s: (s.role, s.key))
 
 
+def refusing_directory(path: str, user: str = ATTACKER) -> str | None:
+    """The first directory on the way to `path` that `user` may not enter (mode bits
+    only), None when every one lets it through. It tells what keeps `user` out of a Unix
+    socket: the job's own directory, or one of the test bed's (then the test proves nothing)."""
+    if path.startswith("@"):
+        return None  # the abstract namespace: no directories, no permissions
+    account = pwd.getpwnam(user)
+    parts = Path(path).parent.parts
+    for i in range(1, len(parts) + 1):
+        d = str(Path(*parts[:i]))
+        try:
+            st = os.stat(d)
+        except OSError:
+            return d
+        if st.st_uid == account.pw_uid:
+            ok = st.st_mode & 0o100
+        elif st.st_gid == account.pw_gid:
+            ok = st.st_mode & 0o010
+        else:
+            ok = st.st_mode & 0o001
+        if not ok:
+            return d
+    return None
+
+
 # -- attacking ------------------------------------------------------------------------
 
 # Runs as the other account with `python3 -I -S`: the standard library alone. Reads
