@@ -13,6 +13,14 @@ What must hold: the all-reduces go on during the attack (more iterations than be
 it), every result is the honest sum, the new group forms and gives honest sums, and
 neither rank fails. The figures (iterations during the attack, what each connection
 saw) are printed: `pytest -s` shows them.
+
+A second test races the listener of each NEW gloo group (a resize forms one): gloo's TCP
+listener gives an incoming connection to the pair waiting for the sequence number the
+connection names (0, 1, ...: predictable), with no authentication. As `nobody`, watching
+/proc/net/tcp for new listeners on the ranks' address and connecting first, the attacker
+took the pair in about half the rounds: the round's all-reduce timed out on both ranks
+and the waiting rank sent the attacker its tensor. That is gloo's (torch 2.13's), not
+eltctl's, so the test is an xfail that says so.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import pytest
 
 from tests.testbed import attacker
 
-pytestmark = [pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 RANK = r'''
 import os, sys, time
@@ -143,3 +151,88 @@ def test_gloo_listeners_survive_one_byte_silence_and_floods_from_another_account
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+ROUNDS = r'''
+import json, os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+
+rank, addr, storefile, out, rounds, skew = (int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4],
+                                            int(sys.argv[5]), float(sys.argv[6]))
+base = dist.FileStore(storefile, 2)
+res = []
+for r in range(rounds):
+    store = dist.PrefixStore(f"round{r}", base)
+    store.add("arrived", 1)  # both ranks start the round together ...
+    while int(store.add("arrived", 0)) < 2:
+        time.sleep(0.005)
+    if rank == 1:
+        time.sleep(skew)  # ... and rank 1 forms the group a moment later, as on another host
+    opts = dist.ProcessGroupGloo._Options()  # as eltctl_runtime.collectives.make_group does
+    opts._timeout = timedelta(seconds=2)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+    try:
+        pg = dist.ProcessGroupGloo(store, rank, 2, opts)
+        t = torch.full((1024,), float(rank + 1 + 10 * r))
+        pg.allreduce([t]).wait()
+        honest = float(1 + 2 + 20 * r)
+        res.append({"round": r, "honest": bool((t == honest).all()), "got": t[0].item()})
+    except Exception as e:  # noqa: BLE001
+        res.append({"round": r, "error": str(e)[-160:]})
+    pg = None
+    with open(out, "w") as f:
+        json.dump(res, f)
+'''
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "torch 2.13's gloo TCP transport (third_party/gloo/gloo/transport/tcp/listener.cc) hands an incoming "
+    "connection to whichever pair waits for the sequence number it names, with no authentication, and the "
+    "numbers are small and predictable (0, 1, ... per device): another account on the host that connects "
+    "to a new group's listener first takes that pair (the rank sends it its tensors, the collective times "
+    "out). A limitation of gloo, not fixable in eltctl short of an authenticated transport or a network "
+    "namespace per job; docs should name it as what the data plane exposes."))
+def test_a_new_gloo_group_is_not_hijacked_by_another_account_racing_its_listener(tmp_path):
+    """As another account, watch for the listener of each new gloo group (a resize forms
+    one) and connect to it first, naming pair sequence numbers 0..3; what must hold: every
+    round's group forms, all-reduces the honest sum, and the attacker receives nothing."""
+    reason = attacker.can_attack_as_another_account()
+    if reason:
+        pytest.skip(reason)
+    import random
+
+    address = f"127.{random.randint(20, 250)}.{random.randint(0, 255)}.1"  # this test's own: only its ranks listen there
+    script = tmp_path / "rounds.py"
+    script.write_text(ROUNDS)
+    os.chmod(tmp_path, 0o700)
+    rounds = 5  # which rank of a pair waits (listens) follows the ports: about half the rounds are open to it
+    race = attacker.ListenerRace(address, seconds=60).start()
+    time.sleep(0.5)  # the attacker is watching
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, str(script), str(r), address, str(tmp_path / "store"), str(outs[r]),
+                               str(rounds), "0.3"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / f"rank{r}.err", "w"), start_new_session=True)
+             for r in range(2)]
+    try:
+        codes = [p.wait(timeout=120) for p in ranks]
+        seen = race.result(now=True)
+    finally:
+        race.stop()
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = [json.loads(o.read_text()) if o.exists() else [] for o in outs]
+    stolen = [m for m in seen["received"] if m["opcode"] in (0, 1)]  # data, not the notifications
+    for r, rows in enumerate(results):
+        print(f"rank {r}:", json.dumps(rows))
+    print(f"as {attacker.ATTACKER}: {seen['listeners']} listeners raced, {len(seen['received'])} messages "
+          f"received, with data: {json.dumps(stolen[:6])}")
+    assert codes == [0, 0], [(tmp_path / f"rank{r}.err").read_text()[-2000:] for r in range(2)]
+    assert all(len(r) == rounds for r in results), results
+    assert not stolen, f"another account received the ranks' tensors: {stolen[:4]}"
+    failed = [x for r in results for x in r if not x.get("honest")]
+    assert not failed, f"rounds that failed or returned a dishonest sum: {failed}"

