@@ -134,6 +134,8 @@ def attacked():
                 d.chmod(0o711)
             fpdir = je.workdir.parent / "fp"
             fpdir.mkdir()
+            # a busy machine must not make a worker look hung: a resize would blur what the attack did
+            je.inventory.write_text(je.inventory.read_text().replace('hang_timeout = "4s"', 'hang_timeout = "30s"'))
             (je.workdir / "train.py").rename(je.workdir / "example_train.py")
             (je.workdir / "train.py").write_text(WRAPPER.format(fpdir=str(fpdir), every=FP_EVERY))
             je.eltctl("up")
