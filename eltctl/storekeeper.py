@@ -1,6 +1,7 @@
 """The store keeper: the process that serves one job's c10d TCPStore.
 
-    python -m eltctl.storekeeper --address ADDR [--port N] --info PATH [--restarted-job JOB]
+    python -m eltctl.storekeeper --address ADDR [--port N] --info PATH [--restarted-job JOB
+                                 [--secret-file PATH [--run-file PATH]]]
                                  [--inventory PATH --forwards PATH]
 
 It binds a listening socket to ADDR alone (never 0.0.0.0: the store has no
@@ -46,7 +47,8 @@ PORT_TAKEN = 3
 
 
 def serve(address: str, port: int, info: Path, restarted_job: str | None = None,
-          secret_file: Path | None = None, inventory: Path | None = None, forwards: Path | None = None) -> None:
+          secret_file: Path | None = None, inventory: Path | None = None, forwards: Path | None = None,
+          run_file: Path | None = None) -> None:
     import torch.distributed as dist
 
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -62,8 +64,9 @@ def serve(address: str, port: int, info: Path, restarted_job: str | None = None,
     if restarted_job:
         mark = str(time.time()).encode()
         if secret_file is not None:  # the job's readers check it like every value (runtime/auth.py)
-            mark = auth.Signer(auth.read_secret(secret_file), job_prefix(restarted_job)).seal(Keys.STORE_RESTARTED,
-                                                                                                mark)
+            signer = auth.Signer(auth.read_secret(secret_file), job_prefix(restarted_job),
+                                 auth.read_run_id(run_file))  # signed in this store's run
+            mark = signer.seal(Keys.STORE_RESTARTED, mark)
         store.set(f"{job_prefix(restarted_job)}/{Keys.STORE_RESTARTED}", mark)
     forwarder = None
     if inventory is not None and forwards is not None:
@@ -98,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restarted-job", default=None, help="this keeper replaces a lost one of this job")
     ap.add_argument("--secret-file", type=Path, default=None,
                     help="with --restarted-job: the job's secret, to sign its store/restarted mark")
+    ap.add_argument("--run-file", type=Path, default=None,
+                    help="with --secret-file: the store's run id (the mark is signed in this run)")
     ap.add_argument("--inventory", type=Path, default=None, help="forward the store to this inventory's hosts")
     ap.add_argument("--forwards", type=Path, default=None, help="with --inventory: the forwards' state file")
     args = ap.parse_args(argv)
     try:
         serve(args.address, args.port, args.info, args.restarted_job, args.secret_file, args.inventory,
-              args.forwards)
+              args.forwards, args.run_file)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             print(f"store keeper: port {args.port} on {args.address} is taken by another process; the hosts "

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from .membership import Plan, read_verified, scan_joiners
-from .protocol import Keys
+from .protocol import Keys, peek
 from .storeloss import BACK_GRACE_S, RECONNECT_EVERY_S, StoreHealth
 
 log = logging.getLogger("eltctl_runtime")
@@ -32,6 +32,8 @@ log = logging.getLogger("eltctl_runtime")
 POLL_S = 0.03
 MEMBER_POLL_S = 0.15
 JOIN_RESCAN_S = 1.0
+DEAD_RESCAN_S = 1.0  # death reports are read this often whatever `dead/seq` says (it is unsigned)
+DELETED_PROBE_S = 0.1  # per member pass: how long a deleted heartbeat is watched for its writer's next write
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,15 @@ class Requests:
     @property
     def any(self) -> bool:
         return self.leave or self.stop or self.join
+
+
+def newer_beat(value: bytes, old: bytes) -> bool:
+    """Whether heartbeat `value` is news after `old`: the writer's beat number went up
+    (an older signed beat written back by someone is not news of a live writer)."""
+    try:
+        return int(value) > int(old)
+    except ValueError:
+        return value != old
 
 
 class ControlThread:
@@ -67,9 +78,10 @@ class ControlThread:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beat = 0
-        self._join_key: tuple[int, int] | None = None  # (join_upto, join/seq) of the last scan
+        self._join_key: int | None = None  # the plan's join_upto of the last scan
         self._join_found = False
-        self._join_until = self._join_next = 0.0
+        self._join_next = self._join_scanned = 0.0
+        self._had_beat: set[str] = set()  # members whose heartbeat this thread has read verified
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -123,7 +135,7 @@ class ControlThread:
 
     # -- the loop -------------------------------------------------------------
     def _run(self) -> None:
-        next_members = 0.0
+        next_members = next_dead = 0.0
         dead_seq = -1
         watched: tuple[str, ...] = ()
         while not self._stop.is_set():
@@ -139,29 +151,32 @@ class ControlThread:
                 leave = self._local_leave or st.check([Keys.leave(self._me)])
                 join = False
                 if plan is not None:
-                    queued = st.add(Keys.JOIN_SEQ, 0)
                     room = self._max_workers is None or plan.world_size < self._max_workers
-                    join = queued > plan.join_upto and room and self._joiner_waiting(st, plan, queued)
+                    join = room and self._joiner_waiting(st, plan)
                     if not abort.is_set() and st.check([Keys.abort(plan.generation)]):
                         self._set_abort(abort, st.get(Keys.abort(plan.generation)).decode(), write=None)
                 self._requests = Requests(leave=leave, stop=stop, join=join)
                 now = time.monotonic()
                 if now >= next_members and watch:
                     next_members = now + MEMBER_POLL_S
-                    seq = st.add(Keys.DEAD_SEQ, 0)
-                    if seq != dead_seq:
-                        dead_seq = seq
+                    seq = st.add(Keys.DEAD_SEQ, 0)  # a hint only: the reports are read on a timer too
+                    if seq != dead_seq or now >= next_dead:
+                        dead_seq, next_dead = seq, now + DEAD_RESCAN_S
                         for w in watch:
                             if w not in self._dead and st.check([Keys.dead(w)]):
                                 with self._lock:
                                     self._dead.add(w)
+                    probe_until = now + DELETED_PROBE_S
                     for w in watch:
                         value = read_verified(st, Keys.heartbeat(w))
+                        if value is None and w in self._had_beat:
+                            value = self._deleted_beat(st, w, probe_until)
                         if value is None:
                             continue  # none yet, or forged: no news of w (its silence goes on)
+                        self._had_beat.add(w)
                         with self._lock:
                             old = self._seen.get(w)
-                            if old is None or old[0] != value:
+                            if old is None or newer_beat(value, old[0]):
                                 self._seen[w] = (value, now)
                     if plan is not None and not abort.is_set():
                         self._check_members(plan, watch, abort, now)
@@ -175,20 +190,42 @@ class ControlThread:
                     self._reconnect()
             self._stop.wait(POLL_S)
 
-    def _joiner_waiting(self, st, plan: Plan, queued: int) -> bool:
-        """Whether a verified, live joiner is queued past the plan's join_upto: `join/seq`
-        alone is a hint anyone can raise. Rescanned when the counter or the plan moves,
-        and for JOIN_RESCAN_S after (a joiner writes its id just after its number)."""
-        key = (plan.join_upto, queued)
+    def _joiner_waiting(self, st, plan: Plan) -> bool:
+        """Whether a verified, live joiner is queued past the plan's join_upto. The queue
+        is read as a run of entries (membership.scan_joiners), never through the unsigned
+        `join/seq`: rescanned every MEMBER_POLL_S while an entry follows join_upto, and
+        every JOIN_RESCAN_S anyway (a deleted entry may stand in the way); once found,
+        until the plan changes."""
         now = time.monotonic()
-        if key != self._join_key:
-            self._join_key, self._join_until, self._join_next = key, now + JOIN_RESCAN_S, 0.0
-        elif self._join_found or now >= self._join_until or now < self._join_next:
-            return self._join_found
+        if plan.join_upto != self._join_key:
+            self._join_key, self._join_found, self._join_next = plan.join_upto, False, 0.0
+        if self._join_found:
+            return True
+        if now < self._join_next:
+            return False
         self._join_next = now + MEMBER_POLL_S
+        waiting = read_verified(st, Keys.join(plan.join_upto + 1)) is not None
+        if not waiting and now < self._join_scanned + JOIN_RESCAN_S:
+            return False
+        self._join_scanned = now
         queue, _ = scan_joiners(st, plan.join_upto)
         self._join_found = any(w not in plan.members for _, w in queue)
         return self._join_found
+
+    def _deleted_beat(self, st, w: str, until: float) -> bytes | None:
+        """`hb/<w>` read as missing after it was there: no writer deletes a heartbeat,
+        so someone who reaches the store did (counted as "hb deleted"). Missing is not
+        silence: the key is watched (an atomic read that never waits, until `until`)
+        for its writer's next write; a writer that keeps writing is seen, one that
+        stopped stays silent, and its silence is judged on its beat numbers."""
+        forgeries = getattr(st, "forgeries", None)
+        if forgeries is not None:
+            forgeries.note(Keys.heartbeat(w), "deleted")
+        while True:
+            value = peek(st, Keys.heartbeat(w))
+            if value is not None or time.monotonic() >= until:
+                return value
+            time.sleep(0.002)
 
     def _reconnect(self) -> None:
         """A fresh client through the job's own factory (the same wrapping as at
@@ -205,6 +242,7 @@ class ControlThread:
             later = time.monotonic() + BACK_GRACE_S
             with self._lock:  # the members' silence is measured again, from a little later
                 self._seen = {w: (b"", later) for w in self._seen}
+            self._had_beat.clear()  # a new store: a heartbeat not yet in it was not deleted
             self._health.back()
             return
 

@@ -12,10 +12,11 @@ Everything read comes through the controller's signed store client (store.py): a
 value not signed with the job's secret is never acted on. A forged event (a fake
 crash that would bench a host) reads as missing; a forged status or daemon state
 reads as its key's last verified value. `events/seq` is a counter (counters cannot
-be signed: anyone can raise it), so it is only a hint: each pass reads at most
-`EVENTS_WINDOW` entries behind it (`events_window`), the newest ones, and counts
-(and logs) the numbers it skipped, so a counter raised to 10^9 never wedges the
-controller.
+be signed: anyone can raise or lower it), so it is never read: the log's entries
+form one run from 1 up (writers take the first free number, protocol.claim), and
+each pass reads on from `events_read` while entries are there (a few missing ones
+in a row end it, protocol.GAP_TOLERANCE), at most `EVENTS_WINDOW` per pass, so a
+raised counter neither hides a real event nor wedges the controller.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from typing import Any, Iterable, Mapping
 from eltctl.controller import policy as pol
 from eltctl.inventory import Host, Policy
 from eltctl.probe import GpuUse, HostReport, HostState
-from eltctl_runtime.protocol import EventKind, Keys, bounded_range, state_key
+from eltctl_runtime.protocol import GAP_TOLERANCE, EventKind, Keys, state_key
 
 log = logging.getLogger("eltctl.controller")
 
 EVENTS_KEPT = 50
 EVENTS_WINDOW = 256  # the most event log entries read in one pass
+BIRTH_WINDOWS = 64  # a new controller reads the log to its end, at most this many windows
 # Worker states (runtime/daemon/logic.py WorkerState) of a worker that has ended.
 FINISHED_WORKER_STATES = {"left", "finished", "crashed", "lost"}
 
@@ -49,15 +51,6 @@ class DaemonSeen:
 
 
 # --------------------------------------------------------------------------- pure views
-
-
-def events_window(read: int, last: int, window: int = EVENTS_WINDOW) -> tuple[range, int]:
-    """(the event numbers to read, how many are skipped) when the log has been read up
-    to `read` and the counter says `last`: protocol.bounded_range, at most `window`
-    numbers, the newest; the ones skipped are never read (a counter raised by someone
-    who reaches the store's port, or a log that grew by more than a window in one pass)."""
-    numbers = bounded_range(read, last, window)
-    return numbers, max(0, numbers.start - max(0, read) - 1)
 
 
 def seen_state(old: DaemonSeen | None, raw: bytes, now: float) -> DaemonSeen:
@@ -382,7 +375,7 @@ class Observer:
     crashes: dict[str, dict[int, pol.Crash]] = field(default_factory=dict)  # the same, with causes
     events: deque = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     events_read: int = 0  # the event log's sequence number read up to (kept in hosts.json)
-    events_skipped: int = 0  # event numbers never read: beyond one pass's window (events_window)
+    events_skipped: int = 0  # event numbers never read (0 since the log is read as a run; kept for status)
     runtime_status: dict | None = None  # rank 0's status document, with `seen` (see read_store)
     checkpoint: dict | None = None  # the job's last checkpoint (newest_checkpoint; kept in hosts.json)
     born: float | None = None  # when this controller first read the store
@@ -399,27 +392,16 @@ class Observer:
             raw = await store.get_raw(state_key(name))
             if raw is not None:
                 self.seen[name] = seen_state(self.seen.get(name), raw, now)
-        last = await store.add(Keys.EVENTS_SEQ, 0)
-        if last < self.events_read:  # a new store: its log starts again
-            self.events_read = 0
-            self.born_seq = 0
-        if self.born == now:
-            self.born_seq = last
-        numbers, skipped = events_window(self.events_read, last)
-        if skipped:
-            self.events_skipped += skipped
-            log.warning("The event log jumped from %d to %d: read the newest %d events, skipped %d (the "
-                        "counter %s is not signed: someone who reaches the store's port may have raised it).",
-                        self.events_read, last, len(numbers), skipped, Keys.EVENTS_SEQ)
-        for n in numbers:
-            ev = await store.get_json(Keys.event(n))
-            self.events_read = n
-            if not isinstance(ev, dict):
-                continue
-            self.events.append(ev)
-            for host, crash in crash_info(ev, n > self.born_seq):
-                self.crashed.setdefault(host, set()).add(crash.slot)
-                self.crashes.setdefault(host, {})[crash.slot] = crash
+        born = self.born == now
+        if born and self.events_read > 0 and await store.get_raw(Keys.event(self.events_read)) is None:
+            self.events_read = 0  # hosts.json's log is not in this store (a new `up`): its log starts again
+        # The log is read as a run of entries, never through the unsigned events/seq.
+        # At birth it is read to its end: what is there is the last controller's.
+        for _ in range(BIRTH_WINDOWS if born else 1):
+            if not await self._read_events(store, None if born else self.born_seq):
+                break
+        if born:
+            self.born_seq = self.events_read
         raw = await store.get_raw(Keys.STATUS)
         if raw != self._status_raw:
             if self._status_raw is None and self._status_changed is None:
@@ -440,6 +422,31 @@ class Observer:
             else:
                 status["seen"] = self._status_first if now - self._status_first < STATUS_SETTLE_S else 0.0
         self.runtime_status = status if isinstance(status, dict) else None
+
+    async def _read_events(self, store, born_seq: int | None) -> bool:
+        """Read on from `events_read` while there are entries, at most EVENTS_WINDOW
+        numbers; True when the window was full (there may be more). `born_seq` None:
+        every event read is the last controller's (not acted on)."""
+        n, misses = self.events_read, 0
+        while n - self.events_read < EVENTS_WINDOW and misses < GAP_TOLERANCE:
+            n += 1
+            raw = await store.get_raw(Keys.event(n))
+            if raw is None:
+                misses += 1  # missing, or forged (counted by the client)
+                continue
+            misses = 0
+            self.events_read = n
+            try:
+                ev = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(ev, dict):
+                continue
+            self.events.append(ev)
+            for host, crash in crash_info(ev, born_seq is not None and n > born_seq):
+                self.crashed.setdefault(host, set()).add(crash.slot)
+                self.crashes.setdefault(host, {})[crash.slot] = crash
+        return misses < GAP_TOLERANCE
 
     def store_restarted(self) -> None:
         """The store keeper was restarted: the new store's event log starts again at 0

@@ -90,10 +90,18 @@ def connect_client(address: str, port: int, job: str, timeout: float = STORE_TIM
     store is built, so a reconnect is signed as the first connection was."""
     import torch.distributed as dist
 
+    state = StateDir.for_job(job)
     if secret is None:
-        secret = existing_secret(StateDir.for_job(job))
+        secret = existing_secret(state)
+    run = auth.read_run_id(run_file(state)) if secret is not None else ""  # re-read at every (re)connect
     tcp = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
-    return auth.signed(dist.PrefixStore(job_prefix(job), tcp), job_prefix(job), secret, forgeries(job))
+    return auth.signed(dist.PrefixStore(job_prefix(job), tcp), job_prefix(job), secret, forgeries(job), run)
+
+
+def run_file(state: StateDir) -> Path:
+    """The store's run id file in the state directory (auth.RUN_FILE_NAME), written at
+    every store keeper start; absent: run id ""."""
+    return state.path / auth.RUN_FILE_NAME
 
 
 class JobStore:
@@ -221,6 +229,8 @@ def start_keeper(state: StateDir, address: str, port: int = 0, restarted_job: st
         cmd += ["--restarted-job", restarted_job]
         if existing_secret(state) is not None:
             cmd += ["--secret-file", str(state.secret)]
+            if run_file(state).exists():
+                cmd += ["--run-file", str(run_file(state))]
     if forward_inventory is not None:
         cmd += ["--inventory", str(forward_inventory), "--forwards", str(forwards_path(state))]
     try:
