@@ -289,7 +289,7 @@ class Forgeries:
 
 
 COMPARE_SET_TRIES = 8
-_ABSENT = "-eltctl-absent-"  # SignedStore.peek's expected value: never a signed value (no "elt1." head)
+ABSENT = "-eltctl-absent-"  # peek's expected value: never a stored value (no "elt1." head, not JSON)
 
 
 class SignedStore:
@@ -331,8 +331,8 @@ class SignedStore:
         one writes answers the value there, or that expected value when there is none.
         (`check` then `get` waits for the store's timeout when the key is deleted in
         between, as someone who reaches the store can do.)"""
-        cur = self.raw.compare_set(key, _ABSENT, _ABSENT)
-        if cur == _ABSENT.encode():
+        cur = self.raw.compare_set(key, ABSENT, ABSENT)
+        if cur == ABSENT.encode():
             return None
         return self._verified(key, cur)
 

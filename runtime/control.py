@@ -22,7 +22,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
+from .auth import raw_store
 from .membership import Plan, read_verified, scan_joiners
 from .protocol import Keys, peek
 from .storeloss import BACK_GRACE_S, RECONNECT_EVERY_S, StoreHealth
@@ -34,6 +36,7 @@ MEMBER_POLL_S = 0.15
 JOIN_RESCAN_S = 1.0
 DEAD_RESCAN_S = 1.0  # death reports are read this often whatever `dead/seq` says (it is unsigned)
 DELETED_PROBE_S = 0.1  # per member pass: how long a deleted heartbeat is watched for its writer's next write
+CONTESTED_LIMIT = 3  # hang timeouts a heartbeat may be rewritten-and-deleted without one verified beat read
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ class ControlThread:
         self._abort = threading.Event()
         self._abort_reason = ""
         self._seen: dict[str, tuple[bytes, float]] = {}  # worker -> (last heartbeat value, when it changed)
+        # worker -> when a newer verified beat of it was last read (`_seen` also counts a
+        # contested heartbeat, one rewritten and deleted before it could be read)
+        self._verified_at: dict[str, float] = {}
         self._dead: set[str] = set()
         self._local_leave = False
         self._requests = Requests()
@@ -111,6 +117,7 @@ class ControlThread:
             for w in self._watch:  # silence is measured from when we start watching
                 v = self._seen.get(w)
                 self._seen[w] = (v[0] if v else b"", now)
+                self._verified_at[w] = now
             return self._abort
 
     def request_local_leave(self) -> None:
@@ -169,15 +176,20 @@ class ControlThread:
                     probe_until = now + DELETED_PROBE_S
                     for w in watch:
                         value = read_verified(st, Keys.heartbeat(w))
+                        contested = False
                         if value is None and w in self._had_beat:
-                            value = self._deleted_beat(st, w, probe_until)
+                            value, contested = self._deleted_beat(st, w, probe_until)
                         if value is None:
+                            if contested:  # rewritten, then deleted before it was read: not silence
+                                with self._lock:
+                                    self._seen[w] = (self._seen.get(w, (b"", now))[0], now)
                             continue  # none yet, or forged: no news of w (its silence goes on)
                         self._had_beat.add(w)
                         with self._lock:
                             old = self._seen.get(w)
                             if old is None or newer_beat(value, old[0]):
                                 self._seen[w] = (value, now)
+                                self._verified_at[w] = now
                     if plan is not None and not abort.is_set():
                         self._check_members(plan, watch, abort, now)
             except Exception as e:  # noqa: BLE001 - the store went away: the job is over or unreachable
@@ -212,20 +224,40 @@ class ControlThread:
         self._join_found = any(w not in plan.members for _, w in queue)
         return self._join_found
 
-    def _deleted_beat(self, st, w: str, until: float) -> bytes | None:
+    def _deleted_beat(self, st, w: str, until: float) -> tuple[bytes | None, bool]:
         """`hb/<w>` read as missing after it was there: no writer deletes a heartbeat,
         so someone who reaches the store did (counted as "hb deleted"). Missing is not
-        silence: the key is watched (an atomic read that never waits, until `until`)
-        for its writer's next write; a writer that keeps writing is seen, one that
-        stopped stays silent, and its silence is judged on its beat numbers."""
+        silence by itself: the key is watched until `until` for its writer's next write
+        (the store's `wait`, then an atomic read that never waits). Returns (the verified
+        value read, or None; whether the key was rewritten meanwhile). A writer that
+        keeps writing is seen, or at least seen rewriting ("contested": not silence, for
+        CONTESTED_LIMIT hang timeouts at most); one that stopped stays missing, and its
+        silence goes on."""
+        key = Keys.heartbeat(w)
+        raw = raw_store(st)
+        if raw.check([key]):
+            return None, False  # there, but forged (counted by the store): no news of w
         forgeries = getattr(st, "forgeries", None)
         if forgeries is not None:
-            forgeries.note(Keys.heartbeat(w), "deleted")
+            forgeries.note(key, "deleted")
+        rewritten = False
         while True:
-            value = peek(st, Keys.heartbeat(w))
-            if value is not None or time.monotonic() >= until:
-                return value
-            time.sleep(0.002)
+            left = until - time.monotonic()
+            if left <= 0:
+                return None, rewritten
+            if hasattr(raw, "wait"):
+                try:
+                    raw.wait([key], timedelta(seconds=left))
+                except Exception:  # noqa: BLE001 - c10d's wait times out with an error: not rewritten
+                    return None, rewritten
+            else:
+                time.sleep(min(left, 0.002))
+            value = peek(st, key)
+            if value is not None:
+                return value, True
+            if raw.check([key]):
+                return None, rewritten  # a forged value there now: no news of w
+            rewritten = rewritten or hasattr(raw, "wait")
 
     def _reconnect(self) -> None:
         """A fresh client through the job's own factory (the same wrapping as at
@@ -242,6 +274,7 @@ class ControlThread:
             later = time.monotonic() + BACK_GRACE_S
             with self._lock:  # the members' silence is measured again, from a little later
                 self._seen = {w: (b"", later) for w in self._seen}
+                self._verified_at = {w: later for w in self._seen}
             self._had_beat.clear()  # a new store: a heartbeat not yet in it was not deleted
             self._health.back()
             return
@@ -252,6 +285,8 @@ class ControlThread:
                 self._set_abort(abort, json.dumps({"reason": "crash", "worker": w}), write=plan.generation)
                 return
             silent = now - self._seen[w][1]
+            if now - self._verified_at.get(w, now) >= CONTESTED_LIMIT * self._hang:
+                silent = max(silent, now - self._verified_at[w])  # contested too long: judged on verified beats
             if silent >= self._hang:
                 self._set_abort(abort, json.dumps({"reason": "hang", "worker": w, "silent_s": round(silent, 2)}),
                                 write=plan.generation)

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterable, Protocol
 
-from .auth import ForgedValue
+from .auth import ABSENT, ForgedValue
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -450,6 +450,10 @@ def peek(js: Store, key: str) -> bytes | None:
     fn = getattr(js, "peek", None)
     if fn is not None:
         return fn(key)
+    cs = getattr(js, "compare_set", None)
+    if cs is not None:  # c10d: a missing key answers the expected value, and is not created
+        cur = cs(key, ABSENT, ABSENT)
+        return None if cur == ABSENT.encode() else cur
     if not js.check([key]):
         return None
     try:

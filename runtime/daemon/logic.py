@@ -242,6 +242,8 @@ def decide(v: View) -> Decision:
     m = v.memory
     actions: list[Action] = []
     d = v.desired
+    if d is not None and m.seq_applied is not None and d.seq < m.seq_applied:
+        d = None  # an older document (a replay: StoreLink.floor never hands one on): nothing of it is acted on
     stopping = v.terminating or (d is not None and d.stop)
 
     # 1. A newer seq. Desired documents only move forward: the controller keeps its
