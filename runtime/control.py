@@ -22,11 +22,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
-from .auth import raw_store
 from .membership import Plan, read_verified, scan_joiners
-from .protocol import Keys, peek
+from .protocol import Keys, watch_deleted
 from .storeloss import BACK_GRACE_S, RECONNECT_EVERY_S, StoreHealth
 
 log = logging.getLogger("eltctl_runtime")
@@ -178,7 +176,8 @@ class ControlThread:
                         value = read_verified(st, Keys.heartbeat(w))
                         contested = False
                         if value is None and w in self._had_beat:
-                            value, contested = self._deleted_beat(st, w, probe_until)
+                            # no writer deletes a heartbeat: watch for its writer's next write
+                            value, contested = watch_deleted(st, Keys.heartbeat(w), probe_until - time.monotonic())
                         if value is None:
                             if contested:  # rewritten, then deleted before it was read: not silence
                                 with self._lock:
@@ -223,41 +222,6 @@ class ControlThread:
         queue, _ = scan_joiners(st, plan.join_upto)
         self._join_found = any(w not in plan.members for _, w in queue)
         return self._join_found
-
-    def _deleted_beat(self, st, w: str, until: float) -> tuple[bytes | None, bool]:
-        """`hb/<w>` read as missing after it was there: no writer deletes a heartbeat,
-        so someone who reaches the store did (counted as "hb deleted"). Missing is not
-        silence by itself: the key is watched until `until` for its writer's next write
-        (the store's `wait`, then an atomic read that never waits). Returns (the verified
-        value read, or None; whether the key was rewritten meanwhile). A writer that
-        keeps writing is seen, or at least seen rewriting ("contested": not silence, for
-        CONTESTED_LIMIT hang timeouts at most); one that stopped stays missing, and its
-        silence goes on."""
-        key = Keys.heartbeat(w)
-        raw = raw_store(st)
-        if raw.check([key]):
-            return None, False  # there, but forged (counted by the store): no news of w
-        forgeries = getattr(st, "forgeries", None)
-        if forgeries is not None:
-            forgeries.note(key, "deleted")
-        rewritten = False
-        while True:
-            left = until - time.monotonic()
-            if left <= 0:
-                return None, rewritten
-            if hasattr(raw, "wait"):
-                try:
-                    raw.wait([key], timedelta(seconds=left))
-                except Exception:  # noqa: BLE001 - c10d's wait times out with an error: not rewritten
-                    return None, rewritten
-            else:
-                time.sleep(min(left, 0.002))
-            value = peek(st, key)
-            if value is not None:
-                return value, True
-            if raw.check([key]):
-                return None, rewritten  # a forged value there now: no news of w
-            rewritten = rewritten or hasattr(raw, "wait")
 
     def _reconnect(self) -> None:
         """A fresh client through the job's own factory (the same wrapping as at

@@ -57,10 +57,11 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
 from typing import Any, Iterable, Protocol
 
-from .auth import ABSENT, ForgedValue
+from .auth import ABSENT, ForgedValue, raw_store
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -460,6 +461,44 @@ def peek(js: Store, key: str) -> bytes | None:
         return js.get(key)
     except (ForgedValue, KeyError):
         return None
+
+
+def watch_deleted(js: Store, key: str, timeout_s: float) -> tuple[bytes | None, bool]:
+    """`key` read as missing after it was there: no writer of a heartbeat or a state
+    document deletes it, so someone who reaches the store did (counted on a signed
+    store as "<family> deleted"). Missing is not silence by itself: the key is watched
+    for `timeout_s` for its writer's next write (the store's `wait`, then `peek`, an
+    atomic read that never waits). Returns (the verified value then read, or None;
+    whether the key was written again meanwhile, "contested" when no verified value
+    could be read: written and deleted again at once). A writer that keeps writing is
+    seen, or at least seen rewriting; one that stopped leaves the key missing. A forged
+    value there (counted by the store) is no news of the writer."""
+    raw = raw_store(js)
+    if raw.check([key]):
+        return peek(js, key), False
+    forgeries = getattr(js, "forgeries", None)
+    if forgeries is not None:
+        forgeries.note(key, "deleted")
+    has_wait = hasattr(raw, "wait")
+    deadline = time.monotonic() + timeout_s
+    rewritten = False
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None, rewritten
+        if has_wait:
+            try:
+                raw.wait([key], timedelta(seconds=left))
+            except Exception:  # noqa: BLE001 - c10d's wait times out with an error: not written again
+                return None, rewritten
+        else:
+            time.sleep(min(left, 0.002))
+        value = peek(js, key)
+        if value is not None:
+            return value, True
+        if raw.check([key]):
+            return None, rewritten  # a forged value there now
+        rewritten = rewritten or has_wait
 
 
 def first_generation(js: Store) -> int:

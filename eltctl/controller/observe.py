@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
@@ -36,7 +37,11 @@ log = logging.getLogger("eltctl.controller")
 
 EVENTS_KEPT = 50
 EVENTS_WINDOW = 256  # the most event log entries read in one pass
-BIRTH_WINDOWS = 64  # a new controller reads the log to its end, at most this many windows
+BIRTH_WINDOWS = 64
+# A daemon's state key read as missing after it was there is watched this long for the
+# daemon's next write (it writes about once a second), in all per pass at most.
+STATE_PROBE_S = 1.5
+CONTESTED_LIMIT = 3  # freshness windows a state may be rewritten-and-deleted without one read  # a new controller reads the log to its end, at most this many windows
 # Worker states (runtime/daemon/logic.py WorkerState) of a worker that has ended.
 FINISHED_WORKER_STATES = {"left", "finished", "crashed", "lost"}
 
@@ -48,20 +53,43 @@ class DaemonSeen:
     raw: bytes
     changed: float  # controller clock: when the state value last changed
     state: dict
+    # controller clock: when a newer state value was last read (`changed` also counts a
+    # contested one: rewritten and deleted again before it could be read); None: `changed`
+    verified: float | None = None
 
 
 # --------------------------------------------------------------------------- pure views
 
 
 def seen_state(old: DaemonSeen | None, raw: bytes, now: float) -> DaemonSeen:
-    """Fold a freshly read state value in: a value that did not change keeps its time."""
+    """Fold a freshly read state value in: a value that did not change keeps its time,
+    and so does an older one (its daemon's own `time` is not past the last one's: a
+    validly signed old state written back by someone is no news of the daemon)."""
     if old is not None and old.raw == raw:
         return old
     try:
         parsed = json.loads(raw)
     except ValueError:
         parsed = {}
-    return DaemonSeen(raw=raw, changed=now, state=parsed if isinstance(parsed, dict) else {})
+    parsed = parsed if isinstance(parsed, dict) else {}
+    if old is not None and not newer_state(parsed, old.state):
+        return old
+    return DaemonSeen(raw=raw, changed=now, state=parsed, verified=now)
+
+
+def newer_state(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
+    """Whether state document `new` is news after `old`, judged on the writer's own
+    clock inside the signed value (its `time`), not on the value merely differing."""
+    t_new, t_old = new.get("time"), old.get("time")
+    if isinstance(t_new, (int, float)) and isinstance(t_old, (int, float)):
+        return t_new > t_old
+    return True
+
+
+def contested_state(old: DaemonSeen, now: float) -> DaemonSeen:
+    """The daemon's state key was written again but deleted before it could be read:
+    not silence (the daemon is writing), for CONTESTED_LIMIT freshness windows at most."""
+    return replace(old, changed=now, verified=old.verified if old.verified is not None else old.changed)
 
 
 def slot_of(worker_id: str) -> int | None:
@@ -121,6 +149,8 @@ def daemon_alive(seen: DaemonSeen | None, now: float, policy: Policy) -> bool:
     fresh_for = max(5.0, 5 * policy.watch_interval)
     if now - seen.changed > fresh_for:
         return False
+    if seen.verified is not None and now - seen.verified > CONTESTED_LIMIT * fresh_for:
+        return False  # contested too long: judged on the values read
     return seen.state.get("phase") not in ("stopped", "failed")
 
 
@@ -388,10 +418,23 @@ class Observer:
         """The daemons' states, the new events and rank 0's status."""
         if self.born is None:
             self.born = now
+        probe_left = STATE_PROBE_S
         for name in host_names:
-            raw = await store.get_raw(state_key(name))
+            key = state_key(name)
+            raw = await store.get_raw(key)
+            old = self.seen.get(name)
+            if raw is None and old is not None and probe_left > 0 and hasattr(store, "watch_deleted"):
+                # no daemon deletes its state: someone did; its next write is watched for
+                started = time.monotonic()
+                raw, contested = await store.watch_deleted(key, min(probe_left, STATE_PROBE_S))
+                probe_left -= time.monotonic() - started
+                if raw is None and contested:
+                    self.seen[name] = contested_state(old, now)
             if raw is not None:
-                self.seen[name] = seen_state(self.seen.get(name), raw, now)
+                new = seen_state(old, raw, now)
+                if old is not None and new is old and raw != old.raw and getattr(store, "forgeries", None) is not None:
+                    store.forgeries.note(key, "replayed")  # an older state written back
+                self.seen[name] = new
         born = self.born == now
         if born and self.events_read > 0 and await store.get_raw(Keys.event(self.events_read)) is None:
             self.events_read = 0  # hosts.json's log is not in this store (a new `up`): its log starts again

@@ -43,7 +43,7 @@ from eltctl.storekeeper import PORT_TAKEN
 from eltctl_runtime import auth
 from eltctl_runtime.files import read_json, write_json_atomic
 from eltctl_runtime.pids import pid_alive
-from eltctl_runtime.protocol import Keys, add_event, job_prefix
+from eltctl_runtime.protocol import Keys, add_event, job_prefix, watch_deleted
 
 log = logging.getLogger("eltctl.controller")
 
@@ -142,6 +142,11 @@ class JobStore:
 
     async def get_raw(self, key: str) -> bytes | None:
         return await self._call(self._read, key)
+
+    async def watch_deleted(self, key: str, timeout_s: float) -> tuple[bytes | None, bool]:
+        """A key read as missing after it was there (deleted by someone who reaches the
+        store): protocol.watch_deleted, on the store's thread."""
+        return await self._call(watch_deleted, self._client, key, timeout_s)
 
     async def set_json(self, key: str, value: Any) -> None:
         await self._call(self._client.set, key, json.dumps(value))
