@@ -28,14 +28,21 @@ verified value, and when the value there is forged, the last verified value of t
 key (or raises `ForgedValue` if there never was one); `compare_set` (used with an
 empty `expected`: the first writer wins) replaces a forged value rather than adopt it.
 Every forged value read is counted (`Forgeries`) and logged once per key family,
-never acted on. Counters (`add`: join/seq, dead/seq, events/seq) cannot be signed:
-readers treat them as hints and read a bounded number of entries behind them
-(protocol.bounded_range). Process groups keep the unsigned store (`raw`): the
-rendezvous of gloo and NCCL writes its own keys under gen/<g>/pg.
+never acted on; so are other anomalies (`Forgeries.note(key, what)`: "replayed",
+"deleted"). `peek` reads a value in one store call that never waits. Counters (`add`:
+join/seq, dead/seq, events/seq) cannot be signed, so no reader depends on one: the
+join queue and the event log are runs of signed entries (protocol.claim, scan).
+Process groups keep the unsigned store (`raw`): the rendezvous of gloo and NCCL
+writes its own keys under gen/<g>/pg.
 
-What a signature does not stop: deleting keys or overwriting them with garbage (a
-denial of service, counted), replaying an old signed value under the same key, and
-reading values. The store's reachability is the other half (docs/commands.md, Security).
+Replays: across runs of the store, the run id refuses them. Within a run each reader
+keeps its values moving forward: a plan or a join or event entry is written once
+(compare_set), a desired document is applied only above the last seq applied, a
+heartbeat is news only when its beat number goes up, a daemon's state only when its
+time does. What a signature does not stop: deleting keys for good or overwriting them
+with garbage (a denial of service, counted; a key deleted right after each write is
+watched for its writer's next write, protocol.watch_deleted), and reading values.
+The store's reachability is the other half (docs/commands.md, Security).
 """
 
 from __future__ import annotations

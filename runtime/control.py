@@ -10,6 +10,14 @@ timeout, the abort key) sets the abort event that every collective wait
 watches, and writes the abort key so that every other member leaves its wait
 too. It decides nothing else: the training thread acts at the next boundary.
 
+No unsigned counter decides anything here (anyone who reaches the store can move
+one): a joiner is seen by reading the join queue's entries (membership.scan_joiners),
+death reports are read every DEAD_RESCAN_S whatever `dead/seq` says, and a member's
+silence is judged on its beat numbers (an older beat written back is no news). A
+heartbeat that was there and reads as missing was deleted by someone: it is counted
+and watched for its writer's next write (protocol.watch_deleted), so a member that
+keeps writing is not taken for silent; one that stopped is, at the hang timeout.
+
 When the store goes away (its keeper died; storeloss.py) it reports no request
 (nothing that needs the store starts), counts the failure in the shared
 `StoreHealth` and connects again through its factory until the store is back.

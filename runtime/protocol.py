@@ -423,14 +423,6 @@ def scan(js: Store, key_of, after: int, window: int = READ_WINDOW,
     return out, upto
 
 
-def bounded_range(after: int, last: int, window: int = READ_WINDOW) -> range:
-    """The sequence numbers to read after `after` up to the counter's value `last`:
-    all of them, or, when the counter jumped further than `window` (someone raised
-    it), the newest `window`. The numbers skipped are `range.start - after - 1`."""
-    after = max(0, after)
-    return range(max(after + 1, last - window + 1), last + 1)
-
-
 def get_events(js: Store, start: int = 1, window: int = READ_WINDOW) -> list[dict]:
     """The job's events from number `start` on (numbers begin at 1), at most
     `window` numbers read (`scan`: the `events/seq` counter is not looked at).
