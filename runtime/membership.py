@@ -194,6 +194,20 @@ def _register(store, me: str, after: int = 0) -> int:
 REGISTERED_CHECK_S = 1.0  # how often a waiting joiner checks that its entry is still there
 
 
+def _queue_consumed(store) -> int:
+    """How far the newest plan consumed the join queue (its join_upto; 0 before any
+    plan): a joiner registers past it."""
+    g = first_generation(store)
+    if not store.check([Keys.plan(g)]):
+        return 0
+    while store.check([Keys.plan(g + 1)]):
+        g += 1
+    try:
+        return Plan.from_json(store.get(Keys.plan(g))).join_upto
+    except (ForgedValue, ValueError, KeyError):
+        return 0
+
+
 def decide(store, proposal: Plan) -> Plan:
     """compare_set: the first proposal for a generation wins; everyone adopts it."""
     return Plan.from_json(store.compare_set(Keys.plan(proposal.generation), "", proposal.to_json()))
@@ -218,7 +232,7 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
     re-publish theirs."""
     from .storeloss import restarted_store_waits
 
-    seq = _register(store, me)
+    seq = _register(store, me, _queue_consumed(store))
     first, known = 0, -1
     orphan_watch: tuple[str, ...] = ()
     waiting_since: float | None = None
