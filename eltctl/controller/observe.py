@@ -410,6 +410,7 @@ class Observer:
     checkpoint: dict | None = None  # the job's last checkpoint (newest_checkpoint; kept in hosts.json)
     born: float | None = None  # when this controller first read the store
     born_seq: int = 0  # the event log's last number then: events up to it are the last controller's
+    _in_store: set = field(default_factory=set)  # hosts whose state this store has held
     _status_raw: bytes | None = None
     _status_changed: float | None = None  # when the status value last changed, after the first sighting
     _status_first: float = 0.0
@@ -423,7 +424,7 @@ class Observer:
             key = state_key(name)
             raw = await store.get_raw(key)
             old = self.seen.get(name)
-            if raw is None and old is not None and probe_left > 0 and hasattr(store, "watch_deleted"):
+            if raw is None and name in self._in_store and probe_left > 0 and hasattr(store, "watch_deleted"):
                 # no daemon deletes its state: someone did; its next write is watched for
                 started = time.monotonic()
                 raw, contested = await store.watch_deleted(key, min(probe_left, STATE_PROBE_S))
@@ -435,6 +436,7 @@ class Observer:
                 if old is not None and new is old and raw != old.raw and getattr(store, "forgeries", None) is not None:
                     store.forgeries.note(key, "replayed")  # an older state written back
                 self.seen[name] = new
+                self._in_store.add(name)
         born = self.born == now
         if born and self.events_read > 0 and await store.get_raw(Keys.event(self.events_read)) is None:
             self.events_read = 0  # hosts.json's log is not in this store (a new `up`): its log starts again
@@ -497,6 +499,7 @@ class Observer:
         absent or not, differs from the last one seen, so it counts as changed.)"""
         self.events_read = 0
         self.born_seq = 0
+        self._in_store.clear()  # a state not yet in the new store was not deleted
 
     def settling(self, now: float) -> bool:
         """A status was there when this controller started and has not changed yet: whether
