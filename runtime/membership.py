@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Callable, Iterable
 
 from .auth import ForgedValue, signed
-from .protocol import EventKind, Keys, claim, first_generation, job_prefix, scan
+from .protocol import EventKind, Keys, claim, first_generation, job_prefix, peek, scan
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -174,13 +174,9 @@ def scan_joiners(store, after: int) -> tuple[list[tuple[int, str]], int]:
 
 
 def read_verified(store, key: str) -> bytes | None:
-    """The value of `key`, or None when it is absent or (signed store) forged."""
-    if not store.check([key]):
-        return None
-    try:
-        return store.get(key)
-    except ForgedValue:
-        return None
+    """The value of `key`, or None when it is absent or (signed store) forged
+    (protocol.peek: one store call that never waits)."""
+    return peek(store, key)
 
 
 def _register(store, me: str, after: int = 0) -> int:

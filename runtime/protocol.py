@@ -407,13 +407,7 @@ def scan(js: Store, key_of, after: int, window: int = READ_WINDOW,
     upto, n, misses = after, after, 0
     while n - after < window and misses < gap:
         n += 1
-        key = key_of(n)
-        value = None
-        if js.check([key]):
-            try:
-                value = js.get(key)
-            except (ForgedValue, KeyError):
-                value = None
+        value = peek(js, key_of(n))
         if value is None:
             misses += 1
             continue
