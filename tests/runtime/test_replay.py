@@ -243,3 +243,19 @@ def test_a_deleted_heartbeat_is_not_silence_but_a_stopped_writer_is(tcp):
         stop.set()
         a.close()
         b.close()
+
+
+def test_the_daemon_names_the_job_directorys_run_file_to_its_workers(tmp_path):
+    from eltctl_runtime.daemon import DaemonConfig, worker_env
+
+    auth.write_secret(tmp_path / "secret", SECRET)
+    base = {"job": "j", "host": "h1", "store": "127.0.0.1:29400", "job_dir": str(tmp_path),
+            "code_dir": str(tmp_path / "c"), "command": ["python", "train.py"], "device": "cpu"}
+    cfg = DaemonConfig.from_json(json.dumps(dict(base, secret_file=str(tmp_path / "secret"))))
+    assert cfg.run_file == tmp_path / auth.RUN_FILE_NAME
+    env = worker_env(cfg, {}, 0, "h1/0/1")
+    assert env[auth.ENV_RUN_FILE] == str(tmp_path / auth.RUN_FILE_NAME)
+    auth.write_run_file(cfg.run_file, "abc")
+    assert RuntimeConfig.from_env(env).run_id() == "abc"
+    unsigned = DaemonConfig.from_json(json.dumps(base))
+    assert auth.ENV_RUN_FILE not in worker_env(unsigned, {auth.ENV_RUN_FILE: "/elsewhere"}, 0, "h1/0/1")
