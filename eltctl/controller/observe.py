@@ -78,11 +78,12 @@ def seen_state(old: DaemonSeen | None, raw: bytes, now: float) -> DaemonSeen:
 
 
 def newer_state(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
-    """Whether state document `new` is news after `old`, judged on the writer's own
-    clock inside the signed value (its `time`), not on the value merely differing."""
+    """Whether state document `new` (a value other than `old`'s) is news after `old`,
+    judged on the writer's own clock inside the signed value (its `time`): an older
+    document written back is not."""
     t_new, t_old = new.get("time"), old.get("time")
     if isinstance(t_new, (int, float)) and isinstance(t_old, (int, float)):
-        return t_new > t_old
+        return t_new >= t_old
     return True
 
 
