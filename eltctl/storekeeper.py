@@ -98,8 +98,8 @@ def serve(info: Path, *, socket_path: Path | None = None, address: str | None = 
     if restarted_job:
         mark = str(time.time()).encode()
         if secret_file is not None:  # the job's readers check it like every value (runtime/auth.py)
-            mark = auth.Signer(auth.read_secret(secret_file), job_prefix(restarted_job)).seal(Keys.STORE_RESTARTED,
-                                                                                                mark)
+            signer = auth.Signer(auth.read_secret(secret_file), job_prefix(restarted_job), run_id)  # this store's run
+            mark = signer.seal(Keys.STORE_RESTARTED, mark)
         server.set(f"{job_prefix(restarted_job)}/{Keys.STORE_RESTARTED}", mark)
     forwarder = None
     if inventory is not None:

@@ -6,11 +6,21 @@ per-job secret (`SECRET_BYTES` random bytes, made by the controller at `up`, car
 to the hosts only over SSH into 0600 files, named to workers by `ENV_SECRET_FILE`),
 and every value read is checked before it is parsed or acted on:
 
-    elt1.<64 hex digits of HMAC-SHA256(secret, scope NUL key NUL value)>.<value>
+    elt1.<64 hex digits of HMAC-SHA256(secret, scope NUL run NUL key NUL value)>.<value>
 
 `scope` is the job's key prefix and `key` the key relative to it, so a value signed
 for one key (one host's desired document, one generation's plan, one join number) is
 refused under any other. The MAC is compared with `hmac.compare_digest`.
+
+`run` is the store's run id: a fresh random id made at every store keeper start
+(`new_run_id`), written 0600 to the file `run` (RUN_FILE_NAME) in the controller's
+state directory and, before the host can reach the new store, beside `secret` in
+each host's job directory; workers find it through ELTCTL_RUN_FILE. The secret is the
+job's for all its `up`s, the run id is one store's: a value signed in an earlier run
+(a plan, `done`, a desired document, a crash event of run 1) read in run 2 fails its
+check like a forgery (counted, never acted on). Every signer reads the run file when
+it connects, and again when it reconnects after a store loss, so a new keeper's run
+id is picked up. No run file (a setup older than run ids, tests): run id "".
 
 `SignedStore` wraps a job-scoped store (a c10d PrefixStore, or protocol.JobScope):
 `set` signs; `check` is true only for keys whose values verify; `get` returns the
@@ -18,14 +28,21 @@ verified value, and when the value there is forged, the last verified value of t
 key (or raises `ForgedValue` if there never was one); `compare_set` (used with an
 empty `expected`: the first writer wins) replaces a forged value rather than adopt it.
 Every forged value read is counted (`Forgeries`) and logged once per key family,
-never acted on. Counters (`add`: join/seq, dead/seq, events/seq) cannot be signed:
-readers treat them as hints and read a bounded number of entries behind them
-(protocol.bounded_range). The rendezvous of gloo and NCCL (gen/<g>/pg) is signed
-through pgstore.PgStore, a c10d Store over this one.
+never acted on; so are other anomalies (`Forgeries.note(key, what)`: "replayed",
+"deleted"). `peek` reads a value in one store call that never waits. Counters (`add`:
+join/seq, dead/seq, events/seq) cannot be signed, so no reader depends on one: the
+join queue and the event log are runs of signed entries (protocol.claim, scan).
+The rendezvous of gloo and NCCL (gen/<g>/pg) is signed through pgstore.PgStore, a
+c10d Store over this one.
 
-What a signature does not stop: deleting keys or overwriting them with garbage (a
-denial of service, counted), replaying an old signed value under the same key, and
-reading values. The store's reachability is the other half (docs/commands.md, Security).
+Replays: across runs of the store, the run id refuses them. Within a run each reader
+keeps its values moving forward: a plan or a join or event entry is written once
+(compare_set), a desired document is applied only above the last seq applied, a
+heartbeat is news only when its beat number goes up, a daemon's state only when its
+time does. What a signature does not stop: deleting keys for good or overwriting them
+with garbage (a denial of service, counted; a key deleted right after each write is
+watched for its writer's next write, protocol.watch_deleted), and reading values.
+The store's reachability is the other half (docs/commands.md, Security).
 """
 
 from __future__ import annotations
@@ -45,11 +62,12 @@ log = logging.getLogger("eltctl_runtime")
 SECRET_BYTES = 32
 ENV_SECRET_FILE = "ELTCTL_SECRET_FILE"
 SECRET_FILE_NAME = "secret"  # in the job's directory on each host, and in the controller's state dir
-# The keeper's run id (a fresh secrets.token_hex(16) at every keeper start): written to the
-# controller's state dir and, before the store is reachable there, to each host's job
-# directory (eltctl/storekeeper.py, eltctl/storeforward.py); mode 0600.
-RUN_FILE_NAME = "run"
+# The keeper's run id (a fresh one at every keeper start): written to the controller's
+# state dir and, before the store is reachable there, to each host's job directory
+# (eltctl/storekeeper.py, eltctl/storeforward.py); mode 0600.
 ENV_RUN_FILE = "ELTCTL_RUN_FILE"
+RUN_FILE_NAME = "run"  # the store's run id: in the job's directory on each host, and in the controller's state dir
+RUN_ID_BYTES = 16
 
 _MAGIC = b"elt1."
 _MAC_HEX = 64
@@ -138,6 +156,68 @@ def secret_from_env(environ: Any = None) -> bytes | None:
     return read_secret(Path(path)) if path else None
 
 
+# ---------------------------------------------------------------------------- the run id
+
+
+def new_run_id() -> str:
+    """A fresh run id (hex): one per store keeper start."""
+    return secrets.token_hex(RUN_ID_BYTES)
+
+
+def write_run_file(path: Path, run: str) -> None:
+    """Write the run id `run` to `path`, 0600 from the start, atomically."""
+    if not _valid_run(run):
+        raise SecretError(f"a run id is hex digits, not {run!r}")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (run + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _valid_run(run: str) -> bool:
+    return len(run) <= 128 and all(c in "0123456789abcdef" for c in run)
+
+
+def read_run_id(path: Path | str | None) -> str:
+    """The run id in `path`; "" when `path` is None or the file does not exist (a setup
+    without run ids). A file that exists but is not this user's 0600 file of hex digits
+    raises SecretError: who can write it can make the job refuse its own values."""
+    if path is None or str(path) == "":
+        return ""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        raise SecretError(f"cannot read the store's run file {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise SecretError(f"the store's run file {path} must be a regular file of this user that only it "
+                              "can write (0600)")
+        data = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    run = data.decode("ascii", "replace").strip()
+    if not _valid_run(run):
+        raise SecretError(f"the store's run file {path} does not hold a run id (hex digits)")
+    return run
+
+
+def run_from_env(environ: Any = None) -> str:
+    """The run id in the file ELTCTL_RUN_FILE names ("" when unset or absent). Read at
+    every (re)connect: a restarted store keeper has a new one."""
+    environ = os.environ if environ is None else environ
+    return read_run_id(environ.get(ENV_RUN_FILE, "") or None)
+
+
 # ---------------------------------------------------------------------------- signing
 
 
@@ -146,16 +226,19 @@ def _bytes(value: str | bytes) -> bytes:
 
 
 class Signer:
-    """Signs and checks the values of one job's keys (`scope`: the job's key prefix)."""
+    """Signs and checks the values of one job's keys in one store (`scope`: the job's key
+    prefix; `run`: the store's run id, "" when there is none)."""
 
-    def __init__(self, secret: bytes, scope: str) -> None:
+    def __init__(self, secret: bytes, scope: str, run: str = "") -> None:
         if len(secret) != SECRET_BYTES:
             raise SecretError(f"a job secret is {SECRET_BYTES} bytes, not {len(secret)}")
         self._secret = secret
         self._scope = scope.encode()
+        self.run = run
+        self._run = run.encode()
 
     def _mac(self, key: str, value: bytes) -> bytes:
-        msg = b"\0".join((self._scope, key.encode(), value))
+        msg = b"\0".join((self._scope, self._run, key.encode(), value))
         return hmac.new(self._secret, msg, hashlib.sha256).hexdigest().encode()
 
     def seal(self, key: str, value: str | bytes) -> bytes:
@@ -186,14 +269,24 @@ class Forgeries:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
 
-    def note(self, key: str) -> None:
-        fam = family(key)
+    def note(self, key: str, what: str = "forged") -> None:
+        """Count one bad value of `key`: "forged" (its signature does not verify in this
+        run), or another anomaly counted beside the forgeries under "<family> <what>":
+        "replayed" (a validly signed value older than one already acted on), "deleted"
+        (a key whose writer keeps writing read as missing)."""
+        fam = family(key) if what == "forged" else f"{family(key)} {what}"
         with self._lock:
             first = fam not in self._counts
             self._counts[fam] = self._counts.get(fam, 0) + 1
-        if first:
-            log.warning("ignored a store value of %s that is not signed with the job's secret (someone who "
-                        "reaches the store's port wrote it; forged values are counted, never acted on)", key)
+        if not first:
+            return
+        if what == "forged":
+            log.warning("ignored a store value of %s that is not signed with the job's secret in this store's run "
+                        "(someone who reaches the store's port wrote it, or replayed it from an earlier run; "
+                        "forged values are counted, never acted on)", key)
+        else:
+            log.warning("store value of %s: %s (someone who reaches the store's port may be at work; counted, "
+                        "never acted on)", key, what)
 
     @property
     def total(self) -> int:
@@ -206,6 +299,7 @@ class Forgeries:
 
 
 COMPARE_SET_TRIES = 8
+ABSENT = "-eltctl-absent-"  # peek's expected value: never a stored value (no "elt1." head, not JSON)
 
 
 class SignedStore:
@@ -241,10 +335,22 @@ class SignedStore:
             raise ForgedValue(key)
         return good
 
+    def peek(self, key: str) -> bytes | None:
+        """The key's verified value, or None when it is missing or forged (counted), in
+        one store call that never waits: c10d's compare_set with an expected value no
+        one writes answers the value there, or that expected value when there is none.
+        (`check` then `get` waits for the store's timeout when the key is deleted in
+        between, as someone who reaches the store can do.)"""
+        cur = self.raw.compare_set(key, ABSENT, ABSENT)
+        if cur == ABSENT.encode():
+            return None
+        return self._verified(key, cur)
+
     def check(self, keys: list[str]) -> bool:
-        if not self.raw.check(keys):
-            return False
-        return all(self._verified(k, self.raw.get(k)) is not None for k in keys)
+        """Every key holds a verified value. Read with `peek` (one call each, never
+        waiting): a key deleted between a check and a get would make c10d's get wait
+        for the store's timeout."""
+        return all(self.peek(k) is not None for k in keys)
 
     def add(self, key: str, amount: int) -> int:
         return self.raw.add(key, amount)
@@ -267,12 +373,14 @@ class SignedStore:
         raise ForgedValue(key)
 
 
-def signed(store: Any, job_prefix: str, secret: bytes | None, forgeries: Forgeries | None = None) -> Any:
-    """`store` (scoped to the job whose prefix is `job_prefix`) signed with `secret`;
-    `store` itself when there is no secret (a job run without eltctl's controller)."""
+def signed(store: Any, job_prefix: str, secret: bytes | None, forgeries: Forgeries | None = None,
+           run: str = "") -> Any:
+    """`store` (scoped to the job whose prefix is `job_prefix`) signed with `secret` in
+    the store's run `run`; `store` itself when there is no secret (a job run without
+    eltctl's controller)."""
     if secret is None:
         return store
-    return SignedStore(store, Signer(secret, job_prefix), forgeries)
+    return SignedStore(store, Signer(secret, job_prefix, run), forgeries)
 
 
 def raw_store(store: Any) -> Any:

@@ -14,7 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Mapping
 
-from .auth import ENV_SECRET_FILE, SecretError, read_secret
+from .auth import ENV_RUN_FILE, ENV_SECRET_FILE, SecretError, read_run_id, read_secret
 from .sockstore import parse_spec
 
 
@@ -56,6 +56,14 @@ class RuntimeConfig:
     def store_spec(self) -> str:
         """The address `storeclient.connect` takes."""
         return self.store or f"{self.store_host}:{self.store_port}"
+    # The store's run id file (ELTCTL_RUN_FILE; auth.py): read at every (re)connect, since a
+    # restarted store keeper has a new run id. None: run id "".
+    run_file: Path | None = None
+
+    def run_id(self) -> str:
+        """The store's run id now ("" without a run file). Raises SecretError when the
+        file is unusable."""
+        return read_run_id(self.run_file)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "RuntimeConfig":
@@ -105,6 +113,12 @@ class RuntimeConfig:
                 raise ConfigError(f"{ENV_SECRET_FILE}={secret_file}: {e}. The file must hold the job's secret "
                                   f"(64 hex digits, mode 0600, owned by this user), as `eltctl up` writes it; "
                                   f"unset {ENV_SECRET_FILE} to run unsigned") from None
+        run_file = env.get(ENV_RUN_FILE, "").strip()
+        if run_file:
+            try:
+                read_run_id(Path(run_file))
+            except SecretError as e:
+                raise ConfigError(f"{ENV_RUN_FILE}={run_file}: {e}") from None
         store_loss = number("ELTCTL_STORE_LOSS_TIMEOUT", DEFAULT_STORE_LOSS_TIMEOUT_S)
         if not store_loss > 0:
             raise ConfigError(f"ELTCTL_STORE_LOSS_TIMEOUT={store_loss} must be a positive number of seconds")
@@ -127,4 +141,5 @@ class RuntimeConfig:
             secret=secret,
             store_loss_timeout_s=store_loss,
             store=str(where),
+            run_file=Path(run_file) if run_file else None,
         )

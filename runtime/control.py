@@ -10,6 +10,14 @@ timeout, the abort key) sets the abort event that every collective wait
 watches, and writes the abort key so that every other member leaves its wait
 too. It decides nothing else: the training thread acts at the next boundary.
 
+No unsigned counter decides anything here (anyone who reaches the store can move
+one): a joiner is seen by reading the join queue's entries (membership.scan_joiners),
+death reports are read every DEAD_RESCAN_S whatever `dead/seq` says, and a member's
+silence is judged on its beat numbers (an older beat written back is no news). A
+heartbeat that was there and reads as missing was deleted by someone: it is counted
+and watched for its writer's next write (protocol.watch_deleted), so a member that
+keeps writing is not taken for silent; one that stopped is, at the hang timeout.
+
 When the store goes away (its keeper died; storeloss.py) it reports no request
 (nothing that needs the store starts), counts the failure in the shared
 `StoreHealth` and connects again through its factory until the store is back.
@@ -24,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from .membership import Plan, read_verified, scan_joiners
-from .protocol import Keys
+from .protocol import Keys, watch_deleted
 from .storeloss import BACK_GRACE_S, RECONNECT_EVERY_S, StoreHealth
 
 log = logging.getLogger("eltctl_runtime")
@@ -32,6 +40,9 @@ log = logging.getLogger("eltctl_runtime")
 POLL_S = 0.03
 MEMBER_POLL_S = 0.15
 JOIN_RESCAN_S = 1.0
+DEAD_RESCAN_S = 1.0  # death reports are read this often whatever `dead/seq` says (it is unsigned)
+DELETED_PROBE_S = 0.1  # per member pass: how long a deleted heartbeat is watched for its writer's next write
+CONTESTED_LIMIT = 3  # hang timeouts a heartbeat may be rewritten-and-deleted without one verified beat read
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,15 @@ class Requests:
     @property
     def any(self) -> bool:
         return self.leave or self.stop or self.join
+
+
+def newer_beat(value: bytes, old: bytes) -> bool:
+    """Whether heartbeat `value` is news after `old`: the writer's beat number went up
+    (an older signed beat written back by someone is not news of a live writer)."""
+    try:
+        return int(value) > int(old)
+    except ValueError:
+        return value != old
 
 
 class ControlThread:
@@ -61,15 +81,19 @@ class ControlThread:
         self._abort = threading.Event()
         self._abort_reason = ""
         self._seen: dict[str, tuple[bytes, float]] = {}  # worker -> (last heartbeat value, when it changed)
+        # worker -> when a newer verified beat of it was last read (`_seen` also counts a
+        # contested heartbeat, one rewritten and deleted before it could be read)
+        self._verified_at: dict[str, float] = {}
         self._dead: set[str] = set()
         self._local_leave = False
         self._requests = Requests()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beat = 0
-        self._join_key: tuple[int, int] | None = None  # (join_upto, join/seq) of the last scan
+        self._join_key: int | None = None  # the plan's join_upto of the last scan
         self._join_found = False
-        self._join_until = self._join_next = 0.0
+        self._join_next = self._join_scanned = 0.0
+        self._had_beat: set[str] = set()  # members whose heartbeat this thread has read verified
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -99,6 +123,7 @@ class ControlThread:
             for w in self._watch:  # silence is measured from when we start watching
                 v = self._seen.get(w)
                 self._seen[w] = (v[0] if v else b"", now)
+                self._verified_at[w] = now
             return self._abort
 
     def request_local_leave(self) -> None:
@@ -123,7 +148,7 @@ class ControlThread:
 
     # -- the loop -------------------------------------------------------------
     def _run(self) -> None:
-        next_members = 0.0
+        next_members = next_dead = 0.0
         dead_seq = -1
         watched: tuple[str, ...] = ()
         while not self._stop.is_set():
@@ -139,30 +164,39 @@ class ControlThread:
                 leave = self._local_leave or st.check([Keys.leave(self._me)])
                 join = False
                 if plan is not None:
-                    queued = st.add(Keys.JOIN_SEQ, 0)
                     room = self._max_workers is None or plan.world_size < self._max_workers
-                    join = queued > plan.join_upto and room and self._joiner_waiting(st, plan, queued)
+                    join = room and self._joiner_waiting(st, plan)
                     if not abort.is_set() and st.check([Keys.abort(plan.generation)]):
                         self._set_abort(abort, st.get(Keys.abort(plan.generation)).decode(), write=None)
                 self._requests = Requests(leave=leave, stop=stop, join=join)
                 now = time.monotonic()
                 if now >= next_members and watch:
                     next_members = now + MEMBER_POLL_S
-                    seq = st.add(Keys.DEAD_SEQ, 0)
-                    if seq != dead_seq:
-                        dead_seq = seq
+                    seq = st.add(Keys.DEAD_SEQ, 0)  # a hint only: the reports are read on a timer too
+                    if seq != dead_seq or now >= next_dead:
+                        dead_seq, next_dead = seq, now + DEAD_RESCAN_S
                         for w in watch:
                             if w not in self._dead and st.check([Keys.dead(w)]):
                                 with self._lock:
                                     self._dead.add(w)
+                    probe_until = now + DELETED_PROBE_S
                     for w in watch:
                         value = read_verified(st, Keys.heartbeat(w))
+                        contested = False
+                        if value is None and w in self._had_beat:
+                            # no writer deletes a heartbeat: watch for its writer's next write
+                            value, contested = watch_deleted(st, Keys.heartbeat(w), probe_until - time.monotonic())
                         if value is None:
+                            if contested:  # rewritten, then deleted before it was read: not silence
+                                with self._lock:
+                                    self._seen[w] = (self._seen.get(w, (b"", now))[0], now)
                             continue  # none yet, or forged: no news of w (its silence goes on)
+                        self._had_beat.add(w)
                         with self._lock:
                             old = self._seen.get(w)
-                            if old is None or old[0] != value:
+                            if old is None or newer_beat(value, old[0]):
                                 self._seen[w] = (value, now)
+                                self._verified_at[w] = now
                     if plan is not None and not abort.is_set():
                         self._check_members(plan, watch, abort, now)
             except Exception as e:  # noqa: BLE001 - the store went away: the job is over or unreachable
@@ -175,17 +209,24 @@ class ControlThread:
                     self._reconnect()
             self._stop.wait(POLL_S)
 
-    def _joiner_waiting(self, st, plan: Plan, queued: int) -> bool:
-        """Whether a verified, live joiner is queued past the plan's join_upto: `join/seq`
-        alone is a hint anyone can raise. Rescanned when the counter or the plan moves,
-        and for JOIN_RESCAN_S after (a joiner writes its id just after its number)."""
-        key = (plan.join_upto, queued)
+    def _joiner_waiting(self, st, plan: Plan) -> bool:
+        """Whether a verified, live joiner is queued past the plan's join_upto. The queue
+        is read as a run of entries (membership.scan_joiners), never through the unsigned
+        `join/seq`: rescanned every MEMBER_POLL_S while an entry follows join_upto, and
+        every JOIN_RESCAN_S anyway (a deleted entry may stand in the way); once found,
+        until the plan changes."""
         now = time.monotonic()
-        if key != self._join_key:
-            self._join_key, self._join_until, self._join_next = key, now + JOIN_RESCAN_S, 0.0
-        elif self._join_found or now >= self._join_until or now < self._join_next:
-            return self._join_found
+        if plan.join_upto != self._join_key:
+            self._join_key, self._join_found, self._join_next = plan.join_upto, False, 0.0
+        if self._join_found:
+            return True
+        if now < self._join_next:
+            return False
         self._join_next = now + MEMBER_POLL_S
+        waiting = read_verified(st, Keys.join(plan.join_upto + 1)) is not None
+        if not waiting and now < self._join_scanned + JOIN_RESCAN_S:
+            return False
+        self._join_scanned = now
         queue, _ = scan_joiners(st, plan.join_upto)
         self._join_found = any(w not in plan.members for _, w in queue)
         return self._join_found
@@ -205,6 +246,8 @@ class ControlThread:
             later = time.monotonic() + BACK_GRACE_S
             with self._lock:  # the members' silence is measured again, from a little later
                 self._seen = {w: (b"", later) for w in self._seen}
+                self._verified_at = {w: later for w in self._seen}
+            self._had_beat.clear()  # a new store: a heartbeat not yet in it was not deleted
             self._health.back()
             return
 
@@ -214,6 +257,8 @@ class ControlThread:
                 self._set_abort(abort, json.dumps({"reason": "crash", "worker": w}), write=plan.generation)
                 return
             silent = now - self._seen[w][1]
+            if now - self._verified_at.get(w, now) >= CONTESTED_LIMIT * self._hang:
+                silent = max(silent, now - self._verified_at[w])  # contested too long: judged on verified beats
             if silent >= self._hang:
                 self._set_abort(abort, json.dumps({"reason": "hang", "worker": w, "silent_s": round(silent, 2)}),
                                 write=plan.generation)

@@ -34,11 +34,9 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from . import collectives, exiting, gradients, state as state_mod, storeloss
@@ -376,7 +374,8 @@ class ElasticJob:
         return self._job_store(self._connect_raw())
 
     def _job_store(self, tcp):
-        return job_store(tcp, self.config.job, self.config.secret, self._forgeries)
+        # the run id is read at every connect: a restarted store keeper has a new one (auth.py)
+        return job_store(tcp, self.config.job, self.config.secret, self._forgeries, self.config.run_id())
 
     def _store_back(self) -> None:
         """The store came back after a loss (storeloss.py): a fresh client like the

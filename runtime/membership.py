@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Callable, Iterable
 
 from .auth import ForgedValue, signed
-from .protocol import EventKind, Keys, bounded_range, first_generation, job_prefix
+from .protocol import EventKind, Keys, claim, first_generation, job_prefix, peek, scan
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -152,51 +152,56 @@ def choose_source(reports: list[tuple[bool, int]]) -> Transfer:
 # ---- store helpers shared by ElasticJob (job.py) and the restart supervisor (restart.py)
 
 
-_warned_join_seq = -1
-
-
 def scan_joiners(store, after: int) -> tuple[list[tuple[int, str]], int]:
     """Live joiners queued after sequence number `after` (sequence number, worker
-    id), and how far the scan got. `store` is scoped to the job.
+    id), and how far the scan got (the last number that held a joiner). `store` is
+    scoped to the job.
 
-    `join/seq` is a hint (anyone who reaches the store can raise it): the scan
-    reads at most protocol.READ_WINDOW entries, the newest when the counter is
-    further ahead, and skips entries that are missing or (on a signed store)
-    forged. The scan consumes every number it passes: a joiner caught between
-    taking its number and writing its id registers again (await_admission)."""
-    global _warned_join_seq
-    last = store.add(Keys.JOIN_SEQ, 0)
-    numbers = bounded_range(after, last)
-    if numbers.start > after + 1 and _warned_join_seq != last:
-        _warned_join_seq = last  # once per counter value: the control thread rescans
-        log.warning("the join counter is at %d, %d past the queue's end %d: scanned the newest %d numbers "
-                    "(someone who reaches the store raised it)", last, last - after, after, len(numbers))
-    queue, upto = [], max(after, last)
-    for seq in numbers:
-        worker = read_verified(store, Keys.join(seq))
-        if worker is None:
-            continue  # never written (a raised counter), forged, or a joiner that re-registers
-        worker = worker.decode(errors="replace")
+    The join queue is a log of `join/<n>` entries that joiners write with
+    protocol.claim (the first free number past the queue's end, by compare_set), so
+    its entries form one run and the scan reads that run (protocol.scan) without
+    looking at `join/seq`: that counter is unsigned, and anyone who reaches the store
+    can move it (a joiner hidden by a counter raised by 10^6 is still found). Missing
+    and forged entries are skipped (a few in a row end the queue), and so are
+    joiners reported dead. At most protocol.READ_WINDOW numbers per scan."""
+    queue: list[tuple[int, str]] = []
+    found, upto = scan(store, Keys.join, after)
+    for seq, raw in found:
+        worker = raw.decode(errors="replace")
         if read_verified(store, Keys.dead(worker)) is None and all(w != worker for _, w in queue):
             queue.append((seq, worker))
     return queue, upto
 
 
 def read_verified(store, key: str) -> bytes | None:
-    """The value of `key`, or None when it is absent or (signed store) forged."""
-    if not store.check([key]):
-        return None
-    try:
-        return store.get(key)
-    except ForgedValue:
-        return None
+    """The value of `key`, or None when it is absent or (signed store) forged
+    (protocol.peek: one store call that never waits)."""
+    return peek(store, key)
 
 
-def _register(store, me: str) -> int:
-    seq = store.add(Keys.JOIN_SEQ, 1)
-    store.set(Keys.join(seq), me)
+def _register(store, me: str, after: int = 0) -> int:
+    """Queue `me` as a joiner past number `after` (the newest plan's join_upto): the
+    first free `join/<n>` (protocol.claim; `join/seq` is only its first guess)."""
+    seq = claim(store, Keys.join, after, me, hint=store.add(Keys.JOIN_SEQ, 1))
     log.info("%s: waiting to be admitted (join #%d)", me, seq)
     return seq
+
+
+REGISTERED_CHECK_S = 1.0  # how often a waiting joiner checks that its entry is still there
+
+
+def _queue_consumed(store) -> int:
+    """How far the newest plan consumed the join queue (its join_upto; 0 before any
+    plan): a joiner registers past it."""
+    g = first_generation(store)
+    if not store.check([Keys.plan(g)]):
+        return 0
+    while store.check([Keys.plan(g + 1)]):
+        g += 1
+    try:
+        return Plan.from_json(store.get(Keys.plan(g))).join_upto
+    except (ForgedValue, ValueError, KeyError):
+        return 0
 
 
 def decide(store, proposal: Plan) -> Plan:
@@ -223,10 +228,11 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
     re-publish theirs."""
     from .storeloss import restarted_store_waits
 
-    seq = _register(store, me)
+    seq = _register(store, me, _queue_consumed(store))
     first, known = 0, -1
     orphan_watch: tuple[str, ...] = ()
     waiting_since: float | None = None
+    next_check = time.monotonic() + REGISTERED_CHECK_S
     while True:
         if store.check([Keys.DONE]):
             log.info("%s: the job is already finished; nothing to do", me)
@@ -247,7 +253,13 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
                 # it: raised counter, or our id came after the scan): take a new one.
                 log.info("%s: generation %d consumed join #%d without admitting it; registering again", me,
                          plan.generation, seq)
-                seq = _register(store, me)
+                seq = _register(store, me, plan.join_upto)
+            elif time.monotonic() >= next_check:
+                next_check = time.monotonic() + REGISTERED_CHECK_S
+                if read_verified(store, Keys.join(seq)) != me.encode():
+                    # deleted (or overwritten) by someone who reaches the store: queue again
+                    log.warning("%s: its join entry #%d is gone; registering again", me, seq)
+                    seq = _register(store, me, plan.join_upto)
             if plan.members != orphan_watch:
                 orphan_watch = plan.members
                 control.watch(None, others=plan.members)
@@ -264,6 +276,11 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
                 if time.monotonic() - waiting_since < restarted_wait_s:
                     time.sleep(poll_s)
                     continue
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + REGISTERED_CHECK_S
+                if read_verified(store, Keys.join(seq)) != me.encode():
+                    log.warning("%s: its join entry #%d is gone; registering again", me, seq)
+                    seq = _register(store, me)
             queue, upto = scan_joiners(store, 0)
             if len(queue) >= min_workers:
                 decide(store, propose(None, [], queue, upto, max_workers, EventKind.START, time.time()))
@@ -274,13 +291,14 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
 # ---- the job's PrefixStore -------------------------------------------------
 
 
-def job_store(store, job: str, secret: bytes | None = None, forgeries=None):
+def job_store(store, job: str, secret: bytes | None = None, forgeries=None, run: str = ""):
     """The PrefixStore every key of `job` lives under (the generations' process
     groups form on pgstore.pg_store(...) of it). With the job's `secret` it is signed
     (auth.SignedStore: every value written is signed, every value read is
     checked; forged ones are counted in `forgeries`, an auth.Forgeries shared by
-    a process's connections). Every job store of the runtime and the daemon is
-    built here. The protocol's helpers need no torch: protocol.scope."""
+    a process's connections) in the store's run `run` (auth.py: a value of another
+    run reads as forged; callers read the run file at every connect). Every job store
+    of the runtime and the daemon is built here. The protocol's helpers need no torch: protocol.scope."""
     from .storeclient import prefix_store  # keeps a SocketStore client alive with it
 
-    return signed(prefix_store(job_prefix(job), store), job_prefix(job), secret, forgeries)
+    return signed(prefix_store(job_prefix(job), store), job_prefix(job), secret, forgeries, run)

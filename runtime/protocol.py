@@ -17,7 +17,7 @@ controller's client, or `scope(store, job)`). A store is anything with
 Who writes what (the keys relative to `eltctl/<job>/`; runtime/README.md has
 the full table)::
 
-    join/seq, join/<n>          worker (registers when warm)
+    join/seq, join/<n>          worker (registers when warm: `claim`; join/seq is only a hint)
     hb/<worker>                 worker's control thread
     leave/<worker>              anyone (request_leave), the host daemon
     dead/<worker>, dead/seq     host daemon, launcher, a worker leaving abruptly (report_dead)
@@ -41,9 +41,10 @@ the full table)::
 
 With a job secret (runtime/auth.py) every value above is signed and checked
 before it is parsed or acted on; the counters (`join/seq`, `dead/seq`,
-`events/seq`) cannot be signed, so readers treat them as hints and read at
-most READ_WINDOW entries behind one (`bounded_range`). A forged value reads
-as absent (`check`) or as the key's last verified value (`get`).
+`events/seq`) cannot be signed, so no reader depends on one: the join queue and
+the event log are read as runs of verified entries (`claim`, `scan`), and death
+reports are looked at on a timer too. A forged value reads as absent (`check`)
+or as the key's last verified value (`get`).
 
 and, outside any job's prefix, `eltctl/storekeeper` (`KEEPER_KEY`): the store
 keeper's pid, written on the raw store when it starts serving.
@@ -56,10 +57,11 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
 from typing import Any, Iterable, Protocol
 
-from .auth import ForgedValue
+from .auth import ABSENT, ForgedValue, raw_store
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -333,52 +335,156 @@ def scope(store: Store, job: str) -> JobScope:
 
 
 def add_event(js: Store, event: dict) -> int:
-    """Append one event to the log of the job `js` is scoped to (`events/seq`
-    counter, `events/<n>`) and return its number. `event["kind"]` must be an
-    EventKind value (ValueError otherwise); `time` (wall clock) is added when
+    """Append one event to the log of the job `js` is scoped to (`events/<n>`, at
+    the first free number: `claim`) and return its number. `event["kind"]` must be
+    an EventKind value (ValueError otherwise); `time` (wall clock) is added when
     missing; the rest is written as given, in its order."""
     doc = dict(event, kind=EventKind(event["kind"]).value)
     doc.setdefault("time", _now())
-    n = js.add(Keys.EVENTS_SEQ, 1)
-    js.set(Keys.event(n), json.dumps(doc))
-    return n
+    return claim(js, Keys.event, 0, json.dumps(doc), hint=js.add(Keys.EVENTS_SEQ, 1))
 
 
 # Counters (`events/seq`, `join/seq`, `dead/seq`) are store `add`s: they cannot be
-# signed and anyone who reaches the store can raise them. Readers treat them as hints
-# and read at most READ_WINDOW entries behind one per call (`bounded_range`).
+# signed, and anyone who reaches the store can raise or lower them. So no reader
+# depends on one. The join queue and the event log are numbered logs written with
+# `claim`: a writer takes the first number past the log's end that holds no verified
+# entry, by compare_set (one writer wins each number; on a signed store a forged value
+# there is replaced), so the verified entries form one run from 1 up, and readers read
+# that run (`scan`) without looking at the counter. The counter is only the writer's
+# first guess (it is right unless someone moved it) and a count for humans. A reader
+# reads at most READ_WINDOW entries per call and looks GAP_TOLERANCE numbers past a
+# missing entry (one deleted by someone who reaches the store) before it stops.
 READ_WINDOW = 512
+GAP_TOLERANCE = 8
 
 
-def bounded_range(after: int, last: int, window: int = READ_WINDOW) -> range:
-    """The sequence numbers to read after `after` up to the counter's value `last`:
-    all of them, or, when the counter jumped further than `window` (someone raised
-    it), the newest `window`. The numbers skipped are `range.start - after - 1`."""
-    after = max(0, after)
-    return range(max(after + 1, last - window + 1), last + 1)
+def _present(js: Store, key: str) -> bool:
+    """A verified entry is there (on a signed store `check` verifies: a forged one is not)."""
+    return js.check([key])
+
+
+def first_free(js: Store, key_of, after: int, hint: int | None = None) -> int:
+    """The first number past `after` whose key (`key_of(n)`) holds no verified entry,
+    the entries past `after` being one run (`claim` writes them so): the hint when it is
+    right (its predecessor is there, it is not), else galloping then bisecting, about
+    2 log2(length) checks, whatever a counter says."""
+    if hint is not None and hint > after and (hint - 1 == after or _present(js, key_of(hint - 1))) \
+            and not _present(js, key_of(hint)):
+        return hint
+    lo, step = after, 1  # lo: `after`, or a number known to hold an entry
+    hi = after + 1
+    while _present(js, key_of(hi)):
+        lo, step = hi, step * 2
+        hi = after + step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _present(js, key_of(mid)):
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def claim(js: Store, key_of, after: int, value: str, hint: int | None = None) -> int:
+    """Write `value` at the first free number past `after` of the log `key_of` names
+    (compare_set: when another writer took that number first, the next one) and return
+    the number. `hint`: the writer's guess (a counter's value; checked, never trusted)."""
+    n = first_free(js, key_of, after, hint)
+    want = value.encode()
+    while True:
+        got = js.compare_set(key_of(n), "", value)  # type: ignore[attr-defined]
+        if got == want:
+            return n
+        n = first_free(js, key_of, n)
+
+
+def scan(js: Store, key_of, after: int, window: int = READ_WINDOW,
+         gap: int = GAP_TOLERANCE) -> tuple[list[tuple[int, bytes]], int]:
+    """The verified entries of the log `key_of` names past `after` (number, value), at
+    most `window` numbers read, and the last number that held one (`after` if none). A
+    missing or forged entry is skipped; `gap` of them in a row end the log."""
+    out: list[tuple[int, bytes]] = []
+    upto, n, misses = after, after, 0
+    while n - after < window and misses < gap:
+        n += 1
+        value = peek(js, key_of(n))
+        if value is None:
+            misses += 1
+            continue
+        misses = 0
+        upto = n
+        out.append((n, value))
+    return out, upto
 
 
 def get_events(js: Store, start: int = 1, window: int = READ_WINDOW) -> list[dict]:
     """The job's events from number `start` on (numbers begin at 1), at most
-    `window` of them: the newest, when the counter is further ahead (a raised
-    counter, logged). Missing entries, and on a signed store (auth.SignedStore)
-    forged ones (counted there), are left out."""
-    last = js.add(Keys.EVENTS_SEQ, 0)
-    numbers = bounded_range(start - 1, last, window)
-    skipped = numbers.start - max(1, start)
-    if skipped > 0:
-        log.warning("the job's event log counter is at %d: read the newest %d events and skipped %d (a "
-                    "counter raised by someone who reaches the store, or a reader far behind)", last,
-                    len(numbers), skipped)
+    `window` numbers read (`scan`: the `events/seq` counter is not looked at).
+    Missing entries, and on a signed store (auth.SignedStore) forged ones (counted
+    there), are left out."""
     out = []
-    for n in numbers:
-        if js.check([Keys.event(n)]):
-            try:
-                raw = js.get(Keys.event(n))
-            except ForgedValue:
-                continue
+    for _n, raw in scan(js, Keys.event, max(0, start - 1), window)[0]:
+        try:
             out.append(json.loads(raw))
+        except ValueError:
+            continue
     return out
+
+
+def peek(js: Store, key: str) -> bytes | None:
+    """The verified value of `key` or None, in one store call that never waits for a
+    missing key (auth.SignedStore.peek); on a store without it, check then get."""
+    fn = getattr(js, "peek", None)
+    if fn is not None:
+        return fn(key)
+    cs = getattr(js, "compare_set", None)
+    if cs is not None:  # c10d: a missing key answers the expected value, and is not created
+        cur = cs(key, ABSENT, ABSENT)
+        return None if cur == ABSENT.encode() else cur
+    if not js.check([key]):
+        return None
+    try:
+        return js.get(key)
+    except (ForgedValue, KeyError):
+        return None
+
+
+def watch_deleted(js: Store, key: str, timeout_s: float) -> tuple[bytes | None, bool]:
+    """`key` read as missing after it was there: no writer of a heartbeat or a state
+    document deletes it, so someone who reaches the store did (counted on a signed
+    store as "<family> deleted"). Missing is not silence by itself: the key is watched
+    for `timeout_s` for its writer's next write (the store's `wait`, then `peek`, an
+    atomic read that never waits). Returns (the verified value then read, or None;
+    whether the key was written again meanwhile, "contested" when no verified value
+    could be read: written and deleted again at once). A writer that keeps writing is
+    seen, or at least seen rewriting; one that stopped leaves the key missing. A forged
+    value there (counted by the store) is no news of the writer."""
+    raw = raw_store(js)
+    if raw.check([key]):
+        return peek(js, key), False
+    forgeries = getattr(js, "forgeries", None)
+    if forgeries is not None:
+        forgeries.note(key, "deleted")
+    has_wait = hasattr(raw, "wait")
+    deadline = time.monotonic() + timeout_s
+    rewritten = False
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None, rewritten
+        if has_wait:
+            try:
+                raw.wait([key], timedelta(seconds=left))
+            except Exception:  # noqa: BLE001 - c10d's wait times out with an error: not written again
+                return None, rewritten
+        else:
+            time.sleep(min(left, 0.002))
+        value = peek(js, key)
+        if value is not None:
+            return value, True
+        if raw.check([key]):
+            return None, rewritten  # a forged value there now
+        rewritten = rewritten or has_wait
 
 
 def first_generation(js: Store) -> int:

@@ -462,7 +462,7 @@ class Supervisor:
     def _connect(self):
         cfg = self.cfg
         raw = storeclient.connect(cfg.store_spec, 60)
-        return job_store(raw, cfg.job, cfg.secret, self._forgeries)
+        return job_store(raw, cfg.job, cfg.secret, self._forgeries, cfg.run_id())  # run id: read at every connect
 
     # -- admission (as ElasticJob._admit) -----------------------------------------
     def _admit(self) -> Plan | None:
@@ -675,7 +675,9 @@ class Supervisor:
         flags[0] = int(req.stop)
         # The control thread may still report a join against the previous plan
         # (the one this generation admitted): check the queue against this plan.
-        flags[1] = int(req.join and self._store.add(Keys.JOIN_SEQ, 0) > self._plan.join_upto)
+        # (the queue is read, never its unsigned counter: membership.scan_joiners)
+        flags[1] = int(req.join and any(w not in self._plan.members
+                                        for _, w in self._scan_joiners(self._plan.join_upto)[0]))
         flags[2 + r] = int(req.leave)
         rc = self._child.poll() if self._child is not None and not self._child.stopping else None
         if rc is not None:

@@ -19,7 +19,8 @@ itself, so:
   moved, and rank 0 re-publishes what the runtime owns in a store that came back
   empty (`republish`): the current generation's plan, `gen/first` (so that the
   daemons and the joiners, which count plans from 0, find it: protocol's
-  `first_generation`), and the join queue moved past the plan's `join_upto`;
+  `first_generation`), and the joiners queued in the empty store moved past the
+  plan's `join_upto`;
   the events that could not be written are appended then (`StoreHealth.hold`);
 * a change that needs the store (a leave, a join, a recovery, the end) waits for
   it (`wait_until_back`) at most until the store has been away for
@@ -40,7 +41,7 @@ import threading
 import time
 from typing import Callable
 
-from .protocol import READ_WINDOW, Keys, add_event
+from .protocol import READ_WINDOW, Keys, add_event, claim, scan
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -50,7 +51,6 @@ RECONNECT_EVERY_S = 0.5  # how often a worker tries the store again while it is 
 # them reconnects on its own (a loaded host takes seconds), and a heartbeat missing
 # from the new store only means that one has not yet.
 BACK_GRACE_S = 10.0
-JOIN_ID_WAIT_S = 2.0  # re-queueing an early joiner: how long its id may take to follow its number
 
 
 class StoreLost(RuntimeError):
@@ -145,23 +145,20 @@ def republish(js, plan, worker_id: str) -> bool:
     that lost it; returns True if this call did. A store that holds the plan is left
     alone, so this is cheap to call after every reconnect.
 
-    `gen/first` is taken first (compare_set: one member re-publishes); the join
-    queue's counter then moves past the plan's `join_upto` so the next joiner's
-    number is one the members look at, and joiners that registered in the empty
-    store before that (numbers not above `join_upto`) are queued again."""
+    `gen/first` is taken first (compare_set: one member re-publishes); joiners that
+    registered in the empty store before that (numbers not above `join_upto`, which
+    the plan counts as consumed) are queued again past it (protocol.claim), and the
+    join counter, the joiners' first guess, moves past it too."""
     g = plan.generation
     if js.check([Keys.plan(g)]):
         return False
     mine = json.dumps({"generation": g, "by": worker_id})
     if js.compare_set(Keys.FIRST_GEN, "", mine) != mine.encode():
         return False
-    registered = js.add(Keys.JOIN_SEQ, plan.join_upto) - plan.join_upto
-    deadline = time.monotonic() + JOIN_ID_WAIT_S  # a joiner writes its id right after its number
-    for k in range(1, min(registered, plan.join_upto, READ_WINDOW) + 1):  # join/seq is a hint: bounded
-        while not js.check([Keys.join(k)]) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if js.check([Keys.join(k)]):
-            js.set(Keys.join(js.add(Keys.JOIN_SEQ, 1)), js.get(Keys.join(k)).decode())
+    js.add(Keys.JOIN_SEQ, plan.join_upto)  # the joiners' first guess (protocol.claim) lands past join_upto
+    early, _ = scan(js, Keys.join, 0, window=min(plan.join_upto, READ_WINDOW))
+    for _k, worker in early:  # the queue is read, never counted (join/seq is unsigned)
+        claim(js, Keys.join, plan.join_upto, worker.decode(), hint=js.add(Keys.JOIN_SEQ, 1))
     js.compare_set(Keys.plan(g), "", plan.to_json())
     log.info("worker %s: re-published generation %d's plan (%s) in the store that came back empty", worker_id, g,
              ", ".join(plan.members))

@@ -85,6 +85,7 @@ class Controller:
         self.phase = Phase.CONNECTING
         self.message = ""
         self.records: dict[str, pol.HostRecord] = {}  # what is remembered of each host (hosts.json)
+        self.seq_floor = 0  # the highest desired seq ever sent to this job's hosts (hosts.json)
         self.observed = observe.Observer()
         self.starter = act.DaemonStarter(fleet, store_endpoint, clock, secret=secret)
         self.restorer = act.Restorer(clock)
@@ -397,6 +398,14 @@ class Controller:
                 self.records[name] = pol.HostRecord.from_json(d)
             except (TypeError, ValueError):
                 log.warning("Ignoring the unreadable memory of host %s in %s.", name, self.state.hosts_json)
+        # Desired documents only move forward (a daemon ignores an older seq: a replay), so
+        # the seq counter outlives a run: a host without a record, or whose record was
+        # dropped, continues above the highest seq this job's hosts were ever sent.
+        self.seq_floor = max([int(doc.get("desired_seq", 0) or 0)] + [r.seq for r in self.records.values()])
+        for host in self.inventory.hosts:
+            rec = self.records.get(host.name, pol.HostRecord())
+            if rec.seq < self.seq_floor:
+                self.records[host.name] = replace(rec, seq=self.seq_floor)
         self.observed.events_read = int(doc.get("events_read", 0))
         ck = doc.get("checkpoint")
         self.observed.checkpoint = ck if isinstance(ck, dict) and isinstance(ck.get("step"), int) else None
@@ -406,6 +415,7 @@ class Controller:
     def save_records(self) -> None:
         write_json_atomic(self.state.hosts_json, {
             "hosts": {name: r.to_json() for name, r in self.records.items()},
+            "desired_seq": max([self.seq_floor] + [r.seq for r in self.records.values()]),
             "events_read": self.observed.events_read, "fingerprint": self.fingerprint,
             "checkpoint": self.observed.checkpoint})
 

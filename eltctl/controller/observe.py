@@ -12,16 +12,18 @@ Everything read comes through the controller's signed store client (store.py): a
 value not signed with the job's secret is never acted on. A forged event (a fake
 crash that would bench a host) reads as missing; a forged status or daemon state
 reads as its key's last verified value. `events/seq` is a counter (counters cannot
-be signed: anyone can raise it), so it is only a hint: each pass reads at most
-`EVENTS_WINDOW` entries behind it (`events_window`), the newest ones, and counts
-(and logs) the numbers it skipped, so a counter raised to 10^9 never wedges the
-controller.
+be signed: anyone can raise or lower it), so it is never read: the log's entries
+form one run from 1 up (writers take the first free number, protocol.claim), and
+each pass reads on from `events_read` while entries are there (a few missing ones
+in a row end it, protocol.GAP_TOLERANCE), at most `EVENTS_WINDOW` per pass, so a
+raised counter neither hides a real event nor wedges the controller.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
@@ -29,12 +31,17 @@ from typing import Any, Iterable, Mapping
 from eltctl.controller import policy as pol
 from eltctl.inventory import Host, Policy
 from eltctl.probe import GpuUse, HostReport, HostState
-from eltctl_runtime.protocol import EventKind, Keys, bounded_range, state_key
+from eltctl_runtime.protocol import GAP_TOLERANCE, EventKind, Keys, state_key
 
 log = logging.getLogger("eltctl.controller")
 
 EVENTS_KEPT = 50
 EVENTS_WINDOW = 256  # the most event log entries read in one pass
+BIRTH_WINDOWS = 64
+# A daemon's state key read as missing after it was there is watched this long for the
+# daemon's next write (it writes about once a second), in all per pass at most.
+STATE_PROBE_S = 1.5
+CONTESTED_LIMIT = 3  # freshness windows a state may be rewritten-and-deleted without one read  # a new controller reads the log to its end, at most this many windows
 # Worker states (runtime/daemon/logic.py WorkerState) of a worker that has ended.
 FINISHED_WORKER_STATES = {"left", "finished", "crashed", "lost"}
 
@@ -46,29 +53,44 @@ class DaemonSeen:
     raw: bytes
     changed: float  # controller clock: when the state value last changed
     state: dict
+    # controller clock: when a newer state value was last read (`changed` also counts a
+    # contested one: rewritten and deleted again before it could be read); None: `changed`
+    verified: float | None = None
 
 
 # --------------------------------------------------------------------------- pure views
 
 
-def events_window(read: int, last: int, window: int = EVENTS_WINDOW) -> tuple[range, int]:
-    """(the event numbers to read, how many are skipped) when the log has been read up
-    to `read` and the counter says `last`: protocol.bounded_range, at most `window`
-    numbers, the newest; the ones skipped are never read (a counter raised by someone
-    who reaches the store's port, or a log that grew by more than a window in one pass)."""
-    numbers = bounded_range(read, last, window)
-    return numbers, max(0, numbers.start - max(0, read) - 1)
-
-
 def seen_state(old: DaemonSeen | None, raw: bytes, now: float) -> DaemonSeen:
-    """Fold a freshly read state value in: a value that did not change keeps its time."""
+    """Fold a freshly read state value in: a value that did not change keeps its time,
+    and so does an older one (its daemon's own `time` is not past the last one's: a
+    validly signed old state written back by someone is no news of the daemon)."""
     if old is not None and old.raw == raw:
         return old
     try:
         parsed = json.loads(raw)
     except ValueError:
         parsed = {}
-    return DaemonSeen(raw=raw, changed=now, state=parsed if isinstance(parsed, dict) else {})
+    parsed = parsed if isinstance(parsed, dict) else {}
+    if old is not None and not newer_state(parsed, old.state):
+        return old
+    return DaemonSeen(raw=raw, changed=now, state=parsed, verified=now)
+
+
+def newer_state(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
+    """Whether state document `new` (a value other than `old`'s) is news after `old`,
+    judged on the writer's own clock inside the signed value (its `time`): an older
+    document written back is not."""
+    t_new, t_old = new.get("time"), old.get("time")
+    if isinstance(t_new, (int, float)) and isinstance(t_old, (int, float)):
+        return t_new >= t_old
+    return True
+
+
+def contested_state(old: DaemonSeen, now: float) -> DaemonSeen:
+    """The daemon's state key was written again but deleted before it could be read:
+    not silence (the daemon is writing), for CONTESTED_LIMIT freshness windows at most."""
+    return replace(old, changed=now, verified=old.verified if old.verified is not None else old.changed)
 
 
 def slot_of(worker_id: str) -> int | None:
@@ -128,6 +150,8 @@ def daemon_alive(seen: DaemonSeen | None, now: float, policy: Policy) -> bool:
     fresh_for = max(5.0, 5 * policy.watch_interval)
     if now - seen.changed > fresh_for:
         return False
+    if seen.verified is not None and now - seen.verified > CONTESTED_LIMIT * fresh_for:
+        return False  # contested too long: judged on the values read
     return seen.state.get("phase") not in ("stopped", "failed")
 
 
@@ -382,11 +406,12 @@ class Observer:
     crashes: dict[str, dict[int, pol.Crash]] = field(default_factory=dict)  # the same, with causes
     events: deque = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     events_read: int = 0  # the event log's sequence number read up to (kept in hosts.json)
-    events_skipped: int = 0  # event numbers never read: beyond one pass's window (events_window)
+    events_skipped: int = 0  # event numbers never read (0 since the log is read as a run; kept for status)
     runtime_status: dict | None = None  # rank 0's status document, with `seen` (see read_store)
     checkpoint: dict | None = None  # the job's last checkpoint (newest_checkpoint; kept in hosts.json)
     born: float | None = None  # when this controller first read the store
     born_seq: int = 0  # the event log's last number then: events up to it are the last controller's
+    _in_store: set = field(default_factory=set)  # hosts whose state this store has held
     _status_raw: bytes | None = None
     _status_changed: float | None = None  # when the status value last changed, after the first sighting
     _status_first: float = 0.0
@@ -395,31 +420,34 @@ class Observer:
         """The daemons' states, the new events and rank 0's status."""
         if self.born is None:
             self.born = now
+        probe_left = STATE_PROBE_S
         for name in host_names:
-            raw = await store.get_raw(state_key(name))
+            key = state_key(name)
+            raw = await store.get_raw(key)
+            old = self.seen.get(name)
+            if raw is None and name in self._in_store and probe_left > 0 and hasattr(store, "watch_deleted"):
+                # no daemon deletes its state: someone did; its next write is watched for
+                started = time.monotonic()
+                raw, contested = await store.watch_deleted(key, min(probe_left, STATE_PROBE_S))
+                probe_left -= time.monotonic() - started
+                if raw is None and contested:
+                    self.seen[name] = contested_state(old, now)
             if raw is not None:
-                self.seen[name] = seen_state(self.seen.get(name), raw, now)
-        last = await store.add(Keys.EVENTS_SEQ, 0)
-        if last < self.events_read:  # a new store: its log starts again
-            self.events_read = 0
-            self.born_seq = 0
-        if self.born == now:
-            self.born_seq = last
-        numbers, skipped = events_window(self.events_read, last)
-        if skipped:
-            self.events_skipped += skipped
-            log.warning("The event log jumped from %d to %d: read the newest %d events, skipped %d (the "
-                        "counter %s is not signed: someone who reaches the store's port may have raised it).",
-                        self.events_read, last, len(numbers), skipped, Keys.EVENTS_SEQ)
-        for n in numbers:
-            ev = await store.get_json(Keys.event(n))
-            self.events_read = n
-            if not isinstance(ev, dict):
-                continue
-            self.events.append(ev)
-            for host, crash in crash_info(ev, n > self.born_seq):
-                self.crashed.setdefault(host, set()).add(crash.slot)
-                self.crashes.setdefault(host, {})[crash.slot] = crash
+                new = seen_state(old, raw, now)
+                if old is not None and new is old and raw != old.raw and getattr(store, "forgeries", None) is not None:
+                    store.forgeries.note(key, "replayed")  # an older state written back
+                self.seen[name] = new
+                self._in_store.add(name)
+        born = self.born == now
+        if born and self.events_read > 0 and await store.get_raw(Keys.event(self.events_read)) is None:
+            self.events_read = 0  # hosts.json's log is not in this store (a new `up`): its log starts again
+        # The log is read as a run of entries, never through the unsigned events/seq.
+        # At birth it is read to its end: what is there is the last controller's.
+        for _ in range(BIRTH_WINDOWS if born else 1):
+            if not await self._read_events(store, None if born else self.born_seq):
+                break
+        if born:
+            self.born_seq = self.events_read
         raw = await store.get_raw(Keys.STATUS)
         if raw != self._status_raw:
             if self._status_raw is None and self._status_changed is None:
@@ -441,12 +469,38 @@ class Observer:
                 status["seen"] = self._status_first if now - self._status_first < STATUS_SETTLE_S else 0.0
         self.runtime_status = status if isinstance(status, dict) else None
 
+    async def _read_events(self, store, born_seq: int | None) -> bool:
+        """Read on from `events_read` while there are entries, at most EVENTS_WINDOW
+        numbers; True when the window was full (there may be more). `born_seq` None:
+        every event read is the last controller's (not acted on)."""
+        n, misses = self.events_read, 0
+        while n - self.events_read < EVENTS_WINDOW and misses < GAP_TOLERANCE:
+            n += 1
+            raw = await store.get_raw(Keys.event(n))
+            if raw is None:
+                misses += 1  # missing, or forged (counted by the client)
+                continue
+            misses = 0
+            self.events_read = n
+            try:
+                ev = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(ev, dict):
+                continue
+            self.events.append(ev)
+            for host, crash in crash_info(ev, born_seq is not None and n > born_seq):
+                self.crashed.setdefault(host, set()).add(crash.slot)
+                self.crashes.setdefault(host, {})[crash.slot] = crash
+        return misses < GAP_TOLERANCE
+
     def store_restarted(self) -> None:
         """The store keeper was restarted: the new store's event log starts again at 0
         and every event in it is new. (Rank 0's status needs nothing: the new store's,
         absent or not, differs from the last one seen, so it counts as changed.)"""
         self.events_read = 0
         self.born_seq = 0
+        self._in_store.clear()  # a state not yet in the new store was not deleted
 
     def settling(self, now: float) -> bool:
         """A status was there when this controller started and has not changed yet: whether

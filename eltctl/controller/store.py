@@ -42,7 +42,7 @@ from eltctl.storekeeper import PORT_TAKEN
 from eltctl_runtime import auth
 from eltctl_runtime.files import read_json, write_json_atomic
 from eltctl_runtime.pids import pid_alive
-from eltctl_runtime.protocol import Keys, add_event, job_prefix
+from eltctl_runtime.protocol import Keys, add_event, job_prefix, watch_deleted
 
 log = logging.getLogger("eltctl.controller")
 
@@ -104,10 +104,18 @@ def connect_client(endpoint: str, job: str, timeout: float = STORE_TIMEOUT_S,
     signed as the first connection was."""
     from eltctl_runtime.storeclient import connect, prefix_store
 
+    state = StateDir.for_job(job)
     if secret is None:
-        secret = existing_secret(StateDir.for_job(job))
+        secret = existing_secret(state)
+    run = auth.read_run_id(run_file(state)) if secret is not None else ""  # re-read at every (re)connect
     raw = connect(endpoint, timeout)
-    return auth.signed(prefix_store(job_prefix(job), raw), job_prefix(job), secret, forgeries(job))
+    return auth.signed(prefix_store(job_prefix(job), raw), job_prefix(job), secret, forgeries(job), run)
+
+
+def run_file(state: StateDir) -> Path:
+    """The store's run id file in the state directory (auth.RUN_FILE_NAME), written at
+    every store keeper start; absent: run id ""."""
+    return state.path / auth.RUN_FILE_NAME
 
 
 class JobStore:
@@ -148,6 +156,11 @@ class JobStore:
 
     async def get_raw(self, key: str) -> bytes | None:
         return await self._call(self._read, key)
+
+    async def watch_deleted(self, key: str, timeout_s: float) -> tuple[bytes | None, bool]:
+        """A key read as missing after it was there (deleted by someone who reaches the
+        store): protocol.watch_deleted, on the store's thread."""
+        return await self._call(watch_deleted, self._client, key, timeout_s)
 
     async def set_json(self, key: str, value: Any) -> None:
         await self._call(self._client.set, key, json.dumps(value))

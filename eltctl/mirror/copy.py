@@ -23,7 +23,7 @@ from eltctl.hosts.transport import RunResult, Transport
 from eltctl.mirror.decisions import compare_sums
 from eltctl.mirror.manifests import manifest_files, parse_sums
 from eltctl.mirror.places import (HASH_TIMEOUT, LIST_TIMEOUT, NICE, copy_hash_command, read_located, read_manifest,
-                                  run_checked, verify_located)
+                                  run_checked, verify_located, with_manifest)
 from eltctl.mirror.values import Located, MirrorError, Place
 from eltctl_runtime import checkpoint as ckpt
 
@@ -106,7 +106,7 @@ def _one_shot_result(result: RunResult, what: str, host: str) -> dict[str, Any] 
     return out
 
 
-async def copy_checkpoint(src: Place, step: int, dst: Place) -> Located:
+async def copy_checkpoint(src: Place, step: int, dst: Place, manifest_text: str | None = None) -> Located:
     """Copy one checkpoint from src to dst atomically; returns it as it now is at dst, verified.
 
     Written under `.tmp-*` in dst's directory, hashed where it was written, compared with
@@ -116,8 +116,15 @@ async def copy_checkpoint(src: Place, step: int, dst: Place) -> Located:
     Where the host doing the work has Python (job hosts do), all of that is one command
     running the mirror_copy program there (copy, hash, compare, fsync, rename: one round
     trip); elsewhere the same steps run as separate shell commands.
+
+    `manifest_text`: the source's manifest as already read (restore: the bytes whose MAC
+    was checked); the copy, its manifest included, is checked against those bytes, and
+    the source's manifest is not read again. None: read it here, once.
     """
-    source, manifest_text = await read_manifest(src, step)
+    if manifest_text is None:
+        source, manifest_text = await read_manifest(src, step)
+    else:
+        source = with_manifest(Located(step, src.label, src.step_path(step), 0.0, 0, ()), manifest_text)
     expected = {"files": [list(f) for f in source.files], "manifest_name": ckpt.MANIFEST_FILE,
                 "manifest": hashlib.sha256(manifest_text.encode("utf-8")).hexdigest()}
     done = replace(source, where=dst.label, path=dst.step_path(step), verified=True, problem=None)
@@ -138,7 +145,7 @@ async def copy_checkpoint(src: Place, step: int, dst: Place) -> Located:
             except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the first error is the one to report
                 pass
             raise
-    return await _copy_checkpoint_steps(src, source, step, dst, expected)
+    return await _copy_checkpoint_steps(src, source, step, dst, expected, manifest_text)
 
 
 async def _try_one_shot(runner: Transport, cmd: str, what: str) -> bool:
@@ -148,7 +155,7 @@ async def _try_one_shot(runner: Transport, cmd: str, what: str) -> bool:
 
 
 async def _copy_checkpoint_steps(src: Place, source: Located, step: int, dst: Place,
-                                 expected: dict[str, Any]) -> Located:
+                                 expected: dict[str, Any], manifest_text: str) -> Located:
     """copy_checkpoint one shell command at a time (a relay, or a host without Python)."""
     final = dst.step_path(step)
     try:
@@ -190,12 +197,9 @@ async def _copy_checkpoint_steps(src: Place, source: Located, step: int, dst: Pl
         sums = parse_sums(sums_text)
         problem = compare_sums(source.files, sums)
         if problem is None:
-            mres = await runner.run(f"cat {_q(tmp)}/{ckpt.MANIFEST_FILE}", timeout=LIST_TIMEOUT)
-            try:
-                if manifest_files(mres.stdout, ckpt.step_dirname(step))[2] != source.files:
-                    problem = f"{ckpt.MANIFEST_FILE} of the copy differs from the source's"
-            except MirrorError as exc:
-                problem = str(exc)
+            # the copy's manifest must be the very bytes checked (the hash in `expected`)
+            if sums.get(ckpt.MANIFEST_FILE) != expected["manifest"]:
+                problem = f"{ckpt.MANIFEST_FILE} of the copy differs from the source's as read and checked"
         if problem is not None:
             raise MirrorError(f"the copy of step {step} on {dst.label} does not verify: {problem}")
         # The old copy of this step, if any, was invalid: set it aside, then publish.

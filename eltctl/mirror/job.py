@@ -14,9 +14,9 @@ from eltctl.hosts.transport import Transport
 from eltctl.inventory import Inventory, SSHSettings
 from eltctl.mirror.copy import copy_checkpoint
 from eltctl.mirror.decisions import classify, fault_fix, restore_order
-from eltctl.mirror.places import list_place, read_located, verify_located
+from eltctl.mirror.places import list_place, read_located, verify_located, with_manifest
 from eltctl.mirror.retention import apply_retention
-from eltctl.mirror.signing import checked, write_mac
+from eltctl.mirror.signing import checked_text, write_mac
 from eltctl.mirror.target import MirrorTarget, TargetKind, parse_target
 from eltctl.mirror.values import MIRROR_LABEL, Fault, Located, MirrorError, Place, RestoreChoice
 
@@ -187,33 +187,42 @@ class Mirror:
                 await self.reset()
                 skipped.append(f"mirror: not listed: {exc}")
         for c in restore_order(candidates):
-            refused = await self._refused(places[c.where], c)
+            refused, text = await self._refused(places[c.where], c)
+            if refused is None and text is not None:
+                # the files are checked against the hashes of the manifest whose MAC was
+                # checked (those bytes, not the listing's read nor a later one)
+                try:
+                    c = with_manifest(c, text)
+                except MirrorError as exc:
+                    refused = f"step {c.step} on the {c.where}: {exc}"
             if refused is not None:
                 log.warning("Restore: refusing step %d on %s: %s", c.step, c.where, refused)
                 skipped.append(refused)
                 continue
             checked = c if c.verified is False else await verify_located(places[c.where], c)
             if checked.verified:
-                return RestoreChoice(c.step, c.where, c.path, tuple(skipped))
+                return RestoreChoice(c.step, c.where, c.path, tuple(skipped), manifest=text)
             log.warning("Restore: skipping step %d on %s: %s", c.step, c.where, checked.problem)
             skipped.append(f"step {c.step} on {c.where}: {checked.problem}")
         return None
 
-    async def _refused(self, place: Place, c: Located) -> str | None:
-        """Why a mirrored checkpoint is not restored: its manifest's MAC (signing.py)."""
+    async def _refused(self, place: Place, c: Located) -> tuple[str | None, str | None]:
+        """(why a mirrored checkpoint is not restored: its manifest's MAC (signing.py), or
+        None; the manifest's text that was checked, or None when none was)."""
         if c.where != MIRROR_LABEL or self.secret is None or c.verified is False:
-            return None
+            return None, None
         try:
-            problem = await checked(place, c, self.secret, self.job)
+            problem, text = await checked_text(place, c, self.secret, self.job)
         except (MirrorError, HostError) as exc:
-            return f"step {c.step} on the {c.where}: its MAC cannot be read: {exc}"
+            return f"step {c.step} on the {c.where}: its MAC cannot be read: {exc}", None
         if problem is not None and self.trust_unsigned:
             log.warning("Restore: %s; restoring it all the same ([storage] trust_unsigned).", problem)
-            return None
-        return problem
+            return None, text
+        return problem, text
 
     async def deliver(self, choice: RestoreChoice, source: Place, to_host: Place) -> Located:
         """Put the chosen checkpoint into a host's checkpoint directory (for the runtime's restore)."""
         if source.label == to_host.label and source.directory == to_host.directory:
             return await verify_located(source, await read_located(source, choice.step))
-        return await copy_checkpoint(source, choice.step, to_host)
+        manifest = choice.manifest if source.label == choice.where else None  # the MAC-checked bytes
+        return await copy_checkpoint(source, choice.step, to_host, manifest_text=manifest)

@@ -74,6 +74,13 @@ async def read_manifest(place: Place, step: int) -> tuple[Located, str]:
     return Located(s, place.label, place.step_path(step), created, sum(f[1] for f in files), files), result.stdout
 
 
+def with_manifest(c: Located, text: str) -> Located:
+    """`c` as the manifest text `text` describes it (its files and their hashes); raises
+    MirrorError when that text is not a manifest of `c`'s step."""
+    step, created, files = manifest_files(text, ckpt.step_dirname(c.step))
+    return replace(c, step=step, created=created, size=sum(f[1] for f in files), files=files)
+
+
 def copy_hash_command(python: str, src: str | None, dst: str, names: Sequence[str]) -> str:
     """Shell: copy src into the new directory dst (src None: only hash dst), fsync the
     files and print `sha256  name` per file; the hashing is the mirror_copy program's

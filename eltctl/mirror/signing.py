@@ -80,5 +80,12 @@ async def read_mac(place: Place, step: int) -> tuple[str, str | None]:
 
 async def checked(place: Place, c: Located, secret: bytes, job: str) -> str | None:
     """Why the mirrored checkpoint `c` is refused (None: its MAC verifies)."""
+    return (await checked_text(place, c, secret, job))[0]
+
+
+async def checked_text(place: Place, c: Located, secret: bytes, job: str) -> tuple[str | None, str]:
+    """(why the mirrored checkpoint `c` is refused or None, the manifest's text checked).
+    The manifest is read once: what restore copies is checked against the hashes in
+    these bytes (eltctl.mirror.copy), so a manifest swapped after the check is refused."""
     text, mac = await read_mac(place, c.step)
-    return mac_problem(secret, job, text, mac, c.step, place.label)
+    return mac_problem(secret, job, text, mac, c.step, place.label), text

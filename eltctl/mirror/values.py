@@ -5,7 +5,7 @@ it was (`FaultKind`, `Fault`: retried, or waiting for a person)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from eltctl.errors import EltctlError
@@ -115,3 +115,6 @@ class RestoreChoice:
     where: str  # host name or "mirror"
     path: str
     skipped: tuple[str, ...] = ()  # why newer candidates were passed over
+    # The mirrored manifest's text whose MAC was checked (None: not a signed mirror
+    # copy): the copy is checked against THESE bytes, never a second read of the file.
+    manifest: str | None = field(default=None, repr=False, compare=False)

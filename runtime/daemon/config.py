@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .. import netif
-from ..auth import ENV_SECRET_FILE, SecretError, read_secret
+from ..auth import ENV_RUN_FILE, ENV_SECRET_FILE, RUN_FILE_NAME, SecretError, read_secret
 from ..owner import OwnerPolicy
 from ..protocol import NAME_RULE, valid_name
 from .courtesy import Courtesy, thread_env
@@ -125,6 +125,13 @@ class DaemonConfig:
     data_interface: str | None = None  # the interface gloo and NCCL use here; None: netif's rule
     secret_file: Path | None = None  # the job's secret on this host (0600); None: unsigned
     secret: bytes | None = field(default=None, repr=False)  # read from secret_file by `load`
+
+    @property
+    def run_file(self) -> Path:
+        """The store's run id on this host (`<job_dir>/run`, beside the secret; auth.py):
+        the controller writes it before the host can reach a new store keeper. Read at
+        every connect (the daemon's link, the workers through ELTCTL_RUN_FILE)."""
+        return self.job_dir / RUN_FILE_NAME
 
     @property
     def gpu_host(self) -> bool:
@@ -304,8 +311,10 @@ def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id:
         env.pop("ELTCTL_MAX_MICRO_BATCH", None)
     if cfg.secret_file is not None:
         env[ENV_SECRET_FILE] = str(cfg.secret_file)
+        env[ENV_RUN_FILE] = str(cfg.run_file)
     else:
         env.pop(ENV_SECRET_FILE, None)
+        env.pop(ENV_RUN_FILE, None)
     if cfg.gpu_host:
         env["CUDA_VISIBLE_DEVICES"] = str(slot)
     env.update(thread_env(cfg.courtesy))

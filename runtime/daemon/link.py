@@ -4,12 +4,16 @@ One background thread owns the connection, so a store that has gone away (the
 control machine rebooted, the store keeper was killed) never blocks the
 daemon's loop, which goes on watching GPUs and reaping workers. The thread:
 
-* connects as a client (the job's PrefixStore, `membership.job_store`), and on
+* connects as a client (the job's PrefixStore, `membership.job_store`, signed in
+  the store's run: the run file is read at every connect, so a restarted keeper's
+  new run id is picked up, auth.py), and on
   any error drops the connection and retries with back-off (0.5 s doubling to
   10 s), logging once per outage;
 * reads `daemon/<host>/desired` about every `poll_s` and hands the newest
   verified value to the loop (`desired()`; with the job's secret a forged
-  document is counted and ignored: the last verified one stands), and follows the runtime's generation plans
+  document is counted and ignored: the last verified one stands; so is one whose seq
+  is below the newest seen or the daemon applied, `floor`: desired documents only
+  move forward), and follows the runtime's generation plans
   and its `done` key to learn which of this host's workers are out of the job
   (`departed()`, `job_done`) and which reached it (`joined()`: listed as members);
   after a reconnect it follows the new store's plans from its first one (a
@@ -33,7 +37,7 @@ import threading
 import time
 from typing import Callable
 
-from ..auth import ForgedValue, Forgeries
+from ..auth import ForgedValue, Forgeries, read_run_id
 from ..membership import Plan, job_store
 from ..protocol import Desired, Keys, first_generation, get_desired, state_key
 
@@ -51,18 +55,21 @@ Message = tuple[str, Callable[[object], None]]
 class StoreLink:
     def __init__(self, address: str, job: str, host: str, *, poll_s: float = 0.25,
                  connect_timeout_s: float = 5.0, secret: bytes | None = None,
-                 forgeries: Forgeries | None = None) -> None:
+                 forgeries: Forgeries | None = None, run_file=None) -> None:
         self._spec = address  # unix:/path, tcp:host:port or host:port (eltctl_runtime.sockstore)
         self._job = job
         self._host = host
         self._secret = secret  # the job's: every value read is checked, every value written signed
         self._forgeries = forgeries
+        self._run_file = run_file  # the store's run id (auth.py), read at every connect
         self._poll_s = poll_s
         self._connect_timeout = connect_timeout_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._desired: Desired | None = None
+        self._floor: int | None = None  # the seq the daemon applied last (its memory)
+        self._replayed: int | None = None  # the last replayed seq counted
         self._state: dict | None = None
         self._state_dirty = False
         self._outbox: collections.deque[Message] = collections.deque()
@@ -100,8 +107,35 @@ class StoreLink:
             self._thread.join(timeout=2)  # a daemon thread: a connect attempt in flight dies with us
 
     def desired(self) -> Desired | None:
+        """The newest desired document read: its seq never goes down (`floor`)."""
         with self._lock:
             return self._desired
+
+    def floor(self, seq: int | None) -> None:
+        """The daemon has applied `seq` (its memory, kept across its own restarts): a
+        document with a lower seq is a replay and is never handed to the loop."""
+        with self._lock:
+            if seq is not None and (self._floor is None or seq > self._floor):
+                self._floor = seq
+
+    def _take_desired(self, desired: Desired) -> None:
+        """Desired documents only move forward: one whose seq is below the newest seen or
+        applied (a validly signed old document written back by someone who reaches the
+        store, e.g. `{seq: 40, stop: true}` after seq 41) is counted and ignored; one
+        with the same seq as the newest stands as first read."""
+        with self._lock:
+            cur = self._desired.seq if self._desired is not None else None
+            newest = max(x for x in (cur, self._floor, -1) if x is not None)
+            if desired.seq > newest or (desired.seq == newest and self._desired is None):
+                self._desired = desired
+                return
+            if desired.seq == cur or desired.seq == self._replayed:
+                return  # the same document again, or a replay already counted
+            self._replayed = desired.seq
+        log.warning("host %s: ignoring desired seq %d: seq %d is newer (an old document written back)",
+                    self._host, desired.seq, newest)
+        if self._forgeries is not None:
+            self._forgeries.note(Keys.desired(self._host), "replayed")
 
     def departed(self) -> frozenset[str]:
         """Worker ids of this host that a generation plan lists as left or lost:
@@ -157,7 +191,8 @@ class StoreLink:
         from ..storeclient import connect  # torch: imported by the link's thread, not the daemon's start
 
         raw = connect(self._spec, self._connect_timeout)
-        return job_store(raw, self._job, self._secret, self._forgeries)  # it keeps the client alive
+        run = read_run_id(self._run_file) if self._secret is not None else ""
+        return job_store(raw, self._job, self._secret, self._forgeries, run)  # it keeps the client alive
 
     def _run(self) -> None:
         backoff = BACKOFF_START_S
@@ -204,8 +239,7 @@ class StoreLink:
                         log.error("host %s: ignoring a malformed desired state: %s", self._host, e)
                     else:
                         if desired is not None:
-                            with self._lock:
-                                self._desired = desired
+                            self._take_desired(desired)
                     self._follow_plans(js)
                 with self._lock:
                     doc = self._state if self._state_dirty else None

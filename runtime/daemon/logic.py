@@ -242,10 +242,14 @@ def decide(v: View) -> Decision:
     m = v.memory
     actions: list[Action] = []
     d = v.desired
+    if d is not None and m.seq_applied is not None and d.seq < m.seq_applied:
+        d = None  # an older document (a replay: StoreLink.floor never hands one on): nothing of it is acted on
     stopping = v.terminating or (d is not None and d.stop)
 
-    # 1. A new seq (any change: a new controller's store may count from 1 again).
-    if d is not None and d.seq != m.seq_applied:
+    # 1. A newer seq. Desired documents only move forward: the controller keeps its
+    # seq counter across runs (hosts.json), and an older seq is a replay (the link
+    # counts it and never hands it on; StoreLink.floor).
+    if d is not None and (m.seq_applied is None or d.seq > m.seq_applied):
         if d.stop:
             m = replace(m, seq_applied=d.seq, wanted=frozenset(), armed=frozenset())
         else:

@@ -81,7 +81,8 @@ class Daemon:
         self._memory_path = cfg.job_dir / "daemon.memory.json"
         self._lock = procs.PidLock(cfg.job_dir / "daemon.pid")
         self._forgeries = Forgeries()  # forged store values the link read (the state document's `forged`)
-        self._link = StoreLink(cfg.store, cfg.job, cfg.host, secret=cfg.secret, forgeries=self._forgeries)
+        self._link = StoreLink(cfg.store, cfg.job, cfg.host, secret=cfg.secret, forgeries=self._forgeries,
+                               run_file=cfg.run_file)
         self._poller: SmiPoller | None = None
         self._memory = Memory()
         self._workers: dict[int, _Worker] = {}
@@ -131,6 +132,7 @@ class Daemon:
             if ready:
                 ready(f"ok {os.getpid()}")
             self._load_memory()
+            self._link.floor(self._memory.seq_applied)  # a replayed older desired document is never applied
             self._history.load()
             self._adopt()
             self._memory = replace(self._memory, next_incarnation=first_incarnation(
@@ -189,6 +191,7 @@ class Daemon:
             if decision.memory != self._memory:
                 self._memory = decision.memory
                 self._save_memory()
+                self._link.floor(self._memory.seq_applied)
             done = self._act(decision, now)
             if self._terminating or (self._link.desired() and self._link.desired().stop):
                 self._phase = "stopping"

@@ -316,11 +316,16 @@ def test_reading_the_store_folds_states_events_and_status():
     asyncio.run(dead.read_store(store, ["a"], NOW))
     asyncio.run(dead.read_store(store, ["a"], NOW + 4))
     assert dead.runtime_status["seen"] == 0.0 and not dead.settling(NOW + 4)
-    # A new store (its log shorter than what was read): the log is read from the start.
-    o.events_read = 10
-    store.values["events/seq"] = 1
-    asyncio.run(o.read_store(store, ["a"], NOW + 5))
-    assert o.events_read == 1 and len(o.events) == 4
+    # A new controller whose hosts.json read further than this store's log (a new `up`,
+    # a new store): the log is read from the start, as the last controller's.
+    again = Observer(events_read=10)
+    store.values["events/seq"] = 1  # the counter says nothing: it is never read
+    asyncio.run(again.read_store(store, ["a"], NOW + 5))
+    assert again.events_read == 4 and len(again.events) == 3 and again.crashed == {}
+    # A raised counter hides no event: the log is read as a run of entries.
+    store.values.update({"events/seq": 10**9, "events/5": {"kind": "crash", "host": "a", "workers": ["a/2/0"]}})
+    asyncio.run(again.read_store(store, ["a"], NOW + 6))
+    assert again.events_read == 5 and again.crashed == {"a": {2}}
 
 
 # ----------------------------------------------------------------------- crash causes, reaching the job

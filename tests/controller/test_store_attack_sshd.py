@@ -146,7 +146,7 @@ def test_forged_control_values_from_the_network_are_ignored_and_counted(testbed,
         forged = doc["forged"]
         assert forged["total"] > 0 and forged["controller"].get("events", 0) >= 1, forged
         assert forged["controller"].get("status", 0) >= 1, forged
-        assert forged["events_skipped"] >= 10**9 - 256, forged
+        assert forged["events_skipped"] == 0, forged  # the log is read as a run of entries, not by its counter
         # the daemons' and rank 0's counts (runtime side): h1's daemon saw the forged desired
         assert forged["hosts"].get(h1, {}).get("daemon/desired", 0) >= 1, forged
         text = je.eltctl("status").stdout

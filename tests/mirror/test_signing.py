@@ -10,9 +10,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 from eltctl.hosts.local import LocalTransport
 from eltctl.inventory import Host
 from eltctl.mirror import Mirror, MirrorTarget, Place, TargetKind
+from eltctl.mirror.values import MirrorError
 from eltctl.mirror.signing import MAC_FILE, mac_problem, manifest_mac
 from eltctl_runtime import checkpoint as ckpt
 from tests.mirror.test_copy import commit
@@ -78,3 +81,30 @@ def test_a_lost_secret_refuses_all_unless_trusted_explicitly(tmp_path):
     assert asyncio.run(mirror_of(root, OTHER).choose_restore([host])) is None
     trusted = asyncio.run(mirror_of(root, OTHER, trust=True).choose_restore([host]))
     assert (trusted.step, trusted.where) == (3, "mirror")
+
+
+def test_a_checkpoint_swapped_after_its_mac_was_checked_is_never_restored(tmp_path):
+    """The manifest is read once: its MAC is checked on those bytes, and what is copied
+    is checked against the hashes in THOSE bytes, not in a second read of the file."""
+    host_dir, root = tmp_path / "host", tmp_path / "mirror"
+    host = Place("h1", transport("h1"), str(host_dir))
+    mirror = mirror_of(root, SECRET)
+    commit(host_dir, 5, b"five")
+    asyncio.run(mirror.mirror_checkpoint(host, 5))
+    shutil.rmtree(host_dir)  # only the mirror can restore
+    mirrored = root / JOB / ckpt.step_dirname(5)
+    commit(tmp_path / "evil", 5, b"weights of someone else")
+    evil = tmp_path / "evil" / ckpt.step_dirname(5)
+
+    async def restore():
+        choice = await mirror.choose_restore([host])
+        assert (choice.step, choice.where) == (5, "mirror")
+        # between the MAC check and the copy, someone who can write the mirror swaps the
+        # checkpoint: other weights, and a manifest whose hashes match them
+        for name in (ckpt.STATE_FILE, ckpt.MANIFEST_FILE):
+            shutil.copy(evil / name, mirrored / name)
+        return await mirror.deliver(choice, await mirror.place(), host)
+
+    with pytest.raises(MirrorError, match="does not verify|differs"):
+        asyncio.run(restore())
+    assert not (host_dir / ckpt.step_dirname(5)).exists()

@@ -1,5 +1,6 @@
-"""The runtime's side of the signed store, on a real c10d TCPStore: counters are hints
-read in a bounded window (protocol.bounded_range), forged and missing entries are
+"""The runtime's side of the signed store, on a real c10d TCPStore: the join queue and
+the event log are read as runs of entries, never through their unsigned counters
+(protocol.claim and scan), forged and missing entries are
 skipped, a joiner whose number a plan consumed registers again, and the secret comes
 to the runtime (ELTCTL_SECRET_FILE) and the daemon (daemon.json's secret_file) once,
 with errors that name the file and the fix."""
@@ -19,9 +20,8 @@ from eltctl_runtime import auth
 from eltctl_runtime.config import ConfigError, RuntimeConfig
 from eltctl_runtime.control import ControlThread
 from eltctl_runtime.daemon import DaemonConfig, DaemonConfigError, worker_env
-from eltctl_runtime.membership import Plan, await_admission, decide, job_store, scan_joiners
-from eltctl_runtime.protocol import (READ_WINDOW, EventKind, Keys, add_event, bounded_range, get_events,
-                                     job_prefix)
+from eltctl_runtime.membership import Plan, _register, await_admission, decide, job_store, scan_joiners
+from eltctl_runtime.protocol import EventKind, Keys, add_event, get_events, job_prefix
 
 
 @pytest.fixture(scope="module")
@@ -35,44 +35,35 @@ def stores(tcp, job):
     return job_store(tcp, job, secret), dist.PrefixStore(job_prefix(job), tcp), secret
 
 
-@pytest.mark.parametrize("after, last, window, expected", [
-    (0, 5, 512, range(1, 6)),
-    (3, 5, 512, range(4, 6)),
-    (5, 5, 512, range(6, 6)),
-    (0, 10**9, 512, range(10**9 - 511, 10**9 + 1)),
-    (10, 20, 4, range(17, 21)),
-    (-1, 2, 512, range(1, 3)),
-])
-def test_bounded_range_reads_at_most_the_newest_window(after, last, window, expected):
-    assert bounded_range(after, last, window) == expected
-
-
-def test_a_raised_event_counter_reads_the_newest_window_and_skips_forgeries(tcp):
+def test_a_raised_event_counter_hides_no_event_and_forgeries_are_skipped(tcp):
     js, evil, _ = stores(tcp, "ev")
-    add_event(js, {"kind": "add", "host": "h1"})
+    assert add_event(js, {"kind": "add", "host": "h1"}) == 1
     evil.add(Keys.EVENTS_SEQ, 10**9)
     n = add_event(js, {"kind": "stop", "step": 3})
-    evil.set(Keys.event(n - 1), json.dumps({"kind": "crash", "host": "h1"}))  # forged, in the window
-    assert [e["kind"] for e in get_events(js)] == ["stop"]
+    assert n == 2  # the first free number of the log, not the raised counter's
+    evil.add(Keys.EVENTS_SEQ, 10**9)  # raised again after the write: readers never look at it
+    evil.set(Keys.event(3), json.dumps({"kind": "crash", "host": "h1"}))  # forged, past the end
+    assert [e["kind"] for e in get_events(js)] == ["add", "stop"]
     assert js.forgeries.counts() == {"events": 1}
-    assert len(bounded_range(0, n)) == READ_WINDOW
+    assert add_event(js, {"kind": "add", "host": "h2"}) == 3  # the forgery's number is taken over
+    assert [e["kind"] for e in get_events(js, start=2)] == ["stop", "add"]
 
 
-def test_join_scan_skips_forged_and_missing_entries_and_a_raised_counter(tcp):
+def test_join_scan_skips_forged_and_missing_entries_and_ignores_the_counter(tcp):
     js, evil, _ = stores(tcp, "join")
-    js.set(Keys.join(js.add(Keys.JOIN_SEQ, 1)), "h1/0/1")
-    evil.set(Keys.join(evil.add(Keys.JOIN_SEQ, 1)), "evil/0/1")  # forged entry
-    evil.add(Keys.JOIN_SEQ, 3)  # numbers never written
-    js.set(Keys.join(js.add(Keys.JOIN_SEQ, 1)), "h2/0/1")
+    js.set(Keys.join(1), "h1/0/1")
+    evil.set(Keys.join(2), "evil/0/1")  # forged entry
+    js.set(Keys.join(6), "h2/0/1")  # numbers 3-5 missing (deleted): within the gap a reader looks past
     assert scan_joiners(js, 0) == ([(1, "h1/0/1"), (6, "h2/0/1")], 6)
     evil.set(Keys.dead("h2/0/1"), "1")  # a forged death report does not take a joiner out
     assert scan_joiners(js, 1) == ([(6, "h2/0/1")], 6)
 
-    top = evil.add(Keys.JOIN_SEQ, 10**9)
-    seq = js.add(Keys.JOIN_SEQ, 1)
-    js.set(Keys.join(seq), "h3/0/1")
-    assert scan_joiners(js, 6) == ([(seq, "h3/0/1")], seq)  # the newest window: past the raised counter
-    assert seq == top + 1 and js.forgeries.counts() == {"join": 2, "dead": 1}
+    evil.add(Keys.JOIN_SEQ, 10**9)
+    seq = _register(js, "h3/0/1", 6)
+    assert seq == 7 and scan_joiners(js, 6) == ([(7, "h3/0/1")], 7)  # the counter is only a guess
+    evil.add(Keys.JOIN_SEQ, 10**6)  # raised again after it registered: it stays visible
+    assert scan_joiners(js, 6) == ([(7, "h3/0/1")], 7)
+    assert js.forgeries.counts() == {"join": 2, "dead": 1}
 
 
 def test_a_forged_plan_is_replaced_by_the_first_real_proposal(tcp):
