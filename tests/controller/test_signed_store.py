@@ -215,7 +215,7 @@ def test_the_controller_signs_in_the_stores_run_and_refuses_an_earlier_runs_valu
                                                            timeout=timedelta(seconds=10)))
     run1 = auth.new_run_id()
     auth.write_run_file(kstore.run_file(state), run1)
-    first = kstore.JobStore(kstore.connect_client("127.0.0.1", master.port, job, secret=SECRET))
+    first = kstore.JobStore(kstore.connect_client(f"127.0.0.1:{master.port}", job, secret=SECRET))
     try:
         asyncio.run(first.event(crash("a", 0)))
         asyncio.run(first.set_json(state_key("a"), {"phase": "running", "time": 1.0}))
@@ -227,7 +227,7 @@ def test_the_controller_signs_in_the_stores_run_and_refuses_an_earlier_runs_valu
     auth.write_run_file(kstore.run_file(state), auth.new_run_id())
     for k in saved:
         raw.delete_key(k)
-    again = kstore.JobStore(kstore.connect_client("127.0.0.1", master.port, job, secret=SECRET))
+    again = kstore.JobStore(kstore.connect_client(f"127.0.0.1:{master.port}", job, secret=SECRET))
     try:
         for k, v in saved.items():
             raw.set(k, v)
