@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -61,7 +62,16 @@ class KeptCluster(Cluster):
             assert self.keeper.poll() is None and time.monotonic() < deadline, (self.tmp / "keeper.log").read_text()
             time.sleep(0.05)
         self.store = storeclient.connect(self.store_spec, 30)
-        self.js = auth.signed(protocol.scope(self.store, self.job), protocol.job_prefix(self.job), self.secret)
+        # Signed in the keeper's run (a new run id at every keeper start), as the controller reads it.
+        self.js = auth.signed(protocol.scope(self.store, self.job), protocol.job_prefix(self.job), self.secret,
+                              run=auth.read_run_id(self.run_file))
+
+    @property
+    def run_file(self) -> Path:
+        return self.tmp / auth.RUN_FILE_NAME  # the keeper writes it beside its --info file
+
+    def env(self, worker_id: str) -> dict:
+        return {**super().env(worker_id), auth.ENV_RUN_FILE: str(self.run_file)}  # read at every (re)connect
 
     @property
     def store_spec(self) -> str:
