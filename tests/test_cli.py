@@ -292,7 +292,7 @@ def test_each_command_is_a_plain_function_registered_in_help_order():
     register(app)
     names = [c.name for c in app.registered_commands]
     assert names == ["init", "doctor", "probe", "up", "scale", "cordon", "uncordon", "down", "status", "logs", "usage",
-                     "demo", "cron"]
+                     "lab", "demo", "cron"]
     assert [g.name for g in app.registered_groups] == ["checkpoints"]  # `checkpoints` and `checkpoints export`
     callbacks = {c.name: c.callback for c in app.registered_commands}
     assert callbacks["up"] is up and callbacks["down"] is down

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import typer
 
-from eltctl.commands import checkpoints, cordon, cron, demo, doctor, down, init, logs, probe, scale, status, up, usage
+from eltctl.commands import (checkpoints, cordon, cron, demo, doctor, down, init, lab, logs, probe, scale, status, up,
+                             usage)
 
 
 def register(app: typer.Typer) -> None:
@@ -26,6 +27,7 @@ def register(app: typer.Typer) -> None:
     app.command("status")(status.status)
     app.command("logs")(logs.logs)
     app.command("usage")(usage.usage)
+    app.command("lab")(lab.lab)
     app.command("demo")(demo.demo)
     app.command("cron")(cron.cron)
     app.add_typer(checkpoints.app, name="checkpoints")

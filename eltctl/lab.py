@@ -1,0 +1,104 @@
+"""`eltctl lab`: every eltctl job on the inventory's hosts, as the hosts themselves say.
+
+One probe of every host (eltctl/probe.py) gives each host's held GPU claims (which job,
+which user) and the demand entries the jobs' controllers published beside them
+(eltctl/demand.py). `lab_view` folds them into one line per job: its user, priority,
+the GPUs it holds on these hosts (its claims), how many more it wants, its recent usage
+and its fair share by the rule every controller applies (controller/fairshare.py),
+over the pool of GPUs held plus those free. Pure; `JSON_FORMAT` documents `--json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from eltctl.controller import fairshare
+from eltctl.demand import Demand
+from eltctl.probe import GpuUse, HostReport, HostState
+
+
+@dataclass(frozen=True)
+class LabJob:
+    job: str
+    user: str
+    priority: int | None  # None: the job published no demand here (not known)
+    held: int  # GPUs its claims hold on the probed hosts
+    wanted: int | None
+    usage_gpu_h: float | None
+    share: int | None
+    hosts: tuple[tuple[str, int], ...]  # (host, GPUs held there)
+    published: bool  # a fresh demand entry was seen
+
+
+@dataclass(frozen=True)
+class LabView:
+    jobs: tuple[LabJob, ...]
+    pool: int  # GPUs held by eltctl jobs plus free GPUs on the probed hosts
+    free: int
+    hosts: tuple[str, ...]  # the hosts that answered with GPUs
+    unreachable: tuple[str, ...]
+
+
+def lab_view(reports: Iterable[HostReport], half_life_s: float) -> LabView:
+    reports = list(reports)
+    held: dict[tuple[str, str], dict[str, int]] = {}
+    free = 0
+    seen: list[Demand] = []
+    answered, lost = [], []
+    for r in reports:
+        if not r.reachable:
+            lost.append(r.name)
+            continue
+        if r.state is HostState.OK:
+            answered.append(r.name)
+            free += sum(1 for g in r.gpus if g.state is GpuUse.FREE)
+        for name, claim in r.claims:
+            if name.startswith("gpu") and claim.job:
+                per = held.setdefault((claim.user, claim.job), {})
+                per[r.name] = per.get(r.name, 0) + 1
+        seen.extend(r.demands)
+    demands = {d.key: d for d in fairshare.merge(seen)}
+    # A claim's user is the daemon's account, a demand's the probe's: the same account on one host.
+    keys = sorted(set(demands) | set(held))
+    counts = {k: sum(held.get(k, {}).values()) for k in keys}
+    pool = sum(counts.values()) + free
+    table_in = [Demand(**{**demands[k].__dict__, "held": counts[k]}) if k in demands
+                else Demand(job=k[1], user=k[0], held=counts[k]) for k in keys]
+    shares = {(s.user, s.job): s.share for s in fairshare.shares(table_in, pool, half_life_s)}
+    jobs = []
+    for k in keys:
+        d = demands.get(k)
+        jobs.append(LabJob(job=k[1], user=k[0], priority=d.priority if d else None, held=counts[k],
+                           wanted=d.wanted if d else None, usage_gpu_h=d.usage_gpu_h if d else None,
+                           share=shares.get(k), hosts=tuple(sorted(held.get(k, {}).items())), published=d is not None))
+    return LabView(jobs=tuple(jobs), pool=pool, free=free, hosts=tuple(answered), unreachable=tuple(lost))
+
+
+def view_to_json(v: LabView) -> dict:
+    return {
+        "pool": v.pool, "free": v.free, "hosts": list(v.hosts), "unreachable": list(v.unreachable),
+        "jobs": [{"job": j.job, "user": j.user, "priority": j.priority, "held": j.held, "wanted": j.wanted,
+                  "usage_gpu_h": None if j.usage_gpu_h is None else round(j.usage_gpu_h, 3), "share": j.share,
+                  "hosts": {h: n for h, n in j.hosts}, "published": j.published} for j in v.jobs],
+    }
+
+
+JSON_FORMAT = """\
+`eltctl lab --json` prints one object:
+
+| key | type | meaning |
+|---|---|---|
+| `pool` | int | GPUs the fair share divides: those eltctl jobs hold on the probed hosts plus the free ones |
+| `free` | int | free GPUs on the probed hosts |
+| `hosts` | [string] | the hosts that answered with GPUs |
+| `unreachable` | [string] | the hosts that did not answer |
+| `jobs` | [object] | one per eltctl job seen (its GPU claims or its demand entry), by user then job |
+
+Each job: `job`, `user` (the host account), `priority` (int, null when it published no
+demand), `held` (GPUs its claims hold on these hosts), `wanted` (how many more it could
+use, null when unknown), `usage_gpu_h` (its recent usage: GPU-hours decayed with its
+`usage_half_life`, null when unknown), `share` (its fair share of `pool`, by
+docs/fairshare.md's rule), `hosts` ({host: GPUs held there}), `published` (a fresh demand
+entry was seen: a running controller; false for a job seen only by its claims).
+"""
