@@ -6,7 +6,8 @@ table from the same entries (`shares`) and decides only about itself (`plan`): h
 many GPUs to release, on which hosts, and how many it may hold at most while another
 job waits. The rule (docs/fairshare.md has it for users):
 
-1. The pool `G`: the GPUs every job seen holds plus the free GPUs of this job's hosts.
+1. The pool `G`: the GPUs every job seen holds plus the free GPUs of this job's hosts
+   (at least the GPUs of its hosts free or held by eltctl jobs: a GPU in hand-over counts).
 2. Priorities, highest first: the jobs of one priority share what the higher ones left
    (each job at most its demand `held + wanted`); a lower priority gets the rest.
 3. Within one priority, users share by weighted max-min fairness (water-filling: no
@@ -154,14 +155,15 @@ class HostHold:
 
 
 def plan(me: Demand, others: Iterable[Demand], hosts: Iterable[HostHold], *, free: int,
-         half_life_s: float, slack: int, hold_s: float) -> Plan:
+         half_life_s: float, slack: int, hold_s: float, seen: int = 0) -> Plan:
     """What this job (`me`, its own figures) does about the other jobs seen on its hosts
     (`others`: their entries) now. `free`: GPUs free on this job's hosts; `hosts`: where it
-    holds GPUs."""
+    holds GPUs; `seen`: the GPUs of its hosts that eltctl jobs may use (free, its own,
+    another job's), which also counts GPUs in hand-over (released, not yet claimed)."""
     others = [d for d in merge(others) if d.key != me.key]
     if not others:
         return Plan()
-    pool = me.held + sum(d.held for d in others) + max(free, 0)
+    pool = max(me.held + sum(d.held for d in others) + max(free, 0), seen)
     table = shares([me, *others], pool, half_life_s)
     mine = next(s for s in table if (s.user, s.job) == me.key)
     waiting = [s for s in table if s.waiting and (s.user, s.job) != me.key]
@@ -267,12 +269,21 @@ def own_user(reports: Mapping[str, object], job: str, default: str) -> str:
                 default)
 
 
-def free_gpus(reports: Mapping[str, object], usable: Iterable[str]) -> int:
+def free_gpus(reports: Mapping[str, object], usable: Iterable[str], states: tuple = ()) -> int:
+    """GPUs free on the usable hosts (`states`: count GPUs in these GpuUse states instead)."""
     from eltctl.probe import GpuUse, HostState
 
     usable = set(usable)
+    states = states or (GpuUse.FREE,)
     return sum(1 for name, r in reports.items() if name in usable and getattr(r, "state", None) is HostState.OK
-               for g in r.gpus if g.state is GpuUse.FREE)
+               for g in r.gpus if g.state in states)
+
+
+def shared_gpus(reports: Mapping[str, object], usable: Iterable[str]) -> int:
+    """The GPUs of the usable hosts that eltctl jobs may use: free, this job's, another job's."""
+    from eltctl.probe import GpuUse
+
+    return free_gpus(reports, usable, (GpuUse.FREE, GpuUse.OURS, GpuUse.TAKEN))
 
 
 def share_to_json(s: Share) -> dict:
@@ -288,4 +299,4 @@ def plan_to_json(p: Plan) -> dict:
 
 
 __all__ = ["HostHold", "Plan", "Share", "free_gpus", "holds", "merge", "others_seen", "own_demand", "own_user", "plan",
-           "plan_to_json", "share_to_json", "shares", "water_fill", "weight"]
+           "plan_to_json", "share_to_json", "shared_gpus", "shares", "water_fill", "weight"]

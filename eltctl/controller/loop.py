@@ -294,7 +294,8 @@ class Controller:
         plan = fairshare.plan(me, fairshare.others_seen(reports, inv.job.name),
                               fairshare.holds(desired, reports, inv.job.name),
                               free=fairshare.free_gpus(reports, usable), half_life_s=inv.policy.usage_half_life,
-                              slack=inv.policy.fairshare_slack, hold_s=inv.policy.fairshare_hold)
+                              slack=inv.policy.fairshare_slack, hold_s=inv.policy.fairshare_hold,
+                              seen=fairshare.shared_gpus(reports, usable))
         before, self.fair = self.fair, plan
         if plan.release and plan.release != before.release:
             log.info("Fair share: %s.", plan.reason)

@@ -166,3 +166,13 @@ def test_the_controller_publishes_its_demand_and_releases(tmp_path):
     assert [e["detail"] for e in store.got] == ["released 2 GPUs on h2 to job b (fair share 2 of 4)"]
     asyncio.run(ctl.fair_share({}, now))  # the same plan again: no second event
     assert len(store.got) == 2 - 1
+
+
+def test_a_gpu_in_hand_over_still_counts_in_the_pool():
+    """A released 2 of 4; its workers are still leaving (the GPUs show as its own, not free)
+    and B has not claimed them: A's share stays 2, nothing more is released."""
+    p = plan(d("a", "u1", held=2), [d("b", "u2", held=0, wanted=4)], [hold("h1", 2)], free=0)
+    assert p.pool == 2 and p.release  # without the hosts' GPU count, the pool shrinks
+    p = fs.plan(d("a", "u1", held=2), [d("b", "u2", held=0, wanted=4)], [hold("h1", 2)], free=0,
+                half_life_s=DAY, slack=0, hold_s=600.0, seen=4)
+    assert (p.pool, p.share, dict(p.release), p.cap) == (4, 2, {}, 2)

@@ -55,7 +55,8 @@ def test_a_second_job_gets_its_fair_half_with_no_lost_step_in_the_first(testbed)
 
             events = st["events"]
             fair = [e for e in events if e.get("kind") == "fairshare"]
-            assert fair and all(f"to job {b.job} (fair share 2 of 4)" in e["detail"] for e in fair), events
+            assert fair and all(f"to job {b.job} (fair share 2 of 4)" in e["detail"] for e in fair), \
+                [e["detail"] for e in fair]
             leaves = [e for e in events if e.get("kind") == "leave"]
             assert leaves and all(e["lost"] == [] and e["step"] == e["from_step"] + 1 for e in leaves), leaves
             kinds = {e.get("kind") for e in events}
