@@ -42,7 +42,8 @@ class LabView:
 
 def lab_view(reports: Iterable[HostReport], half_life_s: float) -> LabView:
     reports = list(reports)
-    held: dict[tuple[str, str], dict[str, int]] = {}
+    held: dict[str, dict[str, int]] = {}  # job -> host -> GPUs its claims hold there
+    users: dict[str, set[str]] = {}  # job -> the accounts seen holding its claims
     free = 0
     seen: list[Demand] = []
     answered, lost = [], []
@@ -55,23 +56,26 @@ def lab_view(reports: Iterable[HostReport], half_life_s: float) -> LabView:
             free += sum(1 for g in r.gpus if g.state is GpuUse.FREE)
         for name, claim in r.claims:
             if name.startswith("gpu") and claim.job:
-                per = held.setdefault((claim.user, claim.job), {})
+                per = held.setdefault(claim.job, {})
                 per[r.name] = per.get(r.name, 0) + 1
+                if claim.user:
+                    users.setdefault(claim.job, set()).add(claim.user)
         seen.extend(r.demands)
-    demands = {d.key: d for d in fairshare.merge(seen)}
-    # A claim's user is the daemon's account, a demand's the probe's: the same account on one host.
-    keys = sorted(set(demands) | set(held))
-    counts = {k: sum(held.get(k, {}).values()) for k in keys}
+    # A job is known by its name, as its claims are (its account may differ between hosts).
+    demands = {d.job: d for d in fairshare.merge(seen)}
+    names = sorted(set(demands) | set(held))
+    counts = {j: sum(held.get(j, {}).values()) for j in names}
+    user = {j: demands[j].user if j in demands else ", ".join(sorted(users.get(j, ()))) for j in names}
     pool = sum(counts.values()) + free
-    table_in = [Demand(**{**demands[k].__dict__, "held": counts[k]}) if k in demands
-                else Demand(job=k[1], user=k[0], held=counts[k]) for k in keys]
-    shares = {(s.user, s.job): s.share for s in fairshare.shares(table_in, pool, half_life_s)}
+    table_in = [Demand(**{**demands[j].__dict__, "held": counts[j]}) if j in demands
+                else Demand(job=j, user=user[j], held=counts[j]) for j in names]
+    shares = {s.job: s.share for s in fairshare.shares(table_in, pool, half_life_s)}
     jobs = []
-    for k in keys:
-        d = demands.get(k)
-        jobs.append(LabJob(job=k[1], user=k[0], priority=d.priority if d else None, held=counts[k],
+    for j in sorted(names, key=lambda j: (user[j], j)):
+        d = demands.get(j)
+        jobs.append(LabJob(job=j, user=user[j], priority=d.priority if d else None, held=counts[j],
                            wanted=d.wanted if d else None, usage_gpu_h=d.usage_gpu_h if d else None,
-                           share=shares.get(k), hosts=tuple(sorted(held.get(k, {}).items())), published=d is not None))
+                           share=shares.get(j), hosts=tuple(sorted(held.get(j, {}).items())), published=d is not None))
     return LabView(jobs=tuple(jobs), pool=pool, free=free, hosts=tuple(answered), unreachable=tuple(lost))
 
 

@@ -28,7 +28,8 @@ job waits. The rule (docs/fairshare.md has it for users):
 `share + fairshare_slack` and another job waits (holds less than its share and wants
 more); it releases down to its share, never below its `min_workers`, never a GPU
 it took less than `fairshare_hold` ago, preferring hosts where a waiting job wants
-GPUs; while a job waits it takes no new GPU beyond its share (it does not grab back).
+GPUs; while another job wants more and is not above its share, it takes no new GPU
+beyond its own share (it does not grab back what it released).
 """
 
 from __future__ import annotations
@@ -77,12 +78,13 @@ class Plan:
 
 
 def merge(entries: Iterable[Demand]) -> list[Demand]:
-    """One entry per (user, job): the newest of those seen on the hosts."""
-    out: dict[tuple[str, str], Demand] = {}
+    """One entry per job: the newest of those seen on the hosts. A job is known by its
+    name, as its GPU claims are (its account may differ from host to host)."""
+    out: dict[str, Demand] = {}
     for d in entries:
-        if d.key not in out or d.time > out[d.key].time:
-            out[d.key] = d
-    return [out[k] for k in sorted(out)]
+        if d.job not in out or d.time > out[d.job].time:
+            out[d.job] = d
+    return sorted(out.values(), key=lambda d: d.key)
 
 
 def weight(usage_gpu_h: float, pool: int, half_life_s: float) -> float:
@@ -155,20 +157,26 @@ class HostHold:
 
 
 def plan(me: Demand, others: Iterable[Demand], hosts: Iterable[HostHold], *, free: int,
-         half_life_s: float, slack: int, hold_s: float, seen: int = 0) -> Plan:
+         half_life_s: float, slack: int, hold_s: float, seen: int = 0, settling: bool = False) -> Plan:
     """What this job (`me`, its own figures) does about the other jobs seen on its hosts
     (`others`: their entries) now. `free`: GPUs free on this job's hosts; `hosts`: where it
     holds GPUs; `seen`: the GPUs of its hosts that eltctl jobs may use (free, its own,
-    another job's), which also counts GPUs in hand-over (released, not yet claimed)."""
-    others = [d for d in merge(others) if d.key != me.key]
+    another job's), which also counts GPUs in hand-over (released, not yet claimed);
+    `settling`: this job released GPUs a moment ago (`settle_s`): nothing more is released
+    until the waiting job has had time to claim them (the pool looks smaller meanwhile)."""
+    others = [d for d in merge(others) if d.job != me.job]
     if not others:
         return Plan()
     pool = max(me.held + sum(d.held for d in others) + max(free, 0), seen)
     table = shares([me, *others], pool, half_life_s)
-    mine = next(s for s in table if (s.user, s.job) == me.key)
-    waiting = [s for s in table if s.waiting and (s.user, s.job) != me.key]
+    mine = next(s for s in table if s.job == me.job)
+    waiting = [s for s in table if s.waiting and s.job != me.job]
     base = Plan(shares=tuple(table), pool=pool, share=mine.share)
     if not waiting:
+        # Another job wants more and is not above its share (it may be about to claim the
+        # GPUs it is owed): take nothing beyond this job's share either.
+        if any(s.job != me.job and s.wanted > 0 and s.held <= s.share for s in table):
+            return Plan(shares=base.shares, pool=pool, share=mine.share, cap=max(mine.share, me.held))
         return base
     to = f"{waiting[0].user}/{waiting[0].job}"
     deficit = sum(s.share - s.held for s in waiting)
@@ -177,7 +185,7 @@ def plan(me: Demand, others: Iterable[Demand], hosts: Iterable[HostHold], *, fre
     if excess <= slack or excess <= 0:
         return Plan(shares=base.shares, pool=pool, share=mine.share, cap=cap, to=to,
                     reason=f"job {waiting[0].job} waits: holding {me.held}, fair share {mine.share} of {pool}")
-    want = min(excess, max(deficit - max(free, 0), 0), me.held - me.min_workers)
+    want = 0 if settling else min(excess, max(deficit - max(free, 0), 0), me.held - me.min_workers)
     names = {f"{s.user}/{s.job}" for s in waiting}
     release: dict[str, int] = {}
     # Hosts where a waiting job wants GPUs first; then the others, in reverse order.
@@ -196,8 +204,9 @@ def plan(me: Demand, others: Iterable[Demand], hosts: Iterable[HostHold], *, fre
         reason = (f"released {n} GPU{'s' if n != 1 else ''} ({where}) to job {waiting[0].job} "
                   f"(fair share {mine.share} of {pool})")
     else:
+        why = "GPUs released a moment ago are being claimed" if settling else "fairshare_hold, or min_workers"
         reason = (f"holding {me.held}, fair share {mine.share} of {pool}: job {waiting[0].job} waits; "
-                  "nothing released now (fairshare_hold, or min_workers)")
+                  f"nothing released now ({why})")
     return Plan(shares=base.shares, pool=pool, share=mine.share, release=release,
                 cap=cap - n, to=to, reason=reason)
 
@@ -205,6 +214,12 @@ def plan(me: Demand, others: Iterable[Demand], hosts: Iterable[HostHold], *, fre
 
 
 # --------------------------------------------------------------------------- this job's side
+
+def settle_s(idle_for: float, probe_interval: float) -> float:
+    """How long after a release this job releases nothing more: the waiting job needs a
+    probe to see the GPUs free and `idle_for` before it claims them."""
+    return idle_for + 3 * probe_interval + 10.0
+
 
 def own_demand(*, job: str, user: str, priority: int, min_workers: int, max_workers: int | None,
                desired: Mapping[str, Iterable[int]], reports: Mapping[str, object], usable: Iterable[str],

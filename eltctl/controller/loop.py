@@ -106,6 +106,7 @@ class Controller:
         self.fair = fairshare.Plan()  # fair share's last plan (controller/fairshare.py)
         self._published: dict = {}  # host -> this job's demand entry to publish there at the next probe
         self._usage: tuple[float, float] = (-1e18, 0.0)  # (when, recent GPU-hours) from the ledger
+        self._released_at = -1e18  # when fair share last released GPUs
 
     # ----------------------------------------------------------------- the loop
 
@@ -295,9 +296,12 @@ class Controller:
                               fairshare.holds(desired, reports, inv.job.name),
                               free=fairshare.free_gpus(reports, usable), half_life_s=inv.policy.usage_half_life,
                               slack=inv.policy.fairshare_slack, hold_s=inv.policy.fairshare_hold,
-                              seen=fairshare.shared_gpus(reports, usable))
+                              seen=fairshare.shared_gpus(reports, usable),
+                              settling=now - self._released_at < fairshare.settle_s(inv.policy.idle_for,
+                                                                                    inv.policy.probe_interval))
         before, self.fair = self.fair, plan
         if plan.release and plan.release != before.release:
+            self._released_at = now
             log.info("Fair share: %s.", plan.reason)
             for host, n in plan.release.items():
                 await self._event(EventKind.FAIRSHARE, host,

@@ -68,8 +68,10 @@ def plan(me, others, hosts, free=0, slack=0, hold_s=600.0):
     ("the other waits: release down to the share, where it wants first",
      d("a", "u1", held=6), [d("b", "u2", wanted=6)],
      [hold("h1", 2), hold("h2", 2, want=["u2/b"]), hold("h3", 2)], {}, {"h2": 2, "h3": 1}, 3),
-    ("no waiting job (it holds its share)", d("a", "u1", held=3), [d("b", "u2", held=3, wanted=3)],
-     [hold("h1", 3)], {}, {}, None),
+    ("the other holds its share and wants more: nothing beyond the share", d("a", "u1", held=3),
+     [d("b", "u2", held=3, wanted=3)], [hold("h1", 3)], {}, {}, 3),
+    ("the other wants nothing more: no cap", d("a", "u1", held=3), [d("b", "u2", held=3)],
+     [hold("h1", 3)], {"free": 2}, {}, None),
     ("within the slack: keep, but take no more", d("a", "u1", held=4), [d("b", "u2", held=2, wanted=4)],
      [hold("h1", 4)], {"slack": 1}, {}, 4),
     ("GPUs taken too recently stay", d("a", "u1", held=6), [d("b", "u2", wanted=6)],
@@ -176,3 +178,14 @@ def test_a_gpu_in_hand_over_still_counts_in_the_pool():
     p = fs.plan(d("a", "u1", held=2), [d("b", "u2", held=0, wanted=4)], [hold("h1", 2)], free=0,
                 half_life_s=DAY, slack=0, hold_s=600.0, seen=4)
     assert (p.pool, p.share, dict(p.release), p.cap) == (4, 2, {}, 2)
+
+
+def test_a_job_is_one_job_whatever_account_each_host_saw():
+    got = fs.merge([d("b", "eltsim-h1", held=1, t=5), d("b", "eltsim-h2", held=2, t=9), d("a", "root", t=1)])
+    assert [(x.user, x.job, x.held) for x in got] == [("eltsim-h2", "b", 2), ("root", "a", 0)]
+
+
+def test_nothing_more_is_released_while_the_last_release_settles():
+    p = fs.plan(d("a", "u1", held=3), [d("b", "u2", held=0, wanted=4)], [hold("h1", 3)], free=0,
+                half_life_s=DAY, slack=0, hold_s=600.0, seen=4, settling=True)
+    assert (dict(p.release), p.cap) == ({}, 3) and "being claimed" in p.reason
