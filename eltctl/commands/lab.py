@@ -33,7 +33,7 @@ def render(view) -> None:
     table = Table(header_style="bold", expand=False)
     for name, justify in (("job", "left"), ("user", "left"), ("priority", "right"), ("held", "right"),
                           ("wanted", "right"), ("usage GPU-h", "right"), ("fair share", "right"), ("hosts", "left")):
-        table.add_column(name, justify=justify, overflow="fold")
+        table.add_column(name, justify=justify, overflow="fold", no_wrap=name != "hosts")
 
     def shown(v, fmt="{}"):
         return "?" if v is None else fmt.format(v)
