@@ -307,6 +307,7 @@ class Controller:
                 await self._event(EventKind.FAIRSHARE, host,
                                   f"released {n} GPU{'s' if n != 1 else ''} on {host} to job "
                                   f"{plan.to.split('/', 1)[-1]} (fair share {plan.share} of {plan.pool})")
+        if plan.release:
             limits = pol.fair_limits(limits, self.records, plan.release, plan.reason)
         return limits, plan.cap
 
