@@ -43,6 +43,7 @@ from eltctl_runtime import netif  # the data plane's choice, shared with the hos
 from eltctl_runtime import nvsmi  # the one nvidia-smi parser, shared with the host daemon; stdlib only
 from eltctl_runtime.claims import DEFAULT_DIR as CLAIMS_DEFAULT_DIR, ENV as CLAIMS_ENV, Claim, parse_slot_file
 from eltctl_runtime.nvsmi import parse_number
+from eltctl.demand import Demand
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy
 from eltctl.hosts.fleet import Fleet, Outcome
@@ -120,6 +121,9 @@ class HostProbe:
     net: bool = False  # the net section arrived
     ssh_address: str | None = None  # the host's address of the probe's SSH connection; None: none (local)
     interfaces: dict[str, tuple[str, ...]] | None = None  # `ip -o addr show`: name -> addresses; None: no `ip`
+    host_time: float | None = None  # the host's clock when the probe ran (demand times are on it)
+    demands: tuple[Demand, ...] = ()  # the fresh demand entries of the jobs sharing the host (eltctl/demand.py)
+    demand_error: str = ""  # why this job's demand could not be written there
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,11 @@ class HostReport:
     owner: dict | None = None
     # Where its collectives listen ({"interface", "address", "source", "error"}; data_plane()), or None.
     data_plane: dict | None = None
+    # Fair share (eltctl/demand.py): every held claim (this job's too), the host's clock and
+    # the fresh demand entries of the jobs sharing it.
+    claims: tuple[tuple[str, Claim], ...] = ()
+    host_time: float | None = None
+    demands: tuple[Demand, ...] = ()
 
     @property
     def reachable(self) -> bool:
@@ -211,7 +220,7 @@ if [ -n "$3" ]; then
 fi
 {claims_section()}echo "${{m}}net $(set -- ${{SSH_CONNECTION:-}}; echo ${{3:-}})"
 if command -v ip >/dev/null 2>&1; then ip -o addr show 2>/dev/null; else echo "!no-ip"; fi
-echo "${{m}}end"
+{demand_section()}echo "${{m}}end"
 """
 
 
@@ -237,18 +246,46 @@ done
 """
 
 
+def demand_section() -> str:
+    """The script's `demand` section: the host's clock, then (when the fifth argument, this
+    job's demand as JSON, is given) that demand written atomically to
+    `<claims dir>/demand.<user>.<job>` with `user` and `time` added, then `<file> <content>`
+    for every demand file there (eltctl/demand.py)."""
+    return f"""\
+echo "${{m}}demand"
+date +%s
+if [ -n "$5" ]; then
+  cdir="${{{CLAIMS_ENV}:-{CLAIMS_DEFAULT_DIR}}}"
+  [ -d "$cdir" ] || {{ mkdir -m 1777 "$cdir" 2>/dev/null && chmod 1777 "$cdir" 2>/dev/null; }}
+  u=$(id -un 2>/dev/null)
+  dt="$cdir/.demand.$u.$1.$$"
+  if (umask 022; printf '{{"user": "%s", "time": %s, %s\\n' "$u" "$(date +%s)" "${{5#?}}" >"$dt") 2>/dev/null \\
+     && mv -f "$dt" "$cdir/demand.$u.$1" 2>/dev/null; then :; else rm -f "$dt"; echo "!cannot write $cdir/demand.$u.$1"; fi
+fi
+for f in "${{{CLAIMS_ENV}:-{CLAIMS_DEFAULT_DIR}}}"/demand.*; do
+  [ -f "$f" ] || continue
+  echo "${{f##*/}} $(head -c 4000 "$f" 2>/dev/null | tr -d '\\n')"
+done
+"""
+
+
 def owner_source() -> str:
     """eltctl_runtime.owner's source: what the probe runs on a host without the runtime."""
     return Path(owner_signals.__file__).read_text(encoding="utf-8")
 
 
 def probe_command(job: str, nvidia_smi_timeout: float, owner: OwnerPolicy | None = None,
-                  python: str = "python3") -> str:
-    """The one shell command a probe sends: `sh -c SCRIPT eltctl-probe JOB [PYTHON POLICY SOURCE]`
-    (the last three when `owner` watches signals)."""
+                  python: str = "python3", demand: Demand | None = None) -> str:
+    """The one shell command a probe sends: `sh -c SCRIPT eltctl-probe JOB [PYTHON POLICY SOURCE
+    [DEMAND]]` (the next three when `owner` watches signals, else empty when a demand follows;
+    DEMAND: this job's demand to publish there, as JSON)."""
     cmd = "sh -c " + shlex.quote(probe_script(job, nvidia_smi_timeout)) + " eltctl-probe " + shlex.quote(job)
     if owner is not None and owner.enabled:
         cmd += " " + " ".join(shlex.quote(a) for a in (python, json.dumps(owner.to_dict()), owner_source()))
+    elif demand is not None:
+        cmd += " '' '' ''"
+    if demand is not None:
+        cmd += " " + shlex.quote(json.dumps(demand.published()))
     return cmd
 
 
@@ -370,7 +407,29 @@ def parse_probe_output(text: str) -> HostProbe:
         nvidia_smi=nvidia_smi, gpu_status=gpu_status, gpu_output=gpu_output or "", gpus=tuple(gpus),
         apps_status=apps_status, apps_output=apps_output or "", processes=tuple(procs),
         owner_ran=owner_ran, owner=owner, owner_output=owner_output,
-        claims=parse_claims(s.get("claims", ("", []))[1]))
+        claims=parse_claims(s.get("claims", ("", []))[1]),
+        **parse_demands(s.get("demand", ("", []))[1]))
+
+
+def parse_demands(lines: Iterable[str]) -> dict:
+    """The `demand` section: the host's clock, the fresh entries and a write failure."""
+    host_time, out, error = None, [], ""
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if i == 0:
+            try:
+                host_time = float(line)
+            except ValueError:
+                pass
+            continue
+        if line.startswith("!"):
+            error = line[1:]
+            continue
+        name, _, content = line.partition(" ")
+        d = Demand.from_json(content) if name.startswith("demand.") else None
+        if d is not None and d.fresh(host_time):
+            out.append(d)
+    return {"host_time": host_time, "demands": tuple(sorted(out, key=lambda d: d.key)), "demand_error": error}
 
 
 def parse_claims(lines: Iterable[str]) -> tuple[tuple[str, Claim], ...]:
@@ -497,7 +556,7 @@ def assess_host(host: Host, probe: HostProbe, policy: Policy, *, job: str = "") 
     plane = data_plane(host, probe)
     if plane is not None and plane["error"] and plane["source"] == "inventory":  # its daemon would not start
         report = replace(report, reason=f"{report.reason}; {plane['error']}")
-    return replace(report, data_plane=plane)
+    return replace(report, data_plane=plane, claims=probe.claims, host_time=probe.host_time, demands=probe.demands)
 
 
 def data_plane(host: Host, probe: HostProbe) -> dict | None:
@@ -600,12 +659,13 @@ def unreachable_report(host: Host, error: HostError) -> HostReport:
 # --------------------------------------------------------------------------- running it
 
 async def probe_host(host: Host, transport: Transport, *, job: str, policy: Policy,
-                     owner: OwnerPolicy | None = None) -> HostReport:
+                     owner: OwnerPolicy | None = None, demand: Demand | None = None) -> HostReport:
     """One round trip; a probe that times out or fails to run makes the host unhealthy.
-    `owner`: the owner signals the host watches (None or none watched: no owner check)."""
+    `owner`: the owner signals the host watches (None or none watched: no owner check).
+    `demand`: this job's demand to publish on the host (a controller's probe; None: none)."""
     limit = probe_timeout(policy)
     try:
-        result = await transport.run(probe_command(job, policy.nvidia_smi_timeout, owner, host.python),
+        result = await transport.run(probe_command(job, policy.nvidia_smi_timeout, owner, host.python, demand),
                                      timeout=limit)
     except HostError as exc:
         if exc.kind in (ErrorKind.TIMEOUT, ErrorKind.COMMAND):  # str enum: equal to the plain strings too
@@ -622,13 +682,16 @@ async def probe_host(host: Host, transport: Transport, *, job: str, policy: Poli
 
 async def probe_fleet(fleet: Fleet, *, job: str, policy: Policy,
                       hosts: Iterable[Host] | None = None,
-                      owner: Callable[[Host], OwnerPolicy] | None = None) -> list[HostReport]:
+                      owner: Callable[[Host], OwnerPolicy] | None = None,
+                      demand: Callable[[Host], Demand | None] | None = None) -> list[HostReport]:
     """Probe every host of the fleet at once; reports in the fleet's host order.
-    `owner(host)`: the owner signals each host watches (Inventory.owner_policy)."""
+    `owner(host)`: the owner signals each host watches (Inventory.owner_policy);
+    `demand(host)`: this job's demand to publish there (fair share; None: publish nothing)."""
     targets = fleet.hosts if hosts is None else tuple(hosts)
 
     async def one(host: Host, transport: Transport) -> HostReport:
-        return await probe_host(host, transport, job=job, policy=policy, owner=owner(host) if owner else None)
+        return await probe_host(host, transport, job=job, policy=policy, owner=owner(host) if owner else None,
+                                demand=demand(host) if demand else None)
 
     outcomes: dict[str, Outcome[HostReport]] = await fleet.each(targets, one)
     reports = []
@@ -669,6 +732,8 @@ JSON_FORMAT = """\
 | `owner` | object or null | the owner signal that keeps workers off the host (the inventory's owner_* keys; then every GPU is `busy` and `slots` is 0): `name` (`login`, `keyboard`, `load`, `memory`, or `unknown` when the check could not run), `detail` (e.g. "alice logged in on pts/3, idle 40 s (starts after 900 s idle)"), `since` (wall clock or null) |
 | `data_plane` | object or null | where the job's collectives (gloo, NCCL) listen on the host, as its daemon chooses (docs/control-plane.md, "The data plane"): `interface` (string or null: none holds the address, or a `local` host decides from its route to the store), `address` (string or null), `source` (`inventory`: the host's `data_interface`; `address`: the interface of the host's address of its SSH connection; `store route`), `error` (string or null: e.g. a `data_interface` the host lacks, then also in `reason`); null when the host was not probed to the end |
 | `gpus` | [object] | the GPUs considered (the host's `gpus` list, or all), by index; empty unless `state` is `ok` |
+| `host_time` | number or null | the host's clock when the probe ran |
+| `demands` | [object] | fair share (docs/fairshare.md): the fresh demand entries the eltctl jobs sharing the host published beside its GPU claims: `job`, `user` (the host account), `time` (host clock), `priority`, `held` and `wanted` (GPUs, job-wide), `held_here`, `wants_here` (this host), `usage_gpu_h` (recent usage, decayed GPU-hours), `min_workers`, `every` (seconds between its writes) |
 
 Each GPU:
 
@@ -706,6 +771,8 @@ def report_to_json(r: HostReport) -> dict:
         "users": list(r.users),
         "owner": r.owner,
         "data_plane": r.data_plane,
+        "host_time": r.host_time,
+        "demands": [json.loads(d.to_json()) for d in r.demands],
         "gpus": [
             {
                 "index": g.gpu.index,

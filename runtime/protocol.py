@@ -207,6 +207,7 @@ class EventKind(str, Enum):
     ADD = "add"
     REMOVE = "remove"
     STORE = "store"
+    FAIRSHARE = "fairshare"  # the controller released GPUs to another job's fair share
 
 
 def event_document(kind: EventKind | str, *, host: str | None, detail: str, workers: Iterable[str] = (),

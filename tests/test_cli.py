@@ -292,7 +292,7 @@ def test_each_command_is_a_plain_function_registered_in_help_order():
     register(app)
     names = [c.name for c in app.registered_commands]
     assert names == ["init", "doctor", "probe", "up", "scale", "cordon", "uncordon", "down", "status", "logs", "usage",
-                     "metrics", "demo", "cron"]
+                     "lab", "metrics", "demo", "cron"]
     # `notify test`; `checkpoints` and `checkpoints export`
     assert [g.name for g in app.registered_groups] == ["notify", "checkpoints"]
     callbacks = {c.name: c.callback for c in app.registered_commands}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import typer
 
-from eltctl.commands import (checkpoints, cordon, cron, demo, doctor, down, init, logs, metrics, notify, probe, scale,
-                             status, up, usage)
+from eltctl.commands import (checkpoints, cordon, cron, demo, doctor, down, init, lab, logs, metrics, notify, probe,
+                             scale, status, up, usage)
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
     app.command("status")(status.status)
     app.command("logs")(logs.logs)
     app.command("usage")(usage.usage)
+    app.command("lab")(lab.lab)
     app.command("metrics")(metrics.metrics)
     app.add_typer(notify.app, name="notify")
     app.command("demo")(demo.demo)

@@ -34,6 +34,7 @@ command socket (`controller/socket.py`): `status_document`, `reconcile`, `scale`
 from __future__ import annotations
 
 import asyncio
+import getpass
 import logging
 import time
 from dataclasses import replace
@@ -49,6 +50,7 @@ from eltctl.controller.status import Phase
 from eltctl.controller import store as kstore
 from eltctl.controller.store import JobStore
 from eltctl.inventory import Inventory
+from eltctl.controller import fairshare
 from eltctl.probe import probe_fleet
 from eltctl.hosts.fleet import Fleet
 from eltctl_runtime.files import read_json, write_json_atomic
@@ -106,6 +108,10 @@ class Controller:
         self._keeper_next_try = 0.0  # monotonic: the next restart attempt of a keeper that could not be
         self._keeper_down_logged = False
         self.outputs = Outputs(inventory, state)  # notifications and metrics; started by __main__
+        self.fair = fairshare.Plan()  # fair share's last plan (controller/fairshare.py)
+        self._published: dict = {}  # host -> this job's demand entry to publish there at the next probe
+        self._usage: tuple[float, float] = (-1e18, 0.0)  # (when, recent GPU-hours) from the ledger
+        self._released_at = -1e18  # when fair share last released GPUs
 
     # ----------------------------------------------------------------- the loop
 
@@ -152,7 +158,8 @@ class Controller:
                 return None
             limits = pol.host_limits(self.inventory, self.records, now, self.quota_use(now))
             await self._announce_limits(limits)
-            decision = self.decision = pol.decide(views, self.records, self.inventory, now, limits)
+            limits, fair_cap = await self.fair_share(limits, now)
+            decision = self.decision = pol.decide(views, self.records, self.inventory, now, limits, fair_cap)
             survivor = pol.survivor_holds_state(views, self.observed.runtime_status, now,
                                                 observe.runtime_fresh_for(self.inventory.policy))
             targets = [name for name, slots in decision.desired.items() if slots]
@@ -275,7 +282,8 @@ class Controller:
         try:
             reports = await probe_fleet(self.fleet, job=self.inventory.job.name, policy=self.inventory.policy,
                                         hosts=[h for h in self.inventory.hosts if h.schedule.enabled],
-                                        owner=self.inventory.owner_policy)
+                                        owner=self.inventory.owner_policy,
+                                        demand=lambda host: self._published.get(host.name))
         except Exception:  # noqa: BLE001 - a probe bug must not end the controller
             log.exception("The probe failed.")
             return
@@ -284,6 +292,42 @@ class Controller:
             await self.fleet.forget(name)
             self.starter.forget(name)
         self._probed_once.set()
+
+    # ----------------------------------------------------------------- fair share
+
+    async def fair_share(self, limits: dict[str, pol.Limit], now: float) -> tuple[dict[str, pol.Limit], int | None]:
+        """This job's demand to publish at the next probe, and fair share's plan
+        (controller/fairshare.py): the limits with its releases, and the cap on new slots."""
+        inv = self.inventory
+        reports = self.observed.reports
+        desired = {h.name: self.records.get(h.name, pol.HostRecord()).desired for h in inv.hosts}
+        usable = [h.name for h in inv.hosts if limits.get(h.name, pol.NO_LIMIT).cap != 0
+                  and not self.records.get(h.name, pol.HostRecord()).removed]
+        if self.ledger is not None and now - self._usage[0] >= inv.policy.probe_interval:
+            self._usage = (now, self.ledger.recent_gpu_hours(now, inv.policy.usage_half_life))
+        me, self._published = fairshare.own_demand(
+            job=inv.job.name, user=fairshare.own_user(reports, inv.job.name, getpass.getuser()),
+            priority=inv.job.priority, min_workers=inv.job.min_workers, max_workers=inv.job.max_workers,
+            desired=desired, reports=reports, usable=usable, usage_gpu_h=self._usage[1],
+            every=inv.policy.probe_interval)
+        plan = fairshare.plan(me, fairshare.others_seen(reports, inv.job.name),
+                              fairshare.holds(desired, reports, inv.job.name),
+                              free=fairshare.free_gpus(reports, usable), half_life_s=inv.policy.usage_half_life,
+                              slack=inv.policy.fairshare_slack, hold_s=inv.policy.fairshare_hold,
+                              seen=fairshare.shared_gpus(reports, usable),
+                              settling=now - self._released_at < fairshare.settle_s(inv.policy.idle_for,
+                                                                                    inv.policy.probe_interval))
+        before, self.fair = self.fair, plan
+        if plan.release and plan.release != before.release:
+            self._released_at = now
+            log.info("Fair share: %s.", plan.reason)
+            for host, n in plan.release.items():
+                await self._event(EventKind.FAIRSHARE, host,
+                                  f"released {n} GPU{'s' if n != 1 else ''} on {host} to job "
+                                  f"{plan.to.split('/', 1)[-1]} (fair share {plan.share} of {plan.pool})")
+        if plan.release:
+            limits = pol.fair_limits(limits, self.records, plan.release, plan.reason)
+        return limits, plan.cap
 
     # ----------------------------------------------------------------- act
 
@@ -596,7 +640,7 @@ class Controller:
 
     def status_document(self) -> dict:
         now = self.clock()
-        return self.outputs.extend(status.status_document(
+        doc = self.outputs.extend(status.status_document(
             now=now, inventory=self.inventory, phase=self.phase, message=self.message,
             runtime_status=self.observed.runtime_status,
             views=self.observed.views(self.inventory.hosts, now, self.inventory.policy),
@@ -610,6 +654,8 @@ class Controller:
             keeper=self._keeper_status(),
             starts_at=(self.decision.starts_at if self.decision is not None and self.phase == Phase.STARTING
                        else None)))
+        doc["fairshare"] = fairshare.plan_to_json(self.fair)
+        return doc
 
     def store_forgeries(self) -> dict[str, int]:
         """The forged values the controller's own store client read, per key family."""

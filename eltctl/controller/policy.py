@@ -591,6 +591,21 @@ def host_limits(inventory: Inventory, records: Mapping[str, HostRecord], now: fl
     return out
 
 
+def fair_limits(limits: Mapping[str, Limit], records: Mapping[str, HostRecord], release: Mapping[str, int],
+                reason: str) -> dict[str, Limit]:
+    """The limits with fair share's releases (controller/fairshare.py `Plan.release`): a host
+    that releases n GPUs is capped at n fewer than it runs, so they leave in the planned way
+    (the last of its slots, at a step boundary, no cooldown). No phase: it is not a pause."""
+    out = dict(limits)
+    for name, n in release.items():
+        held = len(records.get(name, HostRecord()).desired)
+        cap = max(held - n, 0)
+        old = out.get(name, NO_LIMIT)
+        if old.cap is None or old.cap > cap:
+            out[name] = Limit(cap, None, reason)
+    return out
+
+
 def _capacity(view: HostView | None, limit: Limit) -> float:
     """The most slots the limits leave this host, whatever its GPUs do now (unknown: any)."""
     if limit.cap == 0:
@@ -617,12 +632,15 @@ def pause_reason(limits: Mapping[str, Limit], inventory: Inventory) -> str:
 
 
 def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inventory: Inventory,
-           now: float, limits: Mapping[str, Limit] | None = None) -> Decision:
+           now: float, limits: Mapping[str, Limit] | None = None, fair_cap: int | None = None) -> Decision:
     """What to do now: the slots each host should run, and the daemon starts and stops.
-    `limits` (`host_limits`) cap each host's slots; none: no cap."""
+    `limits` (`host_limits`) cap each host's slots; none: no cap. `fair_cap`: the most
+    slots fair share lets the job hold while another job waits (no new ones beyond it)."""
     job = inventory.job
     limits = limits or {}
     cap = job.max_workers if job.max_workers is not None else 1 << 30
+    if fair_cap is not None:
+        cap = min(cap, max(fair_cap, job.min_workers))
     kept: dict[str, list[int]] = {}
     candidates: list[tuple[str, int]] = []
     soon_at: list[tuple[float, str, str]] = []  # (when usable, the key that delays it, host) per maturing slot

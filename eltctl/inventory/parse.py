@@ -43,12 +43,14 @@ _SSH_URL = re.compile(r"ssh://(?:[^@/\s]+@)?[^:/\s]+(?::\d+)?/\S*")
 # The accepted keys, per table, in the order hosts.example.toml documents them.
 TOP_KEYS = ("job", "ssh", "policy", "storage", "controller", "notify", "hosts")
 JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device", "env",
-            "shared_filesystem", "mode", "stop_grace", "progress", "max_restarts", "restart_window")
+            "shared_filesystem", "mode", "stop_grace", "progress", "max_restarts", "restart_window",
+            "priority")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
 POLICY_KEYS = ("idle_for", "cpu_idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
                "probe_interval", "nvidia_smi_timeout", "watch_interval", "bench_after", "hang_timeout",
-               "drop_stragglers", "straggler_gain_percent", "straggler_for", *schedules.SCHEDULE_KEYS,
+               "drop_stragglers", "straggler_gain_percent", "straggler_for", "usage_half_life", "fairshare_slack", "fairshare_hold",
+               *schedules.SCHEDULE_KEYS,
                *OWNER_KEYS)
 STORAGE_KEYS = ("mirror", "keep", "trust_unsigned")
 CONTROLLER_KEYS = ("address", "store", "metrics_file")
@@ -195,12 +197,14 @@ class Checker:
                 t.fail("progress", str(exc))
         max_restarts = t.integer("max_restarts", JobSpec.max_restarts, lo=0, meaning=" (0: never stop)")
         restart_window = t.duration("restart_window", JobSpec.restart_window, positive=True)
+        priority = t.integer("priority", JobSpec.priority, meaning=" (higher is served first; default 0)")
         if self.problems:
             return None
         return JobSpec(name=name, command=command, workdir=workdir, min_workers=min_workers,
                        max_workers=max_workers, device=DeviceKind(device), env=env,
                        shared_filesystem=shared, mode=JobMode(mode), stop_grace=stop_grace,
-                       progress=progress, max_restarts=max_restarts, restart_window=restart_window)
+                       progress=progress, max_restarts=max_restarts, restart_window=restart_window,
+                       priority=priority)
 
     def command(self, t: Table) -> Any:
         value = t.raw("command", required='["python", "train.py"]')
@@ -254,6 +258,10 @@ class Checker:
             bench_after=t.integer("bench_after", d.bench_after, lo=1,
                                   meaning=" (failures in a row before a host is benched)"),
             hang_timeout=t.duration("hang_timeout", d.hang_timeout, positive=True),
+            usage_half_life=t.duration("usage_half_life", d.usage_half_life, positive=True),
+            fairshare_slack=t.integer("fairshare_slack", d.fairshare_slack, lo=0,
+                                      meaning=" (GPUs held beyond the fair share before any is released)"),
+            fairshare_hold=t.duration("fairshare_hold", d.fairshare_hold, positive=False),
         )
         if isinstance(values["hang_timeout"], float) and values["hang_timeout"] > 30:
             # The runtime caps it (runtime/config.py MAX_HANG_TIMEOUT_S): a longer

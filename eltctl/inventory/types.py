@@ -44,6 +44,7 @@ class JobSpec:
     progress: str | None = None
     max_restarts: int = 5  # restart mode: failures of the script within restart_window that stop the job (0: never)
     restart_window: float = 600.0  # seconds
+    priority: int = 0  # fair share between jobs: a higher priority's demand is served first (docs/fairshare.md)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ class Policy:
     # seconds a CPU slot (a host without GPUs) must look free first: no owner process can
     # be seen on a CPU slot, so by default it is used at once (owner_signals watch the owner)
     cpu_idle_for: float = 0.0
+    # fair share between jobs sharing hosts (controller/fairshare.py, docs/fairshare.md)
+    usage_half_life: float = 86400.0  # seconds: a user's recent usage halves every this long
+    fairshare_slack: int = 0  # GPUs a job may hold beyond its fair share before it releases any
+    fairshare_hold: float = 600.0  # seconds: a GPU taken less than this long ago is not released
 
 
 @dataclass(frozen=True)

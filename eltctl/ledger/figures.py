@@ -70,6 +70,26 @@ def gpu_seconds(conn: sqlite3.Connection, now: float, since: float | Mapping[str
     return per, sum(per.values())
 
 
+def decayed(start: float, end: float, now: float, half_life: float) -> float:
+    """The seconds of [start, end] each weighted by 2 ** -((now - t) / half_life): the
+    integral of the decay over the interval (a second used one half-life ago counts half)."""
+    import math
+
+    end = min(end, now)
+    if end <= start or half_life <= 0:
+        return 0.0
+    k = math.log(2) / half_life
+    return (math.exp(-k * (now - end)) - math.exp(-k * (now - start))) / k
+
+
+def decayed_gpu_seconds(conn: sqlite3.Connection, now: float, half_life: float) -> float:
+    """The job's GPU-seconds, exponentially decayed with `half_life` (fair share's recent
+    usage: controller/fairshare.py); open intervals count up to `now`."""
+    rows = conn.execute("SELECT start, COALESCE(end, ?) FROM intervals WHERE kind = 'gpu' AND start < ?",
+                        (now, now)).fetchall()
+    return sum(decayed(float(a), float(b), now, half_life) for a, b in rows)
+
+
 def _key(iv: Interval, by: str) -> str:
     return iv.host if by == "host" else f"{iv.host}:{iv.slot}"
 

@@ -362,6 +362,14 @@ class UsageRecorder:
         _, total = self.gpu_seconds(now, 0.0)
         return per_day, total
 
+    def recent_gpu_hours(self, now: float, half_life: float) -> float:
+        """The job's GPU-hours decayed with `half_life` (what fair share publishes)."""
+        from eltctl.ledger.figures import decayed_gpu_seconds
+
+        if self._conn is None:
+            return 0.0
+        return decayed_gpu_seconds(self._conn, now, half_life) / 3600.0
+
     # ----------------------------------------------------------------- internals
 
     def _tx(self):

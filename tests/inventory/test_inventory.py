@@ -131,7 +131,8 @@ def test_every_key_is_read_into_its_field(tmp_path):
     assert inv.ssh.known_hosts == Path("/etc/eltctl/known_hosts")
     assert (inv.ssh.user, inv.ssh.port, inv.ssh.max_parallel) == ("alice", 2200, 8)
     assert (inv.ssh.connect_timeout, inv.ssh.command_timeout) == (1.5, 45.0)
-    assert dataclasses.astuple(inv.policy) == (5400.0, 0, 100, 0.0, 2.5, 3.0, 1.0, 3, 10.0, 0.0)
+    assert dataclasses.astuple(inv.policy) == (5400.0, 0, 100, 0.0, 2.5, 3.0, 1.0, 3, 10.0, 0.0,
+                                              86400.0, 0, 600.0)
     assert (inv.storage.mirror, inv.storage.keep) == ("ssh://bob@store:2222/ckpt", 1)
     ws, srv, here = inv.hosts
     assert (ws.port, ws.user, ws.gpus) == (2200, "alice", None)  # [ssh] defaults
@@ -192,7 +193,7 @@ ERRORS = [
     ("unknown key without a near name", JOB + "colour = 1\n" + HOST,
      "hosts.toml:4: job.colour: unknown key; [job] accepts: name, command, workdir, "
      "min_workers, max_workers, device, env, shared_filesystem, mode, stop_grace, progress, max_restarts, "
-     "restart_window"),
+     "restart_window, priority"),
     ("unknown section", JOB + "[host]\nname = 'a'\n" + HOST,
      "hosts.toml:4: host: unknown section; did you mean hosts?"),
     ("missing job section", HOST,
@@ -450,3 +451,21 @@ def test_key_lines_places_keys_tables_and_array_elements():
     assert lines.line_of("hosts[1].env.X") == 12
     assert lines.line_of("hosts[1].address") == 9  # not written: its table's line
     assert lines.line_of("policy.idle_for") is None
+
+
+def test_fair_share_keys(tmp_path):
+    inv = parse("""
+        [job]
+        name = "a"
+        command = "python t.py"
+        priority = 2
+        [policy]
+        usage_half_life = "2h"
+        fairshare_slack = 1
+        fairshare_hold = "30s"
+        [[hosts]]
+        name = "h"
+        address = "local"
+        """)
+    assert inv.job.priority == 2
+    assert (inv.policy.usage_half_life, inv.policy.fairshare_slack, inv.policy.fairshare_hold) == (7200.0, 1, 30.0)

@@ -1,0 +1,91 @@
+"""Demand documents: what each eltctl job sharing a host wants, published beside the GPU claims.
+
+Fair share between jobs (controller/fairshare.py, docs/fairshare.md) needs no central
+server: at every probe, each job's controller writes its demand into the host's claims
+directory (runtime/claims.py: one per host, shared by every job and user, mode 1777),
+as `demand.<host user>.<job>`, and reads every job's file back in the same round trip
+(`eltctl.probe`'s `demand` section). The probe script writes it atomically (a temporary
+file in the same directory, then `mv`), mode 0644, and stamps it with the host's
+account (`user`) and clock (`time`), so a reader compares times on one clock::
+
+    {"user": "alice", "time": 1700000000, "job": "mnist", "priority": 0, "held": 6,
+     "wanted": 0, "held_here": 2, "wants_here": false, "usage_gpu_h": 1.5,
+     "min_workers": 1, "every": 30.0}
+
+`held` and `wanted` are job-wide (GPUs held; how many more it could use); `held_here`
+and `wants_here` are about this host (whether the job would take a GPU here);
+`usage_gpu_h` is the job's recent usage (GPU-hours decayed with its
+`usage_half_life`); `every` its probe interval. An entry older than `stale_after(every)`
+on the host's clock is ignored (its controller is gone). Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+PREFIX = "demand."
+STALE_MIN_S = 60.0
+
+
+def stale_after(every: float) -> float:
+    """Seconds after which an entry written every `every` seconds is stale."""
+    return max(STALE_MIN_S, 3 * every)
+
+
+@dataclass(frozen=True)
+class Demand:
+    job: str
+    user: str = ""
+    time: float = 0.0  # the host's clock when it was written
+    priority: int = 0
+    held: int = 0
+    wanted: int = 0
+    held_here: int = 0
+    wants_here: bool = False
+    usage_gpu_h: float = 0.0
+    min_workers: int = 1
+    every: float = 30.0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.user, self.job)
+
+    def published(self) -> dict:
+        """What the controller hands the probe (the script adds `user` and `time`)."""
+        d = asdict(self)
+        del d["user"], d["time"]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Demand | None":
+        """A demand file's content; None when it is not one."""
+        try:
+            d = json.loads(text)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(d, dict) or not isinstance(d.get("job"), str) or not d["job"]:
+            return None
+
+        def num(key: str, kind: type, default):
+            v = d.get(key)
+            return kind(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+        return cls(job=d["job"], user=str(d.get("user") or ""), time=num("time", float, 0.0),
+                   priority=num("priority", int, 0), held=max(0, num("held", int, 0)),
+                   wanted=max(0, num("wanted", int, 0)), held_here=max(0, num("held_here", int, 0)),
+                   wants_here=bool(d.get("wants_here")), usage_gpu_h=max(0.0, num("usage_gpu_h", float, 0.0)),
+                   min_workers=max(1, num("min_workers", int, 1)), every=num("every", float, 30.0))
+
+    def fresh(self, host_now: float | None) -> bool:
+        return host_now is None or host_now - self.time <= stale_after(self.every)
+
+
+def file_name(user: str, job: str) -> str:
+    return f"{PREFIX}{user}.{job}"
+
+
+__all__ = ["Demand", "PREFIX", "file_name", "stale_after"]

@@ -1,0 +1,191 @@
+"""Fair share's rule (eltctl/controller/fairshare.py): tables of cases, no I/O, a fixed clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from eltctl.controller import fairshare as fs
+from eltctl.demand import Demand
+
+DAY = 86400.0
+
+
+def d(job, user, held=0, wanted=0, prio=0, usage=0.0, minw=1, t=1000.0):
+    return Demand(job=job, user=user, held=held, wanted=wanted, priority=prio, usage_gpu_h=usage,
+                  min_workers=minw, time=t)
+
+
+def table(jobs, pool, half_life=DAY):
+    return {(s.user, s.job): s.share for s in fs.shares(jobs, pool, half_life)}
+
+
+@pytest.mark.parametrize("name, jobs, pool, expected", [
+    ("one job alone takes what it asks", [d("a", "u1", held=6)], 6, {("u1", "a"): 6}),
+    ("two equal users: halves", [d("a", "u1", held=6), d("b", "u2", wanted=6)], 6,
+     {("u1", "a"): 3, ("u2", "b"): 3}),
+    ("a small demand leaves the rest to the other", [d("a", "u1", held=5, wanted=1), d("b", "u2", wanted=1)], 6,
+     {("u1", "a"): 5, ("u2", "b"): 1}),
+    ("one user's two jobs split its half", [d("a", "u1", held=4), d("c", "u1", held=2), d("b", "u2", wanted=6)], 8,
+     {("u1", "a"): 2, ("u1", "c"): 2, ("u2", "b"): 4}),
+    ("priority first, the rest to the lower", [d("a", "u1", held=6), d("h", "u2", wanted=2, prio=1)], 6,
+     {("u1", "a"): 4, ("u2", "h"): 2}),
+    ("priority beats usage", [d("a", "u1", held=6, usage=0.0), d("h", "u2", wanted=6, prio=1, usage=1e6)], 6,
+     {("u1", "a"): 0, ("u2", "h"): 6}),
+    ("an hour of usage barely moves a day's half-life", [d("a", "u1", held=6, usage=1.0), d("b", "u2", wanted=6)], 6,
+     {("u1", "a"): 3, ("u2", "b"): 3}),
+    ("heavy recent usage weighs a user down", [d("a", "u1", held=6, usage=6 * 24), d("b", "u2", wanted=6)], 6,
+     {("u1", "a"): 2, ("u2", "b"): 4}),
+    ("odd pool: the job holding more keeps the extra", [d("a", "u1", held=5), d("b", "u2", wanted=5)], 5,
+     {("u1", "a"): 3, ("u2", "b"): 2}),
+    ("three users of 6", [d("a", "u1", held=6), d("b", "u2", wanted=6), d("c", "u3", wanted=6)], 6,
+     {("u1", "a"): 2, ("u2", "b"): 2, ("u3", "c"): 2}),
+])
+def test_shares(name, jobs, pool, expected):
+    assert table(jobs, pool) == expected
+    assert sum(expected.values()) <= pool
+
+
+def test_the_weight_formula():
+    assert fs.weight(0.0, 6, DAY) == 1.0
+    assert fs.weight(6 * 24, 6, DAY) == pytest.approx(0.5)  # usage = G * half_life_h
+
+
+def test_newest_entry_of_a_job_wins():
+    assert fs.merge([d("a", "u1", held=1, t=5), d("a", "u1", held=3, t=9)])[0].held == 3
+
+
+def hold(name, held, ages=None, want=()):
+    return fs.HostHold(name=name, held=held, ages=tuple(ages if ages is not None else [3600.0] * held),
+                       others_want=tuple(want))
+
+
+def plan(me, others, hosts, free=0, slack=0, hold_s=600.0):
+    return fs.plan(me, others, hosts, free=free, half_life_s=DAY, slack=slack, hold_s=hold_s)
+
+
+@pytest.mark.parametrize("name, me, others, hosts, kw, release, cap", [
+    ("alone: nothing to do", d("a", "u1", held=6), [], [hold("h1", 2)], {}, {}, None),
+    ("the other waits: release down to the share, where it wants first",
+     d("a", "u1", held=6), [d("b", "u2", wanted=6)],
+     [hold("h1", 2), hold("h2", 2, want=["u2/b"]), hold("h3", 2)], {}, {"h2": 2, "h3": 1}, 3),
+    ("the other holds its share and wants more: nothing beyond the share", d("a", "u1", held=3),
+     [d("b", "u2", held=3, wanted=3)], [hold("h1", 3)], {}, {}, 3),
+    ("the other wants nothing more: no cap", d("a", "u1", held=3), [d("b", "u2", held=3)],
+     [hold("h1", 3)], {"free": 2}, {}, None),
+    ("within the slack: keep, but take no more", d("a", "u1", held=4), [d("b", "u2", held=2, wanted=4)],
+     [hold("h1", 4)], {"slack": 1}, {}, 4),
+    ("GPUs taken too recently stay", d("a", "u1", held=6), [d("b", "u2", wanted=6)],
+     [hold("h1", 2, ages=[30.0, 30.0]), hold("h2", 4, ages=[900.0, 900.0, 10.0, 10.0])], {}, {"h2": 2}, 4),
+    ("never below min_workers", d("a", "u1", held=6, minw=5), [d("b", "u2", wanted=6)],
+     [hold("h1", 6)], {}, {"h1": 1}, 5),
+    ("free GPUs serve the waiting job first", d("a", "u1", held=4), [d("b", "u2", wanted=6)],
+     [hold("h1", 4)], {"free": 2}, {"h1": 1}, 3),
+    ("below its share: may grow up to it", d("b", "u2", held=1, wanted=5), [d("a", "u1", held=5)],
+     [hold("h1", 1)], {}, {}, None),
+    ("a higher priority waits for its min_workers", d("a", "u1", held=6), [d("h", "u3", wanted=2, prio=1, minw=2)],
+     [hold("h1", 6)], {}, {"h1": 2}, 4),
+])
+def test_plan(name, me, others, hosts, kw, release, cap):
+    p = plan(me, others, hosts, **kw)
+    assert dict(p.release) == release
+    assert p.cap == cap
+
+
+def test_plan_says_why():
+    p = plan(d("a", "u1", held=6), [d("b", "u2", wanted=6)], [hold("h2", 6)])
+    assert p.reason == "released 3 GPUs (3 on h2) to job b (fair share 3 of 6)"
+    assert fs.plan_to_json(p)["jobs"][1] == {"user": "u2", "job": "b", "priority": 0, "held": 0, "wanted": 6,
+                                             "usage_gpu_h": 0.0, "min_workers": 1, "share": 3, "exact": 3.0,
+                                             "waiting": True}
+
+
+def test_the_rule_converges_to_halves():
+    """Two controllers apply the rule in turn, the GPUs released going to the waiting job."""
+    a, b = 6, 0
+    moves = 0
+    for _ in range(5):
+        pa = plan(d("a", "u1", held=a, wanted=6 - a), [d("b", "u2", held=b, wanted=6 - b)], [hold("h", a)])
+        a -= pa.releasing
+        moves += pa.releasing
+        pb = plan(d("b", "u2", held=b, wanted=6 - b), [d("a", "u1", held=a, wanted=6 - a)], [hold("h", b)],
+                  free=6 - a - b)
+        assert not pb.release
+        b = min(6 - a, pb.cap if pb.cap is not None else 6)
+    assert (a, b, moves) == (3, 3, 3)
+
+
+
+def test_the_controller_publishes_its_demand_and_releases(tmp_path):
+    """The loop's glue (Controller.fair_share) over probe reports of two hosts that job b
+    shares: it publishes on each host, releases where b wants GPUs, and says so."""
+    import asyncio
+    import textwrap
+
+    from eltctl.controller import policy as pol
+    from eltctl.controller.loop import Controller
+    from eltctl.inventory import parse_inventory
+    from eltctl.probe import Gpu, GpuReport, GpuUse, HostReport, HostState
+    from eltctl_runtime.claims import Claim
+
+    inv = parse_inventory(textwrap.dedent("""
+        [job]
+        name = "a"
+        command = "python t.py"
+        [policy]
+        fairshare_hold = "1m"
+        [[hosts]]
+        name = "h1"
+        address = "local"
+        [[hosts]]
+        name = "h2"
+        address = "local"
+        """), tmp_path / "hosts.toml")
+    now = 5000.0
+
+    def report(name, b_wants):
+        gpus = tuple(GpuReport(gpu=Gpu(i, f"u{i}", "sim", 0, 100, 0), state=GpuUse.OURS, reason="", job="a")
+                     for i in range(2))
+        claims = tuple((f"gpu{i}", Claim(job="a", user="alice", slot=i, since=now - 3600)) for i in range(2))
+        b = Demand(job="b", user="bob", time=now, wanted=4, wants_here=b_wants)
+        return HostReport(name=name, address="local", state=HostState.OK, reason="", gpus=gpus, claims=claims,
+                          host_time=now, demands=(b,))
+
+    class Events:
+        def __init__(self):
+            self.got = []
+
+        async def event(self, ev):
+            self.got.append(ev)
+
+    store = Events()
+    ctl = Controller(inv, None, store, None, "127.0.0.1:1", clock=lambda: now)
+    ctl.observed.reports = {"h1": report("h1", False), "h2": report("h2", True)}
+    ctl.records = {h: pol.HostRecord(desired=(0, 1)) for h in ("h1", "h2")}
+    limits, cap = asyncio.run(ctl.fair_share({}, now))
+    assert ctl._published["h2"].held == 4 and ctl._published["h2"].held_here == 2
+    assert ctl._published["h1"].wanted == 0
+    assert dict(ctl.fair.release) == {"h2": 2} and cap == 2 and limits["h2"].cap == 0
+    assert [e["detail"] for e in store.got] == ["released 2 GPUs on h2 to job b (fair share 2 of 4)"]
+    asyncio.run(ctl.fair_share({}, now))  # the same plan again: no second event
+    assert len(store.got) == 2 - 1
+
+
+def test_a_gpu_in_hand_over_still_counts_in_the_pool():
+    """A released 2 of 4; its workers are still leaving (the GPUs show as its own, not free)
+    and B has not claimed them: A's share stays 2, nothing more is released."""
+    p = plan(d("a", "u1", held=2), [d("b", "u2", held=0, wanted=4)], [hold("h1", 2)], free=0)
+    assert p.pool == 2 and p.release  # without the hosts' GPU count, the pool shrinks
+    p = fs.plan(d("a", "u1", held=2), [d("b", "u2", held=0, wanted=4)], [hold("h1", 2)], free=0,
+                half_life_s=DAY, slack=0, hold_s=600.0, seen=4)
+    assert (p.pool, p.share, dict(p.release), p.cap) == (4, 2, {}, 2)
+
+
+def test_a_job_is_one_job_whatever_account_each_host_saw():
+    got = fs.merge([d("b", "eltsim-h1", held=1, t=5), d("b", "eltsim-h2", held=2, t=9), d("a", "root", t=1)])
+    assert [(x.user, x.job, x.held) for x in got] == [("eltsim-h2", "b", 2), ("root", "a", 0)]
+
+
+def test_nothing_more_is_released_while_the_last_release_settles():
+    p = fs.plan(d("a", "u1", held=3), [d("b", "u2", held=0, wanted=4)], [hold("h1", 3)], free=0,
+                half_life_s=DAY, slack=0, hold_s=600.0, seen=4, settling=True)
+    assert (dict(p.release), p.cap) == ({}, 3) and "being claimed" in p.reason

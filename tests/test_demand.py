@@ -1,0 +1,42 @@
+"""Demand documents (eltctl/demand.py) and the probe's `demand` section (eltctl/probe.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from eltctl.demand import Demand, stale_after
+from eltctl.probe import parse_demands, parse_probe_output, probe_command
+
+
+def test_parse_keeps_fresh_entries_and_the_write_failure():
+    fresh = Demand(job="a", user="alice", time=1000.0, held=2, wanted=1, every=30.0)
+    old = Demand(job="b", user="bob", time=1000.0 - stale_after(30.0) - 200, held=4)
+    lines = ["1050", f"demand.alice.a {fresh.to_json()}", f"demand.bob.b {old.to_json()}",
+             "demand.x.y not json", "!cannot write /tmp/eltctl-gpus/demand.alice.a"]
+    got = parse_demands(lines)
+    assert got["host_time"] == 1050.0
+    assert got["demands"] == (fresh,)
+    assert got["demand_error"] == "cannot write /tmp/eltctl-gpus/demand.alice.a"
+
+
+def test_bad_fields_are_defaults():
+    d = Demand.from_json('{"job": "a", "held": -3, "wanted": "x", "priority": true, "min_workers": 0}')
+    assert (d.held, d.wanted, d.priority, d.min_workers) == (0, 0, 0, 1)
+    assert Demand.from_json('{"held": 1}') is None
+
+
+def test_the_probe_script_publishes_and_reads_back(tmp_path):
+    cdir = tmp_path / "claims"
+    mine = Demand(job="jobA", priority=1, held=2, wanted=3, held_here=1, wants_here=True, usage_gpu_h=0.5)
+    env = dict(os.environ, ELTCTL_CLAIMS_DIR=str(cdir))
+    for demand in (mine, None):  # a controller's probe writes; `eltctl probe` only reads
+        out = subprocess.run(probe_command("jobA", 5, None, "python3", demand), shell=True, capture_output=True,
+                             text=True, env=env, timeout=60)
+        probe = parse_probe_output(out.stdout)
+        assert probe.complete and probe.host_time is not None
+        (got,) = probe.demands
+        assert got.published() == mine.published() and got.user
+    assert oct(cdir.stat().st_mode & 0o7777) == "0o1777"
+    (f,) = cdir.iterdir()
+    assert f.name == f"demand.{got.user}.jobA" and oct(f.stat().st_mode & 0o777) == "0o644"
