@@ -33,10 +33,10 @@ log = logging.getLogger("eltctl.controller")
 class Outputs:
     """Notifications and metrics of one controller."""
 
-    def __init__(self, inventory: Inventory, state: StateDir) -> None:
+    def __init__(self, inventory: Inventory, state: StateDir | None) -> None:
         self.inventory = inventory  # replaced by the loop's reload_inventory
         self.state = state
-        self.notifier = Notifier(inventory.notify, state.notify_json)
+        self.notifier = Notifier(inventory.notify, state.notify_json if state is not None else None)
         self.watch = Watch()
         self.done: dict | None = None  # rank 0's `done` document: the job ended (finished, stop, failed)
         self.resizes: dict[str, Any] = {"count": 0, "pause_s": 0.0, "last_pause_s": None}
@@ -115,7 +115,7 @@ class Outputs:
 
         figures = None
         try:
-            if self._ledger is None and self.state.usage_db.exists():
+            if self._ledger is None and self.state is not None and self.state.usage_db.exists():
                 from eltctl.ledger import open_reader
 
                 self._ledger = open_reader(self.state.usage_db)
