@@ -41,16 +41,49 @@ TRAIN = REPO / "examples" / "train.py"
 class _Launcher:
     """A store, worker processes (own sessions) and a death reporter."""
 
-    def __init__(self, workdir: Path, worker_args: list[str], min_workers: int, threads: int) -> None:
+    def __init__(self, workdir: Path, worker_args: list[str], min_workers: int, threads: int,
+                 store: str = "c10d") -> None:
+        """`store`: "c10d" (a TCPStore here, unsigned: this benchmark's historical setup) or
+        "socket" (as under eltctl's controller: the keeper's Unix-socket store, every value
+        signed with a secret in a run, the process groups' rendezvous signed)."""
         import torch.distributed as dist
 
         import eltctl_runtime as elt
 
         self.elt = elt
         self.wd = workdir
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
         self.job = f"bench-{uuid.uuid4().hex[:8]}"
+        self.kind = store
+        self._env: dict[str, str] = {}
+        if store == "c10d":
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=60))
+            self.spec = f"127.0.0.1:{self.store.port}"
+            self.js = elt.protocol.scope(self.store, self.job)
+        elif store in ("socket", "c10d-signed"):
+            from eltctl_runtime import auth, protocol, storeclient
+            from eltctl_runtime.sockstore import StoreServer
+
+            if store == "socket":
+                sock_dir = workdir / "state"
+                self._server = StoreServer()
+                self._server.listen_unix(sock_dir / "store.sock")
+                self._server.start()
+                self.spec = f"unix:{sock_dir / 'store.sock'}"
+            else:  # the previous production setup: a c10d TCPStore, every value signed
+                self._tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                          timeout=timedelta(seconds=60))
+                self.spec = f"127.0.0.1:{self._tcp.port}"
+            secret, run = auth.new_secret(), uuid.uuid4().hex
+            auth.write_secret(workdir / "secret", secret)
+            (workdir / "run").write_text(run + "\n")
+            os.chmod(workdir / "run", 0o600)
+            self.store = storeclient.connect(self.spec, 60)
+            self.js = auth.signed(protocol.scope(self.store, self.job), protocol.job_prefix(self.job), secret,
+                                  run=run)
+            self._env = {auth.ENV_SECRET_FILE: str(workdir / "secret"), auth.ENV_RUN_FILE: str(workdir / "run")}
+        else:
+            raise ValueError(f"store must be c10d, c10d-signed or socket, not {store!r}")
         self.args = worker_args
         self.min_workers = min_workers
         self.threads = threads
@@ -65,7 +98,7 @@ class _Launcher:
         i = len(self.procs)
         wid = f"bench{i}/cpu/{os.getpid()}"
         progress = self.wd / f"w{i}.progress"
-        env = dict(os.environ, ELTCTL_STORE=f"127.0.0.1:{self.store.port}", ELTCTL_JOB=self.job,
+        env = dict(os.environ, **self._env, ELTCTL_STORE=self.spec, ELTCTL_JOB=self.job,
                    ELTCTL_WORKER_ID=wid, ELTCTL_DEVICE="cpu", ELTCTL_MIN_WORKERS=str(self.min_workers),
                    OMP_NUM_THREADS=str(self.threads), **(env or {}))
         log = (self.wd / f"w{i}.log").open("w")
@@ -80,7 +113,7 @@ class _Launcher:
             for wid, p, _ in list(self.procs):
                 if p.poll() not in (None, 0) and wid not in self._reported:
                     self._reported.add(wid)
-                    self.elt.report_dead(self.store, self.job, wid)
+                    self.elt.protocol.put_dead(self.js, wid)
             self._stop.wait(0.02)
 
     def records(self) -> list[tuple[float, int, int, int]]:
@@ -112,6 +145,8 @@ class _Launcher:
 
     def close(self) -> None:
         self._stop.set()
+        if self.kind == "socket":
+            self._thread.join(5)
         for _, p, _ in self.procs:
             if p.poll() is None:
                 try:
@@ -122,6 +157,8 @@ class _Launcher:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        if self.kind == "socket":
+            self._server.stop()
 
 
 def _event_figures(records, old_gen: int) -> dict[str, Any]:
@@ -154,12 +191,14 @@ def measure_eltctl(
     event_cap_s: float = 120.0,
     worker_args: Sequence[str] = ("--batch", "64", "--optimizer", "sgd", "--lr", "0.01", "--steps", "1000000"),
     workdir: Path | None = None,
+    store: str = "c10d",
 ) -> dict[str, Any]:
-    """Run an eltctl job through `events` ("leave", "join", "kill") and measure each one."""
+    """Run an eltctl job through `events` ("leave", "join", "kill") and measure each one
+    (`store`: _Launcher's)."""
     wd = Path(workdir or tempfile.mkdtemp(prefix="eltctl-bench-"))
     wd.mkdir(parents=True, exist_ok=True)
-    la = _Launcher(wd, [*worker_args, "--threads", str(threads)], min_workers=nodes, threads=threads)
-    out: dict[str, Any] = {"system": "eltctl", "nodes": nodes, "events": []}
+    la = _Launcher(wd, [*worker_args, "--threads", str(threads)], min_workers=nodes, threads=threads, store=store)
+    out: dict[str, Any] = {"system": "eltctl", "store": store, "nodes": nodes, "events": []}
     try:
         for _ in range(nodes):
             la.start()
@@ -170,7 +209,7 @@ def measure_eltctl(
             t_event = time.time()
             if ev == "leave":
                 victim = members[len(members) // 2]
-                la.elt.request_leave(la.store, la.job, victim[0])
+                la.elt.protocol.put_leave(la.js, victim[0])
             elif ev == "join":
                 la.start()
             elif ev == "kill":
@@ -182,7 +221,7 @@ def measure_eltctl(
                     f"the job to resume after {ev}")
             figs = _event_figures(la.records(), gen0) | {"event": ev, "applied_at_step": step0,
                                                           "event_to_first_new_step_s": None}
-            runtime_events = [e for e in la.elt.read_events(la.store, la.job) if e["generation"] > gen0]
+            runtime_events = [e for e in la.elt.protocol.get_events(la.js) if e["generation"] > gen0]
             if runtime_events:
                 figs["runtime_pause_s"] = runtime_events[0].get("pause_s")
                 figs["runtime_kind"] = runtime_events[0].get("kind")
@@ -190,7 +229,7 @@ def measure_eltctl(
             figs["event_to_first_new_step_s"] = round(first_new - t_event, 4) if first_new else None
             out["events"].append(figs)
             time.sleep(0.5)
-        la.elt.request_stop(la.store, la.job)
+        la.elt.protocol.put_stop(la.js)
         la.wait(lambda: all(p.poll() is not None for _, p, _ in la.procs), 60, "workers to stop")
     finally:
         la.close()
@@ -198,12 +237,14 @@ def measure_eltctl(
 
 
 def measure_eltctl_step_time(world_size: int = 2, steps: int = 300, warmup: int = 30, *, threads: int = 1,
-                             timeout_s: float = 300.0, extra_args: Sequence[str] = ()) -> dict[str, Any]:
+                             timeout_s: float = 300.0, extra_args: Sequence[str] = (),
+                             store: str = "c10d") -> dict[str, Any]:
     """A fixed-size eltctl job: steady-state step time of rank 0 after `warmup` steps.
     `extra_args` go to examples/train.py (e.g. "--bucket-mb", "0")."""
     wd = Path(tempfile.mkdtemp(prefix="eltctl-steady-"))
     la = _Launcher(wd, ["--batch", "64", "--optimizer", "sgd", "--lr", "0.01", "--steps", str(steps),
-                        "--threads", str(threads), *extra_args], min_workers=world_size, threads=threads)
+                        "--threads", str(threads), *extra_args], min_workers=world_size, threads=threads,
+                   store=store)
     try:
         for _ in range(world_size):
             la.start()
@@ -215,9 +256,9 @@ def measure_eltctl_step_time(world_size: int = 2, steps: int = 300, warmup: int 
             times.append((int(step), float(t)))
         dts = sorted(b[1] - a[1] for a, b in zip(times, times[1:]) if a[0] >= warmup and b[0] == a[0] + 1)
         if not dts:
-            return {"system": "eltctl", "world": world_size, "steps_measured": 0}
+            return {"system": "eltctl", "store": store, "world": world_size, "steps_measured": 0}
         mean = statistics.fmean(dts)
-        return {"system": "eltctl", "world": world_size, "steps_measured": len(dts), "mean_step_s": round(mean, 5),
+        return {"system": "eltctl", "store": store, "world": world_size, "steps_measured": len(dts), "mean_step_s": round(mean, 5),
                 "median_step_s": round(statistics.median(dts), 5),
                 "p90_step_s": round(dts[min(len(dts) - 1, int(0.9 * len(dts)))], 5),
                 "steps_per_s": round(1.0 / mean, 2)}
