@@ -25,7 +25,6 @@ on the control machine and on every host.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import stat
 import time
@@ -35,36 +34,8 @@ import pytest
 
 from eltctl_runtime import storeclient
 from eltctl_runtime.protocol import EventKind, Keys, desired_key, job_prefix
+from tests.testbed.attacker import tcp_listeners as listening_addresses
 from tests.testbed.jobenv import job_env_on, job_pids, wait_for, worker_pids
-
-
-def listening_addresses(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket in LISTEN state `pid` holds (IPv4 dotted; IPv6 as hex)."""
-    rows: dict[str, tuple[str, int]] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in lines:
-            f = row.split()
-            if f[3] == "0A":  # LISTEN
-                hexaddr, hexport = f[1].rsplit(":", 1)
-                addr = ".".join(str(b) for b in reversed(bytes.fromhex(hexaddr))) if len(hexaddr) == 8 else hexaddr
-                rows[f[9]] = (addr, int(hexport, 16))
-    out = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return out
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:[") and link[8:-1] in rows:
-            out.add(rows[link[8:-1]])
-    return out
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(300)]
 

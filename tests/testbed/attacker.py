@@ -150,6 +150,12 @@ def _tcp_table() -> dict[str, tuple[str, int]]:
     return rows
 
 
+def tcp_listeners(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that `pid` holds."""
+    rows = _tcp_table()
+    return {rows[inode] for inode in _socket_inodes(pid) if inode in rows}
+
+
 SO_ACCEPTCON = 0x10000
 
 
