@@ -231,13 +231,17 @@ def verify_pairs(pg, signed_store, generation: int, gid: str, rank: int, size: i
     work = pg.alltoall_base(recv, send, [], [], opts)
     end = time.monotonic() + timeout_s
     missing = False
-    while not work.is_completed():
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _f: done.set())
+    except RuntimeError:  # backends without futures: poll
+        pass
+    while not work.is_completed() and not done.wait(0.01):
         if abort.is_set():
             raise Aborted(f"the generation was aborted during generation {generation}'s pair handshake")
         if time.monotonic() > end:
             missing = True
             break
-        time.sleep(0.002)
     if not missing:
         try:
             work.wait()
