@@ -6,10 +6,23 @@ init_process_group, and an aborted group is never destroyed on the training
 thread: a gloo group's destructor blocks until its stuck collective times out
 (58 s measured with a 60 s timeout, even after abort()). A daemon thread keeps
 the reference instead, so neither training nor interpreter exit waits for it.
+
+Every group is checked before any collective uses it (`verify_pairs`): gloo's TCP
+listener gives an incoming connection to whichever pair waits for the sequence number
+the connection names, with no authentication, and the numbers are predictable; another
+account on a host that connects to a new group's listener first takes that pair (it
+receives the rank's tensors; an answer would be summed in). So each rank sends each
+peer, over that very pair, a message signed with the job's secret for (generation,
+sender, receiver, group id), and checks the one it receives from each peer. A wrong or
+missing message fails the group like a forged rendezvous value: Aborted, counted
+(`gen/pair`, `gen/pair missing` among the Forgeries `status --json` shows), and the
+roll call forms the next generation on fresh listeners.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import threading
 import time
@@ -20,12 +33,20 @@ import torch
 import torch.distributed as dist
 
 from .netif import BIND_ADDRESS_ENV, local_address_towards
+from .protocol import Keys
+
+log = logging.getLogger("eltctl_runtime")
 
 T = TypeVar("T")
 
 # Collectives are waited on by the runtime, which aborts them itself; the
 # backend's own timeout only bounds how long a forgotten group lingers.
 BACKEND_TIMEOUT = timedelta(seconds=300)
+# How long verify_pairs waits for every peer's message: the ranks leave the group's
+# construction together (gloo connects its full mesh there), so seconds are plenty;
+# NCCL connects its point-to-point channels in the handshake itself.
+PAIR_CHECK_S = 10.0
+PAIR_CHECK_NCCL_S = 60.0
 
 
 class Aborted(Exception):
@@ -158,3 +179,92 @@ def allgather(pg, t: torch.Tensor, abort: threading.Event) -> list[torch.Tensor]
     out = [torch.empty_like(t) for _ in range(pg.size())]
     wait_work(pg.allgather([out], [t]), abort)
     return out
+
+
+# ---------------------------------------------------------------------------- pair handshake
+
+
+def group_id(plan_json: str | bytes) -> str:
+    """The id of the group a generation's plan forms (its digest, 32 hex digits): with the
+    generation and the store's run id in every handshake message, no message of another
+    group (an earlier formation, another run) verifies in this one."""
+    raw = plan_json.encode() if isinstance(plan_json, str) else bytes(plan_json)
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def pair_messages(signer, generation: int, gid: str, rank: int, size: int) -> list[bytes]:
+    """What rank `rank` sends each rank j (its own entry included, never sent): the group
+    id sealed under Keys.pair(generation, rank, j). All of one length."""
+    return [signer.seal(Keys.pair(generation, rank, j), gid) for j in range(size)]
+
+
+def check_pair_messages(signer, generation: int, gid: str, rank: int, got: list[bytes]) -> list[int]:
+    """The peers whose message to `rank` does not verify (sealed by someone else, for
+    another pair, generation, group or run)."""
+    want = gid.encode()
+    return [j for j, raw in enumerate(got)
+            if j != rank and signer.open(Keys.pair(generation, j, rank), raw) != want]
+
+
+def verify_pairs(pg, signed_store, generation: int, gid: str, rank: int, size: int, device: torch.device,
+                 abort: threading.Event, timeout_s: float | None = None) -> None:
+    """The signed pair handshake (module docstring), right after the group forms and
+    before any collective uses it. One all-to-all: gloo's (gloo/alltoall.cc) and NCCL's
+    send each peer its block over the direct pair (no ring, no relay), so every pair
+    (i, j) carries i's message to j. `signed_store`: the job's SignedStore (its signer
+    and Forgeries); a job without a secret (a plain store) has nothing to sign with and
+    skips the check. Raises Aborted when a peer's message is wrong or missing after
+    `timeout_s` (counted), when the generation is aborted meanwhile, or when the
+    backend fails (a peer gone: backend_error)."""
+    signer = getattr(signed_store, "signer", None)
+    forgeries = getattr(signed_store, "forgeries", None)
+    if signer is None or size < 2:
+        return
+    if timeout_s is None:
+        timeout_s = PAIR_CHECK_NCCL_S if device.type == "cuda" else PAIR_CHECK_S
+    out = pair_messages(signer, generation, gid, rank, size)
+    n = len(out[0])
+    send = torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8).to(device)
+    recv = torch.zeros_like(send)
+    opts = dist.AllToAllOptions()
+    opts.timeout = timedelta(seconds=timeout_s)
+    work = pg.alltoall_base(recv, send, [], [], opts)
+    end = time.monotonic() + timeout_s
+    missing = False
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _f: done.set())
+    except RuntimeError:  # backends without futures: poll
+        pass
+    while not work.is_completed() and not done.wait(0.01):
+        if abort.is_set():
+            raise Aborted(f"the generation was aborted during generation {generation}'s pair handshake")
+        if time.monotonic() > end:
+            missing = True
+            break
+    if not missing:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - every backend error means the same here
+            if "timed out" not in str(e).lower():
+                raise Aborted(f"generation {generation}'s pair handshake failed: {e}", backend_error=True) from e
+            missing = True
+    if missing:
+        _pair_anomaly(forgeries, Keys.pair(generation, -1, rank), "missing")
+        raise Aborted(f"generation {generation}'s pair handshake: no message from some peer of rank {rank} "
+                      f"within {timeout_s:g} s (another account may hold a pair of the group: it is not used)")
+    got = bytes(recv.cpu().tolist())
+    bad = check_pair_messages(signer, generation, gid, rank, [got[j * n:(j + 1) * n] for j in range(size)])
+    if bad:
+        for j in bad:
+            _pair_anomaly(forgeries, Keys.pair(generation, j, rank), "forged")
+        raise Aborted(f"generation {generation}'s pair handshake: the message of rank(s) {bad} to rank {rank} "
+                      "is not signed for this pair with the job's secret (someone else holds that pair): "
+                      "the group is not used")
+
+
+def _pair_anomaly(forgeries, key: str, what: str) -> None:
+    log.warning("pair handshake %s: %s (gloo's listener gives a pair to whoever connects first; the "
+                "generation's group is dropped and the next one forms on fresh listeners)", key, what)
+    if forgeries is not None:
+        forgeries.note(key, what)

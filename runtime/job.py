@@ -900,6 +900,10 @@ class ElasticJob:
         self._pg = collectives.run_abortable(
             lambda: collectives.make_group(store, self._rank, plan.world_size, self._device, self._bind_host),
             self._abort, f"process group of generation {plan.generation}")
+        # Every pair signed before any collective (gloo's listener gives a pair to whoever
+        # connects first): a wrong or missing peer message aborts the generation (counted).
+        collectives.verify_pairs(self._pg, self._store, plan.generation, collectives.group_id(plan.to_json()),
+                                 self._rank, plan.world_size, self._device, self._abort)
         restored = self._sync_state()
         # Every generation's first commit is an event (rank 0 writes it), the job's first start too.
         kind = EventKind.RESTORE if restored else plan.kind

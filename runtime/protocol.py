@@ -139,6 +139,12 @@ class Keys:
         return f"gen/{gen}/pg"
 
     @staticmethod
+    def pair(gen: int, sender: int, receiver: int) -> str:
+        """Never stored: the key that collectives.verify_pairs's handshake message from rank
+        `sender` to rank `receiver` of generation `gen`'s group is signed under (family gen/pair)."""
+        return f"gen/{gen}/pair/{sender}/{receiver}"
+
+    @staticmethod
     def event(n: int) -> str:
         return f"events/{n}"
 

@@ -510,6 +510,8 @@ class Supervisor:
         self._pg = collectives.run_abortable(
             lambda: collectives.make_group(prefix, self._rank, plan.world_size, cpu, self._bind),
             abort, f"supervisors' group of generation {plan.generation}")
+        collectives.verify_pairs(self._pg, st, plan.generation, collectives.group_id(plan.to_json()),
+                                 self._rank, plan.world_size, cpu, abort)  # before any collective uses it
         if self._rank == 0:
             self._script_store = ScriptStore(self._bind).open()
             st.set(Keys.master(plan.generation), self._script_store.endpoint)  # signed; for who looks

@@ -19,8 +19,10 @@ listener gives an incoming connection to the pair waiting for the sequence numbe
 connection names (0, 1, ...: predictable), with no authentication. As `nobody`, watching
 /proc/net/tcp for new listeners on the ranks' address and connecting first, the attacker
 took the pair in about half the rounds: the round's all-reduce timed out on both ranks
-and the waiting rank sent the attacker its tensor. That is gloo's (torch 2.13's), not
-eltctl's, so the test is an xfail that says so.
+and the waiting rank sent the attacker its tensor. gloo (torch 2.13) cannot refuse it, so
+the runtime checks every pair of a new group with a signed handshake before any collective
+uses it (collectives.verify_pairs): the test forms its groups as the runtime does and
+asserts that a hijacked group is dropped (counted) and the next one trains honestly.
 """
 
 from __future__ import annotations
@@ -153,71 +155,113 @@ def test_gloo_listeners_survive_one_byte_silence_and_floods_from_another_account
                 p.wait()
 
 
-ROUNDS = r'''
-import json, os, sys, time
-from datetime import timedelta
+ROUNDS = r"""
+import json, secrets, sys, threading, time
 import torch
 import torch.distributed as dist
+from eltctl_runtime import auth, collectives
+from eltctl_runtime.membership import job_store
+from eltctl_runtime.pgstore import pg_store
 
-rank, addr, storefile, out, rounds, skew = (int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4],
-                                            int(sys.argv[5]), float(sys.argv[6]))
+rank, addr, storefile, out, rounds, skew, secret_file, check_s = (
+    int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), float(sys.argv[6]), sys.argv[7],
+    float(sys.argv[8]))
 base = dist.FileStore(storefile, 2)
-res = []
+forgeries = auth.Forgeries()
+js = job_store(base, "j", auth.read_secret(secret_file), forgeries)  # signed, as a job with a secret
+raw = dist.PrefixStore("test", base)  # the test's own agreement (the job's is its signed abort key)
+cpu = torch.device("cpu")
+
+
+def watch(g, stop):
+    # as the job's ControlThread: a rank that drops generation g sets its abort key
+    ev = threading.Event()
+    def loop():
+        while not stop.is_set():
+            if raw.check([f"abort/{g}"]):
+                ev.set()
+                return
+            time.sleep(0.01)
+    threading.Thread(target=loop, daemon=True).start()
+    return ev
+
+
+res, g = [], 0
 for r in range(rounds):
-    store = dist.PrefixStore(f"round{r}", base)
-    store.add("arrived", 1)  # both ranks start the round together ...
-    while int(store.add("arrived", 0)) < 2:
+    raw.add(f"arrived/{r}", 1)  # both ranks start the round together ...
+    while int(raw.add(f"arrived/{r}", 0)) < 2:
         time.sleep(0.005)
-    if rank == 1:
-        time.sleep(skew)  # ... and rank 1 forms the group a moment later, as on another host
-    opts = dist.ProcessGroupGloo._Options()  # as eltctl_runtime.collectives.make_group does
-    opts._timeout = timedelta(seconds=2)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
-    try:
-        pg = dist.ProcessGroupGloo(store, rank, 2, opts)
-        t = torch.full((1024,), float(rank + 1 + 10 * r))
-        pg.allreduce([t]).wait()
-        honest = float(1 + 2 + 20 * r)
-        res.append({"round": r, "honest": bool((t == honest).all()), "got": t[0].item()})
-    except Exception as e:  # noqa: BLE001
-        res.append({"round": r, "error": str(e)[-160:]})
-    pg = None
+    while True:  # ... and form generations until one passes its pair handshake
+        if rank == 1:
+            time.sleep(skew)  # rank 1 forms the group a moment later, as on another host
+        stop = threading.Event()
+        abort = watch(g, stop)
+        store = pg_store(js, g)
+        pg = None
+        try:
+            pg = collectives.run_abortable(lambda: collectives.make_group(store, rank, 2, cpu, addr), abort,
+                                           f"group of generation {g}")
+            collectives.verify_pairs(pg, js, g, collectives.group_id(f"round {r} generation {g}"), rank, 2, cpu,
+                                     abort, timeout_s=check_s)
+            raw.set(f"ok/{g}/{rank}", "1")
+            while not raw.check([f"ok/{g}/{1 - rank}"]):
+                if abort.is_set():
+                    raise collectives.Aborted("the peer dropped the generation")
+                time.sleep(0.005)
+            t = torch.full((1024,), float(rank + 1 + 10 * r))
+            collectives.allreduce(pg, t, abort)
+            res.append({"round": r, "generation": g, "honest": bool((t == float(1 + 2 + 20 * r)).all()),
+                        "got": t[0].item()})
+            break
+        except collectives.Aborted as e:
+            raw.compare_set(f"abort/{g}", "", "1")
+            res.append({"round": r, "generation": g, "dropped": str(e)[-200:]})
+        finally:
+            stop.set()
+            collectives.bury(pg, store)
+            g += 1
     with open(out, "w") as f:
-        json.dump(res, f)
-'''
+        json.dump({"rounds": res, "forged": forgeries.counts()}, f)
+"""
+
+# What a hijacked pair carries at most: one handshake message (the group id sealed for
+# one pair, useless anywhere else), never a tensor of the group's collectives.
+HANDSHAKE_BYTES = 5 + 64 + 1 + 32
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "torch 2.13's gloo TCP transport (third_party/gloo/gloo/transport/tcp/listener.cc) hands an incoming "
-    "connection to whichever pair waits for the sequence number it names, with no authentication, and the "
-    "numbers are small and predictable (0, 1, ... per device): another account on the host that connects "
-    "to a new group's listener first takes that pair (the rank sends it its tensors, the collective times "
-    "out). A limitation of gloo, not fixable in eltctl short of an authenticated transport or a network "
-    "namespace per job; docs should name it as what the data plane exposes."))
 def test_a_new_gloo_group_is_not_hijacked_by_another_account_racing_its_listener(tmp_path):
     """As another account, watch for the listener of each new gloo group (a resize forms
-    one) and connect to it first, naming pair sequence numbers 0..3; what must hold: every
-    round's group forms, all-reduces the honest sum, and the attacker receives nothing."""
+    one) and connect to it first, naming pair sequence numbers 0..3. gloo gives it the
+    pair (its limitation), so the runtime checks every pair right after the group forms
+    (collectives.verify_pairs, signed with the job's secret): what must hold is that a
+    hijacked group is detected there (counted) and dropped before any collective uses it,
+    the ranks form the next generation on fresh listeners (raced again), every round ends
+    with an all-reduce of the honest sum, no rank ever completes one with another value,
+    and the attacker receives no tensor (at most a handshake message)."""
     reason = attacker.can_attack_as_another_account()
     if reason:
         pytest.skip(reason)
     import random
 
+    from eltctl_runtime import auth
+
     address = f"127.{random.randint(20, 250)}.{random.randint(0, 255)}.1"  # this test's own: only its ranks listen there
     script = tmp_path / "rounds.py"
     script.write_text(ROUNDS)
     os.chmod(tmp_path, 0o700)
-    rounds = 5  # which rank of a pair waits (listens) follows the ports: about half the rounds are open to it
-    race = attacker.ListenerRace(address, seconds=60).start()
+    secret_file = tmp_path / "secret"
+    auth.write_secret(secret_file, auth.new_secret())
+    rounds = 5  # which rank of a pair waits (listens) follows the ports: about half the groups are open to it
+    race = attacker.ListenerRace(address, seconds=150).start()
     time.sleep(0.5)  # the attacker is watching
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     ranks = [subprocess.Popen([sys.executable, str(script), str(r), address, str(tmp_path / "store"), str(outs[r]),
-                               str(rounds), "0.3"], env=env, stdout=subprocess.DEVNULL,
+                               str(rounds), "0.3", str(secret_file), "3"], env=env, stdout=subprocess.DEVNULL,
                               stderr=open(tmp_path / f"rank{r}.err", "w"), start_new_session=True)
              for r in range(2)]
     try:
-        codes = [p.wait(timeout=120) for p in ranks]
+        codes = [p.wait(timeout=170) for p in ranks]
         seen = race.result(now=True)
     finally:
         race.stop()
@@ -225,14 +269,20 @@ def test_a_new_gloo_group_is_not_hijacked_by_another_account_racing_its_listener
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    results = [json.loads(o.read_text()) if o.exists() else [] for o in outs]
+    results = [json.loads(o.read_text()) if o.exists() else {"rounds": [], "forged": {}} for o in outs]
     stolen = [m for m in seen["received"] if m["opcode"] in (0, 1)]  # data, not the notifications
-    for r, rows in enumerate(results):
-        print(f"rank {r}:", json.dumps(rows))
+    for r, res in enumerate(results):
+        print(f"rank {r}: forged {res['forged']}:", json.dumps(res["rounds"]))
+    dropped = sorted({x["generation"] for res in results for x in res["rounds"] if "dropped" in x})
     print(f"as {attacker.ATTACKER}: {seen['listeners']} listeners raced, {len(seen['received'])} messages "
-          f"received, with data: {json.dumps(stolen[:6])}")
+          f"received, with data: {json.dumps(stolen[:6])}; generations dropped by the handshake: {dropped}")
     assert codes == [0, 0], [(tmp_path / f"rank{r}.err").read_text()[-2000:] for r in range(2)]
-    assert all(len(r) == rounds for r in results), results
-    assert not stolen, f"another account received the ranks' tensors: {stolen[:4]}"
-    failed = [x for r in results for x in r if not x.get("honest")]
-    assert not failed, f"rounds that failed or returned a dishonest sum: {failed}"
+    for r, res in enumerate(results):
+        done = [x for x in res["rounds"] if "honest" in x]
+        assert [x["round"] for x in done] == list(range(rounds)), res  # every round trained, once
+        assert all(x["honest"] for x in done), f"rank {r} completed an all-reduce with a dishonest sum: {done}"
+    assert all(m["length"] <= HANDSHAKE_BYTES for m in stolen), f"another account received a tensor: {stolen[:4]}"
+    if stolen:  # it held a pair: that group was dropped, and the handshake counted it
+        assert dropped, "the attacker held a pair but no generation was dropped"
+    counted = sum(n for res in results for fam, n in res["forged"].items() if fam.startswith("gen/pair"))
+    assert counted >= (1 if dropped else 0), [res["forged"] for res in results]
