@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh --sshd) and run the whole test suite. Extra arguments go to pytest.
+# Two pytest-xdist workers (`-n 0` among the arguments runs it in one process): most of the
+# suite's time is multi-process scenarios waiting on each other, so two run side by side on
+# two cores. `worksteal` lets an idle worker take the tail of the other's queue; tests/conftest.py
+# puts the heavy modules first. Test beds do not collide: each takes a random 127.A.B.0/24 and
+# OS-chosen ports, its own temporary directories and job names.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --sshd
-exec .venv/bin/python -m pytest -q -ra "$@"
+exec .venv/bin/python -m pytest -q -ra -n 2 --dist worksteal "$@"

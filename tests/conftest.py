@@ -66,7 +66,7 @@ def _direct_params(item) -> set[str]:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Keep the `sshd` marker true: every test that uses an sshd fixture carries it
-    (checked before `-m`/`-k` deselect anything)."""
+    (checked before `-m`/`-k` deselect anything); under pytest-xdist, heavy modules first."""
     unmarked = []
     for item in items:
         uses = set(getattr(item, "fixturenames", ())) - _direct_params(item)
@@ -76,3 +76,29 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError("tests that start sshd hosts must be marked `sshd` "
                                 "(e.g. `pytestmark = pytest.mark.sshd`):\n  " + "\n  ".join(unmarked))
+    _heavy_modules_first(config, items)
+
+
+def _weight(module_items) -> int:
+    """0 for a module with a `slow` test, 1 for one with an `sshd` test, 2 for the rest."""
+    marks = {m.name for item in module_items for m in item.iter_markers() if m.name in ("slow", "sshd")}
+    return 0 if "slow" in marks else 1 if "sshd" in marks else 2
+
+
+def _heavy_modules_first(config, items) -> None:
+    """Under pytest-xdist (scripts/test.sh runs `-n 2 --dist worksteal`), the heavy modules first.
+
+    worksteal gives each worker a contiguous part of this list and lets an idle one take the
+    tail of a busy one's queue: with the long multi-process modules first, what is left to
+    share at the end is short tests, not a several-minute scenario that one worker runs while
+    the other waits. A module's tests stay together and in their order (a module-scoped bed is
+    built once per worker that runs any of them). Every worker sorts the same collection the
+    same way, as xdist requires. Without xdist the order is left as collected.
+    """
+    if not hasattr(config, "workerinput"):
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    ordered = sorted(modules.values(), key=_weight)  # stable: collection order within a weight
+    items[:] = [item for group in ordered for item in group]

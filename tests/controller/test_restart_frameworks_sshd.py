@@ -1,10 +1,9 @@
 """Restart mode with the frameworks people use, on real sshd hosts: HF Trainer and Lightning.
 
-Plan, on one test bed of two hosts with one simulated GPU each, one job per
-framework after the other (examples/lightning_train.py, then
-examples/hf_trainer.py, both with eltctl_runtime.integrations' callback,
-run by the frameworks' host interpreter; the runtime itself runs on the
-torch-only one):
+Plan, one test per framework, each on a test bed of two hosts with one simulated GPU
+(examples/lightning_train.py and examples/hf_trainer.py, both with
+eltctl_runtime.integrations' callback, run by the frameworks' host interpreter; the
+runtime itself runs on the torch-only one):
 
 1. `up` on h1 and h2: the script trains at world size 2;
 2. the owner of h2's GPU comes back: the job restarts at 1 (owner yield);
@@ -105,15 +104,16 @@ def _run_through_yield_and_scale(je, script: str, scale: bool) -> None:
         h2.stop_foreign_process(owner)
 
 
-def test_hf_trainer_and_lightning_lose_no_step_through_yield_and_scale(testbed):
+# One test per framework (its own two hosts), so that pytest-xdist's two workers run them at once.
+@pytest.mark.parametrize("script, scale", [("lightning_train.py", True), ("hf_trainer.py", False)],
+                         ids=["lightning", "hf_trainer"])
+def test_a_frameworks_job_loses_no_step_through_yield_and_scale(testbed, script, scale):
     reason = frameworks_missing_reason()
     if reason:
         pytest.skip(reason)
-    hosts = testbed.add_hosts(2, gpus=1)
-    for script, scale in (("lightning_train.py", True), ("hf_trainer.py", False)):
-        env = job_env_on(testbed, hosts)
-        je = next(env)
-        try:
-            _run_through_yield_and_scale(je, script, scale)
-        finally:
-            env.close()
+    env = job_env_on(testbed, testbed.add_hosts(2, gpus=1))
+    je = next(env)
+    try:
+        _run_through_yield_and_scale(je, script, scale)
+    finally:
+        env.close()
