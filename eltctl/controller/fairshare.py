@@ -175,12 +175,15 @@ def plan(me: Demand, others: Iterable[Demand], hosts: Iterable[HostHold], *, fre
     table = shares([me, *others], pool, half_life_s)
     mine = next(s for s in table if s.job == me.job)
     waiting = [s for s in table if s.waiting and s.job != me.job]
-    base = Plan(shares=tuple(table), pool=pool, share=mine.share)
+    # Only the GPUs nobody holds are there to take: a GPU another job asked for shows free
+    # until its daemon claims it, and is no one else's to grab meanwhile.
+    unheld = me.held + max(0, pool - held_all)
+    base = Plan(shares=tuple(table), pool=pool, share=mine.share, cap=unheld)
     if not waiting:
         # Another job wants more and is not above its share (it may be about to claim the
         # GPUs it is owed): take nothing beyond this job's share either.
         if any(s.job != me.job and s.wanted > 0 and s.held <= s.share for s in table):
-            return Plan(shares=base.shares, pool=pool, share=mine.share, cap=max(mine.share, me.held))
+            return Plan(shares=base.shares, pool=pool, share=mine.share, cap=min(max(mine.share, me.held), unheld))
         return base
     to = f"{waiting[0].user}/{waiting[0].job}"
     deficit = sum(s.share - s.held for s in waiting)

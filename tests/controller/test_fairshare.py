@@ -70,8 +70,8 @@ def plan(me, others, hosts, free=0, slack=0, hold_s=600.0):
      [hold("h1", 2), hold("h2", 2, want=["u2/b"]), hold("h3", 2)], {}, {"h2": 2, "h3": 1}, 3),
     ("the other holds its share and wants more: nothing beyond the share", d("a", "u1", held=3),
      [d("b", "u2", held=3, wanted=3)], [hold("h1", 3)], {}, {}, 3),
-    ("the other wants nothing more: no cap", d("a", "u1", held=3), [d("b", "u2", held=3)],
-     [hold("h1", 3)], {"free": 2}, {}, None),
+    ("the other wants nothing more: the free GPUs are there to take", d("a", "u1", held=3), [d("b", "u2", held=3)],
+     [hold("h1", 3)], {"free": 2}, {}, 5),
     ("within the slack: keep, but take no more", d("a", "u1", held=4), [d("b", "u2", held=2, wanted=4)],
      [hold("h1", 4)], {"slack": 1}, {}, 4),
     ("GPUs taken too recently stay", d("a", "u1", held=6), [d("b", "u2", wanted=6)],
@@ -80,8 +80,10 @@ def plan(me, others, hosts, free=0, slack=0, hold_s=600.0):
      [hold("h1", 6)], {}, {"h1": 1}, 5),
     ("free GPUs serve the waiting job first", d("a", "u1", held=4), [d("b", "u2", wanted=6)],
      [hold("h1", 4)], {"free": 2}, {"h1": 1}, 3),
-    ("below its share: may grow up to it", d("b", "u2", held=1, wanted=5), [d("a", "u1", held=5)],
-     [hold("h1", 1)], {}, {}, None),
+    ("below its share: grows as the GPUs are released (none is yet)", d("b", "u2", held=1, wanted=5),
+     [d("a", "u1", held=5)], [hold("h1", 1)], {}, {}, 1),
+    ("below its share: grows into the GPUs released", d("b", "u2", held=1, wanted=5),
+     [d("a", "u1", held=3)], [hold("h1", 1)], {"free": 2}, {}, 3),
     ("a higher priority waits for its min_workers", d("a", "u1", held=6), [d("h", "u3", wanted=2, prio=1, minw=2)],
      [hold("h1", 6)], {}, {"h1": 2}, 4),
     ("a higher priority waiting is served before the hold time", d("a", "u1", held=6),
@@ -245,3 +247,11 @@ def test_a_gpu_asked_for_but_not_claimed_yet_counts_once():
     p = fs.plan(d("a", "u1", held=3), [d("b", "u2", held=3, wanted=1)], [hold("h1", 3)], free=2,
                 half_life_s=DAY, slack=0, hold_s=600.0, seen=6)
     assert (p.pool, p.share, dict(p.release), p.cap) == (6, 3, {}, 3)
+
+
+def test_gpus_another_job_asked_for_are_not_grabbed_while_it_claims_them():
+    """A released two GPUs to h (max_workers 2: it wants nothing more once it asked for
+    them); they show free until h's daemon claims them: A's cap stays at what it holds."""
+    p = fs.plan(d("a", "u1", held=2), [d("h", "u2", held=2, wanted=0, prio=1, minw=2)], [hold("h1", 2)], free=2,
+                half_life_s=DAY, slack=0, hold_s=600.0, seen=4)
+    assert (p.pool, p.share, dict(p.release), p.cap) == (4, 2, {}, 2)
