@@ -21,10 +21,10 @@ second; job A's runtime audit, ELTCTL_AUDIT):
   the owners' phase, (xA + xB)^2 / (2 (xA^2 + xB^2)), target >= 0.95;
 - `moves`: GPUs handed from one job to the other (a GPU whose claim goes from A to B
   or back, with no owner on it in between), against `moves_min`, the fewest the rule
-  needs: 3 when B starts (6-0 to 3-3), then at each owner's arrival, from the holdings
-  seen just before it, the arrival's GPU taken from the job that held it and the free
-  GPUs given to the job holding fewer, floor((|held A - held B| - free) / 2) more (an
-  owner's return frees a GPU: no move is needed for it);
+  needs: those of an ideal allocator (`Ideal`) that applies the rule at once, fed the
+  same events: 3 when B starts (6-0 to 3-3); an owner's arrival takes a GPU from the
+  job that held it; a GPU an owner frees goes to the job holding fewer; a move only
+  when the two differ by 2 or more (then one per GPU handed over);
 - `halves_s`: seconds from `eltctl up` of B until each holds three GPUs (target <= 120);
 - `steps_lost_a`: steps job A committed twice (its audit: a step recorded by two
   generations was lost and redone), target 0; `exactly_once_a` the audit's exactly-once
@@ -75,10 +75,46 @@ def jain(xs: list[float]) -> float | None:
     return None if q <= 0 else s * s / (len(xs) * q)
 
 
-def moves_needed(a: int, b: int, free: int) -> int:
-    """Job-to-job moves the rule needs from holdings a and b with `free` GPUs free:
-    the free ones go to the job holding fewer first."""
-    return max(0, abs(a - b) - free) // 2
+class Ideal:
+    """The fewest moves: an allocator that applies the rule at once and exactly, fed the
+    same owners' arrivals (on the GPU's real holder) and departures. `a`, `b`: what it
+    lets each job hold; `free`: GPUs free. Free GPUs go to the job holding fewer; a
+    move (a GPU handed from one job to the other) only when they differ by 2 or more."""
+
+    def __init__(self) -> None:
+        self.a, self.b, self.free, self.moves = 3, 3, 0, 3  # B's start: 6-0 to 3-3, three moves
+
+    def _settle(self) -> None:
+        while self.free > 0 and (self.a < self.b or self.b < self.a or self.free > 0):
+            if self.a <= self.b:
+                self.a += 1
+            else:
+                self.b += 1
+            self.free -= 1
+        while abs(self.a - self.b) >= 2:
+            if self.a > self.b:
+                self.a, self.b = self.a - 1, self.b + 1
+            else:
+                self.a, self.b = self.a + 1, self.b - 1
+            self.moves += 1
+
+    def arrive(self, hit: str | None) -> None:
+        """An owner takes a GPU that `hit` ("A", "B" or None: a free one) held."""
+        if hit == "A" and self.a > 0:
+            self.a -= 1
+        elif hit == "B" and self.b > 0:
+            self.b -= 1
+        elif self.free > 0:
+            self.free -= 1
+        elif self.a >= self.b and self.a > 0:  # the real holder's GPU is gone already here
+            self.a -= 1
+        elif self.b > 0:
+            self.b -= 1
+        self._settle()
+
+    def leave(self) -> None:
+        self.free += 1
+        self._settle()
 
 
 def _held(hosts) -> dict[tuple[str, int], str]:
@@ -175,7 +211,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
             moves = 0
             last_job: dict[tuple[str, int], str] = {}  # GPU -> the job that held it last (reset by an owner)
             owners: dict[tuple[str, int], tuple[int, float]] = {}
-            needed = 3
+            ideal = Ideal()
             releases: dict = {}
 
             t_b = time.monotonic()
@@ -212,14 +248,13 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
                     if now >= until:
                         bed.host(gpu[0]).stop_foreign_process(pid)
                         del owners[gpu]
-                        timeline.append({"t": round(now - t_b, 1), "owner leaves": gpu})
+                        ideal.leave()
+                        timeline.append({"t": round(now - t_b, 1), "owner leaves": gpu, "held": dict(per)})
                 if now >= next_owner and len(owners) < MAX_OWNERS:
                     choices = [(h.name, g) for h in hosts for g in range(GPUS) if (h.name, g) not in owners]
                     gpu = rng.choice(choices)
                     hit = names.get(held.get(gpu, ""))
-                    a_n, b_n = per["A"] - (hit == "A"), per["B"] - (hit == "B")
-                    free = N_HOSTS * GPUS - len(owners) - 1 - a_n - b_n
-                    needed += moves_needed(a_n, b_n, free)
+                    ideal.arrive(hit)
                     pid = bed.host(gpu[0]).start_foreign_process(gpu[1], memory_mib=4000, utilization=80)
                     owners[gpu] = (pid, now + rng.uniform(20, 90))
                     last_job.pop(gpu, None)  # it comes back through a free GPU: not a move
@@ -231,7 +266,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
                     _released(releases, a)
                     _released(releases, b)
                     log(f"{(now - t_b) / 60:.0f} min: held A {per['A']} B {per['B']}, {len(owners)} owner(s); "
-                        f"GPU-s A {gpu_s['A']:.0f} B {gpu_s['B']:.0f}; moves {moves} (min {needed})", quiet)
+                        f"GPU-s A {gpu_s['A']:.0f} B {gpu_s['B']:.0f}; moves {moves} (min {ideal.moves})", quiet)
                     last_report = now
                 time.sleep(1.0)
             _released(releases, a)
@@ -242,7 +277,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
             result.update({
                 "jain": None if jain(list(gpu_s.values())) is None else round(jain(list(gpu_s.values())), 4),
                 "gpu_s": {k: round(v, 1) for k, v in gpu_s.items()},
-                "moves": moves, "moves_min": needed,
+                "moves": moves, "moves_min": ideal.moves,
                 "fairshare_released": sum(int(d.split()[1]) for d in releases.values()
                                           if d.startswith("released ")),
                 "halves_s": None if halves_s is None else round(halves_s, 1),
@@ -298,6 +333,8 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
                     next(g, None)
     result["total_s"] = round(time.monotonic() - started, 1)
     result["timeline"] = timeline
+    if keep:
+        (root / "timeline.json").write_text(json.dumps(timeline, indent=1))
     result["ok"] = bool(result.get("jain") is not None and result["jain"] >= TARGET_JAIN
                         and result.get("halves_s") is not None and result["halves_s"] <= TARGET_HALVES_S
                         and result.get("steps_lost_a") == 0
