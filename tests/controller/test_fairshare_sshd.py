@@ -125,7 +125,8 @@ def test_a_higher_priority_job_gets_its_min_workers_at_once_despite_the_hold(tes
             fair = [e for e in events if e.get("kind") == "fairshare"]
             assert fair and all(f"to job {h.job} (fair share 2 of 4)" in e["detail"] for e in fair), \
                 [e["detail"] for e in fair]
-            assert sum(int(e["detail"].split()[1]) for e in fair) == 2, [e["detail"] for e in fair]
+            assert sum(int(e["detail"].split()[1]) for e in fair) == 2, \
+                f"{[e['detail'] for e in fair]}\n--- A\n{a.controller_log()}\n--- H\n{h.controller_log()}"
             leaves = [e for e in events if e.get("kind") == "leave"]
             assert leaves and all(e["lost"] == [] and e["step"] == e["from_step"] + 1 for e in leaves), leaves
             assert st_h["fairshare"]["priority"] == 1 and st_h["fairshare"]["share"] == 2, st_h["fairshare"]
