@@ -2,7 +2,10 @@
 account) starts alone and takes all four GPUs; job B, of other accounts (the hosts'
 own, `add_hosts(login=True)`), starts on the same hosts. A learns of B's demand from
 the hosts (the entries beside the GPU claims), releases two GPUs in the planned way
-(0 lost steps: its audit), does not take them back, and B claims them: 2 and 2."""
+(0 lost steps: its audit), does not take them back, and B claims them: 2 and 2. And a
+job of higher priority gets its min_workers at once (no fairshare_hold) from a job
+holding every GPU. (The timings, and the three-user case on three hosts with owners
+coming and going, are benchmarks/fairshare.py's.)"""
 
 from __future__ import annotations
 
