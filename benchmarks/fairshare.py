@@ -21,10 +21,10 @@ second; job A's runtime audit, ELTCTL_AUDIT):
   the owners' phase, (xA + xB)^2 / (2 (xA^2 + xB^2)), target >= 0.95;
 - `moves`: GPUs handed from one job to the other (a GPU whose claim goes from A to B
   or back, with no owner on it in between), against `moves_min`, the fewest the rule
-  needs: those of an ideal allocator (`Ideal`) that applies the rule at once, fed the
-  same events: 3 when B starts (6-0 to 3-3); an owner's arrival takes a GPU from the
-  job that held it; a GPU an owner frees goes to the job holding fewer; a move only
-  when the two differ by 2 or more (then one per GPU handed over);
+  needs (`moves_needed`): 3 when B starts (6-0 to 3-3), then at each owner's arrival,
+  from the holdings seen just before it, the arrival's GPU taken from the job that
+  held it and the free GPUs given to the job holding fewer, floor((|A - B| - free) / 2)
+  more (an owner's return frees a GPU: no move is needed for it);
 - `halves_s`: seconds from `eltctl up` of B until each holds three GPUs (target <= 120);
 - `steps_lost_a`: steps job A committed twice (its audit: a step recorded by two
   generations was lost and redone), target 0; `exactly_once_a` the audit's exactly-once
@@ -75,46 +75,24 @@ def jain(xs: list[float]) -> float | None:
     return None if q <= 0 else s * s / (len(xs) * q)
 
 
-class Ideal:
-    """The fewest moves: an allocator that applies the rule at once and exactly, fed the
-    same owners' arrivals (on the GPU's real holder) and departures. `a`, `b`: what it
-    lets each job hold; `free`: GPUs free. Free GPUs go to the job holding fewer; a
-    move (a GPU handed from one job to the other) only when they differ by 2 or more."""
-
-    def __init__(self) -> None:
-        self.a, self.b, self.free, self.moves = 3, 3, 0, 3  # B's start: 6-0 to 3-3, three moves
-
-    def _settle(self) -> None:
-        while self.free > 0 and (self.a < self.b or self.b < self.a or self.free > 0):
-            if self.a <= self.b:
-                self.a += 1
-            else:
-                self.b += 1
-            self.free -= 1
-        while abs(self.a - self.b) >= 2:
-            if self.a > self.b:
-                self.a, self.b = self.a - 1, self.b + 1
-            else:
-                self.a, self.b = self.a + 1, self.b - 1
-            self.moves += 1
-
-    def arrive(self, hit: str | None) -> None:
-        """An owner takes a GPU that `hit` ("A", "B" or None: a free one) held."""
-        if hit == "A" and self.a > 0:
-            self.a -= 1
-        elif hit == "B" and self.b > 0:
-            self.b -= 1
-        elif self.free > 0:
-            self.free -= 1
-        elif self.a >= self.b and self.a > 0:  # the real holder's GPU is gone already here
-            self.a -= 1
-        elif self.b > 0:
-            self.b -= 1
-        self._settle()
-
-    def leave(self) -> None:
-        self.free += 1
-        self._settle()
+def moves_needed(timeline: list[dict]) -> int:
+    """The fewest GPU moves the rule needs over the run: 3 when B starts (6-0 to 3-3),
+    then, at each owner's arrival, from the holdings seen just before it (`held`, the
+    owners then present): the arrival's GPU taken from the job that held it, the free
+    GPUs given to the job holding fewer, floor((|A - B| - free) / 2) GPUs must change
+    hands. An owner's return frees a GPU: no move is needed for it."""
+    needed, owners = 3, 0
+    for e in timeline:
+        if "owner leaves" in e:
+            owners -= 1
+            continue
+        a, b = e["held"]["A"], e["held"]["B"]
+        hit = e.get("held by")
+        a, b = a - (hit == "A"), b - (hit == "B")
+        free = max(0, N_HOSTS * GPUS - owners - 1 - a - b)
+        needed += max(0, abs(a - b) - free) // 2
+        owners += 1
+    return needed
 
 
 def _held(hosts) -> dict[tuple[str, int], str]:
@@ -211,7 +189,6 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
             moves = 0
             last_job: dict[tuple[str, int], str] = {}  # GPU -> the job that held it last (reset by an owner)
             owners: dict[tuple[str, int], tuple[int, float]] = {}
-            ideal = Ideal()
             releases: dict = {}
 
             t_b = time.monotonic()
@@ -248,13 +225,11 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
                     if now >= until:
                         bed.host(gpu[0]).stop_foreign_process(pid)
                         del owners[gpu]
-                        ideal.leave()
                         timeline.append({"t": round(now - t_b, 1), "owner leaves": gpu, "held": dict(per)})
                 if now >= next_owner and len(owners) < MAX_OWNERS:
                     choices = [(h.name, g) for h in hosts for g in range(GPUS) if (h.name, g) not in owners]
                     gpu = rng.choice(choices)
                     hit = names.get(held.get(gpu, ""))
-                    ideal.arrive(hit)
                     pid = bed.host(gpu[0]).start_foreign_process(gpu[1], memory_mib=4000, utilization=80)
                     owners[gpu] = (pid, now + rng.uniform(20, 90))
                     last_job.pop(gpu, None)  # it comes back through a free GPU: not a move
@@ -266,7 +241,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
                     _released(releases, a)
                     _released(releases, b)
                     log(f"{(now - t_b) / 60:.0f} min: held A {per['A']} B {per['B']}, {len(owners)} owner(s); "
-                        f"GPU-s A {gpu_s['A']:.0f} B {gpu_s['B']:.0f}; moves {moves} (min {ideal.moves})", quiet)
+                        f"GPU-s A {gpu_s['A']:.0f} B {gpu_s['B']:.0f}; moves {moves} (min {moves_needed(timeline)})", quiet)
                     last_report = now
                 time.sleep(1.0)
             _released(releases, a)
@@ -277,7 +252,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
             result.update({
                 "jain": None if jain(list(gpu_s.values())) is None else round(jain(list(gpu_s.values())), 4),
                 "gpu_s": {k: round(v, 1) for k, v in gpu_s.items()},
-                "moves": moves, "moves_min": ideal.moves,
+                "moves": moves, "moves_min": moves_needed(timeline),
                 "fairshare_released": sum(int(d.split()[1]) for d in releases.values()
                                           if d.startswith("released ")),
                 "halves_s": None if halves_s is None else round(halves_s, 1),
