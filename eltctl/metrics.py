@@ -25,6 +25,11 @@ written as 0. The families (docs/commands.md, `eltctl metrics`, lists them):
     eltctl_forged_values_total{reader,host,family} counter  store values that failed their signature
     eltctl_store_keeper_restarts_total             counter
     eltctl_notifications_total{result}             counter  delivered, failed, dropped
+    eltctl_fairshare_held_gpus, _wanted_gpus       gauge   fair share (docs/fairshare.md): held, wanted more
+    eltctl_fairshare_share_gpus, _pool_gpus        gauge   the job's fair share and the pool (another job seen)
+    eltctl_fairshare_releasing_gpus                gauge   GPUs it gives back now
+    eltctl_fairshare_usage_gpu_hours{user}         gauge   its user's recent usage (decayed GPU-hours)
+    eltctl_fairshare_priority                      gauge   `[job] priority`
 
 `write_metrics` replaces the file atomically (a temporary `.<name>.*.tmp` beside it,
 renamed: node_exporter's textfile collector reads `*.prom` only and never sees half a
@@ -174,6 +179,25 @@ def render(doc: Mapping[str, Any], ledger: Mapping[str, Any] | None = None, *,
     if notify is not None:
         e.family("eltctl_notifications_total", "counter", "Notification deliveries, by result.",
                  [({"result": r}, notify.get(r) or 0) for r in ("delivered", "failed", "dropped")])
+    fair = doc.get("fairshare") if isinstance(doc.get("fairshare"), dict) else None
+    if fair is not None and fair.get("held") is not None:
+        e.one("eltctl_fairshare_held_gpus", "gauge", "Fair share: GPUs the job holds (as it published them).",
+              fair.get("held"))
+        e.one("eltctl_fairshare_wanted_gpus", "gauge", "Fair share: how many more GPUs the job could use.",
+              fair.get("wanted"))
+        e.one("eltctl_fairshare_share_gpus", "gauge",
+              "Fair share: the job's share of the pool (written only while another job shares its hosts).",
+              fair.get("share"))
+        if fair.get("share") is not None:
+            e.one("eltctl_fairshare_pool_gpus", "gauge", "Fair share: the GPUs the jobs sharing the hosts split.",
+                  fair.get("pool"))
+        release = fair.get("release") if isinstance(fair.get("release"), dict) else {}
+        e.one("eltctl_fairshare_releasing_gpus", "gauge", "Fair share: GPUs the job gives back now.",
+              sum(v for v in release.values() if _num(v) is not None))
+        e.one("eltctl_fairshare_usage_gpu_hours", "gauge",
+              "Fair share: the job's recent usage, GPU-hours decayed by usage_half_life.", fair.get("usage_gpu_h"),
+              user=fair.get("user"))
+        e.one("eltctl_fairshare_priority", "gauge", "Fair share: the job's [job] priority.", fair.get("priority"))
     return e.text()
 
 

@@ -22,6 +22,8 @@ DOC = {
     "keeper": {"pid": 1, "endpoint": "127.0.0.1:5", "restarts": 2, "problem": None},
     "notify": {"delivered": 5, "failed": 1, "dropped": 0, "pending": 0, "last": None, "last_failure": None},
 }
+FAIR = {"share": 3, "pool": 6, "cap": 3, "release": {"h1": 1}, "to": "bob/bert", "reason": "released 1 GPU",
+        "jobs": [], "user": "alice", "priority": 1, "held": 4, "wanted": 2, "usage_gpu_h": 1.5, "min_workers": 1}
 LEDGER = {"gpu_seconds": {"ws1": 7200.5, "cpu1": 60.0},
           "ends": {("ws1", "yield"): 3, ("ws1", "crash"): 1, ("cpu1", "quota"): 2, ("cpu1", "planned"): 4}}
 
@@ -70,16 +72,35 @@ def test_label_values_are_escaped():
     assert value(fams, "eltctl_forged_values_total", family='we"ird\\fam\nily') == 1
 
 
+def test_fair_share_figures_agree_with_the_document():
+    fams = parse(render({**DOC, "fairshare": FAIR}))
+    assert value(fams, "eltctl_fairshare_share_gpus") == 3 and value(fams, "eltctl_fairshare_pool_gpus") == 6
+    assert value(fams, "eltctl_fairshare_held_gpus") == 4 and value(fams, "eltctl_fairshare_wanted_gpus") == 2
+    assert value(fams, "eltctl_fairshare_releasing_gpus") == 1 and value(fams, "eltctl_fairshare_priority") == 1
+    assert value(fams, "eltctl_fairshare_usage_gpu_hours", user="alice") == 1.5
+    alone = parse(render({**DOC, "fairshare": {**FAIR, "share": None, "release": {}}}))
+    assert "eltctl_fairshare_share_gpus" not in alone and "eltctl_fairshare_pool_gpus" not in alone
+    assert value(alone, "eltctl_fairshare_held_gpus") == 4
+    assert not any(n.startswith("eltctl_fairshare") for n in parse(render(DOC)))  # an older document
+
+
 def test_eltctl_metrics_prints_the_text_of_status_json(tmp_path):
     (tmp_path / "hosts.toml").write_text('[job]\nname = "mnist"\ncommand = "python t.py"\n'
                                          '[[hosts]]\nname = "ws1"\naddress = "local"\n')
-    doc = {**DOC, "updated": time.time()}
+    doc = {**DOC, "updated": time.time(), "fairshare": FAIR}
     (state_dir(tmp_path) / "status.json").write_text(json.dumps(doc))
     r = subprocess.run([sys.executable, "-m", "eltctl", "metrics"], cwd=tmp_path, env=cli_env(tmp_path),
                        capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     fams = parse(r.stdout)
     assert value(fams, "eltctl_step") == doc["step"] and value(fams, "eltctl_controller_up") == 0  # from the file
+    st = subprocess.run([sys.executable, "-m", "eltctl", "status", "--json"], cwd=tmp_path, env=cli_env(tmp_path),
+                        capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    fair = json.loads(st.stdout)["fairshare"]  # the metrics agree with `status --json`
+    assert (value(fams, "eltctl_fairshare_share_gpus"), value(fams, "eltctl_fairshare_held_gpus"),
+            value(fams, "eltctl_fairshare_wanted_gpus"), value(fams, "eltctl_fairshare_priority"),
+            value(fams, "eltctl_fairshare_usage_gpu_hours", user=fair["user"])) == \
+        (fair["share"], fair["held"], fair["wanted"], fair["priority"], fair["usage_gpu_h"])
     assert "import torch" not in r.stderr
 
 

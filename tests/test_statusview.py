@@ -869,3 +869,15 @@ def test_status_host_of_a_cpu_host_lists_its_slots():
     console.print(render_host(Snapshot(CPU_HOSTS, Source.CONTROLLER, NOW), "local-a", ViewOptions(now=NOW, tz=utc())))
     text = console.export_text()
     assert "CPU slots" in text and "GPUs" not in text, text
+
+
+def test_the_fair_share_line_says_share_held_wanted_usage_and_priority():
+    fair = {"share": 3, "pool": 6, "cap": 3, "release": {}, "to": "bob/bert",
+            "reason": "job bert waits: holding 3, fair share 3 of 6", "jobs": [], "user": "alice", "priority": 0,
+            "held": 3, "wanted": 2, "usage_gpu_h": 1.2, "min_workers": 1}
+    text = view_text({**TRAINING, "fairshare": fair}, Source.CONTROLLER, NOW + 0.5)
+    assert ("fair share  3 of 6 GPUs   holding 3, wants 2 more   user alice, recent usage 1.20 GPU-h   priority 0\n"
+            "            job bert waits: holding 3, fair share 3 of 6\n") in text
+    alone = view_text({**TRAINING, "fairshare": {**fair, "share": None, "reason": ""}}, Source.CONTROLLER, NOW)
+    assert "fair share  no other job on its hosts   holding 3, wants 2 more" in alone
+    assert "fair share" not in view_text(TRAINING, Source.CONTROLLER, NOW)  # before any demand

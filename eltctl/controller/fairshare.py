@@ -6,8 +6,9 @@ table from the same entries (`shares`) and decides only about itself (`plan`): h
 many GPUs to release, on which hosts, and how many it may hold at most while another
 job waits. The rule (docs/fairshare.md has it for users):
 
-1. The pool `G`: the GPUs every job seen holds plus the free GPUs of this job's hosts
-   (at least the GPUs of its hosts free or held by eltctl jobs: a GPU in hand-over counts).
+1. The pool `G`: the GPUs of this job's hosts that are free or held by eltctl jobs (a
+   GPU in hand-over counts once, whether it shows free or as the job's that asked for
+   it), at least the GPUs every job seen holds.
 2. Priorities, highest first: the jobs of one priority share what the higher ones left
    (each job at most its demand `held + wanted`); a lower priority gets the rest.
 3. Within one priority, users share by weighted max-min fairness (water-filling: no
@@ -167,26 +168,38 @@ def plan(me: Demand, others: Iterable[Demand], hosts: Iterable[HostHold], *, fre
     others = [d for d in merge(others) if d.job != me.job]
     if not others:
         return Plan()
-    pool = max(me.held + sum(d.held for d in others) + max(free, 0), seen)
+    # The GPUs of this job's hosts that jobs may use, when known: a GPU another job asked
+    # for but has not claimed yet shows as free and is in its `held` (never count it twice).
+    held_all = me.held + sum(d.held for d in others)
+    pool = max(seen, held_all) if seen > 0 else held_all + max(free, 0)
     table = shares([me, *others], pool, half_life_s)
     mine = next(s for s in table if s.job == me.job)
     waiting = [s for s in table if s.waiting and s.job != me.job]
-    base = Plan(shares=tuple(table), pool=pool, share=mine.share)
+    # Only the GPUs nobody holds are there to take: a GPU another job asked for shows free
+    # until its daemon claims it, and is no one else's to grab meanwhile.
+    unheld = me.held + max(0, pool - held_all)
+    base = Plan(shares=tuple(table), pool=pool, share=mine.share, cap=unheld)
     if not waiting:
         # Another job wants more and is not above its share (it may be about to claim the
         # GPUs it is owed): take nothing beyond this job's share either.
         if any(s.job != me.job and s.wanted > 0 and s.held <= s.share for s in table):
-            return Plan(shares=base.shares, pool=pool, share=mine.share, cap=max(mine.share, me.held))
+            return Plan(shares=base.shares, pool=pool, share=mine.share, cap=min(max(mine.share, me.held), unheld))
         return base
     to = f"{waiting[0].user}/{waiting[0].job}"
     deficit = sum(s.share - s.held for s in waiting)
     cap = max(mine.share, me.held)
     excess = me.held - mine.share
-    if excess <= slack or excess <= 0:
+    extra = 0 if settling else priority_extra(me, table, free)
+    if (excess <= slack or excess <= 0) and not extra:
         return Plan(shares=base.shares, pool=pool, share=mine.share, cap=cap, to=to,
                     reason=f"job {waiting[0].job} waits: holding {me.held}, fair share {mine.share} of {pool}")
-    want = 0 if settling else min(excess, max(deficit - max(free, 0), 0), me.held - me.min_workers)
+    usual = max(0, min(excess, max(deficit - max(free, 0), 0), me.held - me.min_workers))
+    want = 0 if settling else min(usual + extra, me.held)
     names = {f"{s.user}/{s.job}" for s in waiting}
+    # `fairshare_hold` keeps equals from trading GPUs back and forth; a job of higher
+    # priority waiting is served at once (there is no ping-pong: it always wins).
+    if any(s.priority > me.priority for s in waiting):
+        hold_s = 0.0
     release: dict[str, int] = {}
     # Hosts where a waiting job wants GPUs first; then the others, in reverse order.
     ordered = sorted(list(hosts)[::-1], key=lambda h: not (set(h.others_want) & names))
@@ -211,6 +224,31 @@ def plan(me: Demand, others: Iterable[Demand], hosts: Iterable[HostHold], *, fre
                 cap=cap - n, to=to, reason=reason)
 
 
+
+
+def priority_extra(me: Demand, table: Iterable[Share], free: int) -> int:
+    """GPUs this job gives beyond its usual release (down to its share, never below its
+    `min_workers`) because a job of higher priority waits below its own `min_workers`
+    and the lower jobs' usual releases and the free GPUs cannot make up the lack: the
+    lower jobs then give GPUs below their `min_workers` too, the lowest priority first
+    (then the job holding more, then by user and job), every controller computing the
+    same split. 0 in every other case."""
+    table = list(table)
+    top = [s for s in table if s.priority > me.priority and s.held < s.min_workers and s.job != me.job]
+    if not top:
+        return 0
+    lack = sum(min(s.min_workers, s.held + s.wanted) - s.held for s in top) - max(free, 0)
+    lower = [s for s in table if s.priority < max(t.priority for t in top)]
+    usual = {s.job: max(0, min(s.held - s.share, s.held - s.min_workers)) for s in lower}
+    short = lack - sum(usual.values())
+    for s in sorted(lower, key=lambda s: (s.priority, -s.held, s.user, s.job)):
+        if short <= 0:
+            break
+        give = min(short, s.held - usual[s.job])
+        if s.job == me.job:
+            return give
+        short -= give
+    return 0
 
 
 # --------------------------------------------------------------------------- this job's side
@@ -307,11 +345,17 @@ def share_to_json(s: Share) -> dict:
             "exact": round(s.exact, 3), "waiting": s.waiting}
 
 
-def plan_to_json(p: Plan) -> dict:
-    """status.json's `fairshare`: this job's share, what it releases and why, and the table."""
-    return {"share": p.share, "pool": p.pool, "cap": p.cap, "release": dict(p.release), "to": p.to,
-            "reason": p.reason, "jobs": [share_to_json(s) for s in p.shares]}
+def plan_to_json(p: Plan, me: Demand | None = None) -> dict:
+    """status.json's `fairshare`: this job's share (None: no other job seen), what it
+    releases and why, and the table; with `me` (this job's published demand) its own
+    figures too: `user`, `priority`, `held`, `wanted`, `usage_gpu_h`, `min_workers`."""
+    doc = {"share": p.share, "pool": p.pool, "cap": p.cap, "release": dict(p.release), "to": p.to,
+           "reason": p.reason, "jobs": [share_to_json(s) for s in p.shares]}
+    if me is not None:
+        doc.update(user=me.user, priority=me.priority, held=me.held, wanted=me.wanted,
+                   usage_gpu_h=round(me.usage_gpu_h, 3), min_workers=me.min_workers)
+    return doc
 
 
 __all__ = ["HostHold", "Plan", "Share", "free_gpus", "holds", "merge", "others_seen", "own_demand", "own_user", "plan",
-           "plan_to_json", "share_to_json", "shared_gpus", "shares", "water_fill", "weight"]
+           "plan_to_json", "priority_extra", "share_to_json", "shared_gpus", "shares", "water_fill", "weight"]

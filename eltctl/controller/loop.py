@@ -109,6 +109,7 @@ class Controller:
         self._keeper_down_logged = False
         self.outputs = Outputs(inventory, state)  # notifications and metrics; started by __main__
         self.fair = fairshare.Plan()  # fair share's last plan (controller/fairshare.py)
+        self.fair_me = None  # this job's demand as last published (eltctl/demand.py Demand)
         self._published: dict = {}  # host -> this job's demand entry to publish there at the next probe
         self._usage: tuple[float, float] = (-1e18, 0.0)  # (when, recent GPU-hours) from the ledger
         self._released_at = -1e18  # when fair share last released GPUs
@@ -317,7 +318,7 @@ class Controller:
                               seen=fairshare.shared_gpus(reports, usable),
                               settling=now - self._released_at < fairshare.settle_s(inv.policy.idle_for,
                                                                                     inv.policy.probe_interval))
-        before, self.fair = self.fair, plan
+        before, self.fair, self.fair_me = self.fair, plan, me
         if plan.release and plan.release != before.release:
             self._released_at = now
             log.info("Fair share: %s.", plan.reason)
@@ -640,7 +641,7 @@ class Controller:
 
     def status_document(self) -> dict:
         now = self.clock()
-        doc = self.outputs.extend(status.status_document(
+        doc = status.status_document(
             now=now, inventory=self.inventory, phase=self.phase, message=self.message,
             runtime_status=self.observed.runtime_status,
             views=self.observed.views(self.inventory.hosts, now, self.inventory.policy),
@@ -653,9 +654,10 @@ class Controller:
                                          self.observed.events_skipped),
             keeper=self._keeper_status(),
             starts_at=(self.decision.starts_at if self.decision is not None and self.phase == Phase.STARTING
-                       else None)))
-        doc["fairshare"] = fairshare.plan_to_json(self.fair)
-        return doc
+                       else None))
+        # before `extend`: what the outputs derive from the document (metrics) sees it
+        doc["fairshare"] = fairshare.plan_to_json(self.fair, self.fair_me)
+        return self.outputs.extend(doc)
 
     def store_forgeries(self) -> dict[str, int]:
         """The forged values the controller's own store client read, per key family."""

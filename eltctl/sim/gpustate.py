@@ -147,8 +147,10 @@ class GpuState:
 
     def write(self, state: dict[str, Any]) -> None:
         # Temp file in the same directory + rename: a concurrent nvidia-smi sees
-        # either the old file or the new one, never half of one.
-        write_atomic(self.path, json.dumps(state, indent=1), sync=False)
+        # either the old file or the new one, never half of one. Readable by every
+        # account of the host, as a driver's state is (a temp file alone is 0600: the
+        # stand-in nvidia-smi of another account then failed as a missing driver).
+        write_atomic(self.path, json.dumps(state, indent=1), mode=0o644, sync=False)
 
     def initialize(self, n_gpus: int = 2, *, memory_total_mib: int = DEFAULT_MEMORY_TOTAL_MIB,
                    name: str = DEFAULT_GPU_NAME) -> None:

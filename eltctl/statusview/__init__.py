@@ -36,7 +36,7 @@ from eltctl.statusview.formatting import (
 )
 from eltctl.statusview.host import FAILED_WORKER_STATES, daemon_table, failed_workers, find_host, render_host
 from eltctl.statusview.hosts import WIDE_MIN_WIDTH, HostsView, gpu_brief, host_notes, hosts_table, hosts_table_compact
-from eltctl.statusview.job import forged_line, job_summary, mirror_line, notify_line
+from eltctl.statusview.job import fairshare_line, forged_line, job_summary, mirror_line, notify_line
 from eltctl.statusview.workers import worker_note, workers_table
 from eltctl.statusview.snapshot import (
     CONTROLLER_DOWN,
@@ -54,7 +54,7 @@ from eltctl.statusview.snapshot import (
 __all__ = [
     "CONTROLLER_DOWN", "EVENTS_SHOWN", "FAILED_WORKER_STATES", "SOCKET_FILE", "SOCKET_TIMEOUT_S", "STATUS_FILE",
     "WIDE_MIN_WIDTH", "HostsView", "NoJobError", "Snapshot", "Source", "ViewOptions", "daemon_table",
-    "describe_event", "events_table", "failed_workers", "find_host", "forged_line", "format_age", "format_clock",
+    "describe_event", "events_table", "failed_workers", "fairshare_line", "find_host", "forged_line", "format_age", "format_clock",
     "format_pause",
     "gpu_brief", "host_events", "host_notes", "hosts_table", "hosts_table_compact", "job_state_dir", "job_summary",
     "mirror_line", "notify_line", "read_snapshot", "read_status_file", "render_host", "render_status", "utc",

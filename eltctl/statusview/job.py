@@ -86,6 +86,10 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     if keeper.get("attack"):  # the keeper's store refused requests: someone else talks to it
         grid.add_row("[red]warning[/]", escape(str(keeper["attack"])))
 
+    fair = fairshare_line(doc.get("fairshare"))
+    if fair is not None:
+        grid.add_row("fair share", fair)
+
     notify = notify_line(doc.get("notify"), now)
     if notify is not None:
         grid.add_row("notify", notify)
@@ -139,6 +143,25 @@ def mirror_warning(mirror: Any) -> str | None:
             f"\n{escape(str(problem.get('message', '')))}")
     if problem.get("fix"):
         line += f"\n[bold]fix:[/] {escape(str(problem['fix']))}"
+    return line
+
+
+def fairshare_line(fair: Any) -> str | None:
+    """The `fair share` row (docs/fairshare.md): this job's share of the pool when another
+    job shares its hosts, what it holds and wants, its user's recent usage, its priority,
+    and what fair share does now; None before the controller published a demand."""
+    from rich.markup import escape
+
+    if not isinstance(fair, dict) or fair.get("held") is None:
+        return None
+    share = fair.get("share")
+    head = (f"{share} of {show(fair.get('pool'))} GPUs" if share is not None
+            else "[dim]no other job on its hosts[/]")
+    line = (f"{head}   holding {show(fair.get('held'))}, wants {show(fair.get('wanted'))} more   "
+            f"user {escape(str(fair.get('user') or '?'))}, recent usage {num(fair.get('usage_gpu_h')) or 0:.2f} GPU-h"
+            f"   priority {show(fair.get('priority'))}")
+    if fair.get("reason"):
+        line += f"\n[dim]{escape(str(fair['reason']))}[/]"
     return line
 
 

@@ -70,8 +70,8 @@ def plan(me, others, hosts, free=0, slack=0, hold_s=600.0):
      [hold("h1", 2), hold("h2", 2, want=["u2/b"]), hold("h3", 2)], {}, {"h2": 2, "h3": 1}, 3),
     ("the other holds its share and wants more: nothing beyond the share", d("a", "u1", held=3),
      [d("b", "u2", held=3, wanted=3)], [hold("h1", 3)], {}, {}, 3),
-    ("the other wants nothing more: no cap", d("a", "u1", held=3), [d("b", "u2", held=3)],
-     [hold("h1", 3)], {"free": 2}, {}, None),
+    ("the other wants nothing more: the free GPUs are there to take", d("a", "u1", held=3), [d("b", "u2", held=3)],
+     [hold("h1", 3)], {"free": 2}, {}, 5),
     ("within the slack: keep, but take no more", d("a", "u1", held=4), [d("b", "u2", held=2, wanted=4)],
      [hold("h1", 4)], {"slack": 1}, {}, 4),
     ("GPUs taken too recently stay", d("a", "u1", held=6), [d("b", "u2", wanted=6)],
@@ -80,10 +80,21 @@ def plan(me, others, hosts, free=0, slack=0, hold_s=600.0):
      [hold("h1", 6)], {}, {"h1": 1}, 5),
     ("free GPUs serve the waiting job first", d("a", "u1", held=4), [d("b", "u2", wanted=6)],
      [hold("h1", 4)], {"free": 2}, {"h1": 1}, 3),
-    ("below its share: may grow up to it", d("b", "u2", held=1, wanted=5), [d("a", "u1", held=5)],
-     [hold("h1", 1)], {}, {}, None),
+    ("below its share: grows as the GPUs are released (none is yet)", d("b", "u2", held=1, wanted=5),
+     [d("a", "u1", held=5)], [hold("h1", 1)], {}, {}, 1),
+    ("below its share: grows into the GPUs released", d("b", "u2", held=1, wanted=5),
+     [d("a", "u1", held=3)], [hold("h1", 1)], {"free": 2}, {}, 3),
     ("a higher priority waits for its min_workers", d("a", "u1", held=6), [d("h", "u3", wanted=2, prio=1, minw=2)],
      [hold("h1", 6)], {}, {"h1": 2}, 4),
+    ("a higher priority waiting is served before the hold time", d("a", "u1", held=6),
+     [d("h", "u3", wanted=2, prio=1, minw=2)], [hold("h1", 6, ages=[5.0] * 6)], {}, {"h1": 2}, 4),
+    ("a higher priority below its min_workers: the lower jobs give below theirs, the one holding more first",
+     d("a", "u1", held=4, minw=4), [d("b", "u2", held=2, minw=2), d("h", "u3", wanted=2, prio=1, minw=2)],
+     [hold("h1", 4)], {}, {"h1": 2}, 2),
+    ("... and the other lower job keeps its min_workers", d("b", "u2", held=2, minw=2),
+     [d("a", "u1", held=4, minw=4), d("h", "u3", wanted=2, prio=1, minw=2)], [hold("h1", 2)], {}, {}, 2),
+    ("equal priority: a share below min_workers is not raised (it waits)", d("a", "u1", held=6, minw=6),
+     [d("b", "u2", wanted=6, minw=4)], [hold("h1", 6)], {}, {}, 6),
 ])
 def test_plan(name, me, others, hosts, kw, release, cap):
     p = plan(me, others, hosts, **kw)
@@ -169,6 +180,22 @@ def test_the_controller_publishes_its_demand_and_releases(tmp_path):
     asyncio.run(ctl.fair_share({}, now))  # the same plan again: no second event
     assert len(store.got) == 2 - 1
 
+    # The status document has it before the outputs (metrics) see the document.
+    seen = []
+    extend = ctl.outputs.extend
+    ctl.outputs.extend = lambda doc: (seen.append(dict(doc.get("fairshare") or {})), extend(doc))[1]
+    doc = ctl.status_document()
+    assert seen and seen[0] == doc["fairshare"]
+    fair = doc["fairshare"]
+    assert (fair["share"], fair["pool"], fair["held"], fair["wanted"], fair["priority"], fair["user"]) == \
+        (2, 4, 4, 0, 0, ctl.fair_me.user)
+    from eltctl.metrics import render
+    from tests.testbed.promtext import parse, value
+
+    fams = parse(render(doc))
+    assert value(fams, "eltctl_fairshare_share_gpus") == 2 and value(fams, "eltctl_fairshare_held_gpus") == 4
+    assert value(fams, "eltctl_fairshare_releasing_gpus") == sum(fair["release"].values())
+
 
 def test_a_gpu_in_hand_over_still_counts_in_the_pool():
     """A released 2 of 4; its workers are still leaving (the GPUs show as its own, not free)
@@ -189,3 +216,42 @@ def test_nothing_more_is_released_while_the_last_release_settles():
     p = fs.plan(d("a", "u1", held=3), [d("b", "u2", held=0, wanted=4)], [hold("h1", 3)], free=0,
                 half_life_s=DAY, slack=0, hold_s=600.0, seen=4, settling=True)
     assert (dict(p.release), p.cap) == ({}, 3) and "being claimed" in p.reason
+
+
+def test_a_waiting_higher_priority_job_gets_its_min_workers_from_equal_jobs():
+    """Two equal jobs hold 3 each; job h (priority 1, min_workers 2, max_workers 2) arrives:
+    its share is 2, each of the others releases one (hold time or not), and no more."""
+    a, b, h = d("a", "u1", held=3, wanted=0), d("b", "u2", held=3, wanted=0), d("h", "u1", wanted=2, prio=1, minw=2)
+    assert table([a, b, h], 6) == {("u1", "a"): 2, ("u2", "b"): 2, ("u1", "h"): 2}
+    young = [5.0] * 3
+    pa, pb = plan(a, [b, h], [hold("h1", 3, ages=young)]), plan(b, [a, h], [hold("h2", 3, ages=young)])
+    assert (dict(pa.release), dict(pb.release)) == ({"h1": 1}, {"h2": 1})
+    ph = plan(h, [a, b], [], free=0)
+    assert ph.share == 2 and not ph.release
+
+
+def test_status_json_has_the_jobs_own_figures():
+    me = d("a", "u1", held=6, wanted=0, prio=2, usage=1.23456, minw=2)
+    p = plan(me, [d("b", "u2", wanted=6)], [hold("h2", 6)])
+    doc = fs.plan_to_json(p, me)
+    assert {k: doc[k] for k in ("share", "pool", "held", "wanted", "priority", "usage_gpu_h", "user", "min_workers")} \
+        == {"share": 6, "pool": 6, "held": 6, "wanted": 0, "priority": 2, "usage_gpu_h": 1.235, "user": "u1",
+            "min_workers": 2}
+    alone = fs.plan_to_json(fs.Plan(), me)
+    assert alone["share"] is None and alone["held"] == 6
+
+
+def test_a_gpu_asked_for_but_not_claimed_yet_counts_once():
+    """A released two GPUs; B asked for them (its `held` counts them) but has not claimed
+    them yet, so they show free: the pool stays 6, A's cap 3 (it does not grab them back)."""
+    p = fs.plan(d("a", "u1", held=3), [d("b", "u2", held=3, wanted=1)], [hold("h1", 3)], free=2,
+                half_life_s=DAY, slack=0, hold_s=600.0, seen=6)
+    assert (p.pool, p.share, dict(p.release), p.cap) == (6, 3, {}, 3)
+
+
+def test_gpus_another_job_asked_for_are_not_grabbed_while_it_claims_them():
+    """A released two GPUs to h (max_workers 2: it wants nothing more once it asked for
+    them); they show free until h's daemon claims them: A's cap stays at what it holds."""
+    p = fs.plan(d("a", "u1", held=2), [d("h", "u2", held=2, wanted=0, prio=1, minw=2)], [hold("h1", 2)], free=2,
+                half_life_s=DAY, slack=0, hold_s=600.0, seen=4)
+    assert (p.pool, p.share, dict(p.release), p.cap) == (4, 2, {}, 2)

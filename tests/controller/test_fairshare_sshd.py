@@ -2,7 +2,10 @@
 account) starts alone and takes all four GPUs; job B, of other accounts (the hosts'
 own, `add_hosts(login=True)`), starts on the same hosts. A learns of B's demand from
 the hosts (the entries beside the GPU claims), releases two GPUs in the planned way
-(0 lost steps: its audit), does not take them back, and B claims them: 2 and 2."""
+(0 lost steps: its audit), does not take them back, and B claims them: 2 and 2. And a
+job of higher priority gets its min_workers at once (no fairshare_hold) from a job
+holding every GPU. (The timings, and the three-user case on three hosts with owners
+coming and going, are benchmarks/fairshare.py's.)"""
 
 from __future__ import annotations
 
@@ -90,5 +93,50 @@ def test_a_second_job_gets_its_fair_half_with_no_lost_step_in_the_first(testbed)
                   f"{[e['detail'] for e in fair]}; B at step {st_b['step']}")
         finally:
             next(gen_b, None)
+    finally:
+        next(gen_a, None)
+
+
+def test_a_higher_priority_job_gets_its_min_workers_at_once_despite_the_hold(testbed):
+    """Job A holds all four GPUs of two hosts, taken moments ago (the default
+    `fairshare_hold` of 10 minutes would keep them from an equal job). Job H, `priority =
+    1`, `min_workers = max_workers = 2`, starts: A releases two at once in the planned way
+    (0 lost steps), H trains on its min_workers, A goes on with two."""
+    hosts = testbed.add_hosts(2, gpus=2)
+    gen_a, gen_h = job_env_on(testbed, hosts), job_env_on(testbed, hosts)
+    a = next(gen_a)
+    try:
+        h = next(gen_h)
+        text = h.inventory.read_text()
+        assert "min_workers = 1\n" in text
+        h.inventory.write_text(text.replace("min_workers = 1\n", "min_workers = 2\nmax_workers = 2\npriority = 1\n", 1))
+        try:
+            a.eltctl("up")
+            st = a.training_at(4)
+            t0 = time.time()
+            up_h = subprocess.run([*ELTCTL, "-i", str(h.inventory), "up", "--detach"], env=h.env,
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180)
+            assert up_h.returncode == 0, up_h.stdout + up_h.stderr
+            try:
+                st_h = h.training_at(2, timeout=240)
+                st = a.training_at(2, after_step=st["step"])
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n--- A\n{a.controller_log()}\n--- H\n{h.controller_log()}") from None
+            took = time.time() - t0
+            assert sorted(held_gpus(hosts).values()) == sorted([a.job] * 2 + [h.job] * 2)
+            events = st["events"]
+            fair = [e for e in events if e.get("kind") == "fairshare"]
+            assert fair and all(f"to job {h.job} (fair share 2 of 4)" in e["detail"] for e in fair), \
+                [e["detail"] for e in fair]
+            assert sum(int(e["detail"].split()[1]) for e in fair) == 2, \
+                f"{[e['detail'] for e in fair]}\n--- A\n{a.controller_log()}\n--- H\n{h.controller_log()}"
+            leaves = [e for e in events if e.get("kind") == "leave"]
+            assert leaves and all(e["lost"] == [] and e["step"] == e["from_step"] + 1 for e in leaves), leaves
+            assert st_h["fairshare"]["priority"] == 1 and st_h["fairshare"]["share"] == 2, st_h["fairshare"]
+            released_after = min(e["time"] for e in fair) - t0  # the controllers' clocks: this machine's
+            print(f"\npriority: H trains on its min_workers {took:.1f} s after its up; A released "
+                  f"{released_after:.1f} s after it ({[e['detail'] for e in fair]})")
+        finally:
+            next(gen_h, None)
     finally:
         next(gen_a, None)
