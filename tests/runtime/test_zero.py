@@ -83,12 +83,16 @@ def test_a_joiner_gets_its_parameters_from_every_member_not_rank_0():
     assert {s.src for s in segs if s.dst == "w2" and s.what == "param"} == {"w0", "w1"}
 
 
+class SGDWithATwist(torch.optim.SGD):
+    """A subclass may change step(): refused like any other optimizer."""
+
+
 def test_an_unsupported_optimizer_is_refused_naming_the_supported_ones():
     model = torch.nn.Linear(2, 2)
-    opt = torch.optim.Adagrad(model.parameters())
     params = list(model.parameters())
-    with pytest.raises(ValueError, match="AdamW, SGD"):
-        ShardedGradients(params, opt, shard_layout(params, torch.optim.SGD(params, lr=1), members("a")), 0)
+    opt = SGDWithATwist(params, lr=0.1)
+    with pytest.raises(ValueError, match="supports AdamW, SGD .*got SGDWithATwist"):
+        ShardedGradients(params, opt, shard_layout(params, opt, members("a")), 0)
 
 
 # -- real gloo groups --------------------------------------------------------------------------
