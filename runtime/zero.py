@@ -487,7 +487,7 @@ class ShardedGradients:
                 if k != "params":
                     inner.param_groups[g][k] = v
         self._refresh_masters()
-        stats = torch.zeros(2, dtype=torch.float64)
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         found_infs: list[torch.Tensor] = []
         if scaler is not None and scaler.is_enabled():
             scaler.unscale_(inner)
@@ -748,11 +748,13 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     if missing:
         raise ValueError(f"new members {missing} are not in the transfer group")
     # The step count (every holder has the same); a joiner learns it here.
-    info = torch.tensor([float(old.steps_taken()) if old is not None else 0.0], dtype=torch.float64)
+    some = old if old is not None else new
+    if some is None:
+        raise ValueError("reshard needs this rank's old or new path (or both)")
+    device = some.device  # messages travel on the parameters' device (NCCL sends device tensors)
+    info = torch.tensor([float(old.steps_taken()) if old is not None else 0.0], dtype=torch.float64, device=device)
     _wait(collectives.allreduce_async(group, info, dist.ReduceOp.MAX), abort)
     step = int(info[0])
-    some = old if old is not None else new
-    assert some is not None
     opt = some.optimizer
     groups = old_layout.groups
     names = [_state_names(opt, opt.param_groups[pg]) if step else () for _d, pg in groups]
@@ -813,13 +815,12 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     works, recv_bufs = [], []
     for src, ss in sorted(incoming.items()):
         nbytes = sum(n * torch.empty((), dtype=dt).element_size() for s in ss for _k, dt, n in pieces(s))
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         recv_bufs.append((ss, buf))
         works.append(group.recv([buf], where[src], 0))
     keep = []
     for dst, ss in sorted(outgoing.items()):
-        flat = torch.cat([t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                          for s in ss for t in read(s)])
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for s in ss for t in read(s)])
         keep.append(flat)
         works.append(group.send([flat], where[dst], 0))
     for w in works:
