@@ -233,7 +233,7 @@ def assert_state_matches(full: dict, ref: dict) -> None:
             torch.testing.assert_close(full["state"][i][k], v, rtol=RTOL, atol=1e-7, msg=f"{i}/{k}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_sharded_training_equals_replicated_and_the_gathered_state_too(shard, kind, world):
