@@ -275,7 +275,7 @@ class ShardedGradients:
     """
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, layout: ShardLayout,
-                 rank: int, shard: str = "optimizer") -> None:
+                 rank: int, shard: str = "optimizer", reduce_scatter: bool | None = None) -> None:
         if shard not in SHARD_MODES:
             raise ValueError(f"shard must be one of {SHARD_MODES} (or None for replicated), not {shard!r}")
         check_optimizer(optimizer)
@@ -286,6 +286,10 @@ class ShardedGradients:
         self.layout = layout
         self.rank = rank
         self.shard = shard
+        # ZeRO-2's reduction: reduce_scatter_tensor, or (None: on gloo) an all-reduce of the bucket
+        # from which each rank keeps its chunks (see _launch).
+        self._reduce_scatter_asked = reduce_scatter
+        self._rs = True
         self._pg_of = _param_groups_of(self.params, optimizer)
         self._opt_index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         self._held = layout.held(rank)
@@ -378,6 +382,8 @@ class ShardedGradients:
     def begin(self, pg, abort: threading.Event | None = None) -> None:
         """Arm the reduction for the coming (last) backward of the step."""
         self._pg, self._abort = pg, abort
+        asked = self._reduce_scatter_asked
+        self._rs = asked if asked is not None else pg.name() != "GLOO"
         if self.shard == "optimizer":
             with torch.no_grad():
                 for i, p in enumerate(self.params):
@@ -437,6 +443,12 @@ class ShardedGradients:
                 self._stage(i, self.params[i])
         if b not in self._staging:
             self._staging[b] = torch.zeros(width, dtype=self._flat[bucket.group].dtype, device=self.device)
+        if not self._rs:
+            # gloo's reduce-scatter took 2.6x its all-reduce of the same 25 MB bucket here
+            # (3.2 s against 1.2 s, 2 ranks, loaded CPUs): all-reduce the staged bucket and keep
+            # this rank's chunk in finish(). Same traffic as replicated; the staging goes after.
+            self._works.append(collectives.allreduce_async(self._pg, self._staging[b]))
+            return
         out = self._shard_grads[bucket.group][self._offsets[b]:self._offsets[b] + bucket.chunk]
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
@@ -451,8 +463,17 @@ class ShardedGradients:
         works, self._works = self._works, []
         for w in works:
             _wait(w, self._abort)
-        self._staging = {}
+        staging, self._staging = self._staging, {}
         with torch.no_grad():
+            if self.shard == "gradients" and not self._rs:  # all-reduced (_launch): every held chunk is here
+                for b, t in staging.items():
+                    bucket = self.layout.buckets[b]
+                    off = self._offsets[b]
+                    for h, j in enumerate(self._held):
+                        self._section(self._shard_grads[bucket.group], bucket.group, h)[off:off + bucket.chunk] \
+                            .copy_(t[j * bucket.chunk:(j + 1) * bucket.chunk])
+                return
+            del staging
             if self.shard == "optimizer":
                 for b, bucket in enumerate(self.layout.buckets):
                     off = self._offsets[b]

@@ -189,7 +189,9 @@ def run_ranks(fns: dict[str, callable]) -> dict[str, object]:
 class Worker:
     """One rank: its model, the script's optimizer, its sharded path."""
 
-    def __init__(self, kind: str, shard: str, seed: int = 0, scale: bool = False) -> None:
+    def __init__(self, kind: str, shard: str, seed: int = 0, scale: bool = False,
+                 reduce_scatter: bool | None = None) -> None:
+        self.reduce_scatter = reduce_scatter
         self.model = Net(seed)
         self.opt = make_opt(kind, self.model)
         self.params = list(self.model.parameters())
@@ -198,7 +200,7 @@ class Worker:
         self.sg: ShardedGradients | None = None
 
     def path(self, lay: ShardLayout, me: str) -> ShardedGradients:
-        sg = ShardedGradients(self.params, self.opt, lay, lay.rank_of(me), self.shard)
+        sg = ShardedGradients(self.params, self.opt, lay, lay.rank_of(me), self.shard, self.reduce_scatter)
         sg.bind()
         return sg
 
@@ -266,7 +268,7 @@ def test_clipping_and_an_inf_in_one_shard_skip_the_step_everywhere_as_replicated
     store = dist.HashStore()
 
     def rank(r: int):
-        w = Worker("adamw", "gradients", scale=True)
+        w = Worker("adamw", "gradients", scale=True, reduce_scatter=True)
         lay = shard_layout(w.params, w.opt, members("a", "b", "c"), bucket_mb=0.0002)
         w.sg = w.path(lay, f"w{r}")
         results = w.train(group(store, "g", r, 3), range(steps), clip=clip, inf_at=inf_at)
@@ -329,16 +331,19 @@ def test_a_planned_leave_3_to_2_then_a_join_2_to_3_keep_training_replicated(shar
         assert_state_matches(full, ref_opt.state_dict())
 
 
-def test_with_two_replicas_a_lost_rank_costs_no_state():
+@pytest.mark.parametrize("reduce_scatter", [True, False])
+def test_with_two_replicas_a_lost_rank_costs_no_state(reduce_scatter):
     """w1 stops answering after step 3 (w0 and w1 share a host); w0 and w2 take
-    its chunk from its backup and train on, as the replicated run."""
+    its chunk from its backup and train on, as the replicated run. ZeRO-2 both
+    ways: reduce_scatter_tensor plus the backup's chunk by point-to-point, and
+    gloo's default (an all-reduce of each bucket)."""
     ref_model, ref_opt, _ = replicated("sgd", 6)
     store = dist.HashStore()
     hosts = {"w0": "h0", "w1": "h0", "w2": "h1"}
     ids_a, ids_b = ["w0", "w1", "w2"], ["w0", "w2"]
 
     def rank(me: str):
-        w = Worker("sgd", "gradients")
+        w = Worker("sgd", "gradients", reduce_scatter=reduce_scatter)
         lay_a = shard_layout(w.params, w.opt, [Member(i, hosts[i]) for i in ids_a], replicas=2, bucket_mb=0.0002)
         lay_b = shard_layout(w.params, w.opt, [Member(i, hosts[i]) for i in ids_b], replicas=2, bucket_mb=0.0002)
         w.sg = w.path(lay_a, me)
