@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 WIDTH = int(os.environ.get("ELTCTL_BENCH_WIDTH", "2048"))  # smaller only to try the script out

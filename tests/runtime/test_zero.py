@@ -242,18 +242,16 @@ def test_sharded_training_equals_replicated_and_the_gathered_state_too(shard, ki
     steps = 4
     ref_model, ref_opt, _ = replicated(kind, steps)
     store = dist.HashStore()
-    lay = None
 
     def rank(me: str):
         w = Worker(kind, shard)
-        nonlocal_lay = shard_layout(w.params, w.opt, members(*"abc"[:world]), bucket_mb=0.0002)
-        w.sg = w.path(nonlocal_lay, me)
-        pg = group(store, "g", nonlocal_lay.rank_of(me), world)
+        lay = shard_layout(w.params, w.opt, members(*"abc"[:world]), bucket_mb=0.0002)
+        w.sg = w.path(lay, me)
+        pg = group(store, "g", lay.rank_of(me), world)
         w.train(pg, range(steps))
         return w, w.sg.full_state_dict(), w.sg.memory()
 
     out = run_ranks({f"w{r}": (lambda r=r: rank(f"w{r}")) for r in range(world)})
-    del lay
     for name, (w, full, _mem) in out.items():
         assert_params_match(w.model, ref_model)
         assert_state_matches(full, ref_opt.state_dict())
