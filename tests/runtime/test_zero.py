@@ -1,0 +1,386 @@
+"""Sharded optimizer state (runtime/zero.py): the layout and the transfer plan are
+pure (tables); the rest runs real gloo groups, one thread per rank on one
+HashStore, and compares every parameter with one process training the global
+batch with the plain optimizer (replicated training)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from eltctl_runtime.zero import (
+    Member,
+    ShardedGradients,
+    ShardsLost,
+    ShardLayout,
+    plan_shards,
+    plan_transfers,
+    reshard,
+    shard_layout,
+)
+
+F32, F64 = "torch.float32", "torch.float64"
+ROWS = 12
+RTOL = 1e-5
+
+
+# -- pure: the layout and the transfer plan -------------------------------------------------
+
+
+def members(*hosts: str) -> list[Member]:
+    return [Member(f"w{i}", h) for i, h in enumerate(hosts)]
+
+
+def test_buckets_are_padded_to_the_world_and_each_rank_owns_one_chunk_of_each():
+    lay = plan_shards([(F32, 0), (F32, 0), (F64, 0)], [5, 3, 4], [4, 4, 8], members("a", "b", "c"),
+                      bucket_bytes=1 << 30)
+    # reverse parameter order: the float64 parameter opens group 0, the float32 ones group 1
+    assert lay.groups == ((F64, 0), (F32, 0))
+    assert [(b.group, b.numel, b.chunk, b.pstart) for b in lay.buckets] == [(0, 4, 2, 0), (1, 8, 3, 0)]
+    assert lay.padded(0) == 6 and lay.padded(1) == 9
+    assert lay.buckets[1].span(2) == (6, 8)  # the last chunk carries the padding
+    assert lay.holders == ((0,), (1,), (2,)) and lay.held(1) == (1,)
+
+
+def test_replicas_sit_on_other_hosts_and_every_rank_backs_up_one_chunk():
+    lay = plan_shards([(F32, 0)], [10], [4], members("x", "y", "x", "y"), replicas=2)
+    hosts = [m.host for m in lay.members]
+    assert all(len(h) == 2 and hosts[h[0]] != hosts[h[1]] for h in lay.holders)
+    assert sorted(h[1] for h in lay.holders) == [0, 1, 2, 3]
+    assert all(len(lay.held(r)) == 2 for r in range(4))
+
+
+@pytest.mark.parametrize("hosts", [("a",), ("a", "a"), ("a", "a", "b"), ("a", "b", "c")])
+def test_the_layout_is_a_function_of_the_member_list_alone(hosts):
+    one = plan_shards([(F32, 0), (F32, 1)], [7, 9], [4, 4], members(*hosts), replicas=2, bucket_bytes=16)
+    again = plan_shards([(F32, 0), (F32, 1)], [7, 9], [4, 4], members(*hosts), replicas=2, bucket_bytes=16)
+    assert one == again == ShardLayout.from_json(one.to_json())
+    assert one.replicas == min(2, len(hosts))
+    assert all(len(set(h)) == len(h) for h in one.holders)
+
+
+def test_a_crash_without_replicas_loses_shards_and_with_replicas_does_not():
+    kinds, numels, sizes = [(F32, 0)], [12], [4]
+    old = plan_shards(kinds, numels, sizes, members("a", "b", "c"))
+    new = plan_shards(kinds, numels, sizes, members("a", "b"))
+    with pytest.raises(ShardsLost, match="w2"):
+        plan_transfers(old, new, ["w0", "w1"])
+    old2 = plan_shards(kinds, numels, sizes, members("a", "b", "c"), replicas=2)
+    segs = plan_transfers(old2, new, ["w0", "w1"])
+    assert {s.src for s in segs} <= {"w0", "w1"}
+    assert sum(s.hi - s.lo for s in segs if s.old_chunk == 2) == 4  # w2's chunk, from its backup
+
+
+def test_a_joiner_gets_its_parameters_from_every_member_not_rank_0():
+    kinds, numels, sizes = [(F32, 0)], [12], [4]
+    old = plan_shards(kinds, numels, sizes, members("a", "b"))
+    new = plan_shards(kinds, numels, sizes, members("a", "b", "c"))
+    segs = plan_transfers(old, new, ["w0", "w1", "w2"])
+    assert {s.src for s in segs if s.dst == "w2" and s.what == "param"} == {"w0", "w1"}
+
+
+class SGDWithATwist(torch.optim.SGD):
+    """A subclass may change step(): refused like any other optimizer."""
+
+
+def test_an_unsupported_optimizer_is_refused_naming_the_supported_ones():
+    model = torch.nn.Linear(2, 2)
+    params = list(model.parameters())
+    opt = SGDWithATwist(params, lr=0.1)
+    with pytest.raises(ValueError, match="supports AdamW, SGD .*got SGDWithATwist"):
+        ShardedGradients(params, opt, shard_layout(params, opt, members("a")), 0)
+
+
+# -- real gloo groups --------------------------------------------------------------------------
+
+
+_INIT = threading.Lock()  # the ranks are threads: the global RNG that initialises layers is shared
+
+
+class Net(torch.nn.Module):
+    """Mixed dtypes: a float64 layer, then a float32 one."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        with _INIT:
+            torch.manual_seed(seed)
+            self.a = torch.nn.Linear(6, 8).double()
+            self.b = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).float()).double()
+
+
+def make_opt(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "adamw":  # two param groups: no decay on biases
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(ROWS, 6, generator=g, dtype=torch.float64), torch.randn(ROWS, 3, generator=g,
+                                                                                dtype=torch.float64)
+
+
+def loss_of(model, rows: torch.Tensor, step: int) -> torch.Tensor:
+    x, y = batch(step)
+    return ((model(x[rows]) - y[rows]) ** 2).sum() / ROWS  # rank shares add up to the global mean
+
+
+def replicated(kind: str, steps: int, clip: float | None = None, scale: bool = False, inf_at: int = -1):
+    model = Net()
+    opt = make_opt(kind, model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if scale else None
+    for t in range(steps):
+        loss = loss_of(model, torch.arange(ROWS), t)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if t == inf_at:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        if scaler:
+            scaler.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    return model, opt, scaler
+
+
+def group(store, name: str, rank: int, size: int):
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=30)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, opts)
+
+
+def run_ranks(fns: dict[str, callable]) -> dict[str, object]:
+    """Run each worker's function in its own thread; re-raise the first failure."""
+    out: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def wrap(name, fn):
+        try:
+            out[name] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(n, f), daemon=True) for n, f in fns.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+class Worker:
+    """One rank: its model, the script's optimizer, its sharded path."""
+
+    def __init__(self, kind: str, shard: str, seed: int = 0, scale: bool = False,
+                 reduce_scatter: bool | None = None) -> None:
+        self.reduce_scatter = reduce_scatter
+        self.model = Net(seed)
+        self.opt = make_opt(kind, self.model)
+        self.params = list(self.model.parameters())
+        self.shard = shard
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if scale else None
+        self.sg: ShardedGradients | None = None
+
+    def path(self, lay: ShardLayout, me: str) -> ShardedGradients:
+        sg = ShardedGradients(self.params, self.opt, lay, lay.rank_of(me), self.shard, self.reduce_scatter)
+        sg.bind()
+        return sg
+
+    def train(self, pg, steps: range, clip: float | None = None, inf_at: int = -1) -> list:
+        sg = self.sg
+        results = []
+        rank, world = pg.rank(), pg.size()
+        with sg.attached():
+            for t in steps:
+                sg.begin(pg)
+                loss = loss_of(self.model, torch.tensor_split(torch.arange(ROWS), world)[rank], t)
+                if t == inf_at and rank == world - 1:
+                    loss = loss * float("inf")
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                sg.finish()
+                results.append(sg.step(clip, self.scaler))
+                sg.zero_grad()
+        return results
+
+
+def assert_params_match(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=1e-7, msg=name)
+
+
+def assert_state_matches(full: dict, ref: dict) -> None:
+    assert full["param_groups"] == ref["param_groups"]
+    assert full["state"].keys() == ref["state"].keys()
+    for i, entry in ref["state"].items():
+        assert full["state"][i].keys() == entry.keys()
+        for k, v in entry.items():
+            torch.testing.assert_close(full["state"][i][k], v, rtol=RTOL, atol=1e-7, msg=f"{i}/{k}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_sharded_training_equals_replicated_and_the_gathered_state_too(shard, kind, world):
+    steps = 4
+    ref_model, ref_opt, _ = replicated(kind, steps)
+    store = dist.HashStore()
+
+    def rank(me: str):
+        w = Worker(kind, shard)
+        lay = shard_layout(w.params, w.opt, members(*"abc"[:world]), bucket_mb=0.0002)
+        w.sg = w.path(lay, me)
+        pg = group(store, "g", lay.rank_of(me), world)
+        w.train(pg, range(steps))
+        return w, w.sg.full_state_dict(), w.sg.memory()
+
+    out = run_ranks({f"w{r}": (lambda r=r: rank(f"w{r}")) for r in range(world)})
+    for name, (w, full, _mem) in out.items():
+        assert_params_match(w.model, ref_model)
+        assert_state_matches(full, ref_opt.state_dict())
+    # ZeRO-2 keeps only the shard's gradients between steps
+    if shard == "gradients":
+        assert all(p.grad is None for w, _f, _m in out.values() for p in w.params)
+
+
+def test_clipping_and_an_inf_in_one_shard_skip_the_step_everywhere_as_replicated():
+    steps, clip, inf_at = 5, 0.05, 2
+    ref_model, ref_opt, ref_scaler = replicated("adamw", steps, clip=clip, scale=True, inf_at=inf_at)
+    store = dist.HashStore()
+
+    def rank(r: int):
+        w = Worker("adamw", "gradients", scale=True, reduce_scatter=True)
+        lay = shard_layout(w.params, w.opt, members("a", "b", "c"), bucket_mb=0.0002)
+        w.sg = w.path(lay, f"w{r}")
+        results = w.train(group(store, "g", r, 3), range(steps), clip=clip, inf_at=inf_at)
+        return w, results
+
+    out = run_ranks({f"w{r}": (lambda r=r: rank(r)) for r in range(3)})
+    for w, results in out.values():
+        assert [res.skipped for res in results] == [t == inf_at for t in range(steps)]
+        assert all(res.grad_norm is not None and res.grad_norm > clip for i, res in enumerate(results) if i != inf_at)
+        assert w.scaler.get_scale() == ref_scaler.get_scale()
+        assert_params_match(w.model, ref_model)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_planned_leave_3_to_2_then_a_join_2_to_3_keep_training_replicated(shard):
+    """w0 (rank 0) leaves after step 3, handing its shards over; after step 6 w3
+    joins with other initial weights and receives parameters and state."""
+    ref_model, ref_opt, _ = replicated("adamw", 9)
+    store = dist.HashStore()
+    ids_a, ids_b, ids_c = ["w0", "w1", "w2"], ["w1", "w2"], ["w1", "w2", "w3"]
+    hosts = {"w0": "h0", "w1": "h1", "w2": "h2", "w3": "h3"}
+
+    def layout(w: Worker, ids: list[str]) -> ShardLayout:
+        return shard_layout(w.params, w.opt, [Member(i, hosts[i]) for i in ids], bucket_mb=0.0002)
+
+    def member(me: str):
+        w = Worker("adamw", shard)
+        lay_a, lay_b, lay_c = layout(w, ids_a), layout(w, ids_b), layout(w, ids_c)
+        w.sg = w.path(lay_a, me)
+        pg_a = group(store, "a", ids_a.index(me), 3)
+        w.train(pg_a, range(0, 3))
+        if me == "w0":
+            reshard(lay_a, lay_b, pg_a, ids_a, old=w.sg, new=None)
+            return None
+        new = w.path(lay_b, me)
+        reshard(lay_a, lay_b, pg_a, ids_a, old=w.sg, new=new)
+        w.sg = new
+        w.train(group(store, "b", ids_b.index(me), 2), range(3, 6))
+        pg_c = group(store, "c", ids_c.index(me), 3)
+        new = w.path(lay_c, me)
+        reshard(lay_b, lay_c, pg_c, ids_c, old=w.sg, new=new)
+        w.sg = new
+        w.train(pg_c, range(6, 9))
+        return w, w.sg.full_state_dict()
+
+    def joiner():
+        w = Worker("adamw", shard, seed=7)  # other weights: they must come from the members
+        lay_b, lay_c = layout(w, ids_b), layout(w, ids_c)
+        w.sg = w.path(lay_c, "w3")
+        pg_c = group(store, "c", 2, 3)
+        reshard(lay_b, lay_c, pg_c, ids_c, old=None, new=w.sg)
+        w.train(pg_c, range(6, 9))
+        return w, w.sg.full_state_dict()
+
+    out = run_ranks({"w0": lambda: member("w0"), "w1": lambda: member("w1"), "w2": lambda: member("w2"),
+                     "w3": joiner})
+    for name in ids_c:
+        w, full = out[name]
+        assert_params_match(w.model, ref_model)
+        assert_state_matches(full, ref_opt.state_dict())
+
+
+@pytest.mark.parametrize("reduce_scatter", [True, False])
+def test_with_two_replicas_a_lost_rank_costs_no_state(reduce_scatter):
+    """w1 stops answering after step 3 (w0 and w1 share a host); w0 and w2 take
+    its chunk from its backup and train on, as the replicated run. ZeRO-2 both
+    ways: reduce_scatter_tensor plus the backup's chunk by point-to-point, and
+    gloo's default (an all-reduce of each bucket)."""
+    ref_model, ref_opt, _ = replicated("sgd", 6)
+    store = dist.HashStore()
+    hosts = {"w0": "h0", "w1": "h0", "w2": "h1"}
+    ids_a, ids_b = ["w0", "w1", "w2"], ["w0", "w2"]
+
+    def rank(me: str):
+        w = Worker("sgd", "gradients", reduce_scatter=reduce_scatter)
+        lay_a = shard_layout(w.params, w.opt, [Member(i, hosts[i]) for i in ids_a], replicas=2, bucket_mb=0.0002)
+        lay_b = shard_layout(w.params, w.opt, [Member(i, hosts[i]) for i in ids_b], replicas=2, bucket_mb=0.0002)
+        w.sg = w.path(lay_a, me)
+        w.train(group(store, "a", ids_a.index(me), 3), range(0, 3))
+        if me == "w1":
+            return None  # gone: no hand-over
+        pg_b = group(store, "b", ids_b.index(me), 2)
+        new = w.path(lay_b, me)
+        reshard(lay_a, lay_b, pg_b, ids_b, old=w.sg, new=new)
+        w.sg = new
+        w.train(pg_b, range(3, 6))
+        return w, w.sg.full_state_dict()
+
+    out = run_ranks({i: (lambda i=i: rank(i)) for i in ids_a})
+    for name in ids_b:
+        w, full = out[name]
+        assert_params_match(w.model, ref_model)
+        assert_state_matches(full, ref_opt.state_dict())
+
+
+def test_a_full_state_loads_at_another_world_size_and_a_shard_reloads_itself():
+    ref_model, ref_opt, _ = replicated("adamw", 3)
+    full = ref_opt.state_dict()
+    store = dist.HashStore()
+
+    def rank(r: int):
+        w = Worker("adamw", "optimizer")
+        with torch.no_grad():
+            for p, q in zip(w.params, ref_model.parameters()):
+                p.copy_(q)
+        lay = shard_layout(w.params, w.opt, members("a", "b", "c"), bucket_mb=0.0002)
+        w.sg = w.path(lay, f"w{r}")
+        w.sg.load_full_state_dict(full)
+        again = w.path(lay, f"w{r}")
+        again.load_shard_state_dict(w.sg.shard_state_dict())
+        w.sg = again
+        w.sg.begin(group(store, "g", r, 3))
+        return w.sg.full_state_dict()
+
+    out = run_ranks({f"w{r}": (lambda r=r: rank(r)) for r in range(3)})
+    for got in out.values():
+        assert_state_matches(got, full)
