@@ -517,6 +517,21 @@ def watch_deleted(js: Store, key: str, timeout_s: float) -> tuple[bytes | None, 
         rewritten = rewritten or has_wait
 
 
+def wait_written(js: Store, key: str, timeout_s: float) -> None:
+    """Sleep up to `timeout_s`, waking as soon as `key` is written (the store's `wait`, on
+    the unsigned store: whoever wakes it, the caller's next read verifies what is there).
+    A key already there (a forged value the caller refused) does not wake it: it sleeps
+    the whole `timeout_s`, never spins. A store without `wait`: a plain sleep."""
+    raw = raw_store(js)
+    if not hasattr(raw, "wait") or raw.check([key]):
+        time.sleep(timeout_s)
+        return
+    try:
+        raw.wait([key], timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - c10d's wait times out with an error: nothing was written
+        pass
+
+
 def first_generation(js: Store) -> int:
     """The first generation whose plan this store holds: 0, or in a store that came
     back empty after its keeper was restarted, the generation the members
