@@ -5,16 +5,16 @@ is blocked in a collective. Every poll (~30 ms) it writes this worker's
 heartbeat and reads: the job-wide stop key, a leave request for this worker, the
 current generation's abort key, and (every ~150 ms) the head of the join queue
 and the members' heartbeats and death reports; all of it in one round trip to the
-keeper's store (one pipelined write, then one PEEK: protocol.set_and_peek). Anything that makes the
-generation unusable (a member reported dead, a member silent past the hang
+keeper's store (one pipelined write, then one PEEK: protocol.set_and_peek).
+Anything that makes the generation unusable (a member reported dead, a member silent past the hang
 timeout, the abort key) sets the abort event that every collective wait
 watches, and writes the abort key so that every other member leaves its wait
 too. It decides nothing else: the training thread acts at the next boundary.
 
 No unsigned counter decides anything here (anyone who reaches the store can move
 one): a joiner is seen by reading the join queue's entries (membership.scan_joiners),
-death reports are read at every member pass (`dead/seq` is not looked at), and a member's
-silence is judged on its beat numbers (an older beat written back is no news). A
+death reports are read at every member pass (`dead/seq` is not looked at), and a
+member's silence is judged on its beat numbers (an older beat written back is no news). A
 heartbeat that was there and reads as missing was deleted by someone: it is counted
 and watched for its writer's next write (protocol.watch_deleted), so a member that
 keeps writing is not taken for silent; one that stopped is, at the hang timeout.
@@ -151,10 +151,8 @@ class ControlThread:
         next_members = 0.0
         while not self._stop.is_set():
             try:
-                self._poll(next_members)
-                now = time.monotonic()
-                if now >= next_members:
-                    next_members = now + MEMBER_POLL_S
+                if self._poll(next_members):
+                    next_members = time.monotonic() + MEMBER_POLL_S
             except Exception as e:  # noqa: BLE001 - the store went away: the job is over or unreachable
                 if self._health is None:
                     log.warning("worker %s: control channel error: %s", self._me, e)
@@ -165,10 +163,11 @@ class ControlThread:
                     self._reconnect()
             self._stop.wait(POLL_S)
 
-    def _poll(self, next_members: float) -> None:
+    def _poll(self, next_members: float) -> bool:
         """One poll: this worker's heartbeat written and everything it watches read in one
         round trip (protocol.set_and_peek: one pipelined write and one PEEK on the
-        keeper's store), every value read verified as before."""
+        keeper's store), every value read verified as before. Returns whether it was a
+        member pass (the members' heartbeats and death reports read)."""
         self._beat += 1
         st = self._store
         with self._lock:
@@ -198,7 +197,7 @@ class ControlThread:
                 self._set_abort(abort, values[abort_key].decode(), write=None)
         self._requests = Requests(leave=leave, stop=stop, join=join)
         if not members:
-            return
+            return False
         reported = [w for key, w in dead_keys.items() if values[key] is not None]
         if reported:
             with self._lock:
@@ -223,6 +222,7 @@ class ControlThread:
                     self._verified_at[w] = now
         if plan is not None and not abort.is_set():
             self._check_members(plan, watch, abort, now)
+        return True
 
     def _join_head_due(self, plan: Plan, now: float) -> str | None:
         """The join entry past the plan's join_upto when this poll reads it (every
