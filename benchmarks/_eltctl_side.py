@@ -62,14 +62,10 @@ class _Launcher:
             self.js = elt.protocol.scope(self.store, self.job)
         elif store in ("socket", "c10d-signed"):
             from eltctl_runtime import auth, protocol, storeclient
-            from eltctl_runtime.sockstore import StoreServer
-
-            if store == "socket":
-                sock_dir = workdir / "state"
-                self._server = StoreServer()
-                self._server.listen_unix(sock_dir / "store.sock")
-                self._server.start()
-                self.spec = f"unix:{sock_dir / 'store.sock'}"
+            if store == "socket":  # served by a process of its own, as the store keeper is
+                sock = workdir / "state" / "store.sock"
+                self._server = _serve_in_a_process(sock)
+                self.spec = f"unix:{sock}"
             else:  # the previous production setup: a c10d TCPStore, every value signed
                 self._tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                           timeout=timedelta(seconds=60))
@@ -158,7 +154,36 @@ class _Launcher:
             except subprocess.TimeoutExpired:
                 pass
         if self.kind == "socket":
-            self._server.stop()
+            self._server.terminate()
+            self._server.wait(10)
+
+
+_SERVE = """
+import signal, sys, threading
+from eltctl_runtime.sockstore import StoreServer
+srv = StoreServer()
+srv.listen_unix(sys.argv[1])
+srv.start()
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+stop.wait()
+srv.stop()
+"""
+
+
+def _serve_in_a_process(sock: Path) -> subprocess.Popen:
+    """eltctl_runtime.sockstore's server on `sock`, in a child process (as the keeper serves
+    it: not sharing this launcher's GIL); returned once it answers."""
+    from eltctl_runtime.sockstore import answers
+
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(sock)], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not answers(str(sock), 1.0):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the store server for the benchmark did not start at {sock}")
+        time.sleep(0.05)
+    return proc
 
 
 def _event_figures(records, old_gen: int) -> dict[str, Any]:

@@ -16,7 +16,12 @@ time at world size 2 (`measure_eltctl_step_time`), for
 - `socket`: this tree's runtime as the controller runs it: the Unix-socket store, every
   value signed in a run, the rendezvous signed;
 - `before` (with `--before PATH`): PATH's runtime (e.g. a checkout of the previous main,
-  with its own .venv) on its c10d TCPStore, unsigned, run with PATH/.venv/bin/python.
+  with its own .venv) on its c10d TCPStore, unsigned, run with PATH/.venv/bin/python;
+- `main` (with `--main PATH`): PATH's runtime (a checkout with the socket store, e.g. the
+  main a change starts from, with its own .venv) measured by THIS tree's harness as
+  `socket` is, so a change and its starting point are compared side by side.
+
+`--configs` picks the configurations (default: all that apply).
 
 Rounds alternate the order of the configurations (the machine is shared and noisy); each
 figure is the median over rounds, and the ratios are socket / c10d and socket / before.
@@ -39,10 +44,17 @@ from _eltctl_side import measure_eltctl, measure_eltctl_step_time  # noqa: E402
 EVENTS = ("leave", "join", "kill")
 
 
-def _before(path: Path, what: str, steady_steps: int) -> dict[str, Any]:
-    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import _eltctl_side as s; "
-            + ("print(json.dumps(s.measure_eltctl()))" if what == "events"
-               else f"print(json.dumps(s.measure_eltctl_step_time(steps={steady_steps})))"))
+HERE = Path(__file__).resolve().parent
+
+
+def _before(path: Path, what: str, steady_steps: int, store: str | None = None) -> dict[str, Any]:
+    """PATH's runtime, run with PATH/.venv/bin/python: with its own harness (`store` None),
+    or with this tree's harness on `store`."""
+    harness = "benchmarks" if store is None else str(HERE)
+    kw = "" if store is None else f"store={store!r}"
+    code = (f"import json, sys; sys.path.insert(0, {harness!r}); import _eltctl_side as s; "
+            + (f"print(json.dumps(s.measure_eltctl({kw})))" if what == "events"
+               else f"print(json.dumps(s.measure_eltctl_step_time(steps={steady_steps}, {kw})))"))
     out = subprocess.run([str(path / ".venv" / "bin" / "python"), "-c", code], cwd=path, capture_output=True,
                          text=True, timeout=900, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -58,19 +70,26 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steady-steps", type=int, default=200)
     ap.add_argument("--before", type=Path, default=None, help="a checkout of an older eltctl with its .venv")
+    ap.add_argument("--main", type=Path, default=None,
+                    help="a checkout with the socket store (with its .venv), run by this tree's harness")
+    ap.add_argument("--configs", default="", help="comma-separated: c10d, c10d-signed, socket, before, main")
     args = ap.parse_args()
 
-    configs = ["c10d", "c10d-signed", "socket"] + (["before"] if args.before else [])
+    configs = ["c10d", "c10d-signed", "socket"] + (["before"] if args.before else []) + (["main"] if args.main else [])
+    if args.configs:
+        configs = [c for c in configs if c in args.configs.split(",")]
     pauses: dict[str, dict[str, list[float]]] = {c: {e: [] for e in EVENTS} for c in configs}
     steady: dict[str, list[float]] = {c: [] for c in configs}
     for r in range(args.rounds):
         order = configs if r % 2 == 0 else list(reversed(configs))
         for c in order:
-            ev = _before(args.before, "events", 0) if c == "before" else measure_eltctl(store=c)
+            ev = (_before(args.before, "events", 0) if c == "before"
+                  else _before(args.main, "events", 0, "socket") if c == "main" else measure_eltctl(store=c))
             for e, p in _pauses(ev).items():
                 if p is not None:
                     pauses[c][e].append(p)
             st = (_before(args.before, "steady", args.steady_steps) if c == "before"
+                  else _before(args.main, "steady", args.steady_steps, "socket") if c == "main"
                   else measure_eltctl_step_time(steps=args.steady_steps, store=c))
             if st.get("median_step_s"):
                 steady[c].append(st["median_step_s"])
@@ -85,7 +104,7 @@ def main() -> int:
         figures["configs"][c] = {"pause_s": {e: med(pauses[c][e]) for e in EVENTS},
                                  "steady_median_step_s": med(steady[c]),
                                  "samples": {"pause_s": pauses[c], "steady": steady[c]}}
-    for base in [b for b in ("c10d", "c10d-signed", "before") if b in configs]:
+    for base in [b for b in ("c10d", "c10d-signed", "before", "main") if b in configs and "socket" in configs]:
         new, old = figures["configs"]["socket"], figures["configs"][base]
         ratio = {e: (round(new["pause_s"][e] / old["pause_s"][e], 3)
                      if new["pause_s"][e] and old["pause_s"][e] else None) for e in EVENTS}
@@ -97,9 +116,9 @@ def main() -> int:
     else:
         for c in configs:
             f = figures["configs"][c]
-            print(f"{c:>7}: leave {f['pause_s']['leave']} s, join {f['pause_s']['join']} s, "
+            print(f"{c:>11}: leave {f['pause_s']['leave']} s, join {f['pause_s']['join']} s, "
                   f"kill {f['pause_s']['kill']} s, steady step {f['steady_median_step_s']} s")
-        for base in [b for b in ("c10d", "c10d-signed", "before") if b in configs]:
+        for base in [b for b in ("c10d", "c10d-signed", "before", "main") if b in configs and "socket" in configs]:
             print(f"socket / {base}: {figures[f'socket_over_{base}']}")
     return 0
 

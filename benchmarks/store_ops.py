@@ -6,7 +6,10 @@ process against a server in its own process (as the store keeper is):
 
   - set: ops/s and latency (median, p99) of `set(key, 64 bytes)`;
   - get: ops/s and latency of `get(key)` of an existing key;
-  - a gloo rendezvous of 2 ranks through a PrefixStore over it (threads), wall time.
+  - a gloo rendezvous of 2 ranks through a PrefixStore over it (threads), wall time;
+  - SocketStore only: `poll`, what a worker's control thread does every 30 ms (its
+    heartbeat set and 5 keys read, one pipelined round trip: `set_and_peek`), and the
+    server's CPU time per request (`server_cpu_us`, from /proc: the server's own process).
 
 c10d's `set` does not wait for the server (nothing is read back), so its set figures
 are the client's send alone; SocketStore's `set` is a round trip (a value over a limit
@@ -95,6 +98,14 @@ def _rendezvous(make_client) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(name: str, target, args, connect, n: int) -> dict:
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
@@ -105,10 +116,15 @@ def measure(name: str, target, args, connect, n: int) -> dict:
         client = connect(where)
         value = b"x" * 64
         client.set("warm", value)
+        cpu0 = _cpu_s(proc.pid)
         out = {"store": name,
                "set": _timed(lambda i: client.set(f"k{i % 100}", value), n),
-               "get": _timed(lambda i: client.get(f"k{i % 100}"), n),
-               "rendezvous_s": _rendezvous(lambda: connect(where))}
+               "get": _timed(lambda i: client.get(f"k{i % 100}"), n)}
+        out["server_cpu_us"] = round((_cpu_s(proc.pid) - cpu0) / (2 * n) * 1e6, 1)
+        if hasattr(client, "set_and_peek"):
+            keys = ["stop", "leave/me", "abort/3", "k1", "k2"]
+            out["poll"] = _timed(lambda i: client.set_and_peek([("hb/me", str(i).encode())], keys), n)
+        out["rendezvous_s"] = _rendezvous(lambda: connect(where))
         return out
     finally:
         stop.set()
@@ -140,11 +156,13 @@ def main() -> int:
         return 0
     print(f"{args.ops} ops each, one client, server in its own process; latency in microseconds")
     print(f"{'store':28} {'set ops/s':>10} {'set med':>8} {'set p99':>8} {'get ops/s':>10} {'get med':>8} "
-          f"{'get p99':>8} {'gloo rdzv':>10}")
+          f"{'get p99':>8} {'gloo rdzv':>10} {'srv cpu/op':>10} {'poll med':>9}")
     for r in rows:
         s, g = r["set"], r["get"]
+        poll = f"{r['poll']['median_us']:9.0f}" if "poll" in r else f"{'-':>9}"
         print(f"{r['store']:28} {s['ops_per_s']:10.0f} {s['median_us']:8.0f} {s['p99_us']:8.0f} "
-              f"{g['ops_per_s']:10.0f} {g['median_us']:8.0f} {g['p99_us']:8.0f} {r['rendezvous_s'] * 1000:8.0f}ms")
+              f"{g['ops_per_s']:10.0f} {g['median_us']:8.0f} {g['p99_us']:8.0f} {r['rendezvous_s'] * 1000:8.0f}ms "
+              f"{r['server_cpu_us']:10.1f} {poll}")
     return 0
 
 

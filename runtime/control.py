@@ -3,17 +3,18 @@
 It has its own store connection, so it keeps working while the training thread
 is blocked in a collective. Every poll (~30 ms) it writes this worker's
 heartbeat and reads: the job-wide stop key, a leave request for this worker, the
-join queue, the current generation's abort key, and (every ~150 ms) the
-heartbeats and death reports of the members. Anything that makes the
-generation unusable (a member reported dead, a member silent past the hang
+current generation's abort key, and (every ~150 ms) the head of the join queue
+and the members' heartbeats and death reports; all of it in one round trip to the
+keeper's store (one pipelined write, then one PEEK: protocol.set_and_peek).
+Anything that makes the generation unusable (a member reported dead, a member silent past the hang
 timeout, the abort key) sets the abort event that every collective wait
 watches, and writes the abort key so that every other member leaves its wait
 too. It decides nothing else: the training thread acts at the next boundary.
 
 No unsigned counter decides anything here (anyone who reaches the store can move
 one): a joiner is seen by reading the join queue's entries (membership.scan_joiners),
-death reports are read every DEAD_RESCAN_S whatever `dead/seq` says, and a member's
-silence is judged on its beat numbers (an older beat written back is no news). A
+death reports are read at every member pass (`dead/seq` is not looked at), and a
+member's silence is judged on its beat numbers (an older beat written back is no news). A
 heartbeat that was there and reads as missing was deleted by someone: it is counted
 and watched for its writer's next write (protocol.watch_deleted), so a member that
 keeps writing is not taken for silent; one that stopped is, at the hang timeout.
@@ -31,8 +32,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .membership import Plan, read_verified, scan_joiners
-from .protocol import Keys, watch_deleted
+from .membership import Plan, scan_joiners
+from .protocol import Keys, set_and_peek, watch_deleted
 from .storeloss import BACK_GRACE_S, RECONNECT_EVERY_S, StoreHealth
 
 log = logging.getLogger("eltctl_runtime")
@@ -40,7 +41,6 @@ log = logging.getLogger("eltctl_runtime")
 POLL_S = 0.03
 MEMBER_POLL_S = 0.15
 JOIN_RESCAN_S = 1.0
-DEAD_RESCAN_S = 1.0  # death reports are read this often whatever `dead/seq` says (it is unsigned)
 DELETED_PROBE_S = 0.1  # per member pass: how long a deleted heartbeat is watched for its writer's next write
 CONTESTED_LIMIT = 3  # hang timeouts a heartbeat may be rewritten-and-deleted without one verified beat read
 
@@ -148,57 +148,11 @@ class ControlThread:
 
     # -- the loop -------------------------------------------------------------
     def _run(self) -> None:
-        next_members = next_dead = 0.0
-        dead_seq = -1
-        watched: tuple[str, ...] = ()
+        next_members = 0.0
         while not self._stop.is_set():
             try:
-                self._beat += 1
-                st = self._store
-                st.set(Keys.heartbeat(self._me), str(self._beat))
-                with self._lock:
-                    plan, watch, abort = self._plan, self._watch, self._abort
-                if watch != watched:
-                    watched, dead_seq = watch, -1  # new members: look at death reports again
-                stop = st.check([Keys.STOP])
-                leave = self._local_leave or st.check([Keys.leave(self._me)])
-                join = False
-                if plan is not None:
-                    room = self._max_workers is None or plan.world_size < self._max_workers
-                    join = room and self._joiner_waiting(st, plan)
-                    if not abort.is_set() and st.check([Keys.abort(plan.generation)]):
-                        self._set_abort(abort, st.get(Keys.abort(plan.generation)).decode(), write=None)
-                self._requests = Requests(leave=leave, stop=stop, join=join)
-                now = time.monotonic()
-                if now >= next_members and watch:
-                    next_members = now + MEMBER_POLL_S
-                    seq = st.add(Keys.DEAD_SEQ, 0)  # a hint only: the reports are read on a timer too
-                    if seq != dead_seq or now >= next_dead:
-                        dead_seq, next_dead = seq, now + DEAD_RESCAN_S
-                        for w in watch:
-                            if w not in self._dead and st.check([Keys.dead(w)]):
-                                with self._lock:
-                                    self._dead.add(w)
-                    probe_until = now + DELETED_PROBE_S
-                    for w in watch:
-                        value = read_verified(st, Keys.heartbeat(w))
-                        contested = False
-                        if value is None and w in self._had_beat:
-                            # no writer deletes a heartbeat: watch for its writer's next write
-                            value, contested = watch_deleted(st, Keys.heartbeat(w), probe_until - time.monotonic())
-                        if value is None:
-                            if contested:  # rewritten, then deleted before it was read: not silence
-                                with self._lock:
-                                    self._seen[w] = (self._seen.get(w, (b"", now))[0], now)
-                            continue  # none yet, or forged: no news of w (its silence goes on)
-                        self._had_beat.add(w)
-                        with self._lock:
-                            old = self._seen.get(w)
-                            if old is None or newer_beat(value, old[0]):
-                                self._seen[w] = (value, now)
-                                self._verified_at[w] = now
-                    if plan is not None and not abort.is_set():
-                        self._check_members(plan, watch, abort, now)
+                if self._poll(next_members):
+                    next_members = time.monotonic() + MEMBER_POLL_S
             except Exception as e:  # noqa: BLE001 - the store went away: the job is over or unreachable
                 if self._health is None:
                     log.warning("worker %s: control channel error: %s", self._me, e)
@@ -209,22 +163,86 @@ class ControlThread:
                     self._reconnect()
             self._stop.wait(POLL_S)
 
-    def _joiner_waiting(self, st, plan: Plan) -> bool:
-        """Whether a verified, live joiner is queued past the plan's join_upto. The queue
-        is read as a run of entries (membership.scan_joiners), never through the unsigned
-        `join/seq`: rescanned every MEMBER_POLL_S while an entry follows join_upto, and
-        every JOIN_RESCAN_S anyway (a deleted entry may stand in the way); once found,
-        until the plan changes."""
+    def _poll(self, next_members: float) -> bool:
+        """One poll: this worker's heartbeat written and everything it watches read in one
+        round trip (protocol.set_and_peek: one pipelined write and one PEEK on the
+        keeper's store), every value read verified as before. Returns whether it was a
+        member pass (the members' heartbeats and death reports read)."""
+        self._beat += 1
+        st = self._store
+        with self._lock:
+            plan, watch, abort = self._plan, self._watch, self._abort
         now = time.monotonic()
+        members = bool(watch) and now >= next_members  # the members' heartbeats, every MEMBER_POLL_S
+        keys = [Keys.STOP, Keys.leave(self._me)]
+        abort_key = Keys.abort(plan.generation) if plan is not None and not abort.is_set() else None
+        if abort_key is not None:
+            keys.append(abort_key)
+        join_key = self._join_head_due(plan, now) if plan is not None else None
+        if join_key is not None:
+            keys.append(join_key)
+        # the members' death reports, read whatever `dead/seq` says (it is unsigned)
+        dead_keys = {Keys.dead(w): w for w in watch if w not in self._dead} if members else {}
+        beat_keys = [Keys.heartbeat(w) for w in watch] if members else []
+        read = keys + list(dead_keys) + beat_keys
+        values = dict(zip(read, set_and_peek(st, [(Keys.heartbeat(self._me), str(self._beat))], read)))
+        stop = values[Keys.STOP] is not None
+        leave = self._local_leave or values[Keys.leave(self._me)] is not None
+        join = False
+        if plan is not None:
+            room = self._max_workers is None or plan.world_size < self._max_workers
+            join = room and self._joiner_waiting(st, plan, values.get(join_key) if join_key else None,
+                                                 join_key is not None, now)
+            if abort_key is not None and values[abort_key] is not None:
+                self._set_abort(abort, values[abort_key].decode(), write=None)
+        self._requests = Requests(leave=leave, stop=stop, join=join)
+        if not members:
+            return False
+        reported = [w for key, w in dead_keys.items() if values[key] is not None]
+        if reported:
+            with self._lock:
+                self._dead.update(reported)
+        probe_until = now + DELETED_PROBE_S
+        for w in watch:
+            value = values[Keys.heartbeat(w)]
+            contested = False
+            if value is None and w in self._had_beat:
+                # no writer deletes a heartbeat: watch for its writer's next write
+                value, contested = watch_deleted(st, Keys.heartbeat(w), probe_until - time.monotonic())
+            if value is None:
+                if contested:  # rewritten, then deleted before it was read: not silence
+                    with self._lock:
+                        self._seen[w] = (self._seen.get(w, (b"", now))[0], now)
+                continue  # none yet, or forged: no news of w (its silence goes on)
+            self._had_beat.add(w)
+            with self._lock:
+                old = self._seen.get(w)
+                if old is None or newer_beat(value, old[0]):
+                    self._seen[w] = (value, now)
+                    self._verified_at[w] = now
+        if plan is not None and not abort.is_set():
+            self._check_members(plan, watch, abort, now)
+        return True
+
+    def _join_head_due(self, plan: Plan, now: float) -> str | None:
+        """The join entry past the plan's join_upto when this poll reads it (every
+        MEMBER_POLL_S until a joiner is found), else None."""
         if plan.join_upto != self._join_key:
             self._join_key, self._join_found, self._join_next = plan.join_upto, False, 0.0
+        if self._join_found or now < self._join_next:
+            return None
+        self._join_next = now + MEMBER_POLL_S
+        return Keys.join(plan.join_upto + 1)
+
+    def _joiner_waiting(self, st, plan: Plan, head: bytes | None, read: bool, now: float) -> bool:
+        """Whether a verified, live joiner is queued past the plan's join_upto. The queue
+        is read as a run of entries (membership.scan_joiners), never through the unsigned
+        `join/seq`: its head (`head`, read by this poll when `read`) every MEMBER_POLL_S,
+        and the whole run when the head holds an entry, and every JOIN_RESCAN_S anyway (a
+        deleted entry may stand in the way); once found, until the plan changes."""
         if self._join_found:
             return True
-        if now < self._join_next:
-            return False
-        self._join_next = now + MEMBER_POLL_S
-        waiting = read_verified(st, Keys.join(plan.join_upto + 1)) is not None
-        if not waiting and now < self._join_scanned + JOIN_RESCAN_S:
+        if not read or (head is None and now < self._join_scanned + JOIN_RESCAN_S):
             return False
         self._join_scanned = now
         queue, _ = scan_joiners(st, plan.join_upto)

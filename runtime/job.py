@@ -892,7 +892,8 @@ class ElasticJob:
         self._rank = plan.members.index(self.worker_id)
         self._abort = self._control.watch(plan)
         if previous is not None and self._pg is not None and plan.lost == ():
-            self._pg = None  # a cleanly finished group has no work in flight: dropping it is quick
+            collectives.release(self._pg, self._pg_store)  # no work in flight: dropped off the pause
+            self._pg = None
         # Signed (pgstore.py): a forged peer address fails the group's construction
         # (Aborted: the roll call forms the next generation), never connects to it.
         # Kept referenced as long as the group: its C++ side calls back into it.

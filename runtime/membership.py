@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Callable, Iterable
 
 from .auth import ForgedValue, signed
-from .protocol import EventKind, Keys, claim, first_generation, job_prefix, peek, scan
+from .protocol import EventKind, Keys, claim, first_generation, job_prefix, peek, scan, wait_written
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -285,7 +285,7 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
             if len(queue) >= min_workers:
                 decide(store, propose(None, [], queue, upto, max_workers, EventKind.START, time.time()))
                 continue
-        time.sleep(poll_s)
+        wait_written(store, Keys.plan(known + 1), poll_s)  # woken by the next plan at once
 
 
 # ---- the job's PrefixStore -------------------------------------------------

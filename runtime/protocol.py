@@ -413,14 +413,17 @@ def scan(js: Store, key_of, after: int, window: int = READ_WINDOW,
     out: list[tuple[int, bytes]] = []
     upto, n, misses = after, after, 0
     while n - after < window and misses < gap:
-        n += 1
-        value = peek(js, key_of(n))
-        if value is None:
-            misses += 1
-            continue
-        misses = 0
-        upto = n
-        out.append((n, value))
+        # Read as many numbers at once as the loop surely visits (`gap - misses` more
+        # misses end it): one request per chunk, and no entry read that it would not read.
+        chunk = min(gap - misses, window - (n - after))
+        for value in peek_many(js, [key_of(n + 1 + i) for i in range(chunk)]):
+            n += 1
+            if value is None:
+                misses += 1
+                continue
+            misses = 0
+            upto = n
+            out.append((n, value))
     return out, upto
 
 
@@ -454,6 +457,26 @@ def peek(js: Store, key: str) -> bytes | None:
         return js.get(key)
     except (ForgedValue, KeyError):
         return None
+
+
+def peek_many(js: Store, keys: list[str]) -> list[bytes | None]:
+    """`peek` of several keys: one store request that never waits where the store has one
+    (auth.SignedStore / storeclient.KeptPrefixStore over a SocketStore), else one each."""
+    fn = getattr(js, "peek_many", None)
+    if fn is not None:
+        return fn(keys)
+    return [peek(js, k) for k in keys]
+
+
+def set_and_peek(js: Store, sets: list[tuple[str, str]], keys: list[str]) -> list[bytes | None]:
+    """Write `sets`, then `peek_many(keys)`: one round trip where the store allows it (the
+    control thread's poll)."""
+    fn = getattr(js, "set_and_peek", None)
+    if fn is not None:
+        return fn(sets, keys)
+    for k, v in sets:
+        js.set(k, v)
+    return peek_many(js, keys)
 
 
 def watch_deleted(js: Store, key: str, timeout_s: float) -> tuple[bytes | None, bool]:
@@ -492,6 +515,21 @@ def watch_deleted(js: Store, key: str, timeout_s: float) -> tuple[bytes | None, 
         if raw.check([key]):
             return None, rewritten  # a forged value there now
         rewritten = rewritten or has_wait
+
+
+def wait_written(js: Store, key: str, timeout_s: float) -> None:
+    """Sleep up to `timeout_s`, waking as soon as `key` is written (the store's `wait`, on
+    the unsigned store: whoever wakes it, the caller's next read verifies what is there).
+    A key already there (a forged value the caller refused) does not wake it: it sleeps
+    the whole `timeout_s`, never spins. A store without `wait`: a plain sleep."""
+    raw = raw_store(js)
+    if not hasattr(raw, "wait") or raw.check([key]):
+        time.sleep(timeout_s)
+        return
+    try:
+        raw.wait([key], timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - c10d's wait times out with an error: nothing was written
+        pass
 
 
 def first_generation(js: Store) -> int:

@@ -10,7 +10,7 @@ limits. This server listens on a **Unix socket** in a 0700 directory (only the j
 own account can connect: the kernel checks it) and, for the warned
 `[controller] store = "direct"` mode only, on TCP. Either way:
 
-- each connection is its own asyncio task: a client that sends part of a frame and
+- each connection is served on its own: a client that sends part of a frame and
   goes silent is dropped after `Limits.frame_timeout_s`, and never delays another;
 - values, keys, the number of keys, the bytes held and the connections are limited
   (`Limits`); a request over a limit is answered with an error that names the limit
@@ -24,9 +24,16 @@ Addresses ("specs"), one grammar for every client (`parse_spec`):
 
 The protocol: every message is a frame, a 4-byte big-endian length then the body.
 A request's body is one op byte then a list of byte strings; a response's is one
-status byte then a list of byte strings (`encode`, `decode`). One request at a time
-per connection; GET and WAIT carry their timeout (ms) and the server answers
-TIMEOUT when it passes.
+status byte then a list of byte strings (`encode`, `decode`). A connection's requests
+are answered one at a time, in order: a client may send several before reading the
+answers (pipelining: the control thread sends its heartbeat and its reads as one
+write, runtime/control.py), and one that waits (GET, WAIT, MULTI_GET of a missing key)
+holds the ones behind it. GET and WAIT carry their timeout (ms) and the server answers
+TIMEOUT when it passes. PEEK reads several keys at once and never waits (each answer
+is b"\\1" + the value, or b"\\0" for a missing key).
+
+The server parses frames as they arrive (an asyncio Protocol per connection, no task
+per request): a request costs it a few tens of microseconds (benchmarks/store_ops.py).
 """
 
 from __future__ import annotations
@@ -67,6 +74,12 @@ class Op(enum.IntEnum):
     APPEND = 11
     LIST_KEYS = 12
     PING = 13
+    PEEK = 14  # several keys' values, never waiting: b"\1" + value, or b"\0" when missing
+
+
+_WAITING_OPS = (Op.GET, Op.WAIT, Op.MULTI_GET)
+_OP_NAMES = {int(op): op.name for op in Op}
+_READ_AHEAD = 1 << 20  # bytes buffered behind a waiting request before reading pauses
 
 
 class Status(enum.IntEnum):
@@ -275,6 +288,189 @@ class _Bad(Exception):
     pass
 
 
+class _Connection(asyncio.Protocol):
+    """One client connection. Frames are parsed as bytes arrive and answered in order;
+    a request that waits for a key holds the ones behind it until it is answered (the
+    client's pipelined requests stay in step). A frame begun must be complete within
+    `Limits.frame_timeout_s` (else the connection is dropped, counted "slow_frame");
+    between frames a connection may idle for ever. While a request waits the connection
+    is still read (a client that leaves is seen at once and its wait abandoned), up to
+    _READ_AHEAD bytes; while the client does not read its answers, nothing more is read."""
+
+    def __init__(self, server: "StoreServer") -> None:
+        self._srv = server
+        self._t: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._discard = 0  # bytes of a refused oversized frame still to skip
+        self._waiting: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._counted = False
+        self._closed = False
+        self._write_paused = False
+        self._read_paused = False
+
+    # -- asyncio's callbacks ------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self._t = transport
+        srv, lim = self._srv, self._srv.limits
+        with srv._lock:
+            srv._stats["accepted"] += 1
+            over = srv._connections >= lim.max_connections
+            if not over:
+                srv._connections += 1
+                self._counted = True
+        if over:
+            message = f"the store refused a connection: it has {lim.max_connections} open (its limit)"
+            srv._count_refusal("connections", message)
+            transport.write(encode(Status.REFUSED, [message.encode()]))
+            self._close()
+            return
+        srv._conns.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        if self._discard:
+            n = min(self._discard, len(data))
+            self._discard -= n
+            data = data[n:]
+            if self._discard:
+                return
+            self._disarm()
+        self._buf += data
+        self._process()
+
+    def eof_received(self) -> None:
+        if self._waiting is not None:  # the client left while it waited: its slot is freed now
+            self._waiting.cancel()
+        return None  # the transport closes (after what is left to write)
+
+    def connection_lost(self, exc) -> None:
+        self._closed = True
+        self._disarm()
+        if self._waiting is not None:
+            self._waiting.cancel()
+        srv = self._srv
+        srv._conns.discard(self)
+        if self._counted:
+            self._counted = False
+            with srv._lock:
+                srv._connections -= 1
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._reading()
+        self._process()
+
+    # -- frames ---------------------------------------------------------------------
+    def _process(self) -> None:
+        srv, lim, buf = self._srv, self._srv.limits, self._buf
+        while not self._closed and self._waiting is None and not self._write_paused and len(buf) >= 4:
+            (size,) = _LEN.unpack_from(buf)
+            if size > lim.max_frame:
+                message = (f"a request of {size} bytes is over the store's limit of {lim.max_frame} bytes "
+                           f"per request ({lim.max_value} per value)")
+                srv._count_refusal("frame_size", message)
+                self._t.write(encode(Status.REFUSED, [message.encode()]))  # the client reads it after sending
+                if len(buf) - 4 >= size:
+                    del buf[:4 + size]
+                    continue
+                self._discard = size - (len(buf) - 4)
+                buf.clear()
+                self._disarm()
+                self._arm()  # the rest must come within the frame timeout too
+                return
+            if len(buf) < 4 + size:
+                break
+            body = bytes(buf[4:4 + size])
+            del buf[:4 + size]
+            self._disarm()
+            self._request(body)
+        if self._closed:
+            return
+        if buf and self._waiting is None and not self._write_paused:
+            self._arm()  # a frame begun
+        self._reading()
+
+    def _request(self, body: bytes) -> None:
+        srv = self._srv
+        with srv._lock:
+            srv._stats["requests"] += 1
+            srv._ops[body[0] if body else -1] += 1
+        try:
+            op, items = decode(body)
+            if op in _WAITING_OPS and not srv._present(items[:-1]):
+                self._waiting = asyncio.ensure_future(srv._handle_waiting(op, items))
+                self._waiting.add_done_callback(self._answered)
+                return
+            self._answer(srv._handle(op, items), None)
+        except Exception as exc:  # noqa: BLE001 - sorted out in _answer
+            self._answer(None, exc)
+
+    def _answered(self, task: asyncio.Task) -> None:
+        self._waiting = None
+        if task.cancelled() or self._closed:
+            return
+        exc = task.exception()
+        self._answer(None if exc is not None else task.result(), exc)
+        self._process()
+
+    def _answer(self, out: list[bytes] | None, exc: BaseException | None) -> None:
+        srv = self._srv
+        status = Status.OK
+        if isinstance(exc, _Refused):
+            srv._count_refusal(exc.reason, str(exc))
+            status, out = Status.REFUSED, [str(exc).encode()]
+        elif isinstance(exc, StoreTimeout):
+            status, out = Status.TIMEOUT, [str(exc).encode()]
+        elif isinstance(exc, (_Bad, ValueError, UnicodeDecodeError, KeyError)):
+            srv._count_refusal("malformed", f"a malformed request: {exc}")
+            self._t.write(encode(Status.ERROR, [f"a malformed request: {exc}".encode()]))
+            self._close()  # the stream may be out of step: drop it
+            return
+        elif exc is not None:  # a bug: this connection ends, the server goes on
+            log.error("store: a connection ended on an unexpected error", exc_info=exc)
+            self._close()
+            return
+        self._t.write(encode(status, out))
+
+    # -- the frame timer, reading, closing ------------------------------------------
+    def _arm(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._srv.limits.frame_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _too_slow(self) -> None:
+        self._timer = None
+        self._srv._count_refusal("slow_frame", f"a connection did not finish a frame within "
+                                               f"{self._srv.limits.frame_timeout_s:g} s and was dropped")
+        self._close()
+
+    def _reading(self) -> None:
+        """Read unless the client does not read its answers, or too much waits behind a
+        waiting request."""
+        pause = self._write_paused or (self._waiting is not None and len(self._buf) >= _READ_AHEAD)
+        if pause != self._read_paused and not self._closed:
+            self._read_paused = pause
+            (self._t.pause_reading if pause else self._t.resume_reading)()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._disarm()
+            if self._waiting is not None:
+                self._waiting.cancel()
+            self._t.close()
+
+
 class StoreServer:
     """The store's data and its listeners. `listen_unix` / `listen_tcp` bind at once (so
     a taken port or a bad directory raises in the caller), `start` serves them on an
@@ -290,9 +486,11 @@ class StoreServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._servers: list[asyncio.AbstractServer] = []
+        self._conns: set[_Connection] = set()
         self._connections = 0
         self._lock = threading.Lock()  # stats read from other threads
         self._stats = Counter()
+        self._ops = Counter()
         self._refused = Counter()
         self._last_refusal = ""
         self._last_refusal_at = 0.0
@@ -334,9 +532,9 @@ class StoreServer:
             try:
                 for sock in self._socks:
                     if sock.family == socket.AF_UNIX:
-                        coro = asyncio.start_unix_server(self._serve, sock=sock, limit=64 << 10)
+                        coro = loop.create_unix_server(lambda: _Connection(self), sock=sock)
                     else:
-                        coro = asyncio.start_server(self._serve, sock=sock, limit=64 << 10)
+                        coro = loop.create_server(lambda: _Connection(self), sock=sock)
                     self._servers.append(loop.run_until_complete(coro))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 failed.append(exc)
@@ -346,10 +544,13 @@ class StoreServer:
             loop.run_forever()
             for server in self._servers:
                 server.close()
+            for conn in list(self._conns):
+                conn._close()
             tasks = asyncio.all_tasks(loop)
             for task in tasks:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(asyncio.sleep(0))  # the closed transports' last callbacks
             loop.close()
 
         self._thread = threading.Thread(target=run, name="eltctl-store", daemon=True)
@@ -389,12 +590,15 @@ class StoreServer:
         self._put(key, value)
 
     def stats(self) -> dict:
-        """What the server did: its connections, requests, and every refusal by reason
-        (over a limit, a frame not finished in time, a malformed frame). Refusals from
-        the job's own clients are bugs; many of them mean someone else is connecting."""
+        """What the server did: its connections, requests (`requests_by_op`: per op),
+        and every refusal by reason (over a limit, a frame not finished in time, a
+        malformed frame). Refusals from the job's own clients are bugs; many of them
+        mean someone else is connecting."""
         with self._lock:
             return {"connections": self._connections, "accepted": self._stats["accepted"],
-                    "requests": self._stats["requests"], "keys": len(self._data), "bytes": self._total,
+                    "requests": self._stats["requests"],
+                    "requests_by_op": {_OP_NAMES.get(op, str(op)): n for op, n in self._ops.items()},
+                    "keys": len(self._data), "bytes": self._total,
                     "refused": sum(self._refused.values()), "refused_by_reason": dict(self._refused),
                     "last_refusal": self._last_refusal, "last_refusal_at": self._last_refusal_at}
 
@@ -403,126 +607,12 @@ class StoreServer:
             self._refused[reason] += 1
             self._last_refusal, self._last_refusal_at = message, time.time()
 
-    # -- one connection ----------------------------------------------------------
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        lim = self.limits
-        with self._lock:
-            self._stats["accepted"] += 1
-            over = self._connections >= lim.max_connections
-            if not over:
-                self._connections += 1
-        if over:
-            message = f"the store refused a connection: it has {lim.max_connections} open (its limit)"
-            self._count_refusal("connections", message)
-            try:
-                writer.write(encode(Status.REFUSED, [message.encode()]))
-                await asyncio.wait_for(writer.drain(), 1.0)
-            except (OSError, asyncio.TimeoutError):
-                pass
-            writer.close()
-            return
-        early = b""  # a byte of the next request read while a GET waited
-        try:
-            while True:
-                try:
-                    head = early or await reader.readexactly(1)  # idle between requests: no limit
-                    early = b""
-                except (asyncio.IncompleteReadError, OSError):
-                    return
-                try:
-                    rest = await asyncio.wait_for(reader.readexactly(3), lim.frame_timeout_s)
-                    (size,) = _LEN.unpack(head + rest)
-                    if size > lim.max_frame:
-                        message = (f"a request of {size} bytes is over the store's limit of {lim.max_frame} bytes "
-                                   f"per request ({lim.max_value} per value)")
-                        self._count_refusal("frame_size", message)
-                        writer.write(encode(Status.REFUSED, [message.encode()]))
-                        await self._discard(reader, size)  # so the client reads the answer
-                        continue
-                    body = await asyncio.wait_for(reader.readexactly(size), lim.frame_timeout_s)
-                except asyncio.TimeoutError:
-                    self._count_refusal("slow_frame", f"a connection did not finish a frame within "
-                                                      f"{lim.frame_timeout_s:g} s and was dropped")
-                    return
-                except (asyncio.IncompleteReadError, OSError):
-                    return
-                with self._lock:
-                    self._stats["requests"] += 1
-                try:
-                    op, items = decode(body)
-                    if op in (Op.GET, Op.WAIT, Op.MULTI_GET) and not self._present(items[:-1]):
-                        kept: list[bytes] = []
-                        try:
-                            out = await self._waiting(self._handle(op, items), reader, kept)
-                        finally:
-                            early = b"".join(kept)
-                        if out is None:
-                            return  # the client left while it waited: its slot is freed now
-                    else:
-                        out = await self._handle(op, items)
-                    status = Status.OK
-                except _Refused as exc:
-                    self._count_refusal(exc.reason, str(exc))
-                    status, out = Status.REFUSED, [str(exc).encode()]
-                except StoreTimeout as exc:
-                    status, out = Status.TIMEOUT, [str(exc).encode()]
-                except (_Bad, ValueError, UnicodeDecodeError, KeyError) as exc:
-                    self._count_refusal("malformed", f"a malformed request: {exc}")
-                    writer.write(encode(Status.ERROR, [f"a malformed request: {exc}".encode()]))
-                    await writer.drain()
-                    return  # the stream may be out of step: drop it
-                writer.write(encode(status, out))
-                await writer.drain()
-        except (OSError, asyncio.IncompleteReadError):
-            return
-        except asyncio.CancelledError:  # the server stops
-            return
-        except Exception:  # noqa: BLE001 - a bug: this connection ends, the server goes on
-            log.exception("store: a connection ended on an unexpected error")
-            return
-        finally:
-            with self._lock:
-                self._connections -= 1
-            writer.close()
-
     def _present(self, keys: list[bytes]) -> bool:
         """Whether every key exists: a GET of them answers at once, no need to watch."""
         try:
             return all(k.decode() in self._data for k in keys)
         except UnicodeDecodeError:
             return True  # _handle refuses it
-
-    async def _waiting(self, handling, reader: asyncio.StreamReader, kept: list[bytes]) -> list[bytes] | None:
-        """A blocking request's answer, watching the connection meanwhile: None when the
-        client closed it first (the wait is abandoned, its slot freed). A byte the
-        client already sent of its next request goes to `kept`."""
-        task = asyncio.ensure_future(handling)
-        peek = asyncio.ensure_future(reader.read(1))
-        try:
-            await asyncio.wait({task, peek}, return_when=asyncio.FIRST_COMPLETED)
-            if peek.done():
-                kept.append(peek.result())  # raises OSError when the connection broke
-                if not kept[-1] and not task.done():  # end of file: gone
-                    task.cancel()
-                    return None
-            else:  # nothing was read: the next request's bytes stay in the buffer
-                peek.cancel()
-                await asyncio.wait({peek})  # its read is over before the next one starts
-                if not peek.cancelled() and peek.exception() is None:
-                    kept.append(peek.result())  # it read a byte before the cancel reached it
-            return await task
-        except BaseException:
-            task.cancel()
-            peek.cancel()
-            raise
-
-    async def _discard(self, reader: asyncio.StreamReader, size: int) -> None:
-        deadline = time.monotonic() + self.limits.frame_timeout_s
-        while size > 0:
-            chunk = await asyncio.wait_for(reader.read(min(size, 1 << 20)), max(0.0, deadline - time.monotonic()))
-            if not chunk:
-                raise asyncio.IncompleteReadError(b"", size)
-            size -= len(chunk)
 
     # -- the ops -----------------------------------------------------------------
     def _check_key(self, key: bytes) -> bytes:
@@ -575,18 +665,39 @@ class StoreServer:
                     if not waiting:
                         del self._waiters[name]
 
-    async def _handle(self, op: int, items: list[bytes]) -> list[bytes]:
+    async def _handle_waiting(self, op: int, items: list[bytes]) -> list[bytes]:
+        """GET, WAIT or MULTI_GET of a key that is missing: waits for every key (or the
+        request's timeout), then answers."""
+        if op == Op.GET and len(items) != 2:
+            raise _Bad("GET takes a key and a timeout")
+        if not items:
+            raise _Bad("no timeout")
+        *keys, timeout = items
+        deadline = time.monotonic() + self._timeout(timeout)
+        for key in keys:
+            await self._until(self._check_key(key).decode(), deadline)
+        if op == Op.WAIT:
+            return []
+        return [self._data[k.decode()] for k in keys]
+
+    def _handle(self, op: int, items: list[bytes]) -> list[bytes]:
+        """A request answered now (GET, WAIT and MULTI_GET only when their keys exist)."""
         data = self._data
         if op == Op.SET:
             key, value = items
             self._check_put(key, value)
             self._put(key, value)
             return []
+        if op == Op.PEEK:
+            out = []
+            for key in items:
+                value = data.get(self._check_key(key).decode())
+                out.append(b"\0" if value is None else b"\1" + value)
+            return out
         if op == Op.GET:
             key, timeout = items
-            name = self._check_key(key).decode()
-            await self._until(name, time.monotonic() + self._timeout(timeout))
-            return [data[name]]
+            self._timeout(timeout)
+            return [data[self._check_key(key).decode()]]
         if op == Op.ADD:
             key, amount = items
             name = self._check_key(key).decode()
@@ -598,9 +709,9 @@ class StoreServer:
             return [b"1" if all(k.decode() in data for k in items) else b"0"]
         if op == Op.WAIT:
             *keys, timeout = items
-            deadline = time.monotonic() + self._timeout(timeout)
+            self._timeout(timeout)
             for key in keys:
-                await self._until(self._check_key(key).decode(), deadline)
+                self._check_key(key)
             return []
         if op == Op.DELETE_KEY:
             (key,) = items
@@ -620,10 +731,8 @@ class StoreServer:
             return [str(len(data)).encode()]
         if op == Op.MULTI_GET:
             *keys, timeout = items
-            deadline = time.monotonic() + self._timeout(timeout)
-            for key in keys:
-                await self._until(self._check_key(key).decode(), deadline)
-            return [data[k.decode()] for k in keys]
+            self._timeout(timeout)
+            return [data[self._check_key(k).decode()] for k in keys]
         if op == Op.MULTI_SET:
             if len(items) % 2:
                 raise _Bad("MULTI_SET takes pairs")

@@ -59,6 +59,11 @@ def _open(spec: str, timeout: float) -> socket.socket:
             raise StoreClosed(f"cannot connect to the store at {spec}: {exc}") from exc
 
 
+def _peeked(items: list[bytes]) -> list[bytes | None]:
+    """PEEK's answers: b"\\1" + value, or b"\\0" for a missing key."""
+    return [item[1:] if item[:1] == b"\1" else None for item in items]
+
+
 _BUILT: dict = {}
 
 
@@ -87,38 +92,61 @@ def _build() -> dict:
             return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
         def _call(self, op: Op, items: list[bytes], wait_s: float | None = None) -> list[bytes]:
+            return self._raise(self._exchange([encode(op, items)], wait_s)[0], wait_s)
+
+        def pipeline(self, requests: list[tuple[Op, list[bytes]]]) -> list[list[bytes]]:
+            """Several requests sent at once (one write) and their answers read (one round
+            trip); none may wait (GET or WAIT of a missing key would hold the others). The
+            first one that failed raises, after every answer was read (the connection stays
+            in step)."""
+            answers = self._exchange([encode(op, items) for op, items in requests], None)
+            return [self._raise(a, None) for a in answers]
+
+        def _exchange(self, frames: list[bytes], wait_s: float | None) -> list[tuple[int, list[bytes]]]:
+            """Send `frames`, read one answer each: [(status, items)]."""
             with self._lock:
                 sock = self._sock
                 if sock is None:
                     raise StoreClosed(f"the connection to the store at {self.spec} was lost")
+                answers: list[tuple[int, list[bytes]]] = []
                 try:
                     sock.settimeout((wait_s + _MARGIN_S) if wait_s is not None else max(self._seconds(), 1.0))
                     try:
-                        sock.sendall(encode(op, items))
+                        sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
                     except OSError:
                         sock.settimeout(1.0)  # the server may have said why before it closed: read that
-                    (size,) = _LEN.unpack(self._recv(sock, 4))
-                    status, out = decode(self._recv(sock, size))
+                    buf = b""
+                    while len(answers) < len(frames):
+                        if len(buf) >= 4:
+                            (size,) = _LEN.unpack_from(buf)
+                            if len(buf) >= 4 + size:
+                                answers.append(decode(buf[4:4 + size]))
+                                buf = buf[4 + size:]
+                                continue
+                            chunk = sock.recv(max(4 + size - len(buf), 1 << 16))
+                        else:
+                            chunk = sock.recv(1 << 16)
+                        if not chunk:
+                            raise ConnectionResetError("the store closed the connection")
+                        buf = buf + chunk if buf else chunk
                 except (OSError, ValueError) as exc:
                     self._drop()
+                    refused = [a for a in answers if a[0] != Status.OK]
+                    if refused:  # it said why before it closed (e.g. over its connections)
+                        self._raise(refused[0], wait_s)
                     raise StoreClosed(f"the connection to the store at {self.spec} was lost: {exc}") from exc
+            return answers
+
+        def _raise(self, answer: tuple[int, list[bytes]], wait_s: float | None) -> list[bytes]:
+            status, out = answer
             if status == Status.OK:
                 return out
             message = out[0].decode(errors="replace") if out else "no reason given"
             if status == Status.TIMEOUT:
-                raise StoreTimeout(f"store {self.spec}: timed out after {wait_s:g} s: {message}")
+                raise StoreTimeout(f"store {self.spec}: timed out after {wait_s or 0:g} s: {message}")
             if status == Status.REFUSED:
                 raise StoreRefused(f"store {self.spec} refused the request: {message}")
             raise StoreError(f"store {self.spec}: {message}")
-
-        def _recv(self, sock: socket.socket, n: int) -> bytes:
-            buf = bytearray()
-            while len(buf) < n:
-                chunk = sock.recv(min(n - len(buf), 1 << 20))
-                if not chunk:
-                    raise ConnectionResetError("the store closed the connection")
-                buf += chunk
-            return bytes(buf)
 
         def _drop(self) -> None:
             if self._sock is not None:
@@ -180,6 +208,19 @@ def _build() -> dict:
         def ping(self) -> None:
             self._call(Op.PING, [])
 
+        # -- beyond c10d: reads that never wait, and a poll in one round trip ---------
+        def peek_many(self, keys: list[str]) -> list[bytes | None]:
+            """The raw values of `keys` (None: missing), in one request that never waits."""
+            return _peeked(self._call(Op.PEEK, [_b(k) for k in keys]))
+
+        def set_and_peek(self, sets: list[tuple[str, bytes]], keys: list[str]) -> list[bytes | None]:
+            """Write `sets` and read `keys` (as peek_many) in one round trip (pipelined)."""
+            items: list[bytes] = []
+            for k, v in sets:
+                items += [_b(k), _b(v)]
+            reqs = ([(Op.MULTI_SET, items)] if items else []) + [(Op.PEEK, [_b(k) for k in keys])]
+            return _peeked(self.pipeline(reqs)[-1])
+
         def has_extended_api(self) -> bool:
             return True
 
@@ -194,10 +235,41 @@ def _build() -> dict:
         def __init__(self, prefix: str, base: dist.Store) -> None:
             super().__init__(prefix, base)
             self.base = base
+            self.prefix = prefix
+
+        def _full(self, key: str) -> str:
+            return f"{self.prefix}/{key}"  # c10d's PrefixStore joins so
+
+        def peek_many(self, keys: list[str]) -> list[bytes | None]:
+            """The raw values of `keys` (None: missing) without waiting: one request on a
+            SocketStore, one compare_set each on another store (c10d's)."""
+            fn = getattr(self.base, "peek_many", None)
+            if fn is not None:
+                return fn([self._full(k) for k in keys])
+            return [_peek_one(self, k) for k in keys]
+
+        def set_and_peek(self, sets: list[tuple[str, bytes]], keys: list[str]) -> list[bytes | None]:
+            """`sets` written, then `keys` read as peek_many: one round trip on a SocketStore."""
+            fn = getattr(self.base, "set_and_peek", None)
+            if fn is not None:
+                return fn([(self._full(k), v) for k, v in sets], [self._full(k) for k in keys])
+            for k, v in sets:
+                self.set(k, v)
+            return self.peek_many(keys)
 
 
     _BUILT.update(SocketStore=SocketStore, KeptPrefixStore=KeptPrefixStore)
     return _BUILT
+
+
+_ABSENT = "-eltctl-absent-"  # as auth.ABSENT: never a stored value
+
+
+def _peek_one(store, key: str) -> bytes | None:
+    """c10d's compare_set with an expected value no one writes: the value there, or that
+    expected value when there is none (never waits, creates nothing)."""
+    cur = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if cur == _ABSENT.encode() else cur
 
 
 def __getattr__(name: str):

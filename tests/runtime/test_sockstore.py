@@ -237,3 +237,40 @@ def test_requests_after_a_get_on_the_same_connection_stay_in_step(server):
     with pytest.raises(StoreTimeout):
         c.wait(["nope"], timedelta(seconds=0.1))
     assert c.add("n", 1) == 1
+
+
+def test_peek_reads_several_keys_without_waiting_and_pipelined_requests_stay_in_order(server):
+    c = client(server)
+    c.set("a", b"")
+    c.set("b", b"\x00value")
+    assert c.peek_many(["a", "missing", "b"]) == [b"", None, b"\x00value"]
+    # a poll: a write and the reads in one round trip, answered in order
+    assert c.set_and_peek([("hb", b"7")], ["hb", "a", "gone"]) == [b"7", b"", None]
+    assert server.stats()["requests_by_op"]["PEEK"] == 2
+    with pytest.raises(StoreRefused, match="per key"):  # a refused request in a pipeline: the others answered
+        c.set_and_peek([("k" * 5000, b"v")], ["a"])
+    assert c.get("hb") == b"7"  # the connection is still in step
+
+
+def test_a_signed_poll_verifies_every_value_and_counts_forgeries(server):
+    from eltctl_runtime import auth
+    from eltctl_runtime.membership import job_store
+    from eltctl_runtime.protocol import Keys, job_prefix, scan
+
+    secret = auth.new_secret()
+    js = job_store(client(server), "j", secret)
+    evil = client(server)  # the socket without the secret
+    js.set(Keys.STOP, "now")
+    evil.set(f"{job_prefix('j')}/{Keys.leave('w')}", "forged")
+    assert js.set_and_peek([(Keys.heartbeat("w"), "3")], [Keys.STOP, Keys.leave("w"), Keys.heartbeat("w")]) == \
+        [b"now", None, b"3"]
+    assert js.forgeries.counts() == {"leave": 1}
+    assert js.peek_many([Keys.leave("w")]) == [None] and js.forgeries.counts() == {"leave": 2}  # every read counted
+    # the join queue read in chunks: the same entries, and no number read past where the scan ends
+    for n in (1, 2, 4):
+        js.set(Keys.join(n), f"w{n}")
+    evil.set(f"{job_prefix('j')}/{Keys.join(3)}", "forged")
+    for n in range(13, 20):  # past 8 misses in a row (5..12): never read
+        evil.set(f"{job_prefix('j')}/{Keys.join(n)}", "forged")
+    assert scan(js, Keys.join, 0) == ([(1, b"w1"), (2, b"w2"), (4, b"w4")], 4)
+    assert js.forgeries.counts()["join"] == 1
