@@ -34,8 +34,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 import torch
 
@@ -83,24 +84,30 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 }
 
 
-class GenerationHooks(Protocol):
-    """What a user of `Generations` does at its transitions. Each runs on the
-    thread that drives the machine; any may raise Aborted (the generation broke)."""
+def _nothing(_arg) -> None:
+    pass
 
-    def before_group(self, plan: Plan) -> None:
-        """This member is in `plan` (its rank is known); the previous group is gone
-        and the new one is about to form: drop what belonged to the old generation."""
 
-    def on_group(self, plan: Plan) -> None:
-        """The generation's group is formed and every pair checked: agree on the
-        state and start running (RUNNING once this returns)."""
+@dataclass(frozen=True)
+class GenerationHooks:
+    """What a user of `Generations` does at its transitions (callables; the
+    defaults do nothing). Each runs on the thread that drives the machine; any may
+    raise Aborted (the generation broke).
 
-    def on_leave(self, plan: Plan | None) -> None:
-        """This member leaves the job: it is a planned leaver of `plan`, or
-        (None) every member leaves and the job pauses."""
+    before_group(plan): this member is in `plan` (its rank is known); the previous
+        group is gone and the new one is about to form: drop what belonged to the
+        old generation.
+    on_group(plan): the generation's group is formed and every pair checked: agree
+        on the state and start running (RUNNING once it returns).
+    on_leave(plan | None): this member leaves the job: it is a planned leaver of
+        `plan`, or (None) every member leaves and the job pauses.
+    on_abort(error): the generation broke (`run` only); before the roll call.
+    """
 
-    def on_abort(self, error: Aborted) -> None:
-        """The generation broke (`run` only); before the roll call."""
+    before_group: Callable[[Plan], None] = _nothing
+    on_group: Callable[[Plan], None] = _nothing
+    on_leave: Callable[[Plan | None], None] = _nothing
+    on_abort: Callable[[Aborted], None] = _nothing
 
 
 class Generations:

@@ -47,7 +47,7 @@ from .balance import Pace, Split, worker_report
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
-from .generation import CRASH_CONFIRM_S, ExcludedFromJob, Generations  # noqa: F401 - re-exported
+from .generation import CRASH_CONFIRM_S, ExcludedFromJob, GenerationHooks, Generations  # noqa: F401 - re-exported
 from .gradients import GradientPath, ReplicatedPath
 from .membership import Plan, choose_source, job_store
 from .pipeline import Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
@@ -321,7 +321,8 @@ class ElasticJob:
         self._control = ControlThread(self._connect, cfg.worker_id, cfg.hang_timeout_s, cfg.max_workers,
                                       health=self._health)
         self._control.start()
-        self._gen = Generations(cfg.worker_id, lambda: self._store, self._control, self, device=self._device,
+        hooks = GenerationHooks(on_group=self._on_group, on_leave=self._on_leave)
+        self._gen = Generations(cfg.worker_id, lambda: self._store, self._control, hooks, device=self._device,
                                 bind_host=self._bind_host, max_workers=cfg.max_workers,
                                 hang_timeout_s=cfg.hang_timeout_s)
         state_mod.check_encodable(self._extra)  # an extra state that cannot travel fails here, not at a resize
@@ -724,10 +725,7 @@ class ElasticJob:
                             self.generation, e)
 
     # -- the membership state machine's hooks (generation.GenerationHooks) ------------
-    def before_group(self, plan: Plan) -> None:
-        pass
-
-    def on_group(self, plan: Plan) -> None:
+    def _on_group(self, plan: Plan) -> None:
         """The group is formed and checked: bind the gradient path, agree on the
         state, move the shards (replicated: nothing), note the generation's event."""
         self._grads.bind(self._pg, self._rank, plan.members, self._abort)
@@ -743,7 +741,7 @@ class ElasticJob:
         log.info("worker %s: rank %d of %d in generation %d (%s) at step %d", self.worker_id, self._rank,
                  plan.world_size, plan.generation, plan.kind.value, self._step)
 
-    def on_leave(self, plan: Plan | None) -> None:
+    def _on_leave(self, plan: Plan | None) -> None:
         if plan is None:
             # Everyone is leaving: keep the newest state on disk and end the job.
             log.info("worker %s: every member leaves at step %d; the job pauses", self.worker_id, self._step)
@@ -754,9 +752,6 @@ class ElasticJob:
             log.info("worker %s: left the job at step %d (generation %d)", self.worker_id, self._step,
                      plan.generation)
         self._left = True
-
-    def on_abort(self, error: Aborted) -> None:
-        pass  # ElasticJob drops the step itself (_drop_step) and recovers at the boundary
 
     def _sync_state(self) -> bool:
         """Agree on the training state; returns True if it came from a checkpoint."""

@@ -63,7 +63,7 @@ from .auth import Forgeries, ForgedValue
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
-from .generation import ExcludedFromJob, Generations
+from .generation import ExcludedFromJob, GenerationHooks, Generations
 from .membership import Plan, choose_source, job_store, scan_joiners
 from .progress import ENV_PROGRESS, ProgressFile, ProgressTracker, compile_progress
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
@@ -427,7 +427,9 @@ class Supervisor:
             self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
         self._control = ControlThread(self._connect, self.me, cfg.hang_timeout_s, cfg.max_workers)
         self._control.start()
-        self._gen = Generations(self.me, lambda: self._store, self._control, self, device=torch.device("cpu"),
+        hooks = GenerationHooks(before_group=self._before_group, on_group=self._on_group, on_leave=self._on_leave,
+                                on_abort=self._on_abort)
+        self._gen = Generations(self.me, lambda: self._store, self._control, hooks, device=torch.device("cpu"),
                                 bind_host=self._bind, max_workers=cfg.max_workers,
                                 hang_timeout_s=cfg.hang_timeout_s, label="supervisor",
                                 group_name="supervisors' group")
@@ -490,11 +492,11 @@ class Supervisor:
         return scan_joiners(self._store, after)
 
     # -- the membership state machine's hooks (generation.GenerationHooks) ---------------
-    def before_group(self, plan: Plan) -> None:
+    def _before_group(self, plan: Plan) -> None:
         self._child, self._child_ran = None, False
         self._close_script_store()  # the last generation's scripts have exited
 
-    def on_group(self, plan: Plan) -> None:
+    def _on_group(self, plan: Plan) -> None:
         """The supervisors' group is formed and checked: agree on the snapshot,
         unpack it and start the script (the watch follows: _watch)."""
         me, st, abort = self.me, self._store, self._gen.abort
@@ -541,12 +543,12 @@ class Supervisor:
         if self._rank == 0:
             self._write_status(now)
 
-    def on_leave(self, plan: Plan | None) -> None:
+    def _on_leave(self, plan: Plan | None) -> None:
         if plan is None:
             log.info("supervisor %s: every member leaves; the job pauses at snapshot %d", self.me, self._snap[0])
         self._over = True
 
-    def on_abort(self, error: Aborted) -> None:
+    def _on_abort(self, error: Aborted) -> None:
         """Stop the script; rank 0 snapshots its directory if a script ran (the roll call follows)."""
         self._t_change = self._t_change or time.monotonic()
         self._stop_child()

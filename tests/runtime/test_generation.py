@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from eltctl_runtime.generation import TRANSITIONS, ExcludedFromJob, Generations, Phase
+from eltctl_runtime.generation import TRANSITIONS, ExcludedFromJob, GenerationHooks, Generations, Phase
 from eltctl_runtime.membership import Plan
 from eltctl_runtime.protocol import EventKind, Keys
 
@@ -49,7 +49,8 @@ class Recorder:
 
 def machine(me, store, plan, phase=Phase.RUNNING):
     hooks = Recorder()
-    gen = Generations(me, lambda: store, QuietControl(), hooks, device=torch.device("cpu"),
+    gen = Generations(me, lambda: store, QuietControl(),
+                      GenerationHooks(hooks.before_group, hooks.on_group, hooks.on_leave, hooks.on_abort), device=torch.device("cpu"),
                       bind_host="127.0.0.1", max_workers=None, hang_timeout_s=60.0)
     gen.plan, gen.rank, gen.phase = plan, plan.members.index(me) if me in plan.members else -1, phase
     return gen, hooks
