@@ -35,6 +35,11 @@ ElasticJob builds its path with `job._gradient_path(shard, ...)`: `shard=None` i
 `zero.sharded_path(shard, model, optimizer, params, bucket_mb) -> GradientPath`.
 ElasticJob sets `path.device` once the model is on its device (before `bind`).
 
+`finish`, `clip_grad_norm_` and `step` may raise collectives.Aborted (a broken
+group): ElasticJob then drops the step (`drop`, the module buffers back to the
+agreed ones) and the roll call follows, so a path that raises must leave the
+parameters and the optimizer state as they were before the step.
+
 Every rank calls the same methods in the same order; `finish` must issue the same
 collectives on every rank whatever backward did there (unused parameters, a rank
 with no samples). `params` are the model's parameters that require a gradient,
