@@ -1,5 +1,52 @@
-"""The gradient all-reduce: flat buffers per dtype, one global bucket order, and buffers' agreement.
+"""The gradient path: the seam between a step and how its gradients are reduced
+and applied, and its replicated implementation (flat buffers per dtype, one global
+bucket order, buffers' agreement).
 
+The seam (`GradientPath`)
+-------------------------
+ElasticJob's step (job.py) calls only these methods, in this order, so the step
+reads the same whatever the path (`ElasticJob(shard=None)`: `ReplicatedPath`,
+here; a sharded path, runtime/zero.py, implements the same class)::
+
+    per generation   bind(pg, rank, members, abort)        the generation's group (before the state agrees)
+                     reshard(old_members, new_members)     after the state agreed (replicated: no-op)
+    per step         begin(tail_size)                      before the last micro-batch's backward:
+                                                           bind .grad, arm the hooks
+                     grad_ready(index, param)              post-accumulate-grad hook of parameter `index`
+                                                           (ElasticJob registers it): launch what is ready
+                     end_backward()                        backward of the last micro-batch is over
+                     tail()                                float32, tail_size elements: the step writes
+                                                           its control scalars and buffers' updates there
+                     finish(abort) -> tail                 launch the rest, wait for all (Aborted on a
+                                                           broken group); the SUM of every rank's tail,
+                                                           a CPU copy
+                     unscale_(scaler, optimizer)           GradScaler: unscale this rank's gradients
+                     clip_grad_norm_(max_norm, abort)      the GLOBAL norm (across shards), clipped
+                     step(optimizer, scaler, abort)        the optimizer step; True if skipped (inf/NaN
+                                                           in ANY rank's gradients: every rank skips)
+                     zero()                                gradients to zero (after a commit or a redo)
+                     drop()                                a dropped step: never reuse the buffers
+    state            capture(...) / apply(...) /           the full training state as data (state.py),
+                     fingerprint(...)                      what a joiner receives and a checkpoint holds;
+                                                           a sharded path gathers / scatters its shards
+
+ElasticJob builds its path with `job._gradient_path(shard, ...)`: `shard=None` is
+`ReplicatedPath(params, bucket_mb)`; "optimizer" / "gradients" import
+`zero.sharded_path(shard, model, optimizer, params, bucket_mb) -> GradientPath`.
+ElasticJob sets `path.device` once the model is on its device (before `bind`).
+
+`finish`, `clip_grad_norm_` and `step` may raise collectives.Aborted (a broken
+group): ElasticJob then drops the step (`drop`, the module buffers back to the
+agreed ones) and the roll call follows, so a path that raises must leave the
+parameters and the optimizer state as they were before the step.
+
+Every rank calls the same methods in the same order; `finish` must issue the same
+collectives on every rank whatever backward did there (unused parameters, a rank
+with no samples). `params` are the model's parameters that require a gradient,
+in model order (the index `grad_ready` receives).
+
+The replicated path
+-------------------
 Gradients live in one flat buffer per parameter dtype (each parameter's `.grad`
 is a view into its dtype's buffer, as DDP's gradient_as_bucket_view), in reverse
 parameter order, the order backward produces them. The buckets are cut over all
@@ -28,10 +75,15 @@ The planning functions are pure and tested by tables.
 from __future__ import annotations
 
 import sys
+import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
+
+from . import collectives, state as state_mod
+from .collectives import Aborted
 
 N_CTRL = 4  # pending, stop, local sample count, local loss sum; then one leave flag per rank
 TAIL_DTYPE = torch.float32
@@ -204,3 +256,218 @@ class BufferSync:
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """True if no element is inf or NaN (one reduction per tensor)."""
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+
+
+# ---------------------------------------------------------------------------- the seam
+
+
+class GradientPath(ABC):
+    """How a step's gradients are reduced and applied (the module docstring gives
+    the call order). Implementations: ReplicatedPath (here), the sharded one in
+    zero.py."""
+
+    def bind(self, pg, rank: int, members: Sequence[str], abort: threading.Event) -> None:
+        """The generation's group, this rank and the members in rank order (before
+        the state is agreed in it)."""
+        self.pg, self.rank, self.members, self.abort = pg, rank, tuple(members), abort
+
+    def reshard(self, old_members: Sequence[str], new_members: Sequence[str]) -> None:
+        """After a membership change, once the state is agreed: move what each rank
+        owns to its new owners (old_members is empty for the first generation)."""
+
+    @abstractmethod
+    def begin(self, tail_size: int) -> None: ...
+
+    @abstractmethod
+    def grad_ready(self, index: int, p: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def end_backward(self) -> None: ...
+
+    @abstractmethod
+    def tail(self) -> torch.Tensor: ...
+
+    @abstractmethod
+    def finish(self, abort: threading.Event) -> torch.Tensor: ...
+
+    @abstractmethod
+    def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None: ...
+
+    @abstractmethod
+    def clip_grad_norm_(self, max_norm: float, abort: threading.Event) -> float: ...
+
+    @abstractmethod
+    def step(self, optimizer: torch.optim.Optimizer, scaler: Any, abort: threading.Event) -> bool: ...
+
+    @abstractmethod
+    def zero(self) -> None: ...
+
+    @abstractmethod
+    def drop(self) -> None: ...
+
+    def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: dict,
+                extra: dict[str, Any]) -> dict:
+        """The whole training state as data (state.capture)."""
+        return state_mod.capture(model, optimizer, progress, extra)
+
+    def apply(self, saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              extra: dict[str, Any]) -> dict:
+        """Adopt a captured state; returns its progress (state.apply)."""
+        return state_mod.apply(saved, model, optimizer, extra)
+
+    def fingerprint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> str:
+        """Hash of the whole state: identical on every rank (state.fingerprint)."""
+        return state_mod.fingerprint(model, optimizer, extra)
+
+
+class ReplicatedPath(GradientPath):
+    """Every rank holds every gradient: bucketed all-reduces launched as backward
+    fills the buckets (module docstring)."""
+
+    def __init__(self, params: list[torch.Tensor], bucket_mb: float,
+                 device: torch.device = torch.device("cpu")) -> None:
+        self._params = params
+        self.device = device  # where the buffers live (ElasticJob sets it once the model is placed)
+        # One flat buffer per parameter dtype, one bucket order over all of them;
+        # 0 MB: one bucket per dtype, all-reduced after backward.
+        self.layout = layout_for(params, bucket_mb)
+        for kind in self.layout.groups:
+            state_mod.dtype_named(kind)  # a dtype the buffers cannot hold fails here, naming it
+        self._bucket_of = {i: b for b, bucket in enumerate(self.layout.buckets) for i in bucket.members}
+        # The last launch carries the float32 tail: the last bucket, or an extra one.
+        self._n_launch = len(self.layout.buckets) + (0 if self.layout.tail_group is not None else 1)
+        self._flats: list[torch.Tensor] | None = None
+        self._tail_buf: torch.Tensor | None = None  # the tail's own buffer when it does not ride with a bucket
+        self._tail_size = 0
+        self._launching = False  # inside the backward of a step's last micro-batch
+        self._ready: list[int] = []  # per bucket: gradients ready in this backward
+        self._fired: set[int] = set()  # parameters whose gradient is ready in this backward
+        self._works: list = []  # the all-reduces launched for this step, in bucket order
+        self._launch_error: Exception | None = None
+        self.pg = None
+
+    def _buffers(self, tail_size: int) -> list[torch.Tensor]:
+        """The flat all-reduce buffers, one per parameter dtype (bucket by
+        bucket), the float32 one followed by the tail when it rides with the
+        last bucket. Parameters' .grad are views into them (as DDP's
+        gradient_as_bucket_view), so backward accumulates in place and nothing
+        is copied in or out."""
+        lay = self.layout
+        self._tail_size = tail_size
+        sizes = [n + (tail_size if g == lay.tail_group else 0) for g, n in enumerate(lay.lengths)]
+        if self._flats is None or [f.numel() for f in self._flats] != sizes:
+            # The caller copies the current gradients in (they are not views of these).
+            self._flats = [torch.zeros(n, dtype=state_mod.dtype_named(kind), device=self.device)
+                           for kind, n in zip(lay.groups, sizes)]
+        if lay.tail_group is None and (self._tail_buf is None or self._tail_buf.numel() != tail_size):
+            self._tail_buf = torch.zeros(tail_size, dtype=TAIL_DTYPE, device=self.device)
+        return self._flats
+
+    def begin(self, tail_size: int) -> None:
+        """Bind every .grad to its view of its dtype's flat buffer (so backward
+        accumulates in place) and arm the gradient hooks for this backward."""
+        flats = self._buffers(tail_size)
+        with torch.no_grad():
+            for p, slot in zip(self._params, self.layout.slots):
+                view = flats[slot.group][slot.offset : slot.offset + slot.numel]
+                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                    continue
+                view = view.view_as(p)
+                if p.grad is None:
+                    view.zero_()
+                else:  # the script replaced .grad (e.g. zero_grad), or a new buffer after a resize
+                    view.copy_(p.grad)
+                p.grad = view
+        self._ready = [0] * len(self.layout.buckets)
+        self._fired = set()
+        self._works = []
+        self._launch_error = None
+        self._launching = True
+
+    def end_backward(self) -> None:
+        self._launching = False
+
+    def grad_ready(self, index: int, p: torch.Tensor) -> None:
+        """Launch every bucket that is complete, in the one global bucket order
+        (every rank issues the same collectives in the same order). The last
+        launch, which carries the float32 tail, is left to finish."""
+        if not self._launching or index in self._fired:
+            return
+        self._fired.add(index)
+        slot = self.layout.slots[index]
+        view = self._flats[slot.group][slot.offset : slot.offset + slot.numel]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():  # not a view (should not happen): reduce a copy and adopt the view
+                view.view_as(p).copy_(p.grad)
+                p.grad = view.view_as(p)
+        self._ready[self._bucket_of[index]] += 1
+        buckets = self.layout.buckets
+        while len(self._works) < self._n_launch - 1:
+            b = len(self._works)
+            if self._ready[b] < len(buckets[b].members):
+                break
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        """All-reduce launch `b`: bucket b, the last one with the tail after it
+        when the tail rides with it, or (b past the buckets) the tail alone."""
+        buckets = self.layout.buckets
+        if b < len(buckets):
+            bucket = buckets[b]
+            end = bucket.end
+            if b == len(buckets) - 1 and self.layout.tail_group is not None:
+                end = self._flats[bucket.group].numel()
+            tensor = self._flats[bucket.group][bucket.start : end]
+        else:
+            tensor = self._tail_buf
+        try:
+            self._works.append(collectives.allreduce_async(self.pg, tensor))
+        except Exception as e:  # noqa: BLE001 - a broken group: the step is dropped in finish
+            self._launch_error = e
+            self._works.append(None)
+
+    def tail(self) -> torch.Tensor:
+        """The float32 tail: control scalars, then the buffers' updates."""
+        g = self.layout.tail_group
+        if g is None:
+            return self._tail_buf
+        return self._flats[g][self.layout.lengths[g]:]
+
+    def finish(self, abort: threading.Event) -> torch.Tensor:
+        # Buckets whose gradients never came (parameters unused in this step, a
+        # rank with no samples) go now, in order; then the last one, with the tail.
+        while len(self._works) < self._n_launch:
+            self._launch(len(self._works))
+        works, self._works = self._works, []
+        if self._launch_error is not None:
+            raise Aborted(f"an all-reduce could not be launched: {self._launch_error}", backend_error=True)
+        for work in works:
+            collectives.wait_work(work, abort)
+        return self.tail().to("cpu", copy=True)  # the buffers are zeroed after the step
+
+    def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        scaler.unscale_(optimizer)
+
+    def clip_grad_norm_(self, max_norm: float, abort: threading.Event) -> float:
+        # Every rank holds the whole all-reduced gradient: the local norm is the global one.
+        return float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: Any, abort: threading.Event) -> bool:
+        """Every rank holds the same all-reduced gradients, so every rank decides alike."""
+        if scaler is None:
+            optimizer.step()
+            return False
+        finite = all_finite(f[:n] for f, n in zip(self._flats, self.layout.lengths))
+        scaler.step(optimizer)
+        scaler.update()
+        return not finite
+
+    def zero(self) -> None:
+        for flat in self._flats or ():
+            flat.zero_()  # the gradients stay views of the buffers: next backward accumulates in place
+
+    def drop(self) -> None:
+        # A collective that never finished may still write into the buffers: never reuse them.
+        self._works = []
+        self._flats = None
+        self._tail_buf = None

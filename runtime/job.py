@@ -8,8 +8,9 @@ loop; one iteration is one global step::
             job.step(loss_fn(model, batch))
 
 The job owns the step boundaries. `step` runs backward with the loss scaled by
-this rank's share of the global batch, all-reduces the gradients in flat
-buffers (gradients.py) whose float32 tail carries the control scalars (a change
+this rank's share of the global batch, reduces the gradients through the
+gradient path (gradients.py: the seam; replicated, it all-reduces flat buffers)
+whose float32 tail carries the control scalars (a change
 is pending, a leave, a stop, the sample count and the loss sum, each rank's
 speed and whether it ran out of memory) and the buffers' updates, unscales and
 clips the global gradient, steps the optimizer and commits. Because the control
@@ -21,7 +22,8 @@ asks for the next batch: after the script's own code that follows `job.step()`
 (a scheduler step) has run. A crash
 or hang is not noticed by the collective but by the control thread (control.py),
 which aborts the wait; the step in flight is dropped and the survivors form the
-next generation (membership.py) and agree on the state (state.py).
+next generation (the membership state machine: generation.py, which restart
+mode runs too) and agree on the state (state.py).
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ from .balance import Pace, Split, worker_report
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
-from .membership import (Plan, Verdict, await_admission, choose_source, decide, job_store, propose, roll_call,
-                         scan_joiners)
-from .pgstore import pg_store
+from .generation import CRASH_CONFIRM_S, ExcludedFromJob, GenerationHooks, Generations  # noqa: F401 - re-exported
+from .gradients import GradientPath, ReplicatedPath
+from .membership import Plan, choose_source, job_store
 from .pipeline import Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .sampler import SamplerState
@@ -57,10 +59,6 @@ log = logging.getLogger("eltctl_runtime")
 
 STATUS_EVERY_S = 1.0
 CONFIRM_COMMITS = 3  # a new balanced split is adopted once proposed at this many commits in a row
-# After this rank's own collective failed (a connection reset: some peer is
-# gone), a member silent this long is taken as dead without waiting for the
-# full hang timeout. A host that vanishes has no daemon left to report it.
-CRASH_CONFIRM_S = 2.0
 _N_CTRL = gradients.N_CTRL  # pending, stop, local sample count, local loss sum; then the per-rank slots
 
 
@@ -97,11 +95,6 @@ class Commit:
     skipped: bool = False  # the GradScaler found inf/NaN gradients: no optimizer step (samples consumed)
 
 
-class ExcludedFromJob(RuntimeError):
-    """This worker is no longer a member (it was hung or partitioned and the
-    others went on without it). It must exit without touching anything."""
-
-
 class ElasticJob:
     """See the module docstring. Nothing happens until `with job:`."""
 
@@ -131,6 +124,7 @@ class ElasticJob:
         num_workers: int = 0,
         prefetch_steps: int = 2,
         pin_memory: bool = False,
+        shard: str | None = None,
     ) -> None:
         if max_steps is None and epochs is None:
             raise ValueError("give max_steps or epochs (or both)")
@@ -180,30 +174,16 @@ class ElasticJob:
         self._prefetch_steps = prefetch_steps
         self._pin_memory = pin_memory
         self._params = [p for p in model.parameters() if p.requires_grad]
-        # One flat buffer per parameter dtype, one bucket order over all of them
-        # (gradients.py); 0 MB: one bucket per dtype, all-reduced after backward.
-        self._layout = gradients.layout_for(self._params, bucket_mb)
-        for kind in self._layout.groups:
-            state_mod.dtype_named(kind)  # a dtype the buffers cannot hold fails here, naming it
-        self._bucket_of = {i: b for b, bucket in enumerate(self._layout.buckets) for i in bucket.members}
-        # The last launch carries the float32 tail: the last bucket, or an extra one.
-        self._n_launch = len(self._layout.buckets) + (0 if self._layout.tail_group is not None else 1)
+        # How the step's gradients are reduced and applied (gradients.py: the seam).
+        self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb)
         self._buffers = gradients.BufferSync(model)
-        self._flats: list[torch.Tensor] | None = None
-        self._tail_buf: torch.Tensor | None = None  # the tail's own buffer when it does not ride with a bucket
         self._after_commit: tuple[bool, set[str] | None] | None = None
         self._hooks: list = []
-        self._launching = False  # inside the backward of a step's last micro-batch
-        self._ready: list[int] = []  # per bucket: gradients ready in this backward
-        self._fired: set[int] = set()  # parameters whose gradient is ready in this backward
-        self._works: list = []  # the all-reduces launched for this step, in bucket order
-        self._launch_error: Exception | None = None
 
-        self._plan: Plan | None = None
-        self._rank = -1
-        self._pg = None
-        self._pg_store = None  # the store _pg formed on (pgstore.py): referenced while _pg lives
-        self._abort = threading.Event()
+        # The membership state machine (generation.py): plan, rank, group; made in _enter.
+        self._gen: Generations | None = None
+        self._members_before: tuple[str, ...] = ()  # the previous generation's members (reshard)
+        self._old_t = 0.0  # the last commit's time before the generation being formed (its event's pause)
         self._step = 0
         self._has_state = False
         self._need_recovery = False
@@ -231,6 +211,23 @@ class ElasticJob:
         self._health: storeloss.StoreHealth | None = None  # whether the store is away (storeloss.py)
         self._store_epoch = 0  # the health's reconnects when _store was opened
         self._old_sigterm = None
+
+    # -- the membership state machine's view --------------------------------------
+    @property
+    def _plan(self) -> Plan | None:
+        return self._gen.plan if self._gen is not None else None
+
+    @property
+    def _rank(self) -> int:
+        return self._gen.rank if self._gen is not None else -1
+
+    @property
+    def _pg(self):
+        return self._gen.pg if self._gen is not None else None
+
+    @property
+    def _abort(self) -> threading.Event:
+        return self._gen.abort
 
     # -- public view -------------------------------------------------------
     @property
@@ -282,7 +279,7 @@ class ElasticJob:
 
     def fingerprint(self) -> str:
         """Hash of parameters, buffers, optimizer state and extra state: identical on every rank."""
-        return state_mod.fingerprint(self.model, self.optimizer, self._extra)
+        return self._grads.fingerprint(self.model, self.optimizer, self._extra)
 
     # -- lifecycle -----------------------------------------------------------
     def __enter__(self) -> "ElasticJob":
@@ -307,6 +304,7 @@ class ElasticJob:
             self.model.to(self._device)  # warm before registering; parameters stay the optimizer's objects
         else:
             self._device = torch.device("cpu")
+        self._grads.device = self._device
         self._bind_host = collectives.bind_address(cfg.store_host, cfg.store_port)
         self._tcp = self._connect_raw()
         self._store = self._job_store(self._tcp)
@@ -323,8 +321,12 @@ class ElasticJob:
         self._control = ControlThread(self._connect, cfg.worker_id, cfg.hang_timeout_s, cfg.max_workers,
                                       health=self._health)
         self._control.start()
+        hooks = GenerationHooks(before_group=self._before_group, on_group=self._on_group, on_leave=self._on_leave)
+        self._gen = Generations(cfg.worker_id, lambda: self._store, self._control, hooks, device=self._device,
+                                bind_host=self._bind_host, max_workers=cfg.max_workers,
+                                hang_timeout_s=cfg.hang_timeout_s)
         state_mod.check_encodable(self._extra)  # an extra state that cannot travel fails here, not at a resize
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grads.grad_ready, i))
                        for i, p in enumerate(self._params)]
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self._control.request_local_leave())
@@ -358,8 +360,8 @@ class ElasticJob:
                 signal.signal(signal.SIGTERM, self._old_sigterm)
             if self._audit_fd is not None:
                 os.close(self._audit_fd)
-            collectives.bury(self._pg, self._pg_store)  # never block the exit on a group
-            self._pg = self._pg_store = None
+            if self._gen is not None:
+                self._gen.close()  # never block the exit on a group
             if self._fast_exit and exc is None and (self._left or self._finished):
                 # Out of the job: the script's code after the loop still runs,
                 # but the interpreter's teardown (seconds, GPU memory held) is
@@ -419,6 +421,7 @@ class ElasticJob:
                 self._store_lost(e)
             if self._left or self._finished or self._done():
                 self._finish()
+                self._gen.done()
                 return
             indices = self._indices_for(self._sampler)
             global_count = self._sampler.step_size()
@@ -503,7 +506,8 @@ class ElasticJob:
         self._in_step = False
         n = self._mb_count
         if self._mb_left == 1:
-            self._begin_reduce()  # buckets are all-reduced as backward fills them
+            # buckets are reduced as backward fills them
+            self._grads.begin(self._ctrl_size() + self._buffers.size)
         try:
             if n > 0 and not self._oom_retry:
                 try:
@@ -518,7 +522,7 @@ class ElasticJob:
                     loss = None
                     self._out_of_memory(n, e)
         finally:
-            self._launching = False
+            self._grads.end_backward()
             # From the batch handed over to the end of backward: the buckets'
             # all-reduces launched in backward are asynchronous, no wait is in it.
             self._compute_s += time.perf_counter() - self._t_handed
@@ -527,77 +531,9 @@ class ElasticJob:
             return None
         return self._reduce_and_commit()
 
-    def _begin_reduce(self) -> None:
-        """Bind every .grad to its view of its dtype's flat buffer (so backward
-        accumulates in place) and arm the gradient hooks for this backward."""
-        flats = self._grad_buffer()
-        with torch.no_grad():
-            for p, slot in zip(self._params, self._layout.slots):
-                view = flats[slot.group][slot.offset : slot.offset + slot.numel]
-                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-                    continue
-                view = view.view_as(p)
-                if p.grad is None:
-                    view.zero_()
-                else:  # the script replaced .grad (e.g. zero_grad), or a new buffer after a resize
-                    view.copy_(p.grad)
-                p.grad = view
-        self._ready = [0] * len(self._layout.buckets)
-        self._fired = set()
-        self._works = []
-        self._launch_error = None
-        self._launching = True
-
-    def _grad_ready(self, index: int, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of parameter `index`: launch every bucket
-        that is complete, in the one global bucket order (every rank issues the
-        same collectives in the same order). The last launch, which carries the
-        float32 tail, is left to _reduce_and_commit."""
-        if not self._launching or index in self._fired:
-            return
-        self._fired.add(index)
-        slot = self._layout.slots[index]
-        view = self._flats[slot.group][slot.offset : slot.offset + slot.numel]
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():  # not a view (should not happen): reduce a copy and adopt the view
-                view.view_as(p).copy_(p.grad)
-                p.grad = view.view_as(p)
-        self._ready[self._bucket_of[index]] += 1
-        buckets = self._layout.buckets
-        while len(self._works) < self._n_launch - 1:
-            b = len(self._works)
-            if self._ready[b] < len(buckets[b].members):
-                break
-            self._launch(b)
-
-    def _launch(self, b: int) -> None:
-        """All-reduce launch `b`: bucket b, the last one with the tail after it
-        when the tail rides with it, or (b past the buckets) the tail alone."""
-        buckets = self._layout.buckets
-        if b < len(buckets):
-            bucket = buckets[b]
-            end = bucket.end
-            if b == len(buckets) - 1 and self._layout.tail_group is not None:
-                end = self._flats[bucket.group].numel()
-            tensor = self._flats[bucket.group][bucket.start : end]
-        else:
-            tensor = self._tail_buf
-        try:
-            self._works.append(collectives.allreduce_async(self._pg, tensor))
-        except Exception as e:  # noqa: BLE001 - a broken group: the step is dropped in _reduce_and_commit
-            self._launch_error = e
-            self._works.append(None)
-
     def _ctrl_size(self) -> int:
         """Control scalars at the head of the tail (_tail_len); the buffers' updates follow them."""
         return _tail_len(self.world_size)
-
-    def _tail(self) -> torch.Tensor:
-        """The float32 tail: control scalars, then the buffers' updates."""
-        g = self._layout.tail_group
-        if g is None:
-            return self._tail_buf
-        return self._flats[g][self._layout.lengths[g]:]
 
     def _reduce_and_commit(self) -> float | None:
         W = self.world_size
@@ -616,32 +552,25 @@ class ElasticJob:
         ctrl[_pace_slot(W, self._rank)] = self._pace.slot
         ctrl[_oom_slot(W, self._rank)] = float(self._oom_retry)
         self._oom_retry = 0
-        tail = self._tail()
+        tail = self._grads.tail()
         with torch.no_grad():
             tail[:n_ctrl].copy_(ctrl)
             self._buffers.write(tail[n_ctrl:], len(self._local_indices), self._rank)
-        # Buckets whose gradients never came (parameters unused in this step, a
-        # rank with no samples) go now, in order; then the last one, with the tail.
-        while len(self._works) < self._n_launch:
-            self._launch(len(self._works))
         try:
-            if self._launch_error is not None:
-                raise Aborted(f"an all-reduce could not be launched: {self._launch_error}", backend_error=True)
-            for work in self._works:
-                collectives.wait_work(work, self._abort)
+            tail = self._grads.finish(self._abort)  # summed over the ranks; a CPU copy
         except Aborted as e:
-            self._works = []
             self._drop_step(str(e), e.backend_error)
             return None
-        self._works = []
-        tail = tail.to("cpu", copy=True)  # the buffers are zeroed below
         if any(tail[_oom_slot(W, r)] > 0 for r in range(W)):
             self._redo_step([int(tail[_oom_slot(W, r)]) for r in range(W)])
             return None
         self._buffers.read(tail[n_ctrl:], int(tail[2]))
-        skipped = self._optimizer_step()
-        for flat in self._flats:
-            flat.zero_()  # the gradients stay views of the buffers: next backward accumulates in place
+        try:
+            skipped = self._optimizer_step()
+        except Aborted as e:  # a sharded path's collectives (norm, inf check, gather) broke
+            self._drop_step(str(e), e.backend_error)
+            return None
+        self._grads.zero()  # replicated: the gradients stay views of the buffers
         global_loss = float(tail[3]) / max(1.0, float(tail[2]))
         self._replan([float(tail[_pace_slot(W, r)]) for r in range(W)])
         self._commit(global_loss, skipped)
@@ -650,23 +579,17 @@ class ElasticJob:
         return global_loss
 
     def _optimizer_step(self) -> bool:
-        """Unscale, clip, the hook, the optimizer step. Every rank holds the same
-        all-reduced gradients, so every rank decides alike. Returns True if the
-        GradScaler skipped the step (inf/NaN gradients)."""
+        """Unscale, clip, the hook, the optimizer step, all through the gradient
+        path, so every rank decides alike (the global norm, an inf/NaN in any
+        rank's gradients). Returns True if the GradScaler skipped the step."""
         scaler = self._scaler
         if scaler is not None:
-            scaler.unscale_(self.optimizer)
+            self._grads.unscale_(scaler, self.optimizer)
         if self._max_grad_norm is not None:
-            self._grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self._max_grad_norm))
+            self._grad_norm = self._grads.clip_grad_norm_(self._max_grad_norm, self._abort)
         if self._before_optimizer_step is not None:
             self._before_optimizer_step(self)
-        if scaler is None:
-            self.optimizer.step()
-            return False
-        finite = gradients.all_finite(f[:n] for f, n in zip(self._flats, self._layout.lengths))
-        scaler.step(self.optimizer)
-        scaler.update()
-        return not finite
+        return self._grads.step(self.optimizer, scaler, self._abort)
 
     def _at_boundary(self) -> None:
         """What the last commit asks for, done when the loop comes back for the
@@ -688,23 +611,6 @@ class ElasticJob:
                 log.warning("worker %s: generation %d aborted while forming: %s", self.worker_id,
                             self.generation, e)
                 self._need_recovery = True
-
-    def _grad_buffer(self) -> list[torch.Tensor]:
-        """The flat all-reduce buffers, one per parameter dtype (bucket by
-        bucket), the float32 one followed by the tail when it rides with the
-        last bucket. Parameters' .grad are views into them (as DDP's
-        gradient_as_bucket_view), so backward accumulates in place and nothing
-        is copied in or out."""
-        lay = self._layout
-        n_tail = self._ctrl_size() + self._buffers.size
-        sizes = [n + (n_tail if g == lay.tail_group else 0) for g, n in enumerate(lay.lengths)]
-        if self._flats is None or [f.numel() for f in self._flats] != sizes:
-            # The caller copies the current gradients in (they are not views of these).
-            self._flats = [torch.zeros(n, dtype=state_mod.dtype_named(kind), device=self._device)
-                           for kind, n in zip(lay.groups, sizes)]
-        if lay.tail_group is None and (self._tail_buf is None or self._tail_buf.numel() != n_tail):
-            self._tail_buf = torch.zeros(n_tail, dtype=gradients.TAIL_DTYPE, device=self._device)
-        return self._flats
 
     def _replan(self, paces: list[float]) -> None:
         """At a commit: every rank's pace, identical floats on every rank, and
@@ -747,8 +653,7 @@ class ElasticJob:
         mine = limits[self._rank]
         if mine:
             self._oom_limit = min(mine, self._oom_limit or mine)
-        for flat in self._flats:
-            flat.zero_()
+        self._grads.zero()
         self._buffers.reset()  # the forward of the step that is redone moved them
         log.info("worker %s: step %d redone (out of memory on rank(s) %s)", self.worker_id, self._step + 1,
                  ", ".join(str(r) for r, m in enumerate(limits) if m))
@@ -757,9 +662,7 @@ class ElasticJob:
         self._peer_gone = backend_error
         log.warning("worker %s: step %d dropped in generation %d: %s (%s)", self.worker_id, self._step + 1,
                     self.generation, why, self._control.abort_reason())
-        # A collective that never finished may still write into the buffers: never reuse them.
-        self._flats = None
-        self._tail_buf = None
+        self._grads.drop()  # a collective that never finished may still write into its buffers
         self.optimizer.zero_grad(set_to_none=True)
         self._buffers.reset()  # the dropped step's forward moved them
         self._need_recovery = True
@@ -787,21 +690,11 @@ class ElasticJob:
     # -- membership changes --------------------------------------------------
     def _planned_change(self, leavers: set[str]) -> None:
         self._await_store()
-        plan = self._plan
-        survivors = [w for w in plan.members if w not in leavers]
-        queue, upto = self._scan_joiners(plan.join_upto)
         kind = EventKind.LEAVE if leavers else EventKind.JOIN
-        proposal = propose(plan, survivors, queue, upto, self.config.max_workers, kind, time.time())
-        if not proposal.members:
-            # Everyone is leaving: keep the newest state on disk and end the job.
-            log.info("worker %s: every member leaves at step %d; the job pauses", self.worker_id, self._step)
-            if self._rank == 0:
-                self._checkpoint_now()
-                self._write_status(time.monotonic())  # the controller mirrors it and restores from it
-            self._left = True
-            return
-        decided = self._decide(proposal)
-        self._switch(decided, old_t=self._last_commit_t)
+        decided = self._gen.change(leavers, kind)  # None: every member leaves (on_leave)
+        if decided is not None:
+            self._old_t = self._last_commit_t
+            self._gen.enter(decided)
 
     def _stop_job(self) -> None:
         if self._health.lost:  # a rank's store-loss timeout (_reduce_and_commit), or the store away now
@@ -816,104 +709,53 @@ class ElasticJob:
         self._finished = True
 
     def _recover(self) -> None:
-        """Roll call after an abort, then the next generation."""
+        """Roll call after an abort, then the next generation (generation.py)."""
         self._need_recovery = False
         self._await_store()
-        silence_limit = self.config.hang_timeout_s
         peer_gone, self._peer_gone = self._peer_gone, False
-        if peer_gone:
-            silence_limit = min(silence_limit, CRASH_CONFIRM_S)
         while True:
-            plan = self._plan
-            g = plan.generation
-            st = self._store
             t_old = self._last_commit_t
-            st.compare_set(Keys.abort(g), "", json.dumps({"reason": "error", "worker": self.worker_id}))
-            st.set(Keys.alive(g, self.worker_id), str(self._step))
-            collectives.bury(self._pg, self._pg_store)
-            self._pg = self._pg_store = None
-            decided = None
-            while decided is None:
-                if st.check([Keys.plan(g + 1)]):
-                    decided = Plan.from_json(st.get(Keys.plan(g + 1)))
-                    break
-                verdicts = {}
-                for w in plan.members:
-                    if w == self.worker_id:
-                        verdicts[w] = Verdict.SURVIVOR
-                        continue
-                    verdicts[w] = roll_call(
-                        alive=st.check([Keys.alive(g, w)]),
-                        dead=st.check([Keys.dead(w)]),
-                        silent_for_s=self._control.silence(w),
-                        hang_timeout_s=silence_limit,
-                    )
-                if Verdict.UNKNOWN not in verdicts.values():
-                    survivors = [w for w in plan.members if verdicts[w] is Verdict.SURVIVOR]
-                    lost = [w for w in plan.members if verdicts[w] is Verdict.GONE]
-                    crashed = peer_gone or any(st.check([Keys.dead(w)]) for w in lost)
-                    kind = EventKind.CRASH if crashed else EventKind.HANG
-                    queue, upto = self._scan_joiners(plan.join_upto)
-                    decided = self._decide(propose(plan, survivors, queue, upto, self.config.max_workers,
-                                                   kind, time.time()))
-                    break
-                time.sleep(0.01)
+            decided = self._gen.recover(peer_gone, str(self._step))
             try:
-                self._switch(decided, old_t=t_old)
+                self._old_t = t_old
+                self._gen.enter(decided)
                 return
             except Aborted as e:
                 log.warning("worker %s: generation %d aborted while forming: %s", self.worker_id,
                             self.generation, e)
 
-    def _decide(self, proposal: Plan) -> Plan:
-        """compare_set: the first proposal for a generation wins; everyone adopts it."""
-        return decide(self._store, proposal)
+    # -- the membership state machine's hooks (generation.GenerationHooks) ------------
+    def _before_group(self, plan: Plan) -> None:
+        """The old group is about to go: the gradient path lets go of it (collectives.release)."""
+        self._grads.pg = None
 
-    def _scan_joiners(self, after: int) -> tuple[list[tuple[int, str]], int]:
-        """Live joiners queued after sequence number `after`, and how far the scan got."""
-        return scan_joiners(self._store, after)
-
-    def _switch(self, plan: Plan, old_t: float) -> None:
-        """Enter generation `plan` (or leave, if this worker is not in it).
-        Raises Aborted if the generation breaks while forming."""
-        previous = self._plan
-        if self.worker_id not in plan.members:
-            if previous is not None and self.worker_id in plan.left:
-                log.info("worker %s: left the job at step %d (generation %d)", self.worker_id, self._step,
-                         plan.generation)
-                self._left = True
-                self._plan = plan
-                return
-            raise ExcludedFromJob(
-                f"worker {self.worker_id} is not a member of generation {plan.generation} "
-                f"(members: {', '.join(plan.members)}); it was presumed hung or dead and must exit"
-            )
-        self._plan = plan
-        self._rank = plan.members.index(self.worker_id)
-        self._abort = self._control.watch(plan)
-        if previous is not None and self._pg is not None and plan.lost == ():
-            collectives.release(self._pg, self._pg_store)  # no work in flight: dropped off the pause
-            self._pg = None
-        # Signed (pgstore.py): a forged peer address fails the group's construction
-        # (Aborted: the roll call forms the next generation), never connects to it.
-        # Kept referenced as long as the group: its C++ side calls back into it.
-        self._pg_store = store = pg_store(self._store, plan.generation)
-        self._pg = collectives.run_abortable(
-            lambda: collectives.make_group(store, self._rank, plan.world_size, self._device, self._bind_host),
-            self._abort, f"process group of generation {plan.generation}")
-        # Every pair signed before any collective (gloo's listener gives a pair to whoever
-        # connects first): a wrong or missing peer message aborts the generation (counted).
-        collectives.verify_pairs(self._pg, self._store, plan.generation, collectives.group_id(plan.to_json()),
-                                 self._rank, plan.world_size, self._device, self._abort)
+    def _on_group(self, plan: Plan) -> None:
+        """The group is formed and checked: bind the gradient path, agree on the
+        state, move the shards (replicated: nothing), note the generation's event."""
+        self._grads.bind(self._pg, self._rank, plan.members, self._abort)
         restored = self._sync_state()
+        self._grads.reshard(self._members_before, plan.members)
+        self._members_before = plan.members
         # Every generation's first commit is an event (rank 0 writes it), the job's first start too.
         kind = EventKind.RESTORE if restored else plan.kind
         self._pending_event = {"kind": kind.value, "generation": plan.generation,
                                "world_size": plan.world_size, "members": list(plan.members),
                                "joined": list(plan.joined), "left": list(plan.left), "lost": list(plan.lost),
-                               "from_step": self._step, "old_t": old_t if self._has_state_before else None}
+                               "from_step": self._step, "old_t": self._old_t if self._has_state_before else None}
         log.info("worker %s: rank %d of %d in generation %d (%s) at step %d", self.worker_id, self._rank,
                  plan.world_size, plan.generation, plan.kind.value, self._step)
+
+    def _on_leave(self, plan: Plan | None) -> None:
+        if plan is None:
+            # Everyone is leaving: keep the newest state on disk and end the job.
+            log.info("worker %s: every member leaves at step %d; the job pauses", self.worker_id, self._step)
+            if self._rank == 0:
+                self._checkpoint_now()
+                self._write_status(time.monotonic())  # the controller mirrors it and restores from it
+        else:
+            log.info("worker %s: left the job at step %d (generation %d)", self.worker_id, self._step,
+                     plan.generation)
+        self._left = True
 
     def _sync_state(self) -> bool:
         """Agree on the training state; returns True if it came from a checkpoint."""
@@ -947,12 +789,13 @@ class ElasticJob:
         return bool(sizes[2])
 
     def _capture_state(self) -> dict:
-        """The training state as data (state.capture): what a joiner receives and a checkpoint holds."""
-        return state_mod.capture(self.model, self.optimizer, self._progress(), self._extra)
+        """The training state as data (state.capture, through the gradient path):
+        what a joiner receives and a checkpoint holds."""
+        return self._grads.capture(self.model, self.optimizer, self._progress(), self._extra)
 
     def _apply_state(self, saved: dict) -> None:
         """Adopt a captured state (from a peer or a checkpoint), progress included."""
-        self._set_progress(state_mod.apply(saved, self.model, self.optimizer, self._extra))
+        self._set_progress(self._grads.apply(saved, self.model, self.optimizer, self._extra))
         self._buffers.mark()
 
     def _progress(self) -> dict:
@@ -968,23 +811,19 @@ class ElasticJob:
     def _admit(self) -> None:
         """Register as a (warm) joiner and wait to be a member of a generation."""
         cfg = self.config
-        plan = await_admission(self._store, self.worker_id, self._control, min_workers=cfg.min_workers,
-                               max_workers=cfg.max_workers, hang_timeout_s=cfg.hang_timeout_s,
-                               restarted_wait_s=cfg.store_loss_timeout_s)
+        plan = self._gen.admit(min_workers=cfg.min_workers, restarted_wait_s=cfg.store_loss_timeout_s)
         if plan is None:
             self._finished = True
             return
         # A joiner of a running job has no committed step; members of the first
-        # generation agree on one (restoring the newest checkpoint) in _switch.
-        while True:
-            try:
-                self._switch(plan, old_t=0.0)
-                return
-            except Aborted as e:
-                log.warning("worker %s: generation %d aborted while forming: %s", self.worker_id,
-                            plan.generation, e)
-                self._recover()
-                return
+        # generation agree on one (restoring the newest checkpoint) in on_group.
+        try:
+            self._old_t = 0.0
+            self._gen.enter(plan)
+        except Aborted as e:
+            log.warning("worker %s: generation %d aborted while forming: %s", self.worker_id,
+                        plan.generation, e)
+            self._recover()
 
     # -- checkpoints, status, events ----------------------------------------
     def _maybe_checkpoint(self, now: float) -> None:
@@ -1069,6 +908,27 @@ class ElasticJob:
             self._health.failed("event", e, epoch=self._store_epoch)
             self._health.hold(ev)
         log.info("worker %s: event %s", self.worker_id, json.dumps(ev))
+
+
+SHARD_SETTINGS = ("optimizer", "gradients")  # ZeRO-1, ZeRO-2 (issue 22): runtime/zero.py
+
+
+def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   params: list[torch.Tensor], bucket_mb: float) -> GradientPath:
+    """The gradient path of `shard` (gradients.py: the seam). None: every rank holds
+    every gradient and the whole optimizer state (ReplicatedPath); a sharded one
+    comes from zero.py's `sharded_path(shard, model, optimizer, params, bucket_mb)`."""
+    if shard is None:
+        return ReplicatedPath(params, bucket_mb)
+    if shard not in SHARD_SETTINGS:
+        raise ValueError(f"shard must be None or one of {', '.join(map(repr, SHARD_SETTINGS))}, got {shard!r}")
+    import importlib
+
+    try:  # by name while zero.py is being written (issue 22); a static import once it is in
+        zero = importlib.import_module(".zero", __package__)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"shard={shard!r}: sharded training is not available in this version ({e})") from e
+    return zero.sharded_path(shard, model, optimizer, params, bucket_mb)
 
 
 def _check_extra_state(extra_state: dict[str, Any] | None, grad_scaler: Any) -> dict[str, Any]:

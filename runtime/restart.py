@@ -3,8 +3,9 @@
 `python -m eltctl_runtime.restart [--stop-grace S] [--script-dir D] -- <command>`
 runs in place of the training script, one per slot. This supervisor is a member
 of the job exactly like an ElasticJob worker (the same ELTCTL_* environment,
-join queue, leave/dead keys, generation plans (membership.py) and control
-thread (control.py)), so the host daemon, owner yield, scale, down and logs
+join queue, leave/dead keys, generation plans (membership.py), membership
+state machine (generation.py: it runs the whole machine, with the hooks below)
+and control thread (control.py)), so the host daemon, owner yield, scale, down and logs
 work unchanged. It does not train: per generation it starts the script as its
 child with torchrun's environment and, about every TICK_S, all-reduces a few
 control flags with the other supervisors in their own gloo group::
@@ -62,10 +63,8 @@ from .auth import Forgeries, ForgedValue
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
 from .control import ControlThread
-from .job import ExcludedFromJob
-from .membership import (Plan, Verdict, await_admission, choose_source, decide, job_store, propose, roll_call,
-                         scan_joiners)
-from .pgstore import pg_store
+from .generation import ExcludedFromJob, GenerationHooks, Generations
+from .membership import Plan, choose_source, job_store, scan_joiners
 from .progress import ENV_PROGRESS, ProgressFile, ProgressTracker, compile_progress
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
 from .scriptwatch import CheckpointWatch, OutputPump, RestartLimit, group_pids, listing, progress_matcher, writers_under
@@ -80,7 +79,6 @@ TICK_S = 0.15
 PREWARM_AFTER_S = 3.0
 WARM_READY_S = 120.0  # a joiner waits this long at most for its warm interpreter before it registers
 STATUS_EVERY_S = 1.0
-CRASH_CONFIRM_S = 2.0  # as job.py: a member silent this long after our collective failed is gone
 DEFAULT_STOP_GRACE_S = 30.0
 # The scripts count as training once every member's has run this long (or rank 0's reported a step).
 SETTLE_S = 5.0
@@ -387,10 +385,7 @@ class Supervisor:
         self._warm: Warm | None = None
         self._child_t = 0.0
         self._child_warm = False
-        self._plan: Plan | None = None
-        self._rank = -1
-        self._pg = None
-        self._pg_store = None  # the store _pg formed on (pgstore.py): referenced while _pg lives
+        self._gen: Generations | None = None  # the membership state machine (generation.py); made in run()
         self._script_store: ScriptStore | None = None  # rank 0: this generation's scripts' store
         self._child: Child | None = None
         self._child_ran = False  # a child ran in the current generation
@@ -408,6 +403,19 @@ class Supervisor:
         self._control: ControlThread | None = None
         self._forgeries = Forgeries()  # forged store values read, over all of this supervisor's connections
 
+    # -- the membership state machine's view --------------------------------------------
+    @property
+    def _plan(self) -> Plan | None:
+        return self._gen.plan if self._gen is not None else None
+
+    @property
+    def _rank(self) -> int:
+        return self._gen.rank if self._gen is not None else -1
+
+    @property
+    def _pg(self):
+        return self._gen.pg if self._gen is not None else None
+
     # -- lifecycle -------------------------------------------------------------
     def run(self) -> int:
         cfg = self.cfg
@@ -419,6 +427,12 @@ class Supervisor:
             self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
         self._control = ControlThread(self._connect, self.me, cfg.hang_timeout_s, cfg.max_workers)
         self._control.start()
+        hooks = GenerationHooks(before_group=self._before_group, on_group=self._on_group, on_leave=self._on_leave,
+                                on_abort=self._on_abort)
+        self._gen = Generations(self.me, lambda: self._store, self._control, hooks, device=torch.device("cpu"),
+                                bind_host=self._bind, max_workers=cfg.max_workers,
+                                hang_timeout_s=cfg.hang_timeout_s, label="supervisor",
+                                group_name="supervisors' group")
         old = signal.signal(signal.SIGTERM, lambda *_: self._control.request_local_leave())
         try:
             self._prewarm()
@@ -426,17 +440,10 @@ class Supervisor:
                 log.warning("supervisor %s: the warm interpreter was not ready within %g s; joining anyway",
                             self.me, WARM_READY_S)
             plan = self._admit()
-            while plan is not None:
-                try:
-                    plan = self._generation(plan)
-                except Aborted as e:
-                    log.warning("supervisor %s: generation %d aborted: %s (%s)", self.me, self._plan.generation,
-                                e, self._control.abort_reason())
-                    self._t_change = self._t_change or time.monotonic()
-                    self._stop_child()
-                    if self._rank == 0 and self._child_ran:
-                        self._take_snapshot()
-                    plan = self._recover(e.backend_error)
+            # enter each generation (on_group starts the script), watch it, and after
+            # an abort (on_abort) the roll call: generation.Generations.run
+            self._gen.run(plan, lambda: self._watch(self._gen.abort),
+                          alive=lambda: str(self._snap[0] if self._snap else 0))
             return 0
         except BaseException as e:
             if self._member and not self._over and not isinstance(e, ExcludedFromJob):
@@ -456,7 +463,7 @@ class Supervisor:
                 self._ckpt.close()
             self._control.close()
             signal.signal(signal.SIGTERM, old)
-            collectives.bury(self._pg, self._pg_store)
+            self._gen.close()
             self._close_script_store()
 
     def _connect(self):
@@ -477,41 +484,22 @@ class Supervisor:
             put_dead(self._store, self.me)  # so that nobody admits it any more
             return True
 
-        plan = await_admission(self._store, self.me, self._control, min_workers=cfg.min_workers,
-                               max_workers=cfg.max_workers, hang_timeout_s=cfg.hang_timeout_s,
-                               give_up=asked_to_leave)
+        plan = self._gen.admit(min_workers=cfg.min_workers, give_up=asked_to_leave)
         self._member = plan is not None
         return plan
 
     def _scan_joiners(self, after: int) -> tuple[list[tuple[int, str]], int]:
         return scan_joiners(self._store, after)
 
-    def _decide(self, proposal: Plan) -> Plan:
-        return decide(self._store, proposal)
-
-    # -- one generation ------------------------------------------------------------
-    def _generation(self, plan: Plan) -> Plan | None:
-        """Run generation `plan` until its membership changes; the next plan, or
-        None when this supervisor is done. Raises Aborted if the group breaks."""
-        me, st = self.me, self._store
-        if me not in plan.members:
-            raise ExcludedFromJob(f"supervisor {me} is not a member of generation {plan.generation} "
-                                  f"(members: {', '.join(plan.members)}); it was presumed hung or dead")
-        self._plan = plan
-        self._rank = plan.members.index(me)
+    # -- the membership state machine's hooks (generation.GenerationHooks) ---------------
+    def _before_group(self, plan: Plan) -> None:
         self._child, self._child_ran = None, False
-        abort = self._control.watch(plan)
-        collectives.bury(self._pg, self._pg_store)
-        self._pg = None
         self._close_script_store()  # the last generation's scripts have exited
-        # Signed (pgstore.py): a forged peer address fails the group (Aborted), never connects to it.
-        self._pg_store = prefix = pg_store(st, plan.generation)
-        cpu = torch.device("cpu")
-        self._pg = collectives.run_abortable(
-            lambda: collectives.make_group(prefix, self._rank, plan.world_size, cpu, self._bind),
-            abort, f"supervisors' group of generation {plan.generation}")
-        collectives.verify_pairs(self._pg, st, plan.generation, collectives.group_id(plan.to_json()),
-                                 self._rank, plan.world_size, cpu, abort)  # before any collective uses it
+
+    def _on_group(self, plan: Plan) -> None:
+        """The supervisors' group is formed and checked: agree on the snapshot,
+        unpack it and start the script (the watch follows: _watch)."""
+        me, st, abort = self.me, self._store, self._gen.abort
         if self._rank == 0:
             self._script_store = ScriptStore(self._bind).open()
             st.set(Keys.master(plan.generation), self._script_store.endpoint)  # signed; for who looks
@@ -554,7 +542,19 @@ class Supervisor:
         self._t_change, self._change_kind = None, None
         if self._rank == 0:
             self._write_status(now)
-        return self._watch(abort)
+
+    def _on_leave(self, plan: Plan | None) -> None:
+        if plan is None:
+            log.info("supervisor %s: every member leaves; the job pauses at snapshot %d", self.me, self._snap[0])
+        self._over = True
+
+    def _on_abort(self, error: Aborted) -> None:
+        """Stop the script; rank 0 snapshots its directory if a script ran (the roll call follows)."""
+        self._t_change = self._t_change or time.monotonic()
+        self._stop_child()
+        if self._rank == 0 and self._child_ran:
+            self._take_snapshot()
+        self._change_kind = None
 
     def _close_script_store(self) -> None:
         if self._script_store is not None:
@@ -722,24 +722,9 @@ class Supervisor:
         self._share_snapshot(abort)
         if self._rank == 0:
             self._save_checkpoint(wait=False)
-        plan = self._plan
-        survivors = [w for w in plan.members if w not in leavers]
-        queue, upto = self._scan_joiners(plan.join_upto)
-        if leavers:
-            kind = EventKind.LEAVE
-        proposal = propose(plan, survivors, queue, upto, self.cfg.max_workers, kind, time.time())
-        if not proposal.members:
-            log.info("supervisor %s: every member leaves; the job pauses at snapshot %d", self.me, self._snap[0])
-            self._over = True
-            return None
-        decided = self._decide(proposal)
-        if self.me not in decided.members:
-            if self.me in decided.left:
-                log.info("supervisor %s: left the job (generation %d)", self.me, decided.generation)
-                self._over = True
-                return None
-            raise ExcludedFromJob(f"supervisor {self.me} is not a member of generation {decided.generation}")
-        return decided
+        # The next plan (None: every member leaves, on_leave); the run loop enters it
+        # (a planned leaver of it leaves there).
+        return self._gen.change(leavers, EventKind.LEAVE if leavers else kind)
 
     def _verdict(self, failed: Sequence[str], abort) -> tuple[bool, float]:
         """Rank 0 adds this failure to the job's list (the store) and decides, for
@@ -803,6 +788,7 @@ class Supervisor:
                 grace = 5.0
         self._stop_child(grace)
         self._over = True
+        self._gen.done()
         if self._rank == 0:
             self._take_snapshot()
             self._save_checkpoint(wait=True)
@@ -826,37 +812,6 @@ class Supervisor:
             self._child.pump.join()
             log.info("supervisor %s: the script exited (%s)", self.me, rc)
         self._read_progress()  # its last reports
-
-    # -- after an abort (as ElasticJob._recover) ------------------------------------
-    def _recover(self, peer_gone: bool) -> Plan | None:
-        plan, st = self._plan, self._store
-        g = plan.generation
-        limit = min(self.cfg.hang_timeout_s, CRASH_CONFIRM_S) if peer_gone else self.cfg.hang_timeout_s
-        st.compare_set(Keys.abort(g), "", json.dumps({"reason": "error", "worker": self.me}))
-        st.set(Keys.alive(g, self.me), str(self._snap[0] if self._snap else 0))
-        collectives.bury(self._pg, self._pg_store)
-        self._pg = self._pg_store = None
-        self._change_kind = None
-        while True:
-            if st.check([Keys.plan(g + 1)]):
-                decided = Plan.from_json(st.get(Keys.plan(g + 1)))
-                break
-            verdicts = {w: Verdict.SURVIVOR if w == self.me else roll_call(
-                alive=st.check([Keys.alive(g, w)]), dead=st.check([Keys.dead(w)]),
-                silent_for_s=self._control.silence(w), hang_timeout_s=limit) for w in plan.members}
-            if Verdict.UNKNOWN not in verdicts.values():
-                survivors = [w for w in plan.members if verdicts[w] is Verdict.SURVIVOR]
-                lost = [w for w in plan.members if verdicts[w] is Verdict.GONE]
-                crashed = peer_gone or any(st.check([Keys.dead(w)]) for w in lost)
-                queue, upto = self._scan_joiners(plan.join_upto)
-                decided = self._decide(propose(plan, survivors, queue, upto, self.cfg.max_workers,
-                                               EventKind.CRASH if crashed else EventKind.HANG, time.time()))
-                break
-            time.sleep(0.01)
-        if self.me not in decided.members and self.me in decided.left:
-            self._over = True
-            return None
-        return decided  # _generation raises ExcludedFromJob if this one is not in it
 
     # -- checkpoints, status, events -------------------------------------------------
     def _restore(self) -> bool:
