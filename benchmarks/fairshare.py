@@ -43,8 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import pwd
 import random
 import re
 import shutil
@@ -119,17 +117,6 @@ def _as_login(text: str, hosts) -> str:
     return text
 
 
-def _hand_home_to_hosts_accounts(hosts) -> None:
-    """The test bed's hosts give both accounts one home: hand ~/.eltctl to each host's
-    own account, as its own home would be (the test bed's account writes there anyway)."""
-    for h in hosts:
-        top = h.dir / "home" / ".eltctl"
-        uid = pwd.getpwnam(h.login)
-        for d in (top, top / "jobs"):
-            os.chown(d, uid.pw_uid, uid.pw_gid)
-        subprocess.run(["chown", "-R", f"{uid.pw_uid}:{uid.pw_gid}", str(top / "runtime")], check=True)
-
-
 def _up_detached(je) -> subprocess.CompletedProcess:
     from tests.testbed.jobenv import ELTCTL
 
@@ -147,7 +134,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
     from soak import audit_figures
 
     from tests.testbed import make_testbed
-    from tests.testbed.jobenv import ELTCTL, job_env_on, wait_for
+    from tests.testbed.jobenv import ELTCTL, hand_home_to_hosts_accounts, job_env_on, wait_for
 
     rng = random.Random(seed)
     root = Path(tempfile.mkdtemp(prefix="eltfair-", dir="/tmp"))
@@ -164,10 +151,8 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
     with make_testbed(root=root / "bed") as bed:
         hosts = bed.add_hosts(N_HOSTS, gpus=GPUS, login=True)
         gens = [job_env_on(bed, hosts, extra=fair) for _ in range(3)]
-        envs = []
         try:
             a, b, c = (next(g) for g in gens)
-            envs = [a, b, c]
             text = _as_login(a.inventory.read_text(), hosts)
             # Job A's audit: its own file, set by its command (the inventory's `env` may
             # not set ELTCTL_* variables, and the hosts' session environment is shared).
@@ -183,7 +168,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
             a.eltctl("up")
             a.training_at(N_HOSTS * GPUS, timeout=240)
             log(f"A trains on {N_HOSTS * GPUS} GPUs after {time.monotonic() - started:.0f} s", quiet)
-            _hand_home_to_hosts_accounts(hosts)
+            hand_home_to_hosts_accounts(hosts)
 
             gpu_s = {"A": 0.0, "B": 0.0}
             moves = 0

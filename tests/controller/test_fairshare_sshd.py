@@ -10,15 +10,13 @@ coming and going, are benchmarks/fairshare.py's.)"""
 from __future__ import annotations
 
 import json
-import os
-import pwd
 import subprocess
 import time
 
 import pytest
 
 from tests.controller.test_two_jobs_sshd import held_gpus, running_slots
-from tests.testbed.jobenv import ELTCTL, job_env_on, wait_for
+from tests.testbed.jobenv import ELTCTL, hand_home_to_hosts_accounts, job_env_on, wait_for
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -38,15 +36,7 @@ def test_a_second_job_gets_its_fair_half_with_no_lost_step_in_the_first(testbed)
         try:
             a.eltctl("up")
             st = a.training_at(4)
-            for h in hosts:
-                # The test bed's hosts give both accounts one home: hand ~/.eltctl to B's
-                # account, as its own home would be (on a lab each account has its own;
-                # A's root account writes there whatever the owner).
-                top = h.dir / "home" / ".eltctl"
-                uid = pwd.getpwnam(h.login)
-                for d in (top, top / "jobs"):
-                    os.chown(d, uid.pw_uid, uid.pw_gid)
-                subprocess.run(["chown", "-R", f"{uid.pw_uid}:{uid.pw_gid}", str(top / "runtime")], check=True)
+            hand_home_to_hosts_accounts(hosts)  # B's account writes there too
             t0 = time.monotonic()
             up_b = subprocess.run([*ELTCTL, "-i", str(b.inventory), "up", "--detach"], env=b.env,
                                   stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180)

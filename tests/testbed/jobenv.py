@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -178,6 +179,18 @@ def _kill_pid(pid: int | None) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def hand_home_to_hosts_accounts(hosts) -> None:
+    """The test bed's hosts give both accounts one home: hand ~/.eltctl to each host's
+    own account, as its own home would be (on a lab each account has its own; the test
+    bed's root account writes there whatever the owner)."""
+    for h in hosts:
+        top = h.dir / "home" / ".eltctl"
+        uid = pwd.getpwnam(h.login)
+        for d in (top, top / "jobs"):
+            os.chown(d, uid.pw_uid, uid.pw_gid)
+        subprocess.run(["chown", "-R", f"{uid.pw_uid}:{uid.pw_gid}", str(top / "runtime")], check=True)
 
 
 @pytest.fixture
