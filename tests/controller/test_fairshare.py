@@ -328,7 +328,8 @@ def test_with_daemon_demands(name, report_demands, state, expected):
 @pytest.mark.parametrize("name, kw, wanted", [
     ("a new job wants up to max_workers", dict(min_workers=2, max_workers=2, desired={}), 2),
     ("without max_workers: its min_workers", dict(min_workers=3, max_workers=None, desired={}), 3),
-    ("what it holds already counts", dict(min_workers=1, max_workers=4, desired={"h1": (0, 1)}), 2),
+    ("a controller restarted beside its workers: nothing more until measured",
+     dict(min_workers=1, max_workers=4, desired={"h1": (0, 1)}), 0),
 ])
 def test_first_demand(name, kw, wanted):
     out = fs.first_demand(job="c", user="u", priority=1, hosts=["h1", "h2"], usage_gpu_h=0.5, every=30.0, **kw)
@@ -336,3 +337,4 @@ def test_first_demand(name, kw, wanted):
     assert {e.wanted for e in out.values()} == {wanted}, name
     assert all(e.wants_here == (wanted > 0) and e.priority == 1 for e in out.values())
     assert out["h1"].held_here == len(kw["desired"].get("h1", ()))
+
