@@ -288,18 +288,24 @@ def own_demand(*, job: str, user: str, priority: int, min_workers: int, max_work
     return me, per_host
 
 
+# A starting job's want before it has seen its hosts and has no max_workers: "all it can get".
+UNSEEN_WANT = 1024
+
+
 def first_demand(*, job: str, user: str, priority: int, min_workers: int, max_workers: int | None,
                  desired: Mapping[str, Iterable[int]], hosts: Iterable[str], usage_gpu_h: float,
                  every: float) -> dict[str, Demand]:
     """What a controller publishes in its first probe, before it has seen its hosts: it
     holds what its memory says (`desired`); a job holding nothing yet wants up to
-    `max_workers` (else its `min_workers`), on every host. A job that just started is
-    then known to the jobs sharing its hosts a probe sooner; its next probe publishes the
-    measured demand (`own_demand`). A job holding GPUs already (a controller restarted
-    beside its workers) wants nothing more until its probe measured it."""
+    `max_workers`, without one as many as it can get (`UNSEEN_WANT`: the pool caps it, as
+    it caps a measured demand, which counts every GPU free or another job's), on every
+    host. A job that just started is then known to the jobs sharing its hosts a probe
+    sooner; its next probe publishes the measured demand (`own_demand`). A job holding
+    GPUs already (a controller restarted beside its workers) wants nothing more until
+    its probe measured it."""
     held_by = {h: len(tuple(s)) for h, s in desired.items()}
     held = sum(held_by.values())
-    wanted = max(0, max(min_workers, max_workers or 0) - held) if held == 0 else 0
+    wanted = max(min_workers, max_workers if max_workers is not None else UNSEEN_WANT) if held == 0 else 0
     me = Demand(job=job, user=user, priority=priority, held=held, wanted=wanted, usage_gpu_h=round(usage_gpu_h, 4),
                 min_workers=min_workers, every=every)
     return {name: Demand(**{**me.__dict__, "held_here": held_by.get(name, 0), "wants_here": wanted > 0})

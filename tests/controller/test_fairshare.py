@@ -327,7 +327,8 @@ def test_with_daemon_demands(name, report_demands, state, expected):
 
 @pytest.mark.parametrize("name, kw, wanted", [
     ("a new job wants up to max_workers", dict(min_workers=2, max_workers=2, desired={}), 2),
-    ("without max_workers: its min_workers", dict(min_workers=3, max_workers=None, desired={}), 3),
+    ("without max_workers: all it can get (the pool caps it)", dict(min_workers=3, max_workers=None, desired={}),
+     fs.UNSEEN_WANT),
     ("a controller restarted beside its workers: nothing more until measured",
      dict(min_workers=1, max_workers=4, desired={"h1": (0, 1)}), 0),
 ])
