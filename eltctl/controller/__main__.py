@@ -174,16 +174,6 @@ def open_ledger(state: StateDir, job: str):
         return None
 
 
-def load_store_client() -> None:
-    """Load the store client's classes (they import torch) ahead of the first connection."""
-    from eltctl_runtime import storeclient
-
-    try:
-        storeclient.SocketStore  # noqa: B018 - PEP 562: the first access builds the classes
-    except Exception:  # noqa: BLE001 - the connection itself reports what is wrong
-        log.debug("Loading the store client failed; the connection will say why.", exc_info=True)
-
-
 async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: bool,
                 left_out: dict[str, str] | None = None) -> int:
     from eltctl.controller import store as kstore
@@ -245,14 +235,11 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
     run_task = None
     ledger = None
     first_probe = None
-    client_loaded = None
     try:
         if not down:
-            # The store client's torch import (seconds of CPU) runs beside the keeper's start.
-            client_loaded = loop.run_in_executor(None, load_store_client)
-            # The first probe starts now, beside the store keeper's start and its client's
-            # (torch's import: seconds, more on a loaded machine): it publishes the job's
-            # demand, so the jobs sharing the hosts learn of it at once (loop.early_probe).
+            # The first probe starts now, beside the store keeper's start (seconds on a
+            # loaded machine): it publishes the job's demand, so the jobs sharing the
+            # hosts learn of it at once (loop.early_probe).
             ledger = open_ledger(state, inventory.job.name)
             first_probe = early_probe(inventory, state, fleet, ledger=ledger)
         secret = job_secret(state)  # before any store client: each one is signed with it
@@ -300,8 +287,6 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         if keeper is not None and not ssh_store:
             warn_direct_store(keeper.address)
         if keeper is not None:
-            if client_loaded is not None:
-                await client_loaded  # one thread imports torch at a time
             client = await loop.run_in_executor(None, kstore.connect_client, keeper.endpoint, inventory.job.name)
             endpoint = keeper.endpoint
         else:
