@@ -34,6 +34,13 @@ second; job A's runtime audit, ELTCTL_AUDIT):
   (its workers' start, torch's import and the rendezvous added).
 
     nice .venv/bin/python benchmarks/fairshare.py [--minutes 20] [--seed 1] [--hold 30s] [--json] [--keep]
+    nice .venv/bin/python benchmarks/fairshare.py --third-only [--json] [--keep]
+
+`--third-only` measures the third job alone: A, then B until each holds three, then C
+at once (no owners' phase; Jain's index and the moves are not judged). It also prints
+`third_up_s` (C's `eltctl up --detach` until it returned: the checks and the
+controller's start) and `third_released_s` (until A and B released a GPU each, from their
+`fairshare` events).
 
 Exit status 0 when every target is met, 1 otherwise.
 """
@@ -130,7 +137,13 @@ def _released(details: dict, je) -> None:
             details[(je.job, e.get("time"), e.get("detail"))] = e.get("detail") or ""
 
 
-def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
+def _released_at(je) -> list[float]:
+    """When job `je` released GPUs to fair share (its `fairshare` events' times)."""
+    return [float(e["time"]) for e in je.status().get("events") or ()
+            if e.get("kind") == "fairshare" and isinstance(e.get("time"), (int, float))]
+
+
+def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool, third_only: bool = False) -> dict:
     from soak import audit_figures
 
     from tests.testbed import make_testbed
@@ -144,7 +157,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
     root.chmod(0o755)
     fair = f'fairshare_hold = "{hold}"\n'
     result: dict = {"benchmark": "fairshare", "minutes": minutes, "seed": seed, "hosts": N_HOSTS,
-                    "gpus_per_host": GPUS, "fairshare_hold": hold}
+                    "gpus_per_host": GPUS, "fairshare_hold": hold, "third_only": third_only}
     started = time.monotonic()
     timeline: list[dict] = []
     (root / "bed").mkdir()
@@ -188,7 +201,9 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
             counts = {"owner_arrivals": 0}
             while True:
                 now = time.monotonic()
-                if now >= end:
+                if now >= end and not (third_only and halves_s is None and now - t_b < 300):
+                    break
+                if third_only and halves_s is not None:
                     break
                 held = _held(hosts)
                 per = {"A": 0, "B": 0}
@@ -211,7 +226,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
                         bed.host(gpu[0]).stop_foreign_process(pid)
                         del owners[gpu]
                         timeline.append({"t": round(now - t_b, 1), "owner leaves": gpu, "held": dict(per)})
-                if now >= next_owner and len(owners) < MAX_OWNERS:
+                if now >= next_owner and len(owners) < MAX_OWNERS and not third_only:
                     choices = [(h.name, g) for h in hosts for g in range(GPUS) if (h.name, g) not in owners]
                     gpu = rng.choice(choices)
                     hit = names.get(held.get(gpu, ""))
@@ -247,8 +262,11 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
             # The third job, of higher priority.
             log("owners gone; eltctl up of job C (priority 1, min_workers 2)", quiet)
             wait_for(lambda: _running(a) + _running(b) >= 5, 180, "A and B back on the GPUs")
-            t_c = time.monotonic()
+            before = {"A": len(_released_at(a)), "B": len(_released_at(b))}
+            t_c, wall_c = time.monotonic(), time.time()
+            result["load_at_third"] = list(__import__("os").getloadavg())
             up = _up_detached(c)
+            result["third_up_s"] = round(time.monotonic() - t_c, 1)
             if up.returncode != 0:
                 raise RuntimeError(f"eltctl up of C exited {up.returncode}: {up.stdout[-800:]}{up.stderr[-800:]}")
 
@@ -266,9 +284,13 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
                 time.sleep(0.5)
             else:
                 result["third_log"] = c.controller_log(20)
+            rel = [t for je, k in ((a, "A"), (b, "B")) for t in _released_at(je)[before[k]:]]
+            result["third_released_s"] = round(max(rel) - wall_c, 1) if len(rel) >= 2 else None
             result["held_at_end"] = {names[j]: n for j, n in
                                      sorted({j: sum(1 for v in _held(hosts).values() if v == j)
                                              for j in names}.items())}
+            log(f"C: up returned after {result['third_up_s']} s, A and B released after "
+                f"{result['third_released_s']} s", quiet)
             log(f"C holds 2 GPUs after {result['third_claims_s']} s, trains on them after "
                 f"{result['third_min_workers_s']} s; held {result['held_at_end']}", quiet)
             final_a = a.status()
@@ -295,7 +317,7 @@ def run(minutes: float, seed: int, hold: str, keep: bool, quiet: bool) -> dict:
     result["timeline"] = timeline
     if keep:
         (root / "timeline.json").write_text(json.dumps(timeline, indent=1))
-    result["ok"] = bool(result.get("jain") is not None and result["jain"] >= TARGET_JAIN
+    result["ok"] = bool((third_only or result.get("jain") is not None and result["jain"] >= TARGET_JAIN)
                         and result.get("halves_s") is not None and result["halves_s"] <= TARGET_HALVES_S
                         and result.get("steps_lost_a") == 0
                         and result.get("third_claims_s") is not None
@@ -314,13 +336,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold", default="30s", help="[policy] fairshare_hold of the jobs")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--keep", action="store_true", help="keep the run's directory (logs, audit)")
+    ap.add_argument("--third-only", action="store_true",
+                    help="only the third job's scenario: A, B until each holds 3, then C (no owners)")
     args = ap.parse_args(argv)
 
     def stop(signum, frame):  # SIGTERM tears the bed down as Ctrl-C does
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    r = run(args.minutes, args.seed, args.hold, args.keep, quiet=False)  # progress on stderr
+    r = run(0.0 if args.third_only else args.minutes, args.seed, args.hold, args.keep, quiet=False,
+            third_only=args.third_only)  # progress on stderr
     if args.json:
         print(json.dumps({k: v for k, v in r.items() if k != "timeline"}))
         return 0 if r["ok"] else 1
@@ -335,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  C (priority 1) holds its min_workers GPUs {r.get('third_claims_s')} s after its up, trains on them "
           f"{r.get('third_min_workers_s')} s after it "
           f"(target <= {TARGET_THIRD_S:g}); held at the end {r.get('held_at_end')}")
+    print(f"  C's up returned after {r.get('third_up_s')} s; A and B released to it after "
+          f"{r.get('third_released_s')} s; load average then {r.get('load_at_third')}")
     print(f"  {'PASS' if r['ok'] else 'FAIL'}")
     return 0 if r["ok"] else 1
 

@@ -16,21 +16,22 @@ account (`user`) and clock (`time`), so a reader compares times on one clock::
 and `wants_here` are about this host (whether the job would take a GPU here);
 `usage_gpu_h` is the job's recent usage (GPU-hours decayed with its
 `usage_half_life`); `every` its probe interval. An entry older than `stale_after(every)`
-on the host's clock is ignored (its controller is gone). Standard library only.
+on the host's clock is ignored (its controller is gone). The job's host daemons read the
+entries too (runtime/claims.py `DemandReader`, every watch interval) and pass them on in
+their state documents (`demands`): a controller sees another job's new demand within
+a second or two of its publication (`from_daemon_state`). The file's name and the
+staleness rule are runtime/claims.py's, which both sides import. Standard library only.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Any, Mapping
 
-PREFIX = "demand."
-STALE_MIN_S = 60.0
-
-
-def stale_after(every: float) -> float:
-    """Seconds after which an entry written every `every` seconds is stale."""
-    return max(STALE_MIN_S, 3 * every)
+from eltctl_runtime.claims import DEMAND_PREFIX as PREFIX
+from eltctl_runtime.claims import DEMAND_STALE_MIN_S as STALE_MIN_S
+from eltctl_runtime.claims import demand_stale_after as stale_after
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class Demand:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError):
             return None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Demand | None":
+        """A demand file's JSON object; None when it is not one."""
         if not isinstance(d, dict) or not isinstance(d.get("job"), str) or not d["job"]:
             return None
 
@@ -88,4 +94,18 @@ def file_name(user: str, job: str) -> str:
     return f"{PREFIX}{user}.{job}"
 
 
-__all__ = ["Demand", "PREFIX", "file_name", "stale_after"]
+def from_daemon_state(state: Any, not_before: float | None = None) -> tuple[Demand, ...]:
+    """The fresh demand entries a host daemon passed on in its state document
+    (`demands`, read from its host's claims directory; `time` is that host's clock),
+    judged at `not_before` when that is later (a newer probe of the host)."""
+    if not isinstance(state, Mapping) or not isinstance(state.get("demands"), list):
+        return ()
+    now = state.get("time")
+    if not isinstance(now, (int, float)) or isinstance(now, bool):
+        return ()
+    now = max(float(now), not_before or 0.0)
+    out = (Demand.from_dict(d) for d in state["demands"])
+    return tuple(d for d in out if d is not None and d.fresh(now))
+
+
+__all__ = ["Demand", "PREFIX", "STALE_MIN_S", "file_name", "from_daemon_state", "stale_after"]

@@ -130,8 +130,19 @@ class RemoteFacts:
     workdir_error: str
 
 
-def doctor_script(python: str) -> str:
-    """POSIX sh printing delimited sections about the interpreter, torch and ~/.eltctl."""
+# Where a host remembers its last successful `import torch` (doctor_script): the
+# interpreter, torch's __init__.py and its mtime on the first line, `torch=VERSION` on the second.
+TORCH_STAMP = ".eltctl/torch-import-ok"
+
+
+def doctor_script(python: str, torch_cached: bool = False) -> str:
+    """POSIX sh printing delimited sections about the interpreter, torch and ~/.eltctl.
+
+    `import torch` costs seconds of CPU on each host, far more on a loaded one. A
+    successful import is remembered in ~/TORCH_STAMP with what identifies the install
+    (the interpreter, torch's __init__.py and its mtime: a new install changes them);
+    with `torch_cached` (`eltctl up`'s checks) a host whose install matches its stamp is
+    not imported again; `eltctl doctor` always imports."""
     py = " ".join(shlex.quote(w) for w in shlex.split(python)) or "python3"
     first = shlex.quote(shlex.split(python)[0]) if python.strip() else "python3"
     t = f"{TORCH_IMPORT_TIMEOUT:g}"
@@ -144,7 +155,19 @@ echo "${{m}}python"
 {py} -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' </dev/null 2>&1
 echo "${{m}}python-rc $?"
 echo "${{m}}torch"
-$to {py} -c 'import torch; print("torch=" + torch.__version__)' </dev/null 2>&1 | tail -n 5
+st="$HOME/{TORCH_STAMP}"
+sig=$({py} -c 'import importlib.util as u, os, sys; s = u.find_spec("torch"); o = s and s.origin; print(sys.executable, o, os.stat(o).st_mtime_ns if o else "")' </dev/null 2>/dev/null)
+if [ {1 if torch_cached else 0} = 1 ] && [ -n "$sig" ] && [ -f "$st" ] && [ "$(head -n 1 "$st" 2>/dev/null)" = "$sig" ] \
+   && sed -n 2p "$st" 2>/dev/null | grep -q '^torch='; then
+  sed -n 2p "$st"
+else
+  out=$($to {py} -c 'import torch; print("torch=" + torch.__version__)' </dev/null 2>&1 | tail -n 5)
+  printf '%s\n' "$out"
+  v=$(printf '%s\n' "$out" | grep '^torch=' | tail -n 1)
+  if [ -n "$v" ] && [ -n "$sig" ] && mkdir -p "$HOME/.eltctl" 2>/dev/null; then
+    (printf '%s\n%s\n' "$sig" "$v" >"$st.$$" && mv -f "$st.$$" "$st") 2>/dev/null || rm -f "$st.$$"
+  fi
+fi
 echo "${{m}}workdir"
 d="$HOME/.eltctl"
 if mkdir -p "$d" 2>&1 && t=$(mktemp "$d/.doctor.XXXXXX" 2>&1) && rm -f "$t"; then echo "ok"; else echo "failed: $t"; fi
@@ -293,8 +316,9 @@ async def check_store_forward(host: Host, transport: Transport) -> Check | None:
 ExtraChecks = Callable[[Host, Transport], Awaitable[list[Check]]]
 
 
-async def _remote_checks(host: Host, transport: Transport, policy: Policy, local: Versions) -> list[Check]:
-    facts_cmd = "sh -c " + shlex.quote(doctor_script(host.python))
+async def _remote_checks(host: Host, transport: Transport, policy: Policy, local: Versions,
+                         torch_cached: bool = False) -> list[Check]:
+    facts_cmd = "sh -c " + shlex.quote(doctor_script(host.python, torch_cached))
     facts_res, probe_res = await asyncio.gather(
         transport.run(facts_cmd, timeout=TORCH_IMPORT_TIMEOUT + 30),
         transport.run(probe_command("", policy.nvidia_smi_timeout), timeout=probe_timeout(policy)),
@@ -321,7 +345,8 @@ async def _remote_checks(host: Host, transport: Transport, policy: Policy, local
 
 
 async def diagnose_host(fleet: Fleet, host: Host, *, policy: Policy, local: Versions,
-                        accept_new: bool = False, extra: ExtraChecks | None = None) -> HostDiagnosis:
+                        accept_new: bool = False, extra: ExtraChecks | None = None,
+                        torch_cached: bool = False) -> HostDiagnosis:
     accepted: str | None = None
     try:
         transport = await fleet.transport(host)
@@ -353,9 +378,9 @@ async def diagnose_host(fleet: Fleet, host: Host, *, policy: Policy, local: Vers
         checks = connection_checks(error, accepted=accepted)
     if transport is not None:
         if extra is None:
-            checks += await _remote_checks(host, transport, policy, local)
+            checks += await _remote_checks(host, transport, policy, local, torch_cached)
         else:
-            mine, theirs = await asyncio.gather(_remote_checks(host, transport, policy, local),
+            mine, theirs = await asyncio.gather(_remote_checks(host, transport, policy, local, torch_cached),
                                                 extra(host, transport))
             checks += mine + theirs
     return HostDiagnosis(host=host.name, address=host.address, checks=tuple(checks))
@@ -363,11 +388,14 @@ async def diagnose_host(fleet: Fleet, host: Host, *, policy: Policy, local: Vers
 
 async def diagnose_fleet(fleet: Fleet, *, policy: Policy, accept_new: bool = False,
                          local: Versions | None = None, hosts: Iterable[Host] | None = None,
-                         extra: ExtraChecks | None = None) -> list[HostDiagnosis]:
+                         extra: ExtraChecks | None = None, torch_cached: bool = False) -> list[HostDiagnosis]:
+    """`torch_cached`: a host's `import torch` is not repeated while its install matches
+    the last successful one (doctor_script; `eltctl up`)."""
     local = local or local_versions()
     targets = fleet.hosts if hosts is None else tuple(hosts)
     results = await asyncio.gather(*(
-        _guarded(diagnose_host(fleet, h, policy=policy, local=local, accept_new=accept_new, extra=extra), h)
+        _guarded(diagnose_host(fleet, h, policy=policy, local=local, accept_new=accept_new, extra=extra,
+                               torch_cached=torch_cached), h)
         for h in targets))
     return list(results)
 

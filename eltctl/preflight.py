@@ -7,7 +7,9 @@ naming `job.workdir`, `job.command` or `job.env`, and starts nothing.
 
 On each host it is about to use, in parallel (`check_hosts`): doctor's checks
 (eltctl/doctor.py: SSH, host key, auth, interpreter, torch, nvidia-smi, the work
-directory; one implementation, run through `diagnose_fleet`), plus `host_job_checks`:
+directory; one implementation, run through `diagnose_fleet`; a host's `import torch`
+is not repeated while its torch install is the one it last imported: doctor_script's
+stamp), plus `host_job_checks`:
 with `shared_filesystem = true` the workdir and the script on the host; a `-m` module
 not in the workdir must be importable by the host's python.
 
@@ -339,7 +341,7 @@ async def check_hosts(inventory: Inventory, hosts: Iterable[Host]) -> list[HostD
 
     async with Fleet(inventory) as fleet:
         return await diagnose_fleet(fleet, policy=inventory.policy, hosts=hosts,
-                                    extra=host_job_checks(inventory))
+                                    extra=host_job_checks(inventory), torch_cached=True)
 
 
 def hosts_to_check(inventory: Inventory, status: Mapping | None) -> tuple[list[Host], list[str]]:

@@ -23,6 +23,13 @@ held by trying a shared lock for an instant (`holder`); the content then says
 by whom. A claimer that meets such a reader retries for a few milliseconds
 before it calls the slot taken (`take`).
 
+The same directory holds the jobs' demand entries for fair share (`demand.<account>.<job>`,
+written by each controller's probe: eltctl/demand.py has their fields). A host daemon
+reads them every watch interval (`DemandReader`: a file is read again only when it was
+replaced) and passes the fresh ones on in its state document, so a controller learns of
+another job's new demand from its own daemons within a second or two, not only at its
+next probe.
+
 Standard library only: the control side imports this module to read claims.
 """
 
@@ -44,6 +51,11 @@ DIR_MODE = 0o1777  # world-writable and sticky: every user claims, nobody remove
 FILE_MODE = 0o666
 TRIES = 6  # a failed LOCK_EX is retried: a reader's instant shared lock must not look like a claim
 RETRY_S = 0.01
+# Demand entries (fair share, eltctl/demand.py): the file name's prefix, the most of a
+# file that is read, and when an entry is stale (`demand_stale_after`).
+DEMAND_PREFIX = "demand."
+DEMAND_MAX_BYTES = 4000
+DEMAND_STALE_MIN_S = 60.0
 
 
 class ClaimError(RuntimeError):
@@ -284,5 +296,72 @@ def holders(directory: Path, names: Iterable[str]) -> dict[str, Claim]:
     return out
 
 
-__all__ = ["Claim", "ClaimError", "DEFAULT_DIR", "ENV", "Held", "Taken", "claims_dir", "ensure_dir", "holder",
-           "holders", "parse_slot_file", "slot_file", "take"]
+def demand_stale_after(every: float) -> float:
+    """Seconds after which a demand entry written every `every` seconds is stale (its
+    controller is gone): an entry's `time` and the reader's clock are the host's."""
+    return max(DEMAND_STALE_MIN_S, 3 * every)
+
+
+def demand_fresh(entry: Mapping, host_now: float) -> bool:
+    """A demand entry (a file's JSON object) written recently enough to count."""
+    def num(key: str, default: float) -> float:
+        v = entry.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+    return host_now - num("time", 0.0) <= demand_stale_after(num("every", 30.0))
+
+
+class DemandReader:
+    """The fresh demand entries of one claims directory, read cheaply enough for every
+    watch interval: the directory is listed, and a file is opened again only when it was
+    replaced (the writers rename a new file over it: another inode or mtime). Nothing is
+    read before `read`."""
+
+    def __init__(self, directory: Path) -> None:
+        self._dir = directory
+        self._cache: dict[str, tuple[tuple[int, int, int], dict | None]] = {}
+
+    def read(self, host_now: float) -> list[dict]:
+        """The fresh entries (each file's JSON object, with `job`), sorted by file name."""
+        seen: dict[str, tuple[tuple[int, int, int], dict | None]] = {}
+        try:
+            entries = list(os.scandir(self._dir))
+        except OSError:
+            entries = []
+        for e in entries:
+            if not e.name.startswith(DEMAND_PREFIX):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._cache.get(e.name)
+            seen[e.name] = cached if cached is not None and cached[0] == sig else (sig, _read_demand(e.path))
+        self._cache = seen
+        return [doc for _, (_, doc) in sorted(seen.items()) if doc is not None and demand_fresh(doc, host_now)]
+
+
+def _read_demand(path: str) -> dict | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, DEMAND_MAX_BYTES)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("job"), str) and doc["job"] else None
+
+
+__all__ = ["Claim", "ClaimError", "DEFAULT_DIR", "DEMAND_PREFIX", "DemandReader", "ENV", "Held", "Taken", "claims_dir",
+           "demand_fresh", "demand_stale_after", "ensure_dir", "holder", "holders", "parse_slot_file", "slot_file",
+           "take"]

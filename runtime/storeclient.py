@@ -14,7 +14,10 @@ the daemon's link, the controller's keeper supervision), as with a TCPStore.
 
 torch is imported on first use, not at import (the controller imports this module
 and its CLI commands must not load torch): `SocketStore` and `KeptPrefixStore` are
-built then (PEP 562's module `__getattr__`).
+built then (PEP 562's module `__getattr__`). The controller and the host daemons,
+which never form a process group, use `connect(..., plain=True)`: a `PlainSocketStore`
+(the same requests, `_Wire`, no torch) under a `PlainPrefixStore`, so neither pays
+torch's import (seconds of CPU, far more on a loaded host) before its first read.
 """
 
 from __future__ import annotations
@@ -64,6 +67,229 @@ def _peeked(items: list[bytes]) -> list[bytes | None]:
     return [item[1:] if item[:1] == b"\1" else None for item in items]
 
 
+class _Wire:
+    """The client's protocol: every request, over `self._sock` under `self._lock`, with
+    `self._seconds()` the store timeout. No torch: `SocketStore` (a dist.Store, built on
+    first use) and `PlainSocketStore` (for the processes that only read and write keys:
+    the controller, the host daemons) both take these methods."""
+
+    def _call(self, op: Op, items: list[bytes], wait_s: float | None = None) -> list[bytes]:
+        return self._raise(self._exchange([encode(op, items)], wait_s)[0], wait_s)
+
+    def pipeline(self, requests: list[tuple[Op, list[bytes]]]) -> list[list[bytes]]:
+        """Several requests sent at once (one write) and their answers read (one round
+        trip); none may wait (GET or WAIT of a missing key would hold the others). The
+        first one that failed raises, after every answer was read (the connection stays
+        in step)."""
+        answers = self._exchange([encode(op, items) for op, items in requests], None)
+        return [self._raise(a, None) for a in answers]
+
+    def _exchange(self, frames: list[bytes], wait_s: float | None) -> list[tuple[int, list[bytes]]]:
+        """Send `frames`, read one answer each: [(status, items)]."""
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise StoreClosed(f"the connection to the store at {self.spec} was lost")
+            answers: list[tuple[int, list[bytes]]] = []
+            try:
+                sock.settimeout((wait_s + _MARGIN_S) if wait_s is not None else max(self._seconds(), 1.0))
+                try:
+                    sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
+                except OSError:
+                    sock.settimeout(1.0)  # the server may have said why before it closed: read that
+                buf = b""
+                while len(answers) < len(frames):
+                    if len(buf) >= 4:
+                        (size,) = _LEN.unpack_from(buf)
+                        if len(buf) >= 4 + size:
+                            answers.append(decode(buf[4:4 + size]))
+                            buf = buf[4 + size:]
+                            continue
+                        chunk = sock.recv(max(4 + size - len(buf), 1 << 16))
+                    else:
+                        chunk = sock.recv(1 << 16)
+                    if not chunk:
+                        raise ConnectionResetError("the store closed the connection")
+                    buf = buf + chunk if buf else chunk
+            except (OSError, ValueError) as exc:
+                self._drop()
+                refused = [a for a in answers if a[0] != Status.OK]
+                if refused:  # it said why before it closed (e.g. over its connections)
+                    self._raise(refused[0], wait_s)
+                raise StoreClosed(f"the connection to the store at {self.spec} was lost: {exc}") from exc
+        return answers
+
+    def _raise(self, answer: tuple[int, list[bytes]], wait_s: float | None) -> list[bytes]:
+        status, out = answer
+        if status == Status.OK:
+            return out
+        message = out[0].decode(errors="replace") if out else "no reason given"
+        if status == Status.TIMEOUT:
+            raise StoreTimeout(f"store {self.spec}: timed out after {wait_s or 0:g} s: {message}")
+        if status == Status.REFUSED:
+            raise StoreRefused(f"store {self.spec} refused the request: {message}")
+        raise StoreError(f"store {self.spec}: {message}")
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    # -- c10d's Store ------------------------------------------------------------
+    def set(self, key: str, value) -> None:
+        self._call(Op.SET, [_b(key), _b(value)])
+
+    def get(self, key: str) -> bytes:
+        wait = self._seconds()
+        return self._call(Op.GET, [_b(key), str(int(wait * 1000)).encode()], wait)[0]
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call(Op.ADD, [_b(key), str(int(amount)).encode()])[0])
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(Op.CHECK, [_b(k) for k in keys])[0] == b"1"
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        wait = self._seconds(timeout)
+        self._call(Op.WAIT, [*(_b(k) for k in keys), str(int(wait * 1000)).encode()], wait)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(Op.DELETE_KEY, [_b(key)])[0] == b"1"
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._call(Op.COMPARE_SET, [_b(key), _b(expected), _b(desired)])[0]
+
+    def num_keys(self) -> int:
+        return int(self._call(Op.NUM_KEYS, [])[0])
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        wait = self._seconds()
+        return self._call(Op.MULTI_GET, [*(_b(k) for k in keys), str(int(wait * 1000)).encode()], wait)
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        if len(keys) != len(values):
+            raise ValueError("multi_set: as many values as keys")
+        items: list[bytes] = []
+        for k, v in zip(keys, values):
+            items += [_b(k), _b(v)]
+        self._call(Op.MULTI_SET, items)
+
+    def append(self, key: str, value) -> None:
+        self._call(Op.APPEND, [_b(key), _b(value)])
+
+    def list_keys(self) -> list[str]:
+        return [k.decode() for k in self._call(Op.LIST_KEYS, [])]
+
+    def ping(self) -> None:
+        self._call(Op.PING, [])
+
+    # -- beyond c10d: reads that never wait, and a poll in one round trip ---------
+    def peek_many(self, keys: list[str]) -> list[bytes | None]:
+        """The raw values of `keys` (None: missing), in one request that never waits."""
+        return _peeked(self._call(Op.PEEK, [_b(k) for k in keys]))
+
+    def set_and_peek(self, sets: list[tuple[str, bytes]], keys: list[str]) -> list[bytes | None]:
+        """Write `sets` and read `keys` (as peek_many) in one round trip (pipelined)."""
+        items: list[bytes] = []
+        for k, v in sets:
+            items += [_b(k), _b(v)]
+        reqs = ([(Op.MULTI_SET, items)] if items else []) + [(Op.PEEK, [_b(k) for k in keys])]
+        return _peeked(self.pipeline(reqs)[-1])
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self):
+        return type(self)(self.spec, self.timeout)
+
+
+class PlainSocketStore(_Wire):
+    """A client of the job's store without torch (`connect(..., plain=True)`): the same
+    requests as `SocketStore`, for a process that never forms a process group (the
+    controller, the host daemons), so it does not pay torch's import (seconds of CPU,
+    far more on a loaded host) before its first read."""
+
+    def __init__(self, spec: str, timeout: float | timedelta = DEFAULT_TIMEOUT_S) -> None:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = _open(spec, seconds)
+        self.timeout = timedelta(seconds=seconds)
+
+    def __repr__(self) -> str:
+        return f"PlainSocketStore({self.spec!r})"
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+
+    def _seconds(self, timeout: timedelta | float | None = None) -> float:
+        if timeout is None:
+            timeout = self.timeout
+        return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+
+class PlainPrefixStore:
+    """`base`'s keys under `prefix/` (as c10d's PrefixStore joins them), without torch:
+    `prefix_store` over a PlainSocketStore."""
+
+    def __init__(self, prefix: str, base) -> None:
+        self.prefix = prefix
+        self.base = base
+
+    def _full(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def set(self, key: str, value) -> None:
+        self.base.set(self._full(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self.base.get(self._full(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self.base.add(self._full(key), amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.base.check([self._full(k) for k in keys])
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.base.wait([self._full(k) for k in keys], timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self.base.delete_key(self._full(key))
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self.base.compare_set(self._full(key), expected, desired)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self.base.multi_get([self._full(k) for k in keys])
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        self.base.multi_set([self._full(k) for k in keys], values)
+
+    def append(self, key: str, value) -> None:
+        self.base.append(self._full(key), value)
+
+    def num_keys(self) -> int:
+        return self.base.num_keys()
+
+    def peek_many(self, keys: list[str]) -> list[bytes | None]:
+        return self.base.peek_many([self._full(k) for k in keys])
+
+    def set_and_peek(self, sets: list[tuple[str, bytes]], keys: list[str]) -> list[bytes | None]:
+        return self.base.set_and_peek([(self._full(k), v) for k, v in sets], [self._full(k) for k in keys])
+
+    def has_extended_api(self) -> bool:
+        return True
+
+
 _BUILT: dict = {}
 
 
@@ -91,142 +317,14 @@ def _build() -> dict:
                 timeout = self.timeout
             return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
-        def _call(self, op: Op, items: list[bytes], wait_s: float | None = None) -> list[bytes]:
-            return self._raise(self._exchange([encode(op, items)], wait_s)[0], wait_s)
-
-        def pipeline(self, requests: list[tuple[Op, list[bytes]]]) -> list[list[bytes]]:
-            """Several requests sent at once (one write) and their answers read (one round
-            trip); none may wait (GET or WAIT of a missing key would hold the others). The
-            first one that failed raises, after every answer was read (the connection stays
-            in step)."""
-            answers = self._exchange([encode(op, items) for op, items in requests], None)
-            return [self._raise(a, None) for a in answers]
-
-        def _exchange(self, frames: list[bytes], wait_s: float | None) -> list[tuple[int, list[bytes]]]:
-            """Send `frames`, read one answer each: [(status, items)]."""
-            with self._lock:
-                sock = self._sock
-                if sock is None:
-                    raise StoreClosed(f"the connection to the store at {self.spec} was lost")
-                answers: list[tuple[int, list[bytes]]] = []
-                try:
-                    sock.settimeout((wait_s + _MARGIN_S) if wait_s is not None else max(self._seconds(), 1.0))
-                    try:
-                        sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
-                    except OSError:
-                        sock.settimeout(1.0)  # the server may have said why before it closed: read that
-                    buf = b""
-                    while len(answers) < len(frames):
-                        if len(buf) >= 4:
-                            (size,) = _LEN.unpack_from(buf)
-                            if len(buf) >= 4 + size:
-                                answers.append(decode(buf[4:4 + size]))
-                                buf = buf[4 + size:]
-                                continue
-                            chunk = sock.recv(max(4 + size - len(buf), 1 << 16))
-                        else:
-                            chunk = sock.recv(1 << 16)
-                        if not chunk:
-                            raise ConnectionResetError("the store closed the connection")
-                        buf = buf + chunk if buf else chunk
-                except (OSError, ValueError) as exc:
-                    self._drop()
-                    refused = [a for a in answers if a[0] != Status.OK]
-                    if refused:  # it said why before it closed (e.g. over its connections)
-                        self._raise(refused[0], wait_s)
-                    raise StoreClosed(f"the connection to the store at {self.spec} was lost: {exc}") from exc
-            return answers
-
-        def _raise(self, answer: tuple[int, list[bytes]], wait_s: float | None) -> list[bytes]:
-            status, out = answer
-            if status == Status.OK:
-                return out
-            message = out[0].decode(errors="replace") if out else "no reason given"
-            if status == Status.TIMEOUT:
-                raise StoreTimeout(f"store {self.spec}: timed out after {wait_s or 0:g} s: {message}")
-            if status == Status.REFUSED:
-                raise StoreRefused(f"store {self.spec} refused the request: {message}")
-            raise StoreError(f"store {self.spec}: {message}")
-
-        def _drop(self) -> None:
-            if self._sock is not None:
-                try:
-                    self._sock.close()
-                except OSError:
-                    pass
-                self._sock = None
-
-        def close(self) -> None:
-            with self._lock:
-                self._drop()
-
-        # -- c10d's Store ------------------------------------------------------------
-        def set(self, key: str, value) -> None:
-            self._call(Op.SET, [_b(key), _b(value)])
-
-        def get(self, key: str) -> bytes:
-            wait = self._seconds()
-            return self._call(Op.GET, [_b(key), str(int(wait * 1000)).encode()], wait)[0]
-
-        def add(self, key: str, amount: int) -> int:
-            return int(self._call(Op.ADD, [_b(key), str(int(amount)).encode()])[0])
-
-        def check(self, keys: list[str]) -> bool:
-            return self._call(Op.CHECK, [_b(k) for k in keys])[0] == b"1"
-
-        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-            wait = self._seconds(timeout)
-            self._call(Op.WAIT, [*(_b(k) for k in keys), str(int(wait * 1000)).encode()], wait)
-
-        def delete_key(self, key: str) -> bool:
-            return self._call(Op.DELETE_KEY, [_b(key)])[0] == b"1"
-
-        def compare_set(self, key: str, expected, desired) -> bytes:
-            return self._call(Op.COMPARE_SET, [_b(key), _b(expected), _b(desired)])[0]
-
-        def num_keys(self) -> int:
-            return int(self._call(Op.NUM_KEYS, [])[0])
-
-        def multi_get(self, keys: list[str]) -> list[bytes]:
-            wait = self._seconds()
-            return self._call(Op.MULTI_GET, [*(_b(k) for k in keys), str(int(wait * 1000)).encode()], wait)
-
-        def multi_set(self, keys: list[str], values: list) -> None:
-            if len(keys) != len(values):
-                raise ValueError("multi_set: as many values as keys")
-            items: list[bytes] = []
-            for k, v in zip(keys, values):
-                items += [_b(k), _b(v)]
-            self._call(Op.MULTI_SET, items)
-
-        def append(self, key: str, value) -> None:
-            self._call(Op.APPEND, [_b(key), _b(value)])
-
-        def list_keys(self) -> list[str]:
-            return [k.decode() for k in self._call(Op.LIST_KEYS, [])]
-
-        def ping(self) -> None:
-            self._call(Op.PING, [])
-
-        # -- beyond c10d: reads that never wait, and a poll in one round trip ---------
-        def peek_many(self, keys: list[str]) -> list[bytes | None]:
-            """The raw values of `keys` (None: missing), in one request that never waits."""
-            return _peeked(self._call(Op.PEEK, [_b(k) for k in keys]))
-
-        def set_and_peek(self, sets: list[tuple[str, bytes]], keys: list[str]) -> list[bytes | None]:
-            """Write `sets` and read `keys` (as peek_many) in one round trip (pipelined)."""
-            items: list[bytes] = []
-            for k, v in sets:
-                items += [_b(k), _b(v)]
-            reqs = ([(Op.MULTI_SET, items)] if items else []) + [(Op.PEEK, [_b(k) for k in keys])]
-            return _peeked(self.pipeline(reqs)[-1])
-
-        def has_extended_api(self) -> bool:
-            return True
-
         def clone(self) -> "SocketStore":
             return SocketStore(self.spec, self.timeout)
 
+    # The wire methods (_Wire) go into the class's own namespace, not a mixin base: the
+    # dist.Store subclass is laid out as a hand-written one for torch's C++ dispatch.
+    for name, fn in vars(_Wire).items():
+        if not name.startswith("__") and name not in vars(SocketStore):
+            setattr(SocketStore, name, fn)
 
     class KeptPrefixStore(dist.PrefixStore):
         """A PrefixStore that holds a Python reference to its base store: C++ alone does
@@ -279,24 +377,28 @@ def __getattr__(name: str):
 
 
 def prefix_store(prefix: str, base):
-    """`base` under `prefix` (a torch PrefixStore), `base` kept alive with it: build
-    every PrefixStore over a connected client with this."""
+    """`base` under `prefix` (a torch PrefixStore; over a PlainSocketStore a
+    PlainPrefixStore), `base` kept alive with it: build every PrefixStore over a
+    connected client with this."""
+    if isinstance(base, PlainSocketStore):
+        return PlainPrefixStore(prefix, base)
     return _build()["KeptPrefixStore"](prefix, base)
 
 
-def connect(spec: str, timeout: float):
+def connect(spec: str, timeout: float, plain: bool = False):
     """A client of the job's store at `spec` (eltctl_runtime.sockstore's grammar):
-    `unix:/path` and `tcp:host:port` are the keeper's store (`SocketStore`); a bare
-    `host:port` is a c10d TCPStore (a job run without eltctl's keeper). Raises when
-    nothing answers within `timeout`."""
+    `unix:/path` and `tcp:host:port` are the keeper's store (`SocketStore`; with
+    `plain`, a `PlainSocketStore`, no torch: for a process that forms no process group);
+    a bare `host:port` is a c10d TCPStore (a job run without eltctl's keeper). Raises
+    when nothing answers within `timeout`."""
     where = parse_spec(spec)
     if where.kind in ("unix", "tcp"):
-        return _build()["SocketStore"](spec, timeout)
+        return PlainSocketStore(spec, timeout) if plain else _build()["SocketStore"](spec, timeout)
     import torch.distributed as dist
 
     return dist.TCPStore(where.host, where.port, is_master=False, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout))
 
 
-__all__ = ["KeptPrefixStore", "SocketStore", "StoreClosed", "StoreError", "StoreRefused", "StoreTimeout", "connect",
-           "prefix_store"]
+__all__ = ["KeptPrefixStore", "PlainPrefixStore", "PlainSocketStore", "SocketStore", "StoreClosed", "StoreError",
+           "StoreRefused", "StoreTimeout", "connect", "prefix_store"]

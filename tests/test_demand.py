@@ -40,3 +40,13 @@ def test_the_probe_script_publishes_and_reads_back(tmp_path):
     assert oct(cdir.stat().st_mode & 0o7777) == "0o1777"
     (f,) = cdir.iterdir()
     assert f.name == f"demand.{got.user}.jobA" and oct(f.stat().st_mode & 0o777) == "0o644"
+
+
+def test_entries_a_daemon_passed_on_are_judged_on_its_hosts_clock():
+    from eltctl.demand import from_daemon_state
+
+    state = {"time": 1000.0, "demands": [{"job": "b", "user": "bob", "time": 990.0, "every": 1.0},
+                                         {"job": "x", "time": 10.0, "every": 1.0}, {"nojob": 1}]}
+    assert [d.job for d in from_daemon_state(state)] == ["b"]
+    assert from_daemon_state(state, not_before=990.0 + 61) == ()  # a newer probe of the host: b is stale by then
+    assert from_daemon_state({"demands": []}) == () and from_daemon_state(None) == ()

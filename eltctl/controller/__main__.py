@@ -177,7 +177,7 @@ def open_ledger(state: StateDir, job: str):
 async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: bool,
                 left_out: dict[str, str] | None = None) -> int:
     from eltctl.controller import store as kstore
-    from eltctl.controller.loop import Controller, Phase
+    from eltctl.controller.loop import Controller, Phase, early_probe
     from eltctl.hosts.fleet import Fleet
 
     ctl: Controller | None = None
@@ -233,7 +233,15 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
     mirror_worker = None
     keeper = None
     run_task = None
+    ledger = None
+    first_probe = None
     try:
+        if not down:
+            # The first probe starts now, beside the store keeper's start (seconds on a
+            # loaded machine): it publishes the job's demand, so the jobs sharing the
+            # hosts learn of it at once (loop.early_probe).
+            ledger = open_ledger(state, inventory.job.name)
+            first_probe = early_probe(inventory, state, fleet, ledger=ledger)
         secret = job_secret(state)  # before any store client: each one is signed with it
         ssh_store = inventory.controller.store == "ssh"
         forward_to = inventory.path.resolve() if ssh_store else None
@@ -294,7 +302,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                                                  inventory=None if ssh_store else inventory.path.resolve())
             if ssh_store:
                 ctl.starter.store_endpoint = store_through_forwards(state, ctl)
-        ctl.ledger = open_ledger(state, inventory.job.name)
+        ctl.ledger, ledger = ledger if ledger is not None else open_ledger(state, inventory.job.name), None
         if ctl.ledger is not None:
             ctl.quota_use = ledger_quotas(ctl.ledger, inventory)
         ctl.mirror_worker = mirror_worker = await start_mirror_worker(inventory, ctl.checkpoint_place, secret)
@@ -310,7 +318,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             print(json.dumps(result), flush=True)
             kstore.stop_keeper(keeper)
             return 0 if result["ok"] else 1
-        run_task = asyncio.ensure_future(ctl.run())
+        run_task = asyncio.ensure_future(ctl.run(first_probe))
+        first_probe = None
         await shutdown.wait()
         await asyncio.sleep(0.3)  # let the answer to `down` reach its caller
         if ctl.stopping:
@@ -335,6 +344,10 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
         if ctl is not None and ctl.ledger is not None:
             # Down: what is still open ended (inferred) when it was last seen.
             ctl.ledger.close(ctl.clock(), job_down=ctl.phase is Phase.STOPPED)
+        if ledger is not None:  # opened for the first probe, never handed to a controller
+            ledger.close()
+        if first_probe is not None:
+            first_probe.cancel()
         server.close()
         try:
             state.socket.unlink()

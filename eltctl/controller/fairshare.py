@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from eltctl.demand import Demand
+from eltctl.demand import Demand, from_daemon_state
 
 
 @dataclass(frozen=True)
@@ -288,6 +288,30 @@ def own_demand(*, job: str, user: str, priority: int, min_workers: int, max_work
     return me, per_host
 
 
+# A starting job's want before it has seen its hosts and has no max_workers: "all it can get".
+UNSEEN_WANT = 1024
+
+
+def first_demand(*, job: str, user: str, priority: int, min_workers: int, max_workers: int | None,
+                 desired: Mapping[str, Iterable[int]], hosts: Iterable[str], usage_gpu_h: float,
+                 every: float) -> dict[str, Demand]:
+    """What a controller publishes in its first probe, before it has seen its hosts: it
+    holds what its memory says (`desired`); a job holding nothing yet wants up to
+    `max_workers`, without one as many as it can get (`UNSEEN_WANT`: the pool caps it, as
+    it caps a measured demand, which counts every GPU free or another job's), on every
+    host. A job that just started is then known to the jobs sharing its hosts a probe
+    sooner; its next probe publishes the measured demand (`own_demand`). A job holding
+    GPUs already (a controller restarted beside its workers) wants nothing more until
+    its probe measured it."""
+    held_by = {h: len(tuple(s)) for h, s in desired.items()}
+    held = sum(held_by.values())
+    wanted = max(min_workers, max_workers if max_workers is not None else UNSEEN_WANT) if held == 0 else 0
+    me = Demand(job=job, user=user, priority=priority, held=held, wanted=wanted, usage_gpu_h=round(usage_gpu_h, 4),
+                min_workers=min_workers, every=every)
+    return {name: Demand(**{**me.__dict__, "held_here": held_by.get(name, 0), "wants_here": wanted > 0})
+            for name in hosts}
+
+
 def holds(desired: Mapping[str, Iterable[int]], reports: Mapping[str, object], job: str) -> list[HostHold]:
     """Where this job holds GPUs, with each one's age (its claim's `since` against the
     host's clock) and the other jobs that want a GPU there (their entries on that host)."""
@@ -307,6 +331,30 @@ def holds(desired: Mapping[str, Iterable[int]], reports: Mapping[str, object], j
                     ages.append(max(0.0, now - claim.since))
             others = tuple(f"{d.user}/{d.job}" for d in getattr(r, "demands", ()) if d.job != job and d.wants_here)
         out.append(HostHold(name=name, held=len(slots), ages=tuple(sorted(ages, reverse=True)), others_want=others))
+    return out
+
+
+def with_daemon_demands(reports: Mapping[str, object], states: Mapping[str, object]) -> dict[str, object]:
+    """The probe's reports with the demand entries this job's daemons passed on since
+    (their state documents' `demands`, eltctl/demand.py `from_daemon_state`): per job,
+    the newest entry of the two wins. A daemon reads its host's entries every watch
+    interval, so another job's new or raised demand counts within a second or two of
+    its publication instead of at this job's next probe."""
+    from dataclasses import replace
+
+    out = dict(reports)
+    for name, r in reports.items():
+        seen = from_daemon_state(states.get(name), getattr(r, "host_time", None))
+        if not seen:
+            continue
+        newest = {d.job: d for d in getattr(r, "demands", ())}
+        changed = False
+        for d in seen:
+            if d.job not in newest or d.time > newest[d.job].time:
+                newest[d.job] = d
+                changed = True
+        if changed:
+            out[name] = replace(r, demands=tuple(sorted(newest.values(), key=lambda d: d.key)))
     return out
 
 

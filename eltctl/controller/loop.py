@@ -38,7 +38,7 @@ import getpass
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from eltctl import mirror as mir
 from eltctl.controller import act, observe
@@ -65,6 +65,40 @@ KEEPER_GRACE_S = 20.0
 KEEPER_RETRY_S = 3.0  # a keeper that cannot be restarted (its port taken) is tried again this often
 STATUS_EVERY_S = 1.0
 DOWN_TIMEOUT_S = 90.0
+
+
+def probe_hosts(inventory: Inventory, fleet: Fleet, published: dict) -> Awaitable[list]:
+    """A probe of the inventory's enabled hosts that publishes this job's demand entries
+    (`published`: host -> Demand) there."""
+    return probe_fleet(fleet, job=inventory.job.name, policy=inventory.policy,
+                       hosts=[h for h in inventory.hosts if h.schedule.enabled], owner=inventory.owner_policy,
+                       demand=lambda host: published.get(host.name))
+
+
+def early_probe(inventory: Inventory, state: StateDir, fleet: Fleet, clock: Callable[[], float] = time.time,
+                ledger=None) -> "asyncio.Task[list]":
+    """The controller's first probe, started before the store keeper and its client are
+    up (they take seconds, more on a loaded machine): it publishes this job's demand at
+    once (`fairshare.first_demand`, from hosts.json's desired slots), so the jobs sharing
+    the hosts learn of a new job within a probe of its controller's start. `Controller.run`
+    takes its reports as its first."""
+    doc = read_json(state.hosts_json) or {}
+    records: dict[str, pol.HostRecord] = {}
+    for host in inventory.hosts:
+        try:
+            records[host.name] = pol.HostRecord.from_json((doc.get("hosts") or {})[host.name])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            records[host.name] = pol.HostRecord()
+    now = clock()
+    usage = ledger.recent_gpu_hours(now, inventory.policy.usage_half_life) if ledger is not None else 0.0
+    published = fairshare.first_demand(
+        job=inventory.job.name, user=getpass.getuser(), priority=inventory.job.priority,
+        min_workers=inventory.job.min_workers, max_workers=inventory.job.max_workers,
+        desired={name: r.desired for name, r in records.items()},
+        hosts=[h.name for h in inventory.hosts if h.schedule.enabled and not records[h.name].removed],
+        usage_gpu_h=usage,
+        every=inventory.policy.probe_interval)
+    return asyncio.ensure_future(probe_hosts(inventory, fleet, published))
 
 
 class Controller:
@@ -116,9 +150,16 @@ class Controller:
 
     # ----------------------------------------------------------------- the loop
 
-    async def run(self) -> None:
+    async def run(self, first_probe: "asyncio.Future[list] | None" = None) -> None:
+        """`first_probe`: a probe started before the store was up (`early_probe`); its
+        reports are the first ones (else the first probe starts now)."""
         self.phase = Phase.PROBING
-        self.maybe_probe(self.clock(), force=True)
+        if first_probe is not None:
+            self._last_probe = self.clock()
+            self._probe_task = asyncio.ensure_future(self._take_probe(first_probe))
+        else:
+            self._published = self.first_demand(self.clock())
+            self.maybe_probe(self.clock(), force=True)
         while not self.stopped.is_set():
             try:
                 if await self.watch_keeper():
@@ -280,11 +321,11 @@ class Controller:
         self._probe_task = asyncio.ensure_future(self._probe())
 
     async def _probe(self) -> None:
+        await self._take_probe(probe_hosts(self.inventory, self.fleet, self._published))
+
+    async def _take_probe(self, probing: Awaitable[list]) -> None:
         try:
-            reports = await probe_fleet(self.fleet, job=self.inventory.job.name, policy=self.inventory.policy,
-                                        hosts=[h for h in self.inventory.hosts if h.schedule.enabled],
-                                        owner=self.inventory.owner_policy,
-                                        demand=lambda host: self._published.get(host.name))
+            reports = await probing
         except Exception:  # noqa: BLE001 - a probe bug must not end the controller
             log.exception("The probe failed.")
             return
@@ -296,11 +337,26 @@ class Controller:
 
     # ----------------------------------------------------------------- fair share
 
+    def first_demand(self, now: float) -> dict:
+        """The demand entries the first probe publishes (fairshare.first_demand): the jobs
+        sharing the hosts learn of this one at its first probe, not its second."""
+        inv = self.inventory
+        if self.ledger is not None:
+            self._usage = (now, self.ledger.recent_gpu_hours(now, inv.policy.usage_half_life))
+        return fairshare.first_demand(
+            job=inv.job.name, user=getpass.getuser(), priority=inv.job.priority, min_workers=inv.job.min_workers,
+            max_workers=inv.job.max_workers,
+            desired={h.name: self.records.get(h.name, pol.HostRecord()).desired for h in inv.hosts},
+            hosts=[h.name for h in inv.hosts if h.schedule.enabled
+                   and not self.records.get(h.name, pol.HostRecord()).removed],
+            usage_gpu_h=self._usage[1], every=inv.policy.probe_interval)
+
     async def fair_share(self, limits: dict[str, pol.Limit], now: float) -> tuple[dict[str, pol.Limit], int | None]:
         """This job's demand to publish at the next probe, and fair share's plan
         (controller/fairshare.py): the limits with its releases, and the cap on new slots."""
         inv = self.inventory
-        reports = self.observed.reports
+        reports = fairshare.with_daemon_demands(self.observed.reports,
+                                                {n: s.state for n, s in self.observed.seen.items()})
         desired = {h.name: self.records.get(h.name, pol.HostRecord()).desired for h in inv.hosts}
         usable = [h.name for h in inv.hosts if limits.get(h.name, pol.NO_LIMIT).cap != 0
                   and not self.records.get(h.name, pol.HostRecord()).removed]

@@ -108,7 +108,7 @@ def connect_client(endpoint: str, job: str, timeout: float = STORE_TIMEOUT_S,
     if secret is None:
         secret = existing_secret(state)
     run = auth.read_run_id(run_file(state)) if secret is not None else ""  # re-read at every (re)connect
-    raw = connect(endpoint, timeout)
+    raw = connect(endpoint, timeout, plain=True)  # no torch in the controller
     return auth.signed(prefix_store(job_prefix(job), raw), job_prefix(job), secret, forgeries(job), run)
 
 

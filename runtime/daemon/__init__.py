@@ -74,8 +74,12 @@ The daemon
      "health": "ok" | "unhealthy" (nvidia-smi failed or hung),
      "watch": {"health": "ok" | "none" | "failed" | "hung", "reason", "since", "last_s"},
      "store": {"connected", "reconnects", "last_error"},
-     "forged": {"<family>": int}}   # store values that failed the job's signature check, per key
+     "forged": {"<family>": int},   # store values that failed the job's signature check, per key
          # family (auth.family, e.g. "daemon/desired"), ignored and counted; {} when none
+     "demands": [{"job", "user", "time", "priority", "held", "wanted", ...}]}
+         # the fresh fair-share demand entries in the host's claims directory, as their files
+         # hold them (claims.DemandReader, read every watch_interval; eltctl/demand.py): the
+         # controller learns of another job's new demand from them, not only at its next probe
 
 Events it appends to the runtime's `events/<n>`: `{time, kind, host, workers,
 pause_s: null, detail}` with kind `yield` or `crash` (`protocol.event_document`);

@@ -188,9 +188,11 @@ class StoreLink:
 
     # -- the thread --------------------------------------------------------------
     def _connect(self):
-        from ..storeclient import connect  # torch: imported by the link's thread, not the daemon's start
+        from ..storeclient import connect
 
-        raw = connect(self._spec, self._connect_timeout)
+        # plain: no torch (the daemon forms no process group), so the first desired
+        # document is read within moments of the daemon's start, not after torch's import
+        raw = connect(self._spec, self._connect_timeout, plain=True)
         run = read_run_id(self._run_file) if self._secret is not None else ""
         return job_store(raw, self._job, self._secret, self._forgeries, run)  # it keeps the client alive
 

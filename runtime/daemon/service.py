@@ -104,6 +104,9 @@ class Daemon:
         self._claims_dir = claims.claims_dir(cfg.claims_dir, self._base_env)
         self._taken: dict[int, claims.Claim] = {}
         self._claims_next = 0.0
+        # the fair-share demand entries of the jobs sharing the host (the state's `demands`)
+        self._demand_reader = claims.DemandReader(self._claims_dir)
+        self._demands: list[dict] = []
         self._claims_problem = ""
 
     # -- life ------------------------------------------------------------------
@@ -565,6 +568,7 @@ class Daemon:
         if now < self._claims_next:
             return
         self._claims_next = now + self.cfg.watch_interval
+        self._demands = self._demand_reader.read(time.time())
         slots = set(self.cfg.valid_slots or ()) | set(self._memory.wanted)
         if self._last_watch is not None:
             slots |= {g.index for g in self._last_watch.gpus}
@@ -634,6 +638,7 @@ class Daemon:
             "health": "ok" if healthy else "unhealthy", "watch": dict(self._watch),
             "store": {"connected": self._link.connected, "reconnects": 0, "last_error": self._link.error},
             "signal": self._signal_doc(), "forged": self._forgeries.counts(),
+            "demands": self._demands,
         }
 
     def _signal_doc(self) -> dict | None:

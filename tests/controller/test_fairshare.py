@@ -255,3 +255,87 @@ def test_gpus_another_job_asked_for_are_not_grabbed_while_it_claims_them():
     p = fs.plan(d("a", "u1", held=2), [d("h", "u2", held=2, wanted=0, prio=1, minw=2)], [hold("h1", 2)], free=2,
                 half_life_s=DAY, slack=0, hold_s=600.0, seen=4)
     assert (p.pool, p.share, dict(p.release), p.cap) == (4, 2, {}, 2)
+
+
+def test_a_new_demand_a_daemon_read_counts_before_the_next_probe(tmp_path):
+    """Job b's entry appeared after the last probe of h2; job a's daemon there passed it on
+    in its state document: the controller releases to b at its next pass, no probe between."""
+    import asyncio
+    import textwrap
+    from types import SimpleNamespace
+
+    from eltctl.controller import policy as pol
+    from eltctl.controller.loop import Controller
+    from eltctl.inventory import parse_inventory
+    from eltctl.probe import Gpu, GpuReport, GpuUse, HostReport, HostState
+    from eltctl_runtime.claims import Claim
+
+    inv = parse_inventory(textwrap.dedent("""
+        [job]
+        name = "a"
+        command = "python t.py"
+        [[hosts]]
+        name = "h2"
+        address = "local"
+        """), tmp_path / "hosts.toml")
+    now = 5000.0
+    gpus = tuple(GpuReport(gpu=Gpu(i, f"u{i}", "sim", 0, 100, 0), state=GpuUse.OURS, reason="", job="a")
+                 for i in range(2))
+    claims = tuple((f"gpu{i}", Claim(job="a", user="alice", slot=i, since=now - 3600)) for i in range(2))
+    probed = HostReport(name="h2", address="local", state=HostState.OK, reason="", gpus=gpus, claims=claims,
+                        host_time=now - 5, demands=())
+
+    class Events:
+        async def event(self, ev):
+            pass
+
+    ctl = Controller(inv, None, Events(), None, "127.0.0.1:1", clock=lambda: now)
+    ctl.observed.reports = {"h2": probed}
+    ctl.records = {"h2": pol.HostRecord(desired=(0, 1))}
+    asyncio.run(ctl.fair_share({}, now))
+    assert not ctl.fair.release  # nobody else seen
+    entry = {"job": "b", "user": "bob", "time": now - 1, "priority": 1, "wanted": 1, "wants_here": True,
+             "min_workers": 1, "every": 1.0}
+    ctl.observed.seen = {"h2": SimpleNamespace(state={"time": now, "demands": [entry]})}
+    asyncio.run(ctl.fair_share({}, now))
+    assert dict(ctl.fair.release) == {"h2": 1} and "b" in ctl.fair.to
+
+
+@pytest.mark.parametrize("name, report_demands, state, expected", [
+    ("a daemon's newer entry wins", (d("b", "u2", wanted=1, t=990.0),),
+     {"time": 1000.0, "demands": [{"job": "b", "user": "u2", "wanted": 3, "time": 999.0}]}, {"b": 3}),
+    ("the probe's newer entry wins", (d("b", "u2", wanted=1, t=999.0),),
+     {"time": 1000.0, "demands": [{"job": "b", "user": "u2", "wanted": 3, "time": 990.0}]}, {"b": 1}),
+    ("a new job from the daemon", (), {"time": 1000.0, "demands": [{"job": "c", "user": "u3", "wanted": 2,
+                                                                     "time": 999.0}]}, {"c": 2}),
+    ("a stale entry is ignored", (), {"time": 1000.0, "demands": [{"job": "c", "user": "u3", "wanted": 2,
+                                                                    "time": 100.0}]}, {}),
+    ("no state, no change", (d("b", "u2", wanted=1),), None, {"b": 1}),
+    ("junk is ignored", (), {"time": 1000.0, "demands": [{"user": "x"}, "junk", 3]}, {}),
+])
+def test_with_daemon_demands(name, report_demands, state, expected):
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Report:
+        host_time: float
+        demands: tuple
+
+    out = fs.with_daemon_demands({"h": Report(995.0, report_demands)}, {"h": state} if state is not None else {})
+    assert {x.job: x.wanted for x in out["h"].demands} == expected, name
+
+
+@pytest.mark.parametrize("name, kw, wanted", [
+    ("a new job wants up to max_workers", dict(min_workers=2, max_workers=2, desired={}), 2),
+    ("without max_workers: all it can get (the pool caps it)", dict(min_workers=3, max_workers=None, desired={}),
+     fs.UNSEEN_WANT),
+    ("a controller restarted beside its workers: nothing more until measured",
+     dict(min_workers=1, max_workers=4, desired={"h1": (0, 1)}), 0),
+])
+def test_first_demand(name, kw, wanted):
+    out = fs.first_demand(job="c", user="u", priority=1, hosts=["h1", "h2"], usage_gpu_h=0.5, every=30.0, **kw)
+    assert sorted(out) == ["h1", "h2"]
+    assert {e.wanted for e in out.values()} == {wanted}, name
+    assert all(e.wants_here == (wanted > 0) and e.priority == 1 for e in out.values())
+    assert out["h1"].held_here == len(kw["desired"].get("h1", ()))
+

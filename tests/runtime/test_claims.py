@@ -139,3 +139,28 @@ def test_daemon_json_may_name_the_claims_directory():
     assert claims.claims_dir(cfg.claims_dir, {claims.ENV: "/elsewhere"}) == Path("/dev/shm/gpus")
     with pytest.raises(DaemonConfigError, match="'claims_dir' must be null or a directory path"):
         DaemonConfig.from_json(json.dumps({**base, "claims_dir": 3}))
+
+
+def test_demand_reader_reads_fresh_entries_and_rereads_only_replaced_files(tmp_path):
+    """The daemon's look at the jobs' demand entries (claims.DemandReader): fresh ones
+    only, a temporary or broken file skipped, a file read again once renamed over."""
+    import json
+
+    def write(name, doc):
+        tmp = tmp_path / f".{name}.tmp"
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, tmp_path / name)
+
+    now = 10_000.0
+    write("demand.bob.b", {"job": "b", "user": "bob", "time": now - 5, "wanted": 1, "every": 1.0})
+    write("demand.old.x", {"job": "x", "user": "old", "time": now - 3600, "wanted": 4, "every": 1.0})
+    (tmp_path / "demand.bad.y").write_text("{not json")
+    (tmp_path / ".demand.bob.c.123").write_text(json.dumps({"job": "c", "time": now}))
+    (tmp_path / "gpu0").write_text("{}")
+    reader = claims.DemandReader(tmp_path)
+    assert [(e["job"], e["wanted"]) for e in reader.read(now)] == [("b", 1)]
+    write("demand.bob.b", {"job": "b", "user": "bob", "time": now, "wanted": 3, "every": 1.0})
+    assert [(e["job"], e["wanted"]) for e in reader.read(now)] == [("b", 3)]
+    (tmp_path / "demand.bob.b").unlink()
+    assert reader.read(now) == []
+    assert claims.DemandReader(tmp_path / "missing").read(now) == []

@@ -274,3 +274,25 @@ def test_a_signed_poll_verifies_every_value_and_counts_forgeries(server):
         evil.set(f"{job_prefix('j')}/{Keys.join(n)}", "forged")
     assert scan(js, Keys.join, 0) == ([(1, b"w1"), (2, b"w2"), (4, b"w4")], 4)
     assert js.forgeries.counts()["join"] == 1
+
+
+def test_the_plain_client_speaks_the_same_store_without_torch(server):
+    """connect(..., plain=True) (the controller's and the daemons' client): no dist.Store,
+    the same requests; its prefix store and torch's PrefixStore see the same keys."""
+    from eltctl_runtime.storeclient import PlainPrefixStore, PlainSocketStore, prefix_store
+
+    spec = f"unix:{server.unix_path}"
+    plain = connect(spec, 5.0, plain=True)
+    assert isinstance(plain, PlainSocketStore) and not isinstance(plain, dist.Store)
+    p = prefix_store("job/x", plain)
+    assert isinstance(p, PlainPrefixStore)
+    p.set("a", "1")
+    assert p.add("n", 2) == 2 and p.compare_set("c", "", "v") == b"v" and p.check(["a", "n"])
+    p.multi_set(["m1", "m2"], ["v1", "v2"])
+    assert p.multi_get(["m1", "m2"]) == [b"v1", b"v2"]
+    assert p.peek_many(["a", "missing"]) == [b"1", None]
+    assert p.set_and_peek([("s", b"w")], ["s", "a"]) == [b"w", b"1"]
+    torch_side = prefix_store("job/x", client(server))
+    assert torch_side.get("a") == b"1" and torch_side.get("s") == b"w"
+    assert p.delete_key("a") and not p.check(["a"])
+    assert plain.clone().get("job/x/n") == b"2"

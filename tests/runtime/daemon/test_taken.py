@@ -5,6 +5,10 @@ second job takes it. Real daemons, real workers, the GPU simulator, real claim f
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 import pytest
 
 from eltctl_runtime import claims
@@ -48,6 +52,14 @@ def test_a_gpu_claimed_by_one_job_is_taken_for_the_other_until_it_leaves(two, tm
     held = claims.holders(d, ["gpu0", "gpu1"])
     assert (held["gpu0"].job, held["gpu0"].pid) == (a.job, a_worker["pid"])
     assert (held["gpu1"].job, held["gpu1"].pid) == (b.job, b.live_workers()[1]["pid"])
+
+    # A demand entry another job's probe writes beside the claims is passed on in each
+    # daemon's state (fair share learns of it without its own probe: claims.DemandReader).
+    entry = {"job": "c", "user": "carol", "time": time.time(), "priority": 1, "wanted": 2, "every": 1.0}
+    (d / ".demand.carol.c.1").write_text(json.dumps(entry))
+    os.replace(d / ".demand.carol.c.1", d / "demand.carol.c")
+    a.wait_for(lambda: [e.get("job") for e in (a.state() or {}).get("demands", ())] == ["c"],
+               "A's daemon to pass on job c's demand")
 
     # A's worker leaves: its claim goes with it, and B takes GPU 0 when asked again.
     a.desire([])
