@@ -16,8 +16,11 @@ The rules (the README's "Policy"):
   free slots only wait for that, the job is starting and `Decision.starts_at` says when.
   A GPU another eltctl job holds (`GpuUse.TAKEN`, its claim: runtime/claims.py) is
   never used and is no owner's: a slot its daemon reports taken leaves the desired
-  slots with no failure and no cooldown; the job takes it once it has looked free for
-  `idle_for` again (first come, first served).
+  slots with no failure and no cooldown. Its free clock keeps running while another
+  eltctl job holds it (no owner used it): a GPU fair share hands over, or another
+  job lets go, is used at once once `idle_for` has passed since its owner last used
+  it, not `idle_for` after the other job left (first come, first served; the claim
+  decides).
 - At most `max_workers` slots are used; fewer than `min_workers` usable slots and the
   job waits (nothing new starts; what runs keeps running).
 - A host whose worker left (its owner came back, a crash, the host vanished) rests for
@@ -311,13 +314,13 @@ def track(records: Mapping[str, HostRecord], views: Mapping[str, HostView], inve
         if view is None or view.reach is Reach.UNKNOWN:
             out[host.name] = rec
             continue
-        # Free clocks: a slot that looks free or ours keeps its clock; busy resets it.
-        # An unreachable or unhealthy host tells us nothing about its GPUs: the clocks
-        # restart when it is seen again.
+        # Free clocks: a slot that looks free or ours keeps its clock, and so does one
+        # another eltctl job holds (taken: no owner's use; it is never eligible while
+        # taken); busy (an owner) resets it. An unreachable or unhealthy host tells us
+        # nothing about its GPUs: the clocks restart when it is seen again.
         since = dict(rec.free_since)
         if view.reach in (Reach.OK, Reach.CPU_ONLY):
-            since = {s.index: since.get(s.index, now) for s in view.slots
-                     if s.use not in (GpuUse.BUSY, GpuUse.TAKEN)}
+            since = {s.index: since.get(s.index, now) for s in view.slots if s.use is not GpuUse.BUSY}
         elif view.reach is Reach.UNREACHABLE:
             since = {}
         rec = replace(rec, free_since=tuple(sorted(since.items())))

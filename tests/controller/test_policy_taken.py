@@ -73,19 +73,27 @@ def test_track_drops_taken_slots_without_blame(case, v, rec, desired):
     assert not out.cooling(NOW)
 
 
-def test_a_taken_gpu_is_never_eligible_not_even_forced_and_its_free_clock_stops():
+def test_a_taken_gpu_is_never_eligible_not_even_forced_and_its_free_clock_runs_on():
     inv = inventory(hosts=("a",))
     v = view("a", "taken", "free")
     rec = track({"a": HostRecord(free_since=long_free(0, 1))}, {"a": v}, inv, NOW)["a"]
-    assert rec.free_since == ((1, NOW - 99),)  # a taken GPU is not free: its clock restarts when it is
+    assert rec.free_since == ((0, NOW - 99), (1, NOW - 99))  # another job's use is no owner's: the clock runs
     assert eligible_slots(v, rec, inv, NOW) == [1]
     forced = HostRecord(free_since=long_free(0, 1), join_now=True, force=True)
     assert eligible_slots(v, forced, inv, NOW) == [1]
-    # Free again (the other job's worker left): first come, first served, after idle_for.
+    # Free again (the other job's worker left, fair share handed it over): at once, its
+    # owner last used it long ago (first come, first served; the claim decides).
     freed = view("a", "free", "free")
     rec = track({"a": rec}, {"a": freed}, inv, NOW + 1)["a"]
-    assert eligible_slots(freed, rec, inv, NOW + 1) == [1]
-    assert eligible_slots(freed, rec, inv, NOW + 11) == [0, 1]
+    assert eligible_slots(freed, rec, inv, NOW + 1) == [0, 1]
+    # A GPU first seen taken waits idle_for from then; an owner's use (busy) resets it.
+    rec = track({"a": HostRecord()}, {"a": v}, inv, NOW)["a"]
+    rec = track({"a": rec}, {"a": freed}, inv, NOW + 1)["a"]
+    assert eligible_slots(freed, rec, inv, NOW + 1) == []
+    assert eligible_slots(freed, rec, inv, NOW + 10) == [0, 1]
+    rec = track({"a": rec}, {"a": view("a", "busy", "free")}, inv, NOW + 10)["a"]
+    rec = track({"a": rec}, {"a": freed}, inv, NOW + 11)["a"]
+    assert eligible_slots(freed, rec, inv, NOW + 12) == [1]
 
 
 def test_the_job_uses_another_free_gpu_and_a_fully_taken_host_looks_busy():
