@@ -266,6 +266,17 @@ def _wait(work, abort: threading.Event | None) -> None:
         collectives.wait_work(work, abort)
 
 
+def _wait_p2p(works: list, abort: threading.Event | None) -> None:
+    """Wait for sends and receives. gloo's point-to-point works report completion
+    only from wait() (is_completed() stays False, no future), so an abortable wait
+    runs their wait() on a helper thread (collectives.run_abortable)."""
+    if abort is None:
+        for w in works:
+            w.wait()
+    else:
+        collectives.run_abortable(lambda: [w.wait() for w in works], abort, "shard transfers")
+
+
 class ShardedGradients:
     """The sharded gradient path and optimizer state of one rank (module docstring).
 
@@ -491,8 +502,7 @@ class ShardedGradients:
                 works.append(self._pg.send([self._section(self._shard_grads[g], g, 0)], dst, g))
             for h, j in enumerate(self._held[1:], start=1):
                 works.append(self._pg.recv([self._section(self._shard_grads[g], g, h)], j, g))
-        for w in works:
-            _wait(w, self._abort)
+        _wait_p2p(works, self._abort)
 
     # -- the step
 
@@ -844,8 +854,7 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for s in ss for t in read(s)])
         keep.append(flat)
         works.append(group.send([flat], where[dst], 0))
-    for w in works:
-        _wait(w, abort)
+    _wait_p2p(works, abort)
     for ss, buf in recv_bufs:
         pos = 0
         for s in ss:
@@ -1090,3 +1099,4 @@ def sharded_path(shard: str, model: torch.nn.Module, optimizer: torch.optim.Opti
                  params: list[torch.Tensor], bucket_mb: float, replicas: int = 1) -> ShardedPath:
     """ElasticJob's gradient path for shard="optimizer" | "gradients" (job._gradient_path)."""
     return ShardedPath(shard, model, optimizer, params, bucket_mb, replicas)
+

@@ -42,8 +42,6 @@ def main() -> int:
     ap.add_argument("--progress", type=Path, default=None)
     args = ap.parse_args()
 
-    import faulthandler, signal as _sig
-    faulthandler.register(_sig.SIGUSR1)
     config = elt.RuntimeConfig.from_env()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {config.worker_id} %(levelname)s %(message)s")

@@ -30,7 +30,7 @@ N_SAMPLES, BATCH, LR = 480, 24, 3e-3
 ARGS = ["--samples", str(N_SAMPLES), "--batch", str(BATCH), "--lr", str(LR), "--hidden", "32", "--layers", "2"]
 
 
-def reference(audit: Path, final_step: int) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+def reference(audit: Path, final_step: int, max_norm: float | None = None) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """The replicated fixed-size run: one process, each committed step's global batch."""
     model = toy.make_model(hidden=32, layers=2, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
@@ -43,8 +43,10 @@ def reference(audit: Path, final_step: int) -> tuple[dict[int, float], dict[str,
         loss = toy.loss_fn(model, (x, y))
         opt.zero_grad()
         loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
-        losses[step] = float(loss)
+        losses[step] = float(loss.detach())
     return losses, model.state_dict()
 
 
@@ -61,12 +63,12 @@ def committed_losses(workers) -> dict[int, float]:
     return {s: l for s, (g, l) in best.items()}
 
 
-def check_against_reference(cluster, finals, steps: int) -> None:
+def check_against_reference(cluster, finals, steps: int, max_norm: float | None = None) -> None:
     results = [w.read_result() for w in finals]
     assert all(r and not r["left"] and r["step"] == steps for r in results), cluster.dump_logs()
     assert_identical_state(results)
     assert_exactly_once(cluster.audit, N_SAMPLES, BATCH, steps)
-    ref_losses, ref_params = reference(cluster.audit, steps)
+    ref_losses, ref_params = reference(cluster.audit, steps, max_norm)
     got = committed_losses(cluster.workers)
     for s in range(1, steps + 1):
         assert got[s] == pytest.approx(ref_losses[s], rel=1e-5), (s, got[s], ref_losses[s])
@@ -85,3 +87,59 @@ def test_sharded_fixed_size_run_equals_replicated(cluster_factory, shard):
     c.wait_exit(ws)
     assert all(w.proc.returncode == 0 for w in ws), c.dump_logs()
     check_against_reference(c, ws, 12)
+
+
+def rank0(c, world: int):
+    members = c.wait_for_status(lambda s: s["world_size"] == world)["members"]
+    return next(w for w in c.workers if w.id == members[0])
+
+
+@pytest.mark.parametrize("shard,replicas", [("optimizer", 1), ("gradients", 2)])
+def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, shard, replicas):
+    """2 workers; one joins (3); rank 0 leaves (2: it hands its shards over); one is
+    SIGKILLed (1: replicas=2 takes its chunks from their backups, no step redone;
+    replicas=1 restores the newest checkpoint and says how many steps it redid);
+    the last one dies too and two new workers restore the checkpoint (world 2)."""
+    c = cluster_factory(min_workers=2)
+    c.script = WORKER
+    c.args = list(ARGS)
+    run = ["--steps", "100000", "--shard", shard, "--shard-replicas", str(replicas), "--checkpoint-every", "4",
+           "--step-sleep", "0.04", "--max-grad-norm", "0.5"]
+    a, b = c.start(2, run)
+    g = c.wait_world(2, steps_after=3)
+    (d,) = c.start(1, run)
+    g = c.wait_world(3, min_gen=g + 1, steps_after=3)
+    first = rank0(c, 3)
+    c.leave(first)
+    g = c.wait_world(2, min_gen=g + 1, steps_after=3)
+    c.wait_exit([first])
+    assert first.proc.returncode == 0 and first.read_result()["left"], c.dump_logs()
+    victim = next(w for w in (a, b, d) if w is not first and w.proc.poll() is None)
+    c.kill(victim)
+    g = c.wait_world(1, min_gen=g + 1, steps_after=4, timeout=120)
+    events = c.events()
+    if replicas == 2:
+        crash = [ev for ev in events if ev["kind"] == "crash"]
+        assert crash and crash[0]["lost"] == [victim.id] and crash[0]["redone_steps"] == 0, events
+        # no committed step was committed again in a later generation
+        gens_of: dict[int, set[int]] = {}
+        for line in c.audit.read_text().splitlines():
+            r = json.loads(line)
+            gens_of.setdefault(r["step"], set()).add(r["generation"])
+        assert all(len(gs) == 1 for gs in gens_of.values()), "a step was redone"
+    else:
+        restore = [ev for ev in events if ev["kind"] == "restore" and ev.get("redone_steps") is not None]
+        assert restore and restore[0]["lost"] == [victim.id] and restore[0]["redone_steps"] >= 0, events
+        assert c.status()["redone_steps"] == restore[0]["redone_steps"]
+    last = next(w for w in (a, b, d) if w.proc.poll() is None)
+    c.kill(last)
+    c.wait_exit([last])
+    e, f = c.start(2, run)
+    c.wait_world(2, min_gen=g + 1, steps_after=3, timeout=120)
+    status = c.wait_for_status(lambda s: s["world_size"] == 2 and s["step"] > 0)
+    assert status["shard"] == shard and status["shard_replicas"] == replicas, status
+    assert all(n > 0 for n in status["optimizer_state_bytes"]), status
+    c.stop()
+    c.wait_exit([e, f])
+    assert e.proc.returncode == 0 and f.proc.returncode == 0, c.dump_logs()
+    check_against_reference(c, [e, f], e.read_result()["step"], max_norm=0.5)
