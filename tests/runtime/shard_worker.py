@@ -77,7 +77,8 @@ def main() -> int:
             args.result.write_text(json.dumps({
                 "worker": config.worker_id, "step": job.step_count, "loss": loss, "rank": job.rank,
                 "world_size": job.world_size, "generation": job.generation, "fingerprint": fp,
-                "left": job.left}))
+                "left": job.left,
+                "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}))
     return 0
 
 
