@@ -79,11 +79,11 @@ def check_against_reference(cluster, finals, steps: int, max_norm: float | None 
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
-def test_sharded_fixed_size_run_equals_replicated(cluster_factory, shard):
+def test_sharded_fixed_size_run_with_micro_batches_equals_replicated(cluster_factory, shard):
     c = cluster_factory(min_workers=2)
     c.script = WORKER
     c.args = list(ARGS)
-    ws = c.start(2, ["--steps", "12", "--shard", shard])
+    ws = c.start(2, ["--steps", "12", "--shard", shard, "--micro-batch", "5"])  # shares of 12: 5, 5, 2
     c.wait_exit(ws)
     assert all(w.proc.returncode == 0 for w in ws), c.dump_logs()
     check_against_reference(c, ws, 12)
@@ -143,3 +143,20 @@ def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, sha
     c.wait_exit([e, f])
     assert e.proc.returncode == 0 and f.proc.returncode == 0, c.dump_logs()
     check_against_reference(c, [e, f], e.read_result()["step"], max_norm=0.5)
+
+
+def test_unsupported_optimizers_and_settings_are_refused_when_the_job_is_built():
+    import eltctl_runtime as elt
+
+    model = toy.make_model(hidden=8, layers=1)
+    data = toy.make_dataset(n_samples=16)
+    with pytest.raises(ValueError, match="AdamW, SGD"):
+        elt.ElasticJob(model, torch.optim.Adam(model.parameters()), data, global_batch_size=4, max_steps=1,
+                       shard="optimizer")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="shard_replicas"):
+        elt.ElasticJob(model, sgd, data, global_batch_size=4, max_steps=1, shard="gradients", shard_replicas=3)
+    with pytest.raises(ValueError, match="shard_replicas"):
+        elt.ElasticJob(model, sgd, data, global_batch_size=4, max_steps=1, shard_replicas=2)
+    with pytest.raises(ValueError, match="shard must be"):
+        elt.ElasticJob(model, sgd, data, global_batch_size=4, max_steps=1, shard="everything")
