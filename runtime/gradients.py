@@ -85,7 +85,8 @@ import torch
 from . import collectives, state as state_mod
 from .collectives import Aborted
 
-N_CTRL = 4  # pending, stop, local sample count, local loss sum; then one leave flag per rank
+N_CTRL = 5  # pending, stop, local sample count, local loss sum, checkpoint due; then one leave flag per rank
+CTRL_CHECKPOINT = 4  # rank 0's clock says a checkpoint is due (checkpoint_every_seconds): every rank takes part
 TAIL_DTYPE = torch.float32
 _TAIL_KIND = str(TAIL_DTYPE)
 
@@ -271,9 +272,20 @@ class GradientPath(ABC):
         the state is agreed in it)."""
         self.pg, self.rank, self.members, self.abort = pg, rank, tuple(members), abort
 
+    gathers = False  # True: capture_full and fingerprint are collectives every rank calls (sharded)
+
     def reshard(self, old_members: Sequence[str], new_members: Sequence[str]) -> None:
         """After a membership change, once the state is agreed: move what each rank
         owns to its new owners (old_members is empty for the first generation)."""
+
+    def hand_over(self, left: Sequence[str]) -> None:
+        """A planned leave, over the old group, before it goes (every old member
+        calls it, the leavers too): the leavers' part moves to the survivors."""
+
+    def state_lost(self, lost: Sequence[str]) -> bool:
+        """True if the crash of `lost` took part of the state with it (the newest
+        checkpoint is restored instead)."""
+        return False
 
     @abstractmethod
     def begin(self, tail_size: int) -> None: ...
@@ -314,6 +326,11 @@ class GradientPath(ABC):
               extra: dict[str, Any]) -> dict:
         """Adopt a captured state; returns its progress (state.apply)."""
         return state_mod.apply(saved, model, optimizer, extra)
+
+    def capture_full(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: dict,
+                     extra: dict[str, Any]) -> dict:
+        """The whole state as one plain dict, for a checkpoint (a sharded path gathers it)."""
+        return self.capture(model, optimizer, progress, extra)
 
     def fingerprint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> str:
         """Hash of the whole state: identical on every rank (state.fingerprint)."""

@@ -125,6 +125,7 @@ class ElasticJob:
         prefetch_steps: int = 2,
         pin_memory: bool = False,
         shard: str | None = None,
+        shard_replicas: int = 1,
     ) -> None:
         if max_steps is None and epochs is None:
             raise ValueError("give max_steps or epochs (or both)")
@@ -175,7 +176,10 @@ class ElasticJob:
         self._pin_memory = pin_memory
         self._params = [p for p in model.parameters() if p.requires_grad]
         # How the step's gradients are reduced and applied (gradients.py: the seam).
-        self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb)
+        self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb, shard_replicas)
+        self._shard = shard
+        self._redone_steps: int | None = None  # a crash lost shards: steps redone from checkpoints, in all
+        self._redo_from: int | None = None  # this generation restores after lost shards: the step it was at
         self._buffers = gradients.BufferSync(model)
         self._after_commit: tuple[bool, set[str] | None] | None = None
         self._hooks: list = []
@@ -199,6 +203,7 @@ class ElasticJob:
         self._pending_event: dict | None = None
         self._last_status_t = 0.0
         self._last_ckpt_t = time.monotonic()
+        self._ckpt_due = False  # rank 0's clock says a checkpoint is due (checkpoint_every_seconds)
         self._last_ckpt: dict | None = None
         self._last_loss: float | None = None
         self._samples_since = (0, time.monotonic())
@@ -401,7 +406,7 @@ class ElasticJob:
         every rank ends cleanly; the next start restores the checkpoint."""
         log.error("worker %s: %s; %s at step %d and exits", self.worker_id, e,
                   "checkpointing" if self._rank == 0 else "rank 0 checkpoints", self._step)
-        if self._rank == 0:
+        if not self._grads.gathers:  # sharded: the ranks may not all be here (no gather); the last checkpoint stands
             self._checkpoint_now()
         self._finished = True
 
@@ -543,6 +548,8 @@ class ElasticJob:
         lost = self._health.expired()  # the store away too long: every rank ends at this step
         ctrl[0] = 1.0 if req.any or lost else 0.0
         ctrl[1] = 1.0 if req.stop or lost else 0.0
+        if self._rank == 0 and self._ckpt_seconds and time.monotonic() - self._last_ckpt_t >= self._ckpt_seconds:
+            ctrl[gradients.CTRL_CHECKPOINT] = 1.0
         ctrl[2] = float(len(self._local_indices))
         ctrl[3] = self._loss_sum
         ctrl[_N_CTRL + self._rank] = 1.0 if req.leave else 0.0
@@ -565,6 +572,7 @@ class ElasticJob:
             self._redo_step([int(tail[_oom_slot(W, r)]) for r in range(W)])
             return None
         self._buffers.read(tail[n_ctrl:], int(tail[2]))
+        self._ckpt_due = bool(tail[gradients.CTRL_CHECKPOINT] > 0)
         try:
             skipped = self._optimizer_step()
         except Aborted as e:  # a sharded path's collectives (norm, inf check, gather) broke
@@ -589,7 +597,10 @@ class ElasticJob:
             self._grad_norm = self._grads.clip_grad_norm_(self._max_grad_norm, self._abort)
         if self._before_optimizer_step is not None:
             self._before_optimizer_step(self)
-        return self._grads.step(self.optimizer, scaler, self._abort)
+        skipped = self._grads.step(self.optimizer, scaler, self._abort)
+        if self._max_grad_norm is not None and getattr(self._grads, "grad_norm", None) is not None:
+            self._grad_norm = self._grads.grad_norm  # sharded: the norm summed over the shards in its step
+        return skipped
 
     def _at_boundary(self) -> None:
         """What the last commit asks for, done when the loop comes back for the
@@ -600,8 +611,7 @@ class ElasticJob:
         if after is None:
             return
         stop, leavers = after
-        if self._rank == 0:
-            self._maybe_checkpoint(time.monotonic())
+        self._maybe_checkpoint(time.monotonic())
         if stop:
             self._stop_job()
         elif leavers is not None:
@@ -701,8 +711,8 @@ class ElasticJob:
             self._store_lost(storeloss.StoreLost(f"the store is away ({self._health.lost_for():.0f} s)"))
             return
         log.info("worker %s: stop requested; ending at step %d", self.worker_id, self._step)
+        self._checkpoint_now()
         if self._rank == 0:
-            self._checkpoint_now()
             self._event({"kind": EventKind.STOP.value, "generation": self.generation, "step": self._step})
             self._write_status(time.monotonic())
             self._store.set(Keys.DONE, json.dumps({"step": self._step, "reason": "stop"}))
@@ -726,7 +736,11 @@ class ElasticJob:
 
     # -- the membership state machine's hooks (generation.GenerationHooks) ------------
     def _before_group(self, plan: Plan) -> None:
-        """The old group is about to go: the gradient path lets go of it (collectives.release)."""
+        """The old group is about to go: a planned leaver's shards move to the survivors
+        over it first (sharded; the leaver does the same in on_leave), then the gradient
+        path lets go of it (collectives.release)."""
+        if plan.left and not plan.lost:
+            self._grads.hand_over(plan.left)
         self._grads.pg = None
 
     def _on_group(self, plan: Plan) -> None:
@@ -738,10 +752,17 @@ class ElasticJob:
         self._members_before = plan.members
         # Every generation's first commit is an event (rank 0 writes it), the job's first start too.
         kind = EventKind.RESTORE if restored else plan.kind
+        redo_from, self._redo_from = self._redo_from, None
+        if redo_from is not None:
+            self._redone_steps = (self._redone_steps or 0) + max(0, redo_from - self._step)
         self._pending_event = {"kind": kind.value, "generation": plan.generation,
                                "world_size": plan.world_size, "members": list(plan.members),
                                "joined": list(plan.joined), "left": list(plan.left), "lost": list(plan.lost),
                                "from_step": self._step, "old_t": self._old_t if self._has_state_before else None}
+        if self._shard is not None:
+            self._pending_event.update(self._shard_fields())
+            if redo_from is not None:
+                self._pending_event["redone_steps"] = max(0, redo_from - self._step)
         log.info("worker %s: rank %d of %d in generation %d (%s) at step %d", self.worker_id, self._rank,
                  plan.world_size, plan.generation, plan.kind.value, self._step)
 
@@ -749,10 +770,11 @@ class ElasticJob:
         if plan is None:
             # Everyone is leaving: keep the newest state on disk and end the job.
             log.info("worker %s: every member leaves at step %d; the job pauses", self.worker_id, self._step)
+            self._checkpoint_now()
             if self._rank == 0:
-                self._checkpoint_now()
                 self._write_status(time.monotonic())  # the controller mirrors it and restores from it
         else:
+            self._grads.hand_over(plan.left)  # sharded: this leaver's chunks go to their new holders first
             log.info("worker %s: left the job at step %d (generation %d)", self.worker_id, self._step,
                      plan.generation)
         self._left = True
@@ -760,6 +782,12 @@ class ElasticJob:
     def _sync_state(self) -> bool:
         """Agree on the training state; returns True if it came from a checkpoint."""
         self._has_state_before = self._has_state
+        if self._has_state and self._grads.state_lost(self._plan.lost):
+            # A crash took chunks of the optimizer state with it (shard_replicas=1): every
+            # survivor drops its state, so the newest checkpoint is restored (steps redone).
+            log.warning("worker %s: the crash of %s lost optimizer-state shards; restoring the newest "
+                        "checkpoint", self.worker_id, ", ".join(self._plan.lost))
+            self._redo_from, self._has_state = self._step, False
         report = torch.tensor([1 if self._has_state else 0, self._step], dtype=torch.int64, device=self._device)
         reports = [(bool(r[0]), int(r[1])) for r in
                    (t.cpu() for t in collectives.allgather(self._pg, report, self._abort))]
@@ -827,18 +855,34 @@ class ElasticJob:
 
     # -- checkpoints, status, events ----------------------------------------
     def _maybe_checkpoint(self, now: float) -> None:
+        """Every rank calls it at a boundary (sharded: the state is gathered); rank 0 writes.
+        Due by steps, or by rank 0's clock (it rode the last commit's tail: _ckpt_due)."""
         if self._ckpt is None:
             return
-        due = (self._ckpt_steps and self._step % self._ckpt_steps == 0) or (
-            self._ckpt_seconds and now - self._last_ckpt_t >= self._ckpt_seconds)
+        due = (self._ckpt_steps and self._step % self._ckpt_steps == 0) or self._ckpt_due
+        self._ckpt_due = False
         if due:
             self._last_ckpt_t = now
-            self._ckpt.save_async(self._step, self._capture_state())
+            state = self._checkpoint_state()
+            if state is not None:
+                self._ckpt.save_async(self._step, state)
 
     def _checkpoint_now(self) -> None:
+        """Every rank calls it (sharded: the state is gathered); rank 0 writes and waits."""
         if self._ckpt is not None and self._has_state:
-            self._ckpt.save_async(self._step, self._capture_state())
-            self._ckpt.wait()
+            state = self._checkpoint_state()
+            if state is not None:
+                self._ckpt.save_async(self._step, state)
+                self._ckpt.wait()
+
+    def _checkpoint_state(self) -> dict | None:
+        """What a checkpoint holds, on rank 0 (None elsewhere): one plain full state
+        dict; a sharded path gathers it (ShardedGradients.full_state_dict: every rank
+        takes part), so restore at any world size and export work alike."""
+        if self._grads.gathers:
+            full = self._grads.capture_full(self.model, self.optimizer, self._progress(), self._extra)
+            return full if self._rank == 0 else None
+        return self._capture_state() if self._rank == 0 else None
 
     def _restore_from_checkpoint(self) -> bool:
         if self._ckpt is None:
@@ -859,8 +903,8 @@ class ElasticJob:
         if self._finished or self._left:
             return
         self._finished = True
+        self._checkpoint_now()
         if self._rank == 0:
-            self._checkpoint_now()
             try:
                 self._await_store()
             except storeloss.StoreLost as e:
@@ -878,11 +922,20 @@ class ElasticJob:
                                  members=self._plan.members, step=self._step, epoch=self._sampler.epoch,
                                  position=self._sampler.position, samples_per_s=round(rate, 2),
                                  loss=self._last_loss, checkpoint=self._last_ckpt, workers=self._workers_report(),
-                                 forged=self._forgeries.counts())
+                                 forged=self._forgeries.counts(),
+                                 extra=self._shard_fields() if self._shard is not None else None)
         try:
             self._store.set(Keys.STATUS, json.dumps(status))
         except Exception as e:  # noqa: BLE001 - status is advisory (counted and logged once: storeloss.py)
             self._health.failed("status", e, epoch=self._store_epoch)
+
+    def _shard_fields(self) -> dict:
+        """Sharded training in the status document and the events: the mode, the
+        replicas, each rank's optimizer-state bytes (from the layout) and the steps
+        redone after crashes that lost shards."""
+        return {"shard": self._shard, "shard_replicas": self._grads.replicas,
+                "optimizer_state_bytes": self._grads.state_bytes_per_rank(),
+                "redone_steps": self._redone_steps or 0}
 
     def _workers_report(self) -> dict | None:
         """Each member's share and speed as of the last commit (balance.worker_report)."""
@@ -914,11 +967,13 @@ SHARD_SETTINGS = ("optimizer", "gradients")  # ZeRO-1, ZeRO-2 (issue 22): runtim
 
 
 def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   params: list[torch.Tensor], bucket_mb: float) -> GradientPath:
+                   params: list[torch.Tensor], bucket_mb: float, replicas: int = 1) -> GradientPath:
     """The gradient path of `shard` (gradients.py: the seam). None: every rank holds
     every gradient and the whole optimizer state (ReplicatedPath); a sharded one
     comes from zero.py's `sharded_path(shard, model, optimizer, params, bucket_mb)`."""
     if shard is None:
+        if replicas != 1:
+            raise ValueError("shard_replicas applies to sharded training (shard='optimizer' or 'gradients')")
         return ReplicatedPath(params, bucket_mb)
     if shard not in SHARD_SETTINGS:
         raise ValueError(f"shard must be None or one of {', '.join(map(repr, SHARD_SETTINGS))}, got {shard!r}")
@@ -928,7 +983,7 @@ def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.o
         zero = importlib.import_module(".zero", __package__)
     except ModuleNotFoundError as e:
         raise ValueError(f"shard={shard!r}: sharded training is not available in this version ({e})") from e
-    return zero.sharded_path(shard, model, optimizer, params, bucket_mb)
+    return zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
 
 
 def _check_extra_state(extra_state: dict[str, Any] | None, grad_scaler: Any) -> dict[str, Any]:

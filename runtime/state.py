@@ -206,10 +206,16 @@ def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 extra: dict[str, Any] | None = None) -> str:
     """A hash of parameters, buffers, optimizer state and the extra objects'
     state (tests compare it across ranks)."""
+    return fingerprint_of(model.state_dict(), optimizer.state_dict()["state"], extra)
+
+
+def fingerprint_of(model_state: dict, optimizer_state: dict, extra: dict[str, Any] | None = None) -> str:
+    """`fingerprint` from a model state dict and an optimizer's "state" (a sharded
+    job hashes the state gathered from its shards)."""
     import hashlib
 
     h = hashlib.sha256()
-    header, flat = pack({"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]})
+    header, flat = pack({"model": model_state, "optimizer": optimizer_state})
     h.update(tensor_bytes(flat))
     if extra:
         header, flat = pack(extra_state_dicts(extra))

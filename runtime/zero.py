@@ -63,7 +63,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import collectives, gradients
+from . import collectives, gradients, state as state_mod
 from .state import dtype_named
 
 SHARD_MODES = ("optimizer", "gradients")
@@ -266,6 +266,17 @@ def _wait(work, abort: threading.Event | None) -> None:
         collectives.wait_work(work, abort)
 
 
+def _wait_p2p(works: list, abort: threading.Event | None) -> None:
+    """Wait for sends and receives. gloo's point-to-point works report completion
+    only from wait() (is_completed() stays False, no future), so an abortable wait
+    runs their wait() on a helper thread (collectives.run_abortable)."""
+    if abort is None:
+        for w in works:
+            w.wait()
+    else:
+        collectives.run_abortable(lambda: [w.wait() for w in works], abort, "shard transfers")
+
+
 class ShardedGradients:
     """The sharded gradient path and optimizer state of one rank (module docstring).
 
@@ -383,7 +394,7 @@ class ShardedGradients:
         """Arm the reduction for the coming (last) backward of the step."""
         self._pg, self._abort = pg, abort
         asked = self._reduce_scatter_asked
-        self._rs = asked if asked is not None else pg.name() != "GLOO"
+        self._rs = asked if asked is not None else pg.name().upper() != "GLOO"
         if self.shard == "optimizer":
             with torch.no_grad():
                 for i, p in enumerate(self.params):
@@ -491,8 +502,7 @@ class ShardedGradients:
                 works.append(self._pg.send([self._section(self._shard_grads[g], g, 0)], dst, g))
             for h, j in enumerate(self._held[1:], start=1):
                 works.append(self._pg.recv([self._section(self._shard_grads[g], g, h)], j, g))
-        for w in works:
-            _wait(w, self._abort)
+        _wait_p2p(works, self._abort)
 
     # -- the step
 
@@ -844,8 +854,7 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for s in ss for t in read(s)])
         keep.append(flat)
         works.append(group.send([flat], where[dst], 0))
-    for w in works:
-        _wait(w, abort)
+    _wait_p2p(works, abort)
     for ss, buf in recv_bufs:
         pos = 0
         for s in ss:
@@ -858,3 +867,236 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     if new is not None:
         new._set_state(step, new_state)
         new._refresh_masters()
+
+
+# ---------------------------------------------------------------------------- the job's gradient path
+
+
+def member_of(worker_id: str) -> Member:
+    """A worker id as a layout member: its host is the id's first "/"-part
+    (`host/device/pid`, the daemon's ids), else the whole id."""
+    return Member(worker_id, worker_id.split("/", 1)[0])
+
+
+class ShardedPath(gradients.GradientPath):
+    """ElasticJob's sharded gradient path (gradients.GradientPath over ShardedGradients).
+
+    Per generation the job calls `bind` (the group), agrees on the replicated
+    state (`capture` / `apply`: progress, buffers, extra state, the optimizer's
+    hyperparameters; the parameters only when no live layout holds them: the first
+    start, a restore), then `reshard`, which plans this generation's layout from
+    its members and moves the optimizer state (and a joiner's parameters) from the
+    old layout's holders (zero.reshard). A planned leaver's chunks move first, over
+    the old group (`hand_over`, from the job's before_group / on_leave hooks).
+    A checkpoint, `fingerprint` and `capture_full` gather the full state: every
+    rank must call them together."""
+
+    gathers = True  # capture_full / fingerprint are collectives
+
+    def __init__(self, shard: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 params: list[torch.Tensor], bucket_mb: float, replicas: int = 1) -> None:
+        if shard not in SHARD_MODES:
+            raise ValueError(f"shard must be one of {SHARD_MODES} (or None for replicated), not {shard!r}")
+        if replicas not in (1, 2):
+            raise ValueError(f"shard_replicas must be 1 or 2, not {replicas!r}")
+        check_optimizer(optimizer)
+        _param_groups_of(params, optimizer)
+        self.shard = shard
+        self.replicas = replicas
+        self._model = model
+        self._opt = optimizer
+        self._params = params
+        self._bucket_mb = bucket_mb
+        self.device = torch.device("cpu")
+        self.sg: ShardedGradients | None = None
+        self.layout: ShardLayout | None = None
+        self.pg = None
+        self.rank = -1
+        self.members: tuple[str, ...] = ()
+        self.abort: threading.Event | None = None
+        self._tail_buf: torch.Tensor | None = None
+        self._max_norm: float | None = None
+        self.grad_norm: float | None = None  # the last step's global norm (clipping), known after step()
+        self._pending_full: dict | None = None  # a full optimizer state (checkpoint) to load at reshard
+        self._peer_members: list[str] | None = None  # the old layout's members, from the state a joiner got
+
+    # -- layout
+    def _layout(self, members) -> ShardLayout:
+        return shard_layout(self._params, self._opt, [member_of(m) for m in members], self.replicas, self._bucket_mb)
+
+    def state_lost(self, lost: tuple[str, ...] | list[str]) -> bool:
+        """True if the crash of `lost` leaves a chunk of the current layout with no
+        live holder (shard_replicas=1): the optimizer state must come from a checkpoint."""
+        lay = self.layout
+        if lay is None or not lost:
+            return False
+        gone = set(lost)
+        return any(all(lay.members[r].id in gone for r in h) for h in lay.holders)
+
+    def hand_over(self, left: tuple[str, ...] | list[str]) -> None:
+        """A planned leave, over the OLD group (every old member calls it, the leavers
+        too): the leavers' chunks move to the survivors' layout before the group goes."""
+        if self.layout is None or self.sg is None or not left or self.pg is None:
+            return
+        ids = list(self.members)
+        survivors = [m for m in ids if m not in set(left)]
+        if not survivors:
+            return
+        inter = self._layout(survivors)
+        me = ids[self.rank]
+        new = None
+        if me in survivors:
+            new = ShardedGradients(self._params, self._opt, inter, survivors.index(me), self.shard)
+            new.bind()
+        reshard(self.layout, inter, self.pg, ids, old=self.sg, new=new, abort=self.abort)
+        self.sg, self.layout = new, (inter if new is not None else None)
+
+    def reshard(self, old_members, new_members) -> None:
+        new_members = list(new_members)
+        new_lay = self._layout(new_members)
+        new = ShardedGradients(self._params, self._opt, new_lay, new_members.index(self.members[self.rank]),
+                               self.shard)
+        full, self._pending_full = self._pending_full, None
+        peers, self._peer_members = self._peer_members, None
+        old_lay = self.layout
+        if old_lay is None and full is None and peers:
+            old_lay = self._layout(peers)  # a joiner: the layout its state came from
+        new.bind()
+        if full is not None:
+            new.load_full_state_dict(full)  # a restore: every rank takes its chunks of the full state
+        elif old_lay is not None:
+            reshard(old_lay, new_lay, self.pg, new_members, old=self.sg, new=new, abort=self.abort)
+        new._pg, new._abort = self.pg, self.abort  # full_state_dict before the first step
+        self.sg, self.layout = new, new_lay
+
+    def memory(self) -> dict[str, int]:
+        return self.sg.memory() if self.sg is not None else {}
+
+    def state_bytes_per_rank(self) -> list[int]:
+        """Optimizer-state bytes each rank of the layout keeps (from the layout: no communication)."""
+        lay, sg = self.layout, self.sg
+        if lay is None or sg is None or sg.steps_taken() == 0:
+            return [0] * (lay.world if lay else 0)
+        per_chunk = sum(lay.shard_len(g) * dtype_named(d).itemsize * len(sg._names(g))
+                        for g, (d, _pg) in enumerate(lay.groups))
+        return [len(lay.held(r)) * per_chunk for r in range(lay.world)]
+
+    # -- the step
+    def begin(self, tail_size: int) -> None:
+        if self._tail_buf is None or self._tail_buf.numel() != tail_size:
+            self._tail_buf = torch.zeros(tail_size, dtype=gradients.TAIL_DTYPE, device=self.device)
+        else:
+            self._tail_buf.zero_()
+        self.sg.begin(self.pg, self.abort)
+
+    def grad_ready(self, index: int, p: torch.Tensor) -> None:
+        if self.sg is not None:
+            self.sg.grad_ready(index, p)
+
+    def end_backward(self) -> None:
+        pass  # ShardedGradients stops launching in finish(); hooks outside begin..finish are ignored there
+
+    def tail(self) -> torch.Tensor:
+        return self._tail_buf
+
+    def finish(self, abort: threading.Event) -> torch.Tensor:
+        try:
+            self.sg.finish()  # the buckets (reduce-scatter / all-reduce), then the tail as its own all-reduce
+            collectives.wait_work(collectives.allreduce_async(self.pg, self._tail_buf), abort)
+        except collectives.Aborted:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken group
+            raise collectives.Aborted(f"a sharded reduction failed: {e}", backend_error=True) from e
+        return self._tail_buf.to("cpu", copy=True)
+
+    def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        pass  # the shard's own optimizer is unscaled in step() (ShardedGradients.step)
+
+    def clip_grad_norm_(self, max_norm: float, abort: threading.Event) -> float:
+        """Deferred to step(): the norm is summed over the shards there (its value: `grad_norm`)."""
+        self._max_norm = max_norm
+        return float("nan")
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: Any, abort: threading.Event) -> bool:
+        max_norm, self._max_norm = self._max_norm, None
+        try:
+            res = self.sg.step(max_norm, scaler)
+        except collectives.Aborted:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise collectives.Aborted(f"a sharded step's collective failed: {e}", backend_error=True) from e
+        self.grad_norm = res.grad_norm
+        return res.skipped
+
+    def zero(self) -> None:
+        if self.sg is not None:
+            self.sg.zero_grad()
+
+    def drop(self) -> None:
+        sg = self.sg
+        if sg is None:
+            return
+        # A collective that never finished may still write into the buffers: fresh ones.
+        sg._works, sg._staging, sg._launching = [], {}, False
+        with torch.no_grad():
+            sg._shard_grads = [torch.zeros_like(t) for t in sg._shard_grads]
+            n = [sg.layout.shard_len(g) for g in range(len(sg._shard_grads))]
+            for g, masters in enumerate(sg._masters):
+                for h, m in enumerate(masters):
+                    m.grad = sg._shard_grads[g][h * n[g]:(h + 1) * n[g]]
+            if sg.shard == "optimizer":
+                sg._grads = [torch.zeros_like(t) for t in sg._grads]
+                for i, p in enumerate(sg.params):
+                    p.grad = sg._param_view(sg._grads, i).view_as(p)
+            else:
+                for p in sg.params:
+                    p.grad = None
+
+    # -- state
+    def _replicated(self, model: torch.nn.Module, with_params: bool) -> dict:
+        params = {id(p) for p in self._params}
+        return {k: v for k, v in model.state_dict(keep_vars=True).items()
+                if with_params or id(v) not in params}
+
+    def capture(self, model, optimizer, progress, extra) -> dict:
+        """What a joiner (or a lagging rank) receives: everything replicated; the
+        parameters only when no live layout holds them (the first start, a restore);
+        the full optimizer state only when it came from a checkpoint."""
+        with_params = self.layout is None or self._pending_full is not None
+        opt = {"state": self._pending_full["state"] if self._pending_full is not None else {},
+               "param_groups": copy.deepcopy(optimizer.state_dict()["param_groups"])}
+        model_sd = {k: v.detach() for k, v in self._replicated(model, with_params).items()}
+        return {"model": model_sd, "optimizer": opt, "extra_state": state_mod.extra_state_dicts(extra),
+                "progress": dict(progress), "rng": state_mod.rng_state(),
+                "zero": {"members": [m.id for m in self.layout.members] if self.layout is not None else None}}
+
+    def apply(self, saved, model, optimizer, extra) -> dict:
+        """Adopt a state: from a peer (no optimizer state: it comes by reshard) or
+        from a checkpoint (a full optimizer state: every rank loads its chunks at reshard)."""
+        opt = saved.get("optimizer") or {}
+        if opt.get("state"):
+            self._pending_full = opt
+        zero = saved.get("zero") or {}
+        self._peer_members = zero.get("members")
+        plain = {**saved, "optimizer": {"state": {}, "param_groups": opt.get("param_groups",
+                                                                               optimizer.state_dict()["param_groups"])}}
+        return state_mod.apply(plain, model, optimizer, extra)
+
+    def capture_full(self, model, optimizer, progress, extra) -> dict:
+        """The whole state as one plain dict (a checkpoint): the optimizer state gathered
+        from the shards. A collective: every rank of the group calls it."""
+        full = self.sg.full_state_dict() if self.sg is not None else optimizer.state_dict()
+        return {"model": model.state_dict(), "optimizer": full, "extra_state": state_mod.extra_state_dicts(extra),
+                "progress": dict(progress), "rng": state_mod.rng_state()}
+
+    def fingerprint(self, model, optimizer, extra) -> str:
+        """Hash of the gathered state (a collective: every rank calls it); identical on every rank."""
+        full = self.sg.full_state_dict() if self.sg is not None and self.pg is not None else optimizer.state_dict()
+        return state_mod.fingerprint_of(model.state_dict(), full["state"], extra)
+
+
+def sharded_path(shard: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 params: list[torch.Tensor], bucket_mb: float, replicas: int = 1) -> ShardedPath:
+    """ElasticJob's gradient path for shard="optimizer" | "gradients" (job._gradient_path)."""
+    return ShardedPath(shard, model, optimizer, params, bucket_mb, replicas)
+

@@ -309,3 +309,31 @@ def test_fp16_grad_scaler_on_cuda_through_a_yield_a_resume_and_an_export():
         out = job.eltctl("down", timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr
         assert job_pids(job.job) == []
+
+
+def test_a_one_gpu_sharded_run_on_nccl_prints_its_cuda_peak(tmp_path):
+    """Sharded training (issue 22) on one GPU: world 1, shard="gradients" (ZeRO-2) on
+    NCCL, AdamW, checkpoints gathered from the shard; the CUDA peak is printed."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "eltctl_runtime").symlink_to(REPO / "runtime")
+    env = {**os.environ, "ELTCTL_STORE": f"127.0.0.1:{store.port}", "ELTCTL_JOB": f"s{uuid.uuid4().hex[:8]}",
+           "ELTCTL_WORKER_ID": "gpu/cuda/0", "ELTCTL_DEVICE": "cuda", "ELTCTL_LOCAL_GPU": "0",
+           "ELTCTL_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(shim), str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = tmp_path / "result.json"
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "runtime" / "shard_worker.py"), "--steps", "30",
+                          "--shard", "gradients", "--hidden", "2048", "--layers", "3", "--samples", "4096",
+                          "--batch", "64", "--bucket-mb", "4", "--checkpoint-every", "10", "--result", str(result)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    r = json.loads(result.read_text())
+    assert r["step"] == 30 and r["world_size"] == 1 and r["loss"] is not None, r
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-"))[-1] == "step-00000030"
+    print(f"sharded (ZeRO-2) one-GPU run on NCCL: loss {r['loss']:.5f}, CUDA peak "
+          f"{r['cuda_peak_bytes'] / 2**20:.1f} MiB (torch.cuda.max_memory_allocated)")

@@ -1,0 +1,86 @@
+"""A sharded training worker for the runtime tests (test_sharded_job.py): the toy
+model of examples/train.py with AdamW or SGD (momentum) and `shard=` / `shard_replicas=`.
+Same flags and files as examples/train.py (runtime_cluster.Cluster's `script`), and
+the final parameters saved next to the result (`<result>.pt`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+import toy  # noqa: E402
+
+import eltctl_runtime as elt  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=480)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--shard", choices=("optimizer", "gradients"), default=None)
+    ap.add_argument("--shard-replicas", type=int, default=1)
+    ap.add_argument("--bucket-mb", type=float, default=0.002)
+    ap.add_argument("--max-grad-norm", type=float, default=None)
+    ap.add_argument("--checkpoint-every", type=int, default=None)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--result", type=Path, default=None)
+    ap.add_argument("--progress", type=Path, default=None)
+    args = ap.parse_args()
+
+    config = elt.RuntimeConfig.from_env()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {config.worker_id} %(levelname)s %(message)s")
+    torch.manual_seed(args.seed)
+    model = toy.make_model(hidden=args.hidden, layers=args.layers, seed=args.seed)
+    if args.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    dataset = toy.make_dataset(n_samples=args.samples)
+    job = elt.ElasticJob(model, optimizer, dataset, global_batch_size=args.batch, seed=args.seed,
+                         max_steps=args.steps, micro_batch_size=args.micro_batch,
+                         checkpoint_every_steps=args.checkpoint_every, config=config, bucket_mb=args.bucket_mb,
+                         max_grad_norm=args.max_grad_norm, balance=False, shard=args.shard,
+                         shard_replicas=args.shard_replicas)
+    loss = None
+    progress = args.progress.open("a", buffering=1) if args.progress else None
+    with job:
+        for batch in job:
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            step_loss = job.step(lambda: toy.loss_fn(model, batch))
+            if step_loss is not None:
+                loss = step_loss
+                if progress:
+                    c = job.last_commit
+                    progress.write(f"{c.step} {c.generation} {c.world_size} {c.time:.6f} {c.loss:.10g}\n")
+        if args.result:
+            fp = job.fingerprint()
+            if not job.left:
+                torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                           str(args.result) + ".pt")
+            args.result.write_text(json.dumps({
+                "worker": config.worker_id, "step": job.step_count, "loss": loss, "rank": job.rank,
+                "world_size": job.world_size, "generation": job.generation, "fingerprint": fp,
+                "left": job.left,
+                "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
