@@ -35,6 +35,7 @@ rendezvous appends).
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -56,6 +57,9 @@ class PgStore(dist.Store):
         self._prefix = prefix
         self._timeout: timedelta | None = None
         self._clones: list[PgStore] = []  # the C++ side holds clones by raw reference
+        # full key -> the raw bytes a `wait` fetched with it, for the `get` that follows
+        self._fetched: dict[str, bytes] = {}
+        self._fetched_lock = threading.Lock()
 
     def _key(self, key: str) -> str:
         return f"{self._prefix}/{key}"
@@ -66,8 +70,15 @@ class PgStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         # SignedStore.get: a forged value is counted and raises ForgedValue (naming the key)
-        # unless this process already verified the key's value (then that value).
-        return self._signed.get(self._key(key))
+        # unless this process already verified the key's value (then that value). The bytes
+        # a `wait` just fetched (gloo waits for each peer's key, then gets it) are checked
+        # the same way, without a second request.
+        full = self._key(key)
+        with self._fetched_lock:
+            raw = self._fetched.pop(full, None)
+        if raw is not None:
+            return self._signed.checked(full, raw)
+        return self._signed.get(full)
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         for key, value in zip(keys, values, strict=True):
@@ -105,7 +116,14 @@ class PgStore(dist.Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         full = [self._key(k) for k in keys]
         timeout = timeout if timeout is not None else self._timeout
-        if timeout is None:
+        fetch = getattr(self._raw, "wait_and_peek", None)
+        if fetch is not None:
+            # The values come with the wait (one round trip): the `get` that follows each
+            # wait in the backends' rendezvous verifies them then (never trusted here).
+            got = fetch(full, timeout)
+            with self._fetched_lock:
+                self._fetched.update((k, v) for k, v in zip(full, got) if v is not None)
+        elif timeout is None:
             self._raw.wait(full)
         else:
             self._raw.wait(full, timeout)
