@@ -76,10 +76,14 @@ def _patch(name, mod):
             _mark("group_end", ops={k: [v[0], round(v[1], 5)] for k, v in _OPS.items()})
             return pg
         mod.make_group = make_group
+        for fn in ("release", "bury", "run_abortable"):
+            if hasattr(mod, fn):
+                setattr(mod, fn, _around(getattr(mod, fn), f"{fn}_start", f"{fn}_end"))
         if hasattr(mod, "verify_pairs"):
             mod.verify_pairs = _around(mod.verify_pairs, "pairs_start", "pairs_end")
     elif name.endswith(".control"):
         cls = mod.ControlThread
+        cls.watch = _around(cls.watch, "watch_start", "watch_end")
         if hasattr(cls, "_set_abort"):
             cls._set_abort = _around(cls._set_abort, "abort_set")
     elif name.endswith(".membership"):
@@ -94,8 +98,13 @@ def _patch(name, mod):
         for n in ("decide", "await_admission"):
             if hasattr(mod, n):
                 setattr(mod, n, getattr(membership, n))
+        if name.endswith(".generation"):
+            mod.Generations.enter = _around(mod.Generations.enter, "enter")
         if name.endswith(".job"):
             cls = mod.ElasticJob
+            for m in ("_switch", "_before_group"):
+                if hasattr(cls, m):
+                    setattr(cls, m, _around(getattr(cls, m), m.strip("_"), m.strip("_") + "_end"))
             cls._planned_change = _around(cls._planned_change, "change")
             cls._drop_step = _around(cls._drop_step, "dropped")
             cls._recover = _around(cls._recover, "recover")
