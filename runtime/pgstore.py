@@ -31,6 +31,11 @@ has no signatures: `pg_store` gives the plain PrefixStore then.
 
 `append` is a read, a concatenation and a signed write: not atomic (neither backend's
 rendezvous appends).
+
+`wait` brings the keys' raw values with it where the store can (storeclient's
+`wait_and_peek`: one round trip) and the `get` that follows (gloo waits for each peer's
+key, then gets it) checks those bytes as it would check a fresh read; a key this store
+writes or deletes meanwhile is read again.
 """
 
 from __future__ import annotations
@@ -66,7 +71,13 @@ class PgStore(dist.Store):
 
     # -- signed values ---------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
+        self._forget(self._key(key))
         self._signed.set(self._key(key), value)
+
+    def _forget(self, full: str) -> None:
+        """A key this store writes or deletes: bytes a wait fetched for it are stale."""
+        with self._fetched_lock:
+            self._fetched.pop(full, None)
 
     def get(self, key: str) -> bytes:
         # SignedStore.get: a forged value is counted and raises ForgedValue (naming the key)
@@ -89,11 +100,13 @@ class PgStore(dist.Store):
 
     def append(self, key: str, value: bytes | str) -> None:
         full = self._key(key)
+        self._forget(full)
         old = self._signed.get(full) if self._raw.check([full]) else b""
         self._signed.set(full, old + (value.encode() if isinstance(value, str) else bytes(value)))
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         full = self._key(key)
+        self._forget(full)
         if not expected:
             return self._signed.compare_set(full, "", desired)
         # A seal is deterministic (an HMAC): the sealed `expected` is what the store holds
@@ -129,6 +142,7 @@ class PgStore(dist.Store):
             self._raw.wait(full, timeout)
 
     def delete_key(self, key: str) -> bool:
+        self._forget(self._key(key))
         return self._raw.delete_key(self._key(key))
 
     def num_keys(self) -> int:
