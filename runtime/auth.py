@@ -332,7 +332,12 @@ class SignedStore:
         self.raw.set(key, self.signer.seal(key, value))
 
     def get(self, key: str) -> bytes:
-        value = self._verified(key, self.raw.get(key))
+        return self.checked(key, self.raw.get(key))
+
+    def checked(self, key: str, raw: bytes) -> bytes:
+        """What `get` returns for `raw`, the bytes just read under `key`: its verified value,
+        else (forged: counted) the key's last verified value, else ForgedValue."""
+        value = self._verified(key, raw)
         if value is not None:
             return value
         with self._lock:

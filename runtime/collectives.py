@@ -104,16 +104,29 @@ def bury(pg, *keep) -> None:
     threading.Thread(target=_hold, args=(pg, keep), name="eltctl-buried-pg", daemon=True).start()
 
 
+# How long a released gloo group is kept before its destructor runs: past the pause (the
+# new group's formation, the state sync and the first steps), so its CPU time is not spent
+# while every rank waits. On a host with few free cores a destructor that ran at once, even
+# on a thread of its own, took that time from the new group's formation (seen: 15-20 ms of
+# a 100 ms join on 2 busy cores). Nothing uses the old group meanwhile.
+RELEASE_DELAY_S = 2.0
+
+
 def release(pg, *keep) -> None:
-    """Drop a cleanly finished group (no work in flight) off the caller's thread: a gloo
-    group's destructor takes 10 to 60 ms (it closes its pairs and joins its threads,
-    without the GIL), which a planned resize would otherwise pause for. `keep`: what must
-    outlive the group (its Python store, pgstore.py)."""
+    """Drop a cleanly finished group (no work in flight) off the caller's thread and after the
+    pause: a gloo group's destructor takes 10 to 60 ms (it closes its pairs and joins its
+    threads, without the GIL), which a planned resize would otherwise pause for. A gloo
+    group goes RELEASE_DELAY_S later; an NCCL one at once (its communicator holds device
+    memory the next one may need). `keep`: what must outlive the group (its Python store,
+    pgstore.py)."""
     if pg is not None:
-        threading.Thread(target=_drop, args=(pg, keep), name="eltctl-old-pg", daemon=True).start()
+        delay = 0.0 if pg.name() == "NCCL" else RELEASE_DELAY_S
+        threading.Thread(target=_drop, args=(pg, keep, delay), name="eltctl-old-pg", daemon=True).start()
 
 
-def _drop(pg, keep) -> None:
+def _drop(pg, keep, delay: float) -> None:
+    if delay > 0:
+        time.sleep(delay)
     del pg  # the thread's own references go when it ends: the destructor runs on it
     del keep
 

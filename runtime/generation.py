@@ -44,7 +44,7 @@ from . import collectives
 from .collectives import Aborted
 from .membership import Plan, Verdict, await_admission, decide, propose, roll_call, scan_joiners
 from .pgstore import pg_store
-from .protocol import EventKind, Keys
+from .protocol import EventKind, Keys, peek_many, set_and_peek
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -52,6 +52,9 @@ log = logging.getLogger("eltctl_runtime")
 # gone), a member silent this long is taken as dead without waiting for the
 # full hang timeout. A host that vanishes has no daemon left to report it.
 CRASH_CONFIRM_S = 2.0
+# How long the roll call sleeps between two looks (each look is one request: the next
+# plan, the members' answers and death reports; was 10 ms with 2 requests per member).
+ROLL_CALL_POLL_S = 0.005
 
 
 class ExcludedFromJob(RuntimeError):
@@ -227,23 +230,31 @@ class Generations:
         g = plan.generation
         limit = min(self._hang_timeout_s, CRASH_CONFIRM_S) if peer_gone else self._hang_timeout_s
         st.compare_set(Keys.abort(g), "", json.dumps({"reason": "error", "worker": self.me}))
-        st.set(Keys.alive(g, self.me), alive)
         collectives.bury(self.pg, self.pg_store)
         self.pg = self.pg_store = None
+        others = [w for w in plan.members if w != self.me]
+        # The roll call in one request per look: the next plan, every other member's answer
+        # and death report (verified values: a forged one reads as missing, counted); the
+        # first look also writes this member's answer (protocol.set_and_peek).
+        keys = [Keys.plan(g + 1)] + [Keys.alive(g, w) for w in others] + [Keys.dead(w) for w in others]
+        values = set_and_peek(st, [(Keys.alive(g, self.me), alive)], keys)
         while True:
-            if st.check([Keys.plan(g + 1)]):
-                return Plan.from_json(st.get(Keys.plan(g + 1)))
+            if values[0] is not None:
+                return Plan.from_json(values[0])
+            answered = dict(zip(others, values[1:1 + len(others)]))
+            dead = dict(zip(others, values[1 + len(others):]))
             verdicts = {w: Verdict.SURVIVOR if w == self.me else roll_call(
-                alive=st.check([Keys.alive(g, w)]), dead=st.check([Keys.dead(w)]),
+                alive=answered[w] is not None, dead=dead[w] is not None,
                 silent_for_s=self._control.silence(w), hang_timeout_s=limit) for w in plan.members}
             if Verdict.UNKNOWN not in verdicts.values():
                 survivors = [w for w in plan.members if verdicts[w] is Verdict.SURVIVOR]
                 lost = [w for w in plan.members if verdicts[w] is Verdict.GONE]
-                crashed = peer_gone or any(st.check([Keys.dead(w)]) for w in lost)
+                crashed = peer_gone or any(dead[w] is not None for w in lost)
                 queue, upto = scan_joiners(st, plan.join_upto)
                 kind = EventKind.CRASH if crashed else EventKind.HANG
                 return decide(st, propose(plan, survivors, queue, upto, self._max_workers, kind, time.time()))
-            time.sleep(0.01)
+            time.sleep(ROLL_CALL_POLL_S)
+            values = peek_many(st, keys)
 
     def done(self) -> None:
         """The job ended for this member (finished, stopped, or the store lost)."""

@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Callable, Iterable
 
 from .auth import ForgedValue, signed
-from .protocol import EventKind, Keys, claim, first_generation, job_prefix, peek, scan, wait_written
+from .protocol import EventKind, Keys, claim, first_generation, job_prefix, peek, peek_many, scan, wait_written
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -166,9 +166,12 @@ def scan_joiners(store, after: int) -> tuple[list[tuple[int, str]], int]:
     joiners reported dead. At most protocol.READ_WINDOW numbers per scan."""
     queue: list[tuple[int, str]] = []
     found, upto = scan(store, Keys.join, after)
-    for seq, raw in found:
-        worker = raw.decode(errors="replace")
-        if read_verified(store, Keys.dead(worker)) is None and all(w != worker for _, w in queue):
+    workers = [raw.decode(errors="replace") for _seq, raw in found]
+    # the death reports of every joiner found, in one request (protocol.peek_many)
+    dead = peek_many(store, [Keys.dead(w) for w in dict.fromkeys(workers)]) if workers else []
+    dead_of = dict(zip(dict.fromkeys(workers), dead))
+    for (seq, _raw), worker in zip(found, workers):
+        if dead_of[worker] is None and all(w != worker for _, w in queue):
             queue.append((seq, worker))
     return queue, upto
 

@@ -31,10 +31,16 @@ has no signatures: `pg_store` gives the plain PrefixStore then.
 
 `append` is a read, a concatenation and a signed write: not atomic (neither backend's
 rendezvous appends).
+
+`wait` brings the keys' raw values with it where the store can (storeclient's
+`wait_and_peek`: one round trip) and the `get` that follows (gloo waits for each peer's
+key, then gets it) checks those bytes as it would check a fresh read; a key this store
+writes or deletes meanwhile is read again.
 """
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -56,18 +62,34 @@ class PgStore(dist.Store):
         self._prefix = prefix
         self._timeout: timedelta | None = None
         self._clones: list[PgStore] = []  # the C++ side holds clones by raw reference
+        # full key -> the raw bytes a `wait` fetched with it, for the `get` that follows
+        self._fetched: dict[str, bytes] = {}
+        self._fetched_lock = threading.Lock()
 
     def _key(self, key: str) -> str:
         return f"{self._prefix}/{key}"
 
     # -- signed values ---------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
+        self._forget(self._key(key))
         self._signed.set(self._key(key), value)
+
+    def _forget(self, full: str) -> None:
+        """A key this store writes or deletes: bytes a wait fetched for it are stale."""
+        with self._fetched_lock:
+            self._fetched.pop(full, None)
 
     def get(self, key: str) -> bytes:
         # SignedStore.get: a forged value is counted and raises ForgedValue (naming the key)
-        # unless this process already verified the key's value (then that value).
-        return self._signed.get(self._key(key))
+        # unless this process already verified the key's value (then that value). The bytes
+        # a `wait` just fetched (gloo waits for each peer's key, then gets it) are checked
+        # the same way, without a second request.
+        full = self._key(key)
+        with self._fetched_lock:
+            raw = self._fetched.pop(full, None)
+        if raw is not None:
+            return self._signed.checked(full, raw)
+        return self._signed.get(full)
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         for key, value in zip(keys, values, strict=True):
@@ -78,11 +100,13 @@ class PgStore(dist.Store):
 
     def append(self, key: str, value: bytes | str) -> None:
         full = self._key(key)
+        self._forget(full)
         old = self._signed.get(full) if self._raw.check([full]) else b""
         self._signed.set(full, old + (value.encode() if isinstance(value, str) else bytes(value)))
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         full = self._key(key)
+        self._forget(full)
         if not expected:
             return self._signed.compare_set(full, "", desired)
         # A seal is deterministic (an HMAC): the sealed `expected` is what the store holds
@@ -105,12 +129,20 @@ class PgStore(dist.Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         full = [self._key(k) for k in keys]
         timeout = timeout if timeout is not None else self._timeout
-        if timeout is None:
+        fetch = getattr(self._raw, "wait_and_peek", None)
+        if fetch is not None:
+            # The values come with the wait (one round trip): the `get` that follows each
+            # wait in the backends' rendezvous verifies them then (never trusted here).
+            got = fetch(full, timeout)
+            with self._fetched_lock:
+                self._fetched.update((k, v) for k, v in zip(full, got) if v is not None)
+        elif timeout is None:
             self._raw.wait(full)
         else:
             self._raw.wait(full, timeout)
 
     def delete_key(self, key: str) -> bool:
+        self._forget(self._key(key))
         return self._raw.delete_key(self._key(key))
 
     def num_keys(self) -> int:

@@ -203,6 +203,17 @@ class _Wire:
         reqs = ([(Op.MULTI_SET, items)] if items else []) + [(Op.PEEK, [_b(k) for k in keys])]
         return _peeked(self.pipeline(reqs)[-1])
 
+    def wait_and_peek(self, keys: list[str], timeout: timedelta | None = None) -> list[bytes | None]:
+        """WAIT for `keys` (`timeout`: the store's when None), then their values as
+        peek_many: one round trip (the server answers a connection's requests in order,
+        so the PEEK sent behind the WAIT is answered once the keys are there)."""
+        wait = self._seconds(timeout)
+        raw = [_b(k) for k in keys]
+        answers = self._exchange([encode(Op.WAIT, [*raw, str(int(wait * 1000)).encode()]),
+                                  encode(Op.PEEK, raw)], wait)
+        self._raise(answers[0], wait)
+        return _peeked(self._raise(answers[1], wait))
+
     def has_extended_api(self) -> bool:
         return True
 
@@ -353,6 +364,17 @@ def _build() -> dict:
                 return fn([(self._full(k), v) for k, v in sets], [self._full(k) for k in keys])
             for k, v in sets:
                 self.set(k, v)
+            return self.peek_many(keys)
+
+        def wait_and_peek(self, keys: list[str], timeout: timedelta | None = None) -> list[bytes | None]:
+            """WAIT for `keys`, then peek_many them: one round trip on a SocketStore."""
+            fn = getattr(self.base, "wait_and_peek", None)
+            if fn is not None:
+                return fn([self._full(k) for k in keys], timeout)
+            if timeout is None:
+                self.wait(keys)
+            else:
+                self.wait(keys, timeout)
             return self.peek_many(keys)
 
 

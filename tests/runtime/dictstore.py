@@ -25,8 +25,10 @@ class DictStore:
         return all(k in self.data for k in keys)
 
     def compare_set(self, key, expected, desired):
+        expected = expected.encode() if isinstance(expected, str) else bytes(expected)
+        desired = desired.encode() if isinstance(desired, str) else bytes(desired)
         cur = self.data.get(key)
-        if (cur is None and expected == "") or cur == expected.encode():
-            self.data[key] = desired.encode()
-            return desired.encode()
-        return cur if cur is not None else expected.encode()
+        if (cur is None and expected == b"") or cur == expected:
+            self.data[key] = desired
+            return desired
+        return cur if cur is not None else expected

@@ -105,6 +105,26 @@ def test_roll_call_adopts_a_plan_another_member_already_decided():
     assert gen.recover(peer_gone=True, alive="0") == theirs
 
 
+def test_the_roll_call_reads_only_verified_answers_plans_and_death_reports():
+    """The roll call reads the next plan and every member's answer and death report at
+    once (one request per look on the keeper's store); each value is still verified: a
+    forged plan, answer or death report reads as missing (counted), never acted on."""
+    from eltctl_runtime import auth
+
+    raw = DictStore()
+    store = auth.signed(raw, "eltctl/j", auth.new_secret(), run="ab")
+    raw.set(Keys.plan(4), Plan(4, ("a",), kind=EventKind.HANG).to_json())  # unsigned: forged
+    raw.set(Keys.alive(3, "c"), "9")
+    raw.set(Keys.dead("c"), "1")
+    store.set(Keys.dead("b"), "1")
+    gen, _ = machine("a", store, Plan(3, ("a", "b", "c")))
+    threading.Timer(0.05, lambda: store.set(Keys.alive(3, "c"), "7")).start()  # c's real answer, later
+    decided = gen.recover(peer_gone=False, alive="7")
+    assert decided.generation == 4 and decided.members == ("a", "c") and decided.lost == ("b",)
+    counts = store.forgeries.counts()
+    assert counts["gen/plan"] >= 1 and counts["gen/alive"] >= 1 and counts["dead"] >= 1, counts
+
+
 def test_a_planned_leaver_leaves_on_entering_the_next_plan():
     gen, hooks = machine("b", DictStore(), Plan(0, ("a", "b")), phase=Phase.CHANGING)
     nxt = Plan(1, ("a",), left=("b",), kind=EventKind.LEAVE)

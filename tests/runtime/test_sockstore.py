@@ -296,3 +296,32 @@ def test_the_plain_client_speaks_the_same_store_without_torch(server):
     assert torch_side.get("a") == b"1" and torch_side.get("s") == b"w"
     assert p.delete_key("a") and not p.check(["a"])
     assert plain.clone().get("job/x/n") == b"2"
+
+
+def test_a_rendezvous_wait_brings_the_value_and_its_get_still_verifies_it(server):
+    """gloo waits for each peer's key, then gets it: PgStore fetches the value with the wait
+    (one round trip: WAIT and PEEK pipelined) and its get checks it as before; a forged
+    value fetched so is refused and counted all the same."""
+    from eltctl_runtime import auth
+    from eltctl_runtime.membership import job_store
+    from eltctl_runtime.pgstore import pg_store
+    from eltctl_runtime.protocol import Keys, job_prefix
+
+    js = job_store(client(server), "j", auth.new_secret())
+    ps = pg_store(js, 4)
+    evil = client(server)
+    ps.set("0/0", b"rank 0's address")
+    evil.set(f"{job_prefix('j')}/{Keys.pg_prefix(4)}/0/1", b"an attacker's address")
+    before = server.stats()["requests"]
+    ps.wait(["0/0", "0/1"])
+    assert server.stats()["requests"] - before == 2  # WAIT and PEEK, sent at once
+    assert ps.get("0/0") == b"rank 0's address"
+    with pytest.raises(auth.ForgedValue, match="0/1"):
+        ps.get("0/1")
+    assert server.stats()["requests"] - before == 2  # both read with the wait
+    assert js.forgeries.counts() == {"gen/pg": 1}
+    with pytest.raises(auth.ForgedValue):  # read again (no fetched bytes left): still refused
+        ps.get("0/1")
+    with pytest.raises(StoreTimeout):
+        ps.wait(["0/2"], timedelta(seconds=0.2))
+    assert ps.get("0/0") == b"rank 0's address"  # the connection stays in step
