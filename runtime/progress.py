@@ -17,9 +17,12 @@ seen half written). Lines::
     {"t": <unix time>, "step": int|null, "loss": float|null, "samples": int|null, "metrics": {...}}
     {"t": <unix time>, "checkpoint": "<path>"}
 
-`report` writes at most one line every REPORT_EVERY_S (the newest values; the
-values of the calls in between are dropped, and `loss` is converted with
-`float()` only when written, so a CUDA tensor costs no sync on the other
+`report` writes at most one line every REPORT_EVERY_S (the newest value of
+each field: a field a call leaves out keeps the value an earlier call since the
+last line gave it, so `report(step=s, samples=n)` at a step's end and
+`report(step=s, loss=l)` when the script logs both reach the line, whichever
+call writes it; the values in between are dropped, and `loss` is converted
+with `float()` only when written, so a CUDA tensor costs no sync on the other
 calls); a report still pending is written at exit. `checkpoint_saved` writes at
 once. `samples` is the job's samples so far (all ranks together, like the
 step); eltctl derives samples/s from it. `samples_per_s=` among the metrics is
@@ -75,7 +78,7 @@ class _Reporter:
             return
         now = time.monotonic()
         with self._lock:
-            self._pending = {"step": step, "loss": loss, "samples": samples, "metrics": dict(metrics)}
+            self._pending = _merged(self._pending, step, loss, samples, metrics)
             if now - self._last_write < REPORT_EVERY_S:
                 if not self._atexit:
                     atexit.register(self.flush)
@@ -98,6 +101,19 @@ class _Reporter:
             return
         self.flush()  # the step this checkpoint belongs to, before it
         _append(path, {"t": time.time(), "checkpoint": os.path.abspath(os.fspath(target))})
+
+
+def _merged(pending: dict[str, Any] | None, step: Any, loss: Any, samples: Any,
+            metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The values not yet written, with one call's on top: a field that call leaves out keeps
+    its value from an earlier call (a Trainer reports the step at a step's end and the loss
+    when it logs, just after: the line must carry both, whichever call writes it)."""
+    out = dict(pending) if pending else {"step": None, "loss": None, "samples": None, "metrics": {}}
+    for key, value in (("step", step), ("loss", loss), ("samples", samples)):
+        if value is not None:
+            out[key] = value
+    out["metrics"] = {**out["metrics"], **metrics}
+    return out
 
 
 _reporter = _Reporter()

@@ -28,7 +28,7 @@ import pytest
 
 from tests.testbed.jobenv import job_env_on, wait_for, worker_pids
 
-pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TOLERANCE = 0.02
 

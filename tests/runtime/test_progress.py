@@ -47,6 +47,25 @@ def test_reports_are_rate_limited_and_the_last_one_and_checkpoints_reach_the_sup
     assert lines[-1]["step"] == 1001 and lines[-1]["loss"] == pytest.approx(0.001)
 
 
+def test_a_line_carries_the_loss_of_a_separate_call_whichever_call_writes_it(tmp_path, monkeypatch):
+    """A Trainer reports the step and samples at a step's end, the loss when it logs just
+    after: the line written at a step's end carries the loss logged since the last line."""
+    path = tmp_path / "progress"
+    monkeypatch.setenv(progress.ENV_PROGRESS, str(path))
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    rep = progress._Reporter()
+    for step in range(1, 31):
+        clock[0] += 0.15  # the step's compute
+        rep.report(step, None, step * 8, {})  # on_step_end: writes when REPORT_EVERY_S has passed
+        clock[0] += 0.001
+        rep.report(step, 1.0 / step, None, {"lr": 0.1})  # on_log, just after
+    lines = ProgressFile(path).poll()
+    assert len(lines) >= 4 and all(ln["step"] is not None and ln["samples"] is not None for ln in lines), lines
+    assert all(ln["loss"] == pytest.approx(1.0 / (ln["step"] - 1)) for ln in lines[1:]), lines  # the step before's
+    assert lines[-1]["metrics"] == {"lr": 0.1}
+
+
 def test_progress_file_reads_only_whole_new_lines_and_rotates(tmp_path, monkeypatch):
     monkeypatch.setattr(progress, "ROTATE_BYTES", 100)
     path = tmp_path / "p"

@@ -82,13 +82,19 @@ def worker_pids(job: str) -> dict[str, int]:
     return out
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5, stalled=None):
+    """Poll `predicate` until it returns something true (returned) or `timeout` s pass;
+    `stalled()`, if given, true ends the wait early (no progress: waiting longer is no use)."""
+    start = time.monotonic()
+    deadline = start + timeout
     last = None
     while time.monotonic() < deadline:
         last = predicate()
         if last:
             return last
+        if stalled is not None and stalled():
+            raise AssertionError(f"no progress after {time.monotonic() - start:.0f} s waiting for {what} "
+                                 f"(last: {last!r})")
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
 
