@@ -858,3 +858,36 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     if new is not None:
         new._set_state(step, new_state)
         new._refresh_masters()
+
+
+# ---------------------------------------------------------------------------- sharded checkpoints
+# (runtime/checkpoint.py writes and reads the files; these take a rank's part and the facts that
+# rebuild the full state from the parts without torch.distributed.)
+
+SHARD_FILE_FORMAT = "eltctl-zero-shard/1"
+
+
+def checkpoint_shard(sg: ShardedGradients) -> dict[str, Any]:
+    """This rank's PRIMARY chunk's optimizer state, cloned to CPU (consistent with the step
+    just taken): `{"format", "chunk", "state": [per group {name: tensor}]}`. Backups are not
+    saved: the primaries of all ranks cover every chunk once."""
+    step = sg.steps_taken()
+    state = [({k: v.detach().to("cpu", copy=True) for k, v in sg._chunk_state(g, 0).items()} if step else {})
+             for g in range(len(sg._masters))]
+    return {"format": SHARD_FILE_FORMAT, "chunk": sg.rank, "state": state}
+
+
+def checkpoint_layout(sg: ShardedGradients) -> dict[str, Any]:
+    """Plain JSON facts (the layout, the optimizer's step count, the state names per group,
+    each parameter's index in the script's optimizer and its shape) from which the full
+    optimizer state is rebuilt out of the shard files (checkpoint.assemble_optimizer)."""
+    step = sg.steps_taken()
+    return {"format": FORMAT, "layout": json.loads(sg.layout.to_json()), "step": step,
+            "adamw": isinstance(sg.optimizer, torch.optim.AdamW),
+            "names": [list(sg._names(g)) if step else [] for g in range(len(sg.layout.groups))],
+            "params": [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]}
+
+
+def checkpoint_param_groups(sg: ShardedGradients) -> list[dict[str, Any]]:
+    """The script's optimizer's param_groups (hyperparameters), as its state_dict() gives them."""
+    return copy.deepcopy(sg.optimizer.state_dict()["param_groups"])
