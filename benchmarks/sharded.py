@@ -271,6 +271,10 @@ def eltctl_shard_support() -> str | None:
         return f"eltctl_runtime.job does not import: {exc}"
     if "shard" not in inspect.signature(ElasticJob).parameters:
         return "ElasticJob has no shard= in this tree (issue 22's job wiring is not merged)"
+    from eltctl_runtime import zero
+
+    if not hasattr(zero, "sharded_path"):
+        return "ElasticJob(shard=...) is refused in this tree: zero.sharded_path (the job's sharded gradient path) is not merged"
     train = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train.py")
     with open(train, encoding="utf-8") as f:
         if '"--shard"' not in f.read():

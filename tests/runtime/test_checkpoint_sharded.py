@@ -183,3 +183,14 @@ def test_a_writer_killed_before_the_rename_leaves_no_step_directory(tmp_path):
     store = ckpt.CheckpointStore(ckpts)
     assert store.list() == [] and store.latest_valid() is None
     assert list(ckpts.iterdir()) == []  # the writer is dead: its leftovers are swept
+
+
+def test_the_mirror_reads_every_shard_file_from_the_manifest(written):
+    """The mirror copies and verifies what the manifest lists (eltctl/mirror/manifests.py):
+    a sharded step directory goes whole, and its MAC (over the manifest) covers every shard."""
+    from eltctl.mirror.manifests import manifest_files
+
+    step_dir, _ref = written
+    step, _created, files = manifest_files((step_dir / "manifest.json").read_text(), step_dir.name)
+    assert step == STEPS
+    assert sorted(f[0] for f in files) == sorted(p.name for p in step_dir.iterdir() if p.name != "manifest.json")
