@@ -39,6 +39,12 @@ goes on with the previous checkpoint still in place.
 
 One store (one process) writes a given directory; readers may be many.
 
+Sharded optimizer state (ZeRO, zero.py) is checkpointed with `save_sharded`, called
+by every rank: one file per rank's chunk in the same step directory, listed in the
+same manifest (plus a "sharded" entry: the layout), committed as one; readers get
+the full optimizer state rebuilt from the files (`assemble_optimizer`). See the
+section near the end of this module.
+
 `load_checkpoint(path)` returns a checkpoint's state as plain data (`model`,
 `optimizer`, `extra_state`, `step`, `epoch`) and `export_checkpoint(path, out)`
 writes that into one file that `torch.load(out, weights_only=True)` opens
