@@ -194,3 +194,27 @@ def test_the_mirror_reads_every_shard_file_from_the_manifest(written):
     step, _created, files = manifest_files((step_dir / "manifest.json").read_text(), step_dir.name)
     assert step == STEPS
     assert sorted(f[0] for f in files) == sorted(p.name for p in step_dir.iterdir() if p.name != "manifest.json")
+
+
+def test_staged_files_survive_cleanup_until_written_and_go_with_a_superseded_request(tmp_path):
+    """No processes: the store's side of a sharded write."""
+    store = ckpt.CheckpointStore(tmp_path / "c", keep=2)
+    with store._cond:  # hold the writer back: both requests wait, the second supersedes the first
+        store._writing = True
+    a = store.stage(1, "shard00000", {"x": torch.ones(3)})
+    store.cleanup()  # a write in flight: nothing is swept (and a staged file is never swept)
+    assert a[0].exists()
+    store.save_async_files(1, {"progress": {"step": 1, "epoch": 0}}, [("optimizer-00000-of-00001.pt", *a)])
+    assert a[0].exists()
+    b = store.stage(2, "shard00000", {"x": torch.zeros(3)})
+    store.save_async_files(2, {"progress": {"step": 2, "epoch": 0}}, [("optimizer-00000-of-00001.pt", *b)])
+    assert not a[0].exists() and b[0].exists()  # the superseded request's file went with it
+    with store._cond:
+        store._writing = False
+        store._cond.notify_all()
+    store.close()
+    assert store.last_error is None
+    (info,) = store.list()
+    assert info.step == 2 and ckpt.check_dir(info.path)
+    assert sorted(p.name for p in info.path.iterdir()) == ["manifest.json", "optimizer-00000-of-00001.pt", "state.pt"]
+    assert [p.name for p in (tmp_path / "c").iterdir()] == [info.path.name]
