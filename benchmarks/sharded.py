@@ -242,7 +242,8 @@ def measure_zero_torchrun(world: int = 2, ckpt_every: int = 5, cap_s: float = 30
     try:
         res = _baselines.measure_torchrun(
             EVENTS, nodes=world, min_nodes=1, max_nodes=world + 1, ckpt_every=ckpt_every, event_cap_s=cap_s,
-            settle_steps=3, steady_steps=steady_steps, resumed_steps=2, event_phase=ckpt_every // 2)
+            settle_steps=3, steady_steps=max(steady_steps, ckpt_every + 1), resumed_steps=2,
+            event_phase=ckpt_every // 2, keep_workdir=bool(os.environ.get("ELTCTL_BENCH_KEEP")))
     finally:
         _baselines.WORKER = saved_worker
         if saved_env is None:

@@ -1121,3 +1121,32 @@ def load_state(path: Path | str) -> dict:
 def is_sharded(path: Path | str) -> bool:
     """True if a checkpoint directory holds sharded optimizer state (its manifest says so)."""
     return read_manifest(Path(path)).get("sharded") is not None
+
+
+def restore_sharded(path: Path | str, sg: Any) -> dict:
+    """Restore a rank's sharded optimizer state from a checkpoint directory, under the
+    rank's own layout (any world size, shard setting, replicas). From a sharded checkpoint
+    only the element ranges of the rank's held chunks are read from the memory-mapped shard
+    files (no full state is built); from a plain one, its chunks of the full state. Not
+    verified here (check_dir first, as latest_valid does). Returns state.pt's state (its
+    "optimizer" as stored: the param_groups alone for a sharded checkpoint)."""
+    import torch
+
+    from . import zero
+
+    path = Path(path)
+    m = read_manifest(path)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    sharded = m.get("sharded")
+    if sharded is None:
+        sg.load_full_state_dict(state["optimizer"])
+        return state
+    shards = []
+    if sharded["step"]:
+        for j, fname in enumerate(sharded["files"]):
+            sd = torch.load(path / fname, map_location="cpu", weights_only=True, mmap=True)
+            if not isinstance(sd, dict) or sd.get("chunk") != j:
+                raise InvalidCheckpoint(f"{path}: {fname} is not the shard of chunk {j}")
+            shards.append(sd["state"])
+    zero.load_checkpoint_chunks(sg, sharded, shards, state["optimizer"]["param_groups"])
+    return state

@@ -891,3 +891,43 @@ def checkpoint_layout(sg: ShardedGradients) -> dict[str, Any]:
 def checkpoint_param_groups(sg: ShardedGradients) -> list[dict[str, Any]]:
     """The script's optimizer's param_groups (hyperparameters), as its state_dict() gives them."""
     return copy.deepcopy(sg.optimizer.state_dict()["param_groups"])
+
+
+def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards: list[list[dict[str, torch.Tensor]]],
+                           param_groups: list[dict[str, Any]]) -> None:
+    """Load this rank's chunks (under ITS layout, any world size) straight from a sharded
+    checkpoint's per-chunk states (`shards[j]`: chunk j's [per group {name: tensor}], e.g.
+    memory-mapped files), copying only the element ranges its held chunks need: no full
+    state is built. `sharded`: the manifest's entry (checkpoint_layout)."""
+    old = ShardLayout.from_json(json.dumps(sharded["layout"]))
+    new = sg.layout
+    if sharded["params"] != [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]:
+        raise ValueError("the checkpoint was written for other parameters (order, shapes or optimizer)")
+    sg.optimizer.load_state_dict({"state": {}, "param_groups": param_groups})
+    step = int(sharded["step"])
+    old_bucket = {i: b for b, bk in enumerate(old.buckets) for i in bk.params}
+    new_bucket = {i: b for b, bk in enumerate(new.buckets) for i in bk.params}
+    old_off, new_off = old.chunk_offsets(), new.chunk_offsets()
+    tensors: list[list[dict[str, torch.Tensor]]] = []
+    for g in range(len(new.groups)):
+        dtype = dtype_named(new.groups[g][0])
+        tensors.append([{k: torch.zeros(new.shard_len(g), dtype=dtype, device=sg.device) for k in sg._names(g)}
+                        for _ in sg._held] if step else [{} for _ in sg._held])
+    if step:
+        for i, (os_, ns) in enumerate(zip(old.slots, new.slots)):
+            ob, nb = old.buckets[old_bucket[i]], new.buckets[new_bucket[i]]
+            o_at, n_at = os_.offset - ob.start, ns.offset - nb.start  # bucket-local starts
+            names = sharded["names"][os_.group]
+            for h, j in enumerate(sg._held):
+                lo, hi = max(n_at, j * nb.chunk), min(n_at + ns.numel, (j + 1) * nb.chunk)
+                k = lo - n_at
+                while k < hi - n_at:
+                    q = o_at + k
+                    jo = q // ob.chunk
+                    take = min(hi - n_at - k, (jo + 1) * ob.chunk - q)
+                    src = old_off[old_bucket[i]] + q - jo * ob.chunk
+                    dst = new_off[new_bucket[i]] + n_at + k - j * nb.chunk
+                    for name in names:
+                        tensors[ns.group][h][name][dst:dst + take].copy_(shards[jo][os_.group][name][src:src + take])
+                    k += take
+    sg._set_state(step, tensors)

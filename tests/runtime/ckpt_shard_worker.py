@@ -50,14 +50,14 @@ def batch(step: int):
 def main() -> int:
     import faulthandler
 
-    faulthandler.dump_traceback_later(100, exit=True)  # a hung rank says where
+    faulthandler.dump_traceback_later(400, exit=True)  # a hung rank says where
     store_path, ckpt_dir, out, rank, world, shard, replicas, hosts, steps = sys.argv[1:10]
     torn = sys.argv[10:] == ["torn"]
     rank, world, replicas, steps = int(rank), int(world), int(replicas), int(steps)
     hosts = hosts.split(",")
     torch.set_num_threads(1)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=60)
+    opts._timeout = timedelta(seconds=300)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     pg = dist.ProcessGroupGloo(dist.PrefixStore("g", dist.FileStore(store_path, world)), rank, world, opts)
     model = Net()
