@@ -3,10 +3,21 @@
     .venv/bin/python benchmarks/sharded.py [--json] [--worlds 2 4] [--steps 3] [--batch 4] [--layers 12]
 
 This drives `eltctl_runtime.zero` directly, in plain worker processes on one
-gloo group per configuration (spawned, a FileStore, one torch thread each): the
-job integration (`ElasticJob(shard=...)`) comes later, and so do the pause per
-leave / join / SIGKILL and the ZeroRedundancyOptimizer + torchrun baseline that
-issue 22 also asks for.
+gloo group per configuration (spawned, a FileStore, one torch thread each).
+
+`--baseline zero-torchrun` adds the pause baseline issue 22 compares against:
+a ZeroRedundancyOptimizer (AdamW) + DDP job on the same model, under torchrun
+(torch.distributed.run, --nnodes MIN:MAX, c10d rendezvous on localhost, elastic,
+--max-restarts), one agent per simulated node, started at `--baseline-world`
+(2) agents, through a planned leave (SIGTERM to an agent), a join (a new
+agent) and a crash (SIGKILL of a worker); for each, the pause from the last step
+of the old worker generation to the first step of the new one, and the steps
+redone (benchmarks/_baselines.py drives the job; benchmarks/baselines/zero_worker.py
+is the worker: a consolidated checkpoint every `--baseline-ckpt-every` steps).
+Beside it, the same events on eltctl (`ElasticJob(shard=...)`, sharded and
+replicated, benchmarks/_eltctl_side.py), when this tree's ElasticJob and
+examples/train.py take `shard=` / `--shard`; otherwise that part says "not
+available" and why. `--worlds` with no value skips the memory/step-time part.
 
 The model is an MLP of `--layers` Linear(2048, 2048) layers (12: about 50 M
 parameters) with AdamW, where the optimizer state dominates. For each world
@@ -212,16 +223,136 @@ def measure(worlds: list[int], steps: int, batch: int, layers: int, progress=pri
     return result
 
 
+# ---------------------------------------------------------------------------- pauses
+
+EVENTS = ("leave", "join", "kill")
+
+
+def measure_zero_torchrun(world: int = 2, ckpt_every: int = 5, cap_s: float = 300.0, layers: int = 12,
+                          steady_steps: int = 6, progress=print) -> dict[str, Any]:
+    """The ZeroRedundancyOptimizer + DDP job under torchrun through a leave, a join and a SIGKILL
+    (from `world` agents: world -> world-1 -> world -> world), with each event's pause."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _baselines
+
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines", "zero_worker.py")
+    saved_worker, saved_env = _baselines.WORKER, os.environ.get("ELTCTL_ZERO_LAYERS")
+    _baselines.WORKER = _baselines.Path(worker)  # same command line and step log as ddp_worker.py
+    os.environ["ELTCTL_ZERO_LAYERS"] = str(layers)
+    try:
+        res = _baselines.measure_torchrun(
+            EVENTS, nodes=world, min_nodes=1, max_nodes=world + 1, ckpt_every=ckpt_every, event_cap_s=cap_s,
+            settle_steps=3, steady_steps=max(steady_steps, ckpt_every + 1), resumed_steps=2,
+            event_phase=ckpt_every // 2, keep_workdir=bool(os.environ.get("ELTCTL_BENCH_KEEP")))
+    finally:
+        _baselines.WORKER = saved_worker
+        if saved_env is None:
+            os.environ.pop("ELTCTL_ZERO_LAYERS", None)
+        else:
+            os.environ["ELTCTL_ZERO_LAYERS"] = saved_env
+    res["system"] = "torchrun c10d elastic, DDP + ZeroRedundancyOptimizer(AdamW)"
+    res["settings"] |= {"model": f"MLP {layers} x Linear({WIDTH}, {WIDTH})", "parameters": layers * (WIDTH * WIDTH + WIDTH),
+                        "batch_per_rank": int(os.environ.get("ELTCTL_ZERO_BATCH", "4")),
+                        "checkpoint": "consolidate_state_dict(to=0) + torch.save by rank 0"}
+    res["settings"].pop("global_batch", None)
+    res["pauses_s"] = {e["event"]: e.get("pause_s") for e in res.get("events", [])}
+    for e in res.get("events", []):
+        progress(f"zero-torchrun {e['event']}: pause {e.get('pause_s')} s, world {e.get('old_world')} -> "
+                 f"{e.get('new_world')}, steps redone {e.get('steps_lost')}" + (f" ({e['error']})" if e.get("error") else ""))
+    return res
+
+
+def eltctl_shard_support() -> str | None:
+    """None if this tree's ElasticJob takes shard= and examples/train.py --shard, else why not."""
+    import inspect
+
+    try:
+        from eltctl_runtime.job import ElasticJob
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"eltctl_runtime.job does not import: {exc}"
+    if "shard" not in inspect.signature(ElasticJob).parameters:
+        return "ElasticJob has no shard= in this tree (issue 22's job wiring is not merged)"
+    from eltctl_runtime import zero
+
+    if not hasattr(zero, "sharded_path"):
+        return "ElasticJob(shard=...) is refused in this tree: zero.sharded_path (the job's sharded gradient path) is not merged"
+    train = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train.py")
+    with open(train, encoding="utf-8") as f:
+        if '"--shard"' not in f.read():
+            return "examples/train.py has no --shard option"
+    return None
+
+
+def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0, progress=print) -> dict[str, Any]:
+    """eltctl through the same events (leave, join, SIGKILL) at `world`, sharded (each shard
+    setting, shard_replicas 1 and 2) and replicated, on the same MLP; "not available" (with
+    the reason) where the job does not take shard= yet."""
+    why = eltctl_shard_support()
+    if why is not None:
+        progress(f"eltctl pauses: not available: {why}")
+        return {"available": False, "reason": why}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _eltctl_side
+
+    base = ("--batch", str(4 * world), "--optimizer", "adamw", "--hidden", str(WIDTH), "--layers", str(layers),
+            "--steps", "1000000")
+    out: dict[str, Any] = {"available": True, "runs": {}}
+    for name, extra in [("replicated", ()), ("optimizer-r1", ("--shard", "optimizer")),
+                        ("gradients-r1", ("--shard", "gradients")),
+                        ("gradients-r2", ("--shard", "gradients", "--shard-replicas", "2"))]:
+        try:
+            r = _eltctl_side.measure_eltctl(EVENTS, nodes=world, settle_steps=3, resumed_steps=2, event_cap_s=cap_s,
+                                            worker_args=base + extra)
+            out["runs"][name] = {"pauses_s": {e["event"]: e.get("pause_s") for e in r["events"]}, "events": r["events"]}
+        except Exception as exc:  # noqa: BLE001 - one configuration failing does not hide the others
+            out["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        progress(f"eltctl {name}: {out['runs'][name].get('pauses_s', out['runs'][name].get('error'))}")
+    return out
+
+
+def pause_comparison(eltctl: dict[str, Any], torchrun: dict[str, Any]) -> dict[str, Any]:
+    """Per event: each sharded run's pause against replicated (target <= 2x) and against the
+    torchrun ZeRO job (target: >= 20x shorter)."""
+    if not eltctl.get("available"):
+        return {"available": False, "reason": eltctl.get("reason")}
+    rep = (eltctl["runs"].get("replicated") or {}).get("pauses_s") or {}
+    tr = torchrun.get("pauses_s") or {}
+    out: dict[str, Any] = {}
+    for name, run in eltctl["runs"].items():
+        if name == "replicated" or "pauses_s" not in run:
+            continue
+        for ev, p in run["pauses_s"].items():
+            row: dict[str, Any] = {"pause_s": p}
+            if p and rep.get(ev):
+                row["vs_replicated"] = round(p / rep[ev], 3)
+                row["vs_replicated_on_target"] = p / rep[ev] <= 2.0
+            if p and tr.get(ev):
+                row["torchrun_over_eltctl"] = round(tr[ev] / p, 1)
+                row["torchrun_on_target"] = tr[ev] / p >= 20.0
+            out[f"{name}/{ev}"] = row
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--worlds", type=int, nargs="*", default=[2, 4], help="none: skip the memory / step-time part")
+    ap.add_argument("--baseline", choices=("zero-torchrun",), default=None,
+                    help="also measure pauses: the ZeroRedundancyOptimizer + DDP job under torchrun, and eltctl's")
+    ap.add_argument("--baseline-world", type=int, default=2)
+    ap.add_argument("--baseline-ckpt-every", type=int, default=5, help="steps between the baseline's checkpoints")
+    ap.add_argument("--baseline-cap", type=float, default=300.0, help="seconds each event may take at most")
     ap.add_argument("--steps", type=int, default=3, help="steps per configuration (the first is not timed)")
     ap.add_argument("--batch", type=int, default=4, help="samples per rank per step")
     ap.add_argument("--layers", type=int, default=12, help="Linear(2048, 2048) layers (12: about 50 M parameters)")
     args = ap.parse_args()
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     result = measure(args.worlds, args.steps, args.batch, args.layers, log)
+    if args.baseline == "zero-torchrun":
+        tr = measure_zero_torchrun(args.baseline_world, args.baseline_ckpt_every, args.baseline_cap, args.layers,
+                                   progress=log)
+        el = measure_eltctl_pauses(args.baseline_world, args.layers, args.baseline_cap, progress=log)
+        result["pauses"] = {"zero_torchrun": tr, "eltctl": el, "comparison": pause_comparison(el, tr)}
     if args.json:
         print(json.dumps(result, indent=2))
     return 0

@@ -39,6 +39,12 @@ goes on with the previous checkpoint still in place.
 
 One store (one process) writes a given directory; readers may be many.
 
+Sharded optimizer state (ZeRO, zero.py) is checkpointed with `save_sharded`, called
+by every rank: one file per rank's chunk in the same step directory, listed in the
+same manifest (plus a "sharded" entry: the layout), committed as one; readers get
+the full optimizer state rebuilt from the files (`assemble_optimizer`). See the
+section near the end of this module.
+
 `load_checkpoint(path)` returns a checkpoint's state as plain data (`model`,
 `optimizer`, `extra_state`, `step`, `epoch`) and `export_checkpoint(path, out)`
 writes that into one file that `torch.load(out, weights_only=True)` opens
@@ -219,6 +225,16 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     ):
         raise InvalidCheckpoint(f"{path}: {MANIFEST_FILE} lacks step, created or files[{STATE_FILE}] size/sha256")
+    sharded = m.get("sharded")
+    if sharded is not None and not (
+        isinstance(sharded, dict) and isinstance(sharded.get("layout"), dict) and isinstance(sharded.get("step"), int)
+        and isinstance(sharded.get("files"), list) and isinstance(sharded.get("params"), list)
+        and isinstance(sharded.get("names"), list)
+        and len(sharded["files"]) == len(sharded["layout"].get("members") or ())
+        and all(isinstance(f, str) and f in files for f in sharded["files"])
+    ):
+        raise InvalidCheckpoint(f"{path}: {MANIFEST_FILE} has a malformed \"sharded\" entry (a shard file "
+                                "per member of its layout, each listed in files)")
     named = parse_step_dirname(path.name)
     if named is not None and named != m["step"]:
         raise InvalidCheckpoint(f"{path}: directory is named for step {named} but the manifest says {m['step']}")
@@ -313,6 +329,11 @@ class _Request:
     state: Any
     created: float
     meta: dict | None = None  # written as the manifest's "meta" (restart mode: the script's step)
+    # A sharded checkpoint: files already written and hashed beside the directory
+    # (name in the step dir, staged path, size, sha256), moved in by the write; and the
+    # manifest's "sharded" entry.
+    staged: tuple[tuple[str, Path, int, str], ...] = ()
+    sharded: dict | None = None
 
 
 class CheckpointStore:
@@ -351,6 +372,7 @@ class CheckpointStore:
         self._last_committed: CheckpointInfo | None = None
         self._superseded = 0
         self._failures = 0
+        self._staged: set[Path] = set()  # shard files staged for a write: cleanup leaves them
 
     # -- status ------------------------------------------------------------
 
@@ -396,6 +418,7 @@ class CheckpointStore:
                     self._pending.step, self.directory, step,
                 )
                 self._superseded += 1
+                self._discard(self._pending)
             self._pending = req
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -403,6 +426,66 @@ class CheckpointStore:
                 )
                 self._thread.start()
             self._cond.notify_all()
+
+    def save_async_files(self, step: int, state: dict, staged: Iterable[tuple[str, Path, int, str]],
+                         sharded: dict | None = None, meta: dict | None = None) -> None:
+        """As save_async, with files already written and hashed by `stage` (or by a rank on
+        this host: `write_staged`) that the write moves into the step directory and lists in
+        the manifest, with `sharded` as its "sharded" entry. Used by `save_sharded`."""
+        staged = tuple((n, Path(p), int(size), str(sha)) for n, p, size, sha in staged)
+        with self._cond:
+            self._staged.update(p for _n, p, _s, _h in staged)
+        try:
+            step_dirname(step)
+            if self._closed:
+                raise RuntimeError(f"checkpoint store {self.directory} is closed")
+            req = _Request(step, snapshot(state), time.time(), dict(meta) if meta else None, staged,
+                           dict(sharded) if sharded is not None else None)
+        except BaseException:
+            self._discard(_Request(step, None, 0.0, staged=staged))
+            raise
+        with self._cond:
+            if self._closed:
+                self._discard(req)
+                raise RuntimeError(f"checkpoint store {self.directory} is closed")
+            if self._pending is not None:
+                log.info("Checkpoint of step %d in %s superseded by step %d before it was written.",
+                         self._pending.step, self.directory, step)
+                self._superseded += 1
+                self._discard(self._pending)
+            self._pending = req
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"checkpoint-writer:{self.directory.name}", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def stage(self, step: int, tag: str, obj: Any = None, data: Any = None) -> tuple[Path, int, str]:
+        """Write one file of a coming sharded checkpoint beside the directory (torch.save of
+        `obj`, or the bytes `data`), fsynced and hashed: (path, size, sha256). Cleanup leaves
+        it alone until save_async_files takes it (or `unstage`)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = _staged_path(self.directory, step, tag)
+        with self._cond:
+            self._staged.add(path)
+        try:
+            return _write_file(path, obj, data)
+        except BaseException:
+            self.unstage([path])
+            raise
+
+    def unstage(self, paths: Iterable[Path]) -> None:
+        """Remove staged files that will not be written after all."""
+        for p in paths:
+            with self._cond:
+                self._staged.discard(Path(p))
+            Path(p).unlink(missing_ok=True)
+
+    def _discard(self, req: _Request) -> None:
+        """A request that will not be written: its staged files go."""
+        if req.staged:
+            self.unstage(p for _n, p, _s, _h in req.staged)
 
     def save(self, step: int, state: dict) -> CheckpointInfo:
         """Write `state` as `step` now, on the caller's thread; raises CheckpointError on failure.
@@ -419,6 +502,7 @@ class CheckpointStore:
                     self._pending.step, self.directory, step,
                 )
                 self._superseded += 1
+                self._discard(self._pending)
                 self._pending = None
             while self._writing:
                 self._cond.wait()
@@ -452,6 +536,7 @@ class CheckpointStore:
                 log.warning(
                     "Checkpoint of step %d in %s dropped unwritten at close.", self._pending.step, self.directory
                 )
+                self._discard(self._pending)
                 self._pending = None
             self._cond.notify_all()
             thread = self._thread
@@ -494,9 +579,20 @@ class CheckpointStore:
         sink: _HashingWriter | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._cleanup_tmp(exclude=None)
             self._writing_tmp = tmp
             tmp.mkdir()
+            files = {}
+            for name, staged, size, sha in req.staged:
+                if name in (STATE_FILE, MANIFEST_FILE) or "/" in name or name in files:
+                    raise ValueError(f"a staged file may not be named {name!r}")
+                os.rename(staged, tmp / name)  # same filesystem: the shard's bytes stay where they were written
+                with self._cond:
+                    self._staged.discard(staged)
+                on_disk = (tmp / name).stat().st_size
+                if on_disk != size:
+                    raise OSError(errno.EIO, f"{name} has {on_disk} bytes on disk, its writer wrote {size}")
+                files[name] = {"size": size, "sha256": sha}
+            self._cleanup_tmp(exclude=tmp)
             with open(tmp / STATE_FILE, "wb") as f:
                 sink = _HashingWriter(f)
                 torch.save(req.state, sink)
@@ -511,10 +607,12 @@ class CheckpointStore:
                 "step": req.step,
                 "created": req.created,
                 "torch": torch.__version__,
-                "files": {STATE_FILE: {"size": sink.size, "sha256": sink.sha256.hexdigest()}},
+                "files": {STATE_FILE: {"size": sink.size, "sha256": sink.sha256.hexdigest()}, **files},
             }
             if req.meta:
                 manifest["meta"] = req.meta
+            if req.sharded is not None:
+                manifest["sharded"] = req.sharded
             with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
                 f.write("\n")
@@ -530,6 +628,7 @@ class CheckpointStore:
             msg = f"checkpoint of step {req.step} in {self.directory} failed: {type(exc).__name__}: {exc}"
             log.error("%s; the previous checkpoints are kept, training goes on.", msg)
             shutil.rmtree(tmp, ignore_errors=True)
+            self._discard(req)
             with self._cond:
                 self._last_error = msg
                 self._failures += 1
@@ -584,6 +683,9 @@ class CheckpointStore:
         for p in entries:
             if not p.name.startswith(TMP_PREFIX) or p == exclude or p == self._writing_tmp:
                 continue
+            with self._cond:
+                if p in self._staged:
+                    continue  # a shard file staged for a write not started yet
             owner = tmp_owner_pid(p.name)
             if owner is not None and owner != os.getpid() and pid_alive(owner):
                 continue  # some other live process is writing it
@@ -639,10 +741,9 @@ class CheckpointStore:
         return checked is not None and checked.sha256 == info.sha256 and checked.size == info.size
 
     def load(self, info: CheckpointInfo) -> dict:
-        """Load a checkpoint's state (weights_only, to CPU) without verifying it."""
-        import torch
-
-        return torch.load(info.state_file, map_location="cpu", weights_only=True)
+        """Load a checkpoint's state (weights_only, to CPU) without verifying it. A sharded
+        checkpoint's "optimizer" is the full state dict rebuilt from its shard files."""
+        return load_state(info.path)
 
     def latest_valid(self) -> tuple[CheckpointInfo, dict] | None:
         """The newest checkpoint that verifies and loads, with its state; older ones if newer are bad."""
@@ -693,11 +794,11 @@ def _exported(state: Mapping[str, Any], where: Path) -> dict[str, Any]:
 
 
 def _load_verified(path: Path) -> dict[str, Any]:
-    import torch
-
     check_dir(path)
     try:
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        state = load_state(path)
+    except InvalidCheckpoint:
+        raise
     except Exception as exc:  # any unreadable payload is an invalid checkpoint
         raise InvalidCheckpoint(f"{path}: {STATE_FILE} does not load: {exc}") from exc
     return _exported(state, path)
@@ -762,3 +863,290 @@ def export_checkpoint(path: Path | str, out: Path | str, step: int | None = None
         raise
     fsync_dir(out.parent if str(out.parent) else ".")
     return {"step": state["step"], "epoch": state["epoch"], "out": str(out), "size": out.stat().st_size}
+
+
+# ---------------------------------------------------------------------------
+# Sharded optimizer state (ZeRO, runtime/zero.py): one file per chunk, one manifest
+#
+#   step-00001234/
+#     state.pt                   the job's state; its "optimizer" holds only param_groups
+#     optimizer-00000-of-00004.pt ... one per rank of the layout: that rank's primary chunk
+#                                (zero.checkpoint_shard), written by the rank itself when it is
+#                                on the writer's host, else sent to the writer (point-to-point)
+#     manifest.json              every file's size and sha256, and "sharded": the layout and
+#                                the facts that rebuild the full state (zero.checkpoint_layout)
+#
+# The directory commits as one (the writer renames it into place after every file is in
+# it), so verification, mirroring and signing treat it like any checkpoint: the mirror
+# copies every file the manifest lists and the MAC covers the manifest, which holds
+# every file's sha256. Readers (load_checkpoint, export_checkpoint, CheckpointStore.load)
+# get one plain full optimizer state dict, rebuilt here with torch alone (no process
+# group), whatever the world size or shard setting of the run that restores it.
+
+SHARD_TAG = 0x5AD  # point-to-point tag of the shard transfer
+
+
+def shard_filename(chunk: int, world: int) -> str:
+    return f"optimizer-{chunk:05d}-of-{world:05d}.pt"
+
+
+def _staged_path(directory: Path, step: int, tag: str) -> Path:
+    # The owner pid in the name (tmp_owner_pid): a leftover of a dead process is swept.
+    return Path(directory) / f"{TMP_PREFIX}{step_dirname(step)}-{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _write_file(path: Path, obj: Any = None, data: Any = None) -> tuple[Path, int, str]:
+    """torch.save(obj) (or the bytes-like `data`) into a new file, hashed on the fly and fsynced."""
+    sink: _HashingWriter | None = None
+    try:
+        with open(path, "xb") as f:
+            sink = _HashingWriter(f)
+            if data is not None:
+                sink.write(data)
+            else:
+                import torch
+
+                torch.save(obj, sink)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as exc:
+        path.unlink(missing_ok=True)
+        if sink is not None and sink.error is not None and exc is not sink.error:
+            raise sink.error from exc
+        raise
+    return path, sink.size, sink.sha256.hexdigest()
+
+
+def write_staged(directory: Path | str, step: int, tag: str, obj: Any) -> tuple[Path, int, str]:
+    """A rank on the writer's host writes its own shard beside the checkpoints directory
+    (no store: the writer's store moves it in). (path, size, sha256)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return _write_file(_staged_path(directory, step, tag), obj)
+
+
+def _wait(work: Any, abort: Any) -> None:
+    """A send's or recv's work: gloo's point-to-point works report completion only from
+    wait() (is_completed() stays False), so an abortable wait runs wait() on a helper
+    thread (zero._wait_p2p)."""
+    from . import zero
+
+    zero._wait_p2p([work], abort)
+
+
+def _send_bytes(pg: Any, dst: int, data: Any, abort: Any) -> None:
+    import torch
+
+    view = memoryview(bytearray(data) if isinstance(data, bytes) else data).cast("B")  # frombuffer: writable
+    n = torch.tensor([len(view)], dtype=torch.int64)
+    _wait(pg.send([n], dst, SHARD_TAG), abort)
+    if len(view):
+        _wait(pg.send([torch.frombuffer(view, dtype=torch.uint8)], dst, SHARD_TAG), abort)
+
+
+def _recv_bytes(pg: Any, src: int, abort: Any) -> Any:
+    """The bytes `src` sent with _send_bytes, as a uint8 tensor."""
+    import torch
+
+    n = torch.zeros(1, dtype=torch.int64)
+    _wait(pg.recv([n], src, SHARD_TAG), abort)
+    buf = torch.empty(int(n[0]), dtype=torch.uint8)
+    if buf.numel():
+        _wait(pg.recv([buf], src, SHARD_TAG), abort)
+    return buf
+
+
+def _tensor_bytes(t: Any) -> memoryview:
+    """A uint8 CPU tensor's bytes, without a copy."""
+    import ctypes
+
+    n = t.numel()
+    if not n:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def save_sharded(step: int, state: dict, sg: Any, pg: Any, *, hosts: list[str], directory: Path | str,
+                 store: CheckpointStore | None = None, writer: int = 0, meta: dict | None = None,
+                 abort: threading.Event | None = None) -> None:
+    """Checkpoint sharded optimizer state as one step directory on the writer's host.
+    Every rank of `pg` calls it at the same step (collective; pg rank == layout rank).
+
+    - every rank clones its primary chunk to CPU now (the state of this step);
+    - a rank on the writer's host (`hosts[rank] == hosts[writer]`) writes its shard file
+      itself beside `directory` (in parallel with the others), hashing it as it writes,
+      and tells the writer its name, size and sha256;
+    - a rank on another host serializes its shard and sends it to the writer point to
+      point; the writer receives them one at a time, in rank order, writing each to disk
+      before the next, so the writer's memory holds one shard at a time, never the state;
+    - the writer (`store` given; its directory is `directory`) then hands everything to
+      its store: the rest (state.pt with `state` whose "optimizer" keeps only the
+      param_groups, the manifest, the atomic rename, retention, on_committed, the
+      mirror) happens on the store's thread as for `save_async`.
+
+    Ranks other than the writer return when their shard is on the writer's disk or in
+    flight to it. On any failure the staged files are removed and no step directory
+    appears; the exception propagates (a collective failure means the group is broken)."""
+    from . import zero
+
+    rank, world = pg.rank(), pg.size()
+    if world != sg.layout.world or len(hosts) != world:
+        raise ValueError(f"save_sharded: group of {world}, layout of {sg.layout.world}, {len(hosts)} hosts")
+    if not 0 <= writer < world:
+        raise ValueError(f"writer rank {writer} is not in a group of {world}")
+    directory = Path(directory)
+    shard = zero.checkpoint_shard(sg)
+    name = shard_filename(sg.rank, world)
+    tag = f"shard{sg.rank:05d}"
+    if rank != writer:
+        if hosts[rank] == hosts[writer]:
+            path, size, sha = write_staged(directory, step, tag, shard)
+            msg = {"name": name, "path": str(path), "size": size, "sha256": sha}
+            try:
+                _send_bytes(pg, writer, json.dumps(msg).encode(), abort)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+        else:
+            import io
+
+            import torch
+
+            buf = io.BytesIO()
+            torch.save(shard, buf)
+            del shard
+            _send_bytes(pg, writer, json.dumps({"name": name}).encode(), abort)
+            _send_bytes(pg, writer, buf.getbuffer(), abort)
+        return
+    if store is None:
+        raise ValueError("save_sharded: the writer rank needs the CheckpointStore")
+    if Path(store.directory) != directory:
+        raise ValueError(f"save_sharded: the store writes {store.directory}, not {directory}")
+    staged: list[tuple[str, Path, int, str]] = []
+    try:
+        staged.append((name, *store.stage(step, tag, shard)))
+        del shard
+        for r in range(world):
+            if r == writer:
+                continue
+            head = _recv_bytes(pg, r, abort)  # kept alive while its bytes are read
+            msg = json.loads(bytes(_tensor_bytes(head)).decode())
+            if "path" in msg:  # written on this host by rank r
+                path = Path(msg["path"])
+                if path.parent != directory or not path.name.startswith(TMP_PREFIX):
+                    raise CheckpointError(f"rank {r} staged its shard outside {directory}: {path}")
+                staged.append((msg["name"], path, int(msg["size"]), str(msg["sha256"])))
+            else:  # sent: to disk before the next one arrives
+                data = _recv_bytes(pg, r, abort)
+                staged.append((msg["name"], *store.stage(step, f"shard{r:05d}", data=_tensor_bytes(data))))
+                del data
+        if sorted(n for n, *_ in staged) != [shard_filename(j, world) for j in range(world)]:
+            raise CheckpointError(f"shard files of step {step} do not cover the layout: {[n for n, *_ in staged]}")
+    except BaseException:
+        store.unstage(p for _n, p, _s, _h in staged)
+        raise
+    whole = dict(state)
+    whole["optimizer"] = {"state": {}, "param_groups": zero.checkpoint_param_groups(sg)}
+    sharded = {**zero.checkpoint_layout(sg), "files": [shard_filename(j, world) for j in range(world)]}
+    store.save_async_files(step, whole, sorted(staged), sharded, meta)
+
+
+def assemble_optimizer(path: Path | str, sharded: Mapping[str, Any], param_groups: Any) -> dict[str, Any]:
+    """The full optimizer state dict (the format of the script's optimizer's
+    `state_dict()`, as zero.ShardedGradients.full_state_dict gives it) rebuilt from a
+    sharded checkpoint's files with torch alone: the manifest's layout says where each
+    chunk's elements belong. The shard files are memory-mapped."""
+    import torch
+
+    path = Path(path)
+    lay = sharded["layout"]
+    world = len(lay["members"])
+    buckets = lay["buckets"]  # [group, start, numel, chunk, pstart, params]
+    slots = lay["slots"]  # [group, offset, numel] per parameter
+    step = int(sharded["step"])
+    state: dict[int, dict[str, Any]] = {}
+    if step:
+        shards = []
+        for j, fname in enumerate(sharded["files"]):
+            sd = torch.load(path / fname, map_location="cpu", weights_only=True, mmap=True)
+            if not isinstance(sd, dict) or sd.get("chunk") != j:
+                raise InvalidCheckpoint(f"{path}: {fname} is not the shard of chunk {j}")
+            shards.append(sd["state"])
+        bucket_of = {i: b for b, bk in enumerate(buckets) for i in bk[5]}
+        offsets, seen = [], {}
+        for bk in buckets:
+            offsets.append(seen.get(bk[0], 0))
+            seen[bk[0]] = offsets[-1] + bk[3]
+        for g in range(len(lay["groups"])):
+            padded = sum(bk[3] * world for bk in buckets if bk[0] == g)
+            for name in sharded["names"][g]:
+                full = torch.zeros(padded, dtype=shards[0][g][name].dtype)
+                for b, (bg, _start, _numel, chunk, pstart, _members) in enumerate(buckets):
+                    if bg != g:
+                        continue
+                    for j in range(world):
+                        full[pstart + j * chunk:pstart + (j + 1) * chunk].copy_(
+                            shards[j][g][name][offsets[b]:offsets[b] + chunk])
+                for i, (pg_of, off, numel) in enumerate(slots):
+                    if pg_of != g:
+                        continue
+                    bk = buckets[bucket_of[i]]
+                    at = bk[4] + off - bk[1]
+                    opt_index, shape = sharded["params"][i]
+                    entry = state.setdefault(int(opt_index), {})
+                    if sharded.get("adamw") and "step" not in entry:
+                        entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+                    entry[name] = full[at:at + numel].view(shape).clone()
+    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+
+
+def load_state(path: Path | str) -> dict:
+    """A checkpoint directory's state.pt (weights_only, to CPU), not verified; for a sharded
+    checkpoint with "optimizer" replaced by the full state dict rebuilt from its shards."""
+    import torch
+
+    path = Path(path)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    m = read_manifest(path)
+    if m.get("sharded") is not None:
+        try:
+            groups = state["optimizer"]["param_groups"]
+        except (KeyError, TypeError) as exc:
+            raise InvalidCheckpoint(f"{path}: sharded checkpoint whose {STATE_FILE} has no optimizer "
+                                    "param_groups") from exc
+        state["optimizer"] = assemble_optimizer(path, m["sharded"], groups)
+    return state
+
+
+def is_sharded(path: Path | str) -> bool:
+    """True if a checkpoint directory holds sharded optimizer state (its manifest says so)."""
+    return read_manifest(Path(path)).get("sharded") is not None
+
+
+def restore_sharded(path: Path | str, sg: Any) -> dict:
+    """Restore a rank's sharded optimizer state from a checkpoint directory, under the
+    rank's own layout (any world size, shard setting, replicas). From a sharded checkpoint
+    only the element ranges of the rank's held chunks are read from the memory-mapped shard
+    files (no full state is built); from a plain one, its chunks of the full state. Not
+    verified here (check_dir first, as latest_valid does). Returns state.pt's state (its
+    "optimizer" as stored: the param_groups alone for a sharded checkpoint)."""
+    import torch
+
+    from . import zero
+
+    path = Path(path)
+    m = read_manifest(path)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    sharded = m.get("sharded")
+    if sharded is None:
+        sg.load_full_state_dict(state["optimizer"])
+        return state
+    shards = []
+    if sharded["step"]:
+        for j, fname in enumerate(sharded["files"]):
+            sd = torch.load(path / fname, map_location="cpu", weights_only=True, mmap=True)
+            if not isinstance(sd, dict) or sd.get("chunk") != j:
+                raise InvalidCheckpoint(f"{path}: {fname} is not the shard of chunk {j}")
+            shards.append(sd["state"])
+    zero.load_checkpoint_chunks(sg, sharded, shards, state["optimizer"]["param_groups"])
+    return state

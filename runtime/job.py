@@ -863,17 +863,26 @@ class ElasticJob:
         self._ckpt_due = False
         if due:
             self._last_ckpt_t = now
-            state = self._checkpoint_state()
-            if state is not None:
-                self._ckpt.save_async(self._step, state)
+            self._save_checkpoint()
 
     def _checkpoint_now(self) -> None:
-        """Every rank calls it (sharded: the state is gathered); rank 0 writes and waits."""
+        """Every rank calls it (sharded: a collective); rank 0 writes and waits."""
         if self._ckpt is not None and self._has_state:
-            state = self._checkpoint_state()
-            if state is not None:
-                self._ckpt.save_async(self._step, state)
+            self._save_checkpoint()
+            if self._rank == 0:
                 self._ckpt.wait()
+
+    def _save_checkpoint(self) -> None:
+        """Every rank calls it at the same step. Sharded: each rank's chunk of the
+        optimizer state becomes its own file under rank 0's one manifest
+        (checkpoint.save_sharded; the full state is never gathered); replicated: rank 0
+        writes the whole state. Both go on on rank 0's writer thread."""
+        if self._grads.gathers and self._grads.save_checkpoint(
+                self._step, self.model, self._progress(), self._extra, self._ckpt, self._rank == 0, self._abort):
+            return
+        state = self._checkpoint_state()
+        if state is not None:
+            self._ckpt.save_async(self._step, state)
 
     def _checkpoint_state(self) -> dict | None:
         """What a checkpoint holds, on rank 0 (None elsewhere): one plain full state

@@ -1089,6 +1089,24 @@ class ShardedPath(gradients.GradientPath):
         return {"model": model.state_dict(), "optimizer": full, "extra_state": state_mod.extra_state_dicts(extra),
                 "progress": dict(progress), "rng": state_mod.rng_state()}
 
+    def save_checkpoint(self, step: int, model, progress, extra, store, writer: bool, abort) -> bool:
+        """A sharded checkpoint (checkpoint.save_sharded): a collective, every rank of the
+        group calls it at the same step; each rank's primary chunk becomes its own file
+        under the writer's one manifest (the writer: `store` is its CheckpointStore and
+        `writer` is True). False (nothing written) when no layout is bound yet: the
+        caller then gathers (capture_full)."""
+        if self.sg is None or self.pg is None or self.layout is None:
+            return False
+        from . import checkpoint
+
+        state = {"model": model.state_dict(), "optimizer": None,
+                 "extra_state": state_mod.extra_state_dicts(extra), "progress": dict(progress),
+                 "rng": state_mod.rng_state()}
+        checkpoint.save_sharded(step, state, self.sg, self.pg, hosts=[m.host for m in self.layout.members],
+                                directory=store.directory, store=store if writer else None, writer=0,
+                                abort=abort)
+        return True
+
     def fingerprint(self, model, optimizer, extra) -> str:
         """Hash of the gathered state (a collective: every rank calls it); identical on every rank."""
         full = self.sg.full_state_dict() if self.sg is not None and self.pg is not None else optimizer.state_dict()
@@ -1100,3 +1118,76 @@ def sharded_path(shard: str, model: torch.nn.Module, optimizer: torch.optim.Opti
     """ElasticJob's gradient path for shard="optimizer" | "gradients" (job._gradient_path)."""
     return ShardedPath(shard, model, optimizer, params, bucket_mb, replicas)
 
+
+
+# ---------------------------------------------------------------------------- sharded checkpoints
+# (runtime/checkpoint.py writes and reads the files; these take a rank's part and the facts that
+# rebuild the full state from the parts without torch.distributed.)
+
+SHARD_FILE_FORMAT = "eltctl-zero-shard/1"
+
+
+def checkpoint_shard(sg: ShardedGradients) -> dict[str, Any]:
+    """This rank's PRIMARY chunk's optimizer state, cloned to CPU (consistent with the step
+    just taken): `{"format", "chunk", "state": [per group {name: tensor}]}`. Backups are not
+    saved: the primaries of all ranks cover every chunk once."""
+    step = sg.steps_taken()
+    state = [({k: v.detach().to("cpu", copy=True) for k, v in sg._chunk_state(g, 0).items()} if step else {})
+             for g in range(len(sg._masters))]
+    return {"format": SHARD_FILE_FORMAT, "chunk": sg.rank, "state": state}
+
+
+def checkpoint_layout(sg: ShardedGradients) -> dict[str, Any]:
+    """Plain JSON facts (the layout, the optimizer's step count, the state names per group,
+    each parameter's index in the script's optimizer and its shape) from which the full
+    optimizer state is rebuilt out of the shard files (checkpoint.assemble_optimizer)."""
+    step = sg.steps_taken()
+    return {"format": FORMAT, "layout": json.loads(sg.layout.to_json()), "step": step,
+            "adamw": isinstance(sg.optimizer, torch.optim.AdamW),
+            "names": [list(sg._names(g)) if step else [] for g in range(len(sg.layout.groups))],
+            "params": [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]}
+
+
+def checkpoint_param_groups(sg: ShardedGradients) -> list[dict[str, Any]]:
+    """The script's optimizer's param_groups (hyperparameters), as its state_dict() gives them."""
+    return copy.deepcopy(sg.optimizer.state_dict()["param_groups"])
+
+
+def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards: list[list[dict[str, torch.Tensor]]],
+                           param_groups: list[dict[str, Any]]) -> None:
+    """Load this rank's chunks (under ITS layout, any world size) straight from a sharded
+    checkpoint's per-chunk states (`shards[j]`: chunk j's [per group {name: tensor}], e.g.
+    memory-mapped files), copying only the element ranges its held chunks need: no full
+    state is built. `sharded`: the manifest's entry (checkpoint_layout)."""
+    old = ShardLayout.from_json(json.dumps(sharded["layout"]))
+    new = sg.layout
+    if sharded["params"] != [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]:
+        raise ValueError("the checkpoint was written for other parameters (order, shapes or optimizer)")
+    sg.optimizer.load_state_dict({"state": {}, "param_groups": param_groups})
+    step = int(sharded["step"])
+    old_bucket = {i: b for b, bk in enumerate(old.buckets) for i in bk.params}
+    new_bucket = {i: b for b, bk in enumerate(new.buckets) for i in bk.params}
+    old_off, new_off = old.chunk_offsets(), new.chunk_offsets()
+    tensors: list[list[dict[str, torch.Tensor]]] = []
+    for g in range(len(new.groups)):
+        dtype = dtype_named(new.groups[g][0])
+        tensors.append([{k: torch.zeros(new.shard_len(g), dtype=dtype, device=sg.device) for k in sg._names(g)}
+                        for _ in sg._held] if step else [{} for _ in sg._held])
+    if step:
+        for i, (os_, ns) in enumerate(zip(old.slots, new.slots)):
+            ob, nb = old.buckets[old_bucket[i]], new.buckets[new_bucket[i]]
+            o_at, n_at = os_.offset - ob.start, ns.offset - nb.start  # bucket-local starts
+            names = sharded["names"][os_.group]
+            for h, j in enumerate(sg._held):
+                lo, hi = max(n_at, j * nb.chunk), min(n_at + ns.numel, (j + 1) * nb.chunk)
+                k = lo - n_at
+                while k < hi - n_at:
+                    q = o_at + k
+                    jo = q // ob.chunk
+                    take = min(hi - n_at - k, (jo + 1) * ob.chunk - q)
+                    src = old_off[old_bucket[i]] + q - jo * ob.chunk
+                    dst = new_off[new_bucket[i]] + n_at + k - j * nb.chunk
+                    for name in names:
+                        tensors[ns.group][h][name][dst:dst + take].copy_(shards[jo][os_.group][name][src:src + take])
+                    k += take
+    sg._set_state(step, tensors)

@@ -142,6 +142,12 @@ def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, sha
     c.stop()
     c.wait_exit([e, f])
     assert e.proc.returncode == 0 and f.proc.returncode == 0, c.dump_logs()
+    # the checkpoints were sharded: one file per rank's chunk under one manifest, never gathered
+    newest = max(c.ckpt.glob("step-*"))
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert sorted(p.name for p in newest.glob("optimizer-*.pt")) == [
+        "optimizer-00000-of-00002.pt", "optimizer-00001-of-00002.pt"], list(newest.iterdir())
+    assert manifest["sharded"]["files"] == sorted(p.name for p in newest.glob("optimizer-*.pt")), manifest
     check_against_reference(c, [e, f], e.read_result()["step"], max_norm=0.5)
 
 
