@@ -877,9 +877,16 @@ class ElasticJob:
         optimizer state becomes its own file under rank 0's one manifest
         (checkpoint.save_sharded; the full state is never gathered); replicated: rank 0
         writes the whole state. Both go on on rank 0's writer thread."""
-        if self._grads.gathers and self._grads.save_checkpoint(
-                self._step, self.model, self._progress(), self._extra, self._ckpt, self._rank == 0, self._abort):
-            return
+        if self._grads.gathers:
+            state = self._grads.shard_checkpoint_state(self.model, self._progress(), self._extra)
+            if state is not None:
+                from .checkpoint import save_sharded
+
+                g = self._grads
+                save_sharded(self._step, state, g.sg, g.pg, hosts=[m.host for m in g.layout.members],
+                             directory=self._ckpt.directory, store=self._ckpt if self._rank == 0 else None,
+                             writer=0, abort=self._abort)
+                return
         state = self._checkpoint_state()
         if state is not None:
             self._ckpt.save_async(self._step, state)

@@ -1089,23 +1089,14 @@ class ShardedPath(gradients.GradientPath):
         return {"model": model.state_dict(), "optimizer": full, "extra_state": state_mod.extra_state_dicts(extra),
                 "progress": dict(progress), "rng": state_mod.rng_state()}
 
-    def save_checkpoint(self, step: int, model, progress, extra, store, writer: bool, abort) -> bool:
-        """A sharded checkpoint (checkpoint.save_sharded): a collective, every rank of the
-        group calls it at the same step; each rank's primary chunk becomes its own file
-        under the writer's one manifest (the writer: `store` is its CheckpointStore and
-        `writer` is True). False (nothing written) when no layout is bound yet: the
-        caller then gathers (capture_full)."""
+    def shard_checkpoint_state(self, model, progress, extra) -> dict | None:
+        """What a sharded checkpoint holds besides the optimizer's chunks (the job hands it
+        to checkpoint.save_sharded with `self.sg`, `self.pg` and the layout's hosts), or
+        None when no layout is bound yet (the caller then gathers: capture_full)."""
         if self.sg is None or self.pg is None or self.layout is None:
-            return False
-        from . import checkpoint
-
-        state = {"model": model.state_dict(), "optimizer": None,
-                 "extra_state": state_mod.extra_state_dicts(extra), "progress": dict(progress),
-                 "rng": state_mod.rng_state()}
-        checkpoint.save_sharded(step, state, self.sg, self.pg, hosts=[m.host for m in self.layout.members],
-                                directory=store.directory, store=store if writer else None, writer=0,
-                                abort=abort)
-        return True
+            return None
+        return {"model": model.state_dict(), "optimizer": None, "extra_state": state_mod.extra_state_dicts(extra),
+                "progress": dict(progress), "rng": state_mod.rng_state()}
 
     def fingerprint(self, model, optimizer, extra) -> str:
         """Hash of the gathered state (a collective: every rank calls it); identical on every rank."""
