@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import secrets
 import signal
+import time
 import threading
 from datetime import timedelta
 
@@ -46,15 +47,22 @@ def _key(g: int, rank: int) -> str:
 @pytest.mark.slow
 def test_a_forged_peer_address_aborts_the_generation_and_the_next_one_trains(cluster_factory):
     cluster = cluster_factory(secret=secrets.token_bytes(auth.SECRET_BYTES), hang_timeout=20.0)
-    (member,) = cluster.start(1, SLOW)
+    # Steps of 1.5 s: the member plans the joiner's generation only at its next step
+    # boundary, so the joiner is stopped (polled every 5 ms) before it is admitted and
+    # writes its own address (with 0.4 s steps a loaded machine lost that race in CI).
+    slower = ["--steps", "100000", "--step-sleep", "1.5"]
+    (member,) = cluster.start(1, slower)
     g = cluster.wait_world(1, steps_after=2)
     evil = dist.PrefixStore(job_prefix(cluster.job),
                             dist.TCPStore("127.0.0.1", cluster.store.port, is_master=False,
                                           timeout=timedelta(seconds=10)))
     evil.set(_key(g + 1, 1), evil.get(_key(g, 0)))  # signed, but for another key
 
-    (joiner,) = cluster.start(1, SLOW)
-    cluster.wait_for(lambda: "waiting to be admitted" in joiner.log_text(), what="the joiner to register")
+    (joiner,) = cluster.start(1, slower)
+    deadline = time.monotonic() + 90
+    while "waiting to be admitted" not in joiner.log_text():
+        assert time.monotonic() < deadline, f"the joiner did not register; logs:\n{cluster.dump_logs()}"
+        time.sleep(0.005)
     cluster.kill(joiner, signal.SIGSTOP)
     try:
         cluster.wait_for(lambda: cluster.js.check([Keys.abort(g + 1)]), what=f"generation {g + 1} to abort")
