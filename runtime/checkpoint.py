@@ -409,23 +409,7 @@ class CheckpointStore:
         if self._closed:  # checked again below; this one spares the copy
             raise RuntimeError(f"checkpoint store {self.directory} is closed")
         req = _Request(step, snapshot(state), time.time(), dict(meta) if meta else None)
-        with self._cond:
-            if self._closed:
-                raise RuntimeError(f"checkpoint store {self.directory} is closed")
-            if self._pending is not None:
-                log.info(
-                    "Checkpoint of step %d in %s superseded by step %d before it was written.",
-                    self._pending.step, self.directory, step,
-                )
-                self._superseded += 1
-                self._discard(self._pending)
-            self._pending = req
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"checkpoint-writer:{self.directory.name}", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify_all()
+        self._enqueue(req)
 
     def save_async_files(self, step: int, state: dict, staged: Iterable[tuple[str, Path, int, str]],
                          sharded: dict | None = None, meta: dict | None = None) -> None:
@@ -444,13 +428,18 @@ class CheckpointStore:
         except BaseException:
             self._discard(_Request(step, None, 0.0, staged=staged))
             raise
+        self._enqueue(req)
+
+    def _enqueue(self, req: _Request) -> None:
+        """Hand `req` to the writer thread (started on first use); a request still pending
+        is superseded by it (its staged files go)."""
         with self._cond:
             if self._closed:
                 self._discard(req)
                 raise RuntimeError(f"checkpoint store {self.directory} is closed")
             if self._pending is not None:
                 log.info("Checkpoint of step %d in %s superseded by step %d before it was written.",
-                         self._pending.step, self.directory, step)
+                         self._pending.step, self.directory, req.step)
                 self._superseded += 1
                 self._discard(self._pending)
             self._pending = req
