@@ -611,7 +611,14 @@ class ElasticJob:
         if after is None:
             return
         stop, leavers = after
-        self._maybe_checkpoint(time.monotonic())
+        try:
+            self._maybe_checkpoint(time.monotonic())
+        except Aborted as e:  # sharded: a rank died while the shards went to the writer
+            log.warning("worker %s: checkpoint of step %d abandoned in generation %d (the newest one stands): %s",
+                        self.worker_id, self._step, self.generation, e)
+            self._peer_gone = e.backend_error
+            self._need_recovery = True
+            return  # a stop or a leave still asked for is seen again at the next commit
         if stop:
             self._stop_job()
         elif leavers is not None:
@@ -868,7 +875,12 @@ class ElasticJob:
     def _checkpoint_now(self) -> None:
         """Every rank calls it (sharded: a collective); rank 0 writes and waits."""
         if self._ckpt is not None and self._has_state:
-            self._save_checkpoint()
+            try:
+                self._save_checkpoint()
+            except Aborted as e:  # sharded: a rank died during the transfer; nothing partial was written
+                log.error("worker %s: the checkpoint of step %d was not written (the newest one stands): %s",
+                          self.worker_id, self._step, e)
+                return
             if self._rank == 0:
                 self._ckpt.wait()
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,24 @@ sys.path.insert(0, str(ROOT / "examples"))
 import toy  # noqa: E402
 
 import eltctl_runtime as elt  # noqa: E402
+
+
+def die_in_checkpoint(at_step: int) -> None:
+    """The job imports checkpoint.save_sharded when it saves, so this wrapper is what it calls."""
+    from eltctl_runtime import checkpoint
+
+    real_save, real_send = checkpoint.save_sharded, checkpoint._send_bytes
+
+    def send_then_die(*a, **kw):
+        real_send(*a, **kw)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def save(step, state, sg, pg, **kw):
+        if step >= at_step and pg.rank() != kw.get("writer", 0):
+            checkpoint._send_bytes = send_then_die
+        return real_save(step, state, sg, pg, **kw)
+
+    checkpoint.save_sharded = save
 
 
 def main() -> int:
@@ -40,7 +60,12 @@ def main() -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--result", type=Path, default=None)
     ap.add_argument("--progress", type=Path, default=None)
+    ap.add_argument("--die-in-checkpoint", type=int, default=None, metavar="STEP",
+                    help="a rank other than the writer SIGKILLs itself mid-transfer in the sharded checkpoint "
+                         "of this step or a later one (after sending its shard's header, before its bytes)")
     args = ap.parse_args()
+    if args.die_in_checkpoint is not None:
+        die_in_checkpoint(args.die_in_checkpoint)
 
     config = elt.RuntimeConfig.from_env()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

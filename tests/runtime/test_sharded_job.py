@@ -157,6 +157,31 @@ def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, sha
     check_against_reference(c, [e, f], e.read_result()["step"], max_norm=0.5)
 
 
+def test_a_rank_killed_during_a_sharded_checkpoint_leaves_no_partial_step_and_the_job_goes_on(cluster_factory):
+    """Rank 1 dies after sending its shard's header to the writer, before its bytes (CI
+    once saw a peer die there): the writer abandons that step (no step directory, no
+    staged file left), the survivor forms the next generation instead of crashing,
+    restores the newest checkpoint and finishes with the reference's losses."""
+    c = cluster_factory(min_workers=1)
+    c.script = WORKER
+    c.args = list(ARGS)
+    steps = 20
+    ws = c.start(2, ["--steps", str(steps), "--shard", "optimizer", "--checkpoint-every", "4",
+                     "--die-in-checkpoint", "8", "--step-sleep", "0.02"])
+    c.wait_exit(ws)
+    killed = [w for w in ws if w.proc.returncode == -signal.SIGKILL]
+    survivors = [w for w in ws if w.proc.returncode == 0]
+    assert len(killed) == 1 and len(survivors) == 1, c.dump_logs()
+    log = c.dump_logs()
+    assert "checkpoint of step 8 abandoned" in log, log
+    restore = [ev for ev in c.events() if ev["kind"] == "restore"]
+    assert restore and restore[0]["lost"] == [killed[0].id], c.events()
+    assert not list(c.ckpt.glob(".tmp*")) and not list(c.ckpt.glob("*.tmp")), list(c.ckpt.iterdir())
+    for d in c.ckpt.glob("step-*"):
+        assert (d / "manifest.json").exists(), list(d.iterdir())
+    check_against_reference(c, survivors, steps)
+
+
 def test_unsupported_optimizers_and_settings_are_refused_when_the_job_is_built():
     import eltctl_runtime as elt
 
