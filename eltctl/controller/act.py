@@ -262,20 +262,23 @@ class Restorer:
 
 
 async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_worker,
-                  event: Callable[..., Awaitable[None]]) -> None:
-    """Choose the newest valid checkpoint among these hosts' and the mirror's and
-    deliver it to each of them (mirror.prepare_restore). A failure is logged and the
+                  event: Callable[..., Awaitable[None]], others: list[str] = ()) -> None:
+    """Choose the newest valid checkpoint among these hosts', the other reachable hosts'
+    (`others`: the job's last worker may have left from one of them) and the mirror's, and
+    deliver it to each of `names` (mirror.prepare_restore). A failure is logged and the
     start goes on: the runtime then restores whatever its host holds."""
     job = inventory.job.name
     mirror = mirror_worker.mirror if mirror_worker is not None else None
     try:
-        places = []
-        for name in names:
+        places, sources = [], []
+        for name in [*names, *(o for o in others if o not in names)]:
             try:
-                places.append(await mir.host_place(await fleet.transport(inventory.host(name)), job))
+                place = await mir.host_place(await fleet.transport(inventory.host(name)), job)
             except HostError as exc:
                 log.warning("Restore: host %s is left out: %s", name, exc)
-        plan = await mir.prepare_restore(places, mirror)
+                continue
+            (places if name in names else sources).append(place)
+        plan = await mir.prepare_restore(places, mirror, sources)
     except Exception as exc:  # noqa: BLE001 - a failed restore must not end the controller
         log.exception("Restore: choosing or delivering the checkpoint failed.")
         await event(EventKind.RESTORE, None, f"restore failed: {exc}; the hosts restore what they hold")

@@ -125,6 +125,7 @@ class Controller:
         self.observed = observe.Observer()
         self.starter = act.DaemonStarter(fleet, store_endpoint, clock, secret=secret)
         self.restorer = act.Restorer(clock)
+        self._restore_sources: list[str] = []  # reachable hosts without workers: restore candidates
         self.decision: pol.Decision | None = None
         self.stopping = False
         self.stopped = asyncio.Event()
@@ -205,6 +206,10 @@ class Controller:
             survivor = pol.survivor_holds_state(views, self.observed.runtime_status, now,
                                                 observe.runtime_fresh_for(self.inventory.policy))
             targets = [name for name, slots in decision.desired.items() if slots]
+            # hosts that run no worker now may hold the newest checkpoint (the last worker left
+            # one for its owner): candidates too, while they answer
+            self._restore_sources = [n for n, v in views.items() if n not in targets and v.reach in (
+                pol.Reach.OK, pol.Reach.CPU_ONLY, pol.Reach.UNHEALTHY)]
             if not self.restorer.ready(survivor, targets, self._restore):
                 self.phase, self.message = Phase.STARTING, "looking for a checkpoint to start from (none: step 0)"
             else:
@@ -415,7 +420,8 @@ class Controller:
         await act.write_withdrawn(self.store, name, new)
 
     async def _restore(self, names: list[str]) -> None:
-        await act.restore(self.fleet, self.inventory, names, self.mirror_worker, self._event)
+        await act.restore(self.fleet, self.inventory, names, self.mirror_worker, self._event,
+                          others=list(self._restore_sources))
 
     async def _announce_benched(self, before: dict[str, pol.HostRecord], now: float) -> None:
         for name, rec in self.records.items():

@@ -20,22 +20,25 @@ class RestorePlan:
     failed: tuple[tuple[str, str], ...]  # (host, why it could not be delivered there)
 
 
-async def prepare_restore(hosts: Sequence[Place], mirror: Mirror | None) -> RestorePlan:
+async def prepare_restore(hosts: Sequence[Place], mirror: Mirror | None,
+                          others: Sequence[Place] = ()) -> RestorePlan:
     """Before a start with no survivor: choose the newest valid checkpoint among the hosts'
-    and the mirror's, and deliver it into the checkpoint directory of every host about to
-    run workers, so that whichever becomes rank 0 restores it (`latest_valid()`).
+    (`hosts`, about to run workers, and `others`, reachable hosts of the job that will not
+    run one now: the last worker may have left from one of them, for its owner, writing the
+    newest checkpoint there) and the mirror's, and deliver it into the checkpoint directory
+    of every host in `hosts`, so that whichever becomes rank 0 restores it (`latest_valid()`).
 
     Without a mirror only the hosts' own copies are candidates.
     """
     chooser = mirror or Mirror(MirrorTarget(TargetKind.DIRECTORY, "/nonexistent"), "-")
-    choice = await chooser.choose_restore(hosts, use_mirror=mirror is not None)
+    choice = await chooser.choose_restore([*hosts, *others], use_mirror=mirror is not None)
     if choice is None:
         return RestorePlan(None, (), ())
     if choice.where == MIRROR_LABEL:
         assert mirror is not None
         source = await mirror.place()
     else:
-        source = next(h for h in hosts if h.label == choice.where)
+        source = next(h for h in (*hosts, *others) if h.label == choice.where)
     results = await asyncio.gather(*(chooser.deliver(choice, source, h) for h in hosts), return_exceptions=True)
     ready, failed = [], []
     for h, r in zip(hosts, results):

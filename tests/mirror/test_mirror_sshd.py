@@ -490,6 +490,28 @@ def test_every_host_lost_new_hosts_get_the_newest_mirrored_step(testbed, kind):
         assert step == 20 and torch.equal(state["w"], torch.full((1000,), 20.0))
 
 
+def test_a_restore_without_a_mirror_takes_the_newest_step_from_a_host_that_runs_no_worker(testbed):
+    """The job's last worker left h1 for its owner (h1 wrote step 30 there); the job starts
+    again on h2 only, which holds step 10 from long ago: h1 is still a candidate (it answers),
+    so h2 gets step 30 (before, h2's own step 10 was restored: 20 committed steps lost)."""
+    h1, h2 = testbed.add_hosts(2, names=["h1", "h2"])
+    inv = load_inventory(testbed.write_inventory())
+    commit(h2, 10)
+    for step in (20, 30):
+        commit(h1, step)
+
+    async def restart():
+        async with Fleet(inv) as fleet:
+            place = {n: await host_place(await fleet.transport(inv.host(n)), JOB) for n in ("h1", "h2")}
+            return await prepare_restore([place["h2"]], None, [place["h1"]])
+
+    plan = asyncio.run(restart())
+    assert plan.choice is not None and (plan.choice.step, plan.choice.where) == (30, "h1"), plan
+    assert plan.ready == ("h2",) and plan.failed == ()
+    step, state = load_tensor(ckpt_dir(h2))
+    assert step == 30 and torch.equal(state["w"], torch.full((1000,), 30.0))
+
+
 def test_checkpoints_export_writes_a_plain_file_from_the_mirror_or_a_host(testbed, tmp_path):
     """`eltctl checkpoints export OUT.pt`: the newest verified checkpoint, brought from the
     mirror (a damaged copy there is passed over for a host's), as a file torch.load opens
