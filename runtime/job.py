@@ -58,6 +58,8 @@ from . import storeclient
 log = logging.getLogger("eltctl_runtime")
 
 STATUS_EVERY_S = 1.0
+# A cold start whose host lacks the job's newest checkpoint waits this long for eltctl to deliver it.
+RESTORE_WAIT_S = 90.0
 CONFIRM_COMMITS = 3  # a new balanced split is adopted once proposed at this many commits in a row
 _N_CTRL = gradients.N_CTRL  # pending, stop, local sample count, local loss sum; then the per-rank slots
 
@@ -778,8 +780,8 @@ class ElasticJob:
             # Everyone is leaving: keep the newest state on disk and end the job.
             log.info("worker %s: every member leaves at step %d; the job pauses", self.worker_id, self._step)
             self._checkpoint_now()
-            if self._rank == 0:
-                self._write_status(time.monotonic())  # the controller mirrors it and restores from it
+            if self._rank == 0:  # the controller mirrors it and restores from it; no member holds the state now
+                self._write_status(time.monotonic(), paused=True)
         else:
             self._grads.hand_over(plan.left)  # sharded: this leaver's chunks go to their new holders first
             log.info("worker %s: left the job at step %d (generation %d)", self.worker_id, self._step,
@@ -915,6 +917,7 @@ class ElasticJob:
     def _restore_from_checkpoint(self) -> bool:
         if self._ckpt is None:
             return False
+        self._await_newest_checkpoint()
         found = self._ckpt.latest_valid()
         if found is None:
             return False
@@ -923,6 +926,52 @@ class ElasticJob:
         self._on_checkpoint(info)  # the job's last checkpoint until it writes a newer one (status shows it)
         log.info("worker %s: restored step %d from %s", self.worker_id, info.step, info.path)
         return True
+
+    def _read_json(self, key: str):
+        """A key's JSON value from the job's store, or None (missing, unreadable, forged)."""
+        try:
+            if not self._store.check([key]):
+                return None
+            return json.loads(self._store.get(key))
+        except Exception:  # noqa: BLE001 - advisory: None
+            return None
+
+    def _await_newest_checkpoint(self) -> None:
+        """A start with no member holding the state restores this host's newest checkpoint.
+        When the job's last members paused it (every one left) and their status names a
+        newer checkpoint, that one lies on another host: the last member left from there
+        (its owner came) while this worker was starting. Wait, up to
+        RESTORE_WAIT_S, for eltctl's controller to deliver it here (it restores before
+        a start with no survivor, then writes Keys.RESTORED); restoring the older one
+        would redo every step in between."""
+        status = self._read_json(Keys.STATUS)
+        if not isinstance(status, dict) or not status.get("paused"):
+            return  # not a job its last members paused (a first start, the loss of every host, lost shards)
+        want = (status.get("checkpoint") or {}).get("step")
+        if not isinstance(want, int):
+            return
+        host = self.worker_id.split("/")[0]
+
+        def newest() -> int:
+            return max((i.step for i in self._ckpt.list()), default=-1)
+
+        def delivered(rec) -> bool:  # the controller restored for this host and delivered `have`
+            return isinstance(rec, dict) and host in (rec.get("targets") or ()) and rec.get("step") == have
+
+        have, rec0 = newest(), self._read_json(Keys.RESTORED)
+        if have >= want or delivered(rec0):
+            return
+        log.warning("worker %s: the job's newest checkpoint is step %d, this host's is %s: waiting up to %.0f s "
+                    "for eltctl to deliver it", self.worker_id, want, have if have >= 0 else "none", RESTORE_WAIT_S)
+        end = time.monotonic() + RESTORE_WAIT_S
+        while time.monotonic() < end and not self._abort.is_set():
+            time.sleep(0.5)
+            have, rec = newest(), self._read_json(Keys.RESTORED)
+            if have >= want or (rec != rec0 and delivered(rec)):
+                log.info("worker %s: step %d is here now", self.worker_id, have)
+                return
+        log.error("worker %s: step %d did not arrive in %.0f s; restoring this host's newest (%s): the steps "
+                  "in between are redone", self.worker_id, want, RESTORE_WAIT_S, have if have >= 0 else "none")
 
     def _on_checkpoint(self, info) -> None:  # writer thread
         self._last_ckpt = {"step": info.step, "time": info.created, "path": str(info.path)}
@@ -941,7 +990,7 @@ class ElasticJob:
             self._write_status(time.monotonic())
             self._store.set(Keys.DONE, json.dumps({"step": self._step, "reason": "finished"}))
 
-    def _write_status(self, now: float) -> None:
+    def _write_status(self, now: float, paused: bool = False) -> None:
         n, since = self._samples_since
         rate = n / (now - since) if now > since else 0.0
         self._samples_since = (0, now)
@@ -952,6 +1001,8 @@ class ElasticJob:
                                  loss=self._last_loss, checkpoint=self._last_ckpt, workers=self._workers_report(),
                                  forged=self._forgeries.counts(),
                                  extra=self._shard_fields() if self._shard is not None else None)
+        if paused:
+            status["paused"] = True  # every member left: the members named hold nothing any more
         try:
             self._store.set(Keys.STATUS, json.dumps(status))
         except Exception as e:  # noqa: BLE001 - status is advisory (counted and logged once: storeloss.py)

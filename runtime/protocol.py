@@ -94,6 +94,9 @@ class Keys:
     EVENTS_SEQ = "events/seq"
     FIRST_GEN = "gen/first"
     STORE_RESTARTED = "store/restarted"
+    # The controller, after each restore before a start with no survivor (controller/act.py):
+    # {"step": the checkpoint delivered (null: none found), "targets": [hosts], "ready": [hosts]}
+    RESTORED = "restore/delivered"
     SCRIPT_FAILURES = "restart/failures"  # restart mode, rank 0: times the script failed (JSON list, the window's)
 
     @staticmethod

@@ -262,11 +262,12 @@ class Restorer:
 
 
 async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_worker,
-                  event: Callable[..., Awaitable[None]], others: list[str] = ()) -> None:
+                  event: Callable[..., Awaitable[None]], others: list[str] = ()) -> dict:
     """Choose the newest valid checkpoint among these hosts', the other reachable hosts'
     (`others`: the job's last worker may have left from one of them) and the mirror's, and
     deliver it to each of `names` (mirror.prepare_restore). A failure is logged and the
-    start goes on: the runtime then restores whatever its host holds."""
+    start goes on: the runtime then restores whatever its host holds. Returns what the
+    runtime is told (Keys.RESTORED): {"step" (None: none delivered), "targets", "ready"}."""
     job = inventory.job.name
     mirror = mirror_worker.mirror if mirror_worker is not None else None
     try:
@@ -282,11 +283,11 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
     except Exception as exc:  # noqa: BLE001 - a failed restore must not end the controller
         log.exception("Restore: choosing or delivering the checkpoint failed.")
         await event(EventKind.RESTORE, None, f"restore failed: {exc}; the hosts restore what they hold")
-        return
+        return {"step": None, "targets": list(names), "ready": []}
     if plan.choice is None:
         log.info("Restore: no checkpoint on %s%s; the job starts from step 0.", ", ".join(names),
                  " or the mirror" if mirror is not None else "")
-        return
+        return {"step": None, "targets": list(names), "ready": []}
     c = plan.choice
     detail = f"step {c.step} from {c.where}, delivered to {', '.join(plan.ready) or 'no host'}"
     if plan.failed:
@@ -300,6 +301,7 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
         # Steps after c.step will be committed anew by this run: count from c.step
         # again (also when the newer ones were not skipped but lost with their hosts).
         mirror_worker.rewind(c.step)
+    return {"step": c.step, "targets": list(names), "ready": list(plan.ready)}
 
 
 # --------------------------------------------------------------------------- stopping

@@ -49,6 +49,7 @@ from eltctl.controller.statedir import StateDir
 from eltctl.controller.status import Phase
 from eltctl.controller import store as kstore
 from eltctl.controller.store import JobStore
+from eltctl_runtime.protocol import Keys
 from eltctl.inventory import Inventory
 from eltctl.controller import fairshare
 from eltctl.probe import probe_fleet
@@ -420,8 +421,12 @@ class Controller:
         await act.write_withdrawn(self.store, name, new)
 
     async def _restore(self, names: list[str]) -> None:
-        await act.restore(self.fleet, self.inventory, names, self.mirror_worker, self._event,
-                          others=list(self._restore_sources))
+        told = await act.restore(self.fleet, self.inventory, names, self.mirror_worker, self._event,
+                                 others=list(self._restore_sources))
+        try:  # a worker that started while the job's last members paused it waits for this
+            await self.store.set_json(Keys.RESTORED, told)
+        except Exception as exc:  # noqa: BLE001 - advisory; the worker stops waiting after RESTORE_WAIT_S
+            log.warning("Restore: could not tell the workers: %s", exc)
 
     async def _announce_benched(self, before: dict[str, pol.HostRecord], now: float) -> None:
         for name, rec in self.records.items():

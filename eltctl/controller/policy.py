@@ -800,10 +800,19 @@ def survivor_holds_state(views: Mapping[str, HostView], runtime_status: Mapping 
     checkpoint first.) Yes when a daemon reports a live worker, or when rank 0's status
     was written within `fresh_for` and names a worker on a host of `views` (the
     inventory) that is not known to be unreachable: workers outlive a dead daemon,
-    while a status naming only lost or removed hosts is the last word of a dead run."""
+    while a status naming only lost or removed hosts is the last word of a dead run.
+    A status its last members wrote as they all left (`paused`) counts only those
+    members: a worker started since holds nothing."""
+    rs = runtime_status or {}
+    if rs.get("paused"):
+        # Its last members paused the job (every one left, the newest checkpoint on their
+        # host): a live worker now is one that started since, holding nothing, unless its
+        # daemon does not name its workers (then it may be a member still).
+        members = {str(m) for m in rs.get("members") or ()}
+        return any(v.workers and (len(v.worker_ids) < len(v.workers) or members & set(v.worker_ids))
+                   for v in views.values())
     if any(v.workers for v in views.values()):
         return True
-    rs = runtime_status or {}
     try:
         seen = float(rs.get("seen") or 0.0)  # when the controller saw it change (its own clock)
     except (TypeError, ValueError):

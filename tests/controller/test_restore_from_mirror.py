@@ -71,6 +71,14 @@ RUNNING = HostView("h3", reach=Reach.OK, daemon_alive=True, workers=(0, 1))
     # A status that stopped changing is the last word of a dead run.
     ({"h3": UP}, {"seen": NOW - FRESH_FOR, "time": NOW, "members": ["h3/0/1"]}, False),
     ({"h3": UP}, {"seen": "garbage", "members": ["h3/0/1"]}, False),
+    # Its last members paused the job (every one left): a worker started since holds
+    # nothing (its newest checkpoint is on the host they left), however fresh the status;
+    # a member still running, or a daemon that does not name its workers, still counts.
+    ({"h1": HostView("h1", reach=Reach.OK, daemon_alive=True, workers=(0,), worker_ids=("h1/0/9",)), "h3": UP},
+     {"seen": NOW - 1, "paused": True, "members": ["h3/1/1"]}, False),
+    ({"h3": HostView("h3", reach=Reach.OK, daemon_alive=True, workers=(1,), worker_ids=("h3/1/1",))},
+     {"seen": NOW - 1, "paused": True, "members": ["h3/1/1"]}, True),
+    ({"h1": RUNNING}, {"seen": NOW - 1, "paused": True, "members": ["h3/1/1"]}, True),
 ])
 def test_a_start_restores_only_when_no_survivor_holds_the_state(views, status, survivor):
     assert survivor_holds_state(views, status, NOW, FRESH_FOR) is survivor

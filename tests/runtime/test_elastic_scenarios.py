@@ -159,6 +159,55 @@ def test_all_members_die_and_the_job_restarts_from_the_newest_checkpoint(cluster
     assert restore and restore[0]["from_step"] < int(newest.name.split("-")[1]), cluster.events()
 
 
+def _copy_step(src, dst_dir) -> int:
+    """Copy the newest committed step directory of `src` into `dst_dir` (renamed into
+    place, as a delivery does); returns its step."""
+    import shutil
+
+    for _ in range(20):  # retention may remove the one being copied: take the next newest
+        newest = sorted(p for p in src.iterdir() if p.name.startswith("step-"))[-1]
+        tmp = dst_dir / f".copy-{newest.name}"
+        try:
+            shutil.copytree(newest, tmp)
+        except (OSError, shutil.Error):
+            shutil.rmtree(tmp, ignore_errors=True)
+            continue
+        tmp.rename(dst_dir / newest.name)
+        return int(newest.name.split("-")[1])
+    raise AssertionError(f"could not copy a checkpoint of {src}")
+
+
+def test_a_worker_starting_as_the_last_member_leaves_waits_for_the_newest_checkpoint(cluster_factory, tmp_path):
+    """The job's last member leaves (its owner came: the job pauses, its final checkpoint on
+    its own host) while a worker on another host, holding an old checkpoint, is starting.
+    That worker must not restore its old one (every step since redone: thousands in a
+    20-minute fair-share run): it waits until the newest is delivered to its host (here
+    copied by the test, as eltctl's controller does), then resumes from it."""
+    cluster = cluster_factory(min_workers=1)
+    args = ["--steps", "100000", "--step-sleep", "0.02", "--checkpoint-every", "5"]
+    (a,) = cluster.start(1, args)
+    cluster.wait_step(12)
+    other = tmp_path / "other-host-ckpt"
+    other.mkdir()
+    old = _copy_step(cluster.ckpt, other)
+    cluster.wait_step(old + 20)
+    cluster.leave(a)
+    cluster.wait_exit([a])
+    assert a.proc.returncode == 0, cluster.dump_logs()
+    status = cluster.wait_for_status(lambda s: s.get("paused"))
+    final = status["checkpoint"]["step"]
+    assert final >= old + 20, status
+    (b,) = cluster.start(1, args, env={"ELTCTL_CHECKPOINT_DIR": str(other)})
+    cluster.wait_for(lambda: "waiting up to" in b.log_text(), 60, "the new worker to wait for the newest checkpoint")
+    assert b.proc.poll() is None and not (b.progress.exists() and b.progress.read_text().strip()), cluster.dump_logs()
+    assert _copy_step(cluster.ckpt, other) == final
+    cluster.wait_for(lambda: b.last_progress()[0] > final, 60, "b to train")
+    first = int(b.progress.read_text().split()[0])
+    assert first == final + 1, (first, final, cluster.dump_logs())
+    cluster.stop()
+    cluster.wait_exit([b])
+
+
 def test_micro_batches_accumulate_to_the_same_training(cluster_factory):
     """Gradient accumulation (shares of 12 in micro-batches of 5, 5, 2) trains
     like whole shares: same data, same final loss up to float rounding. Equal
