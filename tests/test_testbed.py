@@ -16,6 +16,7 @@ import pytest
 from eltctl.sim import nvidia_smi
 from eltctl.sim.gpustate import DRIVER_FAILURE_MESSAGE, GpuState, install_nvidia_smi
 from tests.testbed import PYTHON, make_testbed, sshd_missing_reason
+from tests.testbed.jobenv import end_job
 from tests.testbed.sshd import SshdConfig, banner_ready
 
 pytestmark = pytest.mark.sshd
@@ -413,6 +414,33 @@ def test_reaper_cleans_up_after_a_killed_test_process(tmp_path):
     assert len(pids) >= 4  # 2 sshd listeners, the sleeper, the foreign process
     assert wait_until(lambda: not any(_alive(p) for p in pids), timeout=60)
     assert wait_until(lambda: not Path(report["dir"]).exists(), timeout=60)
+
+
+def test_job_env_teardown_kills_the_tests_own_processes_and_no_other(tmp_path):
+    """end_job (job_env's finalizer): every process whose environment names the job or the
+    test's state directory, or whose command line names its temporary directory, is gone
+    when it returns; a process of a job with a longer name, or naming a longer directory,
+    is left alone."""
+    job, root = "tjobend1", tmp_path / "eltc-x"
+    state = root / "state"
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+    def start(env: dict, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", *args],
+                                env={**base, **env}, stdin=subprocess.DEVNULL)
+
+    ours = [start({"ELTCTL_JOB": job}), start({"XDG_STATE_HOME": str(state)}), start({}, f"{root}/hosts.toml")]
+    others = [start({"ELTCTL_JOB": job + "2"}), start({"XDG_STATE_HOME": f"{state}2"}),
+              start({}, f"{root}2/hosts.toml")]
+    try:
+        killed = end_job(job, root, state)
+        assert sorted(killed) == sorted(p.pid for p in ours)
+        assert [p.wait(timeout=10) for p in ours] == [-signal.SIGKILL] * 3
+        assert [p.poll() for p in others] == [None] * 3
+    finally:
+        for p in ours + others:
+            p.kill()
+            p.wait()
 
 
 # -- pure parts, no sshd -------------------------------------------------------------------

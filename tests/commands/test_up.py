@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.testbed.hostpython import HOST_PYTHON
-from tests.testbed.jobenv import ELTCTL, REPO, ControllerFiles, job_pids, wait_for
+from tests.testbed.jobenv import ELTCTL, REPO, ControllerFiles, end_job, job_pids, wait_for
 
 NO_TORCH = "/usr/bin/python3"  # the system interpreter: Python, no torch
 QUICK_S = 60.0  # generous: one probe and one check, far below the 5-minute cooldown
@@ -87,28 +87,10 @@ def local_job():
     try:
         yield lj
     finally:
-        if lj.controller_pid() is not None or job_pids(lj.job):
-            try:
-                lj.eltctl("down", "--force", timeout=120)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in [lj.controller_pid(), *job_pids(lj.job)]:
-            if pid:
-                try:
-                    os.kill(pid, 9)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        keeper = None
         try:
-            keeper = (json.loads((lj.state_dir / "controller.json").read_text()).get("store") or {}).get("pid")
-        except (OSError, ValueError):
-            pass
-        if keeper:
-            try:
-                os.kill(int(keeper), 9)
-            except (ProcessLookupError, PermissionError):
-                pass
-        shutil.rmtree(root, ignore_errors=True)
+            end_job(lj.job, root, root / "state")  # by pid, each one this test started (jobenv.py)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def assert_refused(lj: LocalJob, out: subprocess.CompletedProcess, took: float, code: int, *words: str) -> None:

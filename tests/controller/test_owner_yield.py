@@ -8,7 +8,7 @@ owner's process ends: after idle_for and the cooldown, h2 rejoins with a new wor
 on GPU 1 and the job is back at six. `eltctl status` and `eltctl logs h2` show it.
 
 The `job_env` fixture (tests/testbed/jobenv.py) gives the hosts, a private
-XDG_STATE_HOME and a finalizer that takes the job down and kills leftovers by pid.
+XDG_STATE_HOME and a finalizer that kills, by pid, every process of the job the test started.
 """
 
 from __future__ import annotations
