@@ -282,6 +282,12 @@ class GradientPath(ABC):
         """A planned leave, over the old group, before it goes (every old member
         calls it, the leavers too): the leavers' part moves to the survivors."""
 
+    def settle(self, committed_before: int, committed_now: int) -> None:
+        """Once the state is agreed (this rank was at step `committed_before`, the
+        generation is at `committed_now`), before reshard: resolve a step this rank
+        dropped halfway through its optimizer step (sharded: after the shard stepped,
+        before the parameters were gathered). Replicated: nothing is ever halfway."""
+
     def state_lost(self, lost: Sequence[str]) -> bool:
         """True if the crash of `lost` took part of the state with it (the newest
         checkpoint is restored instead)."""

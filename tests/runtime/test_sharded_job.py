@@ -182,6 +182,38 @@ def test_a_rank_killed_during_a_sharded_checkpoint_leaves_no_partial_step_and_th
     check_against_reference(c, survivors, steps)
 
 
+@pytest.mark.parametrize("replicas,gathered", [(2, 0), (2, 1), (1, 1)])
+def test_a_rank_killed_between_its_shard_step_and_the_parameter_gather_leaves_the_survivor_exact(
+        cluster_factory, replicas, gathered):
+    """Rank 1 dies after its shard's optimizer step, having gathered `gathered` buckets of
+    the parameters with rank 0 (0: before the gather). Rank 0 stepped its chunks too and
+    its parameters are half-gathered (the first buckets of the next step's values): it
+    drops the step, undoes its chunks' step from the pre-step copy and rebuilds the
+    parameters from them (replicas=2: no step redone), or restores the newest checkpoint
+    (replicas=1), and finishes with the reference's losses and parameters."""
+    c = cluster_factory(min_workers=2)
+    c.script = WORKER
+    c.args = list(ARGS)
+    steps = 14
+    ws = c.start(2, ["--steps", str(steps), "--shard", "gradients", "--shard-replicas", str(replicas),
+                     "--checkpoint-every", "4", "--die-in-gather", f"6:{gathered}", "--max-grad-norm", "0.5",
+                     "--step-sleep", "0.02"])
+    c.wait_exit(ws)
+    killed = [w for w in ws if w.proc.returncode == -signal.SIGKILL]
+    survivors = [w for w in ws if w.proc.returncode == 0]
+    assert len(killed) == 1 and len(survivors) == 1, c.dump_logs()
+    events = c.events()
+    if replicas == 2:
+        crash = [ev for ev in events if ev["kind"] == "crash"]
+        assert crash and crash[0]["lost"] == [killed[0].id] and crash[0]["redone_steps"] == 0, events
+    else:
+        restore = [ev for ev in events if ev["kind"] == "restore"]
+        assert restore and restore[0]["lost"] == [killed[0].id], events
+    check_against_reference(c, survivors, steps, max_norm=0.5)
+    if replicas == 2:
+        assert "so it is undone" in survivors[0].log_text(), c.dump_logs()
+
+
 def test_unsupported_optimizers_and_settings_are_refused_when_the_job_is_built():
     import eltctl_runtime as elt
 
