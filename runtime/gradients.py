@@ -9,6 +9,8 @@ reads the same whatever the path (`ElasticJob(shard=None)`: `ReplicatedPath`,
 here; a sharded path, runtime/zero.py, implements the same class)::
 
     per generation   bind(pg, rank, members, abort)        the generation's group (before the state agrees)
+                     settle(step_before, step_agreed)      after the state agreed: resolve a step dropped
+                                                           halfway (sharded: undo or keep it; replicated: no-op)
                      reshard(old_members, new_members)     after the state agreed (replicated: no-op)
     per step         begin(tail_size)                      before the last micro-batch's backward:
                                                            bind .grad, arm the hooks

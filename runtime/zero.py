@@ -27,7 +27,11 @@ without talking to anyone.
 - the step: the GradScaler's unscale on the shard, one 2-element all-reduce of
   (sum of squared gradient norms, inf/NaN found) over the primary chunks, so the
   global-norm clip and the skip decision are the same on every rank; the shard's
-  optimizer step; the parameters all-gathered.
+  optimizer step; the parameters all-gathered. Until that all-gather ends the
+  held chunks' pre-step values and optimizer state are kept: a generation that
+  breaks inside it (a rank lost there) leaves the chunks a step ahead of the
+  parameters and the parameters half-gathered, and `settle` undoes (or keeps)
+  that step in the next generation before `reshard` rebuilds the parameters.
 
 The optimizer the script built is kept for its hyperparameters (a scheduler's
 changes to lr are copied into the shard optimizer at every step) and never
