@@ -156,7 +156,9 @@ def test_a_rank_killed_during_a_sharded_checkpoint_leaves_no_partial_step_and_th
     once saw a peer die there): the writer abandons that step (no step directory, no
     staged file left), the survivor forms the next generation instead of crashing,
     restores the newest checkpoint and finishes with the reference's losses."""
-    c = cluster_factory(min_workers=1)
+    # min_workers=2: both start in generation 0 (with 1, under load the first worker could
+    # finish all 20 steps alone before the second was admitted); the survivor goes on alone.
+    c = cluster_factory(min_workers=2)
     c.script = WORKER
     c.args = list(ARGS)
     steps = 20
