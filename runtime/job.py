@@ -756,7 +756,9 @@ class ElasticJob:
         """The group is formed and checked: bind the gradient path, agree on the
         state, move the shards (replicated: nothing), note the generation's event."""
         self._grads.bind(self._pg, self._rank, plan.members, self._abort)
+        before = self._step
         restored = self._sync_state()
+        self._grads.settle(before, self._step)  # sharded: a step dropped after the shard stepped
         self._grads.reshard(self._members_before, plan.members)
         self._members_before = plan.members
         # Every generation's first commit is an event (rank 0 writes it), the job's first start too.

@@ -27,7 +27,11 @@ without talking to anyone.
 - the step: the GradScaler's unscale on the shard, one 2-element all-reduce of
   (sum of squared gradient norms, inf/NaN found) over the primary chunks, so the
   global-norm clip and the skip decision are the same on every rank; the shard's
-  optimizer step; the parameters all-gathered.
+  optimizer step; the parameters all-gathered. Until that all-gather ends the
+  held chunks' pre-step values and optimizer state are kept: a generation that
+  breaks inside it (a rank lost there) leaves the chunks a step ahead of the
+  parameters and the parameters half-gathered, and `settle` undoes (or keeps)
+  that step in the next generation before `reshard` rebuilds the parameters.
 
 The optimizer the script built is kept for its hyperparameters (a scheduler's
 changes to lr are copied into the shard optimizer at every step) and never
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import threading
 from contextlib import contextmanager
@@ -65,6 +70,8 @@ import torch.distributed as dist
 
 from . import collectives, gradients, state as state_mod
 from .state import dtype_named
+
+log = logging.getLogger("eltctl_runtime")
 
 SHARD_MODES = ("optimizer", "gradients")
 FORMAT = "eltctl-zero/1"
@@ -319,6 +326,10 @@ class ShardedGradients:
         self._launching = False
         self._works: list = []
         self._staging: dict[int, torch.Tensor] = {}
+        # The step in flight: the held chunks' values and optimizer state from before the
+        # shard's optimizer step, kept until the parameters' all-gather has finished
+        # (`settle` undoes or keeps a step whose gather broke).
+        self._undo: dict[str, list] | None = None
 
     # -- setup
 
@@ -539,6 +550,8 @@ class ShardedGradients:
             with torch.no_grad():
                 for sg in self._shard_grads:
                     sg.mul_(coef)
+        if not skipped and self.layout.world > 1:
+            self._undo = self._pre_step_copy()
         if found_infs:
             for f in found_infs:
                 f.fill_(1.0 if skipped else 0.0)
@@ -548,7 +561,51 @@ class ShardedGradients:
             inner.step()
         if not skipped:
             self.gather_params()
+        self._undo = None  # the gather finished: the step stands on every rank that got here
         return StepResult(norm, skipped)
+
+    def _pre_step_copy(self) -> dict[str, list]:
+        """The held chunks' values and optimizer state before the step (a rank lost
+        between the shard's step and the end of the all-gather leaves the survivors'
+        chunks one step ahead of the parameters, and their parameters half-gathered)."""
+        inner = self._inner
+        with torch.no_grad():
+            masters = [[m.clone() for m in ms] for ms in self._masters]
+            state = [[({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inner.state[m].items()}
+                       if inner.state.get(m) else None) for m in ms] for ms in self._masters]
+        return {"masters": masters, "state": state}
+
+    @property
+    def step_in_doubt(self) -> bool:
+        """True after a step whose parameter all-gather did not finish here (dropped)."""
+        return self._undo is not None
+
+    def settle(self, keep: bool) -> None:
+        """Resolve a step whose all-gather broke (`step_in_doubt`): `keep` (another
+        rank committed it, so every rank had stepped its chunks) leaves the held chunks
+        stepped; else they go back to their pre-step values and optimizer state. Either
+        way the held chunks' parameters are written back from them: the broken gather
+        may have left any chunk of the parameters half-written, so the caller then has
+        every chunk's parameters sent from its holders (reshard's resend_params)."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        inner = self._inner
+        with torch.no_grad():
+            if not keep:
+                for g, ms in enumerate(self._masters):
+                    for h, m in enumerate(ms):
+                        m.copy_(undo["masters"][g][h])
+                        st = undo["state"][g][h]
+                        if st is None:
+                            inner.state.pop(m, None)
+                        else:
+                            inner.state[m] = st
+            for b, bucket in enumerate(self.layout.buckets):
+                off = self._offsets[b]
+                for h, j in enumerate(self._held):
+                    self._chunk_of(self._flat[bucket.group], b, j).copy_(
+                        self._masters[bucket.group][h][off:off + bucket.chunk])
 
     def gather_params(self) -> None:
         """All-gather every bucket's chunks from their primaries into the parameters."""
@@ -721,15 +778,20 @@ class Segment:
     chunk: int
 
 
-def plan_transfers(old: ShardLayout, new: ShardLayout, live: list[str] | tuple[str, ...]) -> list[Segment]:
+def plan_transfers(old: ShardLayout, new: ShardLayout, live: list[str] | tuple[str, ...],
+                   all_params: bool = False, fresh: frozenset[str] = frozenset()) -> list[Segment]:
     """Every slice that moves (or is copied locally: src == dst), in one order all
     ranks agree on (pure). `live`: the ids that can send (a planned leaver is live;
     a crashed rank is not). Among a chunk's live old holders the one sending to a
     receiver rotates with the receiver's chunk, so a new rank's needs are spread
-    over the members. Raises ShardsLost if a needed chunk has no live holder."""
+    over the members. Raises ShardsLost if a needed chunk has no live holder.
+    The parameters go to the joiners, or with `all_params` to every new member
+    (after a broken all-gather: ShardedGradients.settle). `fresh`: members of the old
+    layout that came back without its state (a generation broke before they got it):
+    they send nothing and receive the parameters as joiners do."""
     if not old.same_parameters(new):
         raise ValueError("the two layouts were planned for different parameters")
-    live_set = set(live)
+    live_set = set(live) - set(fresh)
     old_holders = [[old.members[r].id for r in h if old.members[r].id in live_set] for h in old.holders]
     old_ids = {m.id for m in old.members}
     out: list[Segment] = []
@@ -753,7 +815,7 @@ def plan_transfers(old: ShardLayout, new: ShardLayout, live: list[str] | tuple[s
                     if lo < hi:
                         out.append(Segment(source(j, dst, k), dst, "state", b, lo, hi, j, k))
         for m in new.members:
-            if m.id in old_ids:
+            if m.id in old_ids and not all_params and m.id not in fresh:
                 continue
             for j in range(old.world):
                 olo, ohi = ob.span(j)
@@ -764,16 +826,17 @@ def plan_transfers(old: ShardLayout, new: ShardLayout, live: list[str] | tuple[s
 
 def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: list[str], *,
             old: ShardedGradients | None = None, new: ShardedGradients | None = None,
-            abort: threading.Event | None = None) -> None:
+            abort: threading.Event | None = None, resend_params: bool = False) -> None:
     """Move the optimizer state from the old layout's holders to the new one's over
     `group`, whose ranks are `group_ids` (it must hold every sender and receiver).
 
     `old`: this rank's path under the old layout (None on a joiner); `new`: its
     path under the new layout, bound (None on a leaver, which only sends). Each
     (sender, receiver) pair exchanges one message; a joiner also receives the
-    parameters. Every rank of `group` calls this with the same layouts."""
+    parameters; with `resend_params` on any rank, every new member receives every
+    chunk's parameters from its holders (after a broken all-gather). Every rank of
+    `group` calls this with the same layouts."""
     me = group_ids[group.rank()]
-    segs = plan_transfers(old_layout, new_layout, group_ids)
     where = {mid: r for r, mid in enumerate(group_ids)}
     missing = [m.id for m in new_layout.members if m.id not in where]
     if missing:
@@ -783,9 +846,16 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     if some is None:
         raise ValueError("reshard needs this rank's old or new path (or both)")
     device = some.device  # messages travel on the parameters' device (NCCL sends device tensors)
-    info = torch.tensor([float(old.steps_taken()) if old is not None else 0.0], dtype=torch.float64, device=device)
+    # [step count, resend the parameters, then per rank of the group: it has no old path]
+    info = torch.zeros(2 + len(group_ids), dtype=torch.float64, device=device)
+    info[0] = float(old.steps_taken()) if old is not None else 0.0
+    info[1] = 1.0 if resend_params else 0.0
+    info[2 + group.rank()] = 1.0 if old is None else 0.0
     _wait(collectives.allreduce_async(group, info, dist.ReduceOp.MAX), abort)
     step = int(info[0])
+    old_ids = {m.id for m in old_layout.members}
+    fresh = frozenset(mid for r, mid in enumerate(group_ids) if info[2 + r] > 0 and mid in old_ids)
+    segs = plan_transfers(old_layout, new_layout, group_ids, all_params=bool(info[1] > 0), fresh=fresh)
     opt = some.optimizer
     groups = old_layout.groups
     names = [_state_names(opt, opt.param_groups[pg]) if step else () for _d, pg in groups]
@@ -919,6 +989,7 @@ class ShardedPath(gradients.GradientPath):
         self.grad_norm: float | None = None  # the last step's global norm (clipping), known after step()
         self._pending_full: dict | None = None  # a full optimizer state (checkpoint) to load at reshard
         self._peer_members: list[str] | None = None  # the old layout's members, from the state a joiner got
+        self._resend_params = False  # a broken all-gather was settled: every chunk's parameters are resent
 
     # -- layout
     def _layout(self, members) -> ShardLayout:
@@ -951,6 +1022,24 @@ class ShardedPath(gradients.GradientPath):
         reshard(self.layout, inter, self.pg, ids, old=self.sg, new=new, abort=self.abort)
         self.sg, self.layout = new, (inter if new is not None else None)
 
+    def settle(self, committed_before: int, committed_now: int) -> None:
+        """Once the state is agreed, before reshard: a step this rank dropped after its
+        shard's optimizer step (its all-gather broke) is kept if the agreed state committed
+        it (another rank's gather finished), else undone; either way the next reshard sends
+        every chunk's parameters from their holders. A restore replaces it all."""
+        sg = self.sg
+        if sg is None or not sg.step_in_doubt:
+            return
+        if self._pending_full is not None:
+            sg._undo = None  # restored from a checkpoint: state and parameters come from it
+            return
+        keep = committed_now > committed_before
+        log.warning("sharded: the step after %d was dropped after this rank's shard stepped (its parameter "
+                    "all-gather broke); the agreed state is at step %d, so it is %s", committed_before,
+                    committed_now, "kept" if keep else "undone")
+        sg.settle(keep)
+        self._resend_params = True
+
     def reshard(self, old_members, new_members) -> None:
         new_members = list(new_members)
         new_lay = self._layout(new_members)
@@ -965,9 +1054,11 @@ class ShardedPath(gradients.GradientPath):
         if full is not None:
             new.load_full_state_dict(full)  # a restore: every rank takes its chunks of the full state
         elif old_lay is not None:
-            reshard(old_lay, new_lay, self.pg, new_members, old=self.sg, new=new, abort=self.abort)
+            reshard(old_lay, new_lay, self.pg, new_members, old=self.sg, new=new, abort=self.abort,
+                    resend_params=self._resend_params)
         new._pg, new._abort = self.pg, self.abort  # full_state_dict before the first step
         self.sg, self.layout = new, new_lay
+        self._resend_params = False
 
     def memory(self) -> dict[str, int]:
         return self.sg.memory() if self.sg is not None else {}

@@ -41,6 +41,36 @@ def die_in_checkpoint(at_step: int) -> None:
     checkpoint.save_sharded = save
 
 
+def break_in_gather(spec: str, how: str) -> None:
+    """Rank 1 breaks the parameter all-gather of the first step at or after STEP (counted
+    by the optimizer's steps), after its shard stepped and after gathering the first
+    BUCKETS buckets with the others (0: exactly between the shard's step and the gather):
+    `how` "die": it SIGKILLs itself; "abort": it raises Aborted once (the generation is
+    aborted, nobody dies). The wrapper replaces ShardedGradients.gather_params."""
+    from eltctl_runtime import collectives, zero
+
+    at_step, n = (int(x) for x in spec.split(":"))
+    real = zero.ShardedGradients.gather_params
+    done = []
+
+    def gather(self):
+        if self.rank == 1 and self.layout.world > 1 and self.steps_taken() >= at_step and not done:
+            done.append(True)
+            works = []
+            for b, bucket in enumerate(self.layout.buckets[:n]):
+                off = self._offsets[b]
+                out = self._flat[bucket.group][bucket.pstart:bucket.pstart + bucket.chunk * self.layout.world]
+                works.append(self._pg._allgather_base(out, self._masters[bucket.group][0][off:off + bucket.chunk]))
+            for w in works:
+                w.wait()
+            if how == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise collectives.Aborted(f"test: the all-gather of step {self.steps_taken()} broken after {n} buckets")
+        return real(self)
+
+    zero.ShardedGradients.gather_params = gather
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -63,9 +93,18 @@ def main() -> int:
     ap.add_argument("--die-in-checkpoint", type=int, default=None, metavar="STEP",
                     help="a rank other than the writer SIGKILLs itself mid-transfer in the sharded checkpoint "
                          "of this step or a later one (after sending its shard's header, before its bytes)")
+    ap.add_argument("--die-in-gather", default=None, metavar="STEP:BUCKETS",
+                    help="rank 1 SIGKILLs itself in the parameter all-gather of step STEP or a later one, after "
+                         "its shard's optimizer step and BUCKETS buckets' all-gathers")
+    ap.add_argument("--abort-in-gather", default=None, metavar="STEP:BUCKETS",
+                    help="as --die-in-gather, but rank 1 aborts the generation there (once) instead of dying")
     args = ap.parse_args()
     if args.die_in_checkpoint is not None:
         die_in_checkpoint(args.die_in_checkpoint)
+    if args.die_in_gather is not None:
+        break_in_gather(args.die_in_gather, "die")
+    if args.abort_in_gather is not None:
+        break_in_gather(args.abort_in_gather, "abort")
 
     config = elt.RuntimeConfig.from_env()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

@@ -83,6 +83,28 @@ def test_a_joiner_gets_its_parameters_from_every_member_not_rank_0():
     assert {s.src for s in segs if s.dst == "w2" and s.what == "param"} == {"w0", "w1"}
 
 
+def test_after_a_broken_gather_every_member_gets_every_chunks_parameters_from_its_holders():
+    kinds, numels, sizes = [(F32, 0)], [12], [4]
+    old = plan_shards(kinds, numels, sizes, members("a", "b", "c"), replicas=2)
+    new = plan_shards(kinds, numels, sizes, members("a", "b"))
+    segs = plan_transfers(old, new, ["w0", "w1"], all_params=True)
+    for dst in ("w0", "w1"):
+        got = [s for s in segs if s.dst == dst and s.what == "param"]
+        assert sorted(s.old_chunk for s in got) == [0, 1, 2] and {s.src for s in got} <= {"w0", "w1"}
+        assert all(s.src == dst for s in got if dst in [old.members[r].id for r in old.holders[s.old_chunk]])
+
+
+def test_a_member_back_without_its_state_is_served_like_a_joiner_never_a_source():
+    kinds, numels, sizes = [(F32, 0)], [12], [4]
+    lay = plan_shards(kinds, numels, sizes, members("a", "b"), replicas=2)
+    segs = plan_transfers(lay, lay, ["w0", "w1"], fresh=frozenset({"w1"}))
+    assert {s.src for s in segs} == {"w0"}
+    assert sorted(s.old_chunk for s in segs if s.dst == "w1" and s.what == "param") == [0, 1]
+    with pytest.raises(ShardsLost):  # one holder per chunk: w1's chunk is nowhere else
+        plan_transfers(plan_shards(kinds, numels, sizes, members("a", "b")), lay, ["w0", "w1"],
+                       fresh=frozenset({"w1"}))
+
+
 class SGDWithATwist(torch.optim.SGD):
     """A subclass may change step(): refused like any other optimizer."""
 
