@@ -1,7 +1,7 @@
 """The sharded-state benchmark: per-rank bytes, step time and pauses of ZeRO-1/2 against replicated.
 
     .venv/bin/python benchmarks/sharded.py [--json] [--worlds 2 4] [--steps 3] [--batch 4] [--layers 12]
-        [--job-steps 10] [--baseline zero-torchrun [--skip-torchrun] [--eltctl-runs NAME ...]]
+        [--job-steps 10] [--job-args "--bucket-mb 25"] [--baseline zero-torchrun [--skip-torchrun] [--eltctl-runs NAME ...]]
 
 Its memory part drives `eltctl_runtime.zero` directly, in plain worker processes on one
 gloo group per configuration (spawned, a FileStore, one torch thread each).
@@ -62,6 +62,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import shlex
 import shutil
 import signal
 import statistics
@@ -323,7 +324,8 @@ def _train_args(world: int, layers: int, batch: int) -> tuple[str, ...]:
 
 
 def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0, runs=DEFAULT_RUNS,
-                          ckpt_every: int = 5, batch: int = 4, progress=print) -> dict[str, Any]:
+                          ckpt_every: int = 5, batch: int = 4, job_args: tuple[str, ...] = (),
+                          progress=print) -> dict[str, Any]:
     """eltctl through the same events (leave, join, SIGKILL) at `world` as the torchrun job,
     for each of `runs` (ELTCTL_RUNS: sharded and replicated) on the same MLP, with a
     checkpoint every `ckpt_every` steps (as the baseline; with shard_replicas=1 a SIGKILL
@@ -336,10 +338,12 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _eltctl_side
 
-    base = (*_train_args(world, layers, batch), "--steps", "1000000", "--checkpoint-every", str(ckpt_every))
+    base = (*_train_args(world, layers, batch), "--steps", "1000000", "--checkpoint-every", str(ckpt_every),
+            *job_args)
     out: dict[str, Any] = {"available": True, "world": world, "checkpoint_every": ckpt_every,
                            "model": f"examples/toy.py MLP, {layers} x Linear({WIDTH}, {WIDTH}) between 64 -> {WIDTH} "
-                                    f"and {WIDTH} -> 16", "batch_per_rank": batch, "runs": {}}
+                                    f"and {WIDTH} -> 16", "batch_per_rank": batch, "job_args": list(job_args),
+                           "runs": {}}
     for name in runs:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="eltctl-sharded-pauses-") as tmp:
@@ -369,7 +373,8 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
 
 
 def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, warmup: int = 3, batch: int = 4,
-                          runs=("replicated", "optimizer-r1", "gradients-r1"), progress=print) -> dict[str, Any]:
+                          runs=("replicated", "optimizer-r1", "gradients-r1"), job_args: tuple[str, ...] = (),
+                          progress=print) -> dict[str, Any]:
     """The steady step time of the whole job (examples/train.py on ElasticJob, fixed size
     `world`, no checkpoints) for each of `runs`, and each sharded one against replicated
     (target <= 1.10): rank 0's median step interval after `warmup` steps."""
@@ -380,12 +385,13 @@ def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, war
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _eltctl_side
 
-    out: dict[str, Any] = {"available": True, "world": world, "steps": steps, "warmup": warmup, "runs": {}}
+    out: dict[str, Any] = {"available": True, "world": world, "steps": steps, "warmup": warmup,
+                           "job_args": list(job_args), "runs": {}}
     for name in runs:
         try:
             r = _eltctl_side.measure_eltctl_step_time(
                 world, steps, warmup, timeout_s=max(600.0, 20.0 * steps),
-                extra_args=(*_train_args(world, layers, batch), *ELTCTL_RUNS[name]))
+                extra_args=(*_train_args(world, layers, batch), *job_args, *ELTCTL_RUNS[name]))
         except Exception as exc:  # noqa: BLE001 - reported
             r = {"error": f"{type(exc).__name__}: {exc}"}
         out["runs"][name] = r
@@ -445,21 +451,24 @@ def main() -> int:
     ap.add_argument("--job-warmup", type=int, default=3, help="of those, steps not timed")
     ap.add_argument("--skip-torchrun", action="store_true",
                     help="with --baseline: eltctl's pauses only (no torchrun job; no ratios against it)")
+    ap.add_argument("--job-args", default="", help="more examples/train.py options for eltctl's job (e.g. "
+                                                  "'--bucket-mb 25'; its default bucket is 4 MB)")
     args = ap.parse_args()
+    job_args = tuple(shlex.split(args.job_args))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout ends the workers too (the finally blocks)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     t0 = time.monotonic()
     result = measure(args.worlds, args.steps, args.batch, args.layers, log)
     if args.job_steps and args.eltctl_runs:
         result["job_step_time"] = {str(w): measure_job_step_time(w, args.layers, args.job_steps, args.job_warmup,
-                                                                 args.batch, args.eltctl_runs, progress=log)
+                                                                 args.batch, args.eltctl_runs, job_args, progress=log)
                                    for w in args.worlds}
     if args.baseline == "zero-torchrun":
         tr = ({"skipped": True, "pauses_s": {}} if args.skip_torchrun else
               measure_zero_torchrun(args.baseline_world, args.baseline_ckpt_every, args.baseline_cap, args.layers,
                                     progress=log))
         el = (measure_eltctl_pauses(args.baseline_world, args.layers, args.baseline_cap, args.eltctl_runs,
-                                    args.baseline_ckpt_every, args.batch, progress=log) if args.eltctl_runs
+                                    args.baseline_ckpt_every, args.batch, job_args, progress=log) if args.eltctl_runs
               else {"available": False, "reason": "--eltctl-runs is empty"})
         result["pauses"] = {"zero_torchrun": tr, "eltctl": el, "comparison": pause_comparison(el, tr)}
     result["wall_s"] = round(time.monotonic() - t0, 1)
