@@ -1,7 +1,7 @@
 """The sharded-state benchmark: per-rank bytes, step time and pauses of ZeRO-1/2 against replicated.
 
     .venv/bin/python benchmarks/sharded.py [--json] [--worlds 2 4] [--steps 3] [--batch 4] [--layers 12]
-        [--job-steps 10] [--job-args "--bucket-mb 25"] [--baseline zero-torchrun [--skip-torchrun] [--eltctl-runs NAME ...]]
+        [--job-steps 10] [--job-args "--bucket-mb 25"] [--skip-memory] [--baseline zero-torchrun [--skip-torchrun] [--eltctl-runs NAME ...]]
 
 Its memory part drives `eltctl_runtime.zero` directly, in plain worker processes on one
 gloo group per configuration (spawned, a FileStore, one torch thread each).
@@ -451,6 +451,8 @@ def main() -> int:
     ap.add_argument("--job-warmup", type=int, default=3, help="of those, steps not timed")
     ap.add_argument("--skip-torchrun", action="store_true",
                     help="with --baseline: eltctl's pauses only (no torchrun job; no ratios against it)")
+    ap.add_argument("--skip-memory", action="store_true",
+                    help="leave out the memory / raw step-time part (the job step time still runs at --worlds)")
     ap.add_argument("--job-args", default="", help="more examples/train.py options for eltctl's job (e.g. "
                                                   "'--bucket-mb 25'; its default bucket is 4 MB)")
     args = ap.parse_args()
@@ -458,7 +460,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout ends the workers too (the finally blocks)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     t0 = time.monotonic()
-    result = measure(args.worlds, args.steps, args.batch, args.layers, log)
+    result = measure([] if args.skip_memory else args.worlds, args.steps, args.batch, args.layers, log)
     if args.job_steps and args.eltctl_runs:
         result["job_step_time"] = {str(w): measure_job_step_time(w, args.layers, args.job_steps, args.job_warmup,
                                                                  args.batch, args.eltctl_runs, job_args, progress=log)
