@@ -217,18 +217,25 @@ def measure_eltctl(
     worker_args: Sequence[str] = ("--batch", "64", "--optimizer", "sgd", "--lr", "0.01", "--steps", "1000000"),
     workdir: Path | None = None,
     store: str = "c10d",
+    env: dict[str, str] | None = None,
+    event_phase: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Run an eltctl job through `events` ("leave", "join", "kill") and measure each one
-    (`store`: _Launcher's)."""
+    (`store`: _Launcher's; `env`: extra variables for every worker, e.g. ELTCTL_CHECKPOINT_DIR; `event_phase` (every, phase): each event fires once the
+    latest committed step is `phase` past a multiple of `every`, as _baselines' events do
+    past a checkpoint, so the steps redone compare)."""
     wd = Path(workdir or tempfile.mkdtemp(prefix="eltctl-bench-"))
     wd.mkdir(parents=True, exist_ok=True)
     la = _Launcher(wd, [*worker_args, "--threads", str(threads)], min_workers=nodes, threads=threads, store=store)
     out: dict[str, Any] = {"system": "eltctl", "store": store, "nodes": nodes, "events": []}
     try:
         for _ in range(nodes):
-            la.start()
+            la.start(env=env)
         la.wait(lambda: la.latest()[0] >= settle_steps, event_cap_s, f"{settle_steps} steps")
         for ev in events:
+            if event_phase:
+                every, phase = event_phase
+                la.wait(lambda: la.latest()[0] % every == phase, event_cap_s, f"a step {phase} past a multiple of {every}")
             step0, gen0, world0 = la.latest()
             members = [p for p in la.procs if p[1].poll() is None]
             t_event = time.time()
@@ -236,7 +243,7 @@ def measure_eltctl(
                 victim = members[len(members) // 2]
                 la.elt.protocol.put_leave(la.js, victim[0])
             elif ev == "join":
-                la.start()
+                la.start(env=env)
             elif ev == "kill":
                 victim = members[len(members) // 2]
                 os.kill(victim[1].pid, signal.SIGKILL)
@@ -250,6 +257,8 @@ def measure_eltctl(
             if runtime_events:
                 figs["runtime_pause_s"] = runtime_events[0].get("pause_s")
                 figs["runtime_kind"] = runtime_events[0].get("kind")
+                if "redone_steps" in runtime_events[0]:  # sharded: steps redone after lost shards, job total
+                    figs["runtime_redone_steps"] = runtime_events[0]["redone_steps"]
             first_new = min((r[0] for r in la.records() if r[2] > gen0), default=None)
             figs["event_to_first_new_step_s"] = round(first_new - t_event, 4) if first_new else None
             out["events"].append(figs)

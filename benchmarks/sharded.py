@@ -1,8 +1,9 @@
-"""The sharded-state benchmark (skeleton): per-rank bytes and step time of ZeRO-1/2 against replicated.
+"""The sharded-state benchmark: per-rank bytes, step time and pauses of ZeRO-1/2 against replicated.
 
     .venv/bin/python benchmarks/sharded.py [--json] [--worlds 2 4] [--steps 3] [--batch 4] [--layers 12]
+        [--job-steps 10] [--job-args "--bucket-mb 25"] [--skip-memory] [--baseline zero-torchrun [--skip-torchrun] [--eltctl-runs NAME ...]]
 
-This drives `eltctl_runtime.zero` directly, in plain worker processes on one
+Its memory part drives `eltctl_runtime.zero` directly, in plain worker processes on one
 gloo group per configuration (spawned, a FileStore, one torch thread each).
 
 `--baseline zero-torchrun` adds the pause baseline issue 22 compares against:
@@ -14,10 +15,26 @@ agent) and a crash (SIGKILL of a worker); for each, the pause from the last step
 of the old worker generation to the first step of the new one, and the steps
 redone (benchmarks/_baselines.py drives the job; benchmarks/baselines/zero_worker.py
 is the worker: a consolidated checkpoint every `--baseline-ckpt-every` steps).
-Beside it, the same events on eltctl (`ElasticJob(shard=...)`, sharded and
-replicated, benchmarks/_eltctl_side.py), when this tree's ElasticJob and
-examples/train.py take `shard=` / `--shard`; otherwise that part says "not
-available" and why. `--worlds` with no value skips the memory/step-time part.
+Beside it, the same events on eltctl's job (examples/train.py on `ElasticJob(shard=...)`,
+benchmarks/_eltctl_side.py: a store here, one worker process per rank, a leave
+request through the store, a new worker, a SIGKILL reported dead as the host
+daemon would) for each of `--eltctl-runs` (replicated, optimizer-r1,
+gradients-r1, gradients-r2 by default; optimizer-r2 too), with a checkpoint every
+`--baseline-ckpt-every` steps like the baseline (with shard_replicas=1 a SIGKILL
+restores the lost shards from it) and each event fired 2 steps past one: the
+pause from the last step at the old size to the first step at the new one, the
+steps redone, and per sharded run and event the ratio to replicated (target <= 2x)
+and the baseline's pause over it (target >= 20x). `--skip-torchrun` measures
+eltctl's side alone. Where this tree's ElasticJob or examples/train.py lacks
+`shard=` / `--shard`, that part says "not available" and why. eltctl's SIGKILL goes
+from 2 workers to 1 (the job carries on without the dead rank); the baseline's
+from 2 to 2 (torchrun restarts the whole group with the dead worker replaced).
+
+For each of `--worlds` the whole job's steady step time (examples/train.py on
+ElasticJob, a fixed-size run of `--job-steps`, no checkpoints, rank 0's median
+step interval after `--job-warmup` steps) of each sharded run against
+replicated (target <= 1.10); `--job-steps 0` skips it. `--worlds` with no value
+skips the memory/step-time parts.
 
 The model is an MLP of `--layers` Linear(2048, 2048) layers (12: about 50 M
 parameters) with AdamW, where the optimizer state dominates. For each world
@@ -45,11 +62,15 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import shlex
+import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 WIDTH = int(os.environ.get("ELTCTL_BENCH_WIDTH", "2048"))  # smaller only to try the script out
@@ -283,10 +304,33 @@ def eltctl_shard_support() -> str | None:
     return None
 
 
-def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0, progress=print) -> dict[str, Any]:
-    """eltctl through the same events (leave, join, SIGKILL) at `world`, sharded (each shard
-    setting, shard_replicas 1 and 2) and replicated, on the same MLP; "not available" (with
-    the reason) where the job does not take shard= yet."""
+ELTCTL_RUNS = {  # name -> examples/train.py options
+    "replicated": (),
+    "optimizer-r1": ("--shard", "optimizer"),
+    "gradients-r1": ("--shard", "gradients"),
+    "optimizer-r2": ("--shard", "optimizer", "--shard-replicas", "2"),
+    "gradients-r2": ("--shard", "gradients", "--shard-replicas", "2"),
+}
+DEFAULT_RUNS = ("replicated", "optimizer-r1", "gradients-r1", "gradients-r2")
+
+
+def _train_args(world: int, layers: int, batch: int) -> tuple[str, ...]:
+    """examples/train.py options for the benchmark's MLP: the toy model's first layer
+    (64 -> width) and last (width -> 16) around `layers` - 1 hidden ones, so `layers` + 1
+    there gives the same `layers` Linear(width, width) as here (about 50.5 M parameters
+    for 12, against 50.4 M), AdamW, `batch` samples per rank at `world`."""
+    return ("--batch", str(batch * world), "--optimizer", "adamw", "--lr", "1e-4", "--hidden", str(WIDTH),
+            "--layers", str(layers + 1))
+
+
+def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0, runs=DEFAULT_RUNS,
+                          ckpt_every: int = 5, batch: int = 4, job_args: tuple[str, ...] = (),
+                          progress=print) -> dict[str, Any]:
+    """eltctl through the same events (leave, join, SIGKILL) at `world` as the torchrun job,
+    for each of `runs` (ELTCTL_RUNS: sharded and replicated) on the same MLP, with a
+    checkpoint every `ckpt_every` steps (as the baseline; with shard_replicas=1 a SIGKILL
+    restores the lost shards from it) and each event fired 2 steps past one (as the
+    baseline's); "not available" (with the reason) where the job does not take shard= yet."""
     why = eltctl_shard_support()
     if why is not None:
         progress(f"eltctl pauses: not available: {why}")
@@ -294,35 +338,89 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _eltctl_side
 
-    base = ("--batch", str(4 * world), "--optimizer", "adamw", "--hidden", str(WIDTH), "--layers", str(layers),
-            "--steps", "1000000")
-    out: dict[str, Any] = {"available": True, "runs": {}}
-    for name, extra in [("replicated", ()), ("optimizer-r1", ("--shard", "optimizer")),
-                        ("gradients-r1", ("--shard", "gradients")),
-                        ("gradients-r2", ("--shard", "gradients", "--shard-replicas", "2"))]:
+    base = (*_train_args(world, layers, batch), "--steps", "1000000", "--checkpoint-every", str(ckpt_every),
+            *job_args)
+    out: dict[str, Any] = {"available": True, "world": world, "checkpoint_every": ckpt_every,
+                           "model": f"examples/toy.py MLP, {layers} x Linear({WIDTH}, {WIDTH}) between 64 -> {WIDTH} "
+                                    f"and {WIDTH} -> 16", "batch_per_rank": batch, "job_args": list(job_args),
+                           "runs": {}}
+    for name in runs:
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="eltctl-sharded-pauses-") as tmp:
+            try:
+                r = _eltctl_side.measure_eltctl(
+                    EVENTS, nodes=world, settle_steps=3, resumed_steps=2, event_cap_s=cap_s,
+                    worker_args=base + ELTCTL_RUNS[name], workdir=Path(tmp) / "work",
+                    env={"ELTCTL_CHECKPOINT_DIR": str(Path(tmp) / "ckpt")},
+                    event_phase=(ckpt_every, min(2, ckpt_every - 1)))
+                out["runs"][name] = {"pauses_s": {e["event"]: e.get("pause_s") for e in r["events"]},
+                                     "steps_redone": {e["event"]: e.get("steps_lost") for e in r["events"]},
+                                     "events": r["events"]}
+            except Exception as exc:  # noqa: BLE001 - one configuration failing does not hide the others
+                out["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+                if os.environ.get("ELTCTL_BENCH_KEEP"):
+                    keep = tempfile.mkdtemp(prefix=f"eltctl-sharded-{name}-")
+                    shutil.copytree(Path(tmp) / "work", Path(keep) / "work", dirs_exist_ok=True)
+                    out["runs"][name]["logs"] = keep
+        out["runs"][name]["wall_s"] = round(time.monotonic() - t0, 1)
+        run = out["runs"][name]
+        if "pauses_s" in run:
+            progress(f"eltctl {name}: " + ", ".join(f"{ev} pause {p} s, {run['steps_redone'][ev]} redone"
+                                                    for ev, p in run["pauses_s"].items()))
+        else:
+            progress(f"eltctl {name}: {run['error']}")
+    return out
+
+
+def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, warmup: int = 3, batch: int = 4,
+                          runs=("replicated", "optimizer-r1", "gradients-r1"), job_args: tuple[str, ...] = (),
+                          progress=print) -> dict[str, Any]:
+    """The steady step time of the whole job (examples/train.py on ElasticJob, fixed size
+    `world`, no checkpoints) for each of `runs`, and each sharded one against replicated
+    (target <= 1.10): rank 0's median step interval after `warmup` steps."""
+    why = eltctl_shard_support()
+    if why is not None:
+        progress(f"job step time: not available: {why}")
+        return {"available": False, "reason": why}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _eltctl_side
+
+    out: dict[str, Any] = {"available": True, "world": world, "steps": steps, "warmup": warmup,
+                           "job_args": list(job_args), "runs": {}}
+    for name in runs:
         try:
-            r = _eltctl_side.measure_eltctl(EVENTS, nodes=world, settle_steps=3, resumed_steps=2, event_cap_s=cap_s,
-                                            worker_args=base + extra)
-            out["runs"][name] = {"pauses_s": {e["event"]: e.get("pause_s") for e in r["events"]}, "events": r["events"]}
-        except Exception as exc:  # noqa: BLE001 - one configuration failing does not hide the others
-            out["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-        progress(f"eltctl {name}: {out['runs'][name].get('pauses_s', out['runs'][name].get('error'))}")
+            r = _eltctl_side.measure_eltctl_step_time(
+                world, steps, warmup, timeout_s=max(600.0, 20.0 * steps),
+                extra_args=(*_train_args(world, layers, batch), *job_args, *ELTCTL_RUNS[name]))
+        except Exception as exc:  # noqa: BLE001 - reported
+            r = {"error": f"{type(exc).__name__}: {exc}"}
+        out["runs"][name] = r
+        rep = out["runs"].get("replicated", {}).get("median_step_s")
+        if r.get("median_step_s") and rep and name != "replicated":
+            r["vs_replicated"] = round(r["median_step_s"] / rep, 3)
+            r["on_target"] = r["median_step_s"] / rep <= 1.10
+        progress(f"job step time {name}: median {r.get('median_step_s')} s over {r.get('steps_measured')} steps"
+                 + (f" ({r['vs_replicated']:.2f}x replicated)" if "vs_replicated" in r else "")
+                 + (f" ({r['error']})" if "error" in r else ""))
     return out
 
 
 def pause_comparison(eltctl: dict[str, Any], torchrun: dict[str, Any]) -> dict[str, Any]:
     """Per event: each sharded run's pause against replicated (target <= 2x) and against the
-    torchrun ZeRO job (target: >= 20x shorter)."""
+    torchrun ZeRO job (target: >= 20x shorter), with the steps each redid."""
     if not eltctl.get("available"):
         return {"available": False, "reason": eltctl.get("reason")}
     rep = (eltctl["runs"].get("replicated") or {}).get("pauses_s") or {}
     tr = torchrun.get("pauses_s") or {}
+    tr_lost = {e["event"]: e.get("steps_lost") for e in torchrun.get("events", [])}
     out: dict[str, Any] = {}
     for name, run in eltctl["runs"].items():
         if name == "replicated" or "pauses_s" not in run:
             continue
         for ev, p in run["pauses_s"].items():
-            row: dict[str, Any] = {"pause_s": p}
+            row: dict[str, Any] = {"pause_s": p, "steps_redone": run["steps_redone"].get(ev),
+                                   "replicated_pause_s": rep.get(ev), "torchrun_pause_s": tr.get(ev),
+                                   "torchrun_steps_redone": tr_lost.get(ev)}
             if p and rep.get(ev):
                 row["vs_replicated"] = round(p / rep[ev], 3)
                 row["vs_replicated_on_target"] = p / rep[ev] <= 2.0
@@ -345,14 +443,37 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="steps per configuration (the first is not timed)")
     ap.add_argument("--batch", type=int, default=4, help="samples per rank per step")
     ap.add_argument("--layers", type=int, default=12, help="Linear(2048, 2048) layers (12: about 50 M parameters)")
+    ap.add_argument("--eltctl-runs", nargs="*", choices=tuple(ELTCTL_RUNS), default=list(DEFAULT_RUNS),
+                    help="eltctl job configurations for the job step time and the pauses (replicated is the "
+                         "reference of both; none: skip eltctl's job)")
+    ap.add_argument("--job-steps", type=int, default=10,
+                    help="steps of each fixed-size eltctl job timed at each of --worlds (0: skip)")
+    ap.add_argument("--job-warmup", type=int, default=3, help="of those, steps not timed")
+    ap.add_argument("--skip-torchrun", action="store_true",
+                    help="with --baseline: eltctl's pauses only (no torchrun job; no ratios against it)")
+    ap.add_argument("--skip-memory", action="store_true",
+                    help="leave out the memory / raw step-time part (the job step time still runs at --worlds)")
+    ap.add_argument("--job-args", default="", help="more examples/train.py options for eltctl's job (e.g. "
+                                                  "'--bucket-mb 25'; its default bucket is 4 MB)")
     args = ap.parse_args()
+    job_args = tuple(shlex.split(args.job_args))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout ends the workers too (the finally blocks)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    result = measure(args.worlds, args.steps, args.batch, args.layers, log)
+    t0 = time.monotonic()
+    result = measure([] if args.skip_memory else args.worlds, args.steps, args.batch, args.layers, log)
+    if args.job_steps and args.eltctl_runs:
+        result["job_step_time"] = {str(w): measure_job_step_time(w, args.layers, args.job_steps, args.job_warmup,
+                                                                 args.batch, args.eltctl_runs, job_args, progress=log)
+                                   for w in args.worlds}
     if args.baseline == "zero-torchrun":
-        tr = measure_zero_torchrun(args.baseline_world, args.baseline_ckpt_every, args.baseline_cap, args.layers,
-                                   progress=log)
-        el = measure_eltctl_pauses(args.baseline_world, args.layers, args.baseline_cap, progress=log)
+        tr = ({"skipped": True, "pauses_s": {}} if args.skip_torchrun else
+              measure_zero_torchrun(args.baseline_world, args.baseline_ckpt_every, args.baseline_cap, args.layers,
+                                    progress=log))
+        el = (measure_eltctl_pauses(args.baseline_world, args.layers, args.baseline_cap, args.eltctl_runs,
+                                    args.baseline_ckpt_every, args.batch, job_args, progress=log) if args.eltctl_runs
+              else {"available": False, "reason": "--eltctl-runs is empty"})
         result["pauses"] = {"zero_torchrun": tr, "eltctl": el, "comparison": pause_comparison(el, tr)}
+    result["wall_s"] = round(time.monotonic() - t0, 1)
     if args.json:
         print(json.dumps(result, indent=2))
     return 0

@@ -34,10 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    ap.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam",
+                    help="adamw or sgd to shard (--shard); adam only replicated")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--bucket-mb", type=float, default=4.0,
                     help="gradient all-reduce bucket size; 0: one all-reduce after backward")
+    ap.add_argument("--shard", choices=("optimizer", "gradients"), default=None,
+                    help="shard the optimizer state (ZeRO-1) or also the gradients (ZeRO-2) across the workers")
+    ap.add_argument("--shard-replicas", type=int, choices=(1, 2), default=1,
+                    help="ranks holding each shard (2: a crash loses no optimizer state)")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="steps")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step (tests)")
     ap.add_argument("--slow-per-sample", type=float, default=0.0,
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model = toy.make_model(hidden=args.hidden, layers=args.layers, seed=args.seed)
-    make_opt = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    make_opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer]
     optimizer = make_opt(model.parameters(), lr=args.lr)
     dataset = toy.make_dataset(n_samples=args.samples)
     if args.io_ms is not None or args.bad_sample is not None:
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         model, optimizer, dataset, global_batch_size=args.batch, seed=args.seed, max_steps=args.steps,
         epochs=args.epochs, micro_batch_size=args.micro_batch, checkpoint_every_steps=args.checkpoint_every,
         config=config, bucket_mb=args.bucket_mb, balance=not args.no_balance, num_workers=args.num_workers,
-        prefetch_steps=args.prefetch_steps,
+        prefetch_steps=args.prefetch_steps, shard=args.shard,
+        shard_replicas=args.shard_replicas,
     )
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None
