@@ -44,6 +44,35 @@ class EltctlRunner:
                               capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
 
+def _marked(root: Path) -> tuple[list[int], bool]:
+    """(this user's processes whose environment carries the demo's marker, whether some
+    process showed an empty environment: one caught between its exec and the new
+    program's setup reads as empty; kernel threads and zombies, always empty, do not count)."""
+    marker = f"{MARKER_ENV}={root}".encode()
+    prefixes = (f"ELTSIM_STATE={root}/".encode(), f"XDG_STATE_HOME={root}/".encode())
+    me, uid = os.getpid(), os.getuid()
+    found, pending = [], False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                raw = f.read()
+            if not raw:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                # state, ppid: zombies and kernel threads (children of kthreadd, pid 2) are not starting
+                pending = pending or not (fields[0] in (b"Z", b"X") or fields[1] in (b"0", b"2") or entry == "2")
+                continue
+        except (OSError, IndexError):
+            continue
+        if any(item == marker or item.startswith(prefixes) for item in raw.split(b"\0")):
+            found.append(int(entry))
+    return found, pending
+
+
 def sweep(root: Path, *, grace_s: float = 3.0) -> list[int]:
     """End every process of this user whose environment carries the demo's marker.
 
@@ -52,22 +81,14 @@ def sweep(root: Path, *, grace_s: float = 3.0) -> list[int]:
     matched: the hosts' ELTSIM_STATE (under `root`) and the private XDG_STATE_HOME.
     SIGTERM, then SIGKILL after `grace_s`. Returns the pids it signalled.
     """
-    marker = f"{MARKER_ENV}={root}".encode()
-    prefixes = (f"ELTSIM_STATE={root}/".encode(), f"XDG_STATE_HOME={root}/".encode())
-    me, uid = os.getpid(), os.getuid()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid != uid:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if any(item == marker or item.startswith(prefixes) for item in environ):
-            found.append(int(entry))
+    found: list[int] = []
+    for _ in range(10):  # again while new ones turn up or one is mid-exec (its environment not there yet)
+        pids, pending = _marked(root)
+        new = [p for p in pids if p not in found]
+        found += new
+        if not new and not pending:
+            break
+        time.sleep(0.05)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
         alive = [p for p in found if pid_alive(p)]
         for pid in alive:

@@ -183,6 +183,15 @@ def test_cpu_slots_train_at_once_whatever_idle_for_says(local_job):
     assert "training: world size 1" in out.stdout, out.stdout
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT back to its default, so Python turns it into a
+    KeyboardInterrupt even when the suite runs from a shell that ignores it (a
+    non-interactive background job: `bash .ci/run &`), which `up` would inherit."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_start_that_waits_for_idle_for_returns_with_a_countdown_and_ctrl_c_says_what_runs_on(local_job):
@@ -203,7 +212,8 @@ def test_a_start_that_waits_for_idle_for_returns_with_a_countdown_and_ctrl_c_say
     # keeps running and how to stop it (it printed nothing and left the user guessing).
     local_job.write({"h1": HOST_PYTHON}, policy={"cpu_idle_for": "50s"})
     up = subprocess.Popen([*ELTCTL, "-i", str(local_job.inventory), "up"], env=local_job.env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                          preexec_fn=_sigint_default)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)
     reader.start()
@@ -236,7 +246,8 @@ def test_ctrl_c_in_up_says_the_controller_keeps_running_and_how_to_stop_it(local
     # Workers that never reach a first step: `up` waits for one until it is interrupted.
     local_job.write({"h1": HOST_PYTHON}, command=["python", "-c", "import time; time.sleep(600)"])
     up = subprocess.Popen([*ELTCTL, "-i", str(local_job.inventory), "up"], env=local_job.env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                          preexec_fn=_sigint_default)
     try:
         wait_for(lambda: local_job.controller_pid() is not None or up.poll() is not None, 120,
                  "the controller to start")
