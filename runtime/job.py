@@ -51,7 +51,7 @@ from .generation import CRASH_CONFIRM_S, ExcludedFromJob, GenerationHooks, Gener
 from .gradients import GradientPath, ReplicatedPath
 from .membership import Plan, choose_source, job_store
 from .pipeline import Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
-from .protocol import EventKind, Keys, add_event, put_dead, status_document
+from .protocol import EventKind, Keys, add_event, get_restored, get_status, put_dead, status_document
 from .sampler import SamplerState
 from . import storeclient
 
@@ -929,12 +929,11 @@ class ElasticJob:
         log.info("worker %s: restored step %d from %s", self.worker_id, info.step, info.path)
         return True
 
-    def _read_json(self, key: str):
-        """A key's JSON value from the job's store, or None (missing, unreadable, forged)."""
+    def _read(self, get):
+        """`get(store)` (protocol.get_status, get_restored), or None when it fails (unreadable,
+        forged, the store away): advisory here."""
         try:
-            if not self._store.check([key]):
-                return None
-            return json.loads(self._store.get(key))
+            return get(self._store)
         except Exception:  # noqa: BLE001 - advisory: None
             return None
 
@@ -946,7 +945,7 @@ class ElasticJob:
         RESTORE_WAIT_S, for eltctl's controller to deliver it here (it restores before
         a start with no survivor, then writes Keys.RESTORED); restoring the older one
         would redo every step in between."""
-        status = self._read_json(Keys.STATUS)
+        status = self._read(get_status)
         if not isinstance(status, dict) or not status.get("paused"):
             return  # not a job its last members paused (a first start, the loss of every host, lost shards)
         want = (status.get("checkpoint") or {}).get("step")
@@ -960,7 +959,7 @@ class ElasticJob:
         def delivered(rec) -> bool:  # the controller restored for this host and delivered `have`
             return isinstance(rec, dict) and host in (rec.get("targets") or ()) and rec.get("step") == have
 
-        have, rec0 = newest(), self._read_json(Keys.RESTORED)
+        have, rec0 = newest(), self._read(get_restored)
         if have >= want or delivered(rec0):
             return
         log.warning("worker %s: the job's newest checkpoint is step %d, this host's is %s: waiting up to %.0f s "
@@ -968,7 +967,7 @@ class ElasticJob:
         end = time.monotonic() + RESTORE_WAIT_S
         while time.monotonic() < end and not self._abort.is_set():
             time.sleep(0.5)
-            have, rec = newest(), self._read_json(Keys.RESTORED)
+            have, rec = newest(), self._read(get_restored)
             if have >= want or (rec != rec0 and delivered(rec)):
                 log.info("worker %s: step %d is here now", self.worker_id, have)
                 return

@@ -552,6 +552,11 @@ def get_status(js: Store) -> dict | None:
     return json.loads(js.get(Keys.STATUS)) if js.check([Keys.STATUS]) else None
 
 
+def get_restored(js: Store) -> dict | None:
+    """The controller's word on its last restore (`restore/delivered`), or None before the first."""
+    return json.loads(js.get(Keys.RESTORED)) if js.check([Keys.RESTORED]) else None
+
+
 def put_dead(js: Store, worker_id: str) -> None:
     """`dead/<worker>` and a tick of `dead/seq`: survivors abort at once."""
     js.set(Keys.dead(worker_id), str(_now()))

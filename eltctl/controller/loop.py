@@ -126,7 +126,6 @@ class Controller:
         self.observed = observe.Observer()
         self.starter = act.DaemonStarter(fleet, store_endpoint, clock, secret=secret)
         self.restorer = act.Restorer(clock)
-        self._restore_sources: list[str] = []  # reachable hosts without workers: restore candidates
         self.decision: pol.Decision | None = None
         self.stopping = False
         self.stopped = asyncio.Event()
@@ -209,9 +208,9 @@ class Controller:
             targets = [name for name, slots in decision.desired.items() if slots]
             # hosts that run no worker now may hold the newest checkpoint (the last worker left
             # one for its owner): candidates too, while they answer
-            self._restore_sources = [n for n, v in views.items() if n not in targets and v.reach in (
+            others = [n for n, v in views.items() if n not in targets and v.reach in (
                 pol.Reach.OK, pol.Reach.CPU_ONLY, pol.Reach.UNHEALTHY)]
-            if not self.restorer.ready(survivor, targets, self._restore):
+            if not self.restorer.ready(survivor, targets, lambda names: self._restore(names, others)):
                 self.phase, self.message = Phase.STARTING, "looking for a checkpoint to start from (none: step 0)"
             else:
                 await self.act(decision, now)
@@ -420,9 +419,9 @@ class Controller:
         self.records[name] = new = pol.applied(rec, ())
         await act.write_withdrawn(self.store, name, new)
 
-    async def _restore(self, names: list[str]) -> None:
+    async def _restore(self, names: list[str], others: list[str]) -> None:
         told = await act.restore(self.fleet, self.inventory, names, self.mirror_worker, self._event,
-                                 others=list(self._restore_sources))
+                                 others=others)
         try:  # a worker that started while the job's last members paused it waits for this
             await self.store.set_json(Keys.RESTORED, told)
         except Exception as exc:  # noqa: BLE001 - advisory; the worker stops waiting after RESTORE_WAIT_S
