@@ -9,8 +9,9 @@ reads the same whatever the path (`ElasticJob(shard=None)`: `ReplicatedPath`,
 here; a sharded path, runtime/zero.py, implements the same class)::
 
     per generation   bind(pg, rank, members, abort)        the generation's group (before the state agrees)
-                     settle(step_before, step_agreed)      after the state agreed: resolve a step dropped
-                                                           halfway (sharded: undo or keep it; replicated: no-op)
+                     settle(step_here, step_agreed)        once the ranks' steps are known, before any state
+                                                           is sent: resolve a step dropped halfway (sharded:
+                                                           undo or keep it; replicated: no-op)
                      reshard(old_members, new_members)     after the state agreed (replicated: no-op)
     per step         begin(tail_size)                      before the last micro-batch's backward:
                                                            bind .grad, arm the hooks
@@ -285,10 +286,12 @@ class GradientPath(ABC):
         calls it, the leavers too): the leavers' part moves to the survivors."""
 
     def settle(self, committed_before: int, committed_now: int) -> None:
-        """Once the state is agreed (this rank was at step `committed_before`, the
-        generation is at `committed_now`), before reshard: resolve a step this rank
-        dropped halfway through its optimizer step (sharded: after the shard stepped,
-        before the parameters were gathered). Replicated: nothing is ever halfway."""
+        """Once every rank's committed step is known (this rank is at `committed_before`,
+        the newest holding the state at `committed_now`), before this rank's state is sent
+        to anyone and before reshard: resolve a step this rank dropped halfway through its
+        optimizer step (sharded: after the shard stepped, before the parameters were
+        gathered; its GradScaler update is kept or undone with it). Replicated: nothing is
+        ever halfway."""
 
     def state_lost(self, lost: Sequence[str]) -> bool:
         """True if the crash of `lost` took part of the state with it (the newest

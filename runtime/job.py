@@ -756,9 +756,7 @@ class ElasticJob:
         """The group is formed and checked: bind the gradient path, agree on the
         state, move the shards (replicated: nothing), note the generation's event."""
         self._grads.bind(self._pg, self._rank, plan.members, self._abort)
-        before = self._step
         restored = self._sync_state()
-        self._grads.settle(before, self._step)  # sharded: a step dropped after the shard stepped
         self._grads.reshard(self._members_before, plan.members)
         self._members_before = plan.members
         # Every generation's first commit is an event (rank 0 writes it), the job's first start too.
@@ -802,6 +800,9 @@ class ElasticJob:
         report = torch.tensor([1 if self._has_state else 0, self._step], dtype=torch.int64, device=self._device)
         reports = [(bool(r[0]), int(r[1])) for r in
                    (t.cpu() for t in collectives.allgather(self._pg, report, self._abort))]
+        # Sharded: a step this rank dropped after its shard stepped is kept if a rank holding
+        # the state committed it, else undone, before this rank's state is sent anywhere.
+        self._grads.settle(self._step, max((s for has, s in reports if has), default=self._step))
         transfer = choose_source(reports)
         if not transfer.needed:
             return False

@@ -551,7 +551,7 @@ class ShardedGradients:
                 for sg in self._shard_grads:
                     sg.mul_(coef)
         if not skipped and self.layout.world > 1:
-            self._undo = self._pre_step_copy()
+            self._undo = self._pre_step_copy(scaler if found_infs else None)
         if found_infs:
             for f in found_infs:
                 f.fill_(1.0 if skipped else 0.0)
@@ -564,16 +564,21 @@ class ShardedGradients:
         self._undo = None  # the gather finished: the step stands on every rank that got here
         return StepResult(norm, skipped)
 
-    def _pre_step_copy(self) -> dict[str, list]:
+    def _pre_step_copy(self, scaler: Any = None) -> dict[str, Any]:
         """The held chunks' values and optimizer state before the step (a rank lost
         between the shard's step and the end of the all-gather leaves the survivors'
-        chunks one step ahead of the parameters, and their parameters half-gathered)."""
+        chunks one step ahead of the parameters, and their parameters half-gathered),
+        and an enabled GradScaler's scale and growth tracker (its update() comes before
+        the gather: an undone step must not count towards its growth)."""
         inner = self._inner
         with torch.no_grad():
             masters = [[m.clone() for m in ms] for ms in self._masters]
             state = [[({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inner.state[m].items()}
                        if inner.state.get(m) else None) for m in ms] for ms in self._masters]
-        return {"masters": masters, "state": state}
+            scaled = None
+            if scaler is not None and getattr(scaler, "_scale", None) is not None:
+                scaled = (scaler, scaler._scale.clone(), scaler._growth_tracker.clone())
+        return {"masters": masters, "state": state, "scaler": scaled}
 
     @property
     def step_in_doubt(self) -> bool:
@@ -601,6 +606,10 @@ class ShardedGradients:
                             inner.state.pop(m, None)
                         else:
                             inner.state[m] = st
+                if undo["scaler"] is not None:
+                    scaler, scale, growth = undo["scaler"]
+                    scaler._scale.copy_(scale)
+                    scaler._growth_tracker.copy_(growth)
             for b, bucket in enumerate(self.layout.buckets):
                 off = self._offsets[b]
                 for h, j in enumerate(self._held):
@@ -1023,10 +1032,11 @@ class ShardedPath(gradients.GradientPath):
         self.sg, self.layout = new, (inter if new is not None else None)
 
     def settle(self, committed_before: int, committed_now: int) -> None:
-        """Once the state is agreed, before reshard: a step this rank dropped after its
-        shard's optimizer step (its all-gather broke) is kept if the agreed state committed
-        it (another rank's gather finished), else undone; either way the next reshard sends
-        every chunk's parameters from their holders. A restore replaces it all."""
+        """Once every rank's step is known, before any state is sent: a step this rank
+        dropped after its shard's optimizer step (its all-gather broke) is kept if a rank
+        holding the state committed it (its gather finished), else undone (with its
+        GradScaler update); either way the next reshard sends every chunk's parameters
+        from their holders. A restore replaces it all."""
         sg = self.sg
         if sg is None or not sg.step_in_doubt:
             return

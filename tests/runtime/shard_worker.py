@@ -88,6 +88,9 @@ def main() -> int:
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--grad-scaler", type=int, default=None, metavar="GROWTH_INTERVAL",
+                    help="a CPU GradScaler (init scale 2**10) that doubles its scale every GROWTH_INTERVAL "
+                         "steps; the result holds its state")
     ap.add_argument("--result", type=Path, default=None)
     ap.add_argument("--progress", type=Path, default=None)
     ap.add_argument("--die-in-checkpoint", type=int, default=None, metavar="STEP",
@@ -116,11 +119,13 @@ def main() -> int:
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     dataset = toy.make_dataset(n_samples=args.samples)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=args.grad_scaler)
+              if args.grad_scaler else None)
     job = elt.ElasticJob(model, optimizer, dataset, global_batch_size=args.batch, seed=args.seed,
                          max_steps=args.steps, micro_batch_size=args.micro_batch,
                          checkpoint_every_steps=args.checkpoint_every, config=config, bucket_mb=args.bucket_mb,
                          max_grad_norm=args.max_grad_norm, balance=False, shard=args.shard,
-                         shard_replicas=args.shard_replicas)
+                         shard_replicas=args.shard_replicas, grad_scaler=scaler)
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None
     with job:
@@ -141,7 +146,7 @@ def main() -> int:
             args.result.write_text(json.dumps({
                 "worker": config.worker_id, "step": job.step_count, "loss": loss, "rank": job.rank,
                 "world_size": job.world_size, "generation": job.generation, "fingerprint": fp,
-                "left": job.left,
+                "left": job.left, "scaler": scaler.state_dict() if scaler is not None else None,
                 "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}))
     return 0
 

@@ -222,16 +222,22 @@ def test_a_generation_aborted_inside_the_parameter_gather_redoes_the_step_exactl
     holders and redo the step in the next generation. Every bucket: rank 0's gather
     finished and it committed the step, rank 1 dropped it; rank 1 keeps its chunks' step
     and takes the progress from rank 0. Either way the losses and parameters are the
-    reference's (ZeRO-1, no replicas: nothing is lost, nothing restored)."""
+    reference's (ZeRO-1, no replicas: nothing is lost, nothing restored), and so is the
+    GradScaler's state (its update() in the dropped step is undone or kept with it)."""
     c = cluster_factory(min_workers=2)
     c.script = WORKER
     c.args = list(ARGS)
     steps = 12
     ws = c.start(2, ["--steps", str(steps), "--shard", "optimizer", "--abort-in-gather", f"6:{gathered}",
-                     "--step-sleep", "0.02"])
+                     "--step-sleep", "0.02", "--grad-scaler", "5"])
     c.wait_exit(ws)
     assert all(w.proc.returncode == 0 for w in ws), c.dump_logs()
     check_against_reference(c, ws, steps)
+    # The GradScaler counted each committed step once: the dropped step's update() was
+    # undone with it (or kept, with it), so 12 steps are 2 doublings and 2 towards the next.
+    for w in ws:
+        scaler = w.read_result()["scaler"]
+        assert (scaler["scale"], scaler["_growth_tracker"]) == (2.0 ** 12, 2), (w.id, scaler)
     settled = [w for w in ws if "so it is " in w.log_text()]
     assert settled and all(f"so it is {outcome}" in w.log_text() for w in settled), c.dump_logs()
 
