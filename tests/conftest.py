@@ -16,10 +16,17 @@ marker, not a folder:
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# One intra-op thread for torch in the test processes, and the processes they start
+# (the workers already run with one): on 2 shared cores torch's default pool of 2
+# threads, under the load of the other tests, made an in-test reference run 16x slower
+# (16 ms a step instead of 1 ms at load 8). Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # `tests` has no __init__.py; the repository root on sys.path makes the test bed
 # importable under one name, `tests.testbed`, from any test (and from benchmarks).
