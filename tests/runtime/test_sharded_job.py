@@ -94,7 +94,7 @@ def rank0(c, world: int):
     return next(w for w in c.workers if w.id == members[0])
 
 
-@pytest.mark.parametrize("shard,replicas", [("optimizer", 1), ("gradients", 2)])
+@pytest.mark.parametrize("shard,replicas", [("optimizer", 1), ("optimizer", 2), ("gradients", 1), ("gradients", 2)])
 def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, shard, replicas):
     """2 workers; one joins (3); rank 0 leaves (2: it hands its shards over); one is
     SIGKILLed (1: replicas=2 takes its chunks from their backups, no step redone;
