@@ -148,6 +148,7 @@ class Controller:
         self._published: dict = {}  # host -> this job's demand entry to publish there at the next probe
         self._usage: tuple[float, float] = (-1e18, 0.0)  # (when, recent GPU-hours) from the ledger
         self._released_at = -1e18  # when fair share last released GPUs
+        self._start_waits: set[str] = set()  # hosts whose daemon start waits for a probe that tells their slots
 
     # ----------------------------------------------------------------- the loop
 
@@ -188,6 +189,9 @@ class Controller:
             if self._keeper_grace(now):
                 return None
             views = self.observed.views(self.inventory.hosts, now, self.inventory.policy)
+            # what each daemon started now would get, from the same reports as the views
+            # (the probe runs on in the background while this pass awaits the store)
+            start_as = {h.name: self.observed.daemon_slots(h) for h in self.inventory.hosts}
             self.observed.clear_crashes()
             before = dict(self.records)
             self.records = pol.track(self.records, views, self.inventory, now)
@@ -213,7 +217,7 @@ class Controller:
             if not self.restorer.ready(survivor, targets, lambda names: self._restore(names, others)):
                 self.phase, self.message = Phase.STARTING, "looking for a checkpoint to start from (none: step 0)"
             else:
-                await self.act(decision, now)
+                await self.act(decision, now, start_as)
                 self.phase, self.message = status.next_phase(
                     self.phase, self.message, now=self.clock(), inventory=self.inventory,
                     runtime_status=self.observed.runtime_status, views=views, records=self.records,
@@ -393,18 +397,32 @@ class Controller:
 
     # ----------------------------------------------------------------- act
 
-    async def act(self, decision: pol.Decision, now: float) -> None:
+    async def act(self, decision: pol.Decision, now: float,
+                  start_as: dict[str, pol.DaemonSlots | None] | None = None) -> None:
+        """`start_as`: what each host's daemon is started with (`observe.daemon_slots`,
+        taken with the views the decision was made on); a host missing there or None
+        waits for a probe that says what it has."""
         for a in decision.actions:
             if isinstance(a, pol.SetDesired):
                 rec = self.records.get(a.host, pol.HostRecord())
                 self.records[a.host] = await act.set_desired(self.store, a.host, rec, a.slots)
+        waiting = set()
         for a in decision.actions:
             if isinstance(a, pol.StartDaemon):
                 host = self.inventory.host(a.host)
-                self.starter.start(self.inventory, host,
-                                   lambda host=host: observe.gpus_of(host, self.observed.reports.get(host.name)),
-                                   now, on_shipping=self._shipping, on_started=self._daemon_started,
-                                   on_failure=self._give_up)
+                slots = (start_as or {}).get(a.host)
+                if slots is None:
+                    waiting.add(a.host)
+                    if a.host not in self._start_waits:
+                        report = self.observed.reports.get(a.host)
+                        log.warning("Host %s: its daemon is not started yet: no probe has said whether it has "
+                                    "GPUs (the last one: %s); a daemon keeps its slots for life, so it starts "
+                                    "once a probe tells.", a.host,
+                                    f"{report.state}: {report.reason}" if report is not None else "none yet")
+                    continue
+                self.starter.start(self.inventory, host, slots, now, on_shipping=self._shipping,
+                                   on_started=self._daemon_started, on_failure=self._give_up)
+        self._start_waits = waiting
 
     def _shipping(self) -> None:
         self.phase = Phase.SHIPPING if self.phase in (Phase.CONNECTING, Phase.PROBING) else self.phase
@@ -549,9 +567,12 @@ class Controller:
         self.outputs.reload(inventory)
         self.fleet.hosts = tuple(inventory.hosts)
         for name, host in old.items():
-            if host != next((h for h in inventory.hosts if h.name == name), None):
+            new = next((h for h in inventory.hosts if h.name == name), None)
+            if host != new:
                 self.starter.forget(name)
                 asyncio.ensure_future(self.fleet.forget(name))
+            if new is None or (new.address, new.port) != (host.address, host.port):
+                self.observed.forget_machine(name)
         self._check_fix = True  # the next pass compares what changed (`apply_fixes`)
 
     async def checkpoint_place(self, name: str) -> mir.Place:
