@@ -29,6 +29,7 @@ log = logging.getLogger("eltctl.controller")
 
 DAEMON_START_GRACE_S = 45.0  # python + torch import on a loaded host
 RETIRE_WAIT_S = 15  # an idle daemon asked to exit is gone well within this
+REPLACE_AGAIN_S = 300.0  # a host's daemon found with the wrong slots is replaced at most this often
 MIRROR_FLUSH_S = 120.0  # `down` waits this long for the final checkpoint to be mirrored
 
 
@@ -106,6 +107,13 @@ async def request_stop(store, records: dict[str, pol.HostRecord], inventory: Inv
 
 
 # --------------------------------------------------------------------------- daemons
+
+
+def slots_started_with(inventory: Inventory, host: Host, slots: pol.DaemonSlots) -> tuple[str, frozenset[int] | None]:
+    """The kind and slots of the host's daemon if it were started now with `slots`
+    (what its state would report: hosts/ops.py `daemon_slot_kind`)."""
+    return hostops.daemon_slot_kind(inventory, host, slots.gpus)
+
 
 
 @dataclass

@@ -378,6 +378,30 @@ def daemon_slots(host: Host, report: HostReport | None, settled: HostReport | No
     return None
 
 
+def _slots_words(kind: str, slots: Iterable[int] | None) -> str:
+    if kind == "cpu":
+        return f"CPU slots {sorted(slots or ())}"
+    return "any GPU" if slots is None else f"GPUs {sorted(slots)}"
+
+
+def wrong_slots(expected: tuple[str, frozenset[int] | None], state: Mapping[str, Any]) -> str | None:
+    """Why a running daemon's slots (its state's `slot_kind` and `valid_slots`) are not
+    those of a daemon started now (`expected`: hosts/ops.py `daemon_slot_kind`), or None
+    when they are: of the same kind, with every slot it would have. A daemon that does
+    not say (an older runtime) is never judged."""
+    kind, valid = state.get("slot_kind"), state.get("valid_slots")
+    if kind not in ("gpu", "cpu") or not (valid is None or isinstance(valid, list)):
+        return None
+    try:
+        has = None if valid is None else frozenset(int(s) for s in valid)
+    except (TypeError, ValueError):
+        return None
+    want_kind, want = expected
+    if kind != want_kind or (want is not None and has is not None and not want <= has):
+        return f"its daemon runs {_slots_words(kind, has)} but the host has {_slots_words(want_kind, want)}"
+    return None
+
+
 def add_refusal(report: HostReport, force: bool) -> str | None:
     """Why `scale --add` refuses a probed host, or None when it may join."""
     if report.state is HostState.UNREACHABLE:

@@ -845,8 +845,8 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
     return sorted(names, key=lambda n: order.get(n, 1 << 30))
 
 
-__all__ = ["LIMIT_PHASES", "NO_LIMIT", "Action", "Crash", "DaemonSlots", "Decision", "GpuUse", "HostRecord", "HostPhase",
-           "HostView", "Limit", "Reach", "SetDesired",
+__all__ = ["LIMIT_PHASES", "NO_LIMIT", "Action", "Crash", "DaemonSlots", "Decision", "GpuUse", "HostRecord",
+           "HostPhase", "HostView", "Limit", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "after_fix", "applied", "changed_hosts", "crash_problem", "decide",
            "eligible_slots", "fingerprint", "fixed", "host_limits", "host_state", "idle_for", "leave_out", "maturing",
            "next_step", "pause_reason",

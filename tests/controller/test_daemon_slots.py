@@ -222,3 +222,83 @@ def test_the_inventorys_gpus_need_no_probe_that_tells(tmp_path, monkeypatch):
     asyncio.run(scenario())
     [config] = host.configs
     assert config["gpus"] == [1] and config["device"] == "cuda"
+
+
+# ---------------------------------------------------------------- a daemon of the wrong kind
+
+
+def daemon_state(store: Store, n: int, *, kind="cpu", valid=(0,), workers=(), phase="running"):
+    """h3's daemon writes its state (the n-th time: each write is news)."""
+    from eltctl_runtime.protocol import state_key
+
+    doc = {"time": 1000.0 + n, "phase": phase, "seq_applied": n, "health": "ok", "gpus": [],
+           "slot_kind": kind, "valid_slots": list(valid),
+           "workers": [{"slot": s, "worker_id": f"h3/{s}/{n}", "pid": 100 + s, "state": "running"}
+                       for s in workers]}
+    store.values[state_key("h3")] = json.dumps(doc).encode()
+
+
+def test_a_daemon_running_cpu_slots_on_a_gpu_host_is_replaced_once_its_worker_left(tmp_path, monkeypatch, caplog):
+    """Defence in depth: h3's daemon runs one CPU slot (started so by an older controller,
+    or before the fix) with a worker on it, while h3's probe lists 2 GPUs. The controller
+    withdraws h3's slots (the worker leaves in the planned way), asks the idle daemon to
+    exit, and once it has, starts one with both GPUs; it says why once."""
+    from eltctl_runtime.protocol import desired_key
+
+    ctl, store = controller(tmp_path, inventory(tmp_path))
+    host = Host(monkeypatch, tmp_path / "home")
+    host.shipping.set()
+    ctl.records["h3"] = pol.HostRecord(desired=(0, 1), seq=1)
+
+    async def restore(names, others):  # h3 was the job's last host: a real restore runs here
+        pass
+
+    ctl._restore = restore
+
+    def desired():
+        return json.loads(store.values[desired_key("h3")])
+
+    async def scenario():
+        ctl.observed.take_reports([ok(0, 1)])
+        daemon_state(store, 1, workers=(0,))
+        await ctl.reconcile()
+        assert "CPU slots [0] but the host has GPUs [0, 1]" in ctl.replacing["h3"]
+        assert desired()["slots"] == [] and not desired()["stop"]  # its worker leaves first
+        daemon_state(store, 2, workers=(0,))
+        await ctl.reconcile()
+        assert not desired()["stop"] and "h3" not in ctl.starter.tasks
+        daemon_state(store, 3)  # the worker has left
+        await ctl.reconcile()
+        assert desired()["stop"] and "h3" in ctl.starter.retired
+        daemon_state(store, 4, phase="stopped")  # its last word
+        await ctl.reconcile()  # no worker anywhere now: the newest checkpoint is restored first
+        await asyncio.sleep(0)
+        await ctl.reconcile()
+        assert "h3" not in ctl.replacing and desired()["slots"] == [0, 1] and not desired()["stop"]
+        await ctl.starter.tasks["h3"]
+
+    with caplog.at_level("WARNING", logger="eltctl.controller"):
+        asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records if "is replaced" in r.getMessage()]
+    assert len(said) == 1 and "once its workers have left" in said[0], said
+    [config] = host.configs
+    assert config["gpus"] == [0, 1] and daemon_would_accept(config) == {0, 1}
+
+
+@pytest.mark.parametrize("state, report", [
+    (dict(kind="gpu", valid=(0, 1)), ok(0, 1)),  # right
+    (dict(kind="cpu", valid=(0,)), failed()),  # the latest probe cannot tell: not judged
+    (dict(kind="gpu", valid=(0, 1, 2)), ok(0, 1)),  # a GPU gone from the probe: it has what is asked
+])
+def test_a_daemon_with_the_right_slots_or_none_to_judge_by_is_left_alone(tmp_path, monkeypatch, state, report):
+    ctl, store = controller(tmp_path, inventory(tmp_path))
+    Host(monkeypatch, tmp_path / "home")
+    ctl.records["h3"] = pol.HostRecord(desired=(0, 1), seq=1)
+
+    async def scenario():
+        ctl.observed.take_reports([ok(0, 1), report])
+        daemon_state(store, 1, workers=(0, 1), **state)
+        await ctl.reconcile()
+
+    asyncio.run(scenario())
+    assert not ctl.replacing and ctl.records["h3"].desired == (0, 1) and not ctl.starter.retired

@@ -15,12 +15,13 @@ from eltctl.controller.observe import (
     crashed_slots,
     daemon_alive,
     daemon_may_run,
-    final_checkpoint,
     daemon_slots,
+    final_checkpoint,
     host_view,
     runtime_fresh,
     seen_state,
     slot_of,
+    wrong_slots,
 )
 from eltctl.controller.policy import DaemonSlots, HostRecord, Reach, SlotView
 from eltctl.inventory import parse_inventory
@@ -253,6 +254,30 @@ def test_the_observer_keeps_the_last_report_that_told_what_a_host_has():
     assert obs.reports["a"] is HUNG and obs.daemon_slots(A).gpus == (0, 1)
     obs.forget_machine("a")  # the entry names another machine now
     assert obs.daemon_slots(A) is None
+
+
+# (case, expected (kind, slots) of a daemon started now, the running daemon's state, a reason expected)
+WRONG = [
+    ("CPU slots on a host with GPUs", ("gpu", frozenset({0, 1})), {"slot_kind": "cpu", "valid_slots": [0]},
+     "its daemon runs CPU slots [0] but the host has GPUs [0, 1]"),
+    ("GPUs on a CPU-only host", ("cpu", frozenset({0, 1})), {"slot_kind": "gpu", "valid_slots": [0, 1]},
+     "its daemon runs GPUs [0, 1] but the host has CPU slots [0, 1]"),
+    ("a GPU the job may use that the daemon lacks", ("gpu", frozenset({0, 1})), {"slot_kind": "gpu",
+                                                                              "valid_slots": [0]},
+     "its daemon runs GPUs [0] but the host has GPUs [0, 1]"),
+    ("the same GPUs", ("gpu", frozenset({0, 1})), {"slot_kind": "gpu", "valid_slots": [1, 0]}, None),
+    ("more GPUs than asked (one fell off the probe): it has every one", ("gpu", frozenset({0})),
+     {"slot_kind": "gpu", "valid_slots": [0, 1]}, None),
+    ("a daemon watching any GPU", ("gpu", frozenset({0, 1})), {"slot_kind": "gpu", "valid_slots": None}, None),
+    ("the same CPU slots", ("cpu", frozenset({0, 1})), {"slot_kind": "cpu", "valid_slots": [0, 1]}, None),
+    ("an older daemon that does not say: never judged", ("gpu", frozenset({0})), {"phase": "running"}, None),
+    ("a malformed state: never judged", ("gpu", frozenset({0})), {"slot_kind": "cpu", "valid_slots": "0"}, None),
+]
+
+
+@pytest.mark.parametrize("case, expected, state, why", WRONG, ids=[c[0] for c in WRONG])
+def test_wrong_slots(case, expected, state, why):
+    assert wrong_slots(expected, state) == why
 
 
 # ---------------------------------------------------------------- requests
