@@ -115,7 +115,6 @@ def slots_started_with(inventory: Inventory, host: Host, slots: pol.DaemonSlots)
     return hostops.daemon_slot_kind(inventory, host, slots.gpus)
 
 
-
 @dataclass
 class DaemonStarter:
     """Starts hosts' daemons, one background task per host, and remembers when."""
