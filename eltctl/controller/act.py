@@ -29,6 +29,7 @@ log = logging.getLogger("eltctl.controller")
 
 DAEMON_START_GRACE_S = 45.0  # python + torch import on a loaded host
 RETIRE_WAIT_S = 15  # an idle daemon asked to exit is gone well within this
+REPLACE_AGAIN_S = 300.0  # a host's daemon found with the wrong slots is replaced at most this often
 MIRROR_FLUSH_S = 120.0  # `down` waits this long for the final checkpoint to be mirrored
 
 
@@ -108,6 +109,12 @@ async def request_stop(store, records: dict[str, pol.HostRecord], inventory: Inv
 # --------------------------------------------------------------------------- daemons
 
 
+def slots_started_with(inventory: Inventory, host: Host, slots: pol.DaemonSlots) -> tuple[str, frozenset[int] | None]:
+    """The kind and slots of the host's daemon if it were started now with `slots`
+    (what its state would report: hosts/ops.py `daemon_slot_kind`)."""
+    return hostops.daemon_slot_kind(inventory, host, slots.gpus)
+
+
 @dataclass
 class DaemonStarter:
     """Starts hosts' daemons, one background task per host, and remembers when."""
@@ -159,17 +166,20 @@ class DaemonStarter:
                 late.append(name)
         return late
 
-    def start(self, inventory: Inventory, host: Host, gpus: Callable[[], tuple[int, ...] | None], now: float, *,
+    def start(self, inventory: Inventory, host: Host, slots: pol.DaemonSlots, now: float, *,
               on_shipping: Callable[[], None], on_started: Callable[[], None],
               on_failure: Callable[[str, str], Awaitable[None]]) -> None:
-        """Start the host's daemon in the background, unless it is being started already."""
+        """Start the host's daemon in the background, unless it is being started already.
+        `slots`: what it is started with, as known when the start was decided (never
+        looked up again later: a probe that fails meanwhile must not turn a GPU host's
+        daemon into a CPU host's)."""
         if host.name in self.tasks or (host.name in self.started_at
                                        and now - self.started_at[host.name] < DAEMON_START_GRACE_S):
             return
         self.tasks[host.name] = asyncio.ensure_future(
-            self._start(inventory, host, gpus, on_shipping, on_started, on_failure))
+            self._start(inventory, host, slots, on_shipping, on_started, on_failure))
 
-    async def _start(self, inventory: Inventory, host: Host, gpus: Callable[[], tuple[int, ...] | None],
+    async def _start(self, inventory: Inventory, host: Host, slots: pol.DaemonSlots,
                      on_shipping: Callable[[], None], on_started: Callable[[], None],
                      on_failure: Callable[[str, str], Awaitable[None]]) -> None:
         try:
@@ -206,7 +216,7 @@ class DaemonStarter:
                 if synced.sent or synced.deleted:
                     log.info("Host %s: code synced (%d sent, %d deleted).", host.name, len(synced.sent),
                              len(synced.deleted))
-            config = hostops.daemon_config(inventory, host, paths, store, gpus(), secret=self.secret is not None)
+            config = hostops.daemon_config(inventory, host, paths, store, slots.gpus, secret=self.secret is not None)
             if callable(self.store_endpoint) and host.is_local and "ELTCTL_BIND_ADDRESS" not in config["env"]:
                 bind = await self._address_here(inventory)
                 if bind:  # the store is a Unix socket here: gloo binds where the remote hosts reach this machine
@@ -214,7 +224,8 @@ class DaemonStarter:
             pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret,
                                              bind_from_ssh=callable(self.store_endpoint) and not host.is_local)
             self.started_at[host.name] = self.clock()
-            log.info("Host %s: daemon started (pid %s).", host.name, pid)
+            log.info("Host %s: daemon started (pid %s) with %s (from %s).", host.name, pid, slots.describe(),
+                     slots.source)
             on_started()
         except HostError as exc:
             log.warning("Host %s: could not start its daemon: %s", host.name, exc)

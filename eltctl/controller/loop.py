@@ -9,7 +9,10 @@ Every pass (about every 0.5 s, `Controller.reconcile`):
    each host (hosts.json), `decide` says which slots each host runs;
 3. act (`act.py`): store writes (`daemon/<host>/desired`) at once; SSH work (ship the
    runtime, sync the code, start a daemon) as one background task per host, so a
-   failing host never blocks the others; its failure is recorded against it. Before
+   failing host never blocks the others; its failure is recorded against it. A daemon
+   is started with the slots (GPUs or CPU slots) the views of this pass say the host
+   has (`observe.daemon_slots`); a live daemon whose slots are of the wrong kind is
+   replaced (`replace_wrong_daemons`: its workers leave first). Before
    workers start while no survivor holds the job's state (the first `up`, or every
    host lost), the newest valid checkpoint is delivered to the hosts about to run
    workers, and nothing else is acted on until it is;
@@ -148,6 +151,9 @@ class Controller:
         self._published: dict = {}  # host -> this job's demand entry to publish there at the next probe
         self._usage: tuple[float, float] = (-1e18, 0.0)  # (when, recent GPU-hours) from the ledger
         self._released_at = -1e18  # when fair share last released GPUs
+        self._start_waits: set[str] = set()  # hosts whose daemon start waits for a probe that tells their slots
+        self.replacing: dict[str, str] = {}  # host -> why its running daemon is replaced (replace_wrong_daemons)
+        self._replaced_at: dict[str, float] = {}  # host -> when its daemon was last found wrong
 
     # ----------------------------------------------------------------- the loop
 
@@ -188,6 +194,9 @@ class Controller:
             if self._keeper_grace(now):
                 return None
             views = self.observed.views(self.inventory.hosts, now, self.inventory.policy)
+            # what each daemon started now would get, from the same reports as the views
+            # (the probe runs on in the background while this pass awaits the store)
+            start_as = {h.name: self.observed.daemon_slots(h) for h in self.inventory.hosts}
             self.observed.clear_crashes()
             before = dict(self.records)
             self.records = pol.track(self.records, views, self.inventory, now)
@@ -199,9 +208,11 @@ class Controller:
             if self.stopping:
                 self.save_records()
                 return None
+            await self.replace_wrong_daemons(views, now)
             limits = pol.host_limits(self.inventory, self.records, now, self.quota_use(now))
             await self._announce_limits(limits)
             limits, fair_cap = await self.fair_share(limits, now)
+            limits = self._replacing_limits(limits)
             decision = self.decision = pol.decide(views, self.records, self.inventory, now, limits, fair_cap)
             survivor = pol.survivor_holds_state(views, self.observed.runtime_status, now,
                                                 observe.runtime_fresh_for(self.inventory.policy))
@@ -213,7 +224,7 @@ class Controller:
             if not self.restorer.ready(survivor, targets, lambda names: self._restore(names, others)):
                 self.phase, self.message = Phase.STARTING, "looking for a checkpoint to start from (none: step 0)"
             else:
-                await self.act(decision, now)
+                await self.act(decision, now, start_as)
                 self.phase, self.message = status.next_phase(
                     self.phase, self.message, now=self.clock(), inventory=self.inventory,
                     runtime_status=self.observed.runtime_status, views=views, records=self.records,
@@ -393,18 +404,81 @@ class Controller:
 
     # ----------------------------------------------------------------- act
 
-    async def act(self, decision: pol.Decision, now: float) -> None:
+    async def act(self, decision: pol.Decision, now: float,
+                  start_as: dict[str, pol.DaemonSlots | None] | None = None) -> None:
+        """`start_as`: what each host's daemon is started with (`observe.daemon_slots`,
+        taken with the views the decision was made on); a host missing there or None
+        waits for a probe that says what it has."""
         for a in decision.actions:
             if isinstance(a, pol.SetDesired):
                 rec = self.records.get(a.host, pol.HostRecord())
                 self.records[a.host] = await act.set_desired(self.store, a.host, rec, a.slots)
+        waiting = set()
         for a in decision.actions:
             if isinstance(a, pol.StartDaemon):
                 host = self.inventory.host(a.host)
-                self.starter.start(self.inventory, host,
-                                   lambda host=host: observe.gpus_of(host, self.observed.reports.get(host.name)),
-                                   now, on_shipping=self._shipping, on_started=self._daemon_started,
-                                   on_failure=self._give_up)
+                slots = (start_as or {}).get(a.host)
+                if slots is None:
+                    waiting.add(a.host)
+                    if a.host not in self._start_waits:
+                        report = self.observed.reports.get(a.host)
+                        log.warning("Host %s: its daemon is not started yet: no probe has said whether it has "
+                                    "GPUs (the last one: %s); a daemon keeps its slots for life, so it starts "
+                                    "once a probe tells.", a.host,
+                                    f"{report.state}: {report.reason}" if report is not None else "none yet")
+                    continue
+                self.starter.start(self.inventory, host, slots, now, on_shipping=self._shipping,
+                                   on_started=self._daemon_started, on_failure=self._give_up)
+        self._start_waits = waiting
+
+    async def replace_wrong_daemons(self, views: dict[str, pol.HostView], now: float) -> None:
+        """A live daemon whose slots are not those of a daemon started now (`observe.wrong_slots`:
+        CPU slots on a host whose latest probe lists GPUs, or the other way; a daemon keeps
+        its slots for life) is replaced: its workers leave in the planned way (its slots
+        are held at none, `_replacing_limits`), then the idle daemon is asked to exit and
+        the next pass starts one with the right slots. Judged on a probe that tells (or the
+        inventory's gpus), never on the last-known fallback; one log line per replacement,
+        at most one replacement per host every act.REPLACE_AGAIN_S."""
+        for host in self.inventory.hosts:
+            name = host.name
+            view = views.get(name)
+            if view is None:
+                continue
+            if name in self.replacing:
+                if not view.daemon_alive:  # gone (its last word read) or silent: the next start is right
+                    del self.replacing[name]
+                elif not view.workers and name not in self.starter.retired:
+                    await self._retire(name)
+                continue
+            seen = self.observed.seen.get(name)
+            slots = observe.daemon_slots(host, self.observed.reports.get(name))
+            if (not view.daemon_alive or seen is None or slots is None or name in self.starter.retired
+                    or name in self.starter.tasks or now - self._replaced_at.get(name, -1e18) < act.REPLACE_AGAIN_S):
+                continue
+            why = observe.wrong_slots(act.slots_started_with(self.inventory, host, slots), seen.state)
+            if why is None:
+                continue
+            self.replacing[name], self._replaced_at[name] = why, now
+            log.warning("Host %s: %s (%s): it is replaced by a daemon with %s%s.", name, why, slots.source,
+                        slots.describe(), ", once its workers have left in the planned way" if view.workers else "")
+            if not view.workers:
+                await self._retire(name)
+
+    async def _retire(self, name: str) -> None:
+        """Ask the host's idle daemon to exit; the next start waits for it to be gone."""
+        self.records[name] = await act.retire_daemon(self.store, name, self.records.get(name, pol.HostRecord()))
+        self.starter.retired.add(name)
+        self.starter.started_at.pop(name, None)
+        self.starter.forget(name)
+
+    def _replacing_limits(self, limits: dict[str, pol.Limit]) -> dict[str, pol.Limit]:
+        """A host whose daemon is being replaced runs no slot until the new daemon is up."""
+        if not self.replacing:
+            return limits
+        out = dict(limits)
+        for name, why in self.replacing.items():
+            out[name] = pol.Limit(0, None, f"its daemon is replaced: {why}")
+        return out
 
     def _shipping(self) -> None:
         self.phase = Phase.SHIPPING if self.phase in (Phase.CONNECTING, Phase.PROBING) else self.phase
@@ -485,10 +559,7 @@ class Controller:
             # otherwise be kept ("its daemon runs already") and start the next workers
             # with the old command and code, which then fail with the old cause.
             if not view.workers and (view.daemon_alive or observe.daemon_may_run(self.observed.seen.get(name))):
-                self.records[name] = await act.retire_daemon(self.store, name, self.records[name])
-                self.starter.retired.add(name)
-                self.starter.started_at.pop(name, None)
-                self.starter.forget(name)
+                await self._retire(name)
                 retired.append(name)
         self.fingerprint = new
         self.save_records()
@@ -549,9 +620,12 @@ class Controller:
         self.outputs.reload(inventory)
         self.fleet.hosts = tuple(inventory.hosts)
         for name, host in old.items():
-            if host != next((h for h in inventory.hosts if h.name == name), None):
+            new = next((h for h in inventory.hosts if h.name == name), None)
+            if host != new:
                 self.starter.forget(name)
                 asyncio.ensure_future(self.fleet.forget(name))
+            if new is None or (new.address, new.port) != (host.address, host.port):
+                self.observed.forget_machine(name)
         self._check_fix = True  # the next pass compares what changed (`apply_fixes`)
 
     async def checkpoint_place(self, name: str) -> mir.Place:

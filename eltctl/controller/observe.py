@@ -353,12 +353,52 @@ def taken_slots(state: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(sorted(int(k) for k in taken if str(k).isdigit()))
 
 
-def gpus_of(host: Host, report: HostReport | None) -> tuple[int, ...] | None:
-    """The GPUs a host's daemon is to watch: the inventory's, else the probe's, else all."""
+def says_what_it_has(report: HostReport | None) -> bool:
+    """The probe could tell what the host has: GPUs (OK) or none (CPU_ONLY). An
+    unhealthy probe (nvidia-smi hung or failed, the probe timed out on a loaded host)
+    or an unreachable host says nothing of it."""
+    return report is not None and report.state in (HostState.OK, HostState.CPU_ONLY)
+
+
+def daemon_slots(host: Host, report: HostReport | None, settled: HostReport | None = None) -> pol.DaemonSlots | None:
+    """What the host's daemon is to be started with: the inventory's `gpus` (they win),
+    else what the probe found, GPUs (OK) or CPU slots (CPU_ONLY). A probe that cannot
+    tell (`says_what_it_has`) changes nothing: the last one that could (`settled`)
+    stands. None when no probe ever could: the start waits for one. A daemon keeps its
+    slots for life, so a GPU host whose latest probe failed must never be started as
+    a CPU host (it would refuse every GPU asked of it until it is replaced)."""
     if host.gpus is not None:
-        return host.gpus
-    if report is not None and report.state is HostState.OK:
-        return tuple(sorted(g.gpu.index for g in report.gpus))
+        return pol.DaemonSlots(tuple(host.gpus), "the inventory's gpus")
+    for r, source in ((report, "the probe"), (settled, "the last probe that could tell")):
+        if r is None or not says_what_it_has(r):
+            continue
+        if r.state is HostState.CPU_ONLY:
+            return pol.DaemonSlots(None, f"{source}: {r.reason}" if r.reason else source)
+        return pol.DaemonSlots(tuple(sorted(g.gpu.index for g in r.gpus)), source)
+    return None
+
+
+def _slots_words(kind: str, slots: Iterable[int] | None) -> str:
+    if kind == "cpu":
+        return f"CPU slots {sorted(slots or ())}"
+    return "any GPU" if slots is None else f"GPUs {sorted(slots)}"
+
+
+def wrong_slots(expected: tuple[str, frozenset[int] | None], state: Mapping[str, Any]) -> str | None:
+    """Why a running daemon's slots (its state's `slot_kind` and `valid_slots`) are not
+    those of a daemon started now (`expected`: hosts/ops.py `daemon_slot_kind`), or None
+    when they are: of the same kind, with every slot it would have. A daemon that does
+    not say (an older runtime) is never judged."""
+    kind, valid = state.get("slot_kind"), state.get("valid_slots")
+    if kind not in ("gpu", "cpu") or not (valid is None or isinstance(valid, list)):
+        return None
+    try:
+        has = None if valid is None else frozenset(int(s) for s in valid)
+    except (TypeError, ValueError):
+        return None
+    want_kind, want = expected
+    if kind != want_kind or (want is not None and has is not None and not want <= has):
+        return f"its daemon runs {_slots_words(kind, has)} but the host has {_slots_words(want_kind, want)}"
     return None
 
 
@@ -402,6 +442,9 @@ class Observer:
 
     seen: dict[str, DaemonSeen] = field(default_factory=dict)
     reports: dict[str, HostReport] = field(default_factory=dict)
+    # each host's last report that said what it has (`says_what_it_has`): a daemon is
+    # started with its slots when the latest probe could not tell (`daemon_slots`)
+    settled: dict[str, HostReport] = field(default_factory=dict)
     crashed: dict[str, set[int]] = field(default_factory=dict)  # since the last decision
     crashes: dict[str, dict[int, pol.Crash]] = field(default_factory=dict)  # the same, with causes
     events: deque = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
@@ -518,9 +561,20 @@ class Observer:
         lost = []
         for r in reports:
             self.reports[r.name] = r
+            if says_what_it_has(r):
+                self.settled[r.name] = r
             if r.state is HostState.UNREACHABLE:
                 lost.append(r.name)
         return lost
+
+    def daemon_slots(self, host: Host) -> pol.DaemonSlots | None:
+        """What the host's daemon would be started with now (`daemon_slots`)."""
+        return daemon_slots(host, self.reports.get(host.name), self.settled.get(host.name))
+
+    def forget_machine(self, name: str) -> None:
+        """The host's entry now names another machine (address or port): what the
+        probes said of the old one's GPUs no longer stands in for a failed probe."""
+        self.settled.pop(name, None)
 
     def daemon_alive(self, name: str, now: float, policy: Policy) -> bool:
         return daemon_alive(self.seen.get(name), now, policy)

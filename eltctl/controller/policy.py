@@ -152,6 +152,20 @@ class Crash:
 
 
 @dataclass(frozen=True)
+class DaemonSlots:
+    """What a host's daemon is started with, and so what its slots are for its whole
+    life (a daemon never changes them): the GPU indices the job may use there
+    (`gpus`), or CPU slots (`gpus` None). `source` says where that was learnt, for the
+    log (observe.daemon_slots)."""
+
+    gpus: tuple[int, ...] | None
+    source: str = ""
+
+    def describe(self) -> str:
+        return "CPU slots" if self.gpus is None else f"GPUs {list(self.gpus)}"
+
+
+@dataclass(frozen=True)
 class HostView:
     """One observation of one host."""
 
@@ -831,8 +845,8 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
     return sorted(names, key=lambda n: order.get(n, 1 << 30))
 
 
-__all__ = ["LIMIT_PHASES", "NO_LIMIT", "Action", "Crash", "Decision", "GpuUse", "HostRecord", "HostPhase",
-           "HostView", "Limit", "Reach", "SetDesired",
+__all__ = ["LIMIT_PHASES", "NO_LIMIT", "Action", "Crash", "DaemonSlots", "Decision", "GpuUse", "HostRecord",
+           "HostPhase", "HostView", "Limit", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "after_fix", "applied", "changed_hosts", "crash_problem", "decide",
            "eligible_slots", "fingerprint", "fixed", "host_limits", "host_state", "idle_for", "leave_out", "maturing",
            "next_step", "pause_reason",

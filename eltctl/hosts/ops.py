@@ -198,10 +198,7 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
     """
     job, policy = inventory.job, inventory.policy
     code_dir = str(job.workdir) if job.shared_filesystem else paths.code_dir
-    if job.device is DeviceKind.AUTO:
-        device = "cuda" if gpus else "cpu"
-    else:
-        device = job.device.value
+    device = _daemon_device(inventory, gpus)
     return {
         "job": job.name,
         "host": host.name,
@@ -231,6 +228,25 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
         "owner": inventory.owner_policy(host).to_dict(),
         **({"secret_file": paths.secret_file} if secret else {}),
     }
+
+
+def _daemon_device(inventory: Inventory, gpus: tuple[int, ...] | None) -> str:
+    if inventory.job.device is DeviceKind.AUTO:
+        return "cuda" if gpus else "cpu"
+    return inventory.job.device.value
+
+
+def daemon_slot_kind(inventory: Inventory, host: Host,
+                     gpus: tuple[int, ...] | None) -> tuple[str, frozenset[int] | None]:
+    """What the slots of a daemon started with `gpus` (`daemon_config`) are: ("gpu" or
+    "cpu", the slots it has; None: any GPU), as its state document reports them
+    (`slot_kind`, `valid_slots`; runtime/daemon/config.py `gpu_host`, `valid_slots`)."""
+    listed = tuple(gpus) if gpus else None
+    if listed is not None:
+        return "gpu", frozenset(listed)
+    if _daemon_device(inventory, gpus) == "cuda":
+        return "gpu", None
+    return "cpu", frozenset(range(host.slots))
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ The daemon
     {"time", "heartbeat": wall clock of the write, "pid", "started", "host", "job",
      "phase": "running" | "stopping" | "stopped" | "failed",
      "seq_applied": int | null, "wanted": [slots of that seq],
+     "slot_kind": "gpu" | "cpu", "valid_slots": [slots it has] | null (any GPU),
+         # fixed at its start (config.py gpu_host, valid_slots): a desired slot it does
+         # not have is refused, so the controller replaces a daemon of the wrong kind
      "workers": [{"slot", "worker_id", "pid", "state", "since", "adopted", "detail", "start"
                   [, "exit_code", "cause", "at_start"]}],
          # start: when a live worker's process started (wall clock)

@@ -631,6 +631,10 @@ class Daemon:
         return {
             "time": now, "heartbeat": now, "pid": os.getpid(), "started": self._started, "phase": self._phase,
             "host": self.cfg.host, "job": self.cfg.job, "seq_applied": m.seq_applied,
+            # what its slots are, for its whole life (daemon.json's gpus and device): the
+            # controller replaces a daemon whose slots are not what the host has
+            "slot_kind": "gpu" if self.cfg.gpu_host else "cpu",
+            "valid_slots": sorted(self.cfg.valid_slots) if self.cfg.valid_slots is not None else None,
             "wanted": sorted(m.wanted), "workers": workers, "gpus": gpus,
             "yielded": [y.to_dict() for y in m.yielded], "crashes": self._crashes,
             "history": self._history.entries(),

@@ -15,14 +15,15 @@ from eltctl.controller.observe import (
     crashed_slots,
     daemon_alive,
     daemon_may_run,
+    daemon_slots,
     final_checkpoint,
-    gpus_of,
     host_view,
     runtime_fresh,
     seen_state,
     slot_of,
+    wrong_slots,
 )
-from eltctl.controller.policy import HostRecord, Reach, SlotView
+from eltctl.controller.policy import DaemonSlots, HostRecord, Reach, SlotView
 from eltctl.inventory import parse_inventory
 from eltctl.probe import Gpu, GpuReport, GpuUse, HostReport, HostState
 
@@ -216,18 +217,67 @@ def test_crashed_slots_reach_the_view_sorted():
     assert host_view(A, None, None, False, {2, 0}).crashed == (0, 2)
 
 
-# (case, host, report, gpus for its daemon)
-GPUS_OF = [
-    ("the inventory's GPUs win", B, report("b", HostState.OK, gpu(0, "free"), gpu(1, "free")), (1,)),
-    ("else the probed ones, sorted", A, report("a", HostState.OK, gpu(1, "free"), gpu(0, "busy")), (0, 1)),
-    ("else all (the daemon finds them)", A, report("a", HostState.UNREACHABLE), None),
-    ("not probed: all", A, None, None),
+OK_01 = report("a", HostState.OK, gpu(1, "free"), gpu(0, "busy"))
+HUNG = report("a", HostState.UNHEALTHY, reason="nvidia-smi did not answer in 10 s (driver wedged?)")
+CPU = report("c", HostState.CPU_ONLY, reason="no nvidia-smi on PATH: CPU-only host, 2 slot(s)")
+
+# (case, host, latest report, last report that told, gpus for its daemon: a tuple, "cpu", or None: it waits)
+DAEMON_SLOTS = [
+    ("the inventory's GPUs win", B, report("b", HostState.OK, gpu(0, "free"), gpu(1, "free")), None, (1,)),
+    ("the inventory's GPUs win without any probe", B, None, None, (1,)),
+    ("else the probed ones, sorted", A, OK_01, OK_01, (0, 1)),
+    ("a CPU-only host: CPU slots", C, CPU, CPU, "cpu"),
+    ("a probe that failed after one that told: the one that told stands", A, HUNG, OK_01, (0, 1)),
+    ("an unreachable host after one that told: the one that told stands", A,
+     report("a", HostState.UNREACHABLE, reason="timeout"), OK_01, (0, 1)),
+    ("a CPU-only host whose probe timed out stays a CPU host", C,
+     report("c", HostState.UNHEALTHY, reason="the probe did not complete: timeout"), CPU, "cpu"),
+    ("the latest probe that tells wins over an older one", A, CPU, OK_01, "cpu"),
+    ("no probe ever told (failed): not known, the start waits", A, HUNG, None, None),
+    ("not probed: not known, the start waits", A, None, None, None),
 ]
 
 
-@pytest.mark.parametrize("case, host, rep, expected", GPUS_OF, ids=[c[0] for c in GPUS_OF])
-def test_gpus_of(case, host, rep, expected):
-    assert gpus_of(host, rep) == expected
+@pytest.mark.parametrize("case, host, rep, settled, expected", DAEMON_SLOTS, ids=[c[0] for c in DAEMON_SLOTS])
+def test_daemon_slots(case, host, rep, settled, expected):
+    got = daemon_slots(host, rep, settled)
+    if expected is None:
+        assert got is None
+    else:
+        assert isinstance(got, DaemonSlots) and got.gpus == (None if expected == "cpu" else expected)
+
+
+def test_the_observer_keeps_the_last_report_that_told_what_a_host_has():
+    obs = Observer()
+    obs.take_reports([OK_01])
+    obs.take_reports([HUNG])
+    assert obs.reports["a"] is HUNG and obs.daemon_slots(A).gpus == (0, 1)
+    obs.forget_machine("a")  # the entry names another machine now
+    assert obs.daemon_slots(A) is None
+
+
+# (case, expected (kind, slots) of a daemon started now, the running daemon's state, a reason expected)
+WRONG = [
+    ("CPU slots on a host with GPUs", ("gpu", frozenset({0, 1})), {"slot_kind": "cpu", "valid_slots": [0]},
+     "its daemon runs CPU slots [0] but the host has GPUs [0, 1]"),
+    ("GPUs on a CPU-only host", ("cpu", frozenset({0, 1})), {"slot_kind": "gpu", "valid_slots": [0, 1]},
+     "its daemon runs GPUs [0, 1] but the host has CPU slots [0, 1]"),
+    ("a GPU the job may use that the daemon lacks", ("gpu", frozenset({0, 1})), {"slot_kind": "gpu",
+                                                                              "valid_slots": [0]},
+     "its daemon runs GPUs [0] but the host has GPUs [0, 1]"),
+    ("the same GPUs", ("gpu", frozenset({0, 1})), {"slot_kind": "gpu", "valid_slots": [1, 0]}, None),
+    ("more GPUs than asked (one fell off the probe): it has every one", ("gpu", frozenset({0})),
+     {"slot_kind": "gpu", "valid_slots": [0, 1]}, None),
+    ("a daemon watching any GPU", ("gpu", frozenset({0, 1})), {"slot_kind": "gpu", "valid_slots": None}, None),
+    ("the same CPU slots", ("cpu", frozenset({0, 1})), {"slot_kind": "cpu", "valid_slots": [0, 1]}, None),
+    ("an older daemon that does not say: never judged", ("gpu", frozenset({0})), {"phase": "running"}, None),
+    ("a malformed state: never judged", ("gpu", frozenset({0})), {"slot_kind": "cpu", "valid_slots": "0"}, None),
+]
+
+
+@pytest.mark.parametrize("case, expected, state, why", WRONG, ids=[c[0] for c in WRONG])
+def test_wrong_slots(case, expected, state, why):
+    assert wrong_slots(expected, state) == why
 
 
 # ---------------------------------------------------------------- requests

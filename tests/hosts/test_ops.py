@@ -158,6 +158,22 @@ def test_daemon_config_names_the_gpus_or_cpu_slots(tmp_path):
     assert (gpu["mode"], gpu["stop_grace"]) == ("elastic", 30.0)
 
 
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda"])
+@pytest.mark.parametrize("gpus", [(0, 1), (3,), None, ()])
+def test_the_slots_the_controller_expects_are_those_the_daemon_reports(tmp_path, device, gpus):
+    """daemon_slot_kind (what the controller compares a running daemon's state with) says
+    what the daemon started with daemon_config's document reports as slot_kind and
+    valid_slots (runtime/daemon/config.py), for every job device."""
+    from eltctl.inventory import parse_inventory
+    from eltctl_runtime.daemon.config import DaemonConfig
+
+    inv = parse_inventory(f'[job]\nname = "j"\ncommand = "python t.py"\ndevice = "{device}"\n'
+                          '[[hosts]]\nname = "a"\naddress = "a"\nslots = 2\n', tmp_path / "hosts.toml")
+    config = hostops.daemon_config(inv, inv.hosts[0], HostPaths(home="/h", job="j", host="a"), "10.0.0.5:1", gpus)
+    cfg = DaemonConfig.from_json(json.dumps(config))
+    assert hostops.daemon_slot_kind(inv, inv.hosts[0], gpus) == ("gpu" if cfg.gpu_host else "cpu", cfg.valid_slots)
+
 # ------------------------------------------------------------------- the layout and the programs
 
 def test_layout_names_the_files_the_runtime_writes():

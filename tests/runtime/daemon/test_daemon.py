@@ -630,6 +630,7 @@ def test_cpu_host_crash_is_reported_once_and_sigterm_ends_everything(tmp_path):
         assert [(w["slot"], w["state"]) for w in st["workers"]] == [(0, "running"), (1, "crashed")]
         assert st["gpus"] == [] and st["watch"]["health"] == "none" and st["health"] == "ok"
         assert st["wanted"] == [0, 1] and "does not have" in host.log()
+        assert st["slot_kind"] == "cpu" and st["valid_slots"] == [0, 1]  # what the controller compares
         env = procs_environ(st["workers"][0]["pid"])
         assert env["ELTCTL_WORKER_ID"].startswith("h1/0/") and env["ELTCTL_JOB"] == host.job
         # the data plane: the interface of the workers' address (the store's route: 127.0.0.1)
