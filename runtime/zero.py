@@ -398,7 +398,8 @@ class ShardedGradients:
         self._steppers = []
         for b, bucket in enumerate(self.layout.buckets):
             g, off = bucket.group, self._offsets[b]
-            spans = [(lo, min(lo + PIECE_ELEMS, off + bucket.chunk)) for lo in range(off, off + bucket.chunk, PIECE_ELEMS)]
+            end = off + bucket.chunk
+            spans = [(lo, min(lo + PIECE_ELEMS, end)) for lo in range(off, end, PIECE_ELEMS)]
             per_h = []
             for h in range(len(self._held)):
                 views = [self._masters[g][h][lo:hi] for lo, hi in spans]
