@@ -677,13 +677,14 @@ class ShardedGradients:
         if found_infs:
             for f in found_infs:
                 f.fill_(1.0 if skipped else 0.0)
-        if not skipped:
-            if self.layout.world > 1:
-                self._undo = self._pre_step_copy()
-            self.gather_params(self._step_shard())
+        if not skipped and self.layout.world > 1:
+            self._undo = self._pre_step_copy()
         if found_infs:
-            # What scaler.step(inner) would do: the step above ran only if no rank found inf/NaN.
+            # scaler.step(inner) would step only if no rank found inf/NaN (below); its update
+            # reads only the found_inf flags, so it goes before the step and the gather.
             scaler.update()
+        if not skipped:
+            self.gather_params(self._step_shard())
         self._undo = None  # the gather finished: the step stands on every rank that got here
         return StepResult(norm, skipped)
 
