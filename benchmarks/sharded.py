@@ -47,6 +47,8 @@ per rank:
   to replicated (targets: 1/N with one replica, 2/N with two, within 5 %; the
   gradient target applies to ZeRO-2 only: ZeRO-1 keeps full gradients);
 - the stepped copies of the shard's parameters (`shard_params`, 1/N or 2/N);
+- on the CPU, the pre-step copy's buffers (`step_undo`) and ZeRO-2's staging pool
+  (`staging`), both kept from step to step;
 - peak RSS per rank (ru_maxrss);
 - the steady step time (median over the timed steps of the slowest rank's
   step, the first step excluded) and its ratio to replicated (target <= 1.10).
@@ -230,6 +232,9 @@ def measure(worlds: list[int], steps: int, batch: int, layers: int, progress=pri
                     "optimizer_state_bytes": [m["optimizer_state"] for m in r["memory"]],
                     "gradient_bytes": [m["gradients"] for m in r["memory"]],
                     "shard_param_bytes": [m["shard_params"] for m in r["memory"]],
+                    # kept between steps on the CPU: the pre-step copy's buffers, ZeRO-2's staging pool
+                    "step_undo_bytes": [m.get("step_undo", 0) for m in r["memory"]],
+                    "staging_bytes": [m.get("staging", 0) for m in r["memory"]],
                     "peak_rss_bytes": r["peak_rss_bytes"],
                     "optimizer_state_ratio": opt_ratio, "gradient_ratio": grad_ratio, "target_ratio": target,
                     "optimizer_state_on_target": abs(opt_ratio - target) <= 0.05 * target,

@@ -75,6 +75,16 @@ log = logging.getLogger("eltctl_runtime")
 
 SHARD_MODES = ("optimizer", "gradients")
 FORMAT = "eltctl-zero/1"
+# The shard steps in pieces of at most this many elements (each a view of its chunk): the
+# optimizer's temporaries (AdamW's denominator) stay this small, which the CPU allocator
+# reuses, where one temporary the size of a whole chunk is a fresh mapping every step.
+PIECE_ELEMS = 1 << 21
+# ZeRO-2 on the CPU: staging buffers per dtype kept from step to step (a bucket's full gradient while it
+# is reduced). A bucket waits for the oldest one in flight to be reduced when all are taken, so
+# between steps a rank keeps these few buckets, not the full gradients; a buffer freed every
+# step would come back from the OS at a page fault per 4 KiB, every step. On CUDA the caching
+# allocator does this already: each bucket gets its own.
+STAGING_BUFFERS = 3
 # Optimizers whose update is elementwise: a shard's step is the replicated step of its elements.
 SUPPORTED_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -320,12 +330,21 @@ class ShardedGradients:
         self._grads: list[torch.Tensor] = []  # ZeRO-1: padded gradients per group (the .grad are views)
         self._shard_grads: list[torch.Tensor] = []  # per group: one section per held chunk
         self._masters: list[list[torch.Tensor]] = []  # per group, per held chunk: the stepped tensor
-        self._inner: torch.optim.Optimizer | None = None
+        self._inner: torch.optim.Optimizer | None = None  # holds the held chunks' state, keyed by the masters
+        # Per bucket, per held chunk: an optimizer of the script's class over views of that chunk's
+        # pieces (_build_steppers); the step runs through these, the state stays in _inner.
+        self._steppers: list[list[tuple[torch.optim.Optimizer, list[tuple[int, int]]]]] = []
+        self._spares: dict[tuple, torch.Tensor] = {}  # CPU: the pre-step copy's buffers, reused every step
         self._pg = None
         self._abort: threading.Event | None = None
         self._launching = False
-        self._works: list = []
-        self._staging: dict[int, torch.Tensor] = {}
+        self._works: list = []  # the step's reductions, in bucket order (None: its launch failed)
+        self._staging: dict[int, torch.Tensor] = {}  # ZeRO-2: bucket -> its staged full gradient
+        self._pool: dict[torch.dtype, list[torch.Tensor]] = {}  # ZeRO-2 on the CPU: free staging buffers
+        self._pooled: dict[int, torch.Tensor] = {}  # bucket -> the pool buffer its staging is a view of
+        self._pool_size: dict[torch.dtype, int] = {}  # per dtype: staging buffers the pool owns (free or lent)
+        self._retired = 0  # buckets whose reduction is waited for and taken out of the staging
+        self._error: BaseException | None = None  # a launch or wait inside backward failed: finish raises it
         # The step in flight: the held chunks' values and optimizer state from before the
         # shard's optimizer step, kept until the parameters' all-gather has finished
         # (`settle` undoes or keeps a step whose gather broke).
@@ -354,10 +373,6 @@ class ShardedGradients:
             self._masters = [[torch.zeros(lay.shard_len(g), dtype=f.dtype, device=f.device)
                               for _ in self._held] for g, f in enumerate(self._flat)]
             self._refresh_masters()
-        for g, masters in enumerate(self._masters):
-            n = lay.shard_len(g)
-            for h, m in enumerate(masters):
-                m.grad = self._shard_grads[g][h * n:(h + 1) * n]
         if self.shard == "optimizer":
             self._grads = [torch.zeros_like(f) for f in self._flat]
             for i, p in enumerate(self.params):
@@ -371,6 +386,38 @@ class ShardedGradients:
             hyper = {k: v for k, v in self.optimizer.param_groups[pg].items() if k != "params"}
             groups.append({**hyper, "params": self._masters[g]})
         self._inner = type(self.optimizer)(groups) if groups else None
+        self._build_steppers()
+        self._point_grads()
+
+    def _build_steppers(self) -> None:
+        """Per bucket and held chunk, an optimizer of the script's class over that chunk's
+        pieces (views of the master, at most PIECE_ELEMS each), so the step goes bucket by
+        bucket (each bucket's all-gather starts once its primary chunk has stepped) and its
+        temporaries stay small."""
+        cls = type(self.optimizer)
+        self._steppers = []
+        for b, bucket in enumerate(self.layout.buckets):
+            g, off = bucket.group, self._offsets[b]
+            end = off + bucket.chunk
+            spans = [(lo, min(lo + PIECE_ELEMS, end)) for lo in range(off, end, PIECE_ELEMS)]
+            per_h = []
+            for h in range(len(self._held)):
+                views = [self._masters[g][h][lo:hi] for lo, hi in spans]
+                per_h.append((cls([{**self._inner.param_groups[g], "params": views}]), spans))
+            self._steppers.append(per_h)
+
+    def _point_grads(self) -> None:
+        """The masters' and the pieces' .grad: their sections of _shard_grads (again after
+        the buffers are replaced)."""
+        for g, masters in enumerate(self._masters):
+            n = self.layout.shard_len(g)
+            for h, m in enumerate(masters):
+                m.grad = self._shard_grads[g][h * n:(h + 1) * n]
+        for b, per_h in enumerate(self._steppers):
+            g = self.layout.buckets[b].group
+            for h, (opt, spans) in enumerate(per_h):
+                for v, (lo, hi) in zip(opt.param_groups[0]["params"], spans):
+                    v.grad = self._masters[g][h].grad[lo:hi]
 
     def _param_view(self, flats: list[torch.Tensor], i: int) -> torch.Tensor:
         return self._param_in(flats[self.layout.slots[i].group], i)
@@ -420,7 +467,7 @@ class ShardedGradients:
         self._ready = [0] * len(self.layout.buckets)
         self._fired: set[int] = set()
         self._works = []
-        self._staging = {}
+        self._staging, self._pooled, self._retired, self._error = {}, {}, 0, None
         self._launching = True
 
     def grad_ready(self, index: int, p: torch.Tensor) -> None:
@@ -443,38 +490,105 @@ class ShardedGradients:
         b = self._bucket_of[index]
         bucket = self.layout.buckets[b]
         if b not in self._staging:
-            dtype = self._flat[bucket.group].dtype
-            self._staging[b] = torch.zeros(bucket.chunk * self.layout.world, dtype=dtype, device=self.device)
-        if p.grad is not None:
-            slot = self.layout.slots[index]
-            at = slot.offset - bucket.start
-            with torch.no_grad():
+            self._staging[b] = self._new_staging(b)
+        slot = self.layout.slots[index]
+        at = slot.offset - bucket.start
+        with torch.no_grad():
+            if p.grad is not None:
                 self._staging[b][at:at + slot.numel].copy_(p.grad.reshape(-1))
-            p.grad = None  # ZeRO-2: the full gradient lives only until its bucket is staged
+            else:  # no gradient (an unused parameter): zeros in the sum
+                self._staging[b][at:at + slot.numel].zero_()
+        p.grad = None  # ZeRO-2: the full gradient lives only until its bucket is staged
+
+    def _new_staging(self, b: int) -> torch.Tensor:
+        """Bucket b's staging buffer: on the CPU a view of a pool buffer (STAGING_BUFFERS:
+        when all are lent, the oldest bucket in flight is waited for and taken out first),
+        elsewhere its own. Every parameter's slot is written when it is staged (its
+        gradient, or zeros), so only the padding is zeroed here."""
+        bucket = self.layout.buckets[b]
+        width = bucket.chunk * self.layout.world
+        dtype = self._flat[bucket.group].dtype
+        if self.device.type != "cpu":
+            t = torch.empty(width, dtype=dtype, device=self.device)
+        else:
+            free = self._pool.setdefault(dtype, [])
+            while not free and self._pool_size.get(dtype, 0) >= STAGING_BUFFERS and self._error is None \
+                    and self._retired < len(self._works):
+                self._retire_next()
+            if free:
+                buf = free.pop()
+            elif self._pool_size.get(dtype, 0) < STAGING_BUFFERS:
+                widest = max(k.chunk * self.layout.world for k in self.layout.buckets
+                             if self._flat[k.group].dtype == dtype)
+                buf = torch.empty(widest, dtype=dtype, device=self.device)
+                self._pool_size[dtype] = self._pool_size.get(dtype, 0) + 1
+            else:
+                buf = None  # every buffer is held by a bucket not launched yet (or a failed wait): its own
+            if buf is None:
+                t = torch.empty(width, dtype=dtype, device=self.device)
+            else:
+                self._pooled[b] = buf
+                t = buf[:width]
+        t[bucket.numel:].zero_()
+        return t
+
+    def _retire_next(self) -> None:
+        """Wait for the oldest reduction not yet taken out; ZeRO-2 on gloo (an all-reduce):
+        copy the held chunks out of its staging; return its buffer to the pool. A failure
+        is kept for finish() (this runs inside backward, from the gradient hooks)."""
+        b = self._retired
+        work = self._works[b]
+        try:
+            if work is None:
+                raise RuntimeError("the reduction could not be launched")
+            _wait(work, self._abort)
+        except Exception as e:  # noqa: BLE001 - raised by finish()
+            self._error = self._error or e
+            return
+        self._retired += 1
+        if self.shard != "gradients":
+            return
+        t = self._staging.pop(b)
+        if not self._rs:  # all-reduced: every held chunk is here
+            bucket = self.layout.buckets[b]
+            off = self._offsets[b]
+            with torch.no_grad():
+                for h, j in enumerate(self._held):
+                    self._section(self._shard_grads[bucket.group], bucket.group, h)[off:off + bucket.chunk] \
+                        .copy_(t[j * bucket.chunk:(j + 1) * bucket.chunk])
+        buf = self._pooled.pop(b, None)
+        if buf is not None:
+            self._pool[buf.dtype].append(buf)
 
     def _launch(self, b: int) -> None:
+        """Launch bucket b's reduction; a failure is kept for finish() (inside backward)."""
+        try:
+            self._works.append(self._launch_work(b))
+        except Exception as e:  # noqa: BLE001 - a broken group: raised by finish()
+            self._error = self._error or e
+            self._works.append(None)
+
+    def _launch_work(self, b: int):
         bucket = self.layout.buckets[b]
         width = bucket.chunk * self.layout.world
         if self.shard == "optimizer":
             t = self._grads[bucket.group][bucket.pstart:bucket.pstart + width]
-            self._works.append(collectives.allreduce_async(self._pg, t))
-            return
+            return collectives.allreduce_async(self._pg, t)
         for i in bucket.params:  # parameters whose gradient never came (unused, or no hook)
             if i not in self._fired:
                 self._fired.add(i)
                 self._stage(i, self.params[i])
         if b not in self._staging:
-            self._staging[b] = torch.zeros(width, dtype=self._flat[bucket.group].dtype, device=self.device)
+            self._staging[b] = self._new_staging(b)
         if not self._rs:
             # gloo's reduce-scatter took 2.6x its all-reduce of the same 25 MB bucket here
             # (3.2 s against 1.2 s, 2 ranks, loaded CPUs): all-reduce the staged bucket and keep
-            # this rank's chunk in finish(). Same traffic as replicated; the staging goes after.
-            self._works.append(collectives.allreduce_async(self._pg, self._staging[b]))
-            return
+            # this rank's chunks (_retire_next). Same traffic as replicated.
+            return collectives.allreduce_async(self._pg, self._staging[b])
         out = self._shard_grads[bucket.group][self._offsets[b]:self._offsets[b] + bucket.chunk]
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self._works.append(self._pg._reduce_scatter_base(out, self._staging[b], opts))
+        return self._pg._reduce_scatter_base(out, self._staging[b], opts)
 
     def finish(self) -> None:
         """Launch the buckets not launched yet, wait for all; afterwards every held
@@ -482,28 +596,37 @@ class ShardedGradients:
         while len(self._works) < len(self.layout.buckets):
             self._launch(len(self._works))
         self._launching = False
-        works, self._works = self._works, []
-        for w in works:
-            _wait(w, self._abort)
-        staging, self._staging = self._staging, {}
+        while self._error is None and self._retired < len(self._works):
+            self._retire_next()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        self._works = []
         with torch.no_grad():
-            if self.shard == "gradients" and not self._rs:  # all-reduced (_launch): every held chunk is here
-                for b, t in staging.items():
-                    bucket = self.layout.buckets[b]
-                    off = self._offsets[b]
-                    for h, j in enumerate(self._held):
-                        self._section(self._shard_grads[bucket.group], bucket.group, h)[off:off + bucket.chunk] \
-                            .copy_(t[j * bucket.chunk:(j + 1) * bucket.chunk])
-                return
-            del staging
             if self.shard == "optimizer":
                 for b, bucket in enumerate(self.layout.buckets):
                     off = self._offsets[b]
                     for h, j in enumerate(self._held):
                         self._section(self._shard_grads[bucket.group], bucket.group, h)[off:off + bucket.chunk] \
                             .copy_(self._chunk_of(self._grads[bucket.group], b, j))
-            elif self.layout.replicas > 1:
+            elif self._rs and self.layout.replicas > 1:
                 self._exchange_backups()
+
+    def drop(self) -> None:
+        """A dropped step: a reduction that never finished may still write into the
+        buffers, so the gradient buffers and the staging pool are replaced, never reused."""
+        self._works, self._staging, self._pooled, self._launching, self._error = [], {}, {}, False, None
+        self._pool, self._pool_size = {}, {}
+        with torch.no_grad():
+            self._shard_grads = [torch.zeros_like(t) for t in self._shard_grads]
+            self._point_grads()
+            if self.shard == "optimizer":
+                self._grads = [torch.zeros_like(t) for t in self._grads]
+                for i, p in enumerate(self.params):
+                    p.grad = self._param_view(self._grads, i).view_as(p)
+            else:
+                for p in self.params:
+                    p.grad = None
 
     def _exchange_backups(self) -> None:
         """ZeRO-2 with replicas: each primary sends its reduced chunk to its backups."""
@@ -536,9 +659,10 @@ class ShardedGradients:
             found_infs = list(scaler._per_optimizer_states[id(inner)]["found_inf_per_device"].values())
             stats[1] = float(sum(float(f) for f in found_infs))
         if max_grad_norm is not None:
-            for g, sg in enumerate(self._shard_grads):
-                prim = self._section(sg, g, 0)
-                stats[0] += float(torch.sum(prim.to(torch.float64) ** 2)) if prim.numel() else 0.0
+            with torch.no_grad():  # piece by piece: a float64 copy of a whole chunk is a big temporary
+                for opt, _spans in (per_h[0] for per_h in self._steppers):
+                    for v in opt.param_groups[0]["params"]:
+                        stats[0] += torch.sum(v.grad.to(torch.float64) ** 2)
         if max_grad_norm is not None or found_infs:
             _wait(collectives.allreduce_async(self._pg, stats), self._abort)
         skipped = bool(stats[1] > 0)
@@ -550,31 +674,107 @@ class ShardedGradients:
             with torch.no_grad():
                 for sg in self._shard_grads:
                     sg.mul_(coef)
-        if not skipped and self.layout.world > 1:
-            self._undo = self._pre_step_copy(scaler if found_infs else None)
         if found_infs:
             for f in found_infs:
                 f.fill_(1.0 if skipped else 0.0)
-            scaler.step(inner)
+        if not skipped and self.layout.world > 1:
+            self._undo = self._pre_step_copy(scaler if found_infs else None)
+        if found_infs:
+            # scaler.step(inner) would step only if no rank found inf/NaN (below); its update
+            # reads only the found_inf flags, so it goes before the step and the gather.
             scaler.update()
-        else:
-            inner.step()
         if not skipped:
-            self.gather_params()
+            self.gather_params(self._step_shard())
         self._undo = None  # the gather finished: the step stands on every rank that got here
         return StepResult(norm, skipped)
+
+    def _step_shard(self) -> Iterator[int]:
+        """The optimizer step of the held chunks, piece by piece (_build_steppers), bucket
+        by bucket: yields each bucket once its primary chunk has stepped (its all-gather
+        can start), then steps the backups. Each piece's state is a view of its chunk's
+        state in _inner (its step count a copy); a chunk without state yet (the first
+        step) gets the state the pieces' optimizers made, joined into one tensor per name.
+        Run it to the end: the step counts are written back last."""
+        inner = self._inner
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups]
+        states = [[inner.state.get(m) for m in ms] for ms in self._masters]
+
+        def step(b: int, h: int) -> None:
+            opt, spans = self._steppers[b][h]
+            st = states[self.layout.buckets[b].group][h]
+            opt.param_groups[0].update(hyper[self.layout.buckets[b].group])
+            for v, (lo, hi) in zip(opt.param_groups[0]["params"], spans):
+                if st:
+                    opt.state[v] = {k: (t[lo:hi] if t.dim() else t.clone()) if isinstance(t, torch.Tensor) else t
+                                    for k, t in st.items()}
+                else:
+                    opt.state.pop(v, None)
+            opt.step()
+
+        for b in range(len(self._steppers)):
+            step(b, 0)
+            yield b
+        for b in range(len(self._steppers)):
+            for h in range(1, len(self._held)):
+                step(b, h)
+        # The step counts (and, on the first step, the new state) back into _inner.
+        pieces: dict[tuple[int, int], list[tuple[dict, int, int]]] = {}
+        for b, per_h in enumerate(self._steppers):
+            g = self.layout.buckets[b].group
+            for h, (opt, spans) in enumerate(per_h):
+                for v, (lo, hi) in zip(opt.param_groups[0]["params"], spans):
+                    pieces.setdefault((g, h), []).append((opt.state.pop(v, None) or {}, lo, hi))
+        with torch.no_grad():
+            for (g, h), got in pieces.items():
+                m, st = self._masters[g][h], states[g][h]
+                first = got[0][0]
+                if st:
+                    for k, t in first.items():
+                        if not (isinstance(t, torch.Tensor) and t.dim()):
+                            st[k] = t
+                    continue
+                new: dict[str, Any] = {}
+                for k, t in first.items():
+                    if isinstance(t, torch.Tensor) and t.dim():
+                        whole = torch.zeros(m.numel(), dtype=t.dtype, device=t.device)
+                        for piece_state, lo, hi in got:
+                            whole[lo:hi].copy_(piece_state[k])
+                        new[k] = whole
+                    else:
+                        new[k] = t
+                if new:
+                    inner.state[m] = new
+
+    def _spare(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
+        """A buffer shaped as `like` for the pre-step copy: on the CPU the same one every
+        step (torch's CPU allocator hands a block this big back to the OS when freed, and a
+        fresh one costs a page fault per 4 KiB at every step); elsewhere a new one (CUDA's
+        caching allocator reuses the memory, and between steps the forward can have it)."""
+        if like.device.type != "cpu":
+            return torch.empty_like(like)
+        t = self._spares.get(key)
+        if t is None or t.shape != like.shape or t.dtype != like.dtype:
+            t = self._spares[key] = torch.empty_like(like)
+        return t
 
     def _pre_step_copy(self, scaler: Any = None) -> dict[str, Any]:
         """The held chunks' values and optimizer state before the step (a rank lost
         between the shard's step and the end of the all-gather leaves the survivors'
         chunks one step ahead of the parameters, and their parameters half-gathered),
         and an enabled GradScaler's scale and growth tracker (its update() comes before
-        the gather: an undone step must not count towards its growth)."""
+        the gather: an undone step must not count towards its growth). Into buffers
+        reused from step to step on the CPU (_spare); settle copies out of them."""
         inner = self._inner
+        masters, state = [], []
         with torch.no_grad():
-            masters = [[m.clone() for m in ms] for ms in self._masters]
-            state = [[({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inner.state[m].items()}
-                       if inner.state.get(m) else None) for m in ms] for ms in self._masters]
+            for g, ms in enumerate(self._masters):
+                masters.append([self._spare(("master", g, h), m).copy_(m) for h, m in enumerate(ms)])
+                state.append([])
+                for h, m in enumerate(ms):
+                    st = inner.state.get(m)
+                    state[g].append({k: ((self._spare((k, g, h), v).copy_(v) if v.dim() else v.clone())
+                                         if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                                    if st else None)
             scaled = None
             if scaler is not None and getattr(scaler, "_scale", None) is not None:
                 scaled = (scaler, scaler._scale.clone(), scaler._growth_tracker.clone())
@@ -604,8 +804,9 @@ class ShardedGradients:
                         st = undo["state"][g][h]
                         if st is None:
                             inner.state.pop(m, None)
-                        else:
-                            inner.state[m] = st
+                        else:  # copies: the undo's tensors are the spare buffers of the next step's copy
+                            inner.state[m] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                              for k, v in st.items()}
                 if undo["scaler"] is not None:
                     scaler, scale, growth = undo["scaler"]
                     scaler._scale.copy_(scale)
@@ -616,19 +817,35 @@ class ShardedGradients:
                     self._chunk_of(self._flat[bucket.group], b, j).copy_(
                         self._masters[bucket.group][h][off:off + bucket.chunk])
 
-    def gather_params(self) -> None:
-        """All-gather every bucket's chunks from their primaries into the parameters."""
-        works = []
-        for b, bucket in enumerate(self.layout.buckets):
-            off = self._offsets[b]
-            out = self._flat[bucket.group][bucket.pstart:bucket.pstart + bucket.chunk * self.layout.world]
-            works.append(self._pg._allgather_base(out, self._masters[bucket.group][0][off:off + bucket.chunk]))
+    def gather_params(self, stepped: Iterator[int] | None = None) -> None:
+        """All-gather every bucket's chunks from their primaries into the parameters:
+        each bucket as soon as `stepped` (the shard's step, _step_shard) yields it, so
+        the gathers overlap the rest of the step; without it, every bucket at once.
+        `stepped` is run to its end even if a launch fails (the error is raised after)."""
+        works, error = [], None
+        for b in (stepped if stepped is not None else range(len(self.layout.buckets))):
+            if error is None:
+                try:
+                    works.append(self._gather_bucket(b))
+                except Exception as e:  # noqa: BLE001 - raised once the shard has stepped to the end
+                    error = e
+        if error is not None:
+            raise error
         for w in works:
             _wait(w, self._abort)
 
+    def _gather_bucket(self, b: int):
+        """Launch bucket b's all-gather (its chunks from their primaries' masters)."""
+        bucket = self.layout.buckets[b]
+        off = self._offsets[b]
+        out = self._flat[bucket.group][bucket.pstart:bucket.pstart + bucket.chunk * self.layout.world]
+        return self._pg._allgather_base(out, self._masters[bucket.group][0][off:off + bucket.chunk])
+
     def zero_grad(self) -> None:
+        # The chunks' gradients (_shard_grads) need no zeroing: finish() writes every held
+        # chunk whole (from the reduced buckets, or the primary's for a backup) before a step.
         with torch.no_grad():
-            for t in self._grads + self._shard_grads:
+            for t in self._grads:
                 t.zero_()
         if self.shard == "gradients":
             for p in self.params:
@@ -648,13 +865,18 @@ class ShardedGradients:
     # -- state
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank keeps between steps: optimizer state, gradients, stepped copies."""
+        """Bytes this rank keeps between steps: optimizer state, gradients, stepped copies
+        and, on the CPU, the pre-step copy's buffers and ZeRO-2's staging pool."""
         inner = self._inner
         opt = sum(t.numel() * t.element_size() for s in (inner.state.values() if inner else ())
                   for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         grads = sum(t.numel() * t.element_size() for t in self._grads + self._shard_grads)
         masters = sum(m.numel() * m.element_size() for ms in self._masters for m in ms)
-        return {"optimizer_state": opt, "gradients": grads, "shard_params": masters}
+        undo = sum(t.numel() * t.element_size() for t in self._spares.values())
+        staging = sum(t.numel() * t.element_size() for ts in self._pool.values() for t in ts)
+        staging += sum(t.numel() * t.element_size() for t in self._pooled.values())
+        return {"optimizer_state": opt, "gradients": grads, "shard_params": masters, "step_undo": undo,
+                "staging": staging}
 
     def _names(self, g: int) -> tuple[str, ...]:
         return _state_names(self.optimizer, self.optimizer.param_groups[self.layout.groups[g][1]])
@@ -1134,24 +1356,8 @@ class ShardedPath(gradients.GradientPath):
             self.sg.zero_grad()
 
     def drop(self) -> None:
-        sg = self.sg
-        if sg is None:
-            return
-        # A collective that never finished may still write into the buffers: fresh ones.
-        sg._works, sg._staging, sg._launching = [], {}, False
-        with torch.no_grad():
-            sg._shard_grads = [torch.zeros_like(t) for t in sg._shard_grads]
-            n = [sg.layout.shard_len(g) for g in range(len(sg._shard_grads))]
-            for g, masters in enumerate(sg._masters):
-                for h, m in enumerate(masters):
-                    m.grad = sg._shard_grads[g][h * n[g]:(h + 1) * n[g]]
-            if sg.shard == "optimizer":
-                sg._grads = [torch.zeros_like(t) for t in sg._grads]
-                for i, p in enumerate(sg.params):
-                    p.grad = sg._param_view(sg._grads, i).view_as(p)
-            else:
-                for p in sg.params:
-                    p.grad = None
+        if self.sg is not None:
+            self.sg.drop()
 
     # -- state
     def _replicated(self, model: torch.nn.Module, with_params: bool) -> dict:

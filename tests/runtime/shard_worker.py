@@ -46,27 +46,29 @@ def break_in_gather(spec: str, how: str) -> None:
     by the optimizer's steps), after its shard stepped and after gathering the first
     BUCKETS buckets with the others (0: exactly between the shard's step and the gather):
     `how` "die": it SIGKILLs itself; "abort": it raises Aborted once (the generation is
-    aborted, nobody dies). The wrapper replaces ShardedGradients.gather_params."""
+    aborted, nobody dies). The wrapper replaces ShardedGradients.gather_params, which
+    launches each bucket's gather as the shard's step yields it: it steps the shard to the
+    end, launching only the first BUCKETS gathers."""
     from eltctl_runtime import collectives, zero
 
     at_step, n = (int(x) for x in spec.split(":"))
     real = zero.ShardedGradients.gather_params
     done = []
 
-    def gather(self):
-        if self.rank == 1 and self.layout.world > 1 and self.steps_taken() >= at_step and not done:
+    def gather(self, stepped=None):
+        # Called before the shard's step runs (`stepped` drives it): this is step steps_taken() + 1.
+        if self.rank == 1 and self.layout.world > 1 and self.steps_taken() + 1 >= at_step and not done:
             done.append(True)
             works = []
-            for b, bucket in enumerate(self.layout.buckets[:n]):
-                off = self._offsets[b]
-                out = self._flat[bucket.group][bucket.pstart:bucket.pstart + bucket.chunk * self.layout.world]
-                works.append(self._pg._allgather_base(out, self._masters[bucket.group][0][off:off + bucket.chunk]))
+            for b in (stepped if stepped is not None else range(len(self.layout.buckets))):
+                if b < n:
+                    works.append(self._gather_bucket(b))
             for w in works:
                 w.wait()
             if how == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise collectives.Aborted(f"test: the all-gather of step {self.steps_taken()} broken after {n} buckets")
-        return real(self)
+        return real(self, stepped)
 
     zero.ShardedGradients.gather_params = gather
 

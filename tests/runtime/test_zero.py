@@ -282,6 +282,38 @@ def test_sharded_training_equals_replicated_and_the_gathered_state_too(shard, ki
         assert all(p.grad is None for w, _f, _m in out.values() for p in w.params)
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_shard_stepped_in_small_pieces_with_one_staging_buffer_trains_as_replicated(monkeypatch, shard, kind):
+    """The per-step path's economies keep the step exact: each chunk steps in pieces of
+    5 elements (PIECE_ELEMS; its state views of the chunk's, the first step's state joined
+    from the pieces), and ZeRO-2 has one staging buffer per dtype, so each float64 bucket
+    waits in backward for the one before to be reduced and taken out of it."""
+    from eltctl_runtime import zero
+
+    monkeypatch.setattr(zero, "PIECE_ELEMS", 5)
+    monkeypatch.setattr(zero, "STAGING_BUFFERS", 1)
+    steps = 4
+    ref_model, ref_opt, _ = replicated(kind, steps)
+    store = dist.HashStore()
+
+    def rank(me: str):
+        w = Worker(kind, shard)
+        lay = shard_layout(w.params, w.opt, members("a", "b"), bucket_mb=0.00005)  # a bucket per parameter
+        w.sg = w.path(lay, me)
+        w.train(group(store, "g", lay.rank_of(me), 2), range(steps))
+        return w, w.sg.full_state_dict(), w.sg.memory()
+
+    out = run_ranks({f"w{r}": (lambda r=r: rank(f"w{r}")) for r in range(2)})
+    for w, full, mem in out.values():
+        assert [w.sg.layout.groups[b.group][0] for b in w.sg.layout.buckets].count(F64) == 2
+        assert_params_match(w.model, ref_model)
+        assert_state_matches(full, ref_opt.state_dict())
+        # between steps ZeRO-2 keeps its chunks' gradients and one staging buffer per dtype
+        assert (mem["staging"] > 0) == (shard == "gradients")
+        assert mem["step_undo"] > 0
+
+
 def test_clipping_and_an_inf_in_one_shard_skip_the_step_everywhere_as_replicated():
     steps, clip, inf_at = 5, 0.05, 2
     ref_model, ref_opt, ref_scaler = replicated("adamw", steps, clip=clip, scale=True, inf_at=inf_at)
