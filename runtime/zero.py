@@ -61,6 +61,7 @@ import json
 import logging
 import math
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -826,9 +827,11 @@ def plan_transfers(old: ShardLayout, new: ShardLayout, live: list[str] | tuple[s
 
 def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: list[str], *,
             old: ShardedGradients | None = None, new: ShardedGradients | None = None,
-            abort: threading.Event | None = None, resend_params: bool = False) -> None:
+            abort: threading.Event | None = None, resend_params: bool = False) -> dict[str, Any]:
     """Move the optimizer state from the old layout's holders to the new one's over
     `group`, whose ranks are `group_ids` (it must hold every sender and receiver).
+    Returns what this rank did, for the log: bytes sent and received (and to and from
+    which group ranks), bytes copied locally, and the seconds of each part.
 
     `old`: this rank's path under the old layout (None on a joiner); `new`: its
     path under the new layout, bound (None on a leaver, which only sends). Each
@@ -836,6 +839,7 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     parameters; with `resend_params` on any rank, every new member receives every
     chunk's parameters from its holders (after a broken all-gather). Every rank of
     `group` calls this with the same layouts."""
+    t0 = time.perf_counter()
     me = group_ids[group.rank()]
     where = {mid: r for r, mid in enumerate(group_ids)}
     missing = [m.id for m in new_layout.members if m.id not in where]
@@ -852,6 +856,7 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     info[1] = 1.0 if resend_params else 0.0
     info[2 + group.rank()] = 1.0 if old is None else 0.0
     _wait(collectives.allreduce_async(group, info, dist.ReduceOp.MAX), abort)
+    t_agree = time.perf_counter()
     step = int(info[0])
     old_ids = {m.id for m in old_layout.members}
     fresh = frozenset(mid for r, mid in enumerate(group_ids) if info[2 + r] > 0 and mid in old_ids)
@@ -903,11 +908,15 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
 
     outgoing: dict[str, list[Segment]] = {}
     incoming: dict[str, list[Segment]] = {}
+    t_plan = time.perf_counter()
+    local = 0
     for seg in segs:
         if seg.what == "state" and not step:
             continue
         if seg.src == me and seg.dst == me:
-            write(seg, read(seg))
+            parts = read(seg)
+            local += sum(t.numel() * t.element_size() for t in parts)
+            write(seg, parts)
         elif seg.src == me:
             outgoing.setdefault(seg.dst, []).append(seg)
         elif seg.dst == me:
@@ -919,12 +928,15 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         recv_bufs.append((ss, buf))
         works.append(group.recv([buf], where[src], 0))
+    t_local = time.perf_counter()
     keep = []
     for dst, ss in sorted(outgoing.items()):
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for s in ss for t in read(s)])
         keep.append(flat)
         works.append(group.send([flat], where[dst], 0))
+    t_pack = time.perf_counter()
     _wait_p2p(works, abort)
+    t_p2p = time.perf_counter()
     for ss, buf in recv_bufs:
         pos = 0
         for s in ss:
@@ -934,9 +946,19 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
                 parts.append(buf[pos:pos + size].clone().view(dt))  # clone: aligned for the dtype
                 pos += size
             write(s, parts)
+    t_unpack = time.perf_counter()
     if new is not None:
         new._set_state(step, new_state)
         new._refresh_masters()
+    t_end = time.perf_counter()
+    return {"sent_mb": round(sum(t.numel() for t in keep) / 2**20, 1),
+            "to": [where[d] for d in sorted(outgoing)],
+            "received_mb": round(sum(b.numel() for _ss, b in recv_bufs) / 2**20, 1),
+            "from": [where[s] for s in sorted(incoming)], "local_mb": round(local / 2**20, 1),
+            "s": {"agree": round(t_agree - t0, 4), "plan": round(t_plan - t_agree, 4),
+                  "local": round(t_local - t_plan, 4), "pack": round(t_pack - t_local, 4),
+                  "p2p": round(t_p2p - t_pack, 4), "unpack": round(t_unpack - t_p2p, 4),
+                  "set_state": round(t_end - t_unpack, 4)}}
 
 
 # ---------------------------------------------------------------------------- the job's gradient path
@@ -1013,14 +1035,18 @@ class ShardedPath(gradients.GradientPath):
         survivors = [m for m in ids if m not in set(left)]
         if not survivors:
             return
+        t0 = time.perf_counter()
         inter = self._layout(survivors)
         me = ids[self.rank]
         new = None
+        t1 = time.perf_counter()
         if me in survivors:
             new = ShardedGradients(self._params, self._opt, inter, survivors.index(me), self.shard)
             new.bind()
-        reshard(self.layout, inter, self.pg, ids, old=self.sg, new=new, abort=self.abort)
+        t2 = time.perf_counter()
+        moved = reshard(self.layout, inter, self.pg, ids, old=self.sg, new=new, abort=self.abort)
         self.sg, self.layout = new, (inter if new is not None else None)
+        self._log_move("hand_over", len(ids), len(survivors), t1 - t0, t2 - t1, moved)
 
     def settle(self, committed_before: int, committed_now: int) -> None:
         """Once the state is agreed, before reshard: a step this rank dropped after its
@@ -1041,6 +1067,7 @@ class ShardedPath(gradients.GradientPath):
         self._resend_params = True
 
     def reshard(self, old_members, new_members) -> None:
+        t0 = time.perf_counter()
         new_members = list(new_members)
         new_lay = self._layout(new_members)
         new = ShardedGradients(self._params, self._opt, new_lay, new_members.index(self.members[self.rank]),
@@ -1050,15 +1077,27 @@ class ShardedPath(gradients.GradientPath):
         old_lay = self.layout
         if old_lay is None and full is None and peers:
             old_lay = self._layout(peers)  # a joiner: the layout its state came from
+        t1 = time.perf_counter()
         new.bind()
+        t2 = time.perf_counter()
+        moved = None
         if full is not None:
             new.load_full_state_dict(full)  # a restore: every rank takes its chunks of the full state
+            moved = {"loaded_full_state_s": round(time.perf_counter() - t2, 4)}
         elif old_lay is not None:
-            reshard(old_lay, new_lay, self.pg, new_members, old=self.sg, new=new, abort=self.abort,
-                    resend_params=self._resend_params)
+            moved = reshard(old_lay, new_lay, self.pg, new_members, old=self.sg, new=new, abort=self.abort,
+                            resend_params=self._resend_params)
         new._pg, new._abort = self.pg, self.abort  # full_state_dict before the first step
         self.sg, self.layout = new, new_lay
         self._resend_params = False
+        self._log_move("reshard", len(old_lay.members) if old_lay is not None else 0, len(new_members),
+                       t1 - t0, t2 - t1, moved)
+
+    def _log_move(self, what: str, old_world: int, new_world: int, plan_s: float, bind_s: float,
+                  moved: dict | None) -> None:
+        """One line per move of the shards (hand_over, reshard): where its time went."""
+        log.info("sharded: %s %d -> %d ranks: %s", what, old_world, new_world,
+                 json.dumps({"layout_s": round(plan_s, 4), "bind_s": round(bind_s, 4), **(moved or {})}))
 
     def memory(self) -> dict[str, int]:
         return self.sg.memory() if self.sg is not None else {}
