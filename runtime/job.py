@@ -826,6 +826,11 @@ class ElasticJob:
         if not transfer.needed:
             return False
         restored = False
+        if self.world_size == 1:  # the one rank is the source: nobody to send the state to
+            if transfer.restore:
+                restored = self._restore_from_checkpoint()
+            self._has_state = True
+            return restored
         if self._rank == transfer.source:
             if transfer.restore:
                 restored = self._restore_from_checkpoint()
@@ -940,10 +945,20 @@ class ElasticJob:
         if self._ckpt is None:
             return False
         self._await_newest_checkpoint()
-        found = self._ckpt.latest_valid()
+        # Sharded: state.pt is mapped (its tensors go straight into the model) and the optimizer
+        # state is not assembled: each rank takes its own chunks from the shard files at reshard
+        # (ShardedPath._restore_chunks), so the full state is neither built nor sent.
+        sharded = self._shard is not None
+        found = self._ckpt.latest_valid(assemble=not sharded, mmap=sharded)
         if found is None:
             return False
         info, saved = found
+        if sharded:
+            from .checkpoint import is_sharded
+
+            if is_sharded(info.path):
+                saved["optimizer"] = {**saved["optimizer"], "checkpoint": {
+                    "path": str(info.path), "sha256": info.sha256, "host": self.worker_id.split("/", 1)[0]}}
         self._mark("restore_read")
         self._apply_state(saved)
         self._on_checkpoint(info)  # the job's last checkpoint until it writes a newer one (status shows it)
@@ -1057,7 +1072,7 @@ class ElasticJob:
         for name, at in marks:
             phases.append((name, round(at - t, 4)))
             t = at
-        log.info("worker %s: generation %d pause phases %s", self.worker_id, self.generation,
+        log.debug("worker %s: generation %d pause phases %s", self.worker_id, self.generation,
                  json.dumps({"total": round(now - (start or marks[0][1]), 4), "phases": phases}))
 
     def _emit_event(self, now: float) -> None:
@@ -1099,7 +1114,11 @@ def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.o
         zero = importlib.import_module(".zero", __package__)
     except ModuleNotFoundError as e:
         raise ValueError(f"shard={shard!r}: sharded training is not available in this version ({e})") from e
-    return zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
+    path = zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
+    from .checkpoint import restore_chunks
+
+    path.restore_chunks = restore_chunks  # a restore takes each rank's chunks from the shard files
+    return path
 
 
 def _check_extra_state(extra_state: dict[str, Any] | None, grad_scaler: Any) -> dict[str, Any]:
