@@ -912,18 +912,8 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     # (the old chunks' spans cover each bucket), so only the padding is zeroed.
     new_state: list[list[dict[str, torch.Tensor]]] = []
     if new is not None:
-        for g, (d, _pg) in enumerate(groups):
-            n = new_layout.shard_len(g)
-            per_h = []
-            for j in new._held:
-                st = {k: torch.empty(n, dtype=dtypes[g], device=new.device) for k in names[g]}
-                for b, nb in enumerate(new_layout.buckets):
-                    lo, hi = nb.span(j)
-                    if nb.group == g and hi - lo < nb.chunk:
-                        for t in st.values():
-                            t[new_off[b] + hi - lo:new_off[b] + nb.chunk].zero_()
-                per_h.append(st)
-            new_state.append(per_h)
+        new_state = [[_chunk_sections(new_layout, g, j, names[g], dtypes[g], new.device) for j in new._held]
+                     for g in range(len(groups))]
 
     def target(seg: Segment) -> list[torch.Tensor]:
         """Where this (new) rank's slices of `seg` go: views of its new buffers."""
@@ -993,6 +983,20 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
 
 
 # ---------------------------------------------------------------------------- the job's gradient path
+
+
+def _chunk_sections(lay: ShardLayout, g: int, j: int, names, dtype: torch.dtype,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """Fresh state tensors (one per name) for chunk j's section of group g, their padding
+    zeroed; the caller writes every real element (a reshard's slices, a checkpoint's)."""
+    n, offs = lay.shard_len(g), lay.chunk_offsets()
+    st = {k: torch.empty(n, dtype=dtype, device=device) for k in names}
+    for b, bucket in enumerate(lay.buckets):
+        lo, hi = bucket.span(j)
+        if bucket.group == g and hi - lo < bucket.chunk:
+            for t in st.values():
+                t[offs[b] + hi - lo:offs[b] + bucket.chunk].zero_()
+    return st
 
 
 def member_of(worker_id: str) -> Member:
@@ -1360,8 +1364,13 @@ def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards
     tensors: list[list[dict[str, torch.Tensor]]] = []
     for g in range(len(new.groups)):
         dtype = dtype_named(new.groups[g][0])
-        tensors.append([{k: torch.zeros(new.shard_len(g), dtype=dtype, device=sg.device) for k in sg._names(g)}
-                        for _ in sg._held] if step else [{} for _ in sg._held])
+        tensors.append([_chunk_sections(new, g, j, sg._names(g), dtype, sg.device) for j in sg._held]
+                       if step else [{} for _ in sg._held])
+        have = sharded["names"][g] if g < len(sharded["names"]) else []
+        for per_h in tensors[-1]:  # a state the checkpoint lacks (say amsgrad turned on since) starts at zero
+            for k, t in per_h.items():
+                if k not in have:
+                    t.zero_()
     if step:
         for i, (os_, ns) in enumerate(zip(old.slots, new.slots)):
             ob, nb = old.buckets[old_bucket[i]], new.buckets[new_bucket[i]]
