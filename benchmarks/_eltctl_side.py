@@ -12,7 +12,10 @@ launcher as the host daemon would). For each event:
   completed at the new size (over every worker's per-step log);
 - runtime_pause_s: the same interval as the runtime itself measures it (rank 0,
   in its membership event);
-- steps_lost: steps committed at the old size and committed again at the new one.
+- steps_lost: steps committed at the old size and committed again at the new one;
+- phases: per worker, what its log said of the change: the pause's phases
+  (ElasticJob's "pause phases" line at the new generation's first commit) and,
+  sharded, each move of the shards ("sharded: hand_over / reshard" lines).
 
 `measure_eltctl_step_time` runs a fixed-size job and reports the steady-state
 step time of rank 0 (compare with `measure_ddp_step_time`). Figures are rough
@@ -21,6 +24,7 @@ on a shared machine.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -122,6 +126,37 @@ class _Launcher:
                     out.append((float(t), int(step), int(gen), int(world)))
             except FileNotFoundError:
                 pass
+        return out
+
+    def log_lines(self) -> dict[int, int]:
+        """How many lines each worker's log has now (where an event's lines start)."""
+        out = {}
+        for i in range(len(self.procs)):
+            try:
+                out[i] = len((self.wd / f"w{i}.log").read_text(errors="replace").splitlines())
+            except FileNotFoundError:
+                out[i] = 0
+        return out
+
+    def phases_since(self, marks: dict[int, int]) -> dict[str, list]:
+        """Per worker: the pause-phase and shard-move lines its log wrote after `marks`."""
+        out: dict[str, list] = {}
+        for i in range(len(self.procs)):
+            try:
+                lines = (self.wd / f"w{i}.log").read_text(errors="replace").splitlines()[marks.get(i, 0):]
+            except FileNotFoundError:
+                continue
+            got = []
+            for line in lines:
+                for tag, key in ((" pause phases ", "pause"), ("sharded: hand_over ", "hand_over"),
+                                 ("sharded: reshard ", "reshard")):
+                    if tag in line:
+                        try:
+                            got.append({key: json.loads(line[line.index("{"):])})
+                        except ValueError:
+                            pass
+            if got:
+                out[f"w{i}"] = got
         return out
 
     def latest(self) -> tuple[int, int, int]:
@@ -238,6 +273,7 @@ def measure_eltctl(
                 la.wait(lambda: la.latest()[0] % every == phase, event_cap_s, f"a step {phase} past a multiple of {every}")
             step0, gen0, world0 = la.latest()
             members = [p for p in la.procs if p[1].poll() is None]
+            marks = la.log_lines()
             t_event = time.time()
             if ev == "leave":
                 victim = members[len(members) // 2]
@@ -261,6 +297,7 @@ def measure_eltctl(
                     figs["runtime_redone_steps"] = runtime_events[0]["redone_steps"]
             first_new = min((r[0] for r in la.records() if r[2] > gen0), default=None)
             figs["event_to_first_new_step_s"] = round(first_new - t_event, 4) if first_new else None
+            figs["phases"] = la.phases_since(marks)
             out["events"].append(figs)
             time.sleep(0.5)
         la.elt.protocol.put_stop(la.js)
@@ -301,6 +338,4 @@ def measure_eltctl_step_time(world_size: int = 2, steps: int = 300, warmup: int 
 
 
 if __name__ == "__main__":
-    import json
-
     print(json.dumps({"events": measure_eltctl(), "steady": measure_eltctl_step_time()}, indent=2))

@@ -19,12 +19,14 @@ Beside it, the same events on eltctl's job (examples/train.py on `ElasticJob(sha
 benchmarks/_eltctl_side.py: a store here, one worker process per rank, a leave
 request through the store, a new worker, a SIGKILL reported dead as the host
 daemon would) for each of `--eltctl-runs` (replicated, optimizer-r1,
-gradients-r1, gradients-r2 by default; optimizer-r2 too), with a checkpoint every
+gradients-r1, optimizer-r2, gradients-r2 by default), with a checkpoint every
 `--baseline-ckpt-every` steps like the baseline (with shard_replicas=1 a SIGKILL
 restores the lost shards from it) and each event fired 2 steps past one: the
 pause from the last step at the old size to the first step at the new one, the
-steps redone, and per sharded run and event the ratio to replicated (target <= 2x)
-and the baseline's pause over it (target >= 20x). `--skip-torchrun` measures
+steps redone, per sharded run and event the ratio to replicated (target <= 2x)
+and the baseline's pause over it (target >= 20x), and per worker where the pause
+went ("phases": the job's pause phases and each move of the shards, from the
+workers' logs with examples/train.py --debug). `--skip-torchrun` measures
 eltctl's side alone. Where this tree's ElasticJob or examples/train.py lacks
 `shard=` / `--shard`, that part says "not available" and why. eltctl's SIGKILL goes
 from 2 workers to 1 (the job carries on without the dead rank); the baseline's
@@ -316,7 +318,7 @@ ELTCTL_RUNS = {  # name -> examples/train.py options
     "optimizer-r2": ("--shard", "optimizer", "--shard-replicas", "2"),
     "gradients-r2": ("--shard", "gradients", "--shard-replicas", "2"),
 }
-DEFAULT_RUNS = ("replicated", "optimizer-r1", "gradients-r1", "gradients-r2")
+DEFAULT_RUNS = ("replicated", "optimizer-r1", "gradients-r1", "optimizer-r2", "gradients-r2")
 
 
 def _train_args(world: int, layers: int, batch: int) -> tuple[str, ...]:
@@ -344,7 +346,7 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
     import _eltctl_side
 
     base = (*_train_args(world, layers, batch), "--steps", "1000000", "--checkpoint-every", str(ckpt_every),
-            *job_args)
+            "--debug", *job_args)  # --debug: the pause phases in the workers' logs (each event's "phases")
     out: dict[str, Any] = {"available": True, "world": world, "checkpoint_every": ckpt_every,
                            "model": f"examples/toy.py MLP, {layers} x Linear({WIDTH}, {WIDTH}) between 64 -> {WIDTH} "
                                     f"and {WIDTH} -> 16", "batch_per_rank": batch, "job_args": list(job_args),

@@ -59,12 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bad-sample", type=int, default=None, help="this record is corrupt: reading it raises (tests)")
     ap.add_argument("--result", type=Path, default=None, help="write final step, loss and state hash here (JSON)")
     ap.add_argument("--progress", type=Path, default=None, help="append 'step generation world_size time loss' lines")
+    ap.add_argument("--debug", action="store_true",
+                    help="eltctl_runtime's DEBUG lines too (where each membership change's pause went)")
     args = ap.parse_args(argv)
     slow_at = sorted((int(k), float(v)) for k, v in (x.split("=", 1) for x in args.slow_at))
 
     config = elt.RuntimeConfig.from_env()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {config.worker_id} %(levelname)s %(message)s")
+    if args.debug:
+        logging.getLogger("eltctl_runtime").setLevel(logging.DEBUG)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

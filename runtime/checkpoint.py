@@ -729,13 +729,16 @@ class CheckpointStore:
         checked = verify_dir(info.path)
         return checked is not None and checked.sha256 == info.sha256 and checked.size == info.size
 
-    def load(self, info: CheckpointInfo) -> dict:
+    def load(self, info: CheckpointInfo, assemble: bool = True, mmap: bool = False) -> dict:
         """Load a checkpoint's state (weights_only, to CPU) without verifying it. A sharded
-        checkpoint's "optimizer" is the full state dict rebuilt from its shard files."""
-        return load_state(info.path)
+        checkpoint's "optimizer" is the full state dict rebuilt from its shard files
+        (`assemble`), or as stored (its param_groups alone: the caller takes its chunks
+        from the files, load_optimizer_chunks). `mmap`: state.pt's tensors map the file."""
+        return load_state(info.path, assemble=assemble, mmap=mmap)
 
-    def latest_valid(self) -> tuple[CheckpointInfo, dict] | None:
-        """The newest checkpoint that verifies and loads, with its state; older ones if newer are bad."""
+    def latest_valid(self, assemble: bool = True, mmap: bool = False) -> tuple[CheckpointInfo, dict] | None:
+        """The newest checkpoint that verifies and loads, with its state; older ones if newer
+        are bad. `assemble`, `mmap`: as for `load`."""
         with self._cond:
             idle = not self._writing
         if idle:
@@ -747,7 +750,7 @@ class CheckpointStore:
                 log.warning("Skipping checkpoint of step %d: %s", info.step, exc)
                 continue
             try:
-                state = self.load(info)
+                state = self.load(info, assemble=assemble, mmap=mmap)
             except Exception as exc:  # any unreadable payload: fall back to an older checkpoint
                 log.warning("Skipping checkpoint of step %d: %s does not load: %s", info.step, info.state_file, exc)
                 continue
@@ -1089,15 +1092,18 @@ def assemble_optimizer(path: Path | str, sharded: Mapping[str, Any], param_group
     return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 
 
-def load_state(path: Path | str) -> dict:
+def load_state(path: Path | str, assemble: bool = True, mmap: bool = False) -> dict:
     """A checkpoint directory's state.pt (weights_only, to CPU), not verified; for a sharded
-    checkpoint with "optimizer" replaced by the full state dict rebuilt from its shards."""
+    checkpoint with "optimizer" replaced by the full state dict rebuilt from its shards
+    (with `assemble`; else as stored: the param_groups alone, and a rank takes its chunks
+    with load_optimizer_chunks). `mmap`: the tensors map state.pt rather than being read in
+    (a restore that copies them into the model at once)."""
     import torch
 
     path = Path(path)
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=mmap)
     m = read_manifest(path)
-    if m.get("sharded") is not None:
+    if m.get("sharded") is not None and assemble:
         try:
             groups = state["optimizer"]["param_groups"]
         except (KeyError, TypeError) as exc:
@@ -1126,10 +1132,27 @@ def restore_sharded(path: Path | str, sg: Any) -> dict:
     path = Path(path)
     m = read_manifest(path)
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-    sharded = m.get("sharded")
-    if sharded is None:
+    if m.get("sharded") is None:
         sg.load_full_state_dict(state["optimizer"])
         return state
+    load_optimizer_chunks(path, sg, state["optimizer"]["param_groups"], manifest=m)
+    return state
+
+
+def load_optimizer_chunks(path: Path | str, sg: Any, param_groups: Any, manifest: Mapping[str, Any] | None = None) -> None:
+    """A rank's held chunks (zero.ShardedGradients `sg`, under its own layout) straight
+    from a sharded checkpoint's memory-mapped shard files: only the element ranges its
+    chunks need are read, no full state is built. `param_groups`: the optimizer's
+    hyperparameters (state.pt's "optimizer"). Not verified here."""
+    import torch
+
+    from . import zero
+
+    path = Path(path)
+    m = manifest if manifest is not None else read_manifest(path)
+    sharded = m.get("sharded")
+    if sharded is None:
+        raise InvalidCheckpoint(f"{path}: not a sharded checkpoint")
     shards = []
     if sharded["step"]:
         for j, fname in enumerate(sharded["files"]):
@@ -1137,5 +1160,53 @@ def restore_sharded(path: Path | str, sg: Any) -> dict:
             if not isinstance(sd, dict) or sd.get("chunk") != j:
                 raise InvalidCheckpoint(f"{path}: {fname} is not the shard of chunk {j}")
             shards.append(sd["state"])
-    zero.load_checkpoint_chunks(sg, sharded, shards, state["optimizer"]["param_groups"])
-    return state
+    zero.load_checkpoint_chunks(sg, sharded, shards, param_groups)
+
+
+def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: Any = None) -> dict[str, Any]:
+    """Every rank of `pg` (pg rank == `sg`'s layout rank) takes its chunks of the sharded
+    checkpoint one rank restored from (`ckpt`: its "path", state.pt's "sha256" and the
+    "host" it was read on; the job's restore sends it with the rest of the state). When
+    every rank is on that host, each reads only its own chunks out of the memory-mapped
+    shard files (load_optimizer_chunks: no full state is built, nothing travels); else the
+    lowest rank that has the files assembles the full state and broadcasts it, and every
+    rank takes its chunks of it. A collective. Returns what it did, for the log."""
+    import copy
+
+    import torch
+
+    from . import collectives, state as state_mod
+
+    t0 = time.perf_counter()
+    path, rank = Path(ckpt["path"]), pg.rank()
+    try:
+        has = host == ckpt.get("host") and read_manifest(path)["files"][STATE_FILE]["sha256"] == ckpt["sha256"]
+    except (InvalidCheckpoint, KeyError):
+        has = False
+    flags = torch.zeros(pg.size(), dtype=torch.float64, device=sg.device)
+    flags[rank] = 1.0 if has else 0.0
+    collectives.allreduce(pg, flags, abort)
+    holders = [r for r, f in enumerate(flags.tolist()) if f > 0]
+    groups = copy.deepcopy(sg.optimizer.state_dict()["param_groups"])
+    if len(holders) == pg.size():
+        load_optimizer_chunks(path, sg, groups)
+        return {"restored_chunks_from_files_s": round(time.perf_counter() - t0, 4)}
+    if not holders:
+        raise CheckpointError(f"no rank can read the sharded checkpoint {path} the job restored from")
+    src = holders[0]
+    if rank == src:
+        header, flat = state_mod.pack({"state": load_state(path)["optimizer"]["state"]})
+        sizes = torch.tensor([len(header), flat.numel()], dtype=torch.int64)
+    else:
+        sizes = torch.zeros(2, dtype=torch.int64)
+    sizes = collectives.broadcast(pg, sizes.to(sg.device), src, abort).cpu()
+    if rank == src:
+        hbuf = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    else:
+        hbuf = torch.empty(int(sizes[0]), dtype=torch.uint8)
+        flat = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    hbuf = collectives.broadcast(pg, hbuf.to(sg.device), src, abort).cpu()
+    flat = collectives.broadcast(pg, flat.to(sg.device), src, abort).cpu()
+    state = state_mod.unpack(state_mod.tensor_bytes(hbuf), flat)["state"]
+    sg.load_full_state_dict({"state": state, "param_groups": groups})
+    return {"restored_full_state_from_rank": src, "s": round(time.perf_counter() - t0, 4)}

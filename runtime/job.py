@@ -203,6 +203,9 @@ class ElasticJob:
         self._last_commit_t = 0.0
         self._last_commit: Commit | None = None
         self._pending_event: dict | None = None
+        # Where a membership change's pause goes: (phase, monotonic time it ended) since the
+        # last commit, logged at the new generation's first commit (_log_pause).
+        self._marks: list[tuple[str, float]] = []
         self._last_status_t = 0.0
         self._last_ckpt_t = time.monotonic()
         self._ckpt_due = False  # rank 0's clock says a checkpoint is due (checkpoint_every_seconds)
@@ -565,11 +568,15 @@ class ElasticJob:
         with torch.no_grad():
             tail[:n_ctrl].copy_(ctrl)
             self._buffers.write(tail[n_ctrl:], len(self._local_indices), self._rank)
+        if self._pending_event is not None:  # a generation's first step: its parts in the pause
+            self._mark("first_forward_backward")
         try:
             tail = self._grads.finish(self._abort)  # summed over the ranks; a CPU copy
         except Aborted as e:
             self._drop_step(str(e), e.backend_error)
             return None
+        if self._pending_event is not None:
+            self._mark("first_reduce")
         if any(tail[_oom_slot(W, r)] > 0 for r in range(W)):
             self._redo_step([int(tail[_oom_slot(W, r)]) for r in range(W)])
             return None
@@ -580,6 +587,8 @@ class ElasticJob:
         except Aborted as e:  # a sharded path's collectives (norm, inf check, gather) broke
             self._drop_step(str(e), e.backend_error)
             return None
+        if self._pending_event is not None:
+            self._mark("first_optimizer_step")
         self._grads.zero()  # replicated: the gradients stay views of the buffers
         global_loss = float(tail[3]) / max(1.0, float(tail[2]))
         self._replan([float(tail[_pace_slot(W, r)]) for r in range(W)])
@@ -685,6 +694,7 @@ class ElasticJob:
         self.optimizer.zero_grad(set_to_none=True)
         self._buffers.reset()  # the dropped step's forward moved them
         self._need_recovery = True
+        self._mark("dropped_step")
 
     def _commit(self, global_loss: float, skipped: bool = False) -> None:
         now = time.monotonic()
@@ -701,7 +711,9 @@ class ElasticJob:
         self._sampler = self._sampler.advanced()
         self._last_loss = global_loss
         if self._pending_event is not None:
+            self._log_pause(now)
             self._emit_event(now)
+        self._marks = []
         self._last_commit_t = now
         if self._rank == 0 and now - self._last_status_t >= STATUS_EVERY_S:
             self._write_status(now)
@@ -710,7 +722,9 @@ class ElasticJob:
     def _planned_change(self, leavers: set[str]) -> None:
         self._await_store()
         kind = EventKind.LEAVE if leavers else EventKind.JOIN
+        self._mark("boundary")
         decided = self._gen.change(leavers, kind)  # None: every member leaves (on_leave)
+        self._mark("plan")
         if decided is not None:
             self._old_t = self._last_commit_t
             self._gen.enter(decided)
@@ -735,6 +749,7 @@ class ElasticJob:
         while True:
             t_old = self._last_commit_t
             decided = self._gen.recover(peer_gone, str(self._step))
+            self._mark("roll_call")
             try:
                 self._old_t = t_old
                 self._gen.enter(decided)
@@ -750,14 +765,18 @@ class ElasticJob:
         path lets go of it (collectives.release)."""
         if plan.left and not plan.lost:
             self._grads.hand_over(plan.left)
+            self._mark("hand_over")
         self._grads.pg = None
 
     def _on_group(self, plan: Plan) -> None:
         """The group is formed and checked: bind the gradient path, agree on the
         state, move the shards (replicated: nothing), note the generation's event."""
+        self._mark("group")  # the old group released, the new one formed and its pairs checked
         self._grads.bind(self._pg, self._rank, plan.members, self._abort)
         restored = self._sync_state()
+        self._mark("state")  # the state agreed (a step dropped halfway settled in _sync_state)
         self._grads.reshard(self._members_before, plan.members)
+        self._mark("reshard")
         self._members_before = plan.members
         # Every generation's first commit is an event (rank 0 writes it), the job's first start too.
         kind = EventKind.RESTORE if restored else plan.kind
@@ -807,6 +826,11 @@ class ElasticJob:
         if not transfer.needed:
             return False
         restored = False
+        if self.world_size == 1:  # the one rank is the source: nobody to send the state to
+            if transfer.restore:
+                restored = self._restore_from_checkpoint()
+            self._has_state = True
+            return restored
         if self._rank == transfer.source:
             if transfer.restore:
                 restored = self._restore_from_checkpoint()
@@ -921,10 +945,21 @@ class ElasticJob:
         if self._ckpt is None:
             return False
         self._await_newest_checkpoint()
-        found = self._ckpt.latest_valid()
+        # Sharded: state.pt is mapped (its tensors go straight into the model) and the optimizer
+        # state is not assembled: each rank takes its own chunks from the shard files at reshard
+        # (ShardedPath._restore_chunks), so the full state is neither built nor sent.
+        sharded = self._shard is not None
+        found = self._ckpt.latest_valid(assemble=not sharded, mmap=sharded)
         if found is None:
             return False
         info, saved = found
+        if sharded:
+            from .checkpoint import is_sharded
+
+            if is_sharded(info.path):
+                saved["optimizer"] = {**saved["optimizer"], "checkpoint": {
+                    "path": str(info.path), "sha256": info.sha256, "host": self.worker_id.split("/", 1)[0]}}
+        self._mark("restore_read")
         self._apply_state(saved)
         self._on_checkpoint(info)  # the job's last checkpoint until it writes a newer one (status shows it)
         log.info("worker %s: restored step %d from %s", self.worker_id, info.step, info.path)
@@ -1025,6 +1060,21 @@ class ElasticJob:
             return None  # no step committed in this generation yet
         return worker_report(members, self._last_counts, self._last_paces, self._sampler.global_batch)
 
+    def _mark(self, phase: str) -> None:
+        """A phase of a membership change's pause ended now (logged by _log_pause)."""
+        self._marks.append((phase, time.monotonic()))
+
+    def _log_pause(self, now: float) -> None:
+        """At a generation's first commit, every rank: where the pause since its last
+        commit went, phase by phase (seconds; benchmarks/_eltctl_side.py reads the line)."""
+        marks, start = self._marks + [("commit", now)], self._old_t if self._has_state_before else 0.0
+        phases, t = [], start or marks[0][1]
+        for name, at in marks:
+            phases.append((name, round(at - t, 4)))
+            t = at
+        log.debug("worker %s: generation %d pause phases %s", self.worker_id, self.generation,
+                 json.dumps({"total": round(now - (start or marks[0][1]), 4), "phases": phases}))
+
     def _emit_event(self, now: float) -> None:
         ev, self._pending_event = self._pending_event, None
         if self._rank != 0:
@@ -1064,7 +1114,11 @@ def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.o
         zero = importlib.import_module(".zero", __package__)
     except ModuleNotFoundError as e:
         raise ValueError(f"shard={shard!r}: sharded training is not available in this version ({e})") from e
-    return zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
+    path = zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
+    from .checkpoint import restore_chunks
+
+    path.restore_chunks = restore_chunks  # a restore takes each rank's chunks from the shard files
+    return path
 
 
 def _check_extra_state(extra_state: dict[str, Any] | None, grad_scaler: Any) -> dict[str, Any]:

@@ -61,6 +61,7 @@ import json
 import logging
 import math
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -356,25 +357,50 @@ class ShardedGradients:
     def device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
 
-    def bind(self) -> None:
+    def _geometry(self, g: int) -> tuple:
+        """Where group g's buckets lie in its padded buffer (start, padded width)."""
+        return (self.layout.groups[g],) + tuple((b.pstart, b.chunk * self.layout.world)
+                                                for b in self.layout.buckets if b.group == g)
+
+    def bind(self, reuse: "ShardedGradients | None" = None) -> None:
         """Make the parameters views of the padded flat buffers (values kept) and
-        build the shard optimizer. No communication."""
+        build the shard optimizer. No communication. `reuse`: this rank's path under
+        the previous layout (a reshard): a group whose buckets lie at the same places
+        with the same padded widths (a world change that every bucket's length divides
+        alike) keeps its parameter buffer, of which the parameters already are views,
+        and (ZeRO-1) its gradient buffer: nothing is allocated or copied for it."""
         lay = self.layout
+        same = [reuse is not None and g < len(reuse._flat) and reuse._geometry(g) == self._geometry(g)
+                and reuse._flat[g].device == self.device for g in range(len(lay.groups))]
         with torch.no_grad():
             self._flat = []
             for g, (dtype, _pg) in enumerate(lay.groups):
-                self._flat.append(torch.zeros(lay.padded(g), dtype=dtype_named(dtype), device=self.device))
+                if same[g]:
+                    self._flat.append(reuse._flat[g])
+                    continue
+                flat = torch.empty(lay.padded(g), dtype=dtype_named(dtype), device=self.device)
+                for b in lay.buckets:  # the parameters fill the rest
+                    if b.group == g:
+                        flat[b.pstart + b.numel:b.pstart + b.chunk * lay.world].zero_()
+                self._flat.append(flat)
             for i, p in enumerate(self.params):
                 view = self._param_view(self._flat, i)
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
+                if view.data_ptr() != p.data_ptr():
+                    view.copy_(p.detach().reshape(-1))
+                    p.data = view.view_as(p)
             self._shard_grads = [torch.zeros(len(self._held) * lay.shard_len(g), dtype=f.dtype, device=f.device)
                                  for g, f in enumerate(self._flat)]
-            self._masters = [[torch.zeros(lay.shard_len(g), dtype=f.dtype, device=f.device)
+            # every element (padding too) is written by _refresh_masters
+            self._masters = [[torch.empty(lay.shard_len(g), dtype=f.dtype, device=f.device)
                               for _ in self._held] for g, f in enumerate(self._flat)]
             self._refresh_masters()
         if self.shard == "optimizer":
-            self._grads = [torch.zeros_like(f) for f in self._flat]
+            self._grads = []
+            for g, f in enumerate(self._flat):
+                if same[g] and len(reuse._grads) > g:
+                    self._grads.append(reuse._grads[g].zero_())
+                else:
+                    self._grads.append(torch.zeros_like(f))
             for i, p in enumerate(self.params):
                 p.grad = self._param_view(self._grads, i).view_as(p)
         else:
@@ -895,8 +921,10 @@ class ShardedGradients:
         st = self._inner.state.get(self._masters[g][h]) if self._inner else None
         return {k: v for k, v in (st or {}).items() if k != "step"}
 
-    def _set_state(self, step: int, tensors: list[list[dict[str, torch.Tensor]]]) -> None:
-        """Adopt the held chunks' state (per group, per held chunk); step 0: none."""
+    def _set_state(self, step: int, tensors: list[list[dict[str, torch.Tensor]]], adopt: bool = False) -> None:
+        """Take the held chunks' state (per group, per held chunk); step 0: none. `adopt`:
+        the tensors are this rank's own, fresh ones (reshard, a checkpoint's chunks): kept as
+        they are where dtype and device already fit, not copied."""
         inner = self._inner
         if inner is None:
             return
@@ -909,7 +937,8 @@ class ShardedGradients:
                 if isinstance(inner, torch.optim.AdamW):
                     st["step"] = torch.tensor(float(step), dtype=torch.float32)
                 for k in self._names(g):
-                    st[k] = tensors[g][h][k].to(m.dtype).clone()
+                    t = tensors[g][h][k]
+                    st[k] = t if adopt and t.dtype == m.dtype and t.device == m.device else t.to(m.dtype).clone()
                 inner.state[m] = st
 
     def shard_state_dict(self) -> dict[str, Any]:
@@ -987,7 +1016,7 @@ class ShardedGradients:
                             sec[self._offsets[b]:self._offsets[b] + bucket.chunk].copy_(self._chunk_of(full, b, j))
                     per_h[h][name] = sec
             tensors.append(per_h)
-        self._set_state(step, tensors)
+        self._set_state(step, tensors, adopt=True)
 
 
 # ---------------------------------------------------------------------------- live resharding
@@ -1057,9 +1086,11 @@ def plan_transfers(old: ShardLayout, new: ShardLayout, live: list[str] | tuple[s
 
 def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: list[str], *,
             old: ShardedGradients | None = None, new: ShardedGradients | None = None,
-            abort: threading.Event | None = None, resend_params: bool = False) -> None:
+            abort: threading.Event | None = None, resend_params: bool = False) -> dict[str, Any]:
     """Move the optimizer state from the old layout's holders to the new one's over
     `group`, whose ranks are `group_ids` (it must hold every sender and receiver).
+    Returns what this rank did, for the log: bytes sent and received (and to and from
+    which group ranks), bytes copied locally, and the seconds of each part.
 
     `old`: this rank's path under the old layout (None on a joiner); `new`: its
     path under the new layout, bound (None on a leaver, which only sends). Each
@@ -1067,6 +1098,7 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     parameters; with `resend_params` on any rank, every new member receives every
     chunk's parameters from its holders (after a broken all-gather). Every rank of
     `group` calls this with the same layouts."""
+    t0 = time.perf_counter()
     me = group_ids[group.rank()]
     where = {mid: r for r, mid in enumerate(group_ids)}
     missing = [m.id for m in new_layout.members if m.id not in where]
@@ -1083,6 +1115,7 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     info[1] = 1.0 if resend_params else 0.0
     info[2 + group.rank()] = 1.0 if old is None else 0.0
     _wait(collectives.allreduce_async(group, info, dist.ReduceOp.MAX), abort)
+    t_agree = time.perf_counter()
     step = int(info[0])
     old_ids = {m.id for m in old_layout.members}
     fresh = frozenset(mid for r, mid in enumerate(group_ids) if info[2 + r] > 0 and mid in old_ids)
@@ -1093,11 +1126,6 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     dtypes = [dtype_named(d) for d, _pg in groups]
     old_off = old_layout.chunk_offsets()
     new_off = new_layout.chunk_offsets()
-
-    def pieces(seg: Segment) -> list[tuple[str, torch.dtype, int]]:
-        g = old_layout.buckets[seg.bucket].group
-        n = seg.hi - seg.lo
-        return [("param", dtypes[g], n)] if seg.what == "param" else [(k, dtypes[g], n) for k in names[g]]
 
     def read(seg: Segment) -> list[torch.Tensor]:
         """The slices this (old) rank sends for `seg`."""
@@ -1111,66 +1139,95 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
         st = old._chunk_state(g, h)
         return [st[k][at:at + seg.hi - seg.lo] for k in names[g]]
 
-    # The new chunks' state, filled below.
+    # The new chunks' state, filled below: every real element of a new chunk is written
+    # (the old chunks' spans cover each bucket), so only the padding is zeroed.
     new_state: list[list[dict[str, torch.Tensor]]] = []
     if new is not None:
-        for g, (d, _pg) in enumerate(groups):
-            n = new_layout.shard_len(g)
-            new_state.append([{k: torch.zeros(n, dtype=dtypes[g], device=new.device) for k in names[g]}
-                              for _ in new._held])
+        new_state = [[_chunk_sections(new_layout, g, j, names[g], dtypes[g], new.device) for j in new._held]
+                     for g in range(len(groups))]
 
-    def write(seg: Segment, parts: list[torch.Tensor]) -> None:
+    def target(seg: Segment) -> list[torch.Tensor]:
+        """Where this (new) rank's slices of `seg` go: views of its new buffers."""
         assert new is not None
         nb = new_layout.buckets[seg.bucket]
         g = nb.group
-        with torch.no_grad():
-            if seg.what == "param":
-                new._flat[g][nb.pstart + seg.lo:nb.pstart + seg.hi].copy_(parts[0])
-                return
-            h = new._held.index(seg.chunk)
-            at = new_off[seg.bucket] + seg.lo - seg.chunk * nb.chunk
-            for k, t in zip(names[g], parts):
-                new_state[g][h][k][at:at + seg.hi - seg.lo].copy_(t)
+        if seg.what == "param":
+            return [new._flat[g][nb.pstart + seg.lo:nb.pstart + seg.hi]]
+        h = new._held.index(seg.chunk)
+        at = new_off[seg.bucket] + seg.lo - seg.chunk * nb.chunk
+        return [new_state[g][h][k][at:at + seg.hi - seg.lo] for k in names[g]]
 
     outgoing: dict[str, list[Segment]] = {}
     incoming: dict[str, list[Segment]] = {}
-    for seg in segs:
-        if seg.what == "state" and not step:
-            continue
-        if seg.src == me and seg.dst == me:
-            write(seg, read(seg))
-        elif seg.src == me:
-            outgoing.setdefault(seg.dst, []).append(seg)
-        elif seg.dst == me:
-            incoming.setdefault(seg.src, []).append(seg)
-
-    works, recv_bufs = [], []
-    for src, ss in sorted(incoming.items()):
-        nbytes = sum(n * torch.empty((), dtype=dt).element_size() for s in ss for _k, dt, n in pieces(s))
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        recv_bufs.append((ss, buf))
-        works.append(group.recv([buf], where[src], 0))
-    keep = []
-    for dst, ss in sorted(outgoing.items()):
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for s in ss for t in read(s)])
-        keep.append(flat)
-        works.append(group.send([flat], where[dst], 0))
-    _wait_p2p(works, abort)
-    for ss, buf in recv_bufs:
-        pos = 0
-        for s in ss:
-            parts = []
-            for _k, dt, n in pieces(s):
-                size = n * torch.empty((), dtype=dt).element_size()
-                parts.append(buf[pos:pos + size].clone().view(dt))  # clone: aligned for the dtype
-                pos += size
-            write(s, parts)
+    t_plan = time.perf_counter()
+    local = 0
+    params_in = False
+    with torch.no_grad():
+        for seg in segs:
+            if seg.what == "state" and not step:
+                continue
+            if seg.dst == me and seg.what == "param":
+                params_in = True
+            if seg.src == me and seg.dst == me:
+                for t, src in zip(target(seg), read(seg)):
+                    if t.data_ptr() != src.data_ptr():
+                        t.copy_(src)
+                    local += t.numel() * t.element_size()
+            elif seg.src == me:
+                outgoing.setdefault(seg.dst, []).append(seg)
+            elif seg.dst == me:
+                incoming.setdefault(seg.src, []).append(seg)
+    t_local = time.perf_counter()
+    # Each slice travels as its own message, straight from the sender's state to the
+    # receiver's new buffers (no packing, no unpacking copy); the tag is its place in the
+    # pair's list, which both sides build alike. Per peer the lower rank sends first and
+    # the higher receives first, so an in-order backend (NCCL's pair streams) cannot deadlock.
+    works: list = []
+    sent = received = 0
+    for peer in sorted(set(outgoing) | set(incoming), key=lambda m: where[m]):
+        sends = [t for s in outgoing.get(peer, ()) for t in read(s)]
+        recvs = [t for s in incoming.get(peer, ()) for t in target(s)]
+        order = ((True, sends), (False, recvs)) if group.rank() < where[peer] else ((False, recvs), (True, sends))
+        for is_send, ts in order:
+            for tag, t in enumerate(ts):
+                if is_send:
+                    works.append(group.send([t.detach()], where[peer], tag))
+                    sent += t.numel() * t.element_size()
+                else:
+                    works.append(group.recv([t], where[peer], tag))
+                    received += t.numel() * t.element_size()
+    t_pack = time.perf_counter()
+    if works:
+        _wait_p2p(works, abort)
+    t_p2p = time.perf_counter()
     if new is not None:
-        new._set_state(step, new_state)
-        new._refresh_masters()
+        new._set_state(step, new_state, adopt=True)
+        if params_in:  # the stepped copies of the held chunks follow the parameters received
+            new._refresh_masters()
+    t_end = time.perf_counter()
+    return {"sent_bytes": sent, "to": sorted(where[d] for d in outgoing),
+            "received_bytes": received, "from": sorted(where[s] for s in incoming),
+            "messages": len(works), "local_bytes": local,
+            "s": {"agree": round(t_agree - t0, 4), "plan": round(t_plan - t_agree, 4),
+                  "local": round(t_local - t_plan, 4), "post": round(t_pack - t_local, 4),
+                  "p2p": round(t_p2p - t_pack, 4), "set_state": round(t_end - t_p2p, 4)}}
 
 
 # ---------------------------------------------------------------------------- the job's gradient path
+
+
+def _chunk_sections(lay: ShardLayout, g: int, j: int, names, dtype: torch.dtype,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """Fresh state tensors (one per name) for chunk j's section of group g, their padding
+    zeroed; the caller writes every real element (a reshard's slices, a checkpoint's)."""
+    n, offs = lay.shard_len(g), lay.chunk_offsets()
+    st = {k: torch.empty(n, dtype=dtype, device=device) for k in names}
+    for b, bucket in enumerate(lay.buckets):
+        lo, hi = bucket.span(j)
+        if bucket.group == g and hi - lo < bucket.chunk:
+            for t in st.values():
+                t[offs[b] + hi - lo:offs[b] + bucket.chunk].zero_()
+    return st
 
 
 def member_of(worker_id: str) -> Member:
@@ -1219,8 +1276,14 @@ class ShardedPath(gradients.GradientPath):
         self._max_norm: float | None = None
         self.grad_norm: float | None = None  # the last step's global norm (clipping), known after step()
         self._pending_full: dict | None = None  # a full optimizer state (checkpoint) to load at reshard
+        # A sharded checkpoint to take the chunks from at reshard ({"path", "sha256", "host"}: where the
+        # restoring rank read it; ranks on that host read their chunks from its files, _restore_chunks).
+        self._pending_ckpt: dict | None = None
         self._peer_members: list[str] | None = None  # the old layout's members, from the state a joiner got
         self._resend_params = False  # a broken all-gather was settled: every chunk's parameters are resent
+        # Takes each rank's chunks of a sharded checkpoint at a restore (the job sets it:
+        # checkpoint.restore_chunks; zero.py does not import the checkpoint module).
+        self.restore_chunks: Any = None
 
     # -- layout
     def _layout(self, members) -> ShardLayout:
@@ -1244,14 +1307,18 @@ class ShardedPath(gradients.GradientPath):
         survivors = [m for m in ids if m not in set(left)]
         if not survivors:
             return
+        t0 = time.perf_counter()
         inter = self._layout(survivors)
         me = ids[self.rank]
         new = None
+        t1 = time.perf_counter()
         if me in survivors:
             new = ShardedGradients(self._params, self._opt, inter, survivors.index(me), self.shard)
-            new.bind()
-        reshard(self.layout, inter, self.pg, ids, old=self.sg, new=new, abort=self.abort)
+            new.bind(reuse=self.sg)
+        t2 = time.perf_counter()
+        moved = reshard(self.layout, inter, self.pg, ids, old=self.sg, new=new, abort=self.abort)
         self.sg, self.layout = new, (inter if new is not None else None)
+        self._log_move("hand_over", len(ids), len(survivors), t1 - t0, t2 - t1, moved)
 
     def settle(self, committed_before: int, committed_now: int) -> None:
         """Once every rank's step is known, before any state is sent: a step this rank
@@ -1262,7 +1329,7 @@ class ShardedPath(gradients.GradientPath):
         sg = self.sg
         if sg is None or not sg.step_in_doubt:
             return
-        if self._pending_full is not None:
+        if self._pending_full is not None or self._pending_ckpt is not None:
             sg._undo = None  # restored from a checkpoint: state and parameters come from it
             return
         keep = committed_now > committed_before
@@ -1273,24 +1340,64 @@ class ShardedPath(gradients.GradientPath):
         self._resend_params = True
 
     def reshard(self, old_members, new_members) -> None:
+        t0 = time.perf_counter()
         new_members = list(new_members)
         new_lay = self._layout(new_members)
+        sg = self.sg
+        # Nothing moves when every rank holds the generation's layout already (a planned leave,
+        # whose hand_over moved the leavers' chunks to the survivors' layout, or a generation
+        # formed again with the same members), no restore is pending and no rank settled a
+        # broken all-gather (its parameters are resent). Whether one did is this rank's own
+        # knowledge, so the ranks agree (one small all-reduce) before any of them skips.
+        moves = not (sg is not None and new_lay == self.layout and self._pending_full is None
+                     and self._pending_ckpt is None and not self._resend_params
+                     and sg.rank == new_lay.rank_of(self.members[self.rank]))
+        flag = torch.tensor([1.0 if moves else 0.0], dtype=torch.float64, device=self.device)
+        _wait(collectives.allreduce_async(self.pg, flag, dist.ReduceOp.MAX), self.abort)
+        if float(flag[0]) == 0.0:
+            self._peer_members = None
+            sg._pg, sg._abort = self.pg, self.abort
+            self._log_move("reshard", len(new_members), len(new_members), time.perf_counter() - t0, 0.0,
+                           {"kept": True})
+            return
         new = ShardedGradients(self._params, self._opt, new_lay, new_members.index(self.members[self.rank]),
                                self.shard)
         full, self._pending_full = self._pending_full, None
+        ckpt, self._pending_ckpt = self._pending_ckpt, None
         peers, self._peer_members = self._peer_members, None
         old_lay = self.layout
-        if old_lay is None and full is None and peers:
+        if old_lay is None and full is None and ckpt is None and peers:
             old_lay = self._layout(peers)  # a joiner: the layout its state came from
-        new.bind()
-        if full is not None:
+        t1 = time.perf_counter()
+        new.bind(reuse=self.sg)
+        t2 = time.perf_counter()
+        moved = None
+        if ckpt is not None:
+            moved = self._restore_chunks(new, ckpt)  # a restore: each rank's chunks from the shard files
+        elif full is not None:
             new.load_full_state_dict(full)  # a restore: every rank takes its chunks of the full state
+            moved = {"loaded_full_state_s": round(time.perf_counter() - t2, 4)}
         elif old_lay is not None:
-            reshard(old_lay, new_lay, self.pg, new_members, old=self.sg, new=new, abort=self.abort,
-                    resend_params=self._resend_params)
+            moved = reshard(old_lay, new_lay, self.pg, new_members, old=self.sg, new=new, abort=self.abort,
+                            resend_params=self._resend_params)
         new._pg, new._abort = self.pg, self.abort  # full_state_dict before the first step
         self.sg, self.layout = new, new_lay
         self._resend_params = False
+        self._log_move("reshard", len(old_lay.members) if old_lay is not None else 0, len(new_members),
+                       t1 - t0, t2 - t1, moved)
+
+    def _restore_chunks(self, new: ShardedGradients, ckpt: dict) -> dict:
+        """A restore from a sharded checkpoint (`ckpt`: where the restoring rank found it),
+        through the loader the job gave (checkpoint.restore_chunks: a collective)."""
+        if self.restore_chunks is None:
+            raise ShardsLost(f"no loader for the sharded checkpoint {ckpt.get('path')} (ShardedPath.restore_chunks)")
+        return self.restore_chunks(ckpt, new, self.pg, member_of(self.members[self.rank]).host, self.abort)
+
+    def _log_move(self, what: str, old_world: int, new_world: int, plan_s: float, bind_s: float,
+                  moved: dict | None) -> None:
+        """One line per move of the shards (hand_over, reshard): where its time went."""
+        log.debug("sharded: %s %d -> %d ranks: %s", what, old_world, new_world,
+                 json.dumps({"layout_s": round(plan_s, 4), "bind_s": round(bind_s, 4), **(moved or {})}))
 
     def memory(self) -> dict[str, int]:
         return self.sg.memory() if self.sg is not None else {}
@@ -1369,9 +1476,11 @@ class ShardedPath(gradients.GradientPath):
         """What a joiner (or a lagging rank) receives: everything replicated; the
         parameters only when no live layout holds them (the first start, a restore);
         the full optimizer state only when it came from a checkpoint."""
-        with_params = self.layout is None or self._pending_full is not None
+        with_params = self.layout is None or self._pending_full is not None or self._pending_ckpt is not None
         opt = {"state": self._pending_full["state"] if self._pending_full is not None else {},
                "param_groups": copy.deepcopy(optimizer.state_dict()["param_groups"])}
+        if self._pending_ckpt is not None:
+            opt["checkpoint"] = self._pending_ckpt
         model_sd = {k: v.detach() for k, v in self._replicated(model, with_params).items()}
         return {"model": model_sd, "optimizer": opt, "extra_state": state_mod.extra_state_dicts(extra),
                 "progress": dict(progress), "rng": state_mod.rng_state(),
@@ -1381,7 +1490,9 @@ class ShardedPath(gradients.GradientPath):
         """Adopt a state: from a peer (no optimizer state: it comes by reshard) or
         from a checkpoint (a full optimizer state: every rank loads its chunks at reshard)."""
         opt = saved.get("optimizer") or {}
-        if opt.get("state"):
+        if opt.get("checkpoint"):
+            self._pending_ckpt = dict(opt["checkpoint"])  # a sharded checkpoint: its chunks at reshard
+        elif opt.get("state"):
             self._pending_full = opt
         zero = saved.get("zero") or {}
         self._peer_members = zero.get("members")
@@ -1469,8 +1580,13 @@ def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards
     tensors: list[list[dict[str, torch.Tensor]]] = []
     for g in range(len(new.groups)):
         dtype = dtype_named(new.groups[g][0])
-        tensors.append([{k: torch.zeros(new.shard_len(g), dtype=dtype, device=sg.device) for k in sg._names(g)}
-                        for _ in sg._held] if step else [{} for _ in sg._held])
+        tensors.append([_chunk_sections(new, g, j, sg._names(g), dtype, sg.device) for j in sg._held]
+                       if step else [{} for _ in sg._held])
+        have = sharded["names"][g] if g < len(sharded["names"]) else []
+        for per_h in tensors[-1]:  # a state the checkpoint lacks (say amsgrad turned on since) starts at zero
+            for k, t in per_h.items():
+                if k not in have:
+                    t.zero_()
     if step:
         for i, (os_, ns) in enumerate(zip(old.slots, new.slots)):
             ob, nb = old.buckets[old_bucket[i]], new.buckets[new_bucket[i]]
@@ -1488,4 +1604,4 @@ def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards
                     for name in names:
                         tensors[ns.group][h][name][dst:dst + take].copy_(shards[jo][os_.group][name][src:src + take])
                     k += take
-    sg._set_state(step, tensors)
+    sg._set_state(step, tensors, adopt=True)

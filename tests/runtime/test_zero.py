@@ -371,7 +371,8 @@ def test_a_planned_leave_3_to_2_then_a_join_2_to_3_keep_training_replicated(shar
         lay_b, lay_c = layout(w, ids_b), layout(w, ids_c)
         w.sg = w.path(lay_c, "w3")
         pg_c = group(store, "c", 2, 3)
-        reshard(lay_b, lay_c, pg_c, ids_c, old=None, new=w.sg)
+        moved = reshard(lay_b, lay_c, pg_c, ids_c, old=None, new=w.sg)
+        assert moved["from"] == [0, 1] and moved["sent_bytes"] == 0, moved  # from both members, not rank 0 alone
         w.train(pg_c, range(6, 9))
         return w, w.sg.full_state_dict()
 
@@ -438,3 +439,71 @@ def test_a_full_state_loads_at_another_world_size_and_a_shard_reloads_itself():
     out = run_ranks({f"w{r}": (lambda r=r: rank(r)) for r in range(3)})
     for got in out.values():
         assert_state_matches(got, full)
+
+
+def test_a_leave_2_to_1_and_a_join_1_to_2_keep_the_parameter_buffer_where_the_padding_is_unchanged():
+    """w1 leaves after step 3, w2 joins after step 6; w0 binds each new path with its
+    previous one to reuse. Three of the four flat buffers (per dtype and param group)
+    hold buckets of 24, 8 and 48 elements, which pad alike at worlds 1 and 2: w0 keeps
+    them (its parameters stay views of them, nothing is copied); the float32 biases' (3
+    elements) pad differently, so that group gets a new buffer.
+    Training and the gathered state equal the replicated run's either way, and each move
+    reports what it sent and received."""
+    ref_model, ref_opt, _ = replicated("adamw", 9)
+    store = dist.HashStore()
+    ids_a, ids_b, ids_c = ["w0", "w1"], ["w0"], ["w0", "w2"]
+    hosts = {"w0": "h0", "w1": "h1", "w2": "h2"}
+
+    def layout(w: Worker, ids: list[str]) -> ShardLayout:
+        return shard_layout(w.params, w.opt, [Member(i, hosts[i]) for i in ids], bucket_mb=0.0002)
+
+    def path(w: Worker, lay: ShardLayout, me: str, reuse: ShardedGradients | None) -> ShardedGradients:
+        sg = ShardedGradients(w.params, w.opt, lay, lay.rank_of(me), w.shard)
+        sg.bind(reuse=reuse)
+        return sg
+
+    def member(me: str):
+        w = Worker("adamw", "optimizer")
+        lay_a, lay_b, lay_c = layout(w, ids_a), layout(w, ids_b), layout(w, ids_c)
+        w.sg = w.path(lay_a, me)
+        pg_a = group(store, "a", ids_a.index(me), 2)
+        w.train(pg_a, range(0, 3))
+        if me == "w1":
+            moved = reshard(lay_a, lay_b, pg_a, ids_a, old=w.sg, new=None)
+            assert moved["to"] == [0] and moved["sent_bytes"] > 0 and moved["received_bytes"] == 0, moved
+            return None
+        flats = [f.data_ptr() for f in w.sg._flat]
+        assert lay_a.groups[0] == ("torch.float32", 1) and lay_a.buckets[0].numel == 3
+        new = path(w, lay_b, me, reuse=w.sg)
+        ptrs = [f.data_ptr() for f in new._flat]
+        assert ptrs[0] != flats[0] and ptrs[1:] == flats[1:], (ptrs, flats)
+        moved = reshard(lay_a, lay_b, pg_a, ids_a, old=w.sg, new=new)
+        assert moved["from"] == [1] and moved["received_bytes"] > 0, moved
+        w.sg = new
+        w.train(group(store, "b", 0, 1), range(3, 6))
+        pg_c = group(store, "c", 0, 2)
+        new = path(w, lay_c, me, reuse=w.sg)
+        assert [f.data_ptr() for f in new._flat][1:] == flats[1:]
+        for p, slot in zip(w.params, lay_c.slots):  # still views of the kept buffers
+            f = new._flat[slot.group]
+            assert f.data_ptr() <= p.data_ptr() < f.data_ptr() + f.numel() * f.element_size()
+        reshard(lay_b, lay_c, pg_c, ids_c, old=w.sg, new=new)
+        w.sg = new
+        w.train(pg_c, range(6, 9))
+        return w, w.sg.full_state_dict()
+
+    def joiner():
+        w = Worker("adamw", "optimizer", seed=7)  # other weights: they come from w0
+        lay_b, lay_c = layout(w, ids_b), layout(w, ids_c)
+        w.sg = w.path(lay_c, "w2")
+        pg_c = group(store, "c", 1, 2)
+        moved = reshard(lay_b, lay_c, pg_c, ids_c, old=None, new=w.sg)
+        assert moved["from"] == [0] and moved["sent_bytes"] == 0, moved
+        w.train(pg_c, range(6, 9))
+        return w, w.sg.full_state_dict()
+
+    out = run_ranks({"w0": lambda: member("w0"), "w1": lambda: member("w1"), "w2": joiner})
+    for name in ids_c:
+        w, full = out[name]
+        assert_params_match(w.model, ref_model)
+        assert_state_matches(full, ref_opt.state_dict())
