@@ -129,6 +129,10 @@ class DaemonStarter:
     started_at: dict[str, float] = field(default_factory=dict)  # when we last started each daemon
     paths: dict[str, hostops.HostPaths] = field(default_factory=dict)
     retired: set[str] = field(default_factory=set)  # hosts whose old daemon was asked to exit
+    # hosts whose start in flight was overtaken by a change of the job's configuration or
+    # code (`Controller.apply_fixes`) before it launched the daemon: it launches none
+    stale: set[str] = field(default_factory=set)
+    launching: set[str] = field(default_factory=set)  # hosts whose start is launching the daemon now
     _runtime_files: dict[str, bytes] | None = None
 
     @property
@@ -221,6 +225,11 @@ class DaemonStarter:
                 bind = await self._address_here(inventory)
                 if bind:  # the store is a Unix socket here: gloo binds where the remote hosts reach this machine
                     config["env"]["ELTCTL_BIND_ADDRESS"] = bind
+            if host.name in self.stale:  # what it shipped is from before the change: not started
+                log.info("Host %s: its daemon is not started with the configuration and code from before "
+                         "the change; the next start ships the new ones.", host.name)
+                return
+            self.launching.add(host.name)
             pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret,
                                              bind_from_ssh=callable(self.store_endpoint) and not host.is_local)
             self.started_at[host.name] = self.clock()
@@ -236,6 +245,8 @@ class DaemonStarter:
             log.exception("Host %s: starting its daemon failed.", host.name)
         finally:
             self.tasks.pop(host.name, None)
+            self.stale.discard(host.name)
+            self.launching.discard(host.name)
 
 
 # --------------------------------------------------------------------------- restoring

@@ -557,8 +557,16 @@ class Controller:
             # Every daemon that may still run with the old configuration is retired, not
             # only one whose state is fresh: one whose state merely went stale would
             # otherwise be kept ("its daemon runs already") and start the next workers
-            # with the old command and code, which then fail with the old cause.
-            if not view.workers and (view.daemon_alive or observe.daemon_may_run(self.observed.seen.get(name))):
+            # with the old command and code, which then fail with the old cause. A start in
+            # flight that has not launched its daemon yet shipped the code from before the
+            # change: it launches none, and the next pass starts one that ships the new
+            # (CI: a host whose start was in flight when the fixed code's `up` came ran the
+            # old code and went to cooldown with the old failure).
+            if name in self.starter.tasks and name not in self.starter.launching:
+                self.starter.stale.add(name)
+                log.info("Host %s: its daemon start in flight is dropped: it shipped what was there "
+                         "before the change.", name)
+            elif not view.workers and (view.daemon_alive or observe.daemon_may_run(self.observed.seen.get(name))):
                 await self._retire(name)
                 retired.append(name)
         self.fingerprint = new

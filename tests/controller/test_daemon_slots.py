@@ -302,3 +302,33 @@ def test_a_daemon_with_the_right_slots_or_none_to_judge_by_is_left_alone(tmp_pat
 
     asyncio.run(scenario())
     assert not ctl.replacing and ctl.records["h3"].desired == (0, 1) and not ctl.starter.retired
+
+
+def test_a_fix_while_a_daemon_start_ships_drops_that_start_and_the_next_start_ships_the_fix(
+        tmp_path, monkeypatch, caplog):
+    """A CI failure: `up` after a code fix came while h2's daemon start (of the `up`
+    before) was still shipping; that start went on and launched a daemon with the old
+    code, whose workers failed with the old cause and sent h2 to cooldown. A start in
+    flight when the job's code or configuration changes launches no daemon; the next
+    pass starts one (with what is there now)."""
+    inv = inventory(tmp_path)
+    ctl, store = controller(tmp_path, inv)
+    ctl.fingerprint = pol.fingerprint(inv, "the code before the fix")
+    host = Host(monkeypatch, tmp_path / "home")
+
+    async def scenario():
+        ctl.observed.take_reports([ok(0, 1)])
+        starting = await start_pass(ctl)
+        assert starting is not None
+        assert await ctl.apply_fixes(NOW) == ["h3"]  # the code changed while it ships
+        host.shipping.set()
+        await starting
+        assert host.configs == []  # nothing launched with what it shipped
+        again = await start_pass(ctl)
+        assert again is not None
+        await again
+
+    with caplog.at_level("INFO", logger="eltctl.controller"):
+        asyncio.run(scenario())
+    assert len(host.configs) == 1
+    assert any("start in flight is dropped" in r.getMessage() for r in caplog.records)
