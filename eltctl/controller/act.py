@@ -109,12 +109,6 @@ async def request_stop(store, records: dict[str, pol.HostRecord], inventory: Inv
 # --------------------------------------------------------------------------- daemons
 
 
-def slots_started_with(inventory: Inventory, host: Host, slots: pol.DaemonSlots) -> tuple[str, frozenset[int] | None]:
-    """The kind and slots of the host's daemon if it were started now with `slots`
-    (what its state would report: hosts/ops.py `daemon_slot_kind`)."""
-    return hostops.daemon_slot_kind(inventory, host, slots.gpus)
-
-
 @dataclass
 class DaemonStarter:
     """Starts hosts' daemons, one background task per host, and remembers when."""

@@ -57,6 +57,7 @@ from eltctl.inventory import Inventory
 from eltctl.controller import fairshare
 from eltctl.probe import probe_fleet
 from eltctl.hosts.fleet import Fleet
+from eltctl.hosts import ops as hostops
 from eltctl_runtime.files import read_json, write_json_atomic
 from eltctl_runtime.protocol import EventKind, event_document
 
@@ -455,7 +456,7 @@ class Controller:
             if (not view.daemon_alive or seen is None or slots is None or name in self.starter.retired
                     or name in self.starter.tasks or now - self._replaced_at.get(name, -1e18) < act.REPLACE_AGAIN_S):
                 continue
-            why = observe.wrong_slots(act.slots_started_with(self.inventory, host, slots), seen.state)
+            why = observe.wrong_slots(hostops.daemon_slot_kind(self.inventory, host, slots.gpus), seen.state)
             if why is None:
                 continue
             self.replacing[name], self._replaced_at[name] = why, now
