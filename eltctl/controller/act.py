@@ -29,6 +29,7 @@ log = logging.getLogger("eltctl.controller")
 
 DAEMON_START_GRACE_S = 45.0  # python + torch import on a loaded host
 RETIRE_WAIT_S = 15  # an idle daemon asked to exit is gone well within this
+RETIRE_HOLD_S = 120.0  # a host whose old daemon was asked to exit gets no slots this long, unless it is gone
 REPLACE_AGAIN_S = 300.0  # a host's daemon found with the wrong slots is replaced at most this often
 MIRROR_FLUSH_S = 120.0  # `down` waits this long for the final checkpoint to be mirrored
 
@@ -127,6 +128,9 @@ class DaemonStarter:
     # code (`Controller.apply_fixes`) before it launched the daemon: it launches none
     stale: set[str] = field(default_factory=set)
     launching: set[str] = field(default_factory=set)  # hosts whose start is launching the daemon now
+    # each host's digest of the job's code, settings and entry (pol.host_config), taken as the
+    # daemon is launched (daemon.json's config): a daemon from before a fix is told by it
+    config_of: Callable[[str], str] = lambda name: ""
     _runtime_files: dict[str, bytes] | None = None
 
     @property
@@ -223,9 +227,16 @@ class DaemonStarter:
                 log.info("Host %s: its daemon is not started with the configuration and code from before "
                          "the change; the next start ships the new ones.", host.name)
                 return
+            # taken now, with no await since the check above: a change after this point
+            # finds this daemon with the digest from before it and replaces it
+            config["config"] = self.config_of(host.name)
             self.launching.add(host.name)
             pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret,
                                              bind_from_ssh=callable(self.store_endpoint) and not host.is_local)
+            if host.name in self.retired:  # a change came while it launched: asked to exit already
+                log.info("Host %s: daemon started (pid %s) as the job's code or settings changed; it is "
+                         "asked to exit, and the next start ships the change.", host.name, pid)
+                return
             self.started_at[host.name] = self.clock()
             log.info("Host %s: daemon started (pid %s) with %s (from %s).", host.name, pid, slots.describe(),
                      slots.source)

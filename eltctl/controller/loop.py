@@ -129,6 +129,7 @@ class Controller:
         self.seq_floor = 0  # the highest desired seq ever sent to this job's hosts (hosts.json)
         self.observed = observe.Observer()
         self.starter = act.DaemonStarter(fleet, store_endpoint, clock, secret=secret)
+        self.starter.config_of = self.observed.config_of = self.host_config
         self.restorer = act.Restorer(clock)
         self.decision: pol.Decision | None = None
         self.stopping = False
@@ -155,6 +156,7 @@ class Controller:
         self._start_waits: set[str] = set()  # hosts whose daemon start waits for a probe that tells their slots
         self.replacing: dict[str, str] = {}  # host -> why its running daemon is replaced (replace_wrong_daemons)
         self._replaced_at: dict[str, float] = {}  # host -> when its daemon was last found wrong
+        self._retired_at: dict[str, float] = {}  # host -> when its old daemon was asked to exit (_retire)
 
     # ----------------------------------------------------------------- the loop
 
@@ -210,6 +212,7 @@ class Controller:
                 self.save_records()
                 return None
             await self.replace_wrong_daemons(views, now)
+            await self.retire_stale_daemons(views)
             limits = pol.host_limits(self.inventory, self.records, now, self.quota_use(now))
             await self._announce_limits(limits)
             limits, fair_cap = await self.fair_share(limits, now)
@@ -412,6 +415,11 @@ class Controller:
         waits for a probe that says what it has."""
         for a in decision.actions:
             if isinstance(a, pol.SetDesired):
+                if a.slots and a.host in self.starter.retired:
+                    # its old daemon may still run (asked to exit, not gone yet, or launched and
+                    # not heard from): slots written now would start workers with the old code
+                    # and settings; they are asked of the new daemon (act.DaemonStarter._start)
+                    continue
                 rec = self.records.get(a.host, pol.HostRecord())
                 self.records[a.host] = await act.set_desired(self.store, a.host, rec, a.slots)
         waiting = set()
@@ -465,10 +473,39 @@ class Controller:
             if not view.workers:
                 await self._retire(name)
 
+    def host_config(self, name: str) -> str:
+        """The host's digest of the job's code, settings and entry as last seen (pol.host_config)."""
+        return pol.host_config(self.fingerprint, name)
+
+    async def retire_stale_daemons(self, views: dict[str, pol.HostView]) -> None:
+        """An idle live daemon started with the job's code or settings from before a change
+        (its state's config is not the host's digest now) is asked to exit, and the next
+        start ships the change; however it escaped `apply_fixes` (it reported only later).
+        One with workers is left alone, as `apply_fixes` leaves it: its workers run on.
+        A host whose old daemon is not gone act.RETIRE_HOLD_S after it was asked to exit
+        is given slots again (one log line), so that a daemon that cannot exit holds none for ever."""
+        now = self.clock()
+        for name in list(self.starter.retired):
+            if name not in self.starter.tasks and now - self._retired_at.get(name, now) > act.RETIRE_HOLD_S:
+                log.warning("Host %s: its old daemon, asked to exit %.0f s ago, still runs; its slots are "
+                            "asked of it again.", name, now - self._retired_at[name])
+                self.starter.retired.discard(name)
+        for host in self.inventory.hosts:
+            name, view = host.name, views.get(host.name)
+            seen = self.observed.seen.get(name)
+            if (view is None or seen is None or not view.daemon_alive or view.workers or name in self.starter.retired
+                    or name in self.starter.tasks or name in self.replacing):
+                continue
+            if pol.stale_config(seen.state.get("config"), self.host_config(name)):
+                log.info("Host %s: its idle daemon (pid %s) was started with the job's code or settings from "
+                         "before the last change: it is replaced.", name, seen.state.get("pid"))
+                await self._retire(name)
+
     async def _retire(self, name: str) -> None:
         """Ask the host's idle daemon to exit; the next start waits for it to be gone."""
         self.records[name] = await act.retire_daemon(self.store, name, self.records.get(name, pol.HostRecord()))
         self.starter.retired.add(name)
+        self._retired_at[name] = self.clock()
         self.starter.started_at.pop(name, None)
         self.starter.forget(name)
 
@@ -563,11 +600,15 @@ class Controller:
             # change: it launches none, and the next pass starts one that ships the new
             # (CI: a host whose start was in flight when the fixed code's `up` came ran the
             # old code and went to cooldown with the old failure).
+            # A daemon launched but not heard from yet (or launching now) has the old
+            # configuration too: it is asked to exit before it starts a worker (CI: one that
+            # reported after the fixed code's `up` started workers with the old code).
             if name in self.starter.tasks and name not in self.starter.launching:
                 self.starter.stale.add(name)
                 log.info("Host %s: its daemon start in flight is dropped: it shipped what was there "
                          "before the change.", name)
-            elif not view.workers and (view.daemon_alive or observe.daemon_may_run(self.observed.seen.get(name))):
+            elif not view.workers and (view.daemon_alive or observe.daemon_may_run(self.observed.seen.get(name))
+                                       or name in self.starter.launching or name in self.starter.started_at):
                 await self._retire(name)
                 retired.append(name)
         self.fingerprint = new

@@ -26,7 +26,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from eltctl.controller import policy as pol
 from eltctl.inventory import Host, Policy
@@ -123,7 +123,8 @@ def crash_info(event: Mapping[str, Any], new: bool = True) -> list[tuple[str, po
     and the at-start verdict its daemon gave (runtime/protocol.py, EventKind)."""
     cause = str(event.get("cause") or "")
     at_start = bool(event.get("at_start"))
-    return [(h, pol.Crash(slot, cause, at_start)) for h, slot in crashed_slots(event, new)]
+    config = str(event.get("config") or "")
+    return [(h, pol.Crash(slot, cause, at_start, config)) for h, slot in crashed_slots(event, new)]
 
 
 def in_job(host: str, runtime_status: Mapping | None, now: float, policy: Policy) -> bool:
@@ -458,6 +459,10 @@ class Observer:
     _status_raw: bytes | None = None
     _status_changed: float | None = None  # when the status value last changed, after the first sighting
     _status_first: float = 0.0
+    # each host's digest as a daemon started now gets it (pol.host_config; the controller's
+    # fingerprint): a crash of a daemon started with another (from before a fix) counts nothing
+    config_of: Callable[[str], str] = lambda name: ""
+    _stale_logged: set = field(default_factory=set)
 
     async def read_store(self, store, host_names: Iterable[str], now: float) -> None:
         """The daemons' states, the new events and rank 0's status."""
@@ -580,9 +585,20 @@ class Observer:
         return daemon_alive(self.seen.get(name), now, policy)
 
     def view(self, host: Host, now: float, policy: Policy) -> pol.HostView:
+        crashes = self.crashes.get(host.name, {})
+        current = self.config_of(host.name)
+        stale = {slot for slot, c in crashes.items() if pol.stale_config(c.config, current)}
+        for slot in stale:
+            key = (host.name, slot, crashes[slot].config, crashes[slot].cause)
+            if key not in self._stale_logged:
+                self._stale_logged.add(key)
+                log.info("Host %s: the crash on slot %d (%s) is of a daemon started before the last change of "
+                         "the job's code or settings: it counts no failure.", host.name, slot,
+                         crashes[slot].cause or "no cause given")
         return host_view(host, self.reports.get(host.name), self.seen.get(host.name),
-                         self.daemon_alive(host.name, now, policy), self.crashed.get(host.name, ()),
-                         tuple(self.crashes.get(host.name, {}).values()),
+                         self.daemon_alive(host.name, now, policy),
+                         [s for s in self.crashed.get(host.name, ()) if s not in stale],
+                         tuple(c for slot, c in crashes.items() if slot not in stale),
                          in_job(host.name, self.runtime_status, now, policy))
 
     def views(self, hosts: Iterable[Host], now: float, policy: Policy) -> dict[str, pol.HostView]:

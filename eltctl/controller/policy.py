@@ -149,6 +149,7 @@ class Crash:
     slot: int
     cause: str = ""
     at_start: bool = False
+    config: str = ""  # the digest its daemon was started with (`host_config`; "": not said)
 
 
 @dataclass(frozen=True)
@@ -475,6 +476,25 @@ def fingerprint(inventory: Inventory, code: str) -> dict:
 
     return {"code": code, "job": h((inventory.job, inventory.ssh)),
             "hosts": {host.name: h(host) for host in inventory.hosts}}
+
+
+def host_config(fp: Mapping | None, name: str) -> str:
+    """One host's part of a fingerprint as one digest: the job's code and settings and the
+    host's entry. A daemon is started with it (daemon.json's config) and publishes it in its
+    state and crash events, so a daemon or a failure from before a fix is told apart ("":
+    no fingerprint yet)."""
+    import hashlib
+
+    if not fp or name not in (fp.get("hosts") or {}):
+        return ""
+    part = (fp.get("code"), fp.get("job"), fp["hosts"][name])
+    return hashlib.sha256(repr(part).encode()).hexdigest()[:16]
+
+
+def stale_config(config: object, current: str) -> bool:
+    """Whether a daemon's (or its crash's) `config` is from before the job's last fix:
+    both known and different."""
+    return bool(config) and bool(current) and config != current
 
 
 def changed_hosts(old: Mapping | None, new: Mapping) -> list[str]:

@@ -57,6 +57,9 @@ The daemon
      "slot_kind": "gpu" | "cpu", "valid_slots": [slots it has] | null (any GPU),
          # fixed at its start (config.py gpu_host, valid_slots): a desired slot it does
          # not have is refused, so the controller replaces a daemon of the wrong kind
+     "config": daemon.json's config ("": none): the controller's digest of the job's code,
+         # settings and this host's entry it was started with; an idle daemon with an
+         # older one is replaced, and its crash events (which carry it) count no failure
      "workers": [{"slot", "worker_id", "pid", "state", "since", "adopted", "detail", "start"
                   [, "exit_code", "cause", "at_start"]}],
          # start: when a live worker's process started (wall clock)

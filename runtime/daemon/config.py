@@ -32,6 +32,10 @@
                             # $ELTCTL_CLAIMS_DIR of the daemon's environment, else /tmp/eltctl-gpus
       "data_interface": null,   # optional: the interface gloo and NCCL use here (the inventory's host
                                 # key); null: the one holding the host's address (module docstring)
+      "config": "3f9a0c2b7d1e4a55",   # optional: the controller's digest of the job's code, settings and
+                                # this host's entry as shipped with this daemon; it is published in
+                                # the daemon's state and its crash events, so the controller tells a
+                                # daemon (and a failure) from before a fix; absent: ""
       "secret_file": "/home/u/.eltctl/jobs/mnist/ws1/secret"
                             # optional: the job's secret (an absolute path to a 0600 file, runtime/auth.py);
                             # the daemon signs and checks every store value with it and its workers get
@@ -124,6 +128,7 @@ class DaemonConfig:
     claims_dir: str | None = None  # None: $ELTCTL_CLAIMS_DIR, else claims.DEFAULT_DIR (runtime/claims.py)
     data_interface: str | None = None  # the interface gloo and NCCL use here; None: netif's rule
     secret_file: Path | None = None  # the job's secret on this host (0600); None: unsigned
+    config: str = ""  # the controller's digest of what this daemon was started with ("": unknown)
     secret: bytes | None = field(default=None, repr=False)  # read from secret_file by `load`
 
     @property
@@ -269,6 +274,9 @@ class DaemonConfig:
         data_interface = d.get("data_interface")
         if data_interface is not None and (not isinstance(data_interface, str) or not data_interface):
             raise DaemonConfigError(f"{source}: 'data_interface' must be null or an interface name")
+        config = d.get("config") or ""
+        if not isinstance(config, str):
+            raise DaemonConfigError(f"{source}: 'config' must be a string (the controller's digest), not {config!r}")
         floor = stop_grace + STOP_GRACE_MARGIN_S if mode == "restart" else 0.0
         try:
             courtesy = Courtesy.from_json(d.get("courtesy"), source)
@@ -287,6 +295,7 @@ class DaemonConfig:
             evict_grace=number("evict_grace", 2.0), mode=mode, stop_grace=stop_grace, progress=progress,
             max_restarts=max_restarts, restart_window=restart_window, courtesy=courtesy,
             owner=owner, claims_dir=claims_dir, data_interface=data_interface, secret_file=Path(secret_file) if secret_file else None,
+            config=config,
         )
 
 

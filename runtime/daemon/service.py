@@ -609,6 +609,8 @@ class Daemon:
         log.info("host %s: worker %s (pid %d) leaves in the planned way: %s", self.cfg.host, wid, w.pid, a.reason)
 
     def _event(self, kind: EventKind, workers: list[str], detail: str, **extra: Any) -> None:
+        if kind is EventKind.CRASH and self.cfg.config:  # the controller tells a failure of what it
+            extra.setdefault("config", self.cfg.config)  # shipped before a fix by it
         ev = event_document(kind, host=self.cfg.host, workers=workers, detail=detail, **extra)
         self._link.send(f"a {kind.value} event", lambda js: add_event(js, ev))
 
@@ -635,6 +637,7 @@ class Daemon:
             # controller replaces a daemon whose slots are not what the host has
             "slot_kind": "gpu" if self.cfg.gpu_host else "cpu",
             "valid_slots": sorted(self.cfg.valid_slots) if self.cfg.valid_slots is not None else None,
+            "config": self.cfg.config,  # what it was started with (daemon.json): replaced after a fix
             "wanted": sorted(m.wanted), "workers": workers, "gpus": gpus,
             "yielded": [y.to_dict() for y in m.yielded], "crashes": self._crashes,
             "history": self._history.entries(),

@@ -274,8 +274,12 @@ def test_a_daemon_running_cpu_slots_on_a_gpu_host_is_replaced_once_its_worker_le
         await ctl.reconcile()  # no worker anywhere now: the newest checkpoint is restored first
         await asyncio.sleep(0)
         await ctl.reconcile()
-        assert "h3" not in ctl.replacing and desired()["slots"] == [0, 1] and not desired()["stop"]
+        assert "h3" not in ctl.replacing and "h3" in ctl.starter.tasks
+        # no slots are written while the old daemon may still run: they are asked of the new one
+        assert desired()["slots"] == [] and desired()["stop"]
         await ctl.starter.tasks["h3"]
+        await ctl.reconcile()
+        assert desired()["slots"] == [0, 1] and not desired()["stop"]
 
     with caplog.at_level("WARNING", logger="eltctl.controller"):
         asyncio.run(scenario())
@@ -332,3 +336,115 @@ def test_a_fix_while_a_daemon_start_ships_drops_that_start_and_the_next_start_sh
         asyncio.run(scenario())
     assert len(host.configs) == 1
     assert any("start in flight is dropped" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------- a daemon from before a fix, heard from after it
+
+
+def crash_event(store: Store, n: int, config: str, cause="ModuleNotFoundError: No module named 'x'"):
+    """h3's daemon logs its workers' crash at start (the n-th event of the log)."""
+    from eltctl_runtime.protocol import Keys, event_document
+
+    ev = event_document("crash", host="h3", workers=["h3/0/7"], detail=f"failed at start: {cause}",
+                        cause=cause, at_start=True, exit_code=1, config=config)
+    store.values[Keys.event(n)] = json.dumps(ev).encode()
+
+
+def stated(store: Store, n: int, config: str, phase="running", crashed=()):
+    from eltctl_runtime.protocol import state_key
+
+    store.values[state_key("h3")] = json.dumps({
+        "time": 1000.0 + n, "phase": phase, "seq_applied": n, "health": "ok", "gpus": [], "slot_kind": "cpu",
+        "valid_slots": [0, 1], "config": config,
+        "workers": [{"slot": s, "worker_id": f"h3/{s}/7", "pid": 100 + s, "state": "crashed"} for s in crashed]}).encode()
+
+
+def test_a_daemon_launched_before_a_fix_and_heard_from_after_it_is_replaced_and_its_crash_counts_nothing(
+        tmp_path, monkeypatch, caplog):
+    """A CI failure: h1's daemon was launched with the code of the `up` before (a script
+    that fails at import) and had not reported when the fixed code's `up` came, so the fix
+    did not retire it; it then started workers with the old code, they failed, and h1 went
+    to its 600 s cooldown with the old cause. Now: the fix asks that daemon to exit before
+    it has said a word, no slot is asked of it, the crash of its workers (its events carry
+    the digest it was started with) counts no failure, and the daemon started next ships
+    the fix with the new digest."""
+    inv = inventory(tmp_path)
+    ctl, store = controller(tmp_path, inv)
+    clock = [NOW]
+    ctl.clock = ctl.starter.clock = lambda: clock[0]
+    ctl.fingerprint = pol.fingerprint(inv, "the code before the fix")
+    before = ctl.host_config("h3")
+    host = Host(monkeypatch, tmp_path / "home")
+    host.shipping.set()
+    from eltctl_runtime.protocol import desired_key
+
+    def desired():
+        return json.loads(store.values[desired_key("h3")])
+
+    async def scenario():
+        ctl.observed.take_reports([CPU_ONLY])
+        await (await start_pass(ctl))
+        assert [c["config"] for c in host.configs] == [before] and before
+        assert "h3" in ctl.starter.started_at  # launched; not heard from yet
+        clock[0] += 1
+        assert await ctl.apply_fixes(clock[0]) == ["h3"]
+        after = ctl.host_config("h3")
+        assert after and after != before
+        assert desired()["stop"] and "h3" in ctl.starter.retired  # asked to exit before a word of it
+        # it reports late, with the old digest, and its workers' crash at start comes in
+        stated(store, 2, before, crashed=(0,))
+        crash_event(store, 1, before)
+        clock[0] += 1
+        await ctl.reconcile()
+        rec = ctl.records["h3"]
+        assert rec.failures == 0 and rec.cooldown_until == 0 and not rec.start_failure, rec
+        assert desired()["stop"]  # nothing asked of the old daemon
+        stated(store, 3, before, phase="stopped")  # its last word
+        clock[0] += 1
+        await ctl.reconcile()
+        await ctl.starter.tasks["h3"]
+        clock[0] += 1
+        await ctl.reconcile()
+        assert [c["config"] for c in host.configs] == [before, after]
+        assert desired()["slots"] == [0] and not desired()["stop"]
+        # a crash of the new daemon's workers counts as ever
+        stated(store, 4, after, crashed=(0,))
+        crash_event(store, 2, after)
+        clock[0] += 1
+        await ctl.reconcile()
+        assert ctl.records["h3"].failures == 1 and ctl.records["h3"].start_failure
+
+    with caplog.at_level("INFO", logger="eltctl.controller"):
+        asyncio.run(scenario())
+    assert any("counts no failure" in r.getMessage() for r in caplog.records)
+
+
+def test_an_idle_daemon_started_with_an_older_configuration_is_replaced(tmp_path, monkeypatch, caplog):
+    """However a daemon with the configuration from before a change escaped the fix (it was
+    silent then), once it is seen idle with the old digest it is asked to exit, and the
+    next start ships the new; a daemon with the current digest, or none (an older
+    eltctl's), is left alone."""
+    inv = inventory(tmp_path)
+    ctl, store = controller(tmp_path, inv)
+    clock = [NOW]
+    ctl.clock = ctl.starter.clock = lambda: clock[0]
+    ctl.fingerprint = pol.fingerprint(inv, "the code now")
+    host = Host(monkeypatch, tmp_path / "home")
+    host.shipping.set()
+    ctl.records["h3"] = pol.HostRecord(desired=(0,), seq=1)
+    from eltctl_runtime.protocol import desired_key
+
+    async def scenario():
+        ctl.observed.take_reports([CPU_ONLY])
+        for config in (ctl.host_config("h3"), ""):
+            stated(store, 1, config)
+            await ctl.reconcile()
+            assert "h3" not in ctl.starter.retired and desired_key("h3") not in store.values
+            clock[0] += 1
+        stated(store, 2, "0123456789abcdef")
+        await ctl.reconcile()
+        assert "h3" in ctl.starter.retired and json.loads(store.values[desired_key("h3")])["stop"]
+
+    with caplog.at_level("INFO", logger="eltctl.controller"):
+        asyncio.run(scenario())
+    assert sum("from before the last change: it is replaced" in r.getMessage() for r in caplog.records) == 1

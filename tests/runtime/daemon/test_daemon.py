@@ -346,6 +346,7 @@ def test_restart_mode_runs_the_supervisor_with_time_to_save():
     ({"job": ".."}, "'job' is not a valid name"),
     ({"host": "-x"}, "'host' is not a valid name"),
     ({"host": "a/b"}, "'host' is not a valid name"),
+    ({"config": 7}, "'config' must be a string"),
 ])
 def test_config_errors_name_the_key(change, message):
     with pytest.raises(DaemonConfigError, match=message):
@@ -791,12 +792,15 @@ def test_exit_outcome_tells_a_failure_at_start(rc, state, joined, at_start):
     (["python", "-c", "import no_such_module_xyz"], "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
 ])
 def test_a_worker_that_fails_at_start_reports_its_cause(tmp_path, command, cause):
-    host = SimHost(tmp_path, nvidia_smi=False, overrides={"gpus": None, "slots": 1, "command": command})
+    host = SimHost(tmp_path, nvidia_smi=False, overrides={"gpus": None, "slots": 1, "command": command,
+                                                          "config": "feedbeefcafe0001"})
     try:
         daemon = host.start_daemon()
         host.desire([0])
         crash = host.wait_for(lambda: host.events("crash"), "a crash event", timeout=60)[0]
         assert cause in crash["cause"] and cause in crash["detail"], crash
+        # the digest it was started with: the controller tells a failure from before a fix by it
+        assert crash["config"] == "feedbeefcafe0001" and host.state()["config"] == "feedbeefcafe0001"
         assert crash["at_start"] is True and crash["exit_code"] not in (0, None) and crash["ran_s"] >= 0
         assert "failed at start" in crash["detail"]
         ended = host.wait_for(lambda: [w for w in host.state()["workers"] if w.get("cause")], "the state", 30)[0]
