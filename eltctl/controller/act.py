@@ -131,6 +131,11 @@ class DaemonStarter:
     # each host's digest of the job's code, settings and entry (pol.host_config), taken as the
     # daemon is launched (daemon.json's config): a daemon from before a fix is told by it
     config_of: Callable[[str], str] = lambda name: ""
+    # called once a retired host's old daemon is gone, before the new one ships: its desired
+    # document is rewritten so that the new daemon never reads the stop meant for the old one
+    after_retired: Callable[[str], Awaitable[None]] | None = None
+    launched: dict[str, int] = field(default_factory=dict)  # the pid of each host's daemon we last launched
+    asked_to_exit: dict[str, set[int]] = field(default_factory=dict)  # pids of daemons asked to exit, per host
     _runtime_files: dict[str, bytes] | None = None
 
     @property
@@ -196,7 +201,10 @@ class DaemonStarter:
                     running = await hostops.daemon_pid(t, paths)
                     if running is None:
                         break
-            self.retired.discard(host.name)
+            if host.name in self.retired:
+                self.retired.discard(host.name)
+                if running is None and self.after_retired is not None:
+                    await self.after_retired(host.name)
             store = self.store_endpoint(host) if callable(self.store_endpoint) else self.store_endpoint
             owner = hostops.Owner(control_id(), socket.gethostname(), str(inventory.path))
             if running is not None:
@@ -233,7 +241,11 @@ class DaemonStarter:
             self.launching.add(host.name)
             pid = await hostops.start_daemon(t, paths, runtime_dir, config, owner, self.secret,
                                              bind_from_ssh=callable(self.store_endpoint) and not host.is_local)
+            if pid is not None:
+                self.launched[host.name] = pid
             if host.name in self.retired:  # a change came while it launched: asked to exit already
+                if pid is not None:
+                    self.asked_to_exit.setdefault(host.name, set()).add(pid)
                 log.info("Host %s: daemon started (pid %s) as the job's code or settings changed; it is "
                          "asked to exit, and the next start ships the change.", host.name, pid)
                 return

@@ -52,7 +52,7 @@ from eltctl.controller.statedir import StateDir
 from eltctl.controller.status import Phase
 from eltctl.controller import store as kstore
 from eltctl.controller.store import JobStore
-from eltctl_runtime.protocol import Keys
+from eltctl_runtime.protocol import Keys, desired_key
 from eltctl.inventory import Inventory
 from eltctl.controller import fairshare
 from eltctl.probe import probe_fleet
@@ -130,6 +130,7 @@ class Controller:
         self.observed = observe.Observer()
         self.starter = act.DaemonStarter(fleet, store_endpoint, clock, secret=secret)
         self.starter.config_of = self.observed.config_of = self.host_config
+        self.starter.after_retired = self._old_daemon_gone
         self.restorer = act.Restorer(clock)
         self.decision: pol.Decision | None = None
         self.stopping = False
@@ -496,13 +497,34 @@ class Controller:
             if (view is None or seen is None or not view.daemon_alive or view.workers or name in self.starter.retired
                     or name in self.starter.tasks or name in self.replacing):
                 continue
+            if seen.state.get("pid") in self.starter.asked_to_exit.get(name, ()):
+                continue  # its last state, from before it went (a new one may be starting)
             if pol.stale_config(seen.state.get("config"), self.host_config(name)):
                 log.info("Host %s: its idle daemon (pid %s) was started with the job's code or settings from "
                          "before the last change: it is replaced.", name, seen.state.get("pid"))
                 await self._retire(name)
 
+    async def _old_daemon_gone(self, name: str) -> None:
+        """A retired host's old daemon is gone and the new one is about to ship: the stop
+        written for the old one (`_retire`) is replaced by the slots the last decision gave
+        the host (none: an idle document), so that the new daemon never reads that stop and
+        exits (CI: one read it before the next pass asked for slots and never reported).
+        The record is updated before the write: a pass writing meanwhile takes the next seq."""
+        if self.stopping:
+            return
+        want = tuple((self.decision.desired if self.decision is not None else {}).get(name, ()))
+        new = pol.applied(self.records.get(name, pol.HostRecord()), want)
+        self.records[name] = new
+        self.save_records()
+        await self.store.set_json(desired_key(name), act.desired_document(new.seq, want, stop=False))
+        log.info("Host %s: its old daemon is gone; the new one is asked for slots %s (seq %d).", name,
+                 list(want) or "none", new.seq)
+
     async def _retire(self, name: str) -> None:
         """Ask the host's idle daemon to exit; the next start waits for it to be gone."""
+        seen = self.observed.seen.get(name)
+        pids = {seen.state.get("pid") if seen is not None else None, self.starter.launched.get(name)} - {None}
+        self.starter.asked_to_exit.setdefault(name, set()).update(pids)
         self.records[name] = await act.retire_daemon(self.store, name, self.records.get(name, pol.HostRecord()))
         self.starter.retired.add(name)
         self._retired_at[name] = self.clock()
