@@ -875,7 +875,9 @@ class ElasticJob:
     def _admit(self) -> None:
         """Register as a (warm) joiner and wait to be a member of a generation."""
         cfg = self.config
+        self._mark("join_request")  # a joiner's logged phases start here: its wait to be admitted is one
         plan = self._gen.admit(min_workers=cfg.min_workers, restarted_wait_s=cfg.store_loss_timeout_s)
+        self._mark("admitted")
         if plan is None:
             self._finished = True
             return
