@@ -16,7 +16,8 @@ of the old worker generation to the first step of the new one, and the steps
 redone (benchmarks/_baselines.py drives the job; benchmarks/baselines/zero_worker.py
 is the worker: a consolidated checkpoint every `--baseline-ckpt-every` steps).
 Beside it, the same events on eltctl's job (examples/train.py on `ElasticJob(shard=...)`,
-benchmarks/_eltctl_side.py: a store here, one worker process per rank, a leave
+benchmarks/_eltctl_side.py: a store here (`--store socket`, the default: the keeper's
+Unix-socket store with every value signed, as under eltctl's controller), one worker process per rank, a leave
 request through the store, a new worker, a SIGKILL reported dead as the host
 daemon would) for each of `--eltctl-runs` (replicated, optimizer-r1,
 gradients-r1, optimizer-r2, gradients-r2 by default), with a checkpoint every
@@ -332,7 +333,7 @@ def _train_args(world: int, layers: int, batch: int) -> tuple[str, ...]:
 
 def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0, runs=DEFAULT_RUNS,
                           ckpt_every: int = 5, batch: int = 4, job_args: tuple[str, ...] = (),
-                          progress=print) -> dict[str, Any]:
+                          progress=print, store: str = "socket") -> dict[str, Any]:
     """eltctl through the same events (leave, join, SIGKILL) at `world` as the torchrun job,
     for each of `runs` (ELTCTL_RUNS: sharded and replicated) on the same MLP, with a
     checkpoint every `ckpt_every` steps (as the baseline; with shard_replicas=1 a SIGKILL
@@ -347,7 +348,7 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
 
     base = (*_train_args(world, layers, batch), "--steps", "1000000", "--checkpoint-every", str(ckpt_every),
             "--debug", *job_args)  # --debug: the pause phases in the workers' logs (each event's "phases")
-    out: dict[str, Any] = {"available": True, "world": world, "checkpoint_every": ckpt_every,
+    out: dict[str, Any] = {"available": True, "world": world, "store": store, "checkpoint_every": ckpt_every,
                            "model": f"examples/toy.py MLP, {layers} x Linear({WIDTH}, {WIDTH}) between 64 -> {WIDTH} "
                                     f"and {WIDTH} -> 16", "batch_per_rank": batch, "job_args": list(job_args),
                            "runs": {}}
@@ -359,7 +360,7 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
                     EVENTS, nodes=world, settle_steps=3, resumed_steps=2, event_cap_s=cap_s,
                     worker_args=base + ELTCTL_RUNS[name], workdir=Path(tmp) / "work",
                     env={"ELTCTL_CHECKPOINT_DIR": str(Path(tmp) / "ckpt")},
-                    event_phase=(ckpt_every, min(2, ckpt_every - 1)))
+                    event_phase=(ckpt_every, min(2, ckpt_every - 1)), store=store)
                 out["runs"][name] = {"pauses_s": {e["event"]: e.get("pause_s") for e in r["events"]},
                                      "steps_redone": {e["event"]: e.get("steps_lost") for e in r["events"]},
                                      "events": r["events"]}
@@ -381,7 +382,7 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
 
 def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, warmup: int = 3, batch: int = 4,
                           runs=("replicated", "optimizer-r1", "gradients-r1"), job_args: tuple[str, ...] = (),
-                          progress=print) -> dict[str, Any]:
+                          progress=print, store: str = "socket") -> dict[str, Any]:
     """The steady step time of the whole job (examples/train.py on ElasticJob, fixed size
     `world`, no checkpoints) for each of `runs`, and each sharded one against replicated
     (target <= 1.10): rank 0's median step interval after `warmup` steps."""
@@ -392,13 +393,13 @@ def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, war
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _eltctl_side
 
-    out: dict[str, Any] = {"available": True, "world": world, "steps": steps, "warmup": warmup,
+    out: dict[str, Any] = {"available": True, "world": world, "store": store, "steps": steps, "warmup": warmup,
                            "job_args": list(job_args), "runs": {}}
     for name in runs:
         try:
             r = _eltctl_side.measure_eltctl_step_time(
                 world, steps, warmup, timeout_s=max(600.0, 20.0 * steps),
-                extra_args=(*_train_args(world, layers, batch), *job_args, *ELTCTL_RUNS[name]))
+                extra_args=(*_train_args(world, layers, batch), *job_args, *ELTCTL_RUNS[name]), store=store)
         except Exception as exc:  # noqa: BLE001 - reported
             r = {"error": f"{type(exc).__name__}: {exc}"}
         out["runs"][name] = r
@@ -462,6 +463,10 @@ def main() -> int:
                     help="leave out the memory / raw step-time part (the job step time still runs at --worlds)")
     ap.add_argument("--job-args", default="", help="more examples/train.py options for eltctl's job (e.g. "
                                                   "'--bucket-mb 25'; its default bucket is 4 MB)")
+    ap.add_argument("--store", choices=("socket", "c10d"), default="socket",
+                    help="eltctl's job store: socket (as under eltctl's controller: the keeper's Unix-socket "
+                         "store, every value signed) or c10d (an unsigned TCPStore, this benchmark's setup "
+                         "before session 15)")
     args = ap.parse_args()
     job_args = tuple(shlex.split(args.job_args))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout ends the workers too (the finally blocks)
@@ -470,14 +475,16 @@ def main() -> int:
     result = measure([] if args.skip_memory else args.worlds, args.steps, args.batch, args.layers, log)
     if args.job_steps and args.eltctl_runs:
         result["job_step_time"] = {str(w): measure_job_step_time(w, args.layers, args.job_steps, args.job_warmup,
-                                                                 args.batch, args.eltctl_runs, job_args, progress=log)
+                                                                 args.batch, args.eltctl_runs, job_args, progress=log,
+                                                                 store=args.store)
                                    for w in args.worlds}
     if args.baseline == "zero-torchrun":
         tr = ({"skipped": True, "pauses_s": {}} if args.skip_torchrun else
               measure_zero_torchrun(args.baseline_world, args.baseline_ckpt_every, args.baseline_cap, args.layers,
                                     progress=log))
         el = (measure_eltctl_pauses(args.baseline_world, args.layers, args.baseline_cap, args.eltctl_runs,
-                                    args.baseline_ckpt_every, args.batch, job_args, progress=log) if args.eltctl_runs
+                                    args.baseline_ckpt_every, args.batch, job_args, progress=log,
+                                    store=args.store) if args.eltctl_runs
               else {"available": False, "reason": "--eltctl-runs is empty"})
         result["pauses"] = {"zero_torchrun": tr, "eltctl": el, "comparison": pause_comparison(el, tr)}
     result["wall_s"] = round(time.monotonic() - t0, 1)
