@@ -1139,11 +1139,14 @@ def restore_sharded(path: Path | str, sg: Any) -> dict:
     return state
 
 
-def load_optimizer_chunks(path: Path | str, sg: Any, param_groups: Any, manifest: Mapping[str, Any] | None = None) -> None:
+def load_optimizer_chunks(path: Path | str, sg: Any, param_groups: Any, manifest: Mapping[str, Any] | None = None,
+                          verify: bool = False) -> None:
     """A rank's held chunks (zero.ShardedGradients `sg`, under its own layout) straight
-    from a sharded checkpoint's memory-mapped shard files: only the element ranges its
-    chunks need are read, no full state is built. `param_groups`: the optimizer's
-    hyperparameters (state.pt's "optimizer"). Not verified here."""
+    from a sharded checkpoint's memory-mapped shard files: only the shard files its chunks
+    take elements from are opened (zero.checkpoint_chunks_needed), and of those only the
+    element ranges it needs are read; no full state is built. `param_groups`: the
+    optimizer's hyperparameters (state.pt's "optimizer"). `verify`: each of those files is
+    hashed against the manifest first (verify_shard_files); else they are not verified here."""
     import torch
 
     from . import zero
@@ -1153,35 +1156,62 @@ def load_optimizer_chunks(path: Path | str, sg: Any, param_groups: Any, manifest
     sharded = m.get("sharded")
     if sharded is None:
         raise InvalidCheckpoint(f"{path}: not a sharded checkpoint")
-    shards = []
+    shards: dict[int, Any] = {}
     if sharded["step"]:
-        for j, fname in enumerate(sharded["files"]):
+        need = zero.checkpoint_chunks_needed(sg, sharded)
+        if verify:
+            verify_shard_files(path, m, need)
+        for j in need:
+            fname = sharded["files"][j]
             sd = torch.load(path / fname, map_location="cpu", weights_only=True, mmap=True)
             if not isinstance(sd, dict) or sd.get("chunk") != j:
                 raise InvalidCheckpoint(f"{path}: {fname} is not the shard of chunk {j}")
-            shards.append(sd["state"])
+            shards[j] = sd["state"]
     zero.load_checkpoint_chunks(sg, sharded, shards, param_groups)
+
+
+def verify_shard_files(path: Path, manifest: Mapping[str, Any], chunks: list[int]) -> None:
+    """Raise InvalidCheckpoint unless the shard files of `chunks` hash as the manifest says."""
+    for j in chunks:
+        fname = manifest["sharded"]["files"][j]
+        try:
+            want = manifest["files"][fname]["sha256"]
+            ok = _sha256_file(path / fname) == want
+        except (KeyError, TypeError, OSError) as exc:
+            raise InvalidCheckpoint(f"{path}: cannot verify {fname}: {exc}") from exc
+        if not ok:
+            raise InvalidCheckpoint(f"{path}: {fname} does not match its sha256 in {MANIFEST_FILE}")
 
 
 def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: Any = None) -> dict[str, Any]:
     """Every rank of `pg` (pg rank == `sg`'s layout rank) takes its chunks of the sharded
     checkpoint one rank restored from (`ckpt`: its "path", state.pt's "sha256" and the
     "host" it was read on; the job's restore sends it with the rest of the state). When
-    every rank is on that host, each reads only its own chunks out of the memory-mapped
-    shard files (load_optimizer_chunks: no full state is built, nothing travels); else the
-    lowest rank that has the files assembles the full state and broadcasts it, and every
-    rank takes its chunks of it. A collective. Returns what it did, for the log."""
+    every rank can read that checkpoint at that path (its host; another host on shared
+    storage, or with the same checkpoint there), each reads only its own chunks out of the
+    memory-mapped shard files (load_optimizer_chunks: no full state is built, nothing
+    travels); a rank on another host first hashes the shard files it reads (the restoring
+    rank verified those on its own host). Else the lowest rank that has the files
+    assembles the full state and broadcasts it, and every rank takes its chunks of it.
+    A collective. Returns what it did, for the log."""
     import copy
 
     import torch
 
-    from . import collectives, state as state_mod
+    from . import collectives, state as state_mod, zero
 
     t0 = time.perf_counter()
     path, rank = Path(ckpt["path"]), pg.rank()
+    verify = host != ckpt.get("host")
     try:
-        has = host == ckpt.get("host") and read_manifest(path)["files"][STATE_FILE]["sha256"] == ckpt["sha256"]
-    except (InvalidCheckpoint, KeyError):
+        manifest = read_manifest(path)
+        has = manifest["files"][STATE_FILE]["sha256"] == ckpt["sha256"]
+        if has and verify and manifest["sharded"]["step"]:
+            verify_shard_files(path, manifest, zero.checkpoint_chunks_needed(sg, manifest["sharded"]))
+    except (InvalidCheckpoint, KeyError, TypeError) as exc:
+        if verify and path.exists():
+            log.warning("checkpoint %s: this rank cannot take its chunks from it here (%s); they come from "
+                        "a rank that can", path, exc)
         has = False
     flags = torch.zeros(pg.size(), dtype=torch.float64, device=sg.device)
     flags[rank] = 1.0 if has else 0.0
@@ -1189,8 +1219,8 @@ def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: 
     holders = [r for r, f in enumerate(flags.tolist()) if f > 0]
     groups = copy.deepcopy(sg.optimizer.state_dict()["param_groups"])
     if len(holders) == pg.size():
-        load_optimizer_chunks(path, sg, groups)
-        return {"restored_chunks_from_files_s": round(time.perf_counter() - t0, 4)}
+        load_optimizer_chunks(path, sg, groups, manifest)  # verified above where it had to be
+        return {"restored_chunks_from_files_s": round(time.perf_counter() - t0, 4), "verified_here": verify}
     if not holders:
         raise CheckpointError(f"no rank can read the sharded checkpoint {path} the job restored from")
     src = holders[0]

@@ -86,6 +86,11 @@ PIECE_ELEMS = 1 << 21
 # step would come back from the OS at a page fault per 4 KiB, every step. On CUDA the caching
 # allocator does this already: each bucket gets its own.
 STAGING_BUFFERS = 3
+# A large bucket pads to a multiple of this (lcm(1..8)) and of the world size, so its padded
+# width, and the flat buffers, stay the same through membership changes among 1 to 8 ranks
+# (_chunk); only buckets of at least PAD_MIN_QUANTA such multiples do (padding under 1/64).
+PAD_QUANTUM = 840
+PAD_MIN_QUANTA = 64
 # Optimizers whose update is elementwise: a shard's step is the replicated step of its elements.
 SUPPORTED_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -217,6 +222,20 @@ def place_replicas(members: list[Member] | tuple[Member, ...], replicas: int) ->
     return tuple((j, ordered[(pos[j] + shift) % world]) for j in range(world))
 
 
+def _chunk(numel: int, world: int) -> int:
+    """A bucket's chunk length at `world` ranks (its padded width: chunk * world).
+
+    A bucket of at least PAD_MIN_QUANTA quanta pads to a multiple of lcm(PAD_QUANTUM, world),
+    so at every world size that divides PAD_QUANTUM (1 to 8, 10, 12, ...) it has the same
+    padded width: a membership change between such sizes keeps the padded flat buffers
+    (ShardedGradients.bind: the parameters stay where they are, nothing is allocated or
+    copied). The padding costs under 1/PAD_MIN_QUANTA of the bucket. A smaller bucket pads
+    to a multiple of the world size only."""
+    quantum = math.lcm(PAD_QUANTUM, world)
+    padded = math.ceil(numel / quantum) * quantum if numel >= PAD_MIN_QUANTA * quantum else numel
+    return max(1, math.ceil(padded / world))
+
+
 def plan_shards(kinds: list[tuple[str, int]], numels: list[int], elem_sizes: list[int],
                 members: list[Member] | tuple[Member, ...], replicas: int = 1,
                 bucket_bytes: int = 25 * 2**20) -> ShardLayout:
@@ -231,7 +250,7 @@ def plan_shards(kinds: list[tuple[str, int]], numels: list[int], elem_sizes: lis
     pstart: dict[int, int] = {}
     buckets = []
     for b in lay.buckets:
-        chunk = max(1, math.ceil((b.end - b.start) / world))
+        chunk = _chunk(b.end - b.start, world)
         at = pstart.get(b.group, 0)
         buckets.append(ShardBucket(b.group, b.start, b.end - b.start, chunk, at, b.members))
         pstart[b.group] = at + chunk * world
@@ -1562,11 +1581,29 @@ def checkpoint_param_groups(sg: ShardedGradients) -> list[dict[str, Any]]:
     return copy.deepcopy(sg.optimizer.state_dict()["param_groups"])
 
 
+def checkpoint_chunks_needed(sg: ShardedGradients, sharded: dict[str, Any]) -> list[int]:
+    """The chunks of a sharded checkpoint (`sharded`: the manifest's entry) that this rank's
+    held chunks under ITS layout take elements from (load_checkpoint_chunks reads only these)."""
+    old = ShardLayout.from_json(json.dumps(sharded["layout"]))
+    new = sg.layout
+    old_bucket = {i: b for b, bk in enumerate(old.buckets) for i in bk.params}
+    new_bucket = {i: b for b, bk in enumerate(new.buckets) for i in bk.params}
+    need: set[int] = set()
+    for i, (os_, ns) in enumerate(zip(old.slots, new.slots)):
+        ob, nb = old.buckets[old_bucket[i]], new.buckets[new_bucket[i]]
+        o_at, n_at = os_.offset - ob.start, ns.offset - nb.start
+        for j in sg._held:
+            lo, hi = max(n_at, j * nb.chunk), min(n_at + ns.numel, (j + 1) * nb.chunk)
+            if lo < hi:
+                need.update(range((o_at + lo - n_at) // ob.chunk, (o_at + hi - n_at - 1) // ob.chunk + 1))
+    return sorted(need)
+
+
 def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards: list[list[dict[str, torch.Tensor]]],
                            param_groups: list[dict[str, Any]]) -> None:
     """Load this rank's chunks (under ITS layout, any world size) straight from a sharded
     checkpoint's per-chunk states (`shards[j]`: chunk j's [per group {name: tensor}], e.g.
-    memory-mapped files), copying only the element ranges its held chunks need: no full
+    memory-mapped files; only those of checkpoint_chunks_needed are looked up), copying only the element ranges its held chunks need: no full
     state is built. `sharded`: the manifest's entry (checkpoint_layout)."""
     old = ShardLayout.from_json(json.dumps(sharded["layout"]))
     new = sg.layout

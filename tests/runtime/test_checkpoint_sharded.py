@@ -114,15 +114,18 @@ def test_restore_with_shard_none_is_the_plain_optimizer_state(written):
     assert_same(opt.state_dict(), ref["optimizer"])
 
 
-@pytest.mark.parametrize("how", ["full", "chunks"])
+@pytest.mark.parametrize("how", ["full", "chunks", "collective"])
 @pytest.mark.parametrize("world,shard,replicas", [(2, "gradients", 2), (4, "optimizer", 1)])
 def test_restore_at_another_world_size_and_shard_setting(written, world, shard, replicas, how):
     """"full": the rebuilt full state dict, each rank keeping its chunks; "chunks":
-    restore_sharded, each rank reading only its chunks' ranges from the shard files."""
+    restore_sharded, each rank reading only its chunks' ranges from the shard files;
+    "collective": the job's restore_chunks, read on host a, with the ranks on host b
+    reading the same (shared) directory: they hash the shard files they read first."""
     step_dir, ref = written
     full = ckpt.load_checkpoint(step_dir)["optimizer"]
+    sha = ckpt.read_manifest(step_dir)["files"][ckpt.STATE_FILE]["sha256"]
     store = dist.HashStore()
-    got, errors = {}, []
+    got, errors, did = {}, [], {}
     init = threading.Lock()
 
     def rank(r: int) -> None:
@@ -135,14 +138,18 @@ def test_restore_at_another_world_size_and_shard_setting(written, world, shard, 
                                bucket_mb=0.0002)
             sg = ShardedGradients(params, opt, lay, r, shard)
             sg.bind()
-            if how == "full":
-                sg.load_full_state_dict(full)
-            else:
-                ckpt.restore_sharded(step_dir, sg)
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timedelta(seconds=30)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            sg.begin(dist.ProcessGroupGloo(dist.PrefixStore("g", store), r, world, opts))
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("g", store), r, world, opts)
+            if how == "full":
+                sg.load_full_state_dict(full)
+            elif how == "chunks":
+                ckpt.restore_sharded(step_dir, sg)
+            else:
+                did[r] = ckpt.restore_chunks({"path": str(step_dir), "sha256": sha, "host": "a"}, sg, pg,
+                                             lay.members[r].host)
+            sg.begin(pg)
             got[r] = sg.full_state_dict()
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
@@ -156,6 +163,9 @@ def test_restore_at_another_world_size_and_shard_setting(written, world, shard, 
     assert len(got) == world
     for sd in got.values():
         assert_same(sd, ref["optimizer"])
+    if how == "collective":  # every rank read its own chunks; those on host b verified them first
+        assert {r: (d.get("restored_chunks_from_files_s") is not None, d.get("verified_here"))
+                for r, d in did.items()} == {r: (True, r % 2 == 1) for r in range(world)}
 
 
 def test_a_tampered_shard_file_is_rejected(written, tmp_path):
@@ -170,6 +180,15 @@ def test_a_tampered_shard_file_is_rejected(written, tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(ckpt.InvalidCheckpoint, match="optimizer-00002-of-00003.pt sha256"):
         ckpt.load_checkpoint(copy)
+    # a rank on another host than the one that restored hashes the shard files it takes chunks from
+    model = cw.Net()
+    opt = cw.make_opt(model)
+    params = list(model.parameters())
+    sg = ShardedGradients(params, opt, shard_layout(params, opt, [Member("w0", "b")], 1, bucket_mb=0.0002), 0,
+                          "optimizer")
+    sg.bind()
+    with pytest.raises(ckpt.InvalidCheckpoint, match="optimizer-00002-of-00003.pt does not match its sha256"):
+        ckpt.load_optimizer_chunks(copy, sg, opt.state_dict()["param_groups"], verify=True)
     f.unlink()
     with pytest.raises(ckpt.InvalidCheckpoint, match="optimizer-00002-of-00003.pt is missing"):
         ckpt.export_checkpoint(copy, tmp_path / "out.pt")

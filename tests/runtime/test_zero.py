@@ -5,6 +5,7 @@ batch with the plain optimizer (replicated training)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from datetime import timedelta
 
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from eltctl_runtime.zero import (
+    PAD_MIN_QUANTA,
+    PAD_QUANTUM,
     Member,
     ShardedGradients,
     ShardsLost,
@@ -44,6 +47,22 @@ def test_buckets_are_padded_to_the_world_and_each_rank_owns_one_chunk_of_each():
     assert lay.padded(0) == 6 and lay.padded(1) == 9
     assert lay.buckets[1].span(2) == (6, 8)  # the last chunk carries the padding
     assert lay.holders == ((0,), (1,), (2,)) and lay.held(1) == (1,)
+
+
+def test_a_large_bucket_pads_alike_at_every_world_size_up_to_8_so_its_buffers_stay():
+    big = PAD_MIN_QUANTA * PAD_QUANTUM + 7  # a bucket just large enough to pad to the quantum
+    widths = {w: plan_shards([(F32, 0)], [big], [4], members(*"abcdefgh"[:w]), bucket_bytes=1 << 30).padded(0)
+              for w in range(1, 9)}
+    assert set(widths.values()) == {(PAD_MIN_QUANTA + 1) * PAD_QUANTUM}  # the same width at 1..8 ranks
+    assert all(widths[w] - big < PAD_QUANTUM for w in widths)  # under one quantum of padding
+    # beyond 8: the multiple of lcm(840, world), still one width for all those a quantum divides
+    assert plan_shards([(F32, 0)], [big], [4], members(*"abcdefghij"), bucket_bytes=1 << 30).padded(0) == widths[1]
+    nine = plan_shards([(F32, 0)], [PAD_MIN_QUANTA * 2520], [4], members(*"abcdefghi"), bucket_bytes=1 << 30)
+    assert nine.padded(0) == PAD_MIN_QUANTA * 2520 and nine.buckets[0].chunk * 9 == nine.padded(0)
+    # a small bucket pads to the world size only (its chunks stay as even as they can be)
+    small = PAD_MIN_QUANTA * PAD_QUANTUM - 1
+    assert plan_shards([(F32, 0)], [small], [4], members("a", "b", "c"), bucket_bytes=1 << 30).padded(0) == \
+        math.ceil(small / 3) * 3
 
 
 def test_replicas_sit_on_other_hosts_and_every_rank_backs_up_one_chunk():
