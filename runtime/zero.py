@@ -341,6 +341,9 @@ class ShardedGradients:
         self._pg_of = _param_groups_of(self.params, optimizer)
         self._opt_index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         self._held = layout.held(rank)
+        # Every rank holds every chunk (shard_replicas=2 at 2 ranks, or 1 rank): the step needs
+        # no collective after the gradients' all-reduce (_step_local).
+        self._full = len(self._held) == layout.world
         self._offsets = layout.chunk_offsets()
         self._bucket_of = [0] * len(params)
         for b, bucket in enumerate(layout.buckets):
@@ -497,7 +500,9 @@ class ShardedGradients:
         """Arm the reduction for the coming (last) backward of the step."""
         self._pg, self._abort = pg, abort
         asked = self._reduce_scatter_asked
-        self._rs = asked if asked is not None else pg.name().upper() != "GLOO"
+        # Every chunk held here: an all-reduce gives them all at once (a reduce-scatter would
+        # need the backups' exchange on top).
+        self._rs = False if self._full else asked if asked is not None else pg.name().upper() != "GLOO"
         if self.shard == "optimizer":
             with torch.no_grad():
                 for i, p in enumerate(self.params):
@@ -704,11 +709,15 @@ class ShardedGradients:
             found_infs = list(scaler._per_optimizer_states[id(inner)]["found_inf_per_device"].values())
             stats[1] = float(sum(float(f) for f in found_infs))
         if max_grad_norm is not None:
+            # Each rank sums its primary chunks, all-reduced below; where every rank holds every
+            # chunk, each sums them all, in chunk order, so every rank gets the same norm alone.
+            pick = ([per_h[self._held.index(j)] for j in range(self.layout.world)] if self._full else per_h[:1]
+                    for per_h in self._steppers)
             with torch.no_grad():  # piece by piece: a float64 copy of a whole chunk is a big temporary
-                for opt, _spans in (per_h[0] for per_h in self._steppers):
+                for opt, _spans in (o for chosen in pick for o in chosen):
                     for v in opt.param_groups[0]["params"]:
                         stats[0] += torch.sum(v.grad.to(torch.float64) ** 2)
-        if max_grad_norm is not None or found_infs:
+        if (max_grad_norm is not None or found_infs) and not self._full:
             _wait(collectives.allreduce_async(self._pg, stats), self._abort)
         skipped = bool(stats[1] > 0)
         norm = None
@@ -722,13 +731,15 @@ class ShardedGradients:
         if found_infs:
             for f in found_infs:
                 f.fill_(1.0 if skipped else 0.0)
-        if not skipped and self.layout.world > 1:
+        if not skipped and not self._full:
             self._undo = self._pre_step_copy(scaler if found_infs else None)
         if found_infs:
             # scaler.step(inner) would step only if no rank found inf/NaN (below); its update
             # reads only the found_inf flags, so it goes before the step and the gather.
             scaler.update()
-        if not skipped:
+        if not skipped and self._full:
+            self._step_local()
+        elif not skipped:
             self.gather_params(self._step_shard())
         self._undo = None  # the gather finished: the step stands on every rank that got here
         return StepResult(norm, skipped)
@@ -789,6 +800,25 @@ class ShardedGradients:
                         new[k] = t
                 if new:
                     inner.state[m] = new
+
+    def _step_local(self) -> None:
+        """Every chunk held here (`_full`): step them all and write the parameters from them,
+        no all-gather. Every rank steps the same chunks from the same all-reduced gradients,
+        states and hyperparameters, so every rank's parameters come out alike (as in
+        replicated training); and as no collective follows the step, no rank can be left
+        with a step in doubt (no pre-step copy)."""
+        for _b in self._step_shard():
+            pass
+        self._write_params()
+
+    def _write_params(self) -> None:
+        """The parameters of every held chunk from its stepped tensor (the masters)."""
+        with torch.no_grad():
+            for b, bucket in enumerate(self.layout.buckets):
+                off = self._offsets[b]
+                for h, j in enumerate(self._held):
+                    self._chunk_of(self._flat[bucket.group], b, j).copy_(
+                        self._masters[bucket.group][h][off:off + bucket.chunk])
 
     def _spare(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
         """A buffer shaped as `like` for the pre-step copy: on the CPU the same one every
@@ -856,11 +886,7 @@ class ShardedGradients:
                     scaler, scale, growth = undo["scaler"]
                     scaler._scale.copy_(scale)
                     scaler._growth_tracker.copy_(growth)
-            for b, bucket in enumerate(self.layout.buckets):
-                off = self._offsets[b]
-                for h, j in enumerate(self._held):
-                    self._chunk_of(self._flat[bucket.group], b, j).copy_(
-                        self._masters[bucket.group][h][off:off + bucket.chunk])
+        self._write_params()
 
     def gather_params(self, stepped: Iterator[int] | None = None) -> None:
         """All-gather every bucket's chunks from their primaries into the parameters:

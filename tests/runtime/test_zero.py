@@ -403,6 +403,44 @@ def test_a_planned_leave_3_to_2_then_a_join_2_to_3_keep_training_replicated(shar
         assert_state_matches(full, ref_opt.state_dict())
 
 
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_where_every_rank_holds_every_chunk_the_step_needs_no_gather_and_stays_exact(monkeypatch, shard):
+    """shard_replicas=2 at 2 ranks: each rank holds both chunks, so after the gradients'
+    all-reduce it steps them all and writes its parameters itself (no all-gather, no
+    all-reduce of the norm or the inf flag, no pre-step copy). Clipping, a GradScaler and
+    an inf in one rank's gradients still give the replicated run, bit for bit alike on both."""
+    steps, clip, inf_at = 5, 0.05, 2
+    ref_model, _ref_opt, ref_scaler = replicated("adamw", steps, clip=clip, scale=True, inf_at=inf_at)
+    store = dist.HashStore()
+
+    def no_gather(self, b):
+        raise AssertionError("an all-gather where every rank holds every chunk")
+
+    monkeypatch.setattr(ShardedGradients, "_gather_bucket", no_gather)
+    copies = []
+    real_copy = ShardedGradients._pre_step_copy
+    monkeypatch.setattr(ShardedGradients, "_pre_step_copy", lambda self, *a: copies.append(1) or real_copy(self, *a))
+
+    def rank(r: int):
+        w = Worker("adamw", shard, scale=True, reduce_scatter=True)
+        lay = shard_layout(w.params, w.opt, members("a", "b"), replicas=2, bucket_mb=0.0002)
+        assert lay.held(r) == ((0, 1) if r == 0 else (1, 0))
+        w.sg = w.path(lay, f"w{r}")
+        results = w.train(group(store, "g", r, 2), range(steps), clip=clip, inf_at=inf_at)
+        return w, results
+
+    out = run_ranks({f"w{r}": (lambda r=r: rank(r)) for r in range(2)})
+    (w0, res0), (w1, res1) = out["w0"], out["w1"]
+    for w, results in ((w0, res0), (w1, res1)):
+        assert [res.skipped for res in results] == [t == inf_at for t in range(steps)]
+        assert w.scaler.get_scale() == ref_scaler.get_scale()
+        assert_params_match(w.model, ref_model)
+    assert [r.grad_norm for r in res0] == [r.grad_norm for r in res1]
+    for p, q in zip(w0.model.parameters(), w1.model.parameters()):
+        assert torch.equal(p, q)
+    assert not copies
+
+
 @pytest.mark.parametrize("reduce_scatter", [True, False])
 def test_with_two_replicas_a_lost_rank_costs_no_state(reduce_scatter):
     """w1 stops answering after step 3 (w0 and w1 share a host); w0 and w2 take
