@@ -449,8 +449,12 @@ class ShardedGradients:
             end = off + bucket.chunk
             spans = [(lo, min(lo + PIECE_ELEMS, end)) for lo in range(off, end, PIECE_ELEMS)]
             per_h = []
-            for h in range(len(self._held)):
-                views = [self._masters[g][h][lo:hi] for lo, hi in spans]
+            for h, j in enumerate(self._held):
+                if self._full:  # the parameters themselves (chunk j of the padded buffer) are stepped
+                    base = bucket.pstart + j * bucket.chunk - off
+                    views = [self._flat[g][base + lo:base + hi] for lo, hi in spans]
+                else:
+                    views = [self._masters[g][h][lo:hi] for lo, hi in spans]
                 per_h.append((cls([{**self._inner.param_groups[g], "params": views}]), spans))
             self._steppers.append(per_h)
 
@@ -701,7 +705,8 @@ class ShardedGradients:
             for k, v in self.optimizer.param_groups[pg].items():
                 if k != "params":
                     inner.param_groups[g][k] = v
-        self._refresh_masters()
+        if not self._full:  # _full: the pieces step the parameters in place (_build_steppers)
+            self._refresh_masters()
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         found_infs: list[torch.Tensor] = []
         if scaler is not None and scaler.is_enabled():
@@ -802,14 +807,15 @@ class ShardedGradients:
                     inner.state[m] = new
 
     def _step_local(self) -> None:
-        """Every chunk held here (`_full`): step them all and write the parameters from them,
-        no all-gather. Every rank steps the same chunks from the same all-reduced gradients,
-        states and hyperparameters, so every rank's parameters come out alike (as in
-        replicated training); and as no collective follows the step, no rank can be left
-        with a step in doubt (no pre-step copy)."""
+        """Every chunk held here (`_full`): step them all, no all-gather. The pieces are
+        views of the parameters' own padded buffer (_build_steppers), so the step writes
+        the parameters in place (no masters' refresh, no copy back). Every rank steps the
+        same chunks from the same all-reduced gradients, states and hyperparameters, so
+        every rank's parameters come out alike (as in replicated training); and as no
+        collective follows the step, no rank can be left with a step in doubt (no
+        pre-step copy)."""
         for _b in self._step_shard():
             pass
-        self._write_params()
 
     def _write_params(self) -> None:
         """The parameters of every held chunk from its stepped tensor (the masters)."""
