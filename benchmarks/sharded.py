@@ -9,7 +9,7 @@ gloo group per configuration (spawned, a FileStore, one torch thread each).
 `--baseline zero-torchrun` adds the pause baseline issue 22 compares against:
 a ZeroRedundancyOptimizer (AdamW) + DDP job on the same model, under torchrun
 (torch.distributed.run, --nnodes MIN:MAX, c10d rendezvous on localhost, elastic,
---max-restarts), one agent per simulated node, started at `--baseline-world`
+--max-restarts), one agent per simulated node, started at each `--baseline-world`
 (2) agents, through a planned leave (SIGTERM to an agent), a join (a new
 agent) and a crash (SIGKILL of a worker); for each, the pause from the last step
 of the old worker generation to the first step of the new one, and the steps
@@ -445,7 +445,9 @@ def main() -> int:
     ap.add_argument("--worlds", type=int, nargs="*", default=[2, 4], help="none: skip the memory / step-time part")
     ap.add_argument("--baseline", choices=("zero-torchrun",), default=None,
                     help="also measure pauses: the ZeroRedundancyOptimizer + DDP job under torchrun, and eltctl's")
-    ap.add_argument("--baseline-world", type=int, default=2)
+    ap.add_argument("--baseline-world", type=int, nargs="+", default=[2],
+                    help="world sizes the pauses are measured at, each on its own (e.g. 2 4): the JSON's "
+                         "pauses_by_world; its pauses are those of the first")
     ap.add_argument("--baseline-ckpt-every", type=int, default=5, help="steps between the baseline's checkpoints")
     ap.add_argument("--baseline-cap", type=float, default=300.0, help="seconds each event may take at most")
     ap.add_argument("--steps", type=int, default=3, help="steps per configuration (the first is not timed)")
@@ -479,14 +481,19 @@ def main() -> int:
                                                                  store=args.store)
                                    for w in args.worlds}
     if args.baseline == "zero-torchrun":
-        tr = ({"skipped": True, "pauses_s": {}} if args.skip_torchrun else
-              measure_zero_torchrun(args.baseline_world, args.baseline_ckpt_every, args.baseline_cap, args.layers,
-                                    progress=log))
-        el = (measure_eltctl_pauses(args.baseline_world, args.layers, args.baseline_cap, args.eltctl_runs,
-                                    args.baseline_ckpt_every, args.batch, job_args, progress=log,
-                                    store=args.store) if args.eltctl_runs
-              else {"available": False, "reason": "--eltctl-runs is empty"})
-        result["pauses"] = {"zero_torchrun": tr, "eltctl": el, "comparison": pause_comparison(el, tr)}
+        result["pauses_by_world"] = {}
+        for world in args.baseline_world:
+            log(f"pauses at world {world}")
+            tr = ({"skipped": True, "pauses_s": {}} if args.skip_torchrun else
+                  measure_zero_torchrun(world, args.baseline_ckpt_every, args.baseline_cap, args.layers,
+                                        progress=log))
+            el = (measure_eltctl_pauses(world, args.layers, args.baseline_cap, args.eltctl_runs,
+                                        args.baseline_ckpt_every, args.batch, job_args, progress=log,
+                                        store=args.store) if args.eltctl_runs
+                  else {"available": False, "reason": "--eltctl-runs is empty"})
+            result["pauses_by_world"][str(world)] = {"zero_torchrun": tr, "eltctl": el,
+                                                     "comparison": pause_comparison(el, tr)}
+        result["pauses"] = result["pauses_by_world"][str(args.baseline_world[0])]
     result["wall_s"] = round(time.monotonic() - t0, 1)
     if args.json:
         print(json.dumps(result, indent=2))
