@@ -1210,29 +1210,29 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
 
     outgoing: dict[str, list[Segment]] = {}
     incoming: dict[str, list[Segment]] = {}
+    mine: list[Segment] = []
     t_plan = time.perf_counter()
     local = 0
     params_in = False
-    with torch.no_grad():
-        for seg in segs:
-            if seg.what == "state" and not step:
-                continue
-            if seg.dst == me and seg.what == "param":
-                params_in = True
-            if seg.src == me and seg.dst == me:
-                for t, src in zip(target(seg), read(seg)):
-                    if t.data_ptr() != src.data_ptr():
-                        t.copy_(src)
-                    local += t.numel() * t.element_size()
-            elif seg.src == me:
-                outgoing.setdefault(seg.dst, []).append(seg)
-            elif seg.dst == me:
-                incoming.setdefault(seg.src, []).append(seg)
-    t_local = time.perf_counter()
+    for seg in segs:
+        if seg.what == "state" and not step:
+            continue
+        if seg.dst == me and seg.what == "param":
+            params_in = True
+        if seg.src == me and seg.dst == me:
+            mine.append(seg)
+        elif seg.src == me:
+            outgoing.setdefault(seg.dst, []).append(seg)
+        elif seg.dst == me:
+            incoming.setdefault(seg.src, []).append(seg)
     # Each slice travels as its own message, straight from the sender's state to the
     # receiver's new buffers (no packing, no unpacking copy); the tag is its place in the
     # pair's list, which both sides build alike. Per peer the lower rank sends first and
     # the higher receives first, so an in-order backend (NCCL's pair streams) cannot deadlock.
+    # The messages are posted before this rank's local copies, which then run while they
+    # travel (disjoint elements of the new buffers): a peer never waits for them. Posted
+    # after them, a leave at world 4 on 2 cores had the senders wait 0.8-0.9 s for the
+    # receivers' local copies before anything moved.
     works: list = []
     sent = received = 0
     for peer in sorted(set(outgoing) | set(incoming), key=lambda m: where[m]):
@@ -1248,6 +1248,13 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
                     works.append(group.recv([t], where[peer], tag))
                     received += t.numel() * t.element_size()
     t_pack = time.perf_counter()
+    with torch.no_grad():
+        for seg in mine:
+            for t, src in zip(target(seg), read(seg)):
+                if t.data_ptr() != src.data_ptr():
+                    t.copy_(src)
+                local += t.numel() * t.element_size()
+    t_local = time.perf_counter()
     if works:
         _wait_p2p(works, abort)
     t_p2p = time.perf_counter()
@@ -1260,8 +1267,8 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
             "received_bytes": received, "from": sorted(where[s] for s in incoming),
             "messages": len(works), "local_bytes": local,
             "s": {"agree": round(t_agree - t0, 4), "plan": round(t_plan - t_agree, 4),
-                  "local": round(t_local - t_plan, 4), "post": round(t_pack - t_local, 4),
-                  "p2p": round(t_p2p - t_pack, 4), "set_state": round(t_end - t_p2p, 4)}}
+                  "post": round(t_pack - t_plan, 4), "local": round(t_local - t_pack, 4),
+                  "p2p": round(t_p2p - t_local, 4), "set_state": round(t_end - t_p2p, 4)}}
 
 
 # ---------------------------------------------------------------------------- the job's gradient path
