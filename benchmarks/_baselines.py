@@ -386,7 +386,11 @@ def measure_torchrun(
             steps.poll()
             t_event = time.time()
             first_event_t = first_event_t or t_event
-            old_pids = steps.pids_since(t_event - 1.0)
+            # Every worker that logged since the previous event (or the start) is of the old
+            # generation: a window of the last second missed ranks whose step took longer
+            # (world 4 of the 50 M-parameter model on 2 cores: about 1.2 s), and their next
+            # step of the same generation read as the first of a new one.
+            old_pids = steps.pids_since(prev[0] if prev is not None else t0)
             workers = job.scan_workers()
             host = job.agents[0]  # hosts the rendezvous store: never the one to go
             fig: dict[str, Any] = {"event": ev.value}
