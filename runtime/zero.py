@@ -1620,39 +1620,48 @@ def checkpoint_param_groups(sg: ShardedGradients) -> list[dict[str, Any]]:
     return copy.deepcopy(sg.optimizer.state_dict()["param_groups"])
 
 
-def checkpoint_chunks_needed(sg: ShardedGradients, sharded: dict[str, Any]) -> list[int]:
-    """The chunks of a sharded checkpoint (`sharded`: the manifest's entry) that this rank's
-    held chunks under ITS layout take elements from (load_checkpoint_chunks reads only these)."""
+def _checkpoint_pieces(sg: ShardedGradients, sharded: dict[str, Any]) -> Iterator[tuple[int, ...]]:
+    """Where each piece of this rank's held chunks (under ITS layout) lies in a sharded
+    checkpoint (`sharded`: the manifest's entry): (h, new group, offset in held chunk h's
+    section, old chunk, old group, offset in that chunk's section, length)."""
     old = ShardLayout.from_json(json.dumps(sharded["layout"]))
     new = sg.layout
     old_bucket = {i: b for b, bk in enumerate(old.buckets) for i in bk.params}
     new_bucket = {i: b for b, bk in enumerate(new.buckets) for i in bk.params}
-    need: set[int] = set()
+    old_off, new_off = old.chunk_offsets(), new.chunk_offsets()
     for i, (os_, ns) in enumerate(zip(old.slots, new.slots)):
         ob, nb = old.buckets[old_bucket[i]], new.buckets[new_bucket[i]]
-        o_at, n_at = os_.offset - ob.start, ns.offset - nb.start
-        for j in sg._held:
+        o_at, n_at = os_.offset - ob.start, ns.offset - nb.start  # bucket-local starts
+        for h, j in enumerate(sg._held):
             lo, hi = max(n_at, j * nb.chunk), min(n_at + ns.numel, (j + 1) * nb.chunk)
-            if lo < hi:
-                need.update(range((o_at + lo - n_at) // ob.chunk, (o_at + hi - n_at - 1) // ob.chunk + 1))
-    return sorted(need)
+            k = lo - n_at
+            while k < hi - n_at:
+                q = o_at + k
+                jo = q // ob.chunk
+                take = min(hi - n_at - k, (jo + 1) * ob.chunk - q)
+                yield (h, ns.group, new_off[new_bucket[i]] + n_at + k - j * nb.chunk,
+                       jo, os_.group, old_off[old_bucket[i]] + q - jo * ob.chunk, take)
+                k += take
+
+
+def checkpoint_chunks_needed(sg: ShardedGradients, sharded: dict[str, Any]) -> list[int]:
+    """The chunks of a sharded checkpoint (`sharded`: the manifest's entry) that this rank's
+    held chunks under ITS layout take elements from (load_checkpoint_chunks reads only these)."""
+    return sorted({jo for _h, _g, _dst, jo, _og, _src, _n in _checkpoint_pieces(sg, sharded)})
 
 
 def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards: list[list[dict[str, torch.Tensor]]],
                            param_groups: list[dict[str, Any]]) -> None:
     """Load this rank's chunks (under ITS layout, any world size) straight from a sharded
     checkpoint's per-chunk states (`shards[j]`: chunk j's [per group {name: tensor}], e.g.
-    memory-mapped files; only those of checkpoint_chunks_needed are looked up), copying only the element ranges its held chunks need: no full
-    state is built. `sharded`: the manifest's entry (checkpoint_layout)."""
-    old = ShardLayout.from_json(json.dumps(sharded["layout"]))
+    memory-mapped files; only those of checkpoint_chunks_needed are looked up), copying
+    only the element ranges its held chunks need: no full state is built. `sharded`: the
+    manifest's entry (checkpoint_layout)."""
     new = sg.layout
     if sharded["params"] != [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]:
         raise ValueError("the checkpoint was written for other parameters (order, shapes or optimizer)")
     sg.optimizer.load_state_dict({"state": {}, "param_groups": param_groups})
     step = int(sharded["step"])
-    old_bucket = {i: b for b, bk in enumerate(old.buckets) for i in bk.params}
-    new_bucket = {i: b for b, bk in enumerate(new.buckets) for i in bk.params}
-    old_off, new_off = old.chunk_offsets(), new.chunk_offsets()
     tensors: list[list[dict[str, torch.Tensor]]] = []
     for g in range(len(new.groups)):
         dtype = dtype_named(new.groups[g][0])
@@ -1664,20 +1673,7 @@ def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards
                 if k not in have:
                     t.zero_()
     if step:
-        for i, (os_, ns) in enumerate(zip(old.slots, new.slots)):
-            ob, nb = old.buckets[old_bucket[i]], new.buckets[new_bucket[i]]
-            o_at, n_at = os_.offset - ob.start, ns.offset - nb.start  # bucket-local starts
-            names = sharded["names"][os_.group]
-            for h, j in enumerate(sg._held):
-                lo, hi = max(n_at, j * nb.chunk), min(n_at + ns.numel, (j + 1) * nb.chunk)
-                k = lo - n_at
-                while k < hi - n_at:
-                    q = o_at + k
-                    jo = q // ob.chunk
-                    take = min(hi - n_at - k, (jo + 1) * ob.chunk - q)
-                    src = old_off[old_bucket[i]] + q - jo * ob.chunk
-                    dst = new_off[new_bucket[i]] + n_at + k - j * nb.chunk
-                    for name in names:
-                        tensors[ns.group][h][name][dst:dst + take].copy_(shards[jo][os_.group][name][src:src + take])
-                    k += take
+        for h, g, dst, jo, og, src, take in _checkpoint_pieces(sg, sharded):
+            for name in sharded["names"][og]:
+                tensors[g][h][name][dst:dst + take].copy_(shards[jo][og][name][src:src + take])
     sg._set_state(step, tensors, adopt=True)
