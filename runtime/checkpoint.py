@@ -89,6 +89,7 @@ TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_OWNER = re.compile(r"^\.tmp-.*?-(\d+)-[0-9a-f]+$")
 _HASH_CHUNK = 1 << 20
+_HASH_THREADS = 4  # files hashed side by side at most (_sha256_files)
 
 
 class CheckpointError(Exception):
@@ -199,6 +200,26 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _sha256_files(paths: list[Path]) -> list[str | OSError]:
+    """Each file's sha256 (or the OSError reading it), the files hashed side by side:
+    hashlib and the reads release the GIL, so a sharded checkpoint's state.pt and its
+    shard files (a restore reads them all) take about the time of the largest where
+    cores are free, rather than of their sum."""
+    def one(path: Path) -> str | OSError:
+        try:
+            return _sha256_file(path)
+        except OSError as exc:
+            return exc
+
+    workers = min(len(paths), os.cpu_count() or 1, _HASH_THREADS)
+    if workers <= 1:
+        return [one(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="eltctl-sha256") as pool:
+        return list(pool.map(one, paths))
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest of a checkpoint directory, checked for shape; raises InvalidCheckpoint."""
     try:
@@ -263,9 +284,13 @@ def check_dir(path: Path | str) -> CheckpointInfo:
             raise InvalidCheckpoint(f"{path}: {name} is missing: {exc}") from exc
         if size != entry["size"]:
             raise InvalidCheckpoint(f"{path}: {name} has {size} bytes, the manifest says {entry['size']} (truncated?)")
-        digest = _sha256_file(f)
-        if digest != entry["sha256"]:
-            raise InvalidCheckpoint(f"{path}: {name} sha256 {digest[:12]}... differs from the manifest's {entry['sha256'][:12]}...")
+    names = list(m["files"])
+    for name, digest in zip(names, _sha256_files([path / name for name in names])):
+        if isinstance(digest, OSError):
+            raise InvalidCheckpoint(f"{path}: {name} cannot be read: {digest}") from digest
+        want = m["files"][name]["sha256"]
+        if digest != want:
+            raise InvalidCheckpoint(f"{path}: {name} sha256 {digest[:12]}... differs from the manifest's {want[:12]}...")
     return _info_from_manifest(path, m)
 
 
@@ -1172,14 +1197,15 @@ def load_optimizer_chunks(path: Path | str, sg: Any, param_groups: Any, manifest
 
 def verify_shard_files(path: Path, manifest: Mapping[str, Any], chunks: list[int]) -> None:
     """Raise InvalidCheckpoint unless the shard files of `chunks` hash as the manifest says."""
-    for j in chunks:
-        fname = manifest["sharded"]["files"][j]
-        try:
-            want = manifest["files"][fname]["sha256"]
-            ok = _sha256_file(path / fname) == want
-        except (KeyError, TypeError, OSError) as exc:
-            raise InvalidCheckpoint(f"{path}: cannot verify {fname}: {exc}") from exc
-        if not ok:
+    try:
+        names = [manifest["sharded"]["files"][j] for j in chunks]
+        wants = [manifest["files"][fname]["sha256"] for fname in names]
+    except (KeyError, TypeError, IndexError) as exc:
+        raise InvalidCheckpoint(f"{path}: cannot verify the shard files of chunks {chunks}: {exc}") from exc
+    for fname, want, got in zip(names, wants, _sha256_files([path / fname for fname in names])):
+        if isinstance(got, OSError):
+            raise InvalidCheckpoint(f"{path}: cannot verify {fname}: {got}") from got
+        if got != want:
             raise InvalidCheckpoint(f"{path}: {fname} does not match its sha256 in {MANIFEST_FILE}")
 
 

@@ -225,6 +225,41 @@ def test_one_flipped_byte_in_the_newest_is_skipped_for_the_previous(tmp_path, ca
     assert "sha256" in caplog.text
 
 
+def test_a_checkpoint_of_several_files_is_hashed_file_by_file_and_names_the_bad_one(tmp_path):
+    """check_dir hashes a checkpoint's files side by side (a sharded one has state.pt and a
+    shard file per chunk): each file is still checked against its own manifest entry, and
+    the one that differs is named; one that cannot be read is an invalid checkpoint too."""
+    from eltctl_runtime.checkpoint import FORMAT, FORMAT_VERSION, InvalidCheckpoint, check_dir
+
+    def manifest() -> None:
+        (d / "manifest.json").write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "step": 7,
+                                                     "created": 1.0, "files": files}))
+
+    d = tmp_path / "step-7"
+    d.mkdir()
+    payloads = {f"part-{i}.bin": os.urandom(3 << 20) for i in range(5)}
+    for name, data in payloads.items():
+        (d / name).write_bytes(data)
+    files = {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in payloads.items()}
+    files["state.pt"] = files["part-0.bin"]
+    (d / "state.pt").write_bytes(payloads["part-0.bin"])
+    manifest()
+    assert check_dir(d).step == 7
+    with open(d / "part-3.bin", "r+b") as f:  # same size: only its hash tells
+        f.seek(1 << 20)
+        f.write(bytes([payloads["part-3.bin"][1 << 20] ^ 1]))
+    with pytest.raises(InvalidCheckpoint, match=r"part-3\.bin sha256 .* differs"):
+        check_dir(d)
+    (d / "part-3.bin").write_bytes(payloads["part-3.bin"])
+    assert check_dir(d).step == 7
+    (d / "part-2.bin").unlink()
+    (d / "part-2.bin").mkdir()  # there, of the listed size, but not readable as a file
+    files["part-2.bin"]["size"] = (d / "part-2.bin").stat().st_size
+    manifest()
+    with pytest.raises(InvalidCheckpoint, match=r"part-2\.bin cannot be read"):
+        check_dir(d)
+
+
 def test_two_damaged_newest_fall_back_to_the_oldest(tmp_path):
     store, infos = _three_checkpoints(tmp_path)
     (infos[2].path / "manifest.json").write_text("{not json")
