@@ -410,9 +410,17 @@ class ShardedGradients:
                 if view.data_ptr() != p.data_ptr():
                     view.copy_(p.detach().reshape(-1))
                     p.data = view.view_as(p)
-            self._shard_grads = [torch.zeros(len(self._held) * lay.shard_len(g), dtype=f.dtype, device=f.device)
-                                 for g, f in enumerate(self._flat)]
-            # every element (padding too) is written by _refresh_masters
+            self._shard_grads = []
+            for g, f in enumerate(self._flat):
+                n = len(self._held) * lay.shard_len(g)
+                was = reuse._shard_grads[g] if reuse is not None and g < len(reuse._shard_grads) else None
+                if was is not None and was.numel() == n and was.dtype == f.dtype and was.device == f.device:
+                    self._shard_grads.append(was.zero_())  # e.g. 2 -> 1 ranks with two replicas: 2 x 1/2 = 1 x 1
+                else:
+                    self._shard_grads.append(torch.zeros(n, dtype=f.dtype, device=f.device))
+            # every element (padding too) is written by _refresh_masters; where every chunk is
+            # held here (_full) the pieces step the parameters' buffer itself and the masters
+            # only key the optimizer state: never written, they take no memory on the CPU
             self._masters = [[torch.empty(lay.shard_len(g), dtype=f.dtype, device=f.device)
                               for _ in self._held] for g, f in enumerate(self._flat)]
             self._refresh_masters()
@@ -490,7 +498,11 @@ class ShardedGradients:
         return t[h * n:(h + 1) * n]
 
     def _refresh_masters(self) -> None:
-        """The stepped tensors from the parameters (a restore or a state apply may have changed them)."""
+        """The stepped tensors from the parameters (a restore or a state apply may have changed
+        them). Nothing to do where every chunk is held here (_full): the pieces step the
+        parameters' own buffer."""
+        if self._full:
+            return
         with torch.no_grad():
             for b, bucket in enumerate(self.layout.buckets):
                 off = self._offsets[b]
@@ -705,8 +717,7 @@ class ShardedGradients:
             for k, v in self.optimizer.param_groups[pg].items():
                 if k != "params":
                     inner.param_groups[g][k] = v
-        if not self._full:  # _full: the pieces step the parameters in place (_build_steppers)
-            self._refresh_masters()
+        self._refresh_masters()  # (_full: nothing; the pieces step the parameters in place)
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         found_infs: list[torch.Tensor] = []
         if scaler is not None and scaler.is_enabled():
@@ -818,7 +829,10 @@ class ShardedGradients:
             pass
 
     def _write_params(self) -> None:
-        """The parameters of every held chunk from its stepped tensor (the masters)."""
+        """The parameters of every held chunk from its stepped tensor (the masters; _full:
+        the parameters are the stepped tensors, nothing to write)."""
+        if self._full:
+            return
         with torch.no_grad():
             for b, bucket in enumerate(self.layout.buckets):
                 off = self._offsets[b]

@@ -564,3 +564,39 @@ def test_a_leave_2_to_1_and_a_join_1_to_2_keep_the_parameter_buffer_where_the_pa
         w, full = out[name]
         assert_params_match(w.model, ref_model)
         assert_state_matches(full, ref_opt.state_dict())
+
+
+def test_a_path_that_holds_every_chunk_steps_the_parameters_and_keeps_its_gradient_buffer():
+    """With two replicas at world 2 every rank holds both chunks (`_full`): its masters only
+    key the optimizer state (nothing refreshes them from the parameters, nothing writes
+    them back), and the step still equals replicated training's. Its world-1 successor
+    holds the one chunk of the same total size, so binding it with the old path to reuse
+    keeps the chunk-gradient buffers (zeroed) as well as the parameter buffers."""
+    ref_model, ref_opt, _ = replicated("adamw", 4)
+    store = dist.HashStore()
+    ids = ["w0", "w1"]
+
+    def member(me: str):
+        w = Worker("adamw", "gradients")
+        lay = shard_layout(w.params, w.opt, [Member(i, f"h{i}") for i in ids], replicas=2, bucket_mb=0.0002)
+        w.sg = w.path(lay, me)
+        assert w.sg._full
+        for ms in w.sg._masters:
+            for m in ms:
+                m.fill_(float("nan"))  # never read: NaN here would reach the parameters
+        w.train(group(store, "full", ids.index(me), 2), range(0, 4))
+        assert all(torch.isnan(m).all() for ms in w.sg._masters for m in ms)  # never written either
+        one = shard_layout(w.params, w.opt, [Member(me, f"h{me}")], bucket_mb=0.0002)
+        new = ShardedGradients(w.params, w.opt, one, 0, w.shard)
+        old = [(t.data_ptr(), t.numel()) for t in w.sg._shard_grads]
+        new.bind(reuse=w.sg)
+        now = [(t.data_ptr(), t.numel()) for t in new._shard_grads]
+        # kept where the total size is the same (all but the 3-element biases' group, which pads otherwise)
+        assert [a == b for a, b in zip(old, now)] == [o[1] == n[1] for o, n in zip(old, now)]
+        assert sum(a == b for a, b in zip(old, now)) == len(now) - 1, (old, now)
+        assert all(not t.any() for t in new._shard_grads)
+        return w
+
+    out = run_ranks({me: (lambda me=me: member(me)) for me in ids})
+    for w in out.values():
+        assert_params_match(w.model, ref_model)
