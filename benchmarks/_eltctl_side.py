@@ -38,6 +38,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
+from eltctl_runtime.daemon.config import ALLOCATOR_DEFAULTS  # the host daemon's worker defaults
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
 
@@ -98,7 +100,8 @@ class _Launcher:
         i = len(self.procs)
         wid = f"bench{i}/cpu/{os.getpid()}"
         progress = self.wd / f"w{i}.progress"
-        env = dict(os.environ, **self._env, ELTCTL_STORE=self.spec, ELTCTL_JOB=self.job,
+        # the host daemon's defaults first (torch's huge-page allocator), as the product's workers get them
+        env = dict(ALLOCATOR_DEFAULTS, **os.environ, **self._env, ELTCTL_STORE=self.spec, ELTCTL_JOB=self.job,
                    ELTCTL_WORKER_ID=wid, ELTCTL_DEVICE="cpu", ELTCTL_MIN_WORKERS=str(self.min_workers),
                    OMP_NUM_THREADS=str(self.threads), **(env or {}))
         log = (self.wd / f"w{i}.log").open("w")
