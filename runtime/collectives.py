@@ -137,9 +137,10 @@ def _hold(pg, keep) -> None:
     del keep  # after the group: its destructor may still call its store
 
 
-def wait_work(work, abort: threading.Event, poll_s: float = 0.02) -> None:
+def wait_work(work, abort: threading.Event | None, poll_s: float = 0.02) -> None:
     """Wait for a collective, leaving at once (Aborted) when `abort` is set or
-    the backend reports an error (e.g. a ring neighbour's connection reset)."""
+    the backend reports an error (e.g. a ring neighbour's connection reset).
+    `abort` None: nothing can abort the wait (a caller outside a generation)."""
     if not work.is_completed():
         done = threading.Event()
         try:
@@ -150,7 +151,7 @@ def wait_work(work, abort: threading.Event, poll_s: float = 0.02) -> None:
                 time.sleep(min(t, 0.0005))
                 return work.is_completed()
         while not work.is_completed() and not waiter(poll_s):
-            if abort.is_set():
+            if abort is not None and abort.is_set():
                 raise Aborted("the generation was aborted while waiting for a collective")
     try:
         work.wait()
@@ -158,9 +159,10 @@ def wait_work(work, abort: threading.Event, poll_s: float = 0.02) -> None:
         raise Aborted(f"collective failed: {e}", backend_error=True) from e
 
 
-def run_abortable(fn: Callable[[], T], abort: threading.Event, what: str) -> T:
+def run_abortable(fn: Callable[[], T], abort: threading.Event | None, what: str) -> T:
     """Run a blocking call (process group construction) in a helper thread so
-    an abort can leave it; an abandoned call finishes or times out on its own."""
+    an abort can leave it; an abandoned call finishes or times out on its own.
+    `abort` None: nothing can abort it."""
     box: dict = {}
     done = threading.Event()
 
@@ -173,14 +175,14 @@ def run_abortable(fn: Callable[[], T], abort: threading.Event, what: str) -> T:
 
     threading.Thread(target=target, name=f"eltctl-{what}", daemon=True).start()
     while not done.wait(0.02):
-        if abort.is_set():
+        if abort is not None and abort.is_set():
             raise Aborted(f"the generation was aborted during {what}")
     if "error" in box:
         raise Aborted(f"{what} failed: {box['error']}") from box["error"]
     return box["value"]
 
 
-def allreduce(pg, t: torch.Tensor, abort: threading.Event, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def allreduce(pg, t: torch.Tensor, abort: threading.Event | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
     wait_work(pg.allreduce([t], opts), abort)
@@ -194,7 +196,7 @@ def allreduce_async(pg, t: torch.Tensor, op=dist.ReduceOp.SUM):
     return pg.allreduce([t], opts)
 
 
-def broadcast(pg, t: torch.Tensor, root: int, abort: threading.Event) -> torch.Tensor:
+def broadcast(pg, t: torch.Tensor, root: int, abort: threading.Event | None) -> torch.Tensor:
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     opts.rootTensor = 0
@@ -202,7 +204,7 @@ def broadcast(pg, t: torch.Tensor, root: int, abort: threading.Event) -> torch.T
     return t
 
 
-def allgather(pg, t: torch.Tensor, abort: threading.Event) -> list[torch.Tensor]:
+def allgather(pg, t: torch.Tensor, abort: threading.Event | None) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(pg.size())]
     wait_work(pg.allgather([out], [t]), abort)
     return out
