@@ -420,9 +420,10 @@ class ShardedGradients:
                     self._shard_grads.append(torch.zeros(n, dtype=f.dtype, device=f.device))
             # every element (padding too) is written by _refresh_masters; where every chunk is
             # held here (_full) the pieces step the parameters' buffer itself and the masters
-            # only key the optimizer state: never written, they take no memory on the CPU
-            self._masters = [[torch.empty(lay.shard_len(g), dtype=f.dtype, device=f.device)
-                              for _ in self._held] for g, f in enumerate(self._flat)]
+            # only key the optimizer state and give its sizes: one element each, expanded (no
+            # memory on any device: a GPU at world 1 would otherwise hold the model twice)
+            self._masters = [[torch.empty(1 if self._full else lay.shard_len(g), dtype=f.dtype, device=f.device)
+                              .expand(lay.shard_len(g)) for _ in self._held] for g, f in enumerate(self._flat)]
             self._refresh_masters()
         if self.shard == "optimizer":
             self._grads = []
@@ -962,7 +963,7 @@ class ShardedGradients:
         opt = sum(t.numel() * t.element_size() for s in (inner.state.values() if inner else ())
                   for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         grads = sum(t.numel() * t.element_size() for t in self._grads + self._shard_grads)
-        masters = sum(m.numel() * m.element_size() for ms in self._masters for m in ms)
+        masters = sum(m.untyped_storage().nbytes() for ms in self._masters for m in ms)  # _full: expanded
         undo = sum(t.numel() * t.element_size() for t in self._spares.values())
         staging = sum(t.numel() * t.element_size() for ts in self._pool.values() for t in ts)
         staging += sum(t.numel() * t.element_size() for t in self._pooled.values())
