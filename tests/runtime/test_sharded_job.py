@@ -191,7 +191,9 @@ def test_a_rank_killed_between_its_shard_step_and_the_parameter_gather_leaves_th
     losses and parameters. With replicas=2 the job has 3 ranks: at 2, every rank holds
     every chunk and steps without a gather (ShardedGradients._step_local)."""
     world = 3 if replicas == 2 else 2
-    c = cluster_factory(min_workers=2)
+    # min_workers=world: every rank starts in generation 0 (with 2 of 3, under load the third
+    # was admitted after step 6, and at world 2 with two replicas no gather runs to die in)
+    c = cluster_factory(min_workers=world)
     c.script = WORKER
     c.args = list(ARGS)
     steps = 14
