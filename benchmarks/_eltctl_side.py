@@ -38,8 +38,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
-from eltctl_runtime.daemon.config import ALLOCATOR_DEFAULTS  # the host daemon's worker defaults
-
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
 
@@ -100,8 +98,7 @@ class _Launcher:
         i = len(self.procs)
         wid = f"bench{i}/cpu/{os.getpid()}"
         progress = self.wd / f"w{i}.progress"
-        # the host daemon's defaults first (torch's huge-page allocator), as the product's workers get them
-        env = dict(ALLOCATOR_DEFAULTS, **os.environ, **self._env, ELTCTL_STORE=self.spec, ELTCTL_JOB=self.job,
+        env = dict(os.environ, **self._env, ELTCTL_STORE=self.spec, ELTCTL_JOB=self.job,
                    ELTCTL_WORKER_ID=wid, ELTCTL_DEVICE="cpu", ELTCTL_MIN_WORKERS=str(self.min_workers),
                    OMP_NUM_THREADS=str(self.threads), **(env or {}))
         log = (self.wd / f"w{i}.log").open("w")

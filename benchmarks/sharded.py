@@ -474,14 +474,8 @@ def main() -> int:
     job_args = tuple(shlex.split(args.job_args))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout ends the workers too (the finally blocks)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    # the host daemon's worker defaults (torch's huge-page CPU allocator) for every process
-    # started here: the raw ZeRO path's, eltctl's job's and torchrun's alike
-    from eltctl_runtime.daemon.config import ALLOCATOR_DEFAULTS
-    for key, value in ALLOCATOR_DEFAULTS.items():
-        os.environ.setdefault(key, value)
     t0 = time.monotonic()
     result = measure([] if args.skip_memory else args.worlds, args.steps, args.batch, args.layers, log)
-    result["worker_env"] = {key: os.environ[key] for key in ALLOCATOR_DEFAULTS}
     if args.job_steps and args.eltctl_runs:
         result["job_step_time"] = {str(w): measure_job_step_time(w, args.layers, args.job_steps, args.job_warmup,
                                                                  args.batch, args.eltctl_runs, job_args, progress=log,

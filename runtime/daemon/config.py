@@ -89,14 +89,6 @@ RESTART_MODULE = "eltctl_runtime.restart"
 SCRIPT_CHECKPOINTS_DIR = "script-checkpoints"  # under job_dir: the scripts' own checkpoints (restart mode)
 # How much longer than stop_grace the daemon waits for a supervisor to leave or stop.
 STOP_GRACE_MARGIN_S = 60.0
-# Set in every worker's environment unless the job's env or the daemon's own sets it:
-# torch's CPU allocator then asks the kernel for transparent huge pages for blocks of
-# 2 MiB and more (c10's alloc_cpu, read once per process). Blocks that large go back to
-# the OS when freed, so each new one is faulted in afresh; in 4 KiB pages a 200 MB buffer
-# took 150 ms to fill here, in 2 MiB pages 32 ms (the sharded state's new buffers at
-# every resize, the optimizer's temporaries at every step). Where the kernel's THP is
-# "never" it changes nothing; THP_MEM_ALLOC_ENABLE=0 in `[job] env` turns it off.
-ALLOCATOR_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 class DaemonConfigError(ValueError):
@@ -311,8 +303,6 @@ def worker_env(cfg: DaemonConfig, base: Mapping[str, str], slot: int, worker_id:
     """The environment of the worker `worker_id` on `slot` (see the module docstring)."""
     env = dict(base)
     env.update(cfg.env)
-    for key, value in ALLOCATOR_DEFAULTS.items():
-        env.setdefault(key, value)
     env.update({
         "ELTCTL_STORE": cfg.store, "ELTCTL_JOB": cfg.job, "ELTCTL_WORKER_ID": worker_id,
         "ELTCTL_DEVICE": cfg.device, "ELTCTL_LOCAL_GPU": "0", "ELTCTL_HANG_TIMEOUT": f"{cfg.hang_timeout:g}",

@@ -361,12 +361,7 @@ def test_worker_env_follows_the_contract():
     assert env["ELTCTL_WORKER_ID"] == "h1/2/7" and env["ELTCTL_STORE"] == "127.0.0.1:29400"
     assert env["CUDA_VISIBLE_DEVICES"] == "2" and env["ELTCTL_LOCAL_GPU"] == "0"
     assert env["ELTCTL_MAX_WORKERS"] == "4" and env["ELTCTL_CHECKPOINT_DIR"] == "/ck"
-    assert env["THP_MEM_ALLOC_ENABLE"] == "1"  # torch's CPU allocator: huge pages for large blocks
     elt.RuntimeConfig.from_env(env)  # the runtime accepts it
-    # the job's env, or the daemon's own, can turn the allocator default off
-    assert worker_env(cfg, {"THP_MEM_ALLOC_ENABLE": "0"}, 2, "h1/2/7")["THP_MEM_ALLOC_ENABLE"] == "0"
-    off = DaemonConfig.from_json(json.dumps({**BASE_CFG, "env": {"THP_MEM_ALLOC_ENABLE": "0"}}))
-    assert worker_env(off, {}, 2, "h1/2/7")["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 def test_pid_lock_admits_one_daemon(tmp_path):
