@@ -93,7 +93,9 @@ def serve(info: Path, *, socket_path: Path | None = None, address: str | None = 
         port = server.listen_tcp(address, port)
         where = Spec("tcp", host=address, port=port)
     run_id = secrets.token_hex(16)
-    write_atomic(run_file or info.parent / auth.RUN_FILE_NAME, run_id + "\n")  # 0600, before anyone can connect
+    # 0600, before anyone can connect: the sockets are bound, not listening, until
+    # server.start() (a client that connected earlier would read the last run's id)
+    write_atomic(run_file or info.parent / auth.RUN_FILE_NAME, run_id + "\n")
     server.set(KEEPER_KEY, str(os.getpid()))
     if restarted_job:
         mark = str(time.time()).encode()

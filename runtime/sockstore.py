@@ -57,6 +57,7 @@ log = logging.getLogger("eltctl_runtime.sockstore")
 SCHEME_UNIX = "unix:"
 SCHEME_TCP = "tcp:"
 UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with its NUL
+BACKLOG = 512  # pending connects a listening store socket queues
 _LEN = struct.Struct(">I")
 
 
@@ -192,10 +193,11 @@ def answers(path: str, timeout: float = 2.0) -> bool:
         sock.close()
 
 
-def bind_unix(path: str | Path, backlog: int = 512) -> socket.socket:
+def bind_unix(path: str | Path, backlog: int | None = BACKLOG) -> socket.socket:
     """A listening Unix socket at `path`, mode 0600 from its creation (umask), in a
     directory that must be this account's own (made when missing, tightened to 0700). A
-    stale socket file is replaced; any other file there is an error."""
+    stale socket file is replaced; any other file there is an error. `backlog` None:
+    bound, not yet listening (a connect is refused until someone calls listen)."""
     path = str(path)
     parent = os.path.dirname(path) or "."
     os.makedirs(parent, mode=0o700, exist_ok=True)
@@ -223,11 +225,14 @@ def bind_unix(path: str | Path, backlog: int = 512) -> socket.socket:
         os.umask(old)
         if fd is not None:
             os.close(fd)
-    sock.listen(backlog)
+    if backlog is not None:
+        sock.listen(backlog)
     return sock
 
 
-def bind_tcp(address: str, port: int, backlog: int = 512) -> socket.socket:
+def bind_tcp(address: str, port: int, backlog: int | None = BACKLOG) -> socket.socket:
+    """A listening TCP socket on `address`:`port` (0: one the OS picks); `backlog` None:
+    bound, not yet listening."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -236,7 +241,8 @@ def bind_tcp(address: str, port: int, backlog: int = 512) -> socket.socket:
     except BaseException:
         sock.close()
         raise
-    sock.listen(backlog)
+    if backlog is not None:
+        sock.listen(backlog)
     return sock
 
 
@@ -499,15 +505,18 @@ class StoreServer:
         self.tcp_address: tuple[str, int] | None = None
 
     # -- listeners ---------------------------------------------------------------
+    # listen_unix/listen_tcp bind the address; the sockets listen from start() on, so
+    # nobody's connect succeeds before: the store keeper writes its run id in between
+    # (eltctl/storekeeper.py), and a client that connected read the new one.
     def listen_unix(self, path: str | Path) -> str:
-        self._socks.append(bind_unix(path))
+        self._socks.append(bind_unix(path, backlog=None))
         self.unix_path = str(path)
         st = os.stat(self.unix_path)
         self._inode = (st.st_dev, st.st_ino)
         return self.unix_path
 
     def listen_tcp(self, address: str, port: int = 0) -> int:
-        sock = bind_tcp(address, port)
+        sock = bind_tcp(address, port, backlog=None)
         self._socks.append(sock)
         self.tcp_address = (address, sock.getsockname()[1])
         return self.tcp_address[1]
@@ -532,9 +541,9 @@ class StoreServer:
             try:
                 for sock in self._socks:
                     if sock.family == socket.AF_UNIX:
-                        coro = loop.create_unix_server(lambda: _Connection(self), sock=sock)
+                        coro = loop.create_unix_server(lambda: _Connection(self), sock=sock, backlog=BACKLOG)
                     else:
-                        coro = loop.create_server(lambda: _Connection(self), sock=sock)
+                        coro = loop.create_server(lambda: _Connection(self), sock=sock, backlog=BACKLOG)
                     self._servers.append(loop.run_until_complete(coro))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 failed.append(exc)

@@ -185,6 +185,22 @@ def test_tcp_listener_for_the_direct_mode(tmp_path):
         assert c.get("k") == b"v" and srv.specs == [f"tcp:127.0.0.1:{port}"]
 
 
+def test_nobody_connects_between_bind_and_start(tmp_path):
+    # the store keeper writes its run id after binding and before start(): a client that
+    # connected in between would sign with the last run's id (a CI flake, stop 31)
+    srv = StoreServer()
+    path = srv.listen_unix(tmp_path / "s.sock")
+    port = srv.listen_tcp("127.0.0.1", 0)
+    for family, addr in ((socket.AF_UNIX, path), (socket.AF_INET, ("127.0.0.1", port))):
+        with socket.socket(family, socket.SOCK_STREAM) as s, pytest.raises(ConnectionRefusedError):
+            s.connect(addr)
+    with srv:
+        for spec in (f"unix:{path}", f"tcp:127.0.0.1:{port}"):
+            c = connect(spec, 5)
+            c.set("k", spec)
+            assert c.get("k") == spec.encode()
+
+
 def test_specs_parse():
     assert parse_spec("unix:/a/b.sock").path == "/a/b.sock"
     assert (parse_spec("tcp:10.0.0.5:29400").kind, parse_spec("10.0.0.5:29400").kind) == ("tcp", "c10d")
