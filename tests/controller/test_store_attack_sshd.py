@@ -42,6 +42,11 @@ pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(300)]
 HUGE_STEP = 10**12
 
 
+def listening_ports(pids: list[int]) -> dict[int, int]:
+    """port -> pid, for every TCP socket in LISTEN state held by one of `pids`."""
+    return {port: pid for pid in pids for _addr, port in listening_addresses(pid)}
+
+
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
