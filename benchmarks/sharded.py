@@ -49,8 +49,9 @@ per rank:
 - optimizer-state bytes and gradient bytes kept between steps, and their ratio
   to replicated (targets: 1/N with one replica, 2/N with two, within 5 %; the
   gradient target applies to ZeRO-2 only: ZeRO-1 keeps full gradients);
-- the stepped copies of the shard's parameters (`shard_params`, 1/N or 2/N; none where
-  a rank holds every chunk: its pieces step the parameters themselves);
+- the stepped copies of the shard's parameters (`shard_params`: only the backups' with two
+  replicas, 1/N; a rank's own chunk, and every chunk where a rank holds them all, steps
+  the parameters themselves);
 - on the CPU, the pre-step copy's buffers (`step_undo`) and ZeRO-2's staging pool
   (`staging`), both kept from step to step;
 - peak RSS per rank (ru_maxrss);

@@ -384,13 +384,17 @@ class ShardedGradients:
         return (self.layout.groups[g],) + tuple((b.pstart, b.chunk * self.layout.world)
                                                 for b in self.layout.buckets if b.group == g)
 
-    def bind(self, reuse: "ShardedGradients | None" = None) -> None:
+    def bind(self, reuse: "ShardedGradients | None" = None, values: bool = True) -> None:
         """Make the parameters views of the padded flat buffers (values kept) and
         build the shard optimizer. No communication. `reuse`: this rank's path under
         the previous layout (a reshard): a group whose buckets lie at the same places
         with the same padded widths (a world change that every bucket's length divides
         alike) keeps its parameter buffer, of which the parameters already are views,
-        and (ZeRO-1) its gradient buffer: nothing is allocated or copied for it."""
+        and (ZeRO-1) its gradient buffer: nothing is allocated or copied for it.
+        `values` False: the parameters' values are not kept (a joiner, whose reshard
+        receives every chunk's parameters): they are not copied (on the join's critical
+        path: with the masters' copy, which a step makes anyway, 0.3 s of the 50 M
+        benchmark model's 0.47 s bind here)."""
         lay = self.layout
         same = [reuse is not None and g < len(reuse._flat) and reuse._geometry(g) == self._geometry(g)
                 and reuse._flat[g].device == self.device for g in range(len(lay.groups))]
@@ -408,7 +412,8 @@ class ShardedGradients:
             for i, p in enumerate(self.params):
                 view = self._param_view(self._flat, i)
                 if view.data_ptr() != p.data_ptr():
-                    view.copy_(p.detach().reshape(-1))
+                    if values:
+                        view.copy_(p.detach().reshape(-1))
                     p.data = view.view_as(p)
             self._shard_grads = []
             for g, f in enumerate(self._flat):
@@ -418,13 +423,16 @@ class ShardedGradients:
                     self._shard_grads.append(was.zero_())  # e.g. 2 -> 1 ranks with two replicas: 2 x 1/2 = 1 x 1
                 else:
                     self._shard_grads.append(torch.zeros(n, dtype=f.dtype, device=f.device))
-            # every element (padding too) is written by _refresh_masters; where every chunk is
-            # held here (_full) the pieces step the parameters' buffer itself and the masters
-            # only key the optimizer state and give its sizes: one element each, expanded (no
-            # memory on any device: a GPU at world 1 would otherwise hold the model twice)
-            self._masters = [[torch.empty(1 if self._full else lay.shard_len(g), dtype=f.dtype, device=f.device)
-                              .expand(lay.shard_len(g)) for _ in self._held] for g, f in enumerate(self._flat)]
-            self._refresh_masters()
+            # A chunk stepped in place (_in_place: this rank's own chunk, or every chunk where
+            # it holds them all) has its pieces step the parameters' buffer itself; its master
+            # only keys the optimizer state and gives its sizes: one element, expanded (no
+            # memory on any device: at world N that is 1/N of the model per rank, all of it
+            # at world 1). A backup's master is a real copy: its values are only read within
+            # a step, which writes every element (padding too) from the parameters first
+            # (_refresh_masters), so none are copied here.
+            self._masters = [[torch.empty(1 if self._in_place(h) else lay.shard_len(g), dtype=f.dtype,
+                                          device=f.device).expand(lay.shard_len(g)) for h in range(len(self._held))]
+                             for g, f in enumerate(self._flat)]
         if self.shard == "optimizer":
             self._grads = []
             for g, f in enumerate(self._flat):
@@ -446,6 +454,14 @@ class ShardedGradients:
         self._build_steppers()
         self._point_grads()
 
+    def _in_place(self, h: int) -> bool:
+        """Held chunk h is stepped in the parameters' own buffer: this rank's own chunk
+        (h 0, which the all-gather then sends from where it lies) or, where every chunk is
+        held here (_full, no all-gather), every chunk. A backup (h > 0) of a sharded
+        layout steps a copy: the all-gather writes the chunk's parameters from its primary
+        while the backup steps."""
+        return h == 0 or self._full
+
     def _build_steppers(self) -> None:
         """Per bucket and held chunk, an optimizer of the script's class over that chunk's
         pieces (views of the master, at most PIECE_ELEMS each), so the step goes bucket by
@@ -459,7 +475,7 @@ class ShardedGradients:
             spans = [(lo, min(lo + PIECE_ELEMS, end)) for lo in range(off, end, PIECE_ELEMS)]
             per_h = []
             for h, j in enumerate(self._held):
-                if self._full:  # the parameters themselves (chunk j of the padded buffer) are stepped
+                if self._in_place(h):  # the parameters themselves (chunk j of the padded buffer) are stepped
                     base = bucket.pstart + j * bucket.chunk - off
                     views = [self._flat[g][base + lo:base + hi] for lo, hi in spans]
                 else:
@@ -499,17 +515,15 @@ class ShardedGradients:
         return t[h * n:(h + 1) * n]
 
     def _refresh_masters(self) -> None:
-        """The stepped tensors from the parameters (a restore or a state apply may have changed
-        them). Nothing to do where every chunk is held here (_full): the pieces step the
-        parameters' own buffer."""
-        if self._full:
-            return
+        """The backups' stepped copies from the parameters (a restore or a state apply may
+        have changed them). A chunk stepped in place (_in_place) has none."""
         with torch.no_grad():
             for b, bucket in enumerate(self.layout.buckets):
                 off = self._offsets[b]
                 for h, j in enumerate(self._held):
-                    self._masters[bucket.group][h][off:off + bucket.chunk].copy_(
-                        self._chunk_of(self._flat[bucket.group], b, j))
+                    if not self._in_place(h):
+                        self._masters[bucket.group][h][off:off + bucket.chunk].copy_(
+                            self._chunk_of(self._flat[bucket.group], b, j))
 
     # -- the gradient reduction
 
@@ -718,7 +732,7 @@ class ShardedGradients:
             for k, v in self.optimizer.param_groups[pg].items():
                 if k != "params":
                     inner.param_groups[g][k] = v
-        self._refresh_masters()  # (_full: nothing; the pieces step the parameters in place)
+        self._refresh_masters()  # the backups' copies (the own chunk steps the parameters in place)
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         found_infs: list[torch.Tensor] = []
         if scaler is not None and scaler.is_enabled():
@@ -830,16 +844,38 @@ class ShardedGradients:
             pass
 
     def _write_params(self) -> None:
-        """The parameters of every held chunk from its stepped tensor (the masters; _full:
-        the parameters are the stepped tensors, nothing to write)."""
-        if self._full:
-            return
+        """The parameters of every backed-up chunk from its stepped copy (a chunk stepped in
+        place is its parameters already)."""
         with torch.no_grad():
             for b, bucket in enumerate(self.layout.buckets):
                 off = self._offsets[b]
                 for h, j in enumerate(self._held):
-                    self._chunk_of(self._flat[bucket.group], b, j).copy_(
-                        self._masters[bucket.group][h][off:off + bucket.chunk])
+                    if not self._in_place(h):
+                        self._chunk_of(self._flat[bucket.group], b, j).copy_(
+                            self._masters[bucket.group][h][off:off + bucket.chunk])
+
+    def _values(self, g: int, h: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Held chunk h's values of group g as one section (a copy into `into` for a chunk
+        stepped in place, whose values lie bucket by bucket in the parameters' buffer)."""
+        if not self._in_place(h):
+            return self._masters[g][h] if into is None else into.copy_(self._masters[g][h])
+        out = into if into is not None else torch.empty(self.layout.shard_len(g), dtype=self._flat[g].dtype,
+                                                        device=self.device)
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.group == g:
+                off = self._offsets[b]
+                out[off:off + bucket.chunk].copy_(self._chunk_of(self._flat[g], b, self._held[h]))
+        return out
+
+    def _set_values(self, g: int, h: int, values: torch.Tensor) -> None:
+        """Write held chunk h's values of group g (a section) back where it is stepped."""
+        if not self._in_place(h):
+            self._masters[g][h].copy_(values)
+            return
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.group == g:
+                off = self._offsets[b]
+                self._chunk_of(self._flat[g], b, self._held[h]).copy_(values[off:off + bucket.chunk])
 
     def _spare(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
         """A buffer shaped as `like` for the pre-step copy: on the CPU the same one every
@@ -864,7 +900,7 @@ class ShardedGradients:
         masters, state = [], []
         with torch.no_grad():
             for g, ms in enumerate(self._masters):
-                masters.append([self._spare(("master", g, h), m).copy_(m) for h, m in enumerate(ms)])
+                masters.append([self._values(g, h, self._spare(("master", g, h), m)) for h, m in enumerate(ms)])
                 state.append([])
                 for h, m in enumerate(ms):
                     st = inner.state.get(m)
@@ -896,7 +932,7 @@ class ShardedGradients:
             if not keep:
                 for g, ms in enumerate(self._masters):
                     for h, m in enumerate(ms):
-                        m.copy_(undo["masters"][g][h])
+                        self._set_values(g, h, undo["masters"][g][h])
                         st = undo["state"][g][h]
                         if st is None:
                             inner.state.pop(m, None)
@@ -927,11 +963,12 @@ class ShardedGradients:
             _wait(w, self._abort)
 
     def _gather_bucket(self, b: int):
-        """Launch bucket b's all-gather (its chunks from their primaries' masters)."""
+        """Launch bucket b's all-gather: each rank's own chunk, stepped in place, from where
+        it lies in the parameters' buffer (an in-place all-gather: NCCL's documented form,
+        input = output + rank * chunk; gloo copies the input out before it writes)."""
         bucket = self.layout.buckets[b]
-        off = self._offsets[b]
         out = self._flat[bucket.group][bucket.pstart:bucket.pstart + bucket.chunk * self.layout.world]
-        return self._pg._allgather_base(out, self._masters[bucket.group][0][off:off + bucket.chunk])
+        return self._pg._allgather_base(out, self._chunk_of(self._flat[bucket.group], b, self._held[0]))
 
     def zero_grad(self) -> None:
         # The chunks' gradients (_shard_grads) need no zeroing: finish() writes every held
@@ -1228,12 +1265,9 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     mine: list[Segment] = []
     t_plan = time.perf_counter()
     local = 0
-    params_in = False
     for seg in segs:
         if seg.what == "state" and not step:
             continue
-        if seg.dst == me and seg.what == "param":
-            params_in = True
         if seg.src == me and seg.dst == me:
             mine.append(seg)
         elif seg.src == me:
@@ -1274,9 +1308,7 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
         _wait_p2p(works, abort)
     t_p2p = time.perf_counter()
     if new is not None:
-        new._set_state(step, new_state, adopt=True)
-        if params_in:  # the stepped copies of the held chunks follow the parameters received
-            new._refresh_masters()
+        new._set_state(step, new_state, adopt=True)  # (the masters follow the parameters at the next step)
     t_end = time.perf_counter()
     return {"sent_bytes": sent, "to": sorted(where[d] for d in outgoing),
             "received_bytes": received, "from": sorted(where[s] for s in incoming),
@@ -1442,7 +1474,10 @@ class ShardedPath(gradients.GradientPath):
         if old_lay is None and full is None and ckpt is None and peers:
             old_lay = self._layout(peers)  # a joiner: the layout its state came from
         t1 = time.perf_counter()
-        new.bind(reuse=self.sg)
+        # a joiner (or a member that came back without the state) receives every chunk's
+        # parameters from the members (plan_transfers): its own values are not copied
+        receives = self.sg is None and full is None and ckpt is None and old_lay is not None
+        new.bind(reuse=self.sg, values=not receives)
         t2 = time.perf_counter()
         moved = None
         if ckpt is not None:

@@ -553,7 +553,13 @@ def test_a_leave_2_to_1_and_a_join_1_to_2_keep_the_parameter_buffer_where_the_pa
     def joiner():
         w = Worker("adamw", "optimizer", seed=7)  # other weights: they come from w0
         lay_b, lay_c = layout(w, ids_b), layout(w, ids_c)
-        w.sg = w.path(lay_c, "w2")
+        # bound as ShardedPath binds a joiner: its own values are not copied (values=False),
+        # so whatever its fresh buffers held must be overwritten by what the members send
+        w.sg = ShardedGradients(w.params, w.opt, lay_c, lay_c.rank_of("w2"), w.shard)
+        w.sg.bind(values=False)
+        with torch.no_grad():
+            for p in w.params:
+                p.fill_(float("nan"))
         pg_c = group(store, "c", 1, 2)
         moved = reshard(lay_b, lay_c, pg_c, ids_c, old=None, new=w.sg)
         assert moved["from"] == [0] and moved["sent_bytes"] == 0, moved
@@ -624,3 +630,48 @@ def test_a_collective_waited_on_without_an_abort_event_waits_for_a_late_peer():
 
     out = run_ranks({f"w{r}": (lambda r=r: rank(r)) for r in range(2)})
     assert out == {"w0": (3.0, 1.0, 7), "w1": (3.0, 1.0, 7)}
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_own_chunk_steps_the_parameters_in_place_and_a_broken_gather_settles_either_way(keep):
+    """A rank's own chunk steps the parameters' buffer itself (no stepped copy: at world 3
+    with two replicas only the backup has one) and the all-gather sends it from there. A
+    step whose gather never ran (its launch failed) is in doubt: settle(keep=False) puts the
+    own chunk and its state back to the step before, settle(keep=True) keeps the step (the
+    gather, run again, then gives the parameters of the step)."""
+    ref_before, opt_before, _ = replicated("adamw", 2)
+    ref_after, opt_after, _ = replicated("adamw", 3)
+    store = dist.HashStore()
+    ids = ["w0", "w1", "w2"]
+
+    def rank(me: str):
+        w = Worker("adamw", "gradients")
+        lay = shard_layout(w.params, w.opt, [Member(i, f"h{i}") for i in ids], replicas=2, bucket_mb=0.0002)
+        w.sg = w.path(lay, me)
+        assert len(w.sg._held) == 2 and not w.sg._full
+        for g, (own, backup) in enumerate(w.sg._masters):
+            assert own.untyped_storage().nbytes() == own.element_size()  # a key, no copy
+            assert backup.untyped_storage().nbytes() == lay.shard_len(g) * backup.element_size()
+        pg = group(store, f"settle-{keep}", lay.rank_of(me), 3)
+        w.train(pg, range(2))
+        sg = w.sg
+        with sg.attached():
+            sg.begin(pg)
+            loss_of(w.model, torch.tensor_split(torch.arange(ROWS), 3)[lay.rank_of(me)], 2).backward()
+            sg.finish()
+            launch = sg._gather_bucket
+            sg._gather_bucket = lambda b: (_ for _ in ()).throw(RuntimeError("the gather broke"))
+            with pytest.raises(RuntimeError, match="the gather broke"):
+                sg.step()
+            sg._gather_bucket = launch
+        assert sg.step_in_doubt
+        sg.settle(keep)
+        assert not sg.step_in_doubt
+        if keep:
+            sg.gather_params()
+        return w, sg.full_state_dict()
+
+    out = run_ranks({me: (lambda me=me: rank(me)) for me in ids})
+    for w, full in out.values():
+        assert_params_match(w.model, ref_after if keep else ref_before)
+        assert_state_matches(full, (opt_after if keep else opt_before).state_dict())
