@@ -9,4 +9,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --sshd
+# The machine's pace, so one log's suite time can be read against another's (on the 2-core
+# VM of sessions 16-17 this loop took 0.6-0.8 s and the suite 44-50 min; session 15's VM,
+# where the suite took about 20 min, was not timed this way).
+.venv/bin/python -c '
+import time
+t, s = time.perf_counter(), 0
+for i in range(5_000_000):
+    s += i
+print(f"test.sh: a Python loop of 5 M additions took {time.perf_counter() - t:.2f} s here")'
 exec .venv/bin/python -m pytest -q -ra -n 2 --dist worksteal --durations=40 "$@"
