@@ -514,16 +514,31 @@ class ShardedGradients:
         n = self.layout.shard_len(g)
         return t[h * n:(h + 1) * n]
 
+    def _read_chunk(self, g: int, h: int, into: torch.Tensor) -> torch.Tensor:
+        """Held chunk h's parameters of group g, bucket by bucket, into the section `into`."""
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.group == g:
+                off = self._offsets[b]
+                into[off:off + bucket.chunk].copy_(self._chunk_of(self._flat[g], b, self._held[h]))
+        return into
+
+    def _write_chunk(self, g: int, h: int, values: torch.Tensor) -> None:
+        """The section `values` into held chunk h's parameters of group g, bucket by bucket."""
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.group == g:
+                off = self._offsets[b]
+                self._chunk_of(self._flat[g], b, self._held[h]).copy_(values[off:off + bucket.chunk])
+
+    def _backups(self) -> Iterator[tuple[int, int]]:
+        """(group, held index) of every chunk stepped in a copy (not _in_place)."""
+        return ((g, h) for g in range(len(self._masters)) for h in range(len(self._held)) if not self._in_place(h))
+
     def _refresh_masters(self) -> None:
         """The backups' stepped copies from the parameters (a restore or a state apply may
         have changed them). A chunk stepped in place (_in_place) has none."""
         with torch.no_grad():
-            for b, bucket in enumerate(self.layout.buckets):
-                off = self._offsets[b]
-                for h, j in enumerate(self._held):
-                    if not self._in_place(h):
-                        self._masters[bucket.group][h][off:off + bucket.chunk].copy_(
-                            self._chunk_of(self._flat[bucket.group], b, j))
+            for g, h in self._backups():
+                self._read_chunk(g, h, self._masters[g][h])
 
     # -- the gradient reduction
 
@@ -847,35 +862,19 @@ class ShardedGradients:
         """The parameters of every backed-up chunk from its stepped copy (a chunk stepped in
         place is its parameters already)."""
         with torch.no_grad():
-            for b, bucket in enumerate(self.layout.buckets):
-                off = self._offsets[b]
-                for h, j in enumerate(self._held):
-                    if not self._in_place(h):
-                        self._chunk_of(self._flat[bucket.group], b, j).copy_(
-                            self._masters[bucket.group][h][off:off + bucket.chunk])
+            for g, h in self._backups():
+                self._write_chunk(g, h, self._masters[g][h])
 
-    def _values(self, g: int, h: int, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Held chunk h's values of group g as one section (a copy into `into` for a chunk
-        stepped in place, whose values lie bucket by bucket in the parameters' buffer)."""
-        if not self._in_place(h):
-            return self._masters[g][h] if into is None else into.copy_(self._masters[g][h])
-        out = into if into is not None else torch.empty(self.layout.shard_len(g), dtype=self._flat[g].dtype,
-                                                        device=self.device)
-        for b, bucket in enumerate(self.layout.buckets):
-            if bucket.group == g:
-                off = self._offsets[b]
-                out[off:off + bucket.chunk].copy_(self._chunk_of(self._flat[g], b, self._held[h]))
-        return out
+    def _values(self, g: int, h: int, into: torch.Tensor) -> torch.Tensor:
+        """Held chunk h's stepped values of group g, copied into the section `into`."""
+        return self._read_chunk(g, h, into) if self._in_place(h) else into.copy_(self._masters[g][h])
 
     def _set_values(self, g: int, h: int, values: torch.Tensor) -> None:
         """Write held chunk h's values of group g (a section) back where it is stepped."""
-        if not self._in_place(h):
+        if self._in_place(h):
+            self._write_chunk(g, h, values)
+        else:
             self._masters[g][h].copy_(values)
-            return
-        for b, bucket in enumerate(self.layout.buckets):
-            if bucket.group == g:
-                off = self._offsets[b]
-                self._chunk_of(self._flat[g], b, self._held[h]).copy_(values[off:off + bucket.chunk])
 
     def _spare(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
         """A buffer shaped as `like` for the pre-step copy: on the CPU the same one every
