@@ -10,6 +10,8 @@ agent) and a crash (SIGKILL of one worker). For each event it reports
   first step completed by the new one (torchrun restarts every worker on any
   change, so "old size" and "new size" are worker generations);
 - steps_lost: steps completed before the event and done again after it;
+- lost_s: the training time the event cost (`time_lost`: the pause less one steady
+  step at the new size, rank 0's median there, plus one such step per step redone);
 - the world sizes before and after, and when the new generation started.
 
 `measure_ddp_step_time` runs plain DDP (gloo) at a fixed size on the same model
@@ -138,6 +140,42 @@ def step_time_stats(records: Sequence[StepRecord], *, rank: int = 0, skip_steps:
         "p90_step_s": round(dts[min(len(dts) - 1, int(0.9 * len(dts)))], 5),
         "steps_per_s": round(1.0 / mean, 2) if mean > 0 else None,
     }
+
+
+def step_s_by_world(steps: Iterable[tuple[Any, int, int, float]], *, skip: int = 1) -> dict[int, float]:
+    """The median step interval at each world size, from `(run, step, world, t)` tuples.
+
+    A run is one worker generation (or one process): intervals are taken between
+    consecutive steps of one run only, and each run's first `skip` intervals are left
+    out (a new generation's first steps are its warm-up, part of the pause). Where
+    several tuples give one run's step (one per worker), the earliest counts, as the
+    pauses count a step done when its first worker logs it."""
+    first: dict[tuple[Any, int], tuple[float, int]] = {}
+    for run, step, world, t in steps:
+        key = (run, step)
+        if key not in first or t < first[key][0]:
+            first[key] = (t, world)
+    by_run: dict[Any, list[tuple[int, float, int]]] = {}
+    for (run, step), (t, world) in first.items():
+        by_run.setdefault(run, []).append((step, t, world))
+    dts: dict[int, list[float]] = {}
+    for recs in by_run.values():
+        recs.sort()
+        pairs = [(a, b) for a, b in zip(recs, recs[1:]) if b[0] == a[0] + 1 and a[2] == b[2]]
+        for a, b in pairs[skip:]:
+            dts.setdefault(b[2], []).append(b[1] - a[1])
+    return {w: round(statistics.median(v), 4) for w, v in sorted(dts.items())}
+
+
+def time_lost(pause_s: float | None, steps_redone: int | None, step_s: float | None) -> float | None:
+    """What an event cost the job in training time: from the last step at the old size
+    until the new size has done the step after it, less one step at the new size (the
+    step that would have taken that long anyway). That is the pause (the gap between the
+    last step at the old size and the first at the new), less the first step's own time,
+    plus each step redone: pause + (redone - 1) x step. None where a figure is missing."""
+    if pause_s is None or step_s is None or steps_redone is None:
+        return None
+    return round(pause_s + (steps_redone - 1) * step_s, 4)
 
 
 # ---------------------------------------------------------------------------
@@ -432,6 +470,12 @@ def measure_torchrun(
         cut = first_event_t if first_event_t is not None else time.time()
         pre = [r for r in steps.records if r.t < cut and r.world == nodes]
         result["steady_state_at_start"] = step_time_stats(pre, skip_steps=10) | {"world": nodes, "includes_checkpoints": True}
+        # Rank 0's process is one generation (torchrun restarts every worker on a change).
+        by_world = step_s_by_world((r.pid, r.step, r.world, r.t) for r in steps.records if r.rank == 0)
+        result["step_s_by_world"] = by_world
+        for fig in result["events"]:
+            fig["step_at_new_world_s"] = by_world.get(fig.get("new_world"))
+            fig["lost_s"] = time_lost(fig.get("pause_s"), fig.get("steps_lost"), fig["step_at_new_world_s"])
         return result
     finally:
         job.stop()

@@ -13,6 +13,10 @@ launcher as the host daemon would). For each event:
 - runtime_pause_s: the same interval as the runtime itself measures it (rank 0,
   in its membership event);
 - steps_lost: steps committed at the old size and committed again at the new one;
+- lost_s: the training time the event cost: pause_s less one steady step at the new
+  size (`step_at_new_world_s`, the median over the run's generations at that size,
+  each generation's first interval left out), plus one such step per step redone
+  (_baselines.time_lost);
 - phases: per worker, what its log said of the change: the pause's phases
   (ElasticJob's "pause phases" line at the new generation's first commit) and,
   sharded, each move of the shards ("sharded: hand_over / reshard" lines).
@@ -37,6 +41,9 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _baselines import step_s_by_world, time_lost  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
@@ -300,6 +307,11 @@ def measure_eltctl(
             figs["phases"] = la.phases_since(marks)
             out["events"].append(figs)
             time.sleep(0.5)
+        by_world = step_s_by_world((g, s, w, t) for t, s, g, w in la.records())
+        out["step_s_by_world"] = by_world
+        for figs in out["events"]:
+            figs["step_at_new_world_s"] = by_world.get(figs.get("new_world"))
+            figs["lost_s"] = time_lost(figs.get("pause_s"), figs.get("steps_lost"), figs["step_at_new_world_s"])
         la.elt.protocol.put_stop(la.js)
         la.wait(lambda: all(p.poll() is not None for _, p, _ in la.procs), 60, "workers to stop")
     finally:

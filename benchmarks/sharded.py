@@ -25,7 +25,11 @@ gradients-r1, optimizer-r2, gradients-r2 by default), with a checkpoint every
 restores the lost shards from it) and each event fired 2 steps past one: the
 pause from the last step at the old size to the first step at the new one, the
 steps redone, per sharded run and event the ratio to replicated (target <= 2x)
-and the baseline's pause over it (target >= 20x), and per worker where the pause
+and the baseline's pause over it (target >= 20x), the same two ratios of the time
+each event cost the job (`lost_s`, both sides alike: the pause less one steady step at
+the new size, which the first step there would have taken anyway, plus one such step
+per step redone; the steady step is the run's own median at that size, the
+`step_s_by_world`), and per worker where the pause
 went ("phases": the job's pause phases and each move of the shards, from the
 workers' logs with examples/train.py --debug). `--skip-torchrun` measures
 eltctl's side alone. Where this tree's ElasticJob or examples/train.py lacks
@@ -287,9 +291,11 @@ def measure_zero_torchrun(world: int = 2, ckpt_every: int = 5, cap_s: float = 30
                         "checkpoint": "consolidate_state_dict(to=0) + torch.save by rank 0"}
     res["settings"].pop("global_batch", None)
     res["pauses_s"] = {e["event"]: e.get("pause_s") for e in res.get("events", [])}
+    res["lost_s"] = {e["event"]: e.get("lost_s") for e in res.get("events", [])}
     for e in res.get("events", []):
-        progress(f"zero-torchrun {e['event']}: pause {e.get('pause_s')} s, world {e.get('old_world')} -> "
-                 f"{e.get('new_world')}, steps redone {e.get('steps_lost')}" + (f" ({e['error']})" if e.get("error") else ""))
+        progress(f"zero-torchrun {e['event']}: pause {e.get('pause_s')} s, lost {e.get('lost_s')} s, world "
+                 f"{e.get('old_world')} -> {e.get('new_world')}, steps redone {e.get('steps_lost')}"
+                 + (f" ({e['error']})" if e.get("error") else ""))
     return res
 
 
@@ -364,8 +370,9 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
                     env={"ELTCTL_CHECKPOINT_DIR": str(Path(tmp) / "ckpt")},
                     event_phase=(ckpt_every, min(2, ckpt_every - 1)), store=store)
                 out["runs"][name] = {"pauses_s": {e["event"]: e.get("pause_s") for e in r["events"]},
+                                     "lost_s": {e["event"]: e.get("lost_s") for e in r["events"]},
                                      "steps_redone": {e["event"]: e.get("steps_lost") for e in r["events"]},
-                                     "events": r["events"]}
+                                     "step_s_by_world": r.get("step_s_by_world"), "events": r["events"]}
             except Exception as exc:  # noqa: BLE001 - one configuration failing does not hide the others
                 out["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
                 if os.environ.get("ELTCTL_BENCH_KEEP"):
@@ -375,7 +382,8 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
         out["runs"][name]["wall_s"] = round(time.monotonic() - t0, 1)
         run = out["runs"][name]
         if "pauses_s" in run:
-            progress(f"eltctl {name}: " + ", ".join(f"{ev} pause {p} s, {run['steps_redone'][ev]} redone"
+            progress(f"eltctl {name}: " + ", ".join(f"{ev} pause {p} s, lost {run['lost_s'][ev]} s, "
+                                                    f"{run['steps_redone'][ev]} redone"
                                                     for ev, p in run["pauses_s"].items()))
         else:
             progress(f"eltctl {name}: {run['error']}")
@@ -417,11 +425,15 @@ def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, war
 
 def pause_comparison(eltctl: dict[str, Any], torchrun: dict[str, Any]) -> dict[str, Any]:
     """Per event: each sharded run's pause against replicated (target <= 2x) and against the
-    torchrun ZeRO job (target: >= 20x shorter), with the steps each redid."""
+    torchrun ZeRO job (target: >= 20x shorter), with the steps each redid; and the same two
+    ratios of the time each event cost (`lost_s`: the pause less the first step's own time,
+    plus the steps redone; no ratio where eltctl's is not above 0)."""
     if not eltctl.get("available"):
         return {"available": False, "reason": eltctl.get("reason")}
     rep = (eltctl["runs"].get("replicated") or {}).get("pauses_s") or {}
+    rep_lost = (eltctl["runs"].get("replicated") or {}).get("lost_s") or {}
     tr = torchrun.get("pauses_s") or {}
+    tr_cost = torchrun.get("lost_s") or {}
     tr_lost = {e["event"]: e.get("steps_lost") for e in torchrun.get("events", [])}
     out: dict[str, Any] = {}
     for name, run in eltctl["runs"].items():
@@ -437,6 +449,13 @@ def pause_comparison(eltctl: dict[str, Any], torchrun: dict[str, Any]) -> dict[s
             if p and tr.get(ev):
                 row["torchrun_over_eltctl"] = round(tr[ev] / p, 1)
                 row["torchrun_on_target"] = tr[ev] / p >= 20.0
+            lost = (run.get("lost_s") or {}).get(ev)
+            row |= {"lost_s": lost, "replicated_lost_s": rep_lost.get(ev), "torchrun_lost_s": tr_cost.get(ev)}
+            if lost is not None and lost > 0:
+                if rep_lost.get(ev) is not None and rep_lost[ev] > 0:
+                    row["lost_vs_replicated"] = round(lost / rep_lost[ev], 3)
+                if tr_cost.get(ev):
+                    row["torchrun_over_eltctl_lost"] = round(tr_cost[ev] / lost, 1)
             out[f"{name}/{ev}"] = row
     return out
 

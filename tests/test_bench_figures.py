@@ -1,0 +1,55 @@
+"""The benchmarks' pure figures: the steady step at each world size and what an event cost.
+
+Pure functions over step records (no processes): the resize and sharded benchmarks
+compare eltctl's events against torchrun's with them."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "_baselines.py"
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    spec = importlib.util.spec_from_file_location("_bench_baselines_under_test", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def test_the_steady_step_leaves_out_each_generations_first_interval_and_the_gaps_between_them(baselines):
+    recs = []
+    # generation 1 at world 2: steps 0..4 a second apart, but its first interval is slow (3 s)
+    for step, t in zip(range(5), (0.0, 3.0, 4.0, 5.0, 6.0)):
+        recs += [(1, step, 2, t), (1, step, 2, t + 0.05)]  # two workers: the earliest counts
+    # generation 2 at world 1, 30 s later, redoing steps 3..6 two seconds apart (first interval 9 s)
+    for step, t in zip(range(3, 8), (36.0, 45.0, 47.0, 49.0, 51.0)):
+        recs.append((2, step, 1, t))
+    # generation 3 at world 2 with a single interval: all warm-up, nothing measured
+    recs += [(3, 8, 2, 60.0), (3, 9, 2, 70.0)]
+    assert baselines.step_s_by_world(recs) == {1: 2.0, 2: 1.0}
+    with_warmup = baselines.step_s_by_world(recs, skip=0)
+    assert with_warmup[2] == 1.0 and with_warmup[1] == 2.0  # medians: the slow first intervals are outliers
+
+
+def test_an_interval_across_a_world_change_or_a_missing_step_is_not_a_step(baselines):
+    # one run whose world changes in place (a worker generation never does, a torchrun pid neither,
+    # but the figure must not mix sizes) and which skips step 3
+    recs = [("a", 0, 2, 0.0), ("a", 1, 2, 1.0), ("a", 2, 2, 2.0), ("a", 4, 2, 10.0), ("a", 5, 3, 11.5),
+            ("a", 6, 3, 13.0), ("a", 7, 3, 14.5)]
+    assert baselines.step_s_by_world(recs) == {2: 1.0, 3: 1.5}
+
+
+def test_time_lost_is_the_pause_less_one_step_plus_the_steps_redone(baselines):
+    assert baselines.time_lost(3.0, 0, 1.0) == 2.0  # nothing redone: the first step was due anyway
+    assert baselines.time_lost(3.0, 2, 1.0) == 4.0  # two steps done again cost their time
+    assert baselines.time_lost(40.0, 5, 1.25) == 45.0
+    assert baselines.time_lost(0.5, 0, 1.0) == -0.5  # a first step faster than the steady one: not hidden
+    assert baselines.time_lost(None, 0, 1.0) is None
+    assert baselines.time_lost(1.0, None, 1.0) is None
+    assert baselines.time_lost(1.0, 0, None) is None
