@@ -1,7 +1,8 @@
 """The sharded-state benchmark: per-rank bytes, step time and pauses of ZeRO-1/2 against replicated.
 
     .venv/bin/python benchmarks/sharded.py [--json] [--worlds 2 4] [--steps 3] [--batch 4] [--layers 12]
-        [--job-steps 10] [--job-args "--bucket-mb 25"] [--skip-memory] [--baseline zero-torchrun [--skip-torchrun] [--eltctl-runs NAME ...]]
+        [--job-steps 10] [--job-args "--bucket-mb 25"] [--skip-memory]
+        [--baseline zero-torchrun [--baseline-world 2 4] [--pause-repeats 3] [--skip-torchrun] [--eltctl-runs NAME ...]]
 
 Its memory part drives `eltctl_runtime.zero` directly, in plain worker processes on one
 gloo group per configuration (spawned, a FileStore, one torch thread each).
@@ -264,9 +265,10 @@ EVENTS = ("leave", "join", "kill")
 
 
 def measure_zero_torchrun(world: int = 2, ckpt_every: int = 5, cap_s: float = 300.0, layers: int = 12,
-                          steady_steps: int = 6, progress=print) -> dict[str, Any]:
+                          steady_steps: int = 6, progress=print, repeats: int = 1) -> dict[str, Any]:
     """The ZeroRedundancyOptimizer + DDP job under torchrun through a leave, a join and a SIGKILL
-    (from `world` agents: world -> world-1 -> world -> world), with each event's pause."""
+    (from `world` agents: world -> world-1 -> world -> world), with each event's pause; with
+    `repeats`, that many jobs one after another, each figure the median over them (`_sampled`)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _baselines
 
@@ -274,28 +276,35 @@ def measure_zero_torchrun(world: int = 2, ckpt_every: int = 5, cap_s: float = 30
     saved_worker, saved_env = _baselines.WORKER, os.environ.get("ELTCTL_ZERO_LAYERS")
     _baselines.WORKER = _baselines.Path(worker)  # same command line and step log as ddp_worker.py
     os.environ["ELTCTL_ZERO_LAYERS"] = str(layers)
+    results = []
     try:
-        res = _baselines.measure_torchrun(
-            EVENTS, nodes=world, min_nodes=1, max_nodes=world + 1, ckpt_every=ckpt_every, event_cap_s=cap_s,
-            settle_steps=3, steady_steps=max(steady_steps, ckpt_every + 1), resumed_steps=2,
-            event_phase=ckpt_every // 2, keep_workdir=bool(os.environ.get("ELTCTL_BENCH_KEEP")))
+        for i in range(repeats):
+            results.append(_baselines.measure_torchrun(
+                EVENTS, nodes=world, min_nodes=1, max_nodes=world + 1, ckpt_every=ckpt_every, event_cap_s=cap_s,
+                settle_steps=3, steady_steps=max(steady_steps, ckpt_every + 1), resumed_steps=2,
+                event_phase=ckpt_every // 2, keep_workdir=bool(os.environ.get("ELTCTL_BENCH_KEEP"))))
+            for e in results[-1].get("events", []):
+                progress(f"zero-torchrun ({i + 1}/{repeats}) {e['event']}: pause {e.get('pause_s')} s, lost "
+                         f"{e.get('lost_s')} s, world {e.get('old_world')} -> {e.get('new_world')}, steps redone "
+                         f"{e.get('steps_lost')}" + (f" ({e['error']})" if e.get("error") else ""))
     finally:
         _baselines.WORKER = saved_worker
         if saved_env is None:
             os.environ.pop("ELTCTL_ZERO_LAYERS", None)
         else:
             os.environ["ELTCTL_ZERO_LAYERS"] = saved_env
+    res = results[0] | _sampled([r.get("events", []) for r in results])
+    res["step_s_by_world"] = [r.get("step_s_by_world") for r in results]
+    res["errors"] = [r["error"] for r in results if r.get("error")]
     res["system"] = "torchrun c10d elastic, DDP + ZeroRedundancyOptimizer(AdamW)"
     res["settings"] |= {"model": f"MLP {layers} x Linear({WIDTH}, {WIDTH})", "parameters": layers * (WIDTH * WIDTH + WIDTH),
                         "batch_per_rank": int(os.environ.get("ELTCTL_ZERO_BATCH", "4")),
                         "checkpoint": "consolidate_state_dict(to=0) + torch.save by rank 0"}
     res["settings"].pop("global_batch", None)
-    res["pauses_s"] = {e["event"]: e.get("pause_s") for e in res.get("events", [])}
-    res["lost_s"] = {e["event"]: e.get("lost_s") for e in res.get("events", [])}
-    for e in res.get("events", []):
-        progress(f"zero-torchrun {e['event']}: pause {e.get('pause_s')} s, lost {e.get('lost_s')} s, world "
-                 f"{e.get('old_world')} -> {e.get('new_world')}, steps redone {e.get('steps_lost')}"
-                 + (f" ({e['error']})" if e.get("error") else ""))
+    if repeats > 1:
+        progress(f"zero-torchrun, medians of {repeats}: " + ", ".join(
+            f"{ev} pause {p} s, lost {res['lost_s'].get(ev)} s, {res['steps_redone'].get(ev)} redone"
+            for ev, p in res["pauses_s"].items()))
     return res
 
 
@@ -339,14 +348,43 @@ def _train_args(world: int, layers: int, batch: int) -> tuple[str, ...]:
             "--layers", str(layers + 1))
 
 
+def _medians(samples: list[list[dict[str, Any]]], key: str) -> dict[str, Any]:
+    """Per event, the median of `key` over the samples (each a run's list of event figures)
+    that have it; None where none has."""
+    by_event: dict[str, list] = {}
+    for events in samples:
+        for e in events:
+            by_event.setdefault(e["event"], [])
+            if e.get(key) is not None:
+                by_event[e["event"]].append(e[key])
+    return {ev: (round(statistics.median(v), 4) if v else None) for ev, v in by_event.items()}
+
+
+def _sampled(samples: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """A configuration's figures over its samples: the medians of the pause, the time lost and
+    the steps redone per event, each sample's values, and the first sample's events (with the
+    phases) in full."""
+    keys = {"pauses_s": "pause_s", "lost_s": "lost_s", "steps_redone": "steps_lost"}
+    out: dict[str, Any] = {name: _medians(samples, key) for name, key in keys.items()}
+    out["samples"] = len(samples)
+    out["per_sample"] = {name: [{e["event"]: e.get(key) for e in events} for events in samples]
+                         for name, key in keys.items()}
+    out["events"] = samples[0]
+    out["events_of_later_samples"] = samples[1:]
+    return out
+
+
 def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0, runs=DEFAULT_RUNS,
                           ckpt_every: int = 5, batch: int = 4, job_args: tuple[str, ...] = (),
-                          progress=print, store: str = "socket") -> dict[str, Any]:
+                          progress=print, store: str = "socket", repeats: int = 1) -> dict[str, Any]:
     """eltctl through the same events (leave, join, SIGKILL) at `world` as the torchrun job,
     for each of `runs` (ELTCTL_RUNS: sharded and replicated) on the same MLP, with a
     checkpoint every `ckpt_every` steps (as the baseline; with shard_replicas=1 a SIGKILL
     restores the lost shards from it) and each event fired 2 steps past one (as the
-    baseline's); "not available" (with the reason) where the job does not take shard= yet."""
+    baseline's); "not available" (with the reason) where the job does not take shard= yet.
+    `repeats` jobs per configuration, taken in turns (every configuration once, then again),
+    so that a change in the machine's load reaches each alike; each figure is the median
+    over them (`_sampled`)."""
     why = eltctl_shard_support()
     if why is not None:
         progress(f"eltctl pauses: not available: {why}")
@@ -359,34 +397,44 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
     out: dict[str, Any] = {"available": True, "world": world, "store": store, "checkpoint_every": ckpt_every,
                            "model": f"examples/toy.py MLP, {layers} x Linear({WIDTH}, {WIDTH}) between 64 -> {WIDTH} "
                                     f"and {WIDTH} -> 16", "batch_per_rank": batch, "job_args": list(job_args),
-                           "runs": {}}
+                           "repeats": repeats, "runs": {}}
+    samples: dict[str, list] = {name: [] for name in runs}
+    errors: dict[str, dict[str, Any]] = {}
+    walls: dict[str, float] = {name: 0.0 for name in runs}
+    steps_by_world: dict[str, list] = {name: [] for name in runs}
+    for i in range(repeats):
+        for name in runs:
+            t0 = time.monotonic()
+            with tempfile.TemporaryDirectory(prefix="eltctl-sharded-pauses-") as tmp:
+                try:
+                    r = _eltctl_side.measure_eltctl(
+                        EVENTS, nodes=world, settle_steps=3, resumed_steps=2, event_cap_s=cap_s,
+                        worker_args=base + ELTCTL_RUNS[name], workdir=Path(tmp) / "work",
+                        env={"ELTCTL_CHECKPOINT_DIR": str(Path(tmp) / "ckpt")},
+                        event_phase=(ckpt_every, min(2, ckpt_every - 1)), store=store)
+                    samples[name].append(r["events"])
+                    steps_by_world[name].append(r.get("step_s_by_world"))
+                    progress(f"eltctl {name} ({i + 1}/{repeats}): " + ", ".join(
+                        f"{e['event']} pause {e.get('pause_s')} s, lost {e.get('lost_s')} s, "
+                        f"{e.get('steps_lost')} redone" for e in r["events"]))
+                except Exception as exc:  # noqa: BLE001 - one configuration failing does not hide the others
+                    errors.setdefault(name, {"error": f"{type(exc).__name__}: {exc}"})
+                    progress(f"eltctl {name} ({i + 1}/{repeats}): {type(exc).__name__}: {exc}")
+                    if os.environ.get("ELTCTL_BENCH_KEEP"):
+                        keep = tempfile.mkdtemp(prefix=f"eltctl-sharded-{name}-")
+                        shutil.copytree(Path(tmp) / "work", Path(keep) / "work", dirs_exist_ok=True)
+                        errors[name].setdefault("logs", keep)
+            walls[name] += time.monotonic() - t0
     for name in runs:
-        t0 = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix="eltctl-sharded-pauses-") as tmp:
-            try:
-                r = _eltctl_side.measure_eltctl(
-                    EVENTS, nodes=world, settle_steps=3, resumed_steps=2, event_cap_s=cap_s,
-                    worker_args=base + ELTCTL_RUNS[name], workdir=Path(tmp) / "work",
-                    env={"ELTCTL_CHECKPOINT_DIR": str(Path(tmp) / "ckpt")},
-                    event_phase=(ckpt_every, min(2, ckpt_every - 1)), store=store)
-                out["runs"][name] = {"pauses_s": {e["event"]: e.get("pause_s") for e in r["events"]},
-                                     "lost_s": {e["event"]: e.get("lost_s") for e in r["events"]},
-                                     "steps_redone": {e["event"]: e.get("steps_lost") for e in r["events"]},
-                                     "step_s_by_world": r.get("step_s_by_world"), "events": r["events"]}
-            except Exception as exc:  # noqa: BLE001 - one configuration failing does not hide the others
-                out["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-                if os.environ.get("ELTCTL_BENCH_KEEP"):
-                    keep = tempfile.mkdtemp(prefix=f"eltctl-sharded-{name}-")
-                    shutil.copytree(Path(tmp) / "work", Path(keep) / "work", dirs_exist_ok=True)
-                    out["runs"][name]["logs"] = keep
-        out["runs"][name]["wall_s"] = round(time.monotonic() - t0, 1)
-        run = out["runs"][name]
+        run = _sampled(samples[name]) if samples[name] else {}
+        if name in errors:
+            run |= errors[name] | {"failed_samples": repeats - len(samples[name])}
+        run |= {"step_s_by_world": steps_by_world[name], "wall_s": round(walls[name], 1)}
+        out["runs"][name] = run
         if "pauses_s" in run:
-            progress(f"eltctl {name}: " + ", ".join(f"{ev} pause {p} s, lost {run['lost_s'][ev]} s, "
-                                                    f"{run['steps_redone'][ev]} redone"
-                                                    for ev, p in run["pauses_s"].items()))
-        else:
-            progress(f"eltctl {name}: {run['error']}")
+            progress(f"eltctl {name}, medians of {run['samples']}: " + ", ".join(
+                f"{ev} pause {p} s, lost {run['lost_s'][ev]} s, {run['steps_redone'][ev]} redone"
+                for ev, p in run["pauses_s"].items()))
     return out
 
 
@@ -434,7 +482,7 @@ def pause_comparison(eltctl: dict[str, Any], torchrun: dict[str, Any]) -> dict[s
     rep_lost = (eltctl["runs"].get("replicated") or {}).get("lost_s") or {}
     tr = torchrun.get("pauses_s") or {}
     tr_cost = torchrun.get("lost_s") or {}
-    tr_lost = {e["event"]: e.get("steps_lost") for e in torchrun.get("events", [])}
+    tr_lost = torchrun.get("steps_redone") or {}
     out: dict[str, Any] = {}
     for name, run in eltctl["runs"].items():
         if name == "replicated" or "pauses_s" not in run:
@@ -471,6 +519,9 @@ def main() -> int:
                          "pauses_by_world; its pauses are those of the first")
     ap.add_argument("--baseline-ckpt-every", type=int, default=5, help="steps between the baseline's checkpoints")
     ap.add_argument("--baseline-cap", type=float, default=300.0, help="seconds each event may take at most")
+    ap.add_argument("--pause-repeats", type=int, default=1,
+                    help="jobs per configuration (and torchrun jobs) through the events at each world: each "
+                         "pause, time lost and steps redone is the median over them, each job's in per_sample")
     ap.add_argument("--steps", type=int, default=3, help="steps per configuration (the first is not timed)")
     ap.add_argument("--batch", type=int, default=4, help="samples per rank per step")
     ap.add_argument("--layers", type=int, default=12, help="Linear(2048, 2048) layers (12: about 50 M parameters)")
@@ -507,10 +558,10 @@ def main() -> int:
             log(f"pauses at world {world}")
             tr = ({"skipped": True, "pauses_s": {}} if args.skip_torchrun else
                   measure_zero_torchrun(world, args.baseline_ckpt_every, args.baseline_cap, args.layers,
-                                        progress=log))
+                                        progress=log, repeats=args.pause_repeats))
             el = (measure_eltctl_pauses(world, args.layers, args.baseline_cap, args.eltctl_runs,
                                         args.baseline_ckpt_every, args.batch, job_args, progress=log,
-                                        store=args.store) if args.eltctl_runs
+                                        store=args.store, repeats=args.pause_repeats) if args.eltctl_runs
                   else {"available": False, "reason": "--eltctl-runs is empty"})
             result["pauses_by_world"][str(world)] = {"zero_torchrun": tr, "eltctl": el,
                                                      "comparison": pause_comparison(el, tr)}

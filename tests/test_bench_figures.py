@@ -53,3 +53,29 @@ def test_time_lost_is_the_pause_less_one_step_plus_the_steps_redone(baselines):
     assert baselines.time_lost(None, 0, 1.0) is None
     assert baselines.time_lost(1.0, None, 1.0) is None
     assert baselines.time_lost(1.0, 0, None) is None
+
+
+@pytest.fixture(scope="module")
+def sharded_bench():
+    path = _PATH.parent / "sharded.py"
+    spec = importlib.util.spec_from_file_location("_bench_sharded_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def test_repeated_jobs_give_each_events_median_and_keep_every_sample(sharded_bench):
+    def job(pause, lost, redone):
+        return [{"event": "join", "pause_s": pause, "lost_s": lost, "steps_lost": redone, "phases": {"w0": []}},
+                {"event": "kill", "pause_s": None, "error": "not resumed"}]
+
+    got = sharded_bench._sampled([job(2.0, 1.0, 0), job(9.0, 8.0, 2), job(3.0, None, 0)])
+    assert got["pauses_s"] == {"join": 3.0, "kill": None}  # the outlier 9.0 does not move it
+    assert got["lost_s"] == {"join": 4.5, "kill": None}  # the median of the two samples that have one
+    assert got["steps_redone"] == {"join": 0, "kill": None}
+    assert got["samples"] == 3
+    assert [s["join"] for s in got["per_sample"]["pauses_s"]] == [2.0, 9.0, 3.0]
+    assert got["events"][0]["phases"] == {"w0": []}  # the first job's events whole, the others beside them
+    assert [e[0]["pause_s"] for e in got["events_of_later_samples"]] == [9.0, 3.0]
