@@ -182,6 +182,23 @@ def run_abortable(fn: Callable[[], T], abort: threading.Event | None, what: str)
     return box["value"]
 
 
+def wait_p2p(works: list, abort: threading.Event | None, what: str) -> None:
+    """Wait for point-to-point sends and receives. gloo's report completion only from
+    wait() (is_completed() stays False, there is no future), so an abortable wait runs
+    their wait() on a helper thread (run_abortable); a backend's error (a peer gone) is
+    an Aborted with backend_error, as wait_work's."""
+    if abort is None:
+        for w in works:
+            w.wait()
+        return
+    try:
+        run_abortable(lambda: [w.wait() for w in works], abort, what)
+    except Aborted as e:
+        if e.__cause__ is not None:
+            raise Aborted(str(e), backend_error=True) from e.__cause__
+        raise
+
+
 def allreduce(pg, t: torch.Tensor, abort: threading.Event | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     opts = dist.AllreduceOptions()
     opts.reduceOp = op

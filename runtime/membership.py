@@ -149,6 +149,17 @@ def choose_source(reports: list[tuple[bool, int]]) -> Transfer:
     return Transfer(source=-neg_rank, needed=needed, restore=False)
 
 
+def receivers(reports: list[tuple[bool, int]], transfer: Transfer) -> list[int]:
+    """The ranks that must adopt the source's state (choose_source): every rank but the
+    source after a restore; otherwise those without state or at another committed step.
+    A rank that already holds the source's committed step holds the same state."""
+    if not transfer.needed:
+        return []
+    best = None if transfer.restore else reports[transfer.source][1]
+    return [r for r, (has, step) in enumerate(reports)
+            if r != transfer.source and (transfer.restore or not has or step != best)]
+
+
 # ---- store helpers shared by ElasticJob (job.py) and the restart supervisor (restart.py)
 
 

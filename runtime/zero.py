@@ -304,14 +304,7 @@ def _wait(work, abort: threading.Event | None) -> None:
 
 
 def _wait_p2p(works: list, abort: threading.Event | None) -> None:
-    """Wait for sends and receives. gloo's point-to-point works report completion
-    only from wait() (is_completed() stays False, no future), so an abortable wait
-    runs their wait() on a helper thread (collectives.run_abortable)."""
-    if abort is None:
-        for w in works:
-            w.wait()
-    else:
-        collectives.run_abortable(lambda: [w.wait() for w in works], abort, "shard transfers")
+    collectives.wait_p2p(works, abort, "shard transfers")
 
 
 class ShardedGradients:

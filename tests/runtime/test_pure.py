@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eltctl_runtime import ConfigError, RuntimeConfig, SamplerState, epoch_order, share_bounds
-from eltctl_runtime.membership import Plan, Transfer, Verdict, choose_source, propose, roll_call
+from eltctl_runtime.membership import Plan, Transfer, Verdict, choose_source, propose, receivers, roll_call
 from eltctl_runtime.protocol import EventKind
 from eltctl_runtime import state as st
 from eltctl_runtime.job import bucket_layout
@@ -108,6 +108,20 @@ def test_roll_call(alive, dead, silent, verdict):
 )
 def test_state_source_is_the_lowest_rank_with_the_newest_step(reports, transfer):
     assert choose_source(reports) == transfer
+
+
+@pytest.mark.parametrize(
+    "reports,need",
+    [
+        ([(True, 5), (True, 5)], []),  # nothing to agree on
+        ([(True, 5), (True, 5), (True, 5), (False, 0)], [3]),  # a join: only the joiner receives
+        ([(True, 5), (True, 6), (True, 6), (False, 0)], [0, 3]),  # a rank that missed a commit, and a joiner
+        ([(False, 0), (True, 9), (False, 0)], [0, 2]),
+        ([(False, 0), (False, 0), (False, 0)], [1, 2]),  # a restore: every rank but the reader
+    ],
+)
+def test_only_the_ranks_without_the_sources_state_receive_it(reports, need):
+    assert receivers(reports, choose_source(reports)) == need
 
 
 def test_state_pack_round_trips_model_optimizer_and_rng():
