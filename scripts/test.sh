@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --sshd
 # The machine's pace, so one log's suite time can be read against another's (on the 2-core
-# VM of sessions 16-17 this loop took 0.6-0.8 s and the suite 44-50 min; session 15's VM,
+# VM of sessions 16-18 this loop took 0.6-0.9 s and the suite 42-50 min; session 15's VM,
 # where the suite took about 20 min, was not timed this way).
 .venv/bin/python -c '
 import time
