@@ -838,33 +838,31 @@ class ElasticJob:
             header, flat = state_mod.pack(self._capture_state())
             sizes = torch.tensor([len(header), flat.numel(), int(restored)], dtype=torch.int64)
             hbuf = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        if self._device.type == "cpu" and len(need) < self.world_size - 1:
-            # Only some ranks lack the state (a join, a rank that missed a commit): the source
-            # sends it to them alone. A broadcast would have every member receive it, the
-            # members that hold it already included (at world 4 on 2 cores, a join's 600 MB
-            # to three ranks and three unpacks: 4-7 s against 1.6-2.7 s at world 2).
-            # NCCL keeps the broadcast: its pair streams would be formed here, in the pause.
-            if self._rank == transfer.source:
-                works = [self._pg.send([t], r, tag) for r in need for tag, t in enumerate((sizes, hbuf, flat))]
-                collectives.wait_p2p(works, self._abort, "the state's transfer")
-            elif self._rank in need:
-                sizes = torch.zeros(3, dtype=torch.int64)
-                collectives.wait_p2p([self._pg.recv([sizes], transfer.source, 0)], self._abort, "the state's transfer")
-                hbuf = torch.empty(int(sizes[0]), dtype=torch.uint8)
-                flat = torch.empty(int(sizes[1]), dtype=torch.uint8)
-                works = [self._pg.recv([hbuf], transfer.source, 1), self._pg.recv([flat], transfer.source, 2)]
-                collectives.wait_p2p(works, self._abort, "the state's transfer")
-                self._apply_state(state_mod.unpack(state_mod.tensor_bytes(hbuf), flat))
+        src = transfer.source
+        # Only some ranks lack the state (a join, a rank that missed a commit): on gloo the
+        # source sends it to them alone. A broadcast would have every member receive it, the
+        # members that hold it already included (at world 4 on 2 cores, a join's 600 MB to
+        # three ranks: 4-7 s against 1.6-2.7 s at world 2). NCCL keeps the broadcast (its pair
+        # streams would be formed here, in the pause); the members skip the unpack either way.
+        p2p = self._device.type == "cpu" and len(need) < self.world_size - 1
+        if p2p and self._rank != src and self._rank not in need:
             self._has_state = True
-            return bool(sizes[2]) if self._rank in need else restored  # (a restore has every rank receive)
-        if self._rank != transfer.source:
-            sizes = torch.zeros(3, dtype=torch.int64)
-        sizes = collectives.broadcast(self._pg, sizes.to(self._device), transfer.source, self._abort).cpu()
-        if self._rank != transfer.source:
+            return False  # (a restore has every rank receive)
+
+        def move(t: torch.Tensor, tag: int) -> torch.Tensor:
+            """`t` from the source to the receivers (the source's own comes back)."""
+            if not p2p:
+                return collectives.broadcast(self._pg, t.to(self._device), src, self._abort).cpu()
+            works = ([self._pg.send([t], r, tag) for r in need] if self._rank == src
+                     else [self._pg.recv([t], src, tag)])
+            collectives.wait_p2p(works, self._abort, "the state's transfer")
+            return t
+
+        sizes = move(sizes if self._rank == src else torch.zeros(3, dtype=torch.int64), 0)
+        if self._rank != src:
             hbuf = torch.empty(int(sizes[0]), dtype=torch.uint8)
             flat = torch.empty(int(sizes[1]), dtype=torch.uint8)
-        hbuf = collectives.broadcast(self._pg, hbuf.to(self._device), transfer.source, self._abort).cpu()
-        flat = collectives.broadcast(self._pg, flat.to(self._device), transfer.source, self._abort).cpu()
+        hbuf, flat = move(hbuf, 1), move(flat, 2)
         if self._rank in need:  # a member at the source's step holds its state already
             self._apply_state(state_mod.unpack(state_mod.tensor_bytes(hbuf), flat))
         self._has_state = True
