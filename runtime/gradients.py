@@ -294,9 +294,16 @@ class GradientPath(ABC):
         ever halfway."""
 
     def state_lost(self, lost: Sequence[str]) -> bool:
-        """True if the crash of `lost` took part of the state with it (the newest
-        checkpoint is restored instead)."""
+        """True if the loss of `lost` (crashed, or back without their state) took part
+        of the state with it (the newest checkpoint is restored instead)."""
         return False
+
+    def state_key(self) -> int | None:
+        """Which state this rank's part is, for the generation's agreement: ranks
+        holding parts must hold parts of the same whole (job._sync_state); 0 where a
+        rank holding the state holds all of it (replicated). None: this rank lacks
+        its part (it must receive the state again). Sharded: ShardedPath.state_key."""
+        return 0
 
     @abstractmethod
     def begin(self, tail_size: int) -> None: ...

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from . import collectives, exiting, gradients, state as state_mod, storeloss
@@ -810,15 +811,22 @@ class ElasticJob:
     def _sync_state(self) -> bool:
         """Agree on the training state; returns True if it came from a checkpoint."""
         self._has_state_before = self._has_state
-        if self._has_state and self._grads.state_lost(self._plan.lost):
-            # A crash took chunks of the optimizer state with it (shard_replicas=1): every
-            # survivor drops its state, so the newest checkpoint is restored (steps redone).
-            log.warning("worker %s: the crash of %s lost optimizer-state shards; restoring the newest "
-                        "checkpoint", self.worker_id, ", ".join(self._plan.lost))
-            self._redo_from, self._has_state = self._step, False
-        report = torch.tensor([1 if self._has_state else 0, self._step], dtype=torch.int64, device=self._device)
-        reports = [(bool(r[0]), int(r[1])) for r in
-                   (t.cpu() for t in collectives.allgather(self._pg, report, self._abort))]
+        # Each rank: whether it holds the state (sharded: its chunks too), its step, and
+        # which state its part is of (gradients.GradientPath.state_key).
+        key = self._grads.state_key()
+        has = self._has_state and key is not None
+        report = torch.tensor([int(has), self._step, key or 0], dtype=torch.int64, device=self._device)
+        got = [tuple(int(x) for x in t.cpu()) for t in collectives.allgather(self._pg, report, self._abort)]
+        reports = [(bool(h), s) for h, s, _k in got]
+        why = self._state_incomplete(got, has)
+        if why:
+            # Part of the optimizer state has no holder (a crash with shard_replicas=1, a
+            # rank back without its chunks, a reshard that broke halfway): every rank drops
+            # its state, so the newest checkpoint is restored (steps redone).
+            log.warning("worker %s: %s; restoring the newest checkpoint", self.worker_id, why)
+            self._redo_from = max(s for h, s, _k in got if h)
+            self._has_state = False
+            reports = [(False, s) for _h, s, _k in got]
         # Sharded: a step this rank dropped after its shard stepped is kept if a rank holding
         # the state committed it, else undone, before this rank's state is sent anywhere.
         self._grads.settle(self._step, max((s for has, s in reports if has), default=self._step))
@@ -958,6 +966,30 @@ class ElasticJob:
             full = self._grads.capture_full(self.model, self.optimizer, self._progress(), self._extra)
             return full if self._rank == 0 else None
         return self._capture_state() if self._rank == 0 else None
+
+    def _state_incomplete(self, got: list[tuple[int, ...]], has: bool) -> str | None:
+        """Why the ranks holding the state do not hold all of it, or None; the same answer
+        on every rank. `got`: every rank's (holds the state, step, state_key). Replicated
+        (every key 0), the first layout and a restore still pending lose nothing. Ranks
+        whose chunks are of different layouts cannot move them consistently. Else, where
+        ranks crashed or came back without their chunks, only the holders can tell whether
+        a chunk lost every holder: one small all-reduce."""
+        keys = {k for h, _s, k in got if h and k != 0}
+        if len(keys) > 1:
+            return "the ranks holding optimizer-state shards hold them of different layouts"
+        if not keys or min(keys) < 0:
+            return None
+        back = [m for m, (h, _s, _k) in zip(self._plan.members, got) if not h]
+        gone = [*self._plan.lost, *back]
+        if not gone:
+            return None
+        flag = torch.tensor([1.0 if has and self._grads.state_lost(gone) else 0.0], dtype=torch.float64,
+                            device=self._device)
+        if float(collectives.allreduce(self._pg, flag, self._abort, dist.ReduceOp.MAX)[0]) == 0.0:
+            return None
+        said = [f"the crash of {', '.join(self._plan.lost)}"] if self._plan.lost else []
+        said += [f"{', '.join(back)} without their state"] if back else []
+        return f"{' and '.join(said)} left optimizer-state shards with no holder"
 
     def _restore_from_checkpoint(self) -> bool:
         if self._ckpt is None:

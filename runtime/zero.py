@@ -62,6 +62,7 @@ import logging
 import math
 import threading
 import time
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -1386,11 +1387,29 @@ class ShardedPath(gradients.GradientPath):
     def _layout(self, members) -> ShardLayout:
         return shard_layout(self._params, self._opt, [member_of(m) for m in members], self.replicas, self._bucket_mb)
 
+    def state_key(self) -> int | None:
+        """What this rank's optimizer state is, for the generation's agreement
+        (job._sync_state): 0 before any layout was bound (the script's own state, whole);
+        > 0 its chunks of one layout (a digest of the layout: the ranks holding chunks
+        must hold them of the same one); < 0 a restore still to be taken up at reshard
+        (a digest of the checkpoint). None: this rank has the rest of the state but not
+        its chunks: it received the state as a joiner and its reshard did not finish
+        (the generation broke); it must be served again as a rank without state."""
+        if self._pending_ckpt is not None:
+            return -1 - zlib.crc32(json.dumps(self._pending_ckpt, sort_keys=True, default=str).encode())
+        if self._pending_full is not None:
+            return -1
+        if self.sg is None:
+            return None if self._peer_members else 0
+        return 1 + zlib.crc32(self.layout.to_json().encode()) if self.layout is not None else 0
+
     def state_lost(self, lost: tuple[str, ...] | list[str]) -> bool:
-        """True if the crash of `lost` leaves a chunk of the current layout with no
-        live holder (shard_replicas=1): the optimizer state must come from a checkpoint."""
+        """True if the loss of `lost` (crashed, or back without their state) leaves a
+        chunk of the current layout with no live holder (shard_replicas=1, or both
+        replicas of a chunk): the optimizer state must come from a checkpoint. A
+        restore still pending loses nothing."""
         lay = self.layout
-        if lay is None or not lost:
+        if lay is None or not lost or self._pending_ckpt is not None or self._pending_full is not None:
             return False
         gone = set(lost)
         return any(all(lay.members[r].id in gone for r in h) for h in lay.holders)
@@ -1459,9 +1478,9 @@ class ShardedPath(gradients.GradientPath):
             return
         new = ShardedGradients(self._params, self._opt, new_lay, new_members.index(self.members[self.rank]),
                                self.shard)
-        full, self._pending_full = self._pending_full, None
-        ckpt, self._pending_ckpt = self._pending_ckpt, None
-        peers, self._peer_members = self._peer_members, None
+        # Taken up only once the move succeeds (below): a generation that breaks inside it
+        # leaves the restore, or the joiner's source layout, pending for the next one.
+        full, ckpt, peers = self._pending_full, self._pending_ckpt, self._peer_members
         old_lay = self.layout
         if old_lay is None and full is None and ckpt is None and peers:
             old_lay = self._layout(peers)  # a joiner: the layout its state came from
@@ -1483,6 +1502,7 @@ class ShardedPath(gradients.GradientPath):
         new._pg, new._abort = self.pg, self.abort  # full_state_dict before the first step
         self.sg, self.layout = new, new_lay
         self._resend_params = False
+        self._pending_full = self._pending_ckpt = self._peer_members = None
         self._log_move("reshard", len(old_lay.members) if old_lay is not None else 0, len(new_members),
                        t1 - t0, t2 - t1, moved)
 
@@ -1590,6 +1610,7 @@ class ShardedPath(gradients.GradientPath):
         """Adopt a state: from a peer (no optimizer state: it comes by reshard) or
         from a checkpoint (a full optimizer state: every rank loads its chunks at reshard)."""
         opt = saved.get("optimizer") or {}
+        self._pending_full = self._pending_ckpt = None  # what this state says replaces any earlier one
         if opt.get("checkpoint"):
             self._pending_ckpt = dict(opt["checkpoint"])  # a sharded checkpoint: its chunks at reshard
         elif opt.get("state"):

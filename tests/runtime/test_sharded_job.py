@@ -246,6 +246,52 @@ def test_a_generation_aborted_inside_the_parameter_gather_redoes_the_step_exactl
     assert settled and all(f"so it is {outcome}" in w.log_text() for w in settled), c.dump_logs()
 
 
+@pytest.mark.parametrize("shard,replicas,who", [("optimizer", 1, "joiner"), ("gradients", 2, "joiner"),
+                                                ("optimizer", 2, "member")])
+def test_a_join_aborted_inside_its_reshard_loses_nothing(cluster_factory, shard, replicas, who):
+    """Rank 2 joins (2 -> 3); one rank's reshard finishes its transfers, then aborts the
+    generation before that rank takes up the new layout, while the others finished
+    theirs. "joiner": the joiner holds none of its chunks; the next generation must not
+    take it for their holder: it receives the state again and its chunks come from their
+    backups (replicas=2: no step redone) or, where it was their only holder (replicas=1),
+    the newest checkpoint is restored (steps redone) instead of the job ending. "member":
+    one member still holds the old layout's chunks, the others the new one's; they
+    cannot be moved consistently, so the checkpoint is restored. Either way the job
+    trains on at world 3 with the reference's losses and parameters."""
+    c = cluster_factory(min_workers=2)
+    c.script = WORKER
+    c.args = list(ARGS)
+    run = ["--steps", "100000", "--shard", shard, "--shard-replicas", str(replicas), "--checkpoint-every", "4",
+           "--step-sleep", "0.04"]
+    flag = ["--abort-after-join-transfer", who]
+    a, b = c.start(1, [*run, *flag] if who == "member" else run) + c.start(1, run)
+    g = c.wait_world(2, steps_after=3)
+    (d,) = c.start(1, [*run, *flag] if who == "joiner" else run)
+    c.wait_world(3, min_gen=g + 1, steps_after=4, timeout=120)
+    c.stop()
+    c.wait_exit([a, b, d])
+    assert all(w.proc.returncode == 0 for w in (a, b, d)), c.dump_logs()
+    injected = a if who == "member" else d
+    assert f"the join's reshard aborted on the {who}" in injected.log_text(), c.dump_logs()
+    events = c.events()
+    restores = [ev for ev in events if ev["kind"] == "restore" and ev.get("redone_steps") is not None]
+    log = "".join(w.log_text() for w in (a, b, d))
+    if who == "member":
+        assert restores and restores[0]["world_size"] == 3, events
+        assert "hold them of different layouts" in log, c.dump_logs()
+    elif replicas == 2:
+        assert not restores, events
+        gens_of: dict[int, set[int]] = {}
+        for line in c.audit.read_text().splitlines():
+            r = json.loads(line)
+            gens_of.setdefault(r["step"], set()).add(r["generation"])
+        assert all(len(gs) == 1 for gs in gens_of.values()), ("a step was redone", events)
+    else:
+        assert restores and restores[0]["world_size"] == 3, events
+        assert f"{d.id} without their state left optimizer-state shards with no holder" in log, c.dump_logs()
+    check_against_reference(c, [a, b, d], a.read_result()["step"])
+
+
 def test_unsupported_optimizers_and_settings_are_refused_when_the_job_is_built():
     import eltctl_runtime as elt
 
