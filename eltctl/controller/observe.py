@@ -588,8 +588,10 @@ class Observer:
         crashes = self.crashes.get(host.name, {})
         current = self.config_of(host.name)
         stale = {slot for slot, c in crashes.items() if pol.stale_config(c.config, current)}
-        for slot in stale:
-            key = (host.name, slot, crashes[slot].config, crashes[slot].cause)
+        keys = {slot: (host.name, slot, crashes[slot].config, crashes[slot].cause) for slot in stale}
+        # Said once per such crash, and forgotten once the crash is no longer on record.
+        self._stale_logged = {k for k in self._stale_logged if k[0] != host.name or k in keys.values()}
+        for slot, key in keys.items():
             if key not in self._stale_logged:
                 self._stale_logged.add(key)
                 log.info("Host %s: the crash on slot %d (%s) is of a daemon started before the last change of "
