@@ -27,7 +27,13 @@ restart.py keep it beside the group and bury them together, collectives.bury), a
 `clone()` keeps its clones. NCCL calls it for the group's whole life: its watchdog
 polls `check(["exception_dump"])` (seen with torch 2.11 on an H200; a forged
 `exception_dump` reads as absent, counted, so nobody can trigger a dump through it). A job without a secret (run without eltctl's controller)
-has no signatures: `pg_store` gives the plain PrefixStore then.
+has no signatures: `pg_store` gives a `PlainPgStore` then (the PrefixStore, its waits in
+slices as below).
+Every wait of a group's rendezvous goes in slices of at most half a second
+(`storeclient.sliced_wait`, and the keeper's client slices its own): a construction
+abandoned on an abort (its peers never write their addresses) waits on for gloo's 300 s,
+and a client that holds its lock through one long wait would keep the roll call that
+follows, on the same connection, from writing a word until then.
 
 `append` is a read, a concatenation and a signed write: not atomic (neither backend's
 rendezvous appends).
@@ -48,6 +54,7 @@ import torch.distributed as dist
 
 from .auth import ForgedValue, SignedStore
 from .protocol import Keys
+from .storeclient import sliced_wait
 
 __all__ = ["ForgedValue", "PgStore", "pg_store"]
 
@@ -136,10 +143,8 @@ class PgStore(dist.Store):
             got = fetch(full, timeout)
             with self._fetched_lock:
                 self._fetched.update((k, v) for k, v in zip(full, got) if v is not None)
-        elif timeout is None:
-            self._raw.wait(full)
         else:
-            self._raw.wait(full, timeout)
+            sliced_wait(self._raw, full, timeout)
 
     def delete_key(self, key: str) -> bool:
         self._forget(self._key(key))
@@ -162,11 +167,74 @@ class PgStore(dist.Store):
         return True
 
 
+class PlainPgStore(dist.Store):
+    """A job without a secret: the PrefixStore `gen/<g>/pg` over the job's store, whose
+    waits (and gets, which wait for a missing key) go in slices (storeclient.sliced_wait):
+    over c10d's TCPStore, whose client holds its lock through a wait, a group's
+    construction abandoned on an abort would otherwise keep the roll call that follows
+    from writing a word until gloo's 300 s ran out. Kept referenced as long as the group."""
+
+    def __init__(self, job_store: Any, prefix: str) -> None:
+        super().__init__()
+        self._base = job_store
+        self._prefix = prefix
+        self._store = dist.PrefixStore(prefix, job_store)
+        self._timeout: timedelta | None = None
+        self._clones: list[PlainPgStore] = []
+
+    def set(self, key: str, value) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        sliced_wait(self._store, [key], self._timeout)
+        return self._store.get(key)
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        self._store.multi_set(keys, values)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        sliced_wait(self._store, keys, self._timeout)
+        return self._store.multi_get(keys)
+
+    def append(self, key: str, value) -> None:
+        self._store.append(key, value)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._store.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        sliced_wait(self._store, keys, timeout if timeout is not None else self._timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+    def clone(self) -> "PlainPgStore":
+        twin = PlainPgStore(self._base, self._prefix)
+        twin._timeout = self._timeout
+        self._clones.append(twin)
+        return twin
+
+    def has_extended_api(self) -> bool:
+        return True
+
+
 def pg_store(job_store: Any, generation: int) -> Any:
     """The store generation `generation`'s process group forms on: a PgStore when
-    `job_store` (the job-scoped store of membership.job_store) is signed, else the
-    plain PrefixStore `gen/<g>/pg` over it. Keep it referenced while the group lives."""
+    `job_store` (the job-scoped store of membership.job_store) is signed, else a
+    PlainPgStore (the PrefixStore `gen/<g>/pg` over it, its waits in slices). Keep it referenced while the group lives."""
     prefix = Keys.pg_prefix(generation)
     if isinstance(job_store, SignedStore):
         return PgStore(job_store, prefix)
-    return dist.PrefixStore(prefix, job_store)
+    return PlainPgStore(job_store, prefix)

@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from typing import Callable
 
 from eltctl_runtime.sockstore import (Op, Status, StoreClosed, StoreError, StoreRefused, StoreTimeout, _LEN, decode,
                                       encode, parse_spec, unix_connect)
@@ -67,6 +68,35 @@ def _peeked(items: list[bytes]) -> list[bytes | None]:
     return [item[1:] if item[:1] == b"\1" else None for item in items]
 
 
+# A request that waits (GET, WAIT, MULTI_GET of a missing key) holds the connection's lock
+# while the store waits, so it goes out in slices of at most this long: another thread's
+# request on the same client waits at most a slice for the lock. (A process group's
+# construction abandoned on an abort goes on waiting for its peers' addresses for the
+# backend's 300 s; with one long WAIT the roll call behind it could not write a word.)
+_WAIT_SLICE_S = 0.5
+
+
+def sliced_wait(store, keys: list[str], timeout: timedelta | None) -> None:
+    """`store.wait(keys, timeout)` (`timeout` None: the store's) as waits of at most
+    _WAIT_SLICE_S: a client that serializes its requests (c10d's TCPStore holds its lock
+    through a wait) is free for another thread's between them. A wait that fails well
+    before its slice ends (not a timeout: the connection lost) raises at once."""
+    if timeout is None:
+        timeout = getattr(store, "timeout", None)  # the store's own (c10d's stores carry one)
+    total = timeout.total_seconds() if isinstance(timeout, timedelta) else 300.0
+    deadline = time.monotonic() + total
+    while True:
+        left = deadline - time.monotonic()
+        slice_s = min(_WAIT_SLICE_S, max(left, 0.001))
+        t0 = time.monotonic()
+        try:
+            store.wait(keys, timedelta(seconds=slice_s))
+            return
+        except Exception:  # noqa: BLE001 - c10d's timeout is a DistStoreError, a SocketStore's a StoreTimeout
+            if left <= _WAIT_SLICE_S or time.monotonic() - t0 < slice_s / 2:
+                raise
+
+
 class _Wire:
     """The client's protocol: every request, over `self._sock` under `self._lock`, with
     `self._seconds()` the store timeout. No torch: `SocketStore` (a dist.Store, built on
@@ -75,6 +105,17 @@ class _Wire:
 
     def _call(self, op: Op, items: list[bytes], wait_s: float | None = None) -> list[bytes]:
         return self._raise(self._exchange([encode(op, items)], wait_s)[0], wait_s)
+
+    def _waiting(self, frames: Callable[[bytes], list[bytes]], wait_s: float) -> list[tuple[int, list[bytes]]]:
+        """Answers to `frames(timeout_ms)`, whose first request waits: sent again in slices
+        of at most _WAIT_SLICE_S until it is answered or `wait_s` has passed."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            slice_s = min(_WAIT_SLICE_S, max(left, 0.0))
+            answers = self._exchange(frames(str(int(slice_s * 1000)).encode()), slice_s)
+            if answers[0][0] != Status.TIMEOUT or left <= _WAIT_SLICE_S:
+                return answers
 
     def pipeline(self, requests: list[tuple[Op, list[bytes]]]) -> list[list[bytes]]:
         """Several requests sent at once (one write) and their answers read (one round
@@ -148,7 +189,7 @@ class _Wire:
 
     def get(self, key: str) -> bytes:
         wait = self._seconds()
-        return self._call(Op.GET, [_b(key), str(int(wait * 1000)).encode()], wait)[0]
+        return self._raise(self._waiting(lambda ms: [encode(Op.GET, [_b(key), ms])], wait)[0], wait)[0]
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call(Op.ADD, [_b(key), str(int(amount)).encode()])[0])
@@ -158,7 +199,8 @@ class _Wire:
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         wait = self._seconds(timeout)
-        self._call(Op.WAIT, [*(_b(k) for k in keys), str(int(wait * 1000)).encode()], wait)
+        raw = [_b(k) for k in keys]
+        self._raise(self._waiting(lambda ms: [encode(Op.WAIT, [*raw, ms])], wait)[0], wait)
 
     def delete_key(self, key: str) -> bool:
         return self._call(Op.DELETE_KEY, [_b(key)])[0] == b"1"
@@ -171,7 +213,8 @@ class _Wire:
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         wait = self._seconds()
-        return self._call(Op.MULTI_GET, [*(_b(k) for k in keys), str(int(wait * 1000)).encode()], wait)
+        raw = [_b(k) for k in keys]
+        return self._raise(self._waiting(lambda ms: [encode(Op.MULTI_GET, [*raw, ms])], wait)[0], wait)
 
     def multi_set(self, keys: list[str], values: list) -> None:
         if len(keys) != len(values):
@@ -209,8 +252,7 @@ class _Wire:
         so the PEEK sent behind the WAIT is answered once the keys are there)."""
         wait = self._seconds(timeout)
         raw = [_b(k) for k in keys]
-        answers = self._exchange([encode(Op.WAIT, [*raw, str(int(wait * 1000)).encode()]),
-                                  encode(Op.PEEK, raw)], wait)
+        answers = self._waiting(lambda ms: [encode(Op.WAIT, [*raw, ms]), encode(Op.PEEK, raw)], wait)
         self._raise(answers[0], wait)
         return _peeked(self._raise(answers[1], wait))
 
@@ -371,10 +413,7 @@ def _build() -> dict:
             fn = getattr(self.base, "wait_and_peek", None)
             if fn is not None:
                 return fn([self._full(k) for k in keys], timeout)
-            if timeout is None:
-                self.wait(keys)
-            else:
-                self.wait(keys, timeout)
+            sliced_wait(self, keys, timeout)
             return self.peek_many(keys)
 
 
@@ -423,4 +462,4 @@ def connect(spec: str, timeout: float, plain: bool = False):
 
 
 __all__ = ["KeptPrefixStore", "PlainPrefixStore", "PlainSocketStore", "SocketStore", "StoreClosed", "StoreError",
-           "StoreRefused", "StoreTimeout", "connect", "prefix_store"]
+           "StoreRefused", "StoreTimeout", "connect", "prefix_store", "sliced_wait"]

@@ -135,11 +135,18 @@ def test_groups_form_on_signed_values_and_a_forged_one_raises_naming_its_key(ser
     assert js.forgeries.counts() == {"gen/pg": 1}
 
 
-def test_an_unsigned_job_keeps_the_plain_prefix_store(server):
+def test_an_unsigned_job_keeps_plain_values(server):
+    """No secret: the group forms on the plain prefix `gen/<g>/pg` (PlainPgStore: its waits
+    in slices), its values unsigned."""
+    from eltctl_runtime.pgstore import PlainPgStore
+
     store = pg_store(dist.PrefixStore(job_prefix("j"), server), 3)
-    assert type(store) is dist.PrefixStore
+    assert type(store) is PlainPgStore
+    store.set("probe", b"plain")
     _group(store, 0, 1)
-    assert dist.PrefixStore(job_prefix("j"), server).check([_key(3, 0)])
+    plain = dist.PrefixStore(job_prefix("j"), server)
+    assert plain.check([_key(3, 0)])
+    assert plain.get(f"{Keys.pg_prefix(3)}/probe") == b"plain"
 
 
 def test_the_signed_store_passes_counters_through_and_signs_the_rest(server):

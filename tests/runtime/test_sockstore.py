@@ -341,3 +341,43 @@ def test_a_rendezvous_wait_brings_the_value_and_its_get_still_verifies_it(server
     with pytest.raises(StoreTimeout):
         ps.wait(["0/2"], timedelta(seconds=0.2))
     assert ps.get("0/0") == b"rank 0's address"  # the connection stays in step
+
+
+@pytest.mark.parametrize("kind,signed", [("keeper", True), ("keeper", False), ("tcpstore", True),
+                                         ("tcpstore", False)])
+def test_an_abandoned_group_construction_keeps_no_request_of_the_same_client_waiting(server, kind, signed):
+    """A group's construction waits for its peers' addresses (gloo: up to its timeout, 300 s
+    in the job); abandoned on an abort, it goes on waiting in its helper thread while the
+    roll call writes and reads on the same client. Before, one long WAIT held the client's
+    lock (c10d's TCPStore holds it too) and the roll call could not write a word until the
+    wait ran out (a hand-over aborted on one survivor stalled the job 300 s). Now every wait
+    of the rendezvous goes in slices: the roll call's requests pass while it still waits."""
+    from eltctl_runtime import auth
+    from eltctl_runtime.membership import job_store
+    from eltctl_runtime.pgstore import pg_store
+
+    if kind == "keeper":
+        base = client(server, timeout=60)
+    else:
+        host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        base = dist.TCPStore("127.0.0.1", host.port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=60))
+    js = job_store(base, "j", auth.new_secret() if signed else None)
+    formed = {}
+
+    def form(rank: int) -> None:
+        ps = pg_store(js, 7)
+        formed[rank] = dist.ProcessGroupGloo(ps, rank, 2, timedelta(seconds=40))
+        formed[f"store{rank}"] = ps
+
+    first = threading.Thread(target=form, args=(0,), daemon=True)
+    first.start()
+    time.sleep(0.5)  # rank 0 waits for rank 1's address, which nobody writes yet
+    said = threading.Thread(target=lambda: formed.setdefault("said", js.compare_set("gen/7/abort", "", "x")),
+                            daemon=True)
+    said.start()
+    said.join(20)
+    assert formed.get("said") == b"x" and first.is_alive(), formed
+    form(1)  # rank 1 comes after all: the waiting construction completes
+    first.join(30)
+    assert 0 in formed and 1 in formed
