@@ -73,13 +73,14 @@ def break_in_gather(spec: str, how: str) -> None:
     zero.ShardedGradients.gather_params = gather
 
 
-def abort_after_join_transfer(who: str) -> None:
-    """In the first join this worker takes part in, its reshard finishes its transfers,
-    then aborts the generation (once) before this worker takes up the new layout.
-    `who` "joiner": this worker is the joiner (it received all of its chunks and
-    parameters; the members finished and hold the new layout; it holds none of its
-    state). "member": this worker is a member (it keeps the old layout's chunks while the
-    others hold the new one's)."""
+def abort_after_transfers(who: str) -> None:
+    """In the first join or planned leave this worker takes part in as `who`, its reshard
+    finishes its transfers, then aborts the generation (once) before this worker takes
+    up the new layout. "joiner": it joins (it received all of its chunks and parameters;
+    the members finished and hold the new layout; it holds none of its state).
+    "member": a member at a join (it keeps the old layout's chunks while the others
+    hold the new one's). "survivor": a survivor of a planned leave, whose chunks move in
+    the hand-over over the old group (it keeps the old layout's)."""
     from eltctl_runtime import collectives, zero
 
     real = zero.reshard
@@ -88,10 +89,12 @@ def abort_after_join_transfer(who: str) -> None:
     def reshard(old_layout, new_layout, *a, **kw):
         moved = real(old_layout, new_layout, *a, **kw)
         joining = kw.get("old") is None and kw.get("new") is not None
-        growing = kw.get("old") is not None and kw.get("new") is not None and new_layout.world > old_layout.world
-        if not done and (joining if who == "joiner" else growing):
+        both = kw.get("old") is not None and kw.get("new") is not None
+        growing = both and new_layout.world > old_layout.world
+        shrinking = both and new_layout.world < old_layout.world  # a planned leave's hand_over
+        if not done and {"joiner": joining, "member": growing, "survivor": shrinking}[who]:
             done.append(True)
-            raise collectives.Aborted(f"test: the join's reshard aborted on the {who} after its transfers")
+            raise collectives.Aborted(f"test: the reshard aborted on the {who} after its transfers")
         return moved
 
     zero.reshard = reshard
@@ -127,12 +130,13 @@ def main() -> int:
                          "its shard's optimizer step and BUCKETS buckets' all-gathers")
     ap.add_argument("--abort-in-gather", default=None, metavar="STEP:BUCKETS",
                     help="as --die-in-gather, but rank 1 aborts the generation there (once) instead of dying")
-    ap.add_argument("--abort-after-join-transfer", choices=("joiner", "member"), default=None,
-                    help="in its first join, as the joiner or as a member, this worker aborts the generation "
-                         "once right after its reshard's transfers, before it takes up the new layout")
+    ap.add_argument("--abort-after-transfers", choices=("joiner", "member", "survivor"), default=None,
+                    help="in its first join (as the joiner or a member) or planned leave (as a survivor), this "
+                         "worker aborts the generation once right after its reshard's transfers, before it "
+                         "takes up the new layout")
     args = ap.parse_args()
-    if args.abort_after_join_transfer:
-        abort_after_join_transfer(args.abort_after_join_transfer)
+    if args.abort_after_transfers:
+        abort_after_transfers(args.abort_after_transfers)
     if args.die_in_checkpoint is not None:
         die_in_checkpoint(args.die_in_checkpoint)
     if args.die_in_gather is not None:

@@ -247,8 +247,8 @@ def test_a_generation_aborted_inside_the_parameter_gather_redoes_the_step_exactl
 
 
 @pytest.mark.parametrize("shard,replicas,who", [("optimizer", 1, "joiner"), ("gradients", 2, "joiner"),
-                                                ("optimizer", 2, "member")])
-def test_a_join_aborted_inside_its_reshard_loses_nothing(cluster_factory, shard, replicas, who):
+                                                ("optimizer", 2, "member"), ("gradients", 1, "survivor")])
+def test_a_change_aborted_inside_its_reshard_loses_nothing(cluster_factory, shard, replicas, who):
     """Rank 2 joins (2 -> 3); one rank's reshard finishes its transfers, then aborts the
     generation before that rank takes up the new layout, while the others finished
     theirs. "joiner": the joiner holds none of its chunks; the next generation must not
@@ -256,28 +256,36 @@ def test_a_join_aborted_inside_its_reshard_loses_nothing(cluster_factory, shard,
     backups (replicas=2: no step redone) or, where it was their only holder (replicas=1),
     the newest checkpoint is restored (steps redone) instead of the job ending. "member":
     one member still holds the old layout's chunks, the others the new one's; they
-    cannot be moved consistently, so the checkpoint is restored. Either way the job
-    trains on at world 3 with the reference's losses and parameters."""
+    cannot be moved consistently, so the checkpoint is restored. "survivor": the joiner
+    then leaves (3 -> 2) and a survivor's hand-over aborts the same way (the checkpoint
+    is restored at world 2). Either way the job trains on with the reference's losses
+    and parameters."""
     c = cluster_factory(min_workers=2)
     c.script = WORKER
     c.args = list(ARGS)
     run = ["--steps", "100000", "--shard", shard, "--shard-replicas", str(replicas), "--checkpoint-every", "4",
            "--step-sleep", "0.04"]
-    flag = ["--abort-after-join-transfer", who]
-    a, b = c.start(1, [*run, *flag] if who == "member" else run) + c.start(1, run)
+    flag = ["--abort-after-transfers", who]
+    a, b = c.start(1, run if who == "joiner" else [*run, *flag]) + c.start(1, run)
     g = c.wait_world(2, steps_after=3)
     (d,) = c.start(1, [*run, *flag] if who == "joiner" else run)
-    c.wait_world(3, min_gen=g + 1, steps_after=4, timeout=120)
+    g = c.wait_world(3, min_gen=g + 1, steps_after=4, timeout=120)
+    world = 3
+    if who == "survivor":
+        c.leave(d)
+        c.wait_world(2, min_gen=g + 1, steps_after=4, timeout=120)
+        c.wait_exit([d])
+        world = 2
     c.stop()
     c.wait_exit([a, b, d])
     assert all(w.proc.returncode == 0 for w in (a, b, d)), c.dump_logs()
-    injected = a if who == "member" else d
-    assert f"the join's reshard aborted on the {who}" in injected.log_text(), c.dump_logs()
+    injected = d if who == "joiner" else a
+    assert f"the reshard aborted on the {who} after its transfers" in injected.log_text(), c.dump_logs()
     events = c.events()
     restores = [ev for ev in events if ev["kind"] == "restore" and ev.get("redone_steps") is not None]
     log = "".join(w.log_text() for w in (a, b, d))
-    if who == "member":
-        assert restores and restores[0]["world_size"] == 3, events
+    if who != "joiner":
+        assert restores and restores[0]["world_size"] == world, events
         assert "hold them of different layouts" in log, c.dump_logs()
     elif replicas == 2:
         assert not restores, events
@@ -289,7 +297,8 @@ def test_a_join_aborted_inside_its_reshard_loses_nothing(cluster_factory, shard,
     else:
         assert restores and restores[0]["world_size"] == 3, events
         assert f"{d.id} without their state left optimizer-state shards with no holder" in log, c.dump_logs()
-    check_against_reference(c, [a, b, d], a.read_result()["step"])
+    finals = [a, b] if who == "survivor" else [a, b, d]
+    check_against_reference(c, finals, a.read_result()["step"])
 
 
 def test_unsupported_optimizers_and_settings_are_refused_when_the_job_is_built():
