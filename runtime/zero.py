@@ -1387,6 +1387,11 @@ class ShardedPath(gradients.GradientPath):
     def _layout(self, members) -> ShardLayout:
         return shard_layout(self._params, self._opt, [member_of(m) for m in members], self.replicas, self._bucket_mb)
 
+    @property
+    def _restoring(self) -> bool:
+        """A restore (a checkpoint's optimizer state) is still to be taken up at reshard."""
+        return self._pending_ckpt is not None or self._pending_full is not None
+
     def state_key(self) -> int | None:
         """What this rank's optimizer state is, for the generation's agreement
         (job._sync_state): 0 before any layout was bound (the script's own state, whole);
@@ -1409,7 +1414,7 @@ class ShardedPath(gradients.GradientPath):
         replicas of a chunk): the optimizer state must come from a checkpoint. A
         restore still pending loses nothing."""
         lay = self.layout
-        if lay is None or not lost or self._pending_ckpt is not None or self._pending_full is not None:
+        if lay is None or not lost or self._restoring:
             return False
         gone = set(lost)
         return any(all(lay.members[r].id in gone for r in h) for h in lay.holders)
@@ -1445,7 +1450,7 @@ class ShardedPath(gradients.GradientPath):
         sg = self.sg
         if sg is None or not sg.step_in_doubt:
             return
-        if self._pending_full is not None or self._pending_ckpt is not None:
+        if self._restoring:
             sg._undo = None  # restored from a checkpoint: state and parameters come from it
             return
         keep = committed_now > committed_before
@@ -1465,8 +1470,7 @@ class ShardedPath(gradients.GradientPath):
         # formed again with the same members), no restore is pending and no rank settled a
         # broken all-gather (its parameters are resent). Whether one did is this rank's own
         # knowledge, so the ranks agree (one small all-reduce) before any of them skips.
-        moves = not (sg is not None and new_lay == self.layout and self._pending_full is None
-                     and self._pending_ckpt is None and not self._resend_params
+        moves = not (sg is not None and new_lay == self.layout and not self._restoring and not self._resend_params
                      and sg.rank == new_lay.rank_of(self.members[self.rank]))
         flag = torch.tensor([1.0 if moves else 0.0], dtype=torch.float64, device=self.device)
         _wait(collectives.allreduce_async(self.pg, flag, dist.ReduceOp.MAX), self.abort)
@@ -1596,7 +1600,7 @@ class ShardedPath(gradients.GradientPath):
         """What a joiner (or a lagging rank) receives: everything replicated; the
         parameters only when no live layout holds them (the first start, a restore);
         the full optimizer state only when it came from a checkpoint."""
-        with_params = self.layout is None or self._pending_full is not None or self._pending_ckpt is not None
+        with_params = self.layout is None or self._restoring
         opt = {"state": self._pending_full["state"] if self._pending_full is not None else {},
                "param_groups": copy.deepcopy(optimizer.state_dict()["param_groups"])}
         if self._pending_ckpt is not None:
