@@ -530,8 +530,9 @@ class Supervisor:
         self._starts += 1
         now = time.monotonic()
         log.info("supervisor %s: started the script (pid %d, %s) as rank %d of %d in generation %d (%s), "
-                 "restart %d, snapshot %d", me, self._child.proc.pid, "warm" if self._child_warm else "cold",
-                 self._rank, plan.world_size, plan.generation, plan.kind.value, restarts, counter)
+                 "restart %d, snapshot %d; its store (MASTER_ADDR:MASTER_PORT) %s:%s", me, self._child.proc.pid,
+                 "warm" if self._child_warm else "cold", self._rank, plan.world_size, plan.generation,
+                 plan.kind.value, restarts, counter, addr, port)
         if self._rank == 0:  # every generation's start is an event, the job's first too
             kind = EventKind.RESTORE if restored else (self._change_kind or plan.kind)
             pause = round(now - self._t_change, 4) if self._t_change is not None else None

@@ -6,26 +6,48 @@ every TCP listener of the job's processes is found from /proc (tests/testbed/att
 and, as `nobody`, probed: connect, write a c10d store key.
 
 What must hold: no process of the job listens on a wildcard address (0.0.0.0 or ::: the
-LAN would reach it), and the script's rendezvous store (MASTER_ADDR:MASTER_PORT in the
-workers' environment) is held by a process of the job bound to MASTER_ADDR alone. The
-script's store itself is the data plane's (torchrun's, unauthenticated, reachable on the
-peers' address): what `nobody` can do there is printed, not asserted.
+LAN would reach it), and the script's rendezvous store (MASTER_ADDR:MASTER_PORT, as each
+supervisor's log gives it for the script it started) is held by a process of the job bound
+to MASTER_ADDR alone. The script's store itself is the data plane's (torchrun's,
+unauthenticated, reachable on the peers' address): what `nobody` can do there is printed,
+not asserted.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 
 from tests.testbed import attacker
-from tests.testbed.jobenv import POLICY, REPO, job_env_on, proc_env, wait_for
+from tests.testbed.jobenv import POLICY, REPO, job_env_on, wait_for
 from tests.testbed.scriptlog import ScriptLog
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(400)]
 
 WILDCARD = ("0.0.0.0", "::")
+# the supervisor's line for each script it starts (runtime/restart.py)
+STARTED = re.compile(r"started the script \(pid (\d+), (?:warm|cold)\).*its store \(MASTER_ADDR:MASTER_PORT\) (\S+):(\d+)$",
+                     re.M)
+
+
+def scripts_stores(bed_dir, job: str, processes: dict[int, str]) -> set[tuple[str, str]]:
+    """MASTER_ADDR:MASTER_PORT of each running script, from the supervisors' logs (a warm
+    interpreter takes the script's environment after its start, so /proc/<pid>/environ
+    holds it only for a script started cold): the newest start of each worker log, if that
+    script still runs."""
+    out = set()
+    for f in sorted(Path(bed_dir).glob(f"*/home/.eltctl/jobs/{job}/*/workers/*.log")):
+        try:
+            starts = STARTED.findall(f.read_text(errors="replace"))
+        except OSError:
+            continue
+        if starts and int(starts[-1][0]) in processes:
+            out.add((starts[-1][1], starts[-1][2]))
+    return out
 
 
 def test_restart_mode_listens_on_no_wildcard_address_and_holds_the_scripts_store(testbed):
@@ -51,8 +73,7 @@ def test_restart_mode_listens_on_no_wildcard_address_and_holds_the_scripts_store
         def snapshot():
             processes = attacker.job_processes(je)
             sockets = [s for s in attacker.listening_sockets(processes) if s.kind == "tcp"]
-            envs = [proc_env(pid) for pid in processes]  # the scripts (below each worker's supervisor) hold them
-            masters = {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs if e.get("MASTER_PORT")}
+            masters = scripts_stores(testbed.dir, je.job, processes)
             return processes, sockets, masters
 
         def settled():  # the scripts run (a busy machine may restart them: wait for one generation)
