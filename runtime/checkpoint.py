@@ -273,6 +273,13 @@ def check_dir(path: Path | str) -> CheckpointInfo:
     Returns its CheckpointInfo; raises InvalidCheckpoint saying what is wrong.
     """
     path = Path(path)
+    m = _check_sizes(path)
+    _check_hashes(path, m)
+    return _info_from_manifest(path, m)
+
+
+def _check_sizes(path: Path) -> dict[str, Any]:
+    """check_dir's quick half: the manifest, and every file it lists there at its size."""
     m = read_manifest(path)
     for name, entry in m["files"].items():
         if "/" in name or name in ("", ".", ".."):
@@ -284,6 +291,11 @@ def check_dir(path: Path | str) -> CheckpointInfo:
             raise InvalidCheckpoint(f"{path}: {name} is missing: {exc}") from exc
         if size != entry["size"]:
             raise InvalidCheckpoint(f"{path}: {name} has {size} bytes, the manifest says {entry['size']} (truncated?)")
+    return m
+
+
+def _check_hashes(path: Path, m: Mapping[str, Any]) -> None:
+    """check_dir's slow half: every file's sha256 against the manifest `m`."""
     names = list(m["files"])
     for name, digest in zip(names, _sha256_files([path / name for name in names])):
         if isinstance(digest, OSError):
@@ -291,7 +303,32 @@ def check_dir(path: Path | str) -> CheckpointInfo:
         want = m["files"][name]["sha256"]
         if digest != want:
             raise InvalidCheckpoint(f"{path}: {name} sha256 {digest[:12]}... differs from the manifest's {want[:12]}...")
-    return _info_from_manifest(path, m)
+
+
+class PendingCheck:
+    """A checkpoint's files being hashed on threads while its state is loaded and
+    applied (CheckpointStore.latest_for_restore); `confirm()` waits for the hashes."""
+
+    def __init__(self, path: Path, manifest: Mapping[str, Any]) -> None:
+        self.path = path
+        self._error: InvalidCheckpoint | None = None
+        self._thread = threading.Thread(target=self._run, args=(manifest,), name="eltctl-verify", daemon=True)
+        self._thread.start()
+
+    def _run(self, manifest: Mapping[str, Any]) -> None:
+        try:
+            _check_hashes(self.path, manifest)
+        except InvalidCheckpoint as exc:
+            self._error = exc
+        except Exception as exc:  # noqa: BLE001 - whatever stops the check fails it
+            self._error = InvalidCheckpoint(f"{self.path}: cannot be verified: {exc!r}")
+
+    def confirm(self) -> None:
+        """Wait for the hashes; raises InvalidCheckpoint (saying which file differs) if one
+        does not match the manifest."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def verify_dir(path: Path | str) -> CheckpointInfo | None:
@@ -761,6 +798,46 @@ class CheckpointStore:
         from the files, load_optimizer_chunks). `mmap`: state.pt's tensors map the file."""
         return load_state(info.path, assemble=assemble, mmap=mmap)
 
+    def latest_for_restore(self, assemble: bool = True,
+                           mmap: bool = False) -> tuple[CheckpointInfo, dict, PendingCheck | None] | None:
+        """As latest_valid, but where an older checkpoint is there to fall back on, the
+        newest is loaded while its files are hashed (on threads: the restore's copies and
+        transfers go on meanwhile; hashing a 600 MB checkpoint takes about as long as
+        taking it up). Then the third item is that check: the caller must `confirm()` it
+        before it uses the state (trains with it, sends it on), and if that raises
+        InvalidCheckpoint, drop what it loaded and call latest_valid(), which checks the
+        files before it loads them (it skips the bad one). Otherwise the third item is
+        None: the checkpoint was checked first, as by latest_valid."""
+        with self._cond:
+            idle = not self._writing
+        if idle:
+            self.cleanup()
+        infos = self.list()
+        if len(infos) >= 2:
+            newest = infos[0]
+            try:
+                m = _check_sizes(newest.path)
+            except InvalidCheckpoint as exc:
+                log.warning("Skipping checkpoint of step %d: %s", newest.step, exc)
+            else:
+                check = PendingCheck(newest.path, m)
+                try:
+                    state = self.load(newest, assemble=assemble, mmap=mmap)
+                except Exception as exc:  # noqa: BLE001 - unreadable: the older ones, checked first
+                    log.warning("Skipping checkpoint of step %d: %s does not load: %s", newest.step,
+                                newest.state_file, exc)
+                    try:
+                        check.confirm()  # its reads end before the fall-back reads the others
+                    except InvalidCheckpoint:
+                        pass
+                else:
+                    log.info("Restoring from the checkpoint of step %d in %s (its files are hashed meanwhile).",
+                             newest.step, newest.path)
+                    return newest, state, check
+            infos = infos[1:]
+        found = self._first_valid(infos, assemble, mmap)
+        return (*found, None) if found is not None else None
+
     def latest_valid(self, assemble: bool = True, mmap: bool = False) -> tuple[CheckpointInfo, dict] | None:
         """The newest checkpoint that verifies and loads, with its state; older ones if newer
         are bad. `assemble`, `mmap`: as for `load`."""
@@ -768,7 +845,11 @@ class CheckpointStore:
             idle = not self._writing
         if idle:
             self.cleanup()
-        for info in self.list():
+        return self._first_valid(self.list(), assemble, mmap)
+
+    def _first_valid(self, infos: list[CheckpointInfo], assemble: bool,
+                     mmap: bool) -> tuple[CheckpointInfo, dict] | None:
+        for info in infos:
             try:
                 check_dir(info.path)
             except InvalidCheckpoint as exc:

@@ -183,6 +183,11 @@ class ElasticJob:
         self._shard = shard
         self._redone_steps: int | None = None  # a crash lost shards: steps redone from checkpoints, in all
         self._redo_from: int | None = None  # this generation restores after lost shards: the step it was at
+        # A restore takes the newest checkpoint up while its files are hashed (_restore_from_checkpoint);
+        # the generation confirms the hashes before its first step (_restore_confirmed).
+        self._pending_check = None  # checkpoint.PendingCheck of the restore this rank read, until confirmed
+        self._unconfirmed = False  # this rank's state came from a restore whose hashes are not confirmed yet
+        self._check_first = False  # the last restore's checkpoint failed its hashes: check before loading
         self._buffers = gradients.BufferSync(model)
         self._after_commit: tuple[bool, set[str] | None] | None = None
         self._hooks: list = []
@@ -778,6 +783,16 @@ class ElasticJob:
         self._mark("state")  # the state agreed (a step dropped halfway settled in _sync_state)
         self._grads.reshard(self._members_before, plan.members)
         self._mark("reshard")
+        if restored:
+            had_state = self._has_state_before
+            while restored and not self._restore_confirmed():
+                # The checkpoint taken up failed its hashes: every rank drops what it took up
+                # and the source restores the newest that verifies, checked before it is loaded.
+                self._has_state = False
+                restored = self._sync_state()
+                self._grads.reshard(plan.members, plan.members)
+            self._has_state_before = had_state
+            self._mark("restore_check")  # the wait for the checkpoint's hashes, past the reshard
         self._members_before = plan.members
         # Every generation's first commit is an event (rank 0 writes it), the job's first start too.
         kind = EventKind.RESTORE if restored else plan.kind
@@ -810,6 +825,13 @@ class ElasticJob:
 
     def _sync_state(self) -> bool:
         """Agree on the training state; returns True if it came from a checkpoint."""
+        if self._unconfirmed:
+            # The generation of a restore broke before the checkpoint's hashes were confirmed
+            # (_restore_confirmed): what this rank took up (read, or received from the
+            # restoring rank) is not trusted; the checkpoint is restored again.
+            self._unconfirmed = False
+            self._has_state = False
+            self._check_pending()
         self._has_state_before = self._has_state
         # Each rank: whether it holds the state (sharded: its chunks too), its step, and
         # which state its part is of (gradients.GradientPath.state_key).
@@ -838,6 +860,7 @@ class ElasticJob:
             if transfer.restore:
                 restored = self._restore_from_checkpoint()
             self._has_state = True
+            self._unconfirmed = restored
             return restored
         need = receivers(reports, transfer)
         if self._rank == transfer.source:
@@ -874,7 +897,39 @@ class ElasticJob:
         if self._rank in need:  # a member at the source's step holds its state already
             self._apply_state(state_mod.unpack(state_mod.tensor_bytes(hbuf), flat))
         self._has_state = True
+        self._unconfirmed = bool(sizes[2])
         return bool(sizes[2])
+
+    def _check_pending(self) -> bool:
+        """Wait for the hashes of the checkpoint this rank restored from, if any are being
+        checked; False (and the next restore checks before it loads) if a file differs."""
+        check, self._pending_check = self._pending_check, None
+        if check is None:
+            return True
+        from .checkpoint import InvalidCheckpoint
+
+        try:
+            check.confirm()
+        except InvalidCheckpoint as exc:
+            log.warning("worker %s: the checkpoint restored is damaged (%s); its state is dropped for the "
+                        "newest checkpoint that verifies", self.worker_id, exc)
+            self._check_first = True
+            return False
+        return True
+
+    def _restore_confirmed(self) -> bool:
+        """After a restore, before the first step: whether the checkpoint's files, hashed
+        while it was taken up, match its manifest (the restoring rank's answer, on every
+        rank: one small all-reduce)."""
+        bad = 0.0 if self._check_pending() else 1.0
+        if self.world_size > 1:
+            flag = torch.tensor([bad], dtype=torch.float64, device=self._device)
+            bad = float(collectives.allreduce(self._pg, flag, self._abort, dist.ReduceOp.MAX)[0])
+        self._unconfirmed = False
+        if bad:
+            self._check_first = True
+            return False
+        return True
 
     def _capture_state(self) -> dict:
         """The training state as data (state.capture, through the gradient path):
@@ -999,10 +1054,25 @@ class ElasticJob:
         # state is not assembled: each rank takes its own chunks from the shard files at reshard
         # (ShardedPath._restore_chunks), so the full state is neither built nor sent.
         sharded = self._shard is not None
-        found = self._ckpt.latest_valid(assemble=not sharded, mmap=sharded)
-        if found is None:
-            return False
-        info, saved = found
+        # The newest checkpoint is taken up while its files are hashed (confirmed before the
+        # first step: _restore_confirmed); after one failed, checked before it is loaded.
+        if self._check_first:
+            found = self._ckpt.latest_valid(assemble=not sharded, mmap=sharded)
+            if found is None:
+                from .checkpoint import CheckpointError
+
+                raise CheckpointError(
+                    f"the newest checkpoint in {self._ckpt.directory} was damaged (see the warning above) and "
+                    f"no older one there verifies: the model now holds the damaged one's values, so the job "
+                    f"cannot go on from them. Move the step-* directories there away to start from step 0, "
+                    f"or put a good checkpoint there (eltctl checkpoints)")
+            info, saved = found
+            self._check_first = False
+        else:
+            found = self._ckpt.latest_for_restore(assemble=not sharded, mmap=sharded)
+            if found is None:
+                return False
+            info, saved, self._pending_check = found
         if sharded:
             from .checkpoint import is_sharded
 

@@ -21,6 +21,7 @@ from eltctl_runtime.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
+    InvalidCheckpoint,
     expired_steps,
     parse_step_dirname,
     snapshot,
@@ -223,6 +224,53 @@ def test_one_flipped_byte_in_the_newest_is_skipped_for_the_previous(tmp_path, ca
     assert info.step == 200
     assert torch.equal(state["w"], small_state(200)["w"])
     assert "sha256" in caplog.text
+
+
+def _flip_middle_byte(path: Path) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_restore_takes_the_newest_up_while_hashing_it_and_a_flipped_byte_fails_its_confirm(tmp_path, caplog):
+    """latest_for_restore (the job's restore) loads the newest checkpoint while its files
+    are hashed: the state comes back with a check to confirm before it is used. A flipped
+    byte (same size: only the hash can tell) loads, then fails confirm() naming the file;
+    latest_valid, asked then, checks first and gives the one before."""
+    store, infos = _three_checkpoints(tmp_path)
+    info, state, check = store.latest_for_restore()
+    assert info.step == 300 and state["step"] == 300 and check is not None
+    check.confirm()  # intact: no error
+
+    _flip_middle_byte(infos[-1].state_file)
+    info, state, check = store.latest_for_restore()
+    assert info.step == 300 and check is not None  # taken up before the hashes are known
+    with pytest.raises(InvalidCheckpoint, match=r"state\.pt sha256"):
+        check.confirm()
+    with caplog.at_level(logging.WARNING, logger="eltctl_runtime.checkpoint"):
+        info, state = store.latest_valid()
+    assert info.step == 200 and torch.equal(state["w"], small_state(200)["w"])
+    assert "step 300" in caplog.text and "sha256" in caplog.text
+
+
+def test_a_restore_checks_first_where_nothing_older_is_there_or_the_newest_is_truncated(tmp_path):
+    """With no older checkpoint to fall back on, the only one is checked before it is
+    loaded (a damaged one must not reach the model: None, as latest_valid); a newest of
+    the wrong size is skipped at once, without being loaded."""
+    store = CheckpointStore(tmp_path / "one", keep=3)
+    only = store.save(100, small_state(100))
+    info, state, check = store.latest_for_restore()
+    assert info.step == 100 and check is None
+    _flip_middle_byte(only.state_file)
+    assert store.latest_for_restore() is None
+
+    store, infos = _three_checkpoints(tmp_path / "three")
+    os.truncate(infos[-1].state_file, infos[-1].size // 2)
+    info, state, check = store.latest_for_restore()
+    assert info.step == 200 and state["step"] == 200 and check is None  # checked before loading
 
 
 def test_a_checkpoint_of_several_files_is_hashed_file_by_file_and_names_the_bad_one(tmp_path):

@@ -301,6 +301,46 @@ def test_a_change_aborted_inside_its_reshard_loses_nothing(cluster_factory, shar
     check_against_reference(c, finals, a.read_result()["step"])
 
 
+@pytest.mark.parametrize("shard", [None, "optimizer"])
+def test_a_restore_whose_newest_checkpoint_is_damaged_takes_up_the_one_before_and_trains_exactly(
+        cluster_factory, shard):
+    """Both workers die; one byte of the newest checkpoint is flipped (same size: only its
+    hash can tell), in a shard file when sharded. The two new workers' restore takes that
+    checkpoint up while its files are hashed (rank 0 reads it, rank 1 receives it or reads
+    its chunks); the hashes fail before the first step, so both drop what they took up and
+    the one before is restored, checked first. The job finishes with the reference's
+    losses and parameters, every sample of an epoch seen once."""
+    c = cluster_factory(min_workers=2)
+    c.script = WORKER
+    c.args = list(ARGS)
+    steps = 24
+    run = ["--steps", str(steps), "--checkpoint-every", "4", "--step-sleep", "0.03",
+           *(["--shard", shard] if shard else [])]
+    a, b = c.start(2, run)
+    c.wait_for(lambda: len(list(c.ckpt.glob("step-*"))) >= 2 and c.progress()[0] >= 10, 90, "two checkpoints")
+    c.kill(a)
+    c.kill(b)
+    c.wait_exit([a, b])
+    dirs = sorted(c.ckpt.glob("step-*"))
+    newest, before = dirs[-1], dirs[-2]
+    damaged = newest / ("optimizer-00001-of-00002.pt" if shard else "state.pt")
+    size = damaged.stat().st_size
+    with open(damaged, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    e, f = c.start(2, run)
+    c.wait_exit([e, f], timeout=180)
+    assert e.proc.returncode == 0 and f.proc.returncode == 0, c.dump_logs()
+    log = e.log_text() + f.log_text()
+    assert "its files are hashed meanwhile" in log, c.dump_logs()  # taken up before its hashes were known
+    assert "the checkpoint restored is damaged" in log and f"{damaged.name} sha256" in log, c.dump_logs()
+    restores = [ev for ev in c.events() if ev["kind"] == "restore"]
+    assert restores and restores[-1]["from_step"] == int(before.name.split("-")[1]), (before, restores)
+    check_against_reference(c, [e, f], steps)
+
+
 def test_unsupported_optimizers_and_settings_are_refused_when_the_job_is_built():
     import eltctl_runtime as elt
 
