@@ -294,30 +294,35 @@ def _check_sizes(path: Path) -> dict[str, Any]:
     return m
 
 
-def _check_hashes(path: Path, m: Mapping[str, Any]) -> None:
-    """check_dir's slow half: every file's sha256 against the manifest `m`."""
-    names = list(m["files"])
+def _check_hashes(path: Path, m: Mapping[str, Any], names: Iterable[str] | None = None) -> None:
+    """check_dir's slow half: every file's sha256 (or those of `names`) against the manifest `m`."""
+    names = list(m["files"]) if names is None else list(names)
     for name, digest in zip(names, _sha256_files([path / name for name in names])):
         if isinstance(digest, OSError):
             raise InvalidCheckpoint(f"{path}: {name} cannot be read: {digest}") from digest
-        want = m["files"][name]["sha256"]
+        try:
+            want = m["files"][name]["sha256"]
+        except (KeyError, TypeError) as exc:
+            raise InvalidCheckpoint(f"{path}: {MANIFEST_FILE} lists no sha256 for {name}") from exc
         if digest != want:
             raise InvalidCheckpoint(f"{path}: {name} sha256 {digest[:12]}... differs from the manifest's {want[:12]}...")
 
 
 class PendingCheck:
-    """A checkpoint's files being hashed on threads while its state is loaded and
-    applied (CheckpointStore.latest_for_restore); `confirm()` waits for the hashes."""
+    """A checkpoint's files (all its manifest lists, or `names`) being hashed on threads
+    while its state is loaded and applied (CheckpointStore.latest_for_restore, the job's
+    restore on the other ranks, restore_chunks); `confirm()` waits for the hashes."""
 
-    def __init__(self, path: Path, manifest: Mapping[str, Any]) -> None:
-        self.path = path
+    def __init__(self, path: Path | str, manifest: Mapping[str, Any], names: Iterable[str] | None = None) -> None:
+        self.path = Path(path)
         self._error: InvalidCheckpoint | None = None
-        self._thread = threading.Thread(target=self._run, args=(manifest,), name="eltctl-verify", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(manifest, None if names is None else list(names)),
+                                        name="eltctl-verify", daemon=True)
         self._thread.start()
 
-    def _run(self, manifest: Mapping[str, Any]) -> None:
+    def _run(self, manifest: Mapping[str, Any], names: list[str] | None) -> None:
         try:
-            _check_hashes(self.path, manifest)
+            _check_hashes(self.path, manifest, names)
         except InvalidCheckpoint as exc:
             self._error = exc
         except Exception as exc:  # noqa: BLE001 - whatever stops the check fails it
@@ -1290,7 +1295,8 @@ def verify_shard_files(path: Path, manifest: Mapping[str, Any], chunks: list[int
             raise InvalidCheckpoint(f"{path}: {fname} does not match its sha256 in {MANIFEST_FILE}")
 
 
-def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: Any = None) -> dict[str, Any]:
+def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: Any = None,
+                   checks: list | None = None) -> dict[str, Any]:
     """Every rank of `pg` (pg rank == `sg`'s layout rank) takes its chunks of the sharded
     checkpoint one rank restored from (`ckpt`: its "path", state.pt's "sha256" and the
     "host" it was read on; the job's restore sends it with the rest of the state). When
@@ -1298,7 +1304,9 @@ def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: 
     storage, or with the same checkpoint there), each reads only its own chunks out of the
     memory-mapped shard files (load_optimizer_chunks: no full state is built, nothing
     travels); a rank on another host first hashes the shard files it reads (the restoring
-    rank verified those on its own host). Else the lowest rank that has the files
+    rank verified those on its own host); with `checks` (a list) it hashes them on threads
+    while it reads them instead, and appends that PendingCheck for the caller to confirm
+    before the state is used. Else the lowest rank that has the files
     assembles the full state and broadcasts it, and every rank takes its chunks of it.
     A collective. Returns what it did, for the log."""
     import copy
@@ -1314,8 +1322,14 @@ def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: 
         manifest = read_manifest(path)
         has = manifest["files"][STATE_FILE]["sha256"] == ckpt["sha256"]
         if has and verify and manifest["sharded"]["step"]:
-            verify_shard_files(path, manifest, zero.checkpoint_chunks_needed(sg, manifest["sharded"]))
-    except (InvalidCheckpoint, KeyError, TypeError) as exc:
+            need = zero.checkpoint_chunks_needed(sg, manifest["sharded"])
+            if checks is None:
+                verify_shard_files(path, manifest, need)
+            else:
+                names = [manifest["sharded"]["files"][j] for j in need]
+                _check_sizes(path)
+                checks.append(PendingCheck(path, manifest, names))
+    except (InvalidCheckpoint, KeyError, TypeError, IndexError) as exc:
         if verify and path.exists():
             log.warning("checkpoint %s: this rank cannot take its chunks from it here (%s); they come from "
                         "a rank that can", path, exc)
@@ -1326,8 +1340,9 @@ def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: 
     holders = [r for r, f in enumerate(flags.tolist()) if f > 0]
     groups = copy.deepcopy(sg.optimizer.state_dict()["param_groups"])
     if len(holders) == pg.size():
-        load_optimizer_chunks(path, sg, groups, manifest)  # verified above where it had to be
-        return {"restored_chunks_from_files_s": round(time.perf_counter() - t0, 4), "verified_here": verify}
+        load_optimizer_chunks(path, sg, groups, manifest)  # verified above where it had to be, or being hashed
+        return {"restored_chunks_from_files_s": round(time.perf_counter() - t0, 4), "verified_here": verify,
+                "hashed_meanwhile": verify and checks is not None}
     if not holders:
         raise CheckpointError(f"no rank can read the sharded checkpoint {path} the job restored from")
     src = holders[0]

@@ -36,6 +36,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -180,12 +181,15 @@ class ElasticJob:
         self._params = [p for p in model.parameters() if p.requires_grad]
         # How the step's gradients are reduced and applied (gradients.py: the seam).
         self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb, shard_replicas)
+        if shard is not None:
+            self._grads.restore_chunks = self._restore_chunks  # a restore's chunks from the shard files
         self._shard = shard
         self._redone_steps: int | None = None  # a crash lost shards: steps redone from checkpoints, in all
         self._redo_from: int | None = None  # this generation restores after lost shards: the step it was at
         # A restore takes the newest checkpoint up while its files are hashed (_restore_from_checkpoint);
         # the generation confirms the hashes before its first step (_restore_confirmed).
-        self._pending_check = None  # checkpoint.PendingCheck of the restore this rank read, until confirmed
+        self._pending_checks: list = []  # checkpoint.PendingCheck of what this rank restored, until confirmed
+        self._restored: dict | None = None  # the checkpoint this rank restored last: path, sha256, host
         self._unconfirmed = False  # this rank's state came from a restore whose hashes are not confirmed yet
         self._check_first = False  # the last restore's checkpoint failed its hashes: check before loading
         self._buffers = gradients.BufferSync(model)
@@ -856,29 +860,60 @@ class ElasticJob:
         if not transfer.needed:
             return False
         restored = False
-        if self.world_size == 1:  # the one rank is the source: nobody to send the state to
-            if transfer.restore:
-                restored = self._restore_from_checkpoint()
-            self._has_state = True
-            self._unconfirmed = restored
+        if transfer.restore:
+            restored = self._restore_together(transfer.source)
+        else:
+            self._send_state(transfer.source, receivers(reports, transfer))
+        self._has_state = True
+        self._unconfirmed = restored  # until _restore_confirmed
+        return restored
+
+    def _restore_together(self, src: int) -> bool:
+        """No rank holds the state: rank `src` restores the newest checkpoint; every other
+        rank that can read that same checkpoint (on the source's host, or shared storage)
+        takes the state from it itself, and only the rest receive it from the source (at
+        world 4 on 2 cores, receiving the 50 M-parameter model took 0.8 s of a SIGKILL's
+        pause). No checkpoint: the source's own state goes to every rank (a first start).
+        Returns whether a checkpoint was restored."""
+        restored = self._restore_from_checkpoint() if self._rank == src else False
+        if self.world_size == 1:
             return restored
-        need = receivers(reports, transfer)
-        if self._rank == transfer.source:
-            if transfer.restore:
-                restored = self._restore_from_checkpoint()
+        desc = self._broadcast_json(self._restored if restored else None, src)
+        local = self._rank != src and desc is not None and self._restore_here(desc)
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=self._device)
+        flags[self._rank] = int(local)
+        flags = collectives.allreduce(self._pg, flags, self._abort).cpu()
+        self._send_state(src, [r for r in range(self.world_size) if r != src and not flags[r]])
+        return desc is not None
+
+    def _broadcast_json(self, obj: Any, src: int) -> Any:
+        """A small JSON value from rank `src` to every rank."""
+        data = json.dumps(obj).encode() if self._rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        size = collectives.broadcast(self._pg, size.to(self._device), src, self._abort).cpu()
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self._rank == src
+               else torch.zeros(int(size[0]), dtype=torch.uint8))
+        buf = collectives.broadcast(self._pg, buf.to(self._device), src, self._abort).cpu()
+        return json.loads(bytes(state_mod.tensor_bytes(buf)))
+
+    def _send_state(self, src: int, need: list[int]) -> None:
+        """The source's state to the ranks of `need` (the others hold it already, or took it
+        from the checkpoint themselves)."""
+        if not need:
+            return
+        if self._rank == src:
             header, flat = state_mod.pack(self._capture_state())
-            sizes = torch.tensor([len(header), flat.numel(), int(restored)], dtype=torch.int64)
+            sizes = torch.tensor([len(header), flat.numel()], dtype=torch.int64)
             hbuf = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        src = transfer.source
-        # Only some ranks lack the state (a join, a rank that missed a commit): on gloo the
-        # source sends it to them alone. A broadcast would have every member receive it, the
-        # members that hold it already included (at world 4 on 2 cores, a join's 600 MB to
-        # three ranks: 4-7 s against 1.6-2.7 s at world 2). NCCL keeps the broadcast (its pair
-        # streams would be formed here, in the pause); the members skip the unpack either way.
+        # Only some ranks lack the state (a join, a rank that missed a commit, a restore's
+        # ranks that cannot read the checkpoint): on gloo the source sends it to them alone.
+        # A broadcast would have every member receive it, the members that hold it already
+        # included (at world 4 on 2 cores, a join's 600 MB to three ranks: 4-7 s against
+        # 1.6-2.7 s at world 2). NCCL keeps the broadcast (its pair streams would be formed
+        # here, in the pause); the members skip the unpack either way.
         p2p = self._device.type == "cpu" and len(need) < self.world_size - 1
         if p2p and self._rank != src and self._rank not in need:
-            self._has_state = True
-            return False  # (a restore has every rank receive)
+            return
 
         def move(t: torch.Tensor, tag: int) -> torch.Tensor:
             """`t` from the source to the receivers (the source's own comes back)."""
@@ -889,33 +924,33 @@ class ElasticJob:
             collectives.wait_p2p(works, self._abort, "the state's transfer")
             return t
 
-        sizes = move(sizes if self._rank == src else torch.zeros(3, dtype=torch.int64), 0)
+        sizes = move(sizes if self._rank == src else torch.zeros(2, dtype=torch.int64), 0)
         if self._rank != src:
             hbuf = torch.empty(int(sizes[0]), dtype=torch.uint8)
             flat = torch.empty(int(sizes[1]), dtype=torch.uint8)
         hbuf, flat = move(hbuf, 1), move(flat, 2)
         if self._rank in need:  # a member at the source's step holds its state already
             self._apply_state(state_mod.unpack(state_mod.tensor_bytes(hbuf), flat))
-        self._has_state = True
-        self._unconfirmed = bool(sizes[2])
-        return bool(sizes[2])
 
     def _check_pending(self) -> bool:
         """Wait for the hashes of the checkpoint this rank restored from, if any are being
         checked; False (and the next restore checks before it loads) if a file differs."""
-        check, self._pending_check = self._pending_check, None
-        if check is None:
+        checks, self._pending_checks = self._pending_checks, []
+        if not checks:
             return True
         from .checkpoint import InvalidCheckpoint
 
-        try:
-            check.confirm()
-        except InvalidCheckpoint as exc:
-            log.warning("worker %s: the checkpoint restored is damaged (%s); its state is dropped for the "
-                        "newest checkpoint that verifies", self.worker_id, exc)
+        ok = True
+        for check in checks:  # every one waited for: none is left hashing
+            try:
+                check.confirm()
+            except InvalidCheckpoint as exc:
+                log.warning("worker %s: the checkpoint restored is damaged (%s); its state is dropped for the "
+                            "newest checkpoint that verifies", self.worker_id, exc)
+                ok = False
+        if not ok:
             self._check_first = True
-            return False
-        return True
+        return ok
 
     def _restore_confirmed(self) -> bool:
         """After a restore, before the first step: whether the checkpoint's files, hashed
@@ -926,10 +961,8 @@ class ElasticJob:
             flag = torch.tensor([bad], dtype=torch.float64, device=self._device)
             bad = float(collectives.allreduce(self._pg, flag, self._abort, dist.ReduceOp.MAX)[0])
         self._unconfirmed = False
-        if bad:
-            self._check_first = True
-            return False
-        return True
+        self._check_first = bool(bad)  # after a damaged one, every rank checks before it loads
+        return not bad
 
     def _capture_state(self) -> dict:
         """The training state as data (state.capture, through the gradient path):
@@ -1067,22 +1100,73 @@ class ElasticJob:
                     f"cannot go on from them. Move the step-* directories there away to start from step 0, "
                     f"or put a good checkpoint there (eltctl checkpoints)")
             info, saved = found
-            self._check_first = False
         else:
             found = self._ckpt.latest_for_restore(assemble=not sharded, mmap=sharded)
             if found is None:
                 return False
-            info, saved, self._pending_check = found
-        if sharded:
-            from .checkpoint import is_sharded
-
-            if is_sharded(info.path):
-                saved["optimizer"] = {**saved["optimizer"], "checkpoint": {
-                    "path": str(info.path), "sha256": info.sha256, "host": self.worker_id.split("/", 1)[0]}}
+            info, saved, check = found
+            if check is not None:
+                self._pending_checks.append(check)
+        # What the other ranks are told (_restore_together); for a sharded checkpoint also what
+        # each rank's chunks come from at reshard (checkpoint.restore_chunks).
+        self._restored = {"path": str(info.path), "sha256": info.sha256, "host": self._host}
         self._mark("restore_read")
-        self._apply_state(saved)
+        self._take_up(saved, self._restored)
         self._on_checkpoint(info)  # the job's last checkpoint until it writes a newer one (status shows it)
         log.info("worker %s: restored step %d from %s", self.worker_id, info.step, info.path)
+        return True
+
+    def _restore_chunks(self, ckpt: dict, sg: Any, pg: Any, host: str, abort: threading.Event) -> dict:
+        """The sharded path's loader (checkpoint.restore_chunks): each rank's chunks from the
+        restored checkpoint's shard files; on another host than the restoring rank's, the
+        files it reads are hashed meanwhile and confirmed with the rest of the restore."""
+        from .checkpoint import restore_chunks
+
+        return restore_chunks(ckpt, sg, pg, host, abort, checks=None if self._check_first else self._pending_checks)
+
+    @property
+    def _host(self) -> str:
+        return self.worker_id.split("/", 1)[0]
+
+    def _take_up(self, saved: dict, desc: dict) -> None:
+        """Adopt a checkpoint's state (`desc`: which checkpoint, where it was read)."""
+        if self._shard is not None:
+            from .checkpoint import is_sharded
+
+            if is_sharded(desc["path"]):
+                saved["optimizer"] = {**saved["optimizer"], "checkpoint": dict(desc)}
+        self._apply_state(saved)
+
+    def _restore_here(self, desc: dict) -> bool:
+        """A rank other than the restoring one takes the restored checkpoint (`desc`) up
+        itself if it can read it: the same state.pt at the same path (the restoring rank's
+        host, or shared storage). On another host it hashes what it reads meanwhile, or
+        first after a damaged checkpoint (_check_first); on that host the restoring rank's
+        hashes cover it. False: it receives the state from the restoring rank."""
+        from .checkpoint import STATE_FILE, PendingCheck, _check_hashes, _check_sizes, load_state
+
+        sharded = self._shard is not None
+        path = Path(desc["path"])
+        try:
+            m = _check_sizes(path)
+            if m["files"][STATE_FILE]["sha256"] != desc["sha256"]:
+                return False  # another checkpoint at that path (another host's)
+            # a sharded job reads the shard files it needs at reshard (restore_chunks hashes those)
+            names = [STATE_FILE] if sharded else list(m["files"])
+            if self._host != desc["host"]:
+                if self._check_first:
+                    _check_hashes(path, m, names)
+                else:
+                    self._pending_checks.append(PendingCheck(path, m, names))
+            saved = load_state(path, assemble=not sharded, mmap=sharded)
+        except Exception as exc:  # noqa: BLE001 - unreadable here: the restoring rank sends it
+            if path.exists():
+                log.warning("worker %s: cannot take the restored checkpoint %s up here (%s); it comes from the "
+                            "restoring rank", self.worker_id, path, exc)
+            return False
+        self._take_up(saved, desc)
+        log.info("worker %s: took step %s up from %s itself", self.worker_id, saved.get("progress", {}).get("step"),
+                 path)
         return True
 
     def _read(self, get):
@@ -1235,9 +1319,6 @@ def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.o
     except ModuleNotFoundError as e:
         raise ValueError(f"shard={shard!r}: sharded training is not available in this version ({e})") from e
     path = zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
-    from .checkpoint import restore_chunks
-
-    path.restore_chunks = restore_chunks  # a restore takes each rank's chunks from the shard files
     return path
 
 

@@ -306,9 +306,10 @@ def test_a_restore_whose_newest_checkpoint_is_damaged_takes_up_the_one_before_an
         cluster_factory, shard):
     """Both workers die; one byte of the newest checkpoint is flipped (same size: only its
     hash can tell), in a shard file when sharded. The two new workers' restore takes that
-    checkpoint up while its files are hashed (rank 0 reads it, rank 1 receives it or reads
-    its chunks); the hashes fail before the first step, so both drop what they took up and
-    the one before is restored, checked first. The job finishes with the reference's
+    checkpoint up while its files are hashed (rank 0 reads it; rank 1, on another host of
+    the same storage, reads it too, hashing what it reads); the hashes fail before the
+    first step, so both drop what they took up and the one before is restored, checked
+    first. The job finishes with the reference's
     losses and parameters, every sample of an epoch seen once."""
     c = cluster_factory(min_workers=2)
     c.script = WORKER
@@ -335,6 +336,7 @@ def test_a_restore_whose_newest_checkpoint_is_damaged_takes_up_the_one_before_an
     assert e.proc.returncode == 0 and f.proc.returncode == 0, c.dump_logs()
     log = e.log_text() + f.log_text()
     assert "its files are hashed meanwhile" in log, c.dump_logs()  # taken up before its hashes were known
+    assert f"up from {newest} itself" in log, c.dump_logs()  # rank 1 read it too (the same directory)
     assert "the checkpoint restored is damaged" in log and f"{damaged.name} sha256" in log, c.dump_logs()
     restores = [ev for ev in c.events() if ev["kind"] == "restore"]
     assert restores and restores[-1]["from_step"] == int(before.name.split("-")[1]), (before, restores)
