@@ -1281,6 +1281,46 @@ def load_optimizer_chunks(path: Path | str, sg: Any, param_groups: Any, manifest
     zero.load_checkpoint_chunks(sg, sharded, shards, param_groups)
 
 
+def load_restored(path: Path | str, sha256: str, *, assemble: bool, mmap: bool, verify: bool,
+                  defer: bool) -> tuple[dict, PendingCheck | None] | None:
+    """Another rank's restore, taken up on this one: the state of the checkpoint at `path`
+    whose state.pt has `sha256` (load_state's `assemble`, `mmap`), or None when that
+    checkpoint is not there (no such directory, or another checkpoint at that path). With
+    `verify` (this rank is not on the restoring rank's host, whose hashes cover its own
+    files) the files it reads (state.pt; with `assemble` the shard files too: without,
+    restore_chunks reads and hashes those) are hashed: with `defer` on threads while it
+    loads, the PendingCheck returned for the caller to confirm before it uses the state,
+    else first. Raises InvalidCheckpoint when the checkpoint is there but damaged or
+    unreadable."""
+    path = Path(path)
+    try:
+        m = read_manifest(path)
+        if m["files"][STATE_FILE]["sha256"] != sha256:
+            return None
+    except InvalidCheckpoint:
+        if not (path / MANIFEST_FILE).exists():
+            return None
+        raise
+    m = _check_sizes(path)
+    names = list(m["files"]) if assemble else [STATE_FILE]
+    check = None
+    if verify:
+        if defer:
+            check = PendingCheck(path, m, names)
+        else:
+            _check_hashes(path, m, names)
+    try:
+        state = load_state(path, assemble=assemble, mmap=mmap)
+    except Exception as exc:  # noqa: BLE001 - any unreadable payload
+        if check is not None:
+            try:
+                check.confirm()  # its reads end here
+            except InvalidCheckpoint:
+                pass
+        raise InvalidCheckpoint(f"{path}: {STATE_FILE} does not load here: {exc}") from exc
+    return state, check
+
+
 def verify_shard_files(path: Path, manifest: Mapping[str, Any], chunks: list[int]) -> None:
     """Raise InvalidCheckpoint unless the shard files of `chunks` hash as the manifest says."""
     try:

@@ -36,7 +36,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -1143,30 +1142,24 @@ class ElasticJob:
         host, or shared storage). On another host it hashes what it reads meanwhile, or
         first after a damaged checkpoint (_check_first); on that host the restoring rank's
         hashes cover it. False: it receives the state from the restoring rank."""
-        from .checkpoint import STATE_FILE, PendingCheck, _check_hashes, _check_sizes, load_state
+        from .checkpoint import InvalidCheckpoint, load_restored
 
         sharded = self._shard is not None
-        path = Path(desc["path"])
         try:
-            m = _check_sizes(path)
-            if m["files"][STATE_FILE]["sha256"] != desc["sha256"]:
-                return False  # another checkpoint at that path (another host's)
-            # a sharded job reads the shard files it needs at reshard (restore_chunks hashes those)
-            names = [STATE_FILE] if sharded else list(m["files"])
-            if self._host != desc["host"]:
-                if self._check_first:
-                    _check_hashes(path, m, names)
-                else:
-                    self._pending_checks.append(PendingCheck(path, m, names))
-            saved = load_state(path, assemble=not sharded, mmap=sharded)
-        except Exception as exc:  # noqa: BLE001 - unreadable here: the restoring rank sends it
-            if path.exists():
-                log.warning("worker %s: cannot take the restored checkpoint %s up here (%s); it comes from the "
-                            "restoring rank", self.worker_id, path, exc)
+            found = load_restored(desc["path"], desc["sha256"], assemble=not sharded, mmap=sharded,
+                                  verify=self._host != desc["host"], defer=not self._check_first)
+        except InvalidCheckpoint as exc:
+            log.warning("worker %s: cannot take the restored checkpoint up here (%s); it comes from the "
+                        "restoring rank", self.worker_id, exc)
             return False
+        if found is None:
+            return False  # not on this host: it comes from the restoring rank
+        saved, check = found
+        if check is not None:
+            self._pending_checks.append(check)
         self._take_up(saved, desc)
         log.info("worker %s: took step %s up from %s itself", self.worker_id, saved.get("progress", {}).get("step"),
-                 path)
+                 desc["path"])
         return True
 
     def _read(self, get):
@@ -1312,14 +1305,9 @@ def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.o
         return ReplicatedPath(params, bucket_mb)
     if shard not in SHARD_SETTINGS:
         raise ValueError(f"shard must be None or one of {', '.join(map(repr, SHARD_SETTINGS))}, got {shard!r}")
-    import importlib
+    from . import zero  # only a sharded job pays for importing it
 
-    try:  # by name while zero.py is being written (issue 22); a static import once it is in
-        zero = importlib.import_module(".zero", __package__)
-    except ModuleNotFoundError as e:
-        raise ValueError(f"shard={shard!r}: sharded training is not available in this version ({e})") from e
-    path = zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
-    return path
+    return zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
 
 
 def _check_extra_state(extra_state: dict[str, Any] | None, grad_scaler: Any) -> dict[str, Any]:

@@ -276,3 +276,14 @@ def assert_identical_state(results: list[dict]) -> None:
     prints = {r["fingerprint"] for r in results}
     assert len(prints) == 1, f"ranks disagree: {results}"
     assert len({r["step"] for r in results}) == 1
+
+
+def flip_middle_byte(path: Path) -> None:
+    """Damage a file as a bad disk or a stray write would: one byte in its middle
+    flipped, its size unchanged (only a hash can tell)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))

@@ -29,6 +29,7 @@ from eltctl_runtime.checkpoint import (
     tmp_owner_pid,
     verify_dir,
 )
+from runtime_cluster import flip_middle_byte
 
 LONG = 120.0  # generous bound on any wait; nothing here asserts on timing
 
@@ -226,15 +227,6 @@ def test_one_flipped_byte_in_the_newest_is_skipped_for_the_previous(tmp_path, ca
     assert "sha256" in caplog.text
 
 
-def _flip_middle_byte(path: Path) -> None:
-    size = path.stat().st_size
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        b = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_a_restore_takes_the_newest_up_while_hashing_it_and_a_flipped_byte_fails_its_confirm(tmp_path, caplog):
     """latest_for_restore (the job's restore) loads the newest checkpoint while its files
     are hashed: the state comes back with a check to confirm before it is used. A flipped
@@ -245,7 +237,7 @@ def test_a_restore_takes_the_newest_up_while_hashing_it_and_a_flipped_byte_fails
     assert info.step == 300 and state["step"] == 300 and check is not None
     check.confirm()  # intact: no error
 
-    _flip_middle_byte(infos[-1].state_file)
+    flip_middle_byte(infos[-1].state_file)
     info, state, check = store.latest_for_restore()
     assert info.step == 300 and check is not None  # taken up before the hashes are known
     with pytest.raises(InvalidCheckpoint, match=r"state\.pt sha256"):
@@ -264,7 +256,7 @@ def test_a_restore_checks_first_where_nothing_older_is_there_or_the_newest_is_tr
     only = store.save(100, small_state(100))
     info, state, check = store.latest_for_restore()
     assert info.step == 100 and check is None
-    _flip_middle_byte(only.state_file)
+    flip_middle_byte(only.state_file)
     assert store.latest_for_restore() is None
 
     store, infos = _three_checkpoints(tmp_path / "three")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime_cluster import assert_exactly_once, assert_identical_state, committed_lineage
+from runtime_cluster import assert_exactly_once, assert_identical_state, committed_lineage, flip_middle_byte
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import toy  # noqa: E402
@@ -325,12 +325,7 @@ def test_a_restore_whose_newest_checkpoint_is_damaged_takes_up_the_one_before_an
     dirs = sorted(c.ckpt.glob("step-*"))
     newest, before = dirs[-1], dirs[-2]
     damaged = newest / ("optimizer-00001-of-00002.pt" if shard else "state.pt")
-    size = damaged.stat().st_size
-    with open(damaged, "r+b") as f:
-        f.seek(size // 2)
-        byte = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_middle_byte(damaged)
     e, f = c.start(2, run)
     c.wait_exit([e, f], timeout=180)
     assert e.proc.returncode == 0 and f.proc.returncode == 0, c.dump_logs()
