@@ -10,8 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --sshd
 # The machine's pace, so one log's suite time can be read against another's (on the 2-core
-# VM of sessions 16-18 this loop took 0.6-0.9 s and the suite 42-50 min; session 15's VM,
-# where the suite took about 20 min, was not timed this way).
+# VM of sessions 16-18 this loop took 0.6-0.9 s and the suite 42-50 min; on session 20's,
+# 0.29 s and 16 min; session 15's VM, where the suite took about 20 min, was not timed this way).
 .venv/bin/python -c '
 import time
 t, s = time.perf_counter(), 0
