@@ -832,6 +832,8 @@ class ElasticJob:
             # The generation of a restore broke before the checkpoint's hashes were confirmed
             # (_restore_confirmed): what this rank took up (read, or received from the
             # restoring rank) is not trusted; the checkpoint is restored again.
+            log.warning("worker %s: the restore's generation broke before the checkpoint's hashes were "
+                        "confirmed; what it took up is dropped and the checkpoint restored again", self.worker_id)
             self._unconfirmed = False
             self._has_state = False
             self._check_pending()

@@ -73,6 +73,24 @@ def break_in_gather(spec: str, how: str) -> None:
     zero.ShardedGradients.gather_params = gather
 
 
+def abort_before_restore_check() -> None:
+    """The first restore this worker takes part in aborts its generation (once) after the
+    state and the reshard, before the checkpoint's hashes are confirmed
+    (ElasticJob._restore_confirmed): what every rank took up is not trusted yet."""
+    from eltctl_runtime import collectives, job
+
+    real = job.ElasticJob._restore_confirmed
+    done = []
+
+    def confirmed(self):
+        if not done:
+            done.append(True)
+            raise collectives.Aborted("test: the restore's generation aborted before its hashes were confirmed")
+        return real(self)
+
+    job.ElasticJob._restore_confirmed = confirmed
+
+
 def abort_after_transfers(who: str) -> None:
     """In the first join or planned leave this worker takes part in as `who`, its reshard
     finishes its transfers, then aborts the generation (once) before this worker takes
@@ -134,7 +152,12 @@ def main() -> int:
                     help="in its first join (as the joiner or a member) or planned leave (as a survivor), this "
                          "worker aborts the generation once right after its reshard's transfers, before it "
                          "takes up the new layout")
+    ap.add_argument("--abort-before-restore-check", action="store_true",
+                    help="the first restore this worker takes part in aborts its generation before the "
+                         "checkpoint's hashes are confirmed")
     args = ap.parse_args()
+    if args.abort_before_restore_check:
+        abort_before_restore_check()
     if args.abort_after_transfers:
         abort_after_transfers(args.abort_after_transfers)
     if args.die_in_checkpoint is not None:

@@ -338,6 +338,42 @@ def test_a_restore_whose_newest_checkpoint_is_damaged_takes_up_the_one_before_an
     check_against_reference(c, [e, f], steps)
 
 
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_restore_whose_generation_breaks_before_its_hashes_are_confirmed_is_taken_up_again(
+        cluster_factory, damaged):
+    """Both workers die; the two new workers' restore aborts its generation after the
+    state and the reshard, before the checkpoint's hashes are confirmed. In the next
+    generation neither trusts what it took up: both drop it and the checkpoint is
+    restored again (damaged: the hashes the broken generation left running fail, so the
+    one before is restored, checked first). ZeRO-1; the job ends with the reference's
+    losses and parameters."""
+    c = cluster_factory(min_workers=2)
+    c.script = WORKER
+    c.args = list(ARGS)
+    steps = 24
+    run = ["--steps", str(steps), "--checkpoint-every", "4", "--step-sleep", "0.03", "--shard", "optimizer"]
+    a, b = c.start(2, run)
+    c.wait_for(lambda: len(list(c.ckpt.glob("step-*"))) >= 2 and c.progress()[0] >= 10, 90, "two checkpoints")
+    c.kill(a)
+    c.kill(b)
+    c.wait_exit([a, b])
+    dirs = sorted(c.ckpt.glob("step-*"))
+    newest, before = dirs[-1], dirs[-2]
+    if damaged:
+        flip_middle_byte(newest / "optimizer-00000-of-00002.pt")
+    e, f = c.start(1, run) + c.start(1, [*run, "--abort-before-restore-check"])
+    c.wait_exit([e, f], timeout=180)
+    assert e.proc.returncode == 0 and f.proc.returncode == 0, c.dump_logs()
+    log = e.log_text() + f.log_text()
+    assert "aborted before its hashes were confirmed" in f.log_text(), c.dump_logs()
+    assert "broke before the checkpoint's hashes were confirmed" in log, c.dump_logs()
+    assert ("the checkpoint restored is damaged" in log) == damaged, c.dump_logs()
+    restores = [ev for ev in c.events() if ev["kind"] == "restore"]
+    assert restores and restores[-1]["from_step"] == int((before if damaged else newest).name.split("-")[1]), \
+        (newest, before, restores)
+    check_against_reference(c, [e, f], steps)
+
+
 def test_unsupported_optimizers_and_settings_are_refused_when_the_job_is_built():
     import eltctl_runtime as elt
 
