@@ -1031,31 +1031,36 @@ def write_staged(directory: Path | str, step: int, tag: str, obj: Any) -> tuple[
 def _wait(work: Any, abort: Any) -> None:
     """A send's or recv's work: gloo's point-to-point works report completion only from
     wait() (is_completed() stays False), so an abortable wait runs wait() on a helper
-    thread (zero._wait_p2p)."""
-    from . import zero
+    thread (collectives.wait_p2p)."""
+    from . import collectives
 
-    zero._wait_p2p([work], abort)
+    collectives.wait_p2p([work], abort, "shard transfers")
 
 
 def _send_bytes(pg: Any, dst: int, data: Any, abort: Any) -> None:
     import torch
 
+    from .collectives import send
+
     view = memoryview(bytearray(data) if isinstance(data, bytes) else data).cast("B")  # frombuffer: writable
     n = torch.tensor([len(view)], dtype=torch.int64)
-    _wait(pg.send([n], dst, SHARD_TAG), abort)
+    _wait(send(pg, n, dst, SHARD_TAG), abort)
     if len(view):
-        _wait(pg.send([torch.frombuffer(view, dtype=torch.uint8)], dst, SHARD_TAG), abort)
+        _wait(send(pg, torch.frombuffer(view, dtype=torch.uint8), dst, SHARD_TAG), abort)
 
 
 def _recv_bytes(pg: Any, src: int, abort: Any) -> Any:
-    """The bytes `src` sent with _send_bytes, as a uint8 tensor."""
+    """The bytes `src` sent with _send_bytes, as a uint8 tensor. A peer already gone when
+    a receive is posted is an Aborted (collectives.recv), as one gone during it."""
     import torch
 
+    from .collectives import recv
+
     n = torch.zeros(1, dtype=torch.int64)
-    _wait(pg.recv([n], src, SHARD_TAG), abort)
+    _wait(recv(pg, n, src, SHARD_TAG), abort)
     buf = torch.empty(int(n[0]), dtype=torch.uint8)
     if buf.numel():
-        _wait(pg.recv([buf], src, SHARD_TAG), abort)
+        _wait(recv(pg, buf, src, SHARD_TAG), abort)
     return buf
 
 

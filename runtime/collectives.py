@@ -182,6 +182,24 @@ def run_abortable(fn: Callable[[], T], abort: threading.Event | None, what: str)
     return box["value"]
 
 
+def send(pg, t: torch.Tensor, dst: int, tag: int = 0):
+    """Post a point-to-point send (its work, for wait_p2p). gloo raises at once when the
+    pair's connection is already closed (the peer died before this was posted): that is
+    an Aborted with backend_error, as a failure in the wait is."""
+    try:
+        return pg.send([t], dst, tag)
+    except RuntimeError as e:
+        raise Aborted(f"a send to rank {dst} failed: {e}", backend_error=True) from e
+
+
+def recv(pg, t: torch.Tensor, src: int, tag: int = 0):
+    """Post a point-to-point receive into `t` (as send)."""
+    try:
+        return pg.recv([t], src, tag)
+    except RuntimeError as e:
+        raise Aborted(f"a receive from rank {src} failed: {e}", backend_error=True) from e
+
+
 def wait_p2p(works: list, abort: threading.Event | None, what: str) -> None:
     """Wait for point-to-point sends and receives. gloo's report completion only from
     wait() (is_completed() stays False, there is no future), so an abortable wait runs

@@ -920,8 +920,8 @@ class ElasticJob:
             """`t` from the source to the receivers (the source's own comes back)."""
             if not p2p:
                 return collectives.broadcast(self._pg, t.to(self._device), src, self._abort).cpu()
-            works = ([self._pg.send([t], r, tag) for r in need] if self._rank == src
-                     else [self._pg.recv([t], src, tag)])
+            works = ([collectives.send(self._pg, t, r, tag) for r in need] if self._rank == src
+                     else [collectives.recv(self._pg, t, src, tag)])
             collectives.wait_p2p(works, self._abort, "the state's transfer")
             return t
 

@@ -723,9 +723,9 @@ class ShardedGradients:
         works = []
         for g in range(len(self._flat)):
             for dst in self.layout.holders[self.rank][1:]:
-                works.append(self._pg.send([self._section(self._shard_grads[g], g, 0)], dst, g))
+                works.append(collectives.send(self._pg, self._section(self._shard_grads[g], g, 0), dst, g))
             for h, j in enumerate(self._held[1:], start=1):
-                works.append(self._pg.recv([self._section(self._shard_grads[g], g, h)], j, g))
+                works.append(collectives.recv(self._pg, self._section(self._shard_grads[g], g, h), j, g))
         _wait_p2p(works, self._abort)
 
     # -- the step
@@ -1284,10 +1284,10 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
         for is_send, ts in order:
             for tag, t in enumerate(ts):
                 if is_send:
-                    works.append(group.send([t.detach()], where[peer], tag))
+                    works.append(collectives.send(group, t.detach(), where[peer], tag))
                     sent += t.numel() * t.element_size()
                 else:
-                    works.append(group.recv([t], where[peer], tag))
+                    works.append(collectives.recv(group, t, where[peer], tag))
                     received += t.numel() * t.element_size()
     t_pack = time.perf_counter()
     with torch.no_grad():
