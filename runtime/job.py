@@ -345,7 +345,7 @@ class ElasticJob:
                                 bind_host=self._bind_host, max_workers=cfg.max_workers,
                                 hang_timeout_s=cfg.hang_timeout_s)
         state_mod.check_encodable(self._extra)  # an extra state that cannot travel fails here, not at a resize
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grads.grad_ready, i))
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
                        for i, p in enumerate(self._params)]
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self._control.request_local_leave())
@@ -527,6 +527,7 @@ class ElasticJob:
         if self._mb_left == 1:
             # buckets are reduced as backward fills them
             self._grads.begin(self._ctrl_size() + self._buffers.size)
+        aborted = None
         try:
             if n > 0 and not self._oom_retry:
                 try:
@@ -540,15 +541,31 @@ class ElasticJob:
                 except torch.OutOfMemoryError as e:
                     loss = None
                     self._out_of_memory(n, e)
+                except Aborted as e:  # a gradient hook saw the generation aborted (_grad_ready)
+                    aborted = e
         finally:
             self._grads.end_backward()
             # From the batch handed over to the end of backward: the buckets'
             # all-reduces launched in backward are asynchronous, no wait is in it.
             self._compute_s += time.perf_counter() - self._t_handed
         self._mb_left -= 1
+        if aborted is not None:
+            self._compute_s, self._oom_retry = 0.0, 0  # as _reduce_and_commit leaves them
+            self._drop_step(str(aborted), aborted.backend_error)
+            return None
         if self._mb_left > 0:
             return None
         return self._reduce_and_commit()
+
+    def _grad_ready(self, index: int, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: the gradient path's (it launches the full buckets),
+        after a look at the abort. In the last micro-batch's backward an aborted
+        generation (a peer crashed or hung) dooms the step, whose reductions would fail
+        only at their wait after backward: backward stops here instead (at world 4 on 2
+        cores the rest of the step in flight was 0.25-0.45 s of a SIGKILL's pause)."""
+        if self._mb_left == 1 and self._abort.is_set():
+            raise Aborted(f"the generation was aborted during backward ({self._control.abort_reason()})")
+        self._grads.grad_ready(index, p)
 
     def _ctrl_size(self) -> int:
         """Control scalars at the head of the tail (_tail_len); the buffers' updates follow them."""
