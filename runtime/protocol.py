@@ -493,14 +493,17 @@ def watch_deleted(js: Store, key: str, timeout_s: float) -> tuple[bytes | None, 
     seen, or at least seen rewriting; one that stopped leaves the key missing. A forged
     value there (counted by the store) is no news of the writer."""
     raw = raw_store(js)
-    if raw.check([key]):
-        return peek(js, key), False
+    rewritten = False
+    if raw.check([key]):  # written again since the caller's read
+        value, there = _read_there(js, raw, key)
+        if value is not None or there:
+            return value, False  # the writer's value, or a forged one there (None)
+        rewritten = True  # and deleted again between the two reads: watched as below
     forgeries = getattr(js, "forgeries", None)
     if forgeries is not None:
         forgeries.note(key, "deleted")
     has_wait = hasattr(raw, "wait")
     deadline = time.monotonic() + timeout_s
-    rewritten = False
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -515,9 +518,24 @@ def watch_deleted(js: Store, key: str, timeout_s: float) -> tuple[bytes | None, 
         value = peek(js, key)
         if value is not None:
             return value, True
-        if raw.check([key]):
-            return None, rewritten  # a forged value there now
+        if raw.check([key]):  # there again after a missing read: the writer's next write, or forged
+            value, there = _read_there(js, raw, key)
+            if value is not None:
+                return value, True
+            if there:
+                return None, rewritten  # a forged value there now: no news of the writer
         rewritten = rewritten or has_wait
+
+
+def _read_there(js: Store, raw: Store, key: str) -> tuple[bytes | None, bool]:
+    """`key`, which `raw.check` just found: (its verified value or None, whether a value
+    is still there). A value that verifies is the writer's; none that stays there is a
+    forged one; none and gone was deleted again between the reads (with someone deleting
+    each write at once, such a race is common: it is a rewrite, never silence)."""
+    value = peek(js, key)
+    if value is not None:
+        return value, True
+    return None, raw.check([key])
 
 
 def wait_written(js: Store, key: str, timeout_s: float) -> None:
