@@ -1203,7 +1203,7 @@ class ElasticJob:
         want = (status.get("checkpoint") or {}).get("step")
         if not isinstance(want, int):
             return
-        host = self.worker_id.split("/")[0]
+        host = self._host
 
         def newest() -> int:
             return max((i.step for i in self._ckpt.list()), default=-1)

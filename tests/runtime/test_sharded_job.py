@@ -301,6 +301,18 @@ def test_a_change_aborted_inside_its_reshard_loses_nothing(cluster_factory, shar
     check_against_reference(c, finals, a.read_result()["step"])
 
 
+def _two_checkpoints_then_both_killed(c, run) -> tuple:
+    """Two workers train `run` to two checkpoints, then both are SIGKILLed: (the newest
+    checkpoint's directory, the one before)."""
+    a, b = c.start(2, run)
+    c.wait_for(lambda: len(list(c.ckpt.glob("step-*"))) >= 2 and c.progress()[0] >= 10, 90, "two checkpoints")
+    c.kill(a)
+    c.kill(b)
+    c.wait_exit([a, b])
+    dirs = sorted(c.ckpt.glob("step-*"))
+    return dirs[-1], dirs[-2]
+
+
 @pytest.mark.parametrize("shard", [None, "optimizer"])
 def test_a_restore_whose_newest_checkpoint_is_damaged_takes_up_the_one_before_and_trains_exactly(
         cluster_factory, shard):
@@ -317,13 +329,7 @@ def test_a_restore_whose_newest_checkpoint_is_damaged_takes_up_the_one_before_an
     steps = 24
     run = ["--steps", str(steps), "--checkpoint-every", "4", "--step-sleep", "0.03",
            *(["--shard", shard] if shard else [])]
-    a, b = c.start(2, run)
-    c.wait_for(lambda: len(list(c.ckpt.glob("step-*"))) >= 2 and c.progress()[0] >= 10, 90, "two checkpoints")
-    c.kill(a)
-    c.kill(b)
-    c.wait_exit([a, b])
-    dirs = sorted(c.ckpt.glob("step-*"))
-    newest, before = dirs[-1], dirs[-2]
+    newest, before = _two_checkpoints_then_both_killed(c, run)
     damaged = newest / ("optimizer-00001-of-00002.pt" if shard else "state.pt")
     flip_middle_byte(damaged)
     e, f = c.start(2, run)
@@ -352,13 +358,7 @@ def test_a_restore_whose_generation_breaks_before_its_hashes_are_confirmed_is_ta
     c.args = list(ARGS)
     steps = 24
     run = ["--steps", str(steps), "--checkpoint-every", "4", "--step-sleep", "0.03", "--shard", "optimizer"]
-    a, b = c.start(2, run)
-    c.wait_for(lambda: len(list(c.ckpt.glob("step-*"))) >= 2 and c.progress()[0] >= 10, 90, "two checkpoints")
-    c.kill(a)
-    c.kill(b)
-    c.wait_exit([a, b])
-    dirs = sorted(c.ckpt.glob("step-*"))
-    newest, before = dirs[-1], dirs[-2]
+    newest, before = _two_checkpoints_then_both_killed(c, run)
     if damaged:
         flip_middle_byte(newest / "optimizer-00000-of-00002.pt")
     e, f = c.start(1, run) + c.start(1, [*run, "--abort-before-restore-check"])
