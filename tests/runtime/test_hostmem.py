@@ -1,0 +1,88 @@
+"""Host memory handed from one layout to the next (runtime/hostmem.py): what a Recycler
+carves out of the buffers it is given, what it refuses, and that releasing it hands the
+pages nobody took back to the OS without touching what was carved."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import pytest
+import torch
+
+from eltctl_runtime import hostmem
+from eltctl_runtime.hostmem import ALIGN, MIN_BYTES, Recycler
+
+MB = 1 << 20
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def inside(t: torch.Tensor, base: torch.Tensor) -> bool:
+    lo, hi = span(t)
+    blo, bhi = span(base)
+    return blo <= lo and hi <= bhi
+
+
+def test_buffers_are_carved_out_of_what_was_given_best_fit_aligned_and_disjoint():
+    small, large = torch.empty(3 * MB, dtype=torch.uint8), torch.empty(8 * MB, dtype=torch.uint8)
+    rec = Recycler()
+    rec.give(large, small)
+    a = rec.empty(MB // 4, torch.float32)  # 1 MB: the smallest range it fits in
+    b = rec.empty(MB // 8, torch.float64)  # 1 MB, another dtype
+    c = rec.empty(3 * MB // 4, torch.float32)  # 3 MB: only the large one has that left
+    assert inside(a, small) and inside(b, small) and inside(c, large)
+    assert all(t.data_ptr() % ALIGN == 0 for t in (a, b, c))
+    spans = sorted(span(t) for t in (a, b, c))
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))  # no byte handed out twice
+    assert (a.dtype, a.numel(), b.dtype, b.numel()) == (torch.float32, MB // 4, torch.float64, MB // 8)
+    assert rec.stats() == {"recycled_bytes": 5 * MB, "fresh_bytes": 0}
+
+
+def test_what_does_not_fit_is_allocated_fresh_and_counted():
+    given = torch.empty(2 * MB, dtype=torch.uint8)
+    rec = Recycler()
+    rec.give(given)
+    t = rec.empty(MB, torch.float32)  # 4 MB
+    assert not inside(t, given) and t.numel() == MB
+    assert rec.stats() == {"recycled_bytes": 0, "fresh_bytes": 4 * MB}
+    z = rec.zeros(MB // 4, torch.float32)
+    assert inside(z, given) and int(z.count_nonzero()) == 0
+
+
+def test_small_expanded_overlapping_and_foreign_device_buffers_are_not_taken():
+    base = torch.empty(4 * MB, dtype=torch.uint8)
+    rec = Recycler()
+    rec.give(base[: MIN_BYTES // 2],  # too small to be worth keeping
+             torch.empty(1).expand(MB),  # an expanded view: one element of memory
+             torch.empty(2 * MB, dtype=torch.uint8)[::2],  # not contiguous
+             None)
+    assert rec.free_bytes == 0
+    rec.give(base[MB:3 * MB])
+    rec.give(base[2 * MB:], base)  # both overlap what it holds: a byte must never be carved twice
+    assert rec.free_bytes == 2 * MB
+    if torch.cuda.is_available():
+        rec.give(torch.empty(2 * MB, dtype=torch.uint8, device="cuda"))
+        assert rec.free_bytes == 2 * MB
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or hostmem._MADVISE is None,
+                    reason="pages are handed back with Linux's madvise")
+def test_release_hands_back_the_pages_nobody_took_and_keeps_what_was_carved():
+    page = mmap.PAGESIZE
+    base = torch.full((16 * MB,), 7, dtype=torch.uint8)
+    rec = Recycler()
+    rec.give(base)
+    kept = rec.empty(3 * MB + 5, torch.uint8)  # ends inside a page
+    assert inside(kept, base)
+    rec.release()
+    assert rec.free_bytes == 0
+    assert bool((kept == 7).all())  # what was carved is untouched, its last page included
+    end = span(kept)[1] - base.data_ptr()
+    first_whole_page = -(-(base.data_ptr() + end) // page) * page - base.data_ptr()
+    last_whole_page = (base.data_ptr() + base.numel()) // page * page - base.data_ptr()
+    assert bool((base[end:first_whole_page] == 7).all())  # the page it shares with the carved buffer stays
+    assert int(base[first_whole_page:last_whole_page].count_nonzero()) == 0  # handed back: zero pages again
+    assert bool((base[last_whole_page:] == 7).all())  # a page only partly in the range is not
