@@ -420,9 +420,11 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
                 except Exception as exc:  # noqa: BLE001 - one configuration failing does not hide the others
                     errors.setdefault(name, {"error": f"{type(exc).__name__}: {exc}"})
                     progress(f"eltctl {name} ({i + 1}/{repeats}): {type(exc).__name__}: {exc}")
-                    if os.environ.get("ELTCTL_BENCH_KEEP"):
-                        keep = tempfile.mkdtemp(prefix=f"eltctl-sharded-{name}-")
-                        shutil.copytree(Path(tmp) / "work", Path(keep) / "work", dirs_exist_ok=True)
+                if os.environ.get("ELTCTL_BENCH_KEEP"):  # the workers' logs and progress files, kept
+                    keep = tempfile.mkdtemp(prefix=f"eltctl-sharded-{name}-")
+                    shutil.copytree(Path(tmp) / "work", Path(keep) / "work", dirs_exist_ok=True)
+                    progress(f"eltctl {name} ({i + 1}/{repeats}): the workers' logs kept in {keep}")
+                    if name in errors:
                         errors[name].setdefault("logs", keep)
             walls[name] += time.monotonic() - t0
     for name in runs:
