@@ -281,6 +281,11 @@ class GradientPath(ABC):
         """After a membership change, once the state is agreed: move what each rank
         owns to its new owners (old_members is empty for the first generation)."""
 
+    def prepare_join(self, world: int, stop: threading.Event) -> None:
+        """A joiner waiting to be admitted to a job that will then have `world` members:
+        prepare what its first layout needs (sharded: its host memory, zero.py); runs on a
+        helper thread, in slices until `stop` is set. Replicated: nothing."""
+
     def hand_over(self, left: Sequence[str]) -> None:
         """A planned leave, over the old group, before it goes (every old member
         calls it, the leavers too): the leavers' part moves to the survivors."""

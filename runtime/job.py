@@ -28,6 +28,7 @@ mode runs too) and agree on the state (state.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -1006,7 +1007,8 @@ class ElasticJob:
         """Register as a (warm) joiner and wait to be a member of a generation."""
         cfg = self.config
         self._mark("join_request")  # a joiner's logged phases start here: its wait to be admitted is one
-        plan = self._gen.admit(min_workers=cfg.min_workers, restarted_wait_s=cfg.store_loss_timeout_s)
+        with self._preparing_join():
+            plan = self._gen.admit(min_workers=cfg.min_workers, restarted_wait_s=cfg.store_loss_timeout_s)
         self._mark("admitted")
         if plan is None:
             self._finished = True
@@ -1020,6 +1022,34 @@ class ElasticJob:
             log.warning("worker %s: generation %d aborted while forming: %s", self.worker_id,
                         plan.generation, e)
             self._recover()
+
+    @contextlib.contextmanager
+    def _preparing_join(self) -> Iterator[None]:
+        """While a joiner of a running job (its status names the members) waits to be
+        admitted, its gradient path prepares the layout it will most likely join, of one
+        member more (sharded: touches its host memory), on a helper thread that stops,
+        keeping what it did, once the wait is over."""
+        status = self._read(get_status)
+        world = status.get("world_size") if isinstance(status, dict) and not status.get("paused") else None
+        if not isinstance(world, int) or world < 1:
+            yield
+            return
+        stop = threading.Event()
+
+        def prepare() -> None:
+            try:
+                self._grads.prepare_join(world + 1, stop)
+            except Exception as e:  # noqa: BLE001 - an optimization: the join goes on without it
+                log.warning("worker %s: preparing to join failed (the join goes on without it): %s",
+                            self.worker_id, e)
+
+        helper = threading.Thread(target=prepare, name="eltctl-prepare-join", daemon=True)
+        helper.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            helper.join()
 
     # -- checkpoints, status, events ----------------------------------------
     def _maybe_checkpoint(self, now: float) -> None:

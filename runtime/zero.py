@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives, gradients, state as state_mod
+from .hostmem import Recycler
 from .state import dtype_named
 
 log = logging.getLogger("eltctl_runtime")
@@ -352,6 +353,12 @@ class ShardedGradients:
         # pieces (_build_steppers); the step runs through these, the state stays in _inner.
         self._steppers: list[list[tuple[torch.optim.Optimizer, list[tuple[int, int]]]]] = []
         self._spares: dict[tuple, torch.Tensor] = {}  # CPU: the pre-step copy's buffers, reused every step
+        self._spare_base: torch.Tensor | None = None  # CPU: the one allocation they are carved out of
+        self._spare_arena: Recycler | None = None
+        # Host memory this path's buffers are carved out of until its reshard's move is done
+        # (the old layout's pre-step copy, or a joiner's prepared memory: hostmem.py); None:
+        # everything is allocated.
+        self.recycler: Recycler | None = None
         self._pg = None
         self._abort: threading.Event | None = None
         self._launching = False
@@ -372,6 +379,15 @@ class ShardedGradients:
     @property
     def device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
+
+    def _empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new 1-D buffer on the parameters' device: out of the recycler where there is one."""
+        if self.recycler is not None:
+            return self.recycler.empty(n, dtype, self.device)
+        return torch.empty(n, dtype=dtype, device=self.device)
+
+    def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._empty(n, dtype).zero_()
 
     def _geometry(self, g: int) -> tuple:
         """Where group g's buckets lie in its padded buffer (start, padded width)."""
@@ -398,7 +414,7 @@ class ShardedGradients:
                 if same[g]:
                     self._flat.append(reuse._flat[g])
                     continue
-                flat = torch.empty(lay.padded(g), dtype=dtype_named(dtype), device=self.device)
+                flat = self._empty(lay.padded(g), dtype_named(dtype))
                 for b in lay.buckets:  # the parameters fill the rest
                     if b.group == g:
                         flat[b.pstart + b.numel:b.pstart + b.chunk * lay.world].zero_()
@@ -416,7 +432,7 @@ class ShardedGradients:
                 if was is not None and was.numel() == n and was.dtype == f.dtype and was.device == f.device:
                     self._shard_grads.append(was.zero_())  # e.g. 2 -> 1 ranks with two replicas: 2 x 1/2 = 1 x 1
                 else:
-                    self._shard_grads.append(torch.zeros(n, dtype=f.dtype, device=f.device))
+                    self._shard_grads.append(self._zeros(n, f.dtype))
             # A chunk stepped in place (_in_place: this rank's own chunk, or every chunk where
             # it holds them all) has its pieces step the parameters' buffer itself; its master
             # only keys the optimizer state and gives its sizes: one element, expanded (no
@@ -424,16 +440,16 @@ class ShardedGradients:
             # at world 1). A backup's master is a real copy: its values are only read within
             # a step, which writes every element (padding too) from the parameters first
             # (_refresh_masters), so none are copied here.
-            self._masters = [[torch.empty(1 if self._in_place(h) else lay.shard_len(g), dtype=f.dtype,
-                                          device=f.device).expand(lay.shard_len(g)) for h in range(len(self._held))]
-                             for g, f in enumerate(self._flat)]
+            self._masters = [[(torch.empty(1, dtype=f.dtype, device=f.device).expand(lay.shard_len(g))
+                               if self._in_place(h) else self._empty(lay.shard_len(g), f.dtype))
+                              for h in range(len(self._held))] for g, f in enumerate(self._flat)]
         if self.shard == "optimizer":
             self._grads = []
             for g, f in enumerate(self._flat):
                 if same[g] and len(reuse._grads) > g:
                     self._grads.append(reuse._grads[g].zero_())
                 else:
-                    self._grads.append(torch.zeros_like(f))
+                    self._grads.append(self._zeros(f.numel(), f.dtype))
             for i, p in enumerate(self.params):
                 p.grad = self._param_view(self._grads, i).view_as(p)
         else:
@@ -447,6 +463,25 @@ class ShardedGradients:
         self._inner = type(self.optimizer)(groups) if groups else None
         self._build_steppers()
         self._point_grads()
+
+    def host_bytes(self) -> int:
+        """The bytes of the buffers a joiner's path allocates from bind to the end of its
+        reshard (nothing of an earlier path to reuse): the parameters' padded buffer, ZeRO-1's
+        gradient buffer, the chunk gradients, the backups' stepped copies and the held
+        chunks' optimizer state, each rounded up to a cache line (what
+        ShardedPath.prepare_join touches ahead)."""
+        lay, held, total = self.layout, len(self._held), 0
+
+        def line(n_bytes: int) -> int:
+            return -(-n_bytes // 64) * 64
+
+        for g, (dtype, _pg) in enumerate(lay.groups):
+            item, n, names = dtype_named(dtype).itemsize, lay.shard_len(g), len(self._names(g))
+            total += line(lay.padded(g) * item) * (2 if self.shard == "optimizer" else 1)
+            total += line(held * n * item)
+            total += sum(line(n * item) for h in range(held) if not self._in_place(h))
+            total += held * names * line(n * item)
+        return total
 
     def _in_place(self, h: int) -> bool:
         """Held chunk h is stepped in the parameters' own buffer: this rank's own chunk
@@ -610,7 +645,7 @@ class ShardedGradients:
             elif self._pool_size.get(dtype, 0) < STAGING_BUFFERS:
                 widest = max(k.chunk * self.layout.world for k in self.layout.buckets
                              if self._flat[k.group].dtype == dtype)
-                buf = torch.empty(widest, dtype=dtype, device=self.device)
+                buf = self._empty(widest, dtype)
                 self._pool_size[dtype] = self._pool_size.get(dtype, 0) + 1
             else:
                 buf = None  # every buffer is held by a bucket not launched yet (or a failed wait): its own
@@ -730,6 +765,34 @@ class ShardedGradients:
 
     # -- the step
 
+    def release_recycler(self) -> None:
+        """What the recycler still holds goes back to the OS (hostmem.Recycler.release)."""
+        rec, self.recycler = self.recycler, None
+        if rec is not None:
+            rec.release()
+
+    def take_spares(self) -> list[torch.Tensor]:
+        """The pre-step copy's buffers, let go of (dead between steps; a later step of this
+        path makes new ones), for a reshard to carve the new layout's buffers out of. This
+        path keeps no reference, so where that reshard breaks with receives still posted
+        into them, nothing of this path's is ever written by those."""
+        if self._undo is not None:
+            return []  # a step in doubt: settle() reads them first
+        spares = [self._spare_base] if self._spare_base is not None else list(self._spares.values())
+        self._spares, self._spare_base, self._spare_arena = {}, None, None
+        return spares
+
+    def discard(self) -> None:
+        """This path was replaced (its move done): let go of its host buffers now, so their
+        pages are back with the OS for the new path's first step (whatever cycles might
+        keep the object itself alive). Not the parameters' buffer, which the new path may
+        have kept and the parameters' views hold anyway."""
+        if self._inner is not None:
+            self._inner.state.clear()
+        self._spares, self._spare_base, self._spare_arena = {}, None, None
+        self._grads, self._shard_grads, self._masters, self._steppers = [], [], [], []
+        self._pool, self._pooled, self._staging = {}, {}, {}
+
     def step(self, max_grad_norm: float | None = None, scaler: Any = None) -> StepResult:
         """Unscale, clip by the global norm, step the held chunks, all-gather the
         parameters. Every rank decides alike: the norm and the inf/NaN flag are
@@ -832,7 +895,7 @@ class ShardedGradients:
                 new: dict[str, Any] = {}
                 for k, t in first.items():
                     if isinstance(t, torch.Tensor) and t.dim():
-                        whole = torch.zeros(m.numel(), dtype=t.dtype, device=t.device)
+                        whole = self._zeros(m.numel(), t.dtype)
                         for piece_state, lo, hi in got:
                             whole[lo:hi].copy_(piece_state[k])
                         new[k] = whole
@@ -879,8 +942,20 @@ class ShardedGradients:
             return torch.empty_like(like)
         t = self._spares.get(key)
         if t is None or t.shape != like.shape or t.dtype != like.dtype:
-            t = self._spares[key] = torch.empty_like(like)
+            if self._spare_arena is None:
+                # All of the copy's buffers in one allocation: the next reshard can carve the new
+                # layout's buffers, whatever their sizes, out of it whole (take_spares).
+                self._spare_base = self._empty(self._spare_bytes(), torch.uint8)
+                self._spare_arena = Recycler()
+                self._spare_arena.give(self._spare_base)
+            t = self._spares[key] = self._spare_arena.empty(like.numel(), like.dtype).view(like.shape)
         return t
+
+    def _spare_bytes(self) -> int:
+        """The pre-step copy's size: per held chunk its values and each state tensor, each
+        rounded up to a cache line."""
+        return sum((1 + len(self._names(g))) * (-(-self.layout.shard_len(g) * m.element_size() // 64) * 64)
+                   for g, ms in enumerate(self._masters) for m in ms)
 
     def _pre_step_copy(self, scaler: Any = None) -> dict[str, Any]:
         """The held chunks' values and optimizer state before the step (a rank lost
@@ -1106,7 +1181,7 @@ class ShardedGradients:
                     if self.layout.slots[i].group == g and entry.get(name) is not None:
                         self._param_in(full, i).copy_(entry[name].reshape(-1))
                 for h, j in enumerate(self._held):
-                    sec = torch.zeros(self.layout.shard_len(g), dtype=full.dtype, device=full.device)
+                    sec = self._zeros(self.layout.shard_len(g), full.dtype)
                     for b, bucket in enumerate(self.layout.buckets):
                         if bucket.group == g:
                             sec[self._offsets[b]:self._offsets[b] + bucket.chunk].copy_(self._chunk_of(full, b, j))
@@ -1239,7 +1314,7 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
     # (the old chunks' spans cover each bucket), so only the padding is zeroed.
     new_state: list[list[dict[str, torch.Tensor]]] = []
     if new is not None:
-        new_state = [[_chunk_sections(new_layout, g, j, names[g], dtypes[g], new.device) for j in new._held]
+        new_state = [[_chunk_sections(new_layout, g, j, names[g], dtypes[g], new) for j in new._held]
                      for g in range(len(groups))]
 
     def target(seg: Segment) -> list[torch.Tensor]:
@@ -1315,11 +1390,12 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
 
 
 def _chunk_sections(lay: ShardLayout, g: int, j: int, names, dtype: torch.dtype,
-                    device: torch.device) -> dict[str, torch.Tensor]:
-    """Fresh state tensors (one per name) for chunk j's section of group g, their padding
-    zeroed; the caller writes every real element (a reshard's slices, a checkpoint's)."""
+                    sg: "ShardedGradients") -> dict[str, torch.Tensor]:
+    """New state tensors (one per name) for chunk j's section of group g, on `sg`'s device
+    and out of its recycler where it has one, their padding zeroed; the caller writes every
+    real element (a reshard's slices, a checkpoint's)."""
     n, offs = lay.shard_len(g), lay.chunk_offsets()
-    st = {k: torch.empty(n, dtype=dtype, device=device) for k in names}
+    st = {k: sg._empty(n, dtype) for k in names}
     for b, bucket in enumerate(lay.buckets):
         lo, hi = bucket.span(j)
         if bucket.group == g and hi - lo < bucket.chunk:
@@ -1382,6 +1458,7 @@ class ShardedPath(gradients.GradientPath):
         # Takes each rank's chunks of a sharded checkpoint at a restore (the job sets it:
         # checkpoint.restore_chunks; zero.py does not import the checkpoint module).
         self.restore_chunks: Any = None
+        self._joiner_memory: Recycler | None = None  # prepare_join's, for the first layout's buffers
 
     # -- layout
     def _layout(self, members) -> ShardLayout:
@@ -1434,12 +1511,12 @@ class ShardedPath(gradients.GradientPath):
         new = None
         t1 = time.perf_counter()
         if me in survivors:
-            new = ShardedGradients(self._params, self._opt, inter, survivors.index(me), self.shard)
+            new = self._new_path(inter, survivors.index(me))
             new.bind(reuse=self.sg)
         t2 = time.perf_counter()
         moved = reshard(self.layout, inter, self.pg, ids, old=self.sg, new=new, abort=self.abort)
-        self.sg, self.layout = new, (inter if new is not None else None)
-        self._log_move("hand_over", len(ids), len(survivors), t1 - t0, t2 - t1, moved)
+        memory = self._take_up(new, inter if new is not None else None)
+        self._log_move("hand_over", len(ids), len(survivors), t1 - t0, t2 - t1, {**(moved or {}), **memory})
 
     def settle(self, committed_before: int, committed_now: int) -> None:
         """Once every rank's step is known, before any state is sent: a step this rank
@@ -1480,8 +1557,7 @@ class ShardedPath(gradients.GradientPath):
             self._log_move("reshard", len(new_members), len(new_members), time.perf_counter() - t0, 0.0,
                            {"kept": True})
             return
-        new = ShardedGradients(self._params, self._opt, new_lay, new_members.index(self.members[self.rank]),
-                               self.shard)
+        new = self._new_path(new_lay, new_members.index(self.members[self.rank]))
         # Taken up only once the move succeeds (below): a generation that breaks inside it
         # leaves the restore, or the joiner's source layout, pending for the next one.
         full, ckpt, peers = self._pending_full, self._pending_ckpt, self._peer_members
@@ -1504,11 +1580,58 @@ class ShardedPath(gradients.GradientPath):
             moved = reshard(old_lay, new_lay, self.pg, new_members, old=self.sg, new=new, abort=self.abort,
                             resend_params=self._resend_params)
         new._pg, new._abort = self.pg, self.abort  # full_state_dict before the first step
-        self.sg, self.layout = new, new_lay
+        memory = self._take_up(new, new_lay)
         self._resend_params = False
         self._pending_full = self._pending_ckpt = self._peer_members = None
         self._log_move("reshard", len(old_lay.members) if old_lay is not None else 0, len(new_members),
-                       t1 - t0, t2 - t1, moved)
+                       t1 - t0, t2 - t1, {**(moved or {}), **memory})
+
+    def _new_path(self, lay: ShardLayout, rank: int) -> ShardedGradients:
+        """This rank's path for layout `lay`. On the CPU its buffers until the move is done
+        (bind's, the new state's) are carved out of memory the rank holds where they fit
+        (hostmem.py): the current path's pre-step copy, dead between steps, or a joiner's
+        memory that prepare_join touched while it waited."""
+        new = ShardedGradients(self._params, self._opt, lay, rank, self.shard)
+        if self.device.type == "cpu":
+            rec, self._joiner_memory = self._joiner_memory or Recycler(), None
+            if self.sg is not None:
+                rec.give(*self.sg.take_spares())
+            new.recycler = rec
+        return new
+
+    def _take_up(self, new: ShardedGradients | None, lay: ShardLayout | None) -> dict[str, int]:
+        """The move to `new` is done: it is this rank's path. What its recycler did not hand
+        out and what the old path held go back to the OS now, where the new path's first
+        step (its pre-step copy) finds those pages again (freed memory is reused warm;
+        memory held back here would leave it fresh pages instead, slower on a VM)."""
+        old, stats = self.sg, {}
+        if new is not None:
+            stats = new.recycler.stats() if new.recycler is not None else {}
+            new.release_recycler()
+            if old is not None:
+                old.discard()
+        self.sg, self.layout = new, lay
+        return stats
+
+    def prepare_join(self, world: int, stop: threading.Event) -> None:
+        """A joiner waiting to be admitted to a job that will then have `world` members: the
+        host memory its first layout's bind and reshard allocate (host_bytes), allocated and
+        touched now (on the caller's thread, in slices until `stop` is set), so that its
+        reshard and first step carve their buffers out of it instead of faulting pages in
+        inside the pause. The layout is a guess (any `world` members; the sizes depend only
+        on how many): where it is wrong, the rest is allocated as before."""
+        if self.device.type != "cpu" or self.sg is not None or world < 1:
+            return
+        lay = self._layout([f"joining-{i}" for i in range(world)])
+        need = ShardedGradients(self._params, self._opt, lay, world - 1, self.shard).host_bytes()
+        buf = torch.empty(need, dtype=torch.uint8)
+        done, piece = 0, 64 << 20
+        while done < need and not stop.is_set():
+            buf[done:done + piece].zero_()
+            done = min(need, done + piece)
+        rec = Recycler()
+        rec.give(buf[:done])
+        self._joiner_memory = rec
 
     def _restore_chunks(self, new: ShardedGradients, ckpt: dict) -> dict:
         """A restore from a sharded checkpoint (`ckpt`: where the restoring rank found it),
@@ -1519,7 +1642,8 @@ class ShardedPath(gradients.GradientPath):
 
     def _log_move(self, what: str, old_world: int, new_world: int, plan_s: float, bind_s: float,
                   moved: dict | None) -> None:
-        """One line per move of the shards (hand_over, reshard): where its time went."""
+        """One line per move of the shards (hand_over, reshard): where its time went (and how
+        much of the new path's memory was recycled or allocated afresh)."""
         log.debug("sharded: %s %d -> %d ranks: %s", what, old_world, new_world,
                  json.dumps({"layout_s": round(plan_s, 4), "bind_s": round(bind_s, 4), **(moved or {})}))
 
@@ -1732,7 +1856,7 @@ def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards
     tensors: list[list[dict[str, torch.Tensor]]] = []
     for g in range(len(new.groups)):
         dtype = dtype_named(new.groups[g][0])
-        tensors.append([_chunk_sections(new, g, j, sg._names(g), dtype, sg.device) for j in sg._held]
+        tensors.append([_chunk_sections(new, g, j, sg._names(g), dtype, sg) for j in sg._held]
                        if step else [{} for _ in sg._held])
         have = sharded["names"][g] if g < len(sharded["names"]) else []
         for per_h in tensors[-1]:  # a state the checkpoint lacks (say amsgrad turned on since) starts at zero

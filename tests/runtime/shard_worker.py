@@ -138,6 +138,7 @@ def main() -> int:
     ap.add_argument("--grad-scaler", type=int, default=None, metavar="GROWTH_INTERVAL",
                     help="a CPU GradScaler (init scale 2**10) that doubles its scale every GROWTH_INTERVAL "
                          "steps; the result holds its state")
+    ap.add_argument("--debug", action="store_true", help="the runtime's DEBUG lines (each move of the shards)")
     ap.add_argument("--result", type=Path, default=None)
     ap.add_argument("--progress", type=Path, default=None)
     ap.add_argument("--die-in-checkpoint", type=int, default=None, metavar="STEP",
@@ -167,9 +168,18 @@ def main() -> int:
     if args.abort_in_gather is not None:
         break_in_gather(args.abort_in_gather, "abort")
 
+    # The toy model's buffers are a few KB, below what a reshard's recycler takes
+    # (hostmem.MIN_BYTES, 1 MiB): here it takes every one, so each reshard carves the new
+    # layout's buffers out of the old pre-step copy (or a joiner's prepared memory) as a
+    # real model's do, and every exactness check in these tests covers that path.
+    from eltctl_runtime import hostmem
+
+    hostmem.MIN_BYTES = 1
     config = elt.RuntimeConfig.from_env()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {config.worker_id} %(levelname)s %(message)s")
+    if args.debug:
+        logging.getLogger("eltctl_runtime").setLevel(logging.DEBUG)
     torch.manual_seed(args.seed)
     model = toy.make_model(hidden=args.hidden, layers=args.layers, seed=args.seed)
     if args.optimizer == "adamw":

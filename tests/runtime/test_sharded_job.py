@@ -104,7 +104,7 @@ def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, sha
     c.script = WORKER
     c.args = list(ARGS)
     run = ["--steps", "100000", "--shard", shard, "--shard-replicas", str(replicas), "--checkpoint-every", "4",
-           "--step-sleep", "0.04", "--max-grad-norm", "0.5"]
+           "--step-sleep", "0.04", "--max-grad-norm", "0.5", "--debug"]
     a, b = c.start(2, run)
     g = c.wait_world(2, steps_after=3)
     (d,) = c.start(1, run)
@@ -149,6 +149,15 @@ def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, sha
         "optimizer-00000-of-00002.pt", "optimizer-00001-of-00002.pt"], list(newest.iterdir())
     assert manifest["sharded"]["files"] == sorted(p.name for p in newest.glob("optimizer-*.pt")), manifest
     check_against_reference(c, [e, f], e.read_result()["step"], max_norm=0.5)
+    # and those moves carved their new buffers out of memory the ranks held (hostmem.py): the
+    # join's members and leave's survivors out of their pre-step copies, the joiner out of the
+    # memory it touched while it waited (shard_worker recycles even the toy model's small ones)
+    moves = [json.loads(line.split(" ranks: ", 1)[1]) for w in (a, b, d) for line in w.log_text().splitlines()
+             if "sharded: reshard " in line or "sharded: hand_over " in line]
+    assert [m for m in moves if m.get("recycled_bytes", 0) > 0], moves
+    joined = [json.loads(line.split(" ranks: ", 1)[1]) for line in d.log_text().splitlines()
+              if "sharded: reshard 2 -> 3 ranks" in line]
+    assert joined and joined[0]["recycled_bytes"] > 0 and joined[0]["fresh_bytes"] == 0, joined
 
 
 def test_a_rank_killed_during_a_sharded_checkpoint_leaves_no_partial_step_and_the_job_goes_on(cluster_factory):
