@@ -186,7 +186,7 @@ class ElasticJob:
         self._shard = shard
         self._redone_steps: int | None = None  # a crash lost shards: steps redone from checkpoints, in all
         self._redo_from: int | None = None  # this generation restores after lost shards: the step it was at
-        # A restore takes the newest checkpoint up while its files are hashed (_restore_from_checkpoint);
+        # A restore takes the newest checkpoint up while its files are hashed (_find_checkpoint);
         # the generation confirms the hashes before its first step (_restore_confirmed).
         self._pending_checks: list = []  # checkpoint.PendingCheck of what this rank restored, until confirmed
         self._restored: dict | None = None  # the checkpoint this rank restored last: path, sha256, host
@@ -893,11 +893,15 @@ class ElasticJob:
         takes the state from it itself, and only the rest receive it from the source (at
         world 4 on 2 cores, receiving the 50 M-parameter model took 0.8 s of a SIGKILL's
         pause). No checkpoint: the source's own state goes to every rank (a first start).
-        Returns whether a checkpoint was restored."""
-        restored = self._restore_from_checkpoint() if self._rank == src else False
+        Returns whether a checkpoint was restored. The source says which checkpoint before
+        it takes it up, so every rank reads it at once (at world 4 on 2 cores the others
+        waited 0.1-0.15 s for the source's take-up)."""
+        found = self._find_checkpoint() if self._rank == src else None
+        desc = self._broadcast_json(self._restored if found else None, src) if self.world_size > 1 else None
+        if found is not None:
+            self._take_up_found(*found)
         if self.world_size == 1:
-            return restored
-        desc = self._broadcast_json(self._restored if restored else None, src)
+            return found is not None
         local = self._rank != src and desc is not None and self._restore_here(desc)
         flags = torch.zeros(self.world_size, dtype=torch.int64, device=self._device)
         flags[self._rank] = int(local)
@@ -1127,9 +1131,11 @@ class ElasticJob:
         said += [f"{', '.join(back)} without their state"] if back else []
         return f"{' and '.join(said)} left optimizer-state shards with no holder"
 
-    def _restore_from_checkpoint(self) -> bool:
+    def _find_checkpoint(self) -> tuple[Any, dict] | None:
+        """The newest checkpoint to restore (its info, and its state mapped or loaded, not
+        yet taken up: _take_up_found), or None; `self._restored` says which, for the others."""
         if self._ckpt is None:
-            return False
+            return None
         self._await_newest_checkpoint()
         # Sharded: state.pt is mapped (its tensors go straight into the model) and the optimizer
         # state is not assembled: each rank takes its own chunks from the shard files at reshard
@@ -1151,7 +1157,7 @@ class ElasticJob:
         else:
             found = self._ckpt.latest_for_restore(assemble=not sharded, mmap=sharded)
             if found is None:
-                return False
+                return None
             info, saved, check = found
             if check is not None:
                 self._pending_checks.append(check)
@@ -1159,10 +1165,13 @@ class ElasticJob:
         # each rank's chunks come from at reshard (checkpoint.restore_chunks).
         self._restored = {"path": str(info.path), "sha256": info.sha256, "host": self._host}
         self._mark("restore_read")
+        return info, saved
+
+    def _take_up_found(self, info: Any, saved: dict) -> None:
+        """Adopt the checkpoint _find_checkpoint found."""
         self._take_up(saved, self._restored)
         self._on_checkpoint(info)  # the job's last checkpoint until it writes a newer one (status shows it)
         log.info("worker %s: restored step %d from %s", self.worker_id, info.step, info.path)
-        return True
 
     def _restore_chunks(self, ckpt: dict, sg: Any, pg: Any, host: str, abort: threading.Event) -> dict:
         """The sharded path's loader (checkpoint.restore_chunks): each rank's chunks from the
