@@ -782,6 +782,15 @@ class ShardedGradients:
         self._spares, self._spare_base, self._spare_arena = {}, None, None
         return spares
 
+    def take_state(self) -> list[torch.Tensor]:
+        """The held chunks' optimizer state, let go of: a restore replaces it, and its new
+        state is carved out of this (the path keeps no state, and no reference to it)."""
+        if self._inner is None:
+            return []
+        out = [t for st in self._inner.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim()]
+        self._inner.state.clear()
+        return out
+
     def discard(self) -> None:
         """This path was replaced (its move done): let go of its host buffers now, so their
         pages are back with the OS for the new path's first step (whatever cycles might
@@ -1557,7 +1566,7 @@ class ShardedPath(gradients.GradientPath):
             self._log_move("reshard", len(new_members), len(new_members), time.perf_counter() - t0, 0.0,
                            {"kept": True})
             return
-        new = self._new_path(new_lay, new_members.index(self.members[self.rank]))
+        new = self._new_path(new_lay, new_members.index(self.members[self.rank]), self._restoring)
         # Taken up only once the move succeeds (below): a generation that breaks inside it
         # leaves the restore, or the joiner's source layout, pending for the next one.
         full, ckpt, peers = self._pending_full, self._pending_ckpt, self._peer_members
@@ -1586,16 +1595,17 @@ class ShardedPath(gradients.GradientPath):
         self._log_move("reshard", len(old_lay.members) if old_lay is not None else 0, len(new_members),
                        t1 - t0, t2 - t1, {**(moved or {}), **memory})
 
-    def _new_path(self, lay: ShardLayout, rank: int) -> ShardedGradients:
+    def _new_path(self, lay: ShardLayout, rank: int, restoring: bool = False) -> ShardedGradients:
         """This rank's path for layout `lay`. On the CPU its buffers until the move is done
         (bind's, the new state's) are carved out of memory the rank holds where they fit
-        (hostmem.py): the current path's pre-step copy, dead between steps, or a joiner's
+        (hostmem.py): the current path's pre-step copy, dead between steps, and when a
+        checkpoint's state replaces it (`restoring`) its optimizer state too; or a joiner's
         memory that prepare_join touched while it waited."""
         new = ShardedGradients(self._params, self._opt, lay, rank, self.shard)
         if self.device.type == "cpu":
             rec, self._joiner_memory = self._joiner_memory or Recycler(), None
             if self.sg is not None:
-                rec.give(*self.sg.take_spares())
+                rec.give(*self.sg.take_spares(), *(self.sg.take_state() if restoring else ()))
             new.recycler = rec
         return new
 
