@@ -1,7 +1,7 @@
 """The sharded-state benchmark: per-rank bytes, step time and pauses of ZeRO-1/2 against replicated.
 
     .venv/bin/python benchmarks/sharded.py [--json] [--worlds 2 4] [--steps 3] [--batch 4] [--layers 12]
-        [--job-steps 10] [--job-args "--bucket-mb 25"] [--skip-memory]
+        [--job-steps 10] [--step-repeats 1] [--job-args "--bucket-mb 25"] [--skip-memory]
         [--baseline zero-torchrun [--baseline-world 2 4] [--pause-repeats 3] [--skip-torchrun] [--eltctl-runs NAME ...]]
 
 Its memory part drives `eltctl_runtime.zero` directly, in plain worker processes on one
@@ -41,8 +41,10 @@ from 2 to 2 (torchrun restarts the whole group with the dead worker replaced).
 For each of `--worlds` the whole job's steady step time (examples/train.py on
 ElasticJob, a fixed-size run of `--job-steps`, no checkpoints, rank 0's median
 step interval after `--job-warmup` steps) of each sharded run against
-replicated (target <= 1.10); `--job-steps 0` skips it. `--worlds` with no value
-skips the memory/step-time parts.
+replicated (target <= 1.10); `--job-steps 0` skips it. `--step-repeats N`: N such
+jobs per run, in turns, each against its own turn's replicated job, and the medians (the
+ratio of one job moved by +-0.1 between runs here, more than the target's margin).
+`--worlds` with no value skips the memory/step-time parts.
 
 The model is an MLP of `--layers` Linear(2048, 2048) layers (12: about 50 M
 parameters) with AdamW, where the optimizer state dominates. For each world
@@ -442,10 +444,12 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
 
 def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, warmup: int = 3, batch: int = 4,
                           runs=("replicated", "optimizer-r1", "gradients-r1"), job_args: tuple[str, ...] = (),
-                          progress=print, store: str = "socket") -> dict[str, Any]:
+                          progress=print, store: str = "socket", repeats: int = 1) -> dict[str, Any]:
     """The steady step time of the whole job (examples/train.py on ElasticJob, fixed size
     `world`, no checkpoints) for each of `runs`, and each sharded one against replicated
-    (target <= 1.10): rank 0's median step interval after `warmup` steps."""
+    (target <= 1.10): rank 0's median step interval after `warmup` steps. `repeats` > 1:
+    that many jobs per run, taken in turns, each sharded one against the replicated job of
+    its own turn; the figures are the medians (every job's kept under "samples")."""
     why = eltctl_shard_support()
     if why is not None:
         progress(f"job step time: not available: {why}")
@@ -454,22 +458,42 @@ def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, war
     import _eltctl_side
 
     out: dict[str, Any] = {"available": True, "world": world, "store": store, "steps": steps, "warmup": warmup,
-                           "job_args": list(job_args), "runs": {}}
-    for name in runs:
-        try:
-            r = _eltctl_side.measure_eltctl_step_time(
-                world, steps, warmup, timeout_s=max(600.0, 20.0 * steps),
-                extra_args=(*_train_args(world, layers, batch), *job_args, *ELTCTL_RUNS[name]), store=store)
-        except Exception as exc:  # noqa: BLE001 - reported
-            r = {"error": f"{type(exc).__name__}: {exc}"}
-        out["runs"][name] = r
-        rep = out["runs"].get("replicated", {}).get("median_step_s")
-        if r.get("median_step_s") and rep and name != "replicated":
-            r["vs_replicated"] = round(r["median_step_s"] / rep, 3)
-            r["on_target"] = r["median_step_s"] / rep <= 1.10
-        progress(f"job step time {name}: median {r.get('median_step_s')} s over {r.get('steps_measured')} steps"
-                 + (f" ({r['vs_replicated']:.2f}x replicated)" if "vs_replicated" in r else "")
-                 + (f" ({r['error']})" if "error" in r else ""))
+                           "job_args": list(job_args), "repeats": repeats, "runs": {}}
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    for i in range(repeats):
+        turn: dict[str, dict[str, Any]] = {}
+        for name in runs:
+            try:
+                r = _eltctl_side.measure_eltctl_step_time(
+                    world, steps, warmup, timeout_s=max(600.0, 20.0 * steps),
+                    extra_args=(*_train_args(world, layers, batch), *job_args, *ELTCTL_RUNS[name]), store=store)
+            except Exception as exc:  # noqa: BLE001 - reported
+                r = {"error": f"{type(exc).__name__}: {exc}"}
+            turn[name] = r
+            rep = turn.get("replicated", {}).get("median_step_s")
+            if r.get("median_step_s") and rep and name != "replicated":
+                r["vs_replicated"] = round(r["median_step_s"] / rep, 3)
+                r["on_target"] = r["median_step_s"] / rep <= 1.10
+            samples[name].append(r)
+            progress(f"job step time {name}" + (f" ({i + 1}/{repeats})" if repeats > 1 else "")
+                     + f": median {r.get('median_step_s')} s over {r.get('steps_measured')} steps"
+                     + (f" ({r['vs_replicated']:.2f}x replicated)" if "vs_replicated" in r else "")
+                     + (f" ({r['error']})" if "error" in r else ""))
+    for name, got in samples.items():
+        if repeats == 1:
+            out["runs"][name] = got[0]
+            continue
+        run: dict[str, Any] = {"samples": got}
+        steps_s = [g["median_step_s"] for g in got if g.get("median_step_s")]
+        ratios = [g["vs_replicated"] for g in got if "vs_replicated" in g]
+        if steps_s:
+            run["median_step_s"] = round(statistics.median(steps_s), 5)
+        if ratios:
+            run["vs_replicated"] = round(statistics.median(ratios), 3)
+            run["on_target"] = run["vs_replicated"] <= 1.10
+            progress(f"job step time {name}, medians of {len(ratios)}: {run['vs_replicated']:.2f}x replicated "
+                     f"(each turn: {', '.join(f'{x:.2f}x' for x in ratios)})")
+        out["runs"][name] = run
     return out
 
 
@@ -533,6 +557,8 @@ def main() -> int:
     ap.add_argument("--job-steps", type=int, default=10,
                     help="steps of each fixed-size eltctl job timed at each of --worlds (0: skip)")
     ap.add_argument("--job-warmup", type=int, default=3, help="of those, steps not timed")
+    ap.add_argument("--step-repeats", type=int, default=1,
+                    help="jobs per run for the steady step, in turns; the medians are reported")
     ap.add_argument("--skip-torchrun", action="store_true",
                     help="with --baseline: eltctl's pauses only (no torchrun job; no ratios against it)")
     ap.add_argument("--skip-memory", action="store_true",
@@ -552,7 +578,7 @@ def main() -> int:
     if args.job_steps and args.eltctl_runs:
         result["job_step_time"] = {str(w): measure_job_step_time(w, args.layers, args.job_steps, args.job_warmup,
                                                                  args.batch, args.eltctl_runs, job_args, progress=log,
-                                                                 store=args.store)
+                                                                 store=args.store, repeats=args.step_repeats)
                                    for w in args.worlds}
     if args.baseline == "zero-torchrun":
         result["pauses_by_world"] = {}
