@@ -1031,12 +1031,13 @@ class ElasticJob:
     def _preparing_join(self) -> Iterator[None]:
         """While a joiner of a running job (its status names the members) waits to be
         admitted, its gradient path prepares the layout it will most likely join, of one
-        member more (sharded: touches its host memory), on a helper thread that stops,
-        keeping what it did, once the wait is over."""
+        member more (sharded: touches its host memory), on a helper thread that stops
+        once the wait is over. Not where the job has no room for it (it may wait long)."""
         status = self._read(get_status)
         world = status.get("world_size") if isinstance(status, dict) and not status.get("paused") else None
-        if not isinstance(world, int) or world < 1:
-            yield
+        full = self.config.max_workers is not None and isinstance(world, int) and world >= self.config.max_workers
+        if not isinstance(world, int) or world < 1 or full:
+            yield  # no running job, or no room in it: this joiner may wait long
             return
         stop = threading.Event()
 

@@ -93,6 +93,9 @@ STAGING_BUFFERS = 3
 # (_chunk); only buckets of at least PAD_MIN_QUANTA such multiples do (padding under 1/64).
 PAD_QUANTUM = 840
 PAD_MIN_QUANTA = 64
+# How long a joiner keeps the memory it touched ahead while it waits to be admitted
+# (ShardedPath.prepare_join): a joiner of a job with room is admitted at its next boundary.
+JOINER_MEMORY_HOLD_S = 60.0
 # Optimizers whose update is elementwise: a shard's step is the replicated step of its elements.
 SUPPORTED_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -1641,7 +1644,12 @@ class ShardedPath(gradients.GradientPath):
             done = min(need, done + piece)
         rec = Recycler()
         rec.give(buf[:done])
-        self._joiner_memory = rec
+        # Held only while admission is near: a joiner kept waiting (the job paused by its
+        # hours, say) gives the memory back rather than sit on it on someone's workstation.
+        if stop.wait(JOINER_MEMORY_HOLD_S):
+            self._joiner_memory = rec
+        else:
+            rec.release()
 
     def _restore_chunks(self, new: ShardedGradients, ckpt: dict) -> dict:
         """A restore from a sharded checkpoint (`ckpt`: where the restoring rank found it),

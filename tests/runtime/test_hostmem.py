@@ -86,3 +86,48 @@ def test_release_hands_back_the_pages_nobody_took_and_keeps_what_was_carved():
     assert bool((base[end:first_whole_page] == 7).all())  # the page it shares with the carved buffer stays
     assert int(base[first_whole_page:last_whole_page].count_nonzero()) == 0  # handed back: zero pages again
     assert bool((base[last_whole_page:] == 7).all())  # a page only partly in the range is not
+
+
+def _path(shard: str = "optimizer", replicas: int = 2):
+    from eltctl_runtime import zero
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))  # 2 MB of parameters
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return zero.sharded_path(shard, model, opt, list(model.parameters()), bucket_mb=1.0, replicas=replicas)
+
+
+class AdmittedOnceTouched:
+    """The joiner's stop event: not set while it touches its memory, set when it waits."""
+
+    def is_set(self) -> bool:
+        return False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_joiner_admitted_in_time_keeps_the_memory_its_first_layout_needs(shard):
+    from eltctl_runtime import zero
+
+    path = _path(shard)
+    path.prepare_join(3, AdmittedOnceTouched())
+    lay = path._layout(["a", "b", "c"])
+    need = zero.ShardedGradients(path._params, path._opt, lay, 2, shard).host_bytes()
+    # at least the parameters' padded buffer (ZeRO-1: and the gradients') and the held state
+    n = sum(lay.padded(g) for g in range(len(lay.groups))) * 4
+    assert need > (2 if shard == "optimizer" else 1) * n
+    assert path._joiner_memory is not None and path._joiner_memory.free_bytes == need
+    new = path._new_path(lay, 2)  # its first path carves out of it
+    assert new.recycler.free_bytes == need and path._joiner_memory is None
+
+
+def test_a_joiner_kept_waiting_gives_the_memory_back(monkeypatch):
+    import threading
+
+    from eltctl_runtime import zero
+
+    monkeypatch.setattr(zero, "JOINER_MEMORY_HOLD_S", 0.05)
+    path = _path()
+    path.prepare_join(3, threading.Event())  # never admitted: it gives up after the hold
+    assert path._joiner_memory is None
