@@ -304,6 +304,15 @@ def _state_names(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ..
     return ("momentum_buffer",) if group.get("momentum", 0) else ()
 
 
+class _Pieces:
+    """What GradScaler.unscale_ reads of an optimizer (its param groups' parameters' .grad),
+    over the pieces of every held chunk: it unscales the gradients the step reads, and only
+    those, and finds an inf/NaN there."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.param_groups = [{"params": params}]
+
+
 class _Transfers:
     """Point-to-point sends and receives waited for as one (a bucket's gather on gloo)."""
 
@@ -374,6 +383,7 @@ class ShardedGradients:
         # Per bucket, per held chunk: an optimizer of the script's class over views of that chunk's
         # pieces (_build_steppers); the step runs through these, the state stays in _inner.
         self._steppers: list[list[tuple[torch.optim.Optimizer, list[tuple[int, int]]]]] = []
+        self._unscale_view = _Pieces([])  # every piece: what GradScaler unscales (_point_grads)
         self._spares: dict[tuple, torch.Tensor] = {}  # CPU: the pre-step copy's buffers, reused every step
         self._spare_base: torch.Tensor | None = None  # CPU: the one allocation they are carved out of
         self._spare_arena: Recycler | None = None
@@ -450,8 +460,10 @@ class ShardedGradients:
                     if values:
                         view.copy_(p.detach().reshape(-1))
                     p.data = view.view_as(p)
+            # ZeRO-2: the held chunks' gradients, one section per held chunk. ZeRO-1 has none: its
+            # pieces' gradients are views of the all-reduced gradients (_point_grads).
             self._shard_grads = []
-            for g, f in enumerate(self._flat):
+            for g, f in enumerate(self._flat if self.shard == "gradients" else ()):
                 n = len(self._held) * lay.shard_len(g)
                 was = reuse._shard_grads[g] if reuse is not None and g < len(reuse._shard_grads) else None
                 if was is not None and was.numel() == n and was.dtype == f.dtype and was.device == f.device:
@@ -503,7 +515,7 @@ class ShardedGradients:
         for g, (dtype, _pg) in enumerate(lay.groups):
             item, n, names = dtype_named(dtype).itemsize, lay.shard_len(g), len(self._names(g))
             total += line(lay.padded(g) * item) * (2 if self.shard == "optimizer" else 1)
-            total += line(held * n * item)
+            total += line(held * n * item) if self.shard == "gradients" else 0
             total += sum(line(n * item) for h in range(held) if not self._in_place(h))
             total += held * names * line(n * item)
         return total
@@ -538,17 +550,25 @@ class ShardedGradients:
             self._steppers.append(per_h)
 
     def _point_grads(self) -> None:
-        """The masters' and the pieces' .grad: their sections of _shard_grads (again after
-        the buffers are replaced)."""
+        """The pieces' .grad (again after the buffers are replaced): ZeRO-2, their sections
+        of _shard_grads (the masters' too); ZeRO-1, their chunk's elements of the all-reduced
+        gradients themselves, so nothing copies the held chunks' gradients out of them (at
+        world 2 with two replicas that was the 50 M model's 200 MB at every step). Also the
+        view GradScaler unscales (_unscale_view)."""
         for g, masters in enumerate(self._masters):
             n = self.layout.shard_len(g)
             for h, m in enumerate(masters):
-                m.grad = self._shard_grads[g][h * n:(h + 1) * n]
+                m.grad = self._shard_grads[g][h * n:(h + 1) * n] if self.shard == "gradients" else None
         for b, per_h in enumerate(self._steppers):
-            g = self.layout.buckets[b].group
+            bucket = self.layout.buckets[b]
+            g, off = bucket.group, self._offsets[b]
             for h, (opt, spans) in enumerate(per_h):
+                base = bucket.pstart + self._held[h] * bucket.chunk - off
                 for v, (lo, hi) in zip(opt.param_groups[0]["params"], spans):
-                    v.grad = self._masters[g][h].grad[lo:hi]
+                    v.grad = (self._masters[g][h].grad[lo:hi] if self.shard == "gradients"
+                              else self._grads[g][base + lo:base + hi])
+        self._unscale_view = _Pieces([v for per_h in self._steppers for opt, _spans in per_h
+                                      for v in opt.param_groups[0]["params"]])
 
     def _param_view(self, flats: list[torch.Tensor], i: int) -> torch.Tensor:
         return self._param_in(flats[self.layout.slots[i].group], i)
@@ -699,7 +719,7 @@ class ShardedGradients:
             self._error = self._error or e
             return
         self._retired += 1
-        if self.shard != "gradients":
+        if self.shard != "gradients":  # ZeRO-1: the pieces' gradients are views of the reduced buckets
             return
         t = self._staging.pop(b)
         if not self._rs:  # all-reduced: every held chunk is here
@@ -757,14 +777,8 @@ class ShardedGradients:
             error, self._error = self._error, None
             raise error
         self._works = []
-        with torch.no_grad():
-            if self.shard == "optimizer":
-                for b, bucket in enumerate(self.layout.buckets):
-                    off = self._offsets[b]
-                    for h, j in enumerate(self._held):
-                        self._section(self._shard_grads[bucket.group], bucket.group, h)[off:off + bucket.chunk] \
-                            .copy_(self._chunk_of(self._grads[bucket.group], b, j))
-            elif self._rs and self.layout.replicas > 1:
+        if self.shard == "gradients" and self._rs and self.layout.replicas > 1:
+            with torch.no_grad():
                 self._exchange_backups()
 
     def _prepare_step(self) -> None:
@@ -785,7 +799,6 @@ class ShardedGradients:
         self._pool, self._pool_size, self._prepared = {}, {}, None
         with torch.no_grad():
             self._shard_grads = [torch.zeros_like(t) for t in self._shard_grads]
-            self._point_grads()
             if self.shard == "optimizer":
                 self._grads = [torch.zeros_like(t) for t in self._grads]
                 for i, p in enumerate(self.params):
@@ -793,6 +806,7 @@ class ShardedGradients:
             else:
                 for p in self.params:
                     p.grad = None
+            self._point_grads()
 
     def _exchange_backups(self) -> None:
         """ZeRO-2 with replicas: each primary sends its reduced chunk to its backups."""
@@ -841,6 +855,7 @@ class ShardedGradients:
             self._inner.state.clear()
         self._spares, self._spare_base, self._spare_arena = {}, None, None
         self._grads, self._shard_grads, self._masters, self._steppers = [], [], [], []
+        self._unscale_view = _Pieces([])
         self._pool, self._pooled, self._staging = {}, {}, {}
 
     def step(self, max_grad_norm: float | None = None, scaler: Any = None) -> StepResult:
@@ -860,8 +875,8 @@ class ShardedGradients:
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         found_infs: list[torch.Tensor] = []
         if scaler is not None and scaler.is_enabled():
-            scaler.unscale_(inner)
-            found_infs = list(scaler._per_optimizer_states[id(inner)]["found_inf_per_device"].values())
+            scaler.unscale_(self._unscale_view)
+            found_infs = list(scaler._per_optimizer_states[id(self._unscale_view)]["found_inf_per_device"].values())
             stats[1] = float(sum(float(f) for f in found_infs))
         if max_grad_norm is not None:
             # Each rank sums its primary chunks, all-reduced below; where every rank holds every
@@ -881,8 +896,8 @@ class ShardedGradients:
             norm = total
             coef = min(1.0, max_grad_norm / (total + 1e-6)) if not math.isnan(total) else float("nan")
             with torch.no_grad():
-                for sg in self._shard_grads:
-                    sg.mul_(coef)
+                for v in self._unscale_view.param_groups[0]["params"]:
+                    v.grad.mul_(coef)
         if found_infs:
             for f in found_infs:
                 f.fill_(1.0 if skipped else 0.0)
@@ -1114,7 +1129,7 @@ class ShardedGradients:
         return _Transfers(works)
 
     def zero_grad(self) -> None:
-        # The chunks' gradients (_shard_grads) need no zeroing: finish() writes every held
+        # ZeRO-2's chunk gradients (_shard_grads) need no zeroing: finish() writes every held
         # chunk whole (from the reduced buckets, or the primary's for a backup) before a step.
         with torch.no_grad():
             for t in self._grads:

@@ -377,14 +377,17 @@ def test_a_shard_stepped_in_small_pieces_with_one_staging_buffer_trains_as_repli
         assert mem["step_undo"] > 0
 
 
-def test_clipping_and_an_inf_in_one_shard_skip_the_step_everywhere_as_replicated():
+@pytest.mark.parametrize("shard,replicas", [("gradients", 1), ("optimizer", 1), ("optimizer", 2)])
+def test_clipping_and_an_inf_in_one_shard_skip_the_step_everywhere_as_replicated(shard, replicas):
+    """ZeRO-1's pieces unscale and clip the all-reduced gradients where they lie (no copy of
+    the held chunks'), a backup's too."""
     steps, clip, inf_at = 5, 0.05, 2
     ref_model, ref_opt, ref_scaler = replicated("adamw", steps, clip=clip, scale=True, inf_at=inf_at)
     store = dist.HashStore()
 
     def rank(r: int):
-        w = Worker("adamw", "gradients", scale=True, reduce_scatter=True)
-        lay = shard_layout(w.params, w.opt, members("a", "b", "c"), bucket_mb=0.0002)
+        w = Worker("adamw", shard, scale=True, reduce_scatter=True)
+        lay = shard_layout(w.params, w.opt, members("a", "b", "c"), replicas=replicas, bucket_mb=0.0002)
         w.sg = w.path(lay, f"w{r}")
         results = w.train(group(store, "g", r, 3), range(steps), clip=clip, inf_at=inf_at)
         return w, results
