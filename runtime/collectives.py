@@ -217,6 +217,31 @@ def wait_p2p(works: list, abort: threading.Event | None, what: str) -> None:
         raise
 
 
+def first_failure(works: list, start: int = 0) -> tuple[int, BaseException | None]:
+    """Look at launched works from index `start` on without waiting for any: the index of
+    the first one not completed yet (each before it succeeded), and the error of the first
+    that failed (None where none has). A None entry (its launch failed) counts as failed.
+    A peer gone shows here within milliseconds on gloo (its pair's connection closed),
+    long before the generation's abort flag, which waits for the peer's report."""
+    i = start
+    while i < len(works):
+        w = works[i]
+        if w is None:
+            return i, RuntimeError("a reduction could not be launched")
+        try:
+            fut = w.get_future()  # (Work.exception and is_success are deprecated)
+        except RuntimeError:  # a work without a future: nothing to tell without waiting
+            return i, None
+        if not fut.done():
+            return i, None
+        try:
+            fut.value()
+        except Exception as e:  # noqa: BLE001 - the reduction's error
+            return i, e
+        i += 1
+    return i, None
+
+
 def allreduce(pg, t: torch.Tensor, abort: threading.Event | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     opts = dist.AllreduceOptions()
     opts.reduceOp = op

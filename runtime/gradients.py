@@ -316,6 +316,11 @@ class GradientPath(ABC):
     @abstractmethod
     def grad_ready(self, index: int, p: torch.Tensor) -> None: ...
 
+    def failed(self) -> BaseException | None:
+        """A reduction launched in this backward has already failed (checked without
+        waiting): the step is doomed, so backward can stop (job._grad_ready)."""
+        return None
+
     @abstractmethod
     def end_backward(self) -> None: ...
 
@@ -422,10 +427,17 @@ class ReplicatedPath(GradientPath):
         self._fired = set()
         self._works = []
         self._launch_error = None
+        self._ok_upto = 0  # works before this one are known to have succeeded (failed())
         self._launching = True
 
     def end_backward(self) -> None:
         self._launching = False
+
+    def failed(self) -> BaseException | None:
+        if self._launch_error is not None:
+            return self._launch_error
+        self._ok_upto, error = collectives.first_failure(self._works, self._ok_upto)
+        return error
 
     def grad_ready(self, index: int, p: torch.Tensor) -> None:
         """Launch every bucket that is complete, in the one global bucket order

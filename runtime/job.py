@@ -563,10 +563,18 @@ class ElasticJob:
         after a look at the abort. In the last micro-batch's backward an aborted
         generation (a peer crashed or hung) dooms the step, whose reductions would fail
         only at their wait after backward: backward stops here instead (at world 4 on 2
-        cores the rest of the step in flight was 0.25-0.45 s of a SIGKILL's pause)."""
-        if self._mb_left == 1 and self._abort.is_set():
+        cores the rest of the step in flight was 0.25-0.45 s of a SIGKILL's pause). So does
+        a reduction launched in it that has failed already (a peer's connection closed:
+        gloo says so within milliseconds, the abort flag waits for the peer's report)."""
+        if self._mb_left != 1:
+            self._grads.grad_ready(index, p)
+            return
+        if self._abort.is_set():
             raise Aborted(f"the generation was aborted during backward ({self._control.abort_reason()})")
         self._grads.grad_ready(index, p)
+        failed = self._grads.failed()
+        if failed is not None:
+            raise Aborted(f"a gradient reduction failed during backward: {failed}", backend_error=True)
 
     def _ctrl_size(self) -> int:
         """Control scalars at the head of the tail (_tail_len); the buffers' updates follow them."""

@@ -641,6 +641,7 @@ class ShardedGradients:
         self._works = []
         self._staging, self._pooled, self._retired, self._error = {}, {}, 0, None
         self._prepared = None
+        self._ok_upto = 0  # reductions before this one are known to have succeeded (failed())
         self._launching = True
 
     def grad_ready(self, index: int, p: torch.Tensor) -> None:
@@ -658,6 +659,14 @@ class ShardedGradients:
             if self._ready[nb] < len(self.layout.buckets[nb].params):
                 break
             self._launch(nb)
+
+    def failed(self) -> BaseException | None:
+        """A reduction of this backward already failed (checked without waiting; a wait
+        inside backward that failed is kept in _error)."""
+        if self._error is not None:
+            return self._error
+        self._ok_upto, error = collectives.first_failure(self._works, max(self._ok_upto, self._retired))
+        return error
 
     def _stage(self, index: int, p: torch.Tensor) -> None:
         b = self._bucket_of[index]
@@ -1769,6 +1778,9 @@ class ShardedPath(gradients.GradientPath):
 
     def end_backward(self) -> None:
         pass  # ShardedGradients stops launching in finish(); hooks outside begin..finish are ignored there
+
+    def failed(self) -> BaseException | None:
+        return self.sg.failed() if self.sg is not None else None
 
     def tail(self) -> torch.Tensor:
         return self._tail_buf

@@ -154,3 +154,58 @@ def test_a_step_with_inf_gradients_on_one_rank_is_skipped_on_every_rank_and_stil
     first = results[0]["steps"][0]
     assert first["norm"] == pytest.approx(want_norms[0], rel=1e-5)
     assert all(s["hook_norm"] == pytest.approx(s["norm"], rel=1e-6) for s in results[0]["steps"] if not s["skipped"])
+
+
+_PEER = """
+import os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+opts = dist.ProcessGroupGloo._Options()
+opts._timeout = timedelta(seconds=30)
+opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+pg = dist.ProcessGroupGloo(dist.FileStore(sys.argv[1], 2), 1, 2, opts)
+pg.allreduce([torch.ones(4)]).wait()
+sys.stdin.readline()  # the test says when to die
+os._exit(9)
+"""
+
+
+def test_a_reduction_that_failed_is_seen_without_waiting_so_backward_can_stop(tmp_path):
+    """collectives.first_failure (what a gradient hook asks through the path's failed()):
+    a reduction still in flight is not taken for failed; once the peer is gone (its
+    process died) the one in flight reports the reset connection, without a wait."""
+    import subprocess
+    import sys
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from eltctl_runtime import collectives
+
+    store_path = str(tmp_path / "store")
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, store_path], stdin=subprocess.PIPE, text=True)
+    try:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=30)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        pg = dist.ProcessGroupGloo(dist.FileStore(store_path, 2), 0, 2, opts)
+        done = pg.allreduce([torch.ones(4)])
+        done.wait()
+        assert collectives.first_failure([done]) == (1, None)
+        pending = pg.allreduce([torch.ones(4)])  # the peer never joins this one
+        time.sleep(0.2)
+        assert collectives.first_failure([done, pending]) == (1, None)
+        assert collectives.first_failure([done, None])[0] == 1  # a launch that failed
+        assert collectives.first_failure([done, None])[1] is not None
+        peer.stdin.write("die\n")
+        peer.stdin.flush()
+        peer.wait(30)
+        deadline = time.monotonic() + 20
+        while collectives.first_failure([done, pending])[1] is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        at, error = collectives.first_failure([done, pending])
+        assert at == 1 and isinstance(error, Exception) and "peer" in str(error).lower()
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
