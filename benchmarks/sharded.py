@@ -206,12 +206,14 @@ def _worker(cfg: dict, rank: int, store_path: str, out) -> None:
 MEMORY_WARMUP_STEPS = 2
 
 
-def run_config(cfg: dict) -> dict[str, Any]:
+def spawn_ranks(worker, cfg: dict, prefix: str = "eltctl-sharded-") -> list[dict]:
+    """Run `worker(cfg, rank, store_path, out)` in cfg["world"] spawned processes on one
+    FileStore; each puts one report (a dict with its "rank") on `out`. The reports, by rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="eltctl-sharded-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(cfg, r, store, out)) for r in range(cfg["world"])]
+        procs = [ctx.Process(target=worker, args=(cfg, r, store, out)) for r in range(cfg["world"])]
         for p in procs:
             p.start()
         got = [out.get(timeout=900) for _ in procs]
@@ -219,7 +221,11 @@ def run_config(cfg: dict) -> dict[str, Any]:
             p.join(60)
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"a worker of {cfg['name']} failed: exit codes {[p.exitcode for p in procs]}")
-    got.sort(key=lambda g: g["rank"])
+    return sorted(got, key=lambda g: g["rank"])
+
+
+def run_config(cfg: dict) -> dict[str, Any]:
+    got = spawn_ranks(_worker, cfg)
     slowest = [max(g["times"][s] for g in got) for s in range(cfg["steps"])]
     steady = slowest[MEMORY_WARMUP_STEPS:] or slowest[-1:]
     return {"step_s": statistics.median(steady),

@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -106,18 +104,7 @@ def run(name: str, world: int, steps: int, layers: int, batch: int) -> dict[str,
     shard, replicas = (None, 1) if name == "replicated" else (name.split("-")[0], int(name[-1]))
     cfg = {"world": world, "steps": steps, "batch": batch, "layers": layers, "name": name, "shard": shard,
            "replicas": replicas}
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="eltctl-phases-") as tmp:
-        procs = [ctx.Process(target=_worker, args=(cfg, r, os.path.join(tmp, "store"), out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        got = [out.get(timeout=900) for _ in procs]
-        for p in procs:
-            p.join(60)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"a worker of {name} failed: exit codes {[p.exitcode for p in procs]}")
-    rows = next(g["rows"] for g in got if g["rank"] == 0)[2:]
+    rows = sharded.spawn_ranks(_worker, cfg, "eltctl-phases-")[0]["rows"][2:]
     keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
     return {k: round(statistics.median(r.get(k, 0.0) for r in rows), 4) for k in keys}
 
