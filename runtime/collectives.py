@@ -222,7 +222,8 @@ def first_failure(works: list, start: int = 0) -> tuple[int, BaseException | Non
     the first one not completed yet (each before it succeeded), and the error of the first
     that failed (None where none has). A None entry (its launch failed) counts as failed.
     A peer gone shows here within milliseconds on gloo (its pair's connection closed),
-    long before the generation's abort flag, which waits for the peer's report."""
+    long before the generation's abort flag, which waits for the peer's report. gloo's
+    works only: an NCCL work's future value() makes the current stream wait for it."""
     i = start
     while i < len(works):
         w = works[i]

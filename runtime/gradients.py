@@ -436,6 +436,8 @@ class ReplicatedPath(GradientPath):
     def failed(self) -> BaseException | None:
         if self._launch_error is not None:
             return self._launch_error
+        if self.pg is None or self.pg.name().upper() != "GLOO":
+            return None  # NCCL: reading a work's future makes the compute stream wait for it
         self._ok_upto, error = collectives.first_failure(self._works, self._ok_upto)
         return error
 

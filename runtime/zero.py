@@ -665,6 +665,8 @@ class ShardedGradients:
         inside backward that failed is kept in _error)."""
         if self._error is not None:
             return self._error
+        if self._pg is None or self._pg.name().upper() != "GLOO":
+            return None  # NCCL: reading a work's future makes the compute stream wait for it
         self._ok_upto, error = collectives.first_failure(self._works, max(self._ok_upto, self._retired))
         return error
 
