@@ -217,6 +217,10 @@ def wait_p2p(works: list, abort: threading.Event | None, what: str) -> None:
         raise
 
 
+def is_gloo(pg) -> bool:
+    return pg is not None and pg.name().upper() == "GLOO"
+
+
 def first_failure(works: list, start: int = 0) -> tuple[int, BaseException | None]:
     """Look at launched works from index `start` on without waiting for any: the index of
     the first one not completed yet (each before it succeeded), and the error of the first

@@ -389,6 +389,7 @@ class ReplicatedPath(GradientPath):
         self._fired: set[int] = set()  # parameters whose gradient is ready in this backward
         self._works: list = []  # the all-reduces launched for this step, in bucket order
         self._launch_error: Exception | None = None
+        self._ok_upto, self._watch_failures = 0, False  # failed()
         self.pg = None
 
     def _buffers(self, tail_size: int) -> list[torch.Tensor]:
@@ -428,6 +429,8 @@ class ReplicatedPath(GradientPath):
         self._works = []
         self._launch_error = None
         self._ok_upto = 0  # works before this one are known to have succeeded (failed())
+        # failed() looks on gloo only: on NCCL reading a work's future makes the compute stream wait for it
+        self._watch_failures = collectives.is_gloo(self.pg)
         self._launching = True
 
     def end_backward(self) -> None:
@@ -436,8 +439,8 @@ class ReplicatedPath(GradientPath):
     def failed(self) -> BaseException | None:
         if self._launch_error is not None:
             return self._launch_error
-        if self.pg is None or self.pg.name().upper() != "GLOO":
-            return None  # NCCL: reading a work's future makes the compute stream wait for it
+        if not self._watch_failures:
+            return None
         self._ok_upto, error = collectives.first_failure(self._works, self._ok_upto)
         return error
 

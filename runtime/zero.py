@@ -392,6 +392,8 @@ class ShardedGradients:
         # everything is allocated.
         self.recycler: Recycler | None = None
         self._pg = None
+        self._gloo = False  # the group of the last begin() is gloo's
+        self._ok_upto = 0  # failed(): reductions before this one are known to have succeeded
         self._abort: threading.Event | None = None
         self._launching = False
         self._works: list = []  # the step's reductions, in bucket order (None: its launch failed)
@@ -622,7 +624,7 @@ class ShardedGradients:
         asked = self._reduce_scatter_asked
         # Every chunk held here: an all-reduce gives them all at once (a reduce-scatter would
         # need the backups' exchange on top).
-        gloo = pg.name().upper() == "GLOO"
+        gloo = self._gloo = collectives.is_gloo(pg)
         self._rs = False if self._full else asked if asked is not None else not gloo
         self._p2p_gather = self._p2p_gather_asked if self._p2p_gather_asked is not None else gloo
         if self.shard == "optimizer":
@@ -665,7 +667,7 @@ class ShardedGradients:
         inside backward that failed is kept in _error)."""
         if self._error is not None:
             return self._error
-        if self._pg is None or self._pg.name().upper() != "GLOO":
+        if not self._gloo:
             return None  # NCCL: reading a work's future makes the compute stream wait for it
         self._ok_upto, error = collectives.first_failure(self._works, max(self._ok_upto, self._retired))
         return error
