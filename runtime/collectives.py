@@ -247,6 +247,24 @@ def first_failure(works: list, start: int = 0) -> tuple[int, BaseException | Non
     return i, None
 
 
+def settled(works: list) -> bool:
+    """Whether none of the collectives `works` can still write into its buffers: each one
+    launched has completed, succeeded or failed (a None entry never launched). After an
+    abort some may not have: a survivor's all-reduce waiting on a ring neighbour that is
+    alive but left its own (failed) one runs on until the group's timeout, so buffers it
+    writes into must not be reused. Collectives only: gloo's point-to-point works report
+    completion only from wait() (wait_p2p), so they would always read as unsettled."""
+    for w in works:
+        if w is None:
+            continue
+        try:
+            if not w.is_completed():
+                return False
+        except RuntimeError:  # a backend that cannot tell: assume it may still write
+            return False
+    return True
+
+
 def allreduce(pg, t: torch.Tensor, abort: threading.Event | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     opts = dist.AllreduceOptions()
     opts.reduceOp = op

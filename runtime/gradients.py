@@ -495,11 +495,11 @@ class ReplicatedPath(GradientPath):
         # rank with no samples) go now, in order; then the last one, with the tail.
         while len(self._works) < self._n_launch:
             self._launch(len(self._works))
-        works, self._works = self._works, []
         if self._launch_error is not None:
             raise Aborted(f"an all-reduce could not be launched: {self._launch_error}", backend_error=True)
-        for work in works:
+        for work in self._works:
             collectives.wait_work(work, abort)
+        self._works = []  # all done (drop looks at those of a step that broke)
         return self.tail().to("cpu", copy=True)  # the buffers are zeroed after the step
 
     def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -525,6 +525,13 @@ class ReplicatedPath(GradientPath):
 
     def drop(self) -> None:
         # A collective that never finished may still write into the buffers: never reuse them.
-        self._works = []
+        # Where every one launched has completed (succeeded or failed), they are kept: begin()
+        # zeroes the gradients' views again (the job sets .grad to None), the tail here.
+        settled = collectives.settled(self._works)
+        self._works, self._launching = [], False
+        if settled and self._flats is not None:
+            with torch.no_grad():
+                self.tail().zero_()
+            return
         self._flats = None
         self._tail_buf = None

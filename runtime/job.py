@@ -179,6 +179,8 @@ class ElasticJob:
         self._prefetch_steps = prefetch_steps
         self._pin_memory = pin_memory
         self._params = [p for p in model.parameters() if p.requires_grad]
+        # torch.compile's module: no global forward hook while it runs (_forward_abortable)
+        self._compiled = type(model).__name__ == "OptimizedModule"
         # How the step's gradients are reduced and applied (gradients.py: the seam).
         self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb, shard_replicas)
         if shard is not None:
@@ -533,7 +535,8 @@ class ElasticJob:
             if n > 0 and not self._oom_retry:
                 try:
                     if callable(loss):
-                        loss = loss()
+                        with self._forward_abortable():
+                            loss = loss()
                     scaled = loss * (n / self._global_count)
                     if self._scaler is not None:
                         scaled = self._scaler.scale(scaled)
@@ -557,6 +560,31 @@ class ElasticJob:
         if self._mb_left > 0:
             return None
         return self._reduce_and_commit()
+
+    @contextlib.contextmanager
+    def _forward_abortable(self) -> Iterator[None]:
+        """While the job runs the script's loss function in the last micro-batch (the form
+        `job.step(lambda: ...)`): an aborted generation stops the forward pass at the next
+        module call, as _grad_ready stops backward (a step it dooms would otherwise run
+        through the rest of forward and the start of backward before a gradient hook saw
+        it). A global forward pre-hook, registered for the call only, so that the script's
+        modules carry no hook of the job's (a model pickled or deep-copied meanwhile would
+        take it along). Not for a compiled model (torch.compile warns of global hooks and
+        would run it an extra time)."""
+        if self._mb_left != 1 or self._gen is None or self._abort is None or self._compiled:
+            yield
+            return
+        abort = self._abort
+
+        def pre_hook(_module, _args) -> None:
+            if abort.is_set():
+                raise Aborted(f"the generation was aborted during forward ({self._control.abort_reason()})")
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _grad_ready(self, index: int, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: the gradient path's (it launches the full buckets),

@@ -172,7 +172,8 @@ os._exit(9)
 def test_a_reduction_that_failed_is_seen_without_waiting_so_backward_can_stop(tmp_path):
     """collectives.first_failure (what a gradient hook asks through the path's failed()):
     a reduction still in flight is not taken for failed; once the peer is gone (its
-    process died) the one in flight reports the reset connection, without a wait."""
+    process died) the one in flight reports the reset connection, without a wait. And
+    collectives.settled: in flight it is not, failed it is."""
     import subprocess
     import sys
     import time
@@ -197,6 +198,8 @@ def test_a_reduction_that_failed_is_seen_without_waiting_so_backward_can_stop(tm
         assert collectives.first_failure([done, pending]) == (1, None)
         assert collectives.first_failure([done, None])[0] == 1  # a launch that failed
         assert collectives.first_failure([done, None])[1] is not None
+        # settled (what a dropped step asks before it reuses its buffers): the one in flight may still write
+        assert collectives.settled([done, None]) and not collectives.settled([done, pending])
         peer.stdin.write("die\n")
         peer.stdin.flush()
         peer.wait(30)
@@ -205,7 +208,91 @@ def test_a_reduction_that_failed_is_seen_without_waiting_so_backward_can_stop(tm
             time.sleep(0.01)
         at, error = collectives.first_failure([done, pending])
         assert at == 1 and isinstance(error, Exception) and "peer" in str(error).lower()
+        assert collectives.settled([done, pending])  # failed: it writes nothing more
     finally:
         if peer.poll() is None:
             peer.kill()
             peer.wait()
+
+
+def test_the_replicated_path_keeps_a_dropped_steps_buffers_only_where_its_reductions_ended():
+    """As the sharded path's (test_zero.py): w0 drops step 1 with its all-reduces in flight
+    and redoes it at once on fresh buffers, while w1's late all-reduces (matched with w0's
+    dropped ones) write into the old ones; w1 drops it after they ended and keeps its
+    buffers. Both end with the gradients of one process on the global batch."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from eltctl_runtime import collectives
+    from eltctl_runtime.gradients import ReplicatedPath
+
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+
+    def model():
+        torch.manual_seed(3)
+        return torch.nn.Linear(5, 2).double()
+
+    ref = model()
+    ((ref(x) - y) ** 2).sum().backward()
+    store, w0_redoing, out, errors = dist.HashStore(), threading.Event(), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=30)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("g", store), r, 2, opts)
+            m = model()
+            params = list(m.parameters())
+            path = ReplicatedPath(params, bucket_mb=1.0)
+            path.pg = pg
+            handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: path.grad_ready(i, p))
+                       for i, p in enumerate(params)]
+
+            def backward() -> None:
+                path.begin(4)
+                ((m(x[r::2]) - y[r::2]) ** 2).sum().backward()
+                path.end_backward()
+
+            if r == 0:
+                backward()  # launched; w1 is not there yet
+                old = list(path._flats)
+                assert not collectives.settled(path._works)
+                path.drop()
+                for p in params:
+                    p.grad = None  # as the job does after a drop
+                backward()  # the redo
+                assert not {f.data_ptr() for f in path._flats} & {f.data_ptr() for f in old}
+                w0_redoing.set()
+                path.finish(None)
+                assert any(f.abs().sum() > 0 for f in old), "the late all-reduces wrote into the old buffers"
+            else:
+                w0_redoing.wait(30)
+                backward()
+                for work in path._works:  # the buckets w0 dropped (the tail goes only with a finish)
+                    work.wait()
+                kept = [f.data_ptr() for f in path._flats]
+                path.drop()
+                for p in params:
+                    p.grad = None
+                backward()
+                assert [f.data_ptr() for f in path._flats] == kept
+                path.finish(None)
+            out[r] = [p.grad.clone() for p in params]
+            for h in handles:
+                h.remove()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    for r in range(2):
+        for g, p in zip(out[r], ref.parameters()):
+            torch.testing.assert_close(g, p.grad)

@@ -767,3 +767,69 @@ def test_a_transfer_posted_to_a_peer_already_gone_is_an_abort_with_a_backend_err
         if peer.poll() is None:
             peer.kill()
             peer.wait()
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_dropped_step_keeps_its_buffers_where_its_reductions_ended_and_replaces_them_where_one_runs_on(shard):
+    """Step 2 is dropped on both ranks. w0 drops it with its reductions still in flight
+    (w1 has not reached them: a survivor whose ring neighbour left its own) and redoes it
+    at once, so its old gradient buffers are stale: w1's late reductions write into them
+    while w0's redo is under way, which must not use them. w1 drops it after its
+    reductions completed and keeps its buffers. Both end exactly as the replicated run
+    (with the stale buffers reused, the late write would land in w0's redo)."""
+    steps = 4
+    ref_model, ref_opt, _ = replicated("adamw", steps)
+    store = dist.HashStore()
+    w0_redoing = threading.Event()
+
+    def rank(me: str):
+        w = Worker("adamw", shard)
+        lay = shard_layout(w.params, w.opt, members("a", "b"), bucket_mb=1.0)  # one bucket: no pool wait
+        w.sg = w.path(lay, me)
+        r = lay.rank_of(me)
+        pg = group(store, "g", r, 2)
+        w.train(pg, range(2))
+        sg = w.sg
+        rows = torch.tensor_split(torch.arange(ROWS), 2)[r]
+        with sg.attached():
+            if me == "w0":
+                sg.begin(pg)
+                loss_of(w.model, rows, 2).backward()  # every bucket launched; w1 is not there yet
+                assert not dist_settled(sg)
+                old = sg._grads + sg._shard_grads + [t for ts in sg._pool.values() for t in ts]
+                sg.drop()
+                assert sg._stale
+                sg.begin(pg)  # the redo: fresh buffers
+                assert not sg._stale
+                assert not {t.data_ptr() for t in sg._grads + sg._shard_grads} & {t.data_ptr() for t in old}
+                loss_of(w.model, rows, 2).backward()
+                w0_redoing.set()
+                sg.finish()  # after w1's late match of the dropped reductions
+                assert any(t.abs().sum() > 0 for t in old), "the late reductions wrote into the old buffers"
+            else:
+                w0_redoing.wait(30)
+                sg.begin(pg)
+                loss_of(w.model, rows, 2).backward()
+                sg.finish()  # its reductions complete (w0's dropped ones are their peers)
+                kept = [t.data_ptr() for t in sg._grads + sg._shard_grads]
+                sg.drop()  # w0 did not step: w1 drops the step too, its reductions all ended
+                assert not sg._stale
+                sg.begin(pg)
+                assert [t.data_ptr() for t in sg._grads + sg._shard_grads] == kept
+                loss_of(w.model, rows, 2).backward()
+                sg.finish()
+            sg.step(None, None)
+            sg.zero_grad()
+        w.train(pg, range(3, steps))
+        return w, sg.full_state_dict()
+
+    out = run_ranks({f"w{r}": (lambda r=r: rank(f"w{r}")) for r in range(2)})
+    for w, full in out.values():
+        assert_params_match(w.model, ref_model)
+        assert_state_matches(full, ref_opt.state_dict())
+
+
+def dist_settled(sg: ShardedGradients) -> bool:
+    from eltctl_runtime import collectives
+
+    return collectives.settled(sg._works)
