@@ -85,7 +85,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from . import collectives, state as state_mod
+from . import collectives, hostmem, state as state_mod
 from .collectives import Aborted
 
 N_CTRL = 5  # pending, stop, local sample count, local loss sum, checkpoint due; then one leave flag per rank
@@ -403,7 +403,8 @@ class ReplicatedPath(GradientPath):
         sizes = [n + (tail_size if g == lay.tail_group else 0) for g, n in enumerate(lay.lengths)]
         if self._flats is None or [f.numel() for f in self._flats] != sizes:
             # The caller copies the current gradients in (they are not views of these).
-            self._flats = [torch.zeros(n, dtype=state_mod.dtype_named(kind), device=self.device)
+            self._flats = [(hostmem.empty(n, state_mod.dtype_named(kind)).zero_() if self.device.type == "cpu"
+                            else torch.zeros(n, dtype=state_mod.dtype_named(kind), device=self.device))
                            for kind, n in zip(lay.groups, sizes)]
         if lay.tail_group is None and (self._tail_buf is None or self._tail_buf.numel() != tail_size):
             self._tail_buf = torch.zeros(tail_size, dtype=TAIL_DTYPE, device=self.device)

@@ -24,6 +24,12 @@ staying resident). A rank holds no more memory than before, and less at a reshar
 peak: the new state is carved out of the old pre-step copy instead of being allocated
 beside it.
 
+What is allocated afresh (a Recycler's misses, the sharded path's buffers where it has
+no recycler, the pre-step copy, the replicated path's gradient buffers) comes from
+`empty`, which asks the kernel for transparent huge pages for it: on Linux with THP in
+`madvise` mode (the common default) a 400 MB buffer is then faulted in 700 times instead
+of 102,400. An admin who turns THP off (`never`) turns this off too.
+
 The contract: give only buffers this process allocated (never a memory-mapped file's)
 that nothing reads or writes any more; carved buffers are views of them.
 """
@@ -56,6 +62,29 @@ def _madvise():
 
 
 _MADVISE = _madvise()
+
+_MADV_HUGEPAGE = 14  # Linux
+HUGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+HUGE_MIN_BYTES = 4 << 20  # below this a buffer is left to 4 KiB pages
+
+
+def empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new uninitialised 1-D host buffer of `n` elements, its first touch faulted in
+    2 MiB pages where the kernel's transparent huge pages are on for regions that ask
+    (`madvise` mode, as on this project's VMs; `always` does it anyway). Fresh 4 KiB pages
+    cost a fault each (400 MB: 102,400 faults and 0.13 s here on an idle machine, 700
+    faults and 0.06-0.07 s in 2 MiB pages), and a reshard's buffers and the first step's
+    pre-step copy after it are fresh (about 165,000 faults in a SIGKILL's pause at world
+    4). Only the whole huge pages inside the buffer are advised, before anything touches
+    them; elsewhere (no madvise, a kernel that refuses) it is a plain torch.empty."""
+    t = torch.empty(n, dtype=dtype)
+    nbytes = n * t.element_size()
+    if _MADVISE is not None and nbytes >= HUGE_MIN_BYTES:
+        lo = -(-t.data_ptr() // HUGE) * HUGE
+        hi = (t.data_ptr() + nbytes) // HUGE * HUGE
+        if hi > lo:
+            _MADVISE(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+    return t
 
 
 class Recycler:
@@ -101,7 +130,7 @@ class Recycler:
                 best, at = i, skip
         if best is None or need == 0:
             self.fresh += need
-            return torch.empty(n, dtype=dtype)
+            return empty(n, dtype)
         f = self._free[best]
         piece = f[at:at + need].view(dtype)
         rest = f[at + need:]

@@ -70,7 +70,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import collectives, gradients, state as state_mod
+from . import collectives, gradients, hostmem, state as state_mod
 from .hostmem import Recycler
 from .state import dtype_named
 
@@ -428,6 +428,8 @@ class ShardedGradients:
         """A new 1-D buffer on the parameters' device: out of the recycler where there is one."""
         if self.recycler is not None:
             return self.recycler.empty(n, dtype, self.device)
+        if self.device.type == "cpu":
+            return hostmem.empty(n, dtype)
         return torch.empty(n, dtype=dtype, device=self.device)
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -1752,7 +1754,7 @@ class ShardedPath(gradients.GradientPath):
             return
         lay = self._layout([f"joining-{i}" for i in range(world)])
         need = ShardedGradients(self._params, self._opt, lay, world - 1, self.shard).host_bytes()
-        buf = torch.empty(need, dtype=torch.uint8)
+        buf = hostmem.empty(need, torch.uint8)
         done, piece = 0, 64 << 20
         while done < need and not stop.is_set():
             buf[done:done + piece].zero_()

@@ -106,6 +106,46 @@ class AdmittedOnceTouched:
         return True
 
 
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else None
+
+
+def _huge_kib_around(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings that hold `t` (/proc/self/smaps; the advice splits
+    the mapping at the first and last whole huge page)."""
+    lo_t, hi_t = span(t)
+    total, inside_t = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside_t = lo < hi_t and lo_t < hi
+        elif inside_t and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
+                    reason="transparent huge pages are off (or not Linux)")
+def test_a_large_host_buffer_is_faulted_in_huge_pages():
+    """hostmem.empty advises the whole 2 MiB pages inside a large buffer before anything
+    touches it, so its first touch costs a fault per 2 MiB; in the kernel's `madvise` mode
+    torch's own allocations stay in 4 KiB pages."""
+    big = hostmem.empty(64 * MB // 4, torch.float32)
+    assert big.numel() == 64 * MB // 4 and big.dtype == torch.float32
+    big.fill_(1.0)
+    assert _huge_kib_around(big) >= 32 * 1024  # most of it, whatever the alignment left over
+    if _thp_mode() == "madvise":
+        plain = torch.empty(64 * MB, dtype=torch.uint8)
+        plain.fill_(1)
+        assert _huge_kib_around(plain) == 0  # what the advice changed, not the kernel's default
+
+
+
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_a_joiner_admitted_in_time_keeps_the_memory_its_first_layout_needs(shard):
     from eltctl_runtime import zero
