@@ -1286,13 +1286,51 @@ def load_optimizer_chunks(path: Path | str, sg: Any, param_groups: Any, manifest
     zero.load_checkpoint_chunks(sg, sharded, shards, param_groups)
 
 
+def _machine_id() -> str | None:
+    """This machine's kernel for this boot (Linux's boot_id), or None where it cannot tell."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def restore_identity(path: Path | str) -> dict[str, Any]:
+    """What a restoring rank says of the checkpoint directory it restores (with its "path",
+    "sha256" and "host"), so that another rank can tell it reads the very same files:
+    this machine's boot id and the directory's device and inode (covered_by_restorer)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return {}
+    machine = _machine_id()
+    return {"machine": machine, "dir": [st.st_dev, st.st_ino]} if machine else {}
+
+
+def covered_by_restorer(desc: Mapping[str, Any], host: str) -> bool:
+    """Whether the restoring rank's hashes (all of the checkpoint's files, confirmed on every
+    rank before the first step) cover what this rank reads of the checkpoint `desc`: it is
+    on the same host, or it reads the very same directory on the same machine (the same
+    kernel, device and inode: the same files, whatever the hosts are called, as for the
+    simulated hosts of a test bed or a benchmark on one machine). Elsewhere (another
+    machine, a copy at the same path, shared storage) a rank hashes what it reads."""
+    if host == desc.get("host"):
+        return True
+    machine = desc.get("machine")
+    if not machine or machine != _machine_id():
+        return False
+    try:
+        st = os.stat(desc["path"])
+    except OSError:
+        return False
+    return [st.st_dev, st.st_ino] == list(desc.get("dir") or ())
+
+
 def load_restored(path: Path | str, sha256: str, *, assemble: bool, mmap: bool, verify: bool,
                   defer: bool) -> tuple[dict, PendingCheck | None] | None:
     """Another rank's restore, taken up on this one: the state of the checkpoint at `path`
     whose state.pt has `sha256` (load_state's `assemble`, `mmap`), or None when that
     checkpoint is not there (no such directory, or another checkpoint at that path). With
-    `verify` (this rank is not on the restoring rank's host, whose hashes cover its own
-    files) the files it reads (state.pt; with `assemble` the shard files too: without,
+    `verify` (the restoring rank's hashes do not cover its reads: covered_by_restorer) the files it reads (state.pt; with `assemble` the shard files too: without,
     restore_chunks reads and hashes those) are hashed: with `defer` on threads while it
     loads, the PendingCheck returned for the caller to confirm before it uses the state,
     else first. Raises InvalidCheckpoint when the checkpoint is there but damaged or
@@ -1362,7 +1400,7 @@ def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: 
 
     t0 = time.perf_counter()
     path, rank = Path(ckpt["path"]), pg.rank()
-    verify = host != ckpt.get("host")
+    verify = not covered_by_restorer(ckpt, host)
     try:
         manifest = read_manifest(path)
         has = manifest["files"][STATE_FILE]["sha256"] == ckpt["sha256"]

@@ -1200,7 +1200,10 @@ class ElasticJob:
                 self._pending_checks.append(check)
         # What the other ranks are told (_restore_together); for a sharded checkpoint also what
         # each rank's chunks come from at reshard (checkpoint.restore_chunks).
-        self._restored = {"path": str(info.path), "sha256": info.sha256, "host": self._host}
+        from .checkpoint import restore_identity
+
+        self._restored = {"path": str(info.path), "sha256": info.sha256, "host": self._host,
+                          **restore_identity(info.path)}
         self._mark("restore_read")
         return info, saved
 
@@ -1235,14 +1238,17 @@ class ElasticJob:
         """A rank other than the restoring one takes the restored checkpoint (`desc`) up
         itself if it can read it: the same state.pt at the same path (the restoring rank's
         host, or shared storage). On another host it hashes what it reads meanwhile, or
-        first after a damaged checkpoint (_check_first); on that host the restoring rank's
-        hashes cover it. False: it receives the state from the restoring rank."""
-        from .checkpoint import InvalidCheckpoint, load_restored
+        first after a damaged checkpoint (_check_first); on that host, or reading the very
+        same directory on the same machine (checkpoint.covered_by_restorer), the restoring
+        rank's hashes cover it (at world 4 on 2 cores, three ranks each hashing what they
+        read took CPU from every rank's restore). False: it receives the state from the
+        restoring rank."""
+        from .checkpoint import InvalidCheckpoint, covered_by_restorer, load_restored
 
         sharded = self._shard is not None
         try:
             found = load_restored(desc["path"], desc["sha256"], assemble=not sharded, mmap=sharded,
-                                  verify=self._host != desc["host"], defer=not self._check_first)
+                                  verify=not covered_by_restorer(desc, self._host), defer=not self._check_first)
         except InvalidCheckpoint as exc:
             log.warning("worker %s: cannot take the restored checkpoint up here (%s); it comes from the "
                         "restoring rank", self.worker_id, exc)

@@ -550,3 +550,25 @@ def test_the_constructor_touches_nothing(tmp_path):
     CheckpointStore(tmp_path / "x", keep=2)
     assert threading.active_count() == before
     assert not (tmp_path / "x").exists()
+
+
+def test_a_rank_reading_the_restoring_ranks_very_directory_on_its_machine_is_covered_by_its_hashes(tmp_path):
+    """checkpoint.covered_by_restorer: the restoring rank hashes every file of the checkpoint
+    (confirmed on every rank before the first step), so a rank that reads the same files
+    need not hash them again: one on the same host, or one reading the same directory on
+    the same machine under another host name (simulated hosts). A copy at the same path
+    elsewhere (here: another directory, or a description from another machine) is not."""
+    from eltctl_runtime.checkpoint import covered_by_restorer, restore_identity
+
+    d = tmp_path / "step-00000005"
+    d.mkdir()
+    desc = {"path": str(d), "sha256": "x", "host": "a", **restore_identity(d)}
+    assert covered_by_restorer(desc, "a")
+    assert covered_by_restorer({"path": str(d), "host": "a"}, "a")  # an older restorer's description
+    assert not covered_by_restorer({"path": str(d), "host": "a"}, "b")
+    if desc.get("machine"):  # Linux: the boot id is known
+        assert covered_by_restorer(desc, "b")
+        assert not covered_by_restorer({**desc, "machine": "another-boot"}, "b")
+        other = tmp_path / "copy"
+        other.mkdir()
+        assert not covered_by_restorer({**desc, "path": str(other)}, "b")  # same path name elsewhere: other inode
