@@ -287,3 +287,33 @@ def flip_middle_byte(path: Path) -> None:
         b = f.read(1)
         f.seek(size // 2)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def gloo_group(store, name: str, rank: int, size: int):
+    """A gloo group of `size` on 127.0.0.1 over `store` (a HashStore for threads), prefixed `name`."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=30)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, opts)
+
+
+def run_threads(fns: dict[str, callable]) -> dict[str, object]:
+    """Run each worker's function in its own thread; re-raise the first failure."""
+    out: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def wrap(name, fn):
+        try:
+            out[name] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(n, f), daemon=True) for n, f in fns.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out

@@ -221,9 +221,9 @@ def test_the_replicated_path_keeps_a_dropped_steps_buffers_only_where_its_reduct
     dropped ones) write into the old ones; w1 drops it after they ended and keeps its
     buffers. Both end with the gradients of one process on the global batch."""
     import threading
-    from datetime import timedelta
 
     import torch.distributed as dist
+    from runtime_cluster import gloo_group, run_threads
 
     from eltctl_runtime import collectives
     from eltctl_runtime.gradients import ReplicatedPath
@@ -236,63 +236,50 @@ def test_the_replicated_path_keeps_a_dropped_steps_buffers_only_where_its_reduct
 
     ref = model()
     ((ref(x) - y) ** 2).sum().backward()
-    store, w0_redoing, out, errors = dist.HashStore(), threading.Event(), {}, []
+    store, w0_redoing = dist.HashStore(), threading.Event()
 
-    def rank(r: int) -> None:
-        try:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timedelta(seconds=30)
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            pg = dist.ProcessGroupGloo(dist.PrefixStore("g", store), r, 2, opts)
-            m = model()
-            params = list(m.parameters())
-            path = ReplicatedPath(params, bucket_mb=1.0)
-            path.pg = pg
-            handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: path.grad_ready(i, p))
-                       for i, p in enumerate(params)]
+    def rank(r: int) -> list[torch.Tensor]:
+        pg = gloo_group(store, "g", r, 2)
+        m = model()
+        params = list(m.parameters())
+        path = ReplicatedPath(params, bucket_mb=1.0)
+        path.pg = pg
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: path.grad_ready(i, p))
 
-            def backward() -> None:
-                path.begin(4)
-                ((m(x[r::2]) - y[r::2]) ** 2).sum().backward()
-                path.end_backward()
+        def backward() -> None:
+            path.begin(4)
+            ((m(x[r::2]) - y[r::2]) ** 2).sum().backward()
+            path.end_backward()
 
-            if r == 0:
-                backward()  # launched; w1 is not there yet
-                old = list(path._flats)
-                assert not collectives.settled(path._works)
-                path.drop()
-                for p in params:
-                    p.grad = None  # as the job does after a drop
-                backward()  # the redo
-                assert not {f.data_ptr() for f in path._flats} & {f.data_ptr() for f in old}
-                w0_redoing.set()
-                path.finish(None)
-                assert any(f.abs().sum() > 0 for f in old), "the late all-reduces wrote into the old buffers"
-            else:
-                w0_redoing.wait(30)
-                backward()
-                for work in path._works:  # the buckets w0 dropped (the tail goes only with a finish)
-                    work.wait()
-                kept = [f.data_ptr() for f in path._flats]
-                path.drop()
-                for p in params:
-                    p.grad = None
-                backward()
-                assert [f.data_ptr() for f in path._flats] == kept
-                path.finish(None)
-            out[r] = [p.grad.clone() for p in params]
-            for h in handles:
-                h.remove()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
+        def dropped() -> None:
+            path.drop()
+            for p in params:
+                p.grad = None  # as the job does after a drop
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
+        if r == 0:
+            backward()  # launched; w1 is not there yet
+            old = list(path._flats)
+            assert not collectives.settled(path._works)
+            dropped()
+            backward()  # the redo
+            assert not {f.data_ptr() for f in path._flats} & {f.data_ptr() for f in old}
+            w0_redoing.set()
+            path.finish(None)
+            assert any(f.abs().sum() > 0 for f in old), "the late all-reduces wrote into the old buffers"
+        else:
+            w0_redoing.wait(30)
+            backward()
+            for work in path._works:  # the buckets w0 dropped (the tail goes only with a finish)
+                work.wait()
+            kept = [f.data_ptr() for f in path._flats]
+            dropped()
+            backward()
+            assert [f.data_ptr() for f in path._flats] == kept
+            path.finish(None)
+        return [p.grad.clone() for p in params]
+
+    out = run_threads({r: (lambda r=r: rank(r)) for r in range(2)})
     for r in range(2):
         for g, p in zip(out[r], ref.parameters()):
             torch.testing.assert_close(g, p.grad)

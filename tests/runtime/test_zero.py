@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from runtime_cluster import gloo_group as group, run_threads as run_ranks
+
 from eltctl_runtime.zero import (
     PAD_MIN_QUANTA,
     PAD_QUANTUM,
@@ -197,35 +199,6 @@ def replicated(kind: str, steps: int, clip: float | None = None, scale: bool = F
             opt.step()
         opt.zero_grad()
     return model, opt, scaler
-
-
-def group(store, name: str, rank: int, size: int):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=30)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, opts)
-
-
-def run_ranks(fns: dict[str, callable]) -> dict[str, object]:
-    """Run each worker's function in its own thread; re-raise the first failure."""
-    out: dict[str, object] = {}
-    errors: list[BaseException] = []
-
-    def wrap(name, fn):
-        try:
-            out[name] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=wrap, args=(n, f), daemon=True) for n, f in fns.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out
 
 
 class Worker:
