@@ -308,7 +308,8 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
     start goes on: the runtime then restores whatever its host holds. Returns what the
     runtime is told (Keys.RESTORED): {"step" (None: none delivered), "targets", "ready"}."""
     job = inventory.job.name
-    mirror = mirror_worker.mirror if mirror_worker is not None else None
+    # its own connection: the background copier's resets must not cut this one
+    mirror = mirror_worker.mirror.detached() if mirror_worker is not None else None
     try:
         places, sources = [], []
         for name in [*names, *(o for o in others if o not in names)]:
@@ -323,9 +324,19 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
         log.exception("Restore: choosing or delivering the checkpoint failed.")
         await event(EventKind.RESTORE, None, f"restore failed: {exc}; the hosts restore what they hold")
         return {"step": None, "targets": list(names), "ready": []}
+    finally:
+        if mirror is not None:
+            await mirror.close()
     if plan.choice is None:
-        log.info("Restore: no checkpoint on %s%s; the job starts from step 0.", ", ".join(names),
-                 " or the mirror" if mirror is not None else "")
+        unlisted = [why for why in plan.skipped if why.startswith("mirror: not listed")]
+        if unlisted:  # its checkpoints may be the job's only ones: said loudly, not as "none"
+            log.warning("Restore: no checkpoint on %s, and %s; the job starts from step 0.",
+                        ", ".join(names), unlisted[0])
+            await event(EventKind.RESTORE, None, f"no checkpoint on {', '.join(names)}, and the {unlisted[0]}; "
+                        "the job starts from step 0", skipped=list(plan.skipped))
+        else:
+            log.info("Restore: no checkpoint on %s%s; the job starts from step 0.", ", ".join(names),
+                     " or the mirror" if mirror is not None else "")
         return {"step": None, "targets": list(names), "ready": []}
     c = plan.choice
     detail = f"step {c.step} from {c.where}, delivered to {', '.join(plan.ready) or 'no host'}"

@@ -701,8 +701,13 @@ class Controller:
         self._check_fix = True  # the next pass compares what changed (`apply_fixes`)
 
     async def checkpoint_place(self, name: str) -> mir.Place:
-        """A host's checkpoint directory over the controller's connection (the mirror's source)."""
-        return await mir.host_place(await self.fleet.transport(self.inventory.host(name)), self.inventory.job.name)
+        """A host's checkpoint directory over the controller's connection (the mirror's source).
+        A host no longer in the inventory is a source gone (its notice is dropped, not retried)."""
+        try:
+            host = self.inventory.host(name)
+        except KeyError:
+            raise mir.MirrorError(f"host {name} is no longer in the inventory", source_gone=True) from None
+        return await mir.host_place(await self.fleet.transport(host), self.inventory.job.name)
 
     async def leave_out(self, left_out: dict[str, str]) -> None:
         """`eltctl up`'s checks: these hosts are left out with their reasons, the ones

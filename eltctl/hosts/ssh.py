@@ -163,11 +163,14 @@ class SSHTransport:
         """
         import asyncssh
 
+        closed = getattr(self._conn, "is_closed", lambda: False)
         for delay in SESSION_RETRY_DELAYS:
             try:
                 return await self._conn.run(command, input=input, timeout=timeout,
                                             check=False, errors="replace")
             except asyncssh.ChannelOpenError:
+                if closed():
+                    raise  # the connection is gone: no session will open on it (not 1.6 s of retries)
                 await asyncio.sleep(delay)
         return await self._conn.run(command, input=input, timeout=timeout, check=False, errors="replace")
 

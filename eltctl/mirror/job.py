@@ -23,6 +23,7 @@ from eltctl.mirror.values import MIRROR_LABEL, Fault, Located, MirrorError, Plac
 log = logging.getLogger("eltctl.mirror")
 
 MirrorConnector = Callable[[], Awaitable[Transport]]
+LIST_RETRY_S = (1.0, 3.0)  # a restore lists the mirror again after these pauses before it gives up on it
 
 
 async def claim_job_dir(t: Transport, directory: str) -> None:
@@ -104,6 +105,13 @@ class Mirror:
                    keep=inventory.storage.keep, ssh=inventory.ssh, secret=secret,
                    trust_unsigned=inventory.storage.trust_unsigned)
 
+    def detached(self) -> "Mirror":
+        """The same mirror on a connection of its own (made at its first use; `close()` it
+        after). A restore uses one: the background copier drops its connection after each
+        failed copy (`reset`), which must not cut a restore's listing or delivery."""
+        return Mirror(self.target, self.job, keep=self.keep, ssh=self._ssh, connector=self._connector,
+                      secret=self.secret, trust_unsigned=self.trust_unsigned)
+
     async def _default_connect(self) -> Transport:
         return await open_transport(self.target.host(self._ssh), self._ssh)
 
@@ -168,24 +176,39 @@ class Mirror:
         results = await asyncio.gather(*(list_place(h, verify=verify) for h in hosts), return_exceptions=True)
         return {h.label: r for h, r in zip(hosts, results)}  # type: ignore[misc]
 
-    async def choose_restore(self, hosts: Iterable[Place], *, use_mirror: bool = True) -> RestoreChoice | None:
-        """The newest checkpoint that verifies where it lies, among the hosts' and the mirror's."""
+    async def choose_restore(self, hosts: Iterable[Place], *, use_mirror: bool = True,
+                             skipped: list[str] | None = None) -> RestoreChoice | None:
+        """The newest checkpoint that verifies where it lies, among the hosts' and the mirror's.
+        `skipped`, if given, receives why places or candidates were passed over (also when
+        none is chosen)."""
         places = {h.label: h for h in hosts}
         candidates: list[Located] = []
-        skipped: list[str] = []
+        skipped = [] if skipped is None else skipped
         for label, found in (await self.list_local(places.values())).items():
             if isinstance(found, BaseException):
                 skipped.append(f"{label}: not listed: {found}")
             else:
                 candidates += found
         if use_mirror:
-            try:
-                mirror = await self.place()
+            # A mirror that cannot be listed leaves its checkpoints out, and with every host
+            # lost the job would start from step 0: a cut connection or a busy storage host
+            # is tried again first, on a new connection.
+            for pause in (*LIST_RETRY_S, None):
+                try:
+                    mirror = await self.place()
+                    found = await list_place(mirror)
+                except (MirrorError, HostError) as exc:
+                    await self.reset()
+                    if pause is None or self.fault(exc).permanent:
+                        skipped.append(f"mirror: not listed: {exc}")
+                        break
+                    log.warning("Restore: listing the mirror %s failed (%s); trying again in %g s.",
+                                self.target, exc, pause)
+                    await asyncio.sleep(pause)
+                    continue
                 places[MIRROR_LABEL] = mirror
-                candidates += await list_place(mirror)
-            except (MirrorError, HostError) as exc:
-                await self.reset()
-                skipped.append(f"mirror: not listed: {exc}")
+                candidates += found
+                break
         for c in restore_order(candidates):
             refused, text = await self._refused(places[c.where], c)
             if refused is None and text is not None:

@@ -18,6 +18,7 @@ class RestorePlan:
     choice: RestoreChoice | None
     ready: tuple[str, ...]  # hosts whose checkpoint directory now holds it, verified
     failed: tuple[tuple[str, str], ...]  # (host, why it could not be delivered there)
+    skipped: tuple[str, ...] = ()  # places and candidates passed over (also when nothing was chosen)
 
 
 async def prepare_restore(hosts: Sequence[Place], mirror: Mirror | None,
@@ -31,9 +32,10 @@ async def prepare_restore(hosts: Sequence[Place], mirror: Mirror | None,
     Without a mirror only the hosts' own copies are candidates.
     """
     chooser = mirror or Mirror(MirrorTarget(TargetKind.DIRECTORY, "/nonexistent"), "-")
-    choice = await chooser.choose_restore([*hosts, *others], use_mirror=mirror is not None)
+    skipped: list[str] = []
+    choice = await chooser.choose_restore([*hosts, *others], use_mirror=mirror is not None, skipped=skipped)
     if choice is None:
-        return RestorePlan(None, (), ())
+        return RestorePlan(None, (), (), tuple(skipped))
     if choice.where == MIRROR_LABEL:
         assert mirror is not None
         source = await mirror.place()

@@ -189,7 +189,8 @@ class MirrorWorker:
                 s.last_error = f"step {step} from {host}: {exc}"
                 s.source_unreachable = not source_reached
                 fault = self.mirror.fault(exc) if source_reached else None
-                await self.mirror.reset()
+                if source_reached:  # the mirror's side may have broken; not when the source's lookup failed
+                    await self.mirror.reset()
                 s.attempts_done += 1
                 if fault is not None and fault.permanent:
                     if s.fault is None or s.fault.message != fault.message:

@@ -153,7 +153,10 @@ def test_every_host_lost_the_job_resumes_on_new_hosts_from_the_mirror(job_env, k
     # 3. Two other hosts in the inventory; `up` re-reads it.
     use_hosts([h3, h4])
     job_env.eltctl("up")
-    wait_for(collect_restores, 120, "a restore event")
+    try:
+        wait_for(collect_restores, 120, "a restore event")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job_env.controller_log(120)}\n{job_env.host_logs()}") from None
     restore = restores[-1]
     # Training again: rank 0's status names only workers of h3 and h4 (the old run's
     # status, naming h1 and h2, may still read "training" for a few seconds).

@@ -490,6 +490,57 @@ def test_every_host_lost_new_hosts_get_the_newest_mirrored_step(testbed, kind):
         assert step == 20 and torch.equal(state["w"], torch.full((1000,), 20.0))
 
 
+def test_a_restore_is_not_cut_by_the_copiers_failed_copies_beside_it(testbed):
+    # Every host lost, the controller's copier still retries the last notice (its host is
+    # gone) and drops its mirror connection after each failed copy; the restore beside it
+    # must still list the mirror and deliver its newest step (sharing the copier's
+    # connection, it was cut and the job started from step 0: CI, test_restore_from_mirror).
+    from eltctl.controller import act
+
+    h1 = testbed.add_host("h1")
+    spec, _ = mirror_spec(testbed, "ssh")
+    h2, h3 = testbed.add_hosts(2, names=["h2", "h3"])
+    inv = load_inventory(testbed.write_inventory())
+    for step in (10, 20):
+        commit(h1, step)
+    events: list[tuple] = []
+
+    async def event(kind, host, detail, **fields):
+        events.append((kind, detail, fields))
+
+    async def main():
+        mirror = Mirror(parse_target(spec), JOB, keep=3, ssh=inv.ssh)
+        async with Fleet(inv) as fleet:
+            src = await host_place(await fleet.transport(inv.host("h1")), JOB)
+            for s in (10, 20):
+                await mirror.mirror_checkpoint(src, s)
+            h1.crash()
+            failed = []
+
+            async def source(name):  # reached, but the copy from it fails: a transient error each time
+                failed.append(name)
+                return src
+
+            worker = MirrorWorker(mirror, source, backoff_base=0.001, backoff_cap=0.002)
+            await worker.start()
+            try:
+                worker.notify("h1", 30)
+                while len(failed) < 3:
+                    await asyncio.sleep(0.01)
+                told = await act.restore(fleet, inv, ["h2", "h3"], worker, event)
+                return told, len(failed), worker.status()
+            finally:
+                await worker.stop()
+                await mirror.close()
+
+    told, attempts, status = asyncio.run(main())
+    assert attempts > 3 and status["failures"] >= 3, (attempts, status, events)  # the copier failed (and reset) throughout
+    assert told == {"step": 20, "targets": ["h2", "h3"], "ready": ["h2", "h3"]}, (told, events)
+    assert [(k, f["where"], f["step"]) for k, _, f in events] == [("restore", MIRROR_LABEL, 20)], events
+    for h in (h2, h3):  # delivered into the inventory job's directory, which the runtime restores from
+        assert load_tensor(h.dir / "home" / ".eltctl" / "jobs" / inv.job.name / h.name / "checkpoints")[0] == 20
+
+
 def test_a_restore_without_a_mirror_takes_the_newest_step_from_a_host_that_runs_no_worker(testbed):
     """The job's last worker left h1 for its owner (h1 wrote step 30 there); the job starts
     again on h2 only, which holds step 10 from long ago: h1 is still a candidate (it answers),
