@@ -328,7 +328,7 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
         if mirror is not None:
             await mirror.close()
     if plan.choice is None:
-        unlisted = [why for why in plan.skipped if why.startswith("mirror: not listed")]
+        unlisted = [why for why in plan.skipped if why.startswith(mir.MIRROR_UNLISTED)]
         if unlisted:  # its checkpoints may be the job's only ones: said loudly, not as "none"
             log.warning("Restore: no checkpoint on %s, and %s; the job starts from step 0.",
                         ", ".join(names), unlisted[0])

@@ -63,7 +63,7 @@ The package, one module per part (each imports only those above it):
 from eltctl.hosts.layout import checkpoint_host
 from eltctl.mirror.copy import copy_checkpoint
 from eltctl.mirror.decisions import backoff_delay, compare_sums, lag, restore_order, retention_plan
-from eltctl.mirror.job import Mirror
+from eltctl.mirror.job import MIRROR_UNLISTED, Mirror
 from eltctl.mirror.listing import CheckpointListing, list_all
 from eltctl.mirror.manifests import manifest_files
 from eltctl.mirror.places import host_place, list_place, read_located, verify_located
@@ -74,7 +74,8 @@ from eltctl.mirror.values import MIRROR_LABEL, Located, MirrorError, Place, Rest
 from eltctl.mirror.worker import MirrorWorker
 
 __all__ = [
-    "MIRROR_LABEL", "CheckpointListing", "Located", "Mirror", "MirrorError", "MirrorTarget", "MirrorWorker",
+    "MIRROR_LABEL", "MIRROR_UNLISTED", "CheckpointListing", "Located", "Mirror", "MirrorError", "MirrorTarget",
+    "MirrorWorker",
     "Place", "RestoreChoice", "RestorePlan", "TargetKind", "apply_retention", "backoff_delay",
     "checkpoint_host", "compare_sums", "copy_checkpoint", "host_place", "lag", "list_all", "list_place",
     "manifest_files", "parse_target", "prepare_restore", "read_located", "restore_order", "retention_plan",

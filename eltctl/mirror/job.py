@@ -24,6 +24,7 @@ log = logging.getLogger("eltctl.mirror")
 
 MirrorConnector = Callable[[], Awaitable[Transport]]
 LIST_RETRY_S = (1.0, 3.0)  # a restore lists the mirror again after these pauses before it gives up on it
+MIRROR_UNLISTED = "mirror: not listed"  # how choose_restore's `skipped` names a mirror it could not list
 
 
 async def claim_job_dir(t: Transport, directory: str) -> None:
@@ -200,7 +201,7 @@ class Mirror:
                 except (MirrorError, HostError) as exc:
                     await self.reset()
                     if pause is None or self.fault(exc).permanent:
-                        skipped.append(f"mirror: not listed: {exc}")
+                        skipped.append(f"{MIRROR_UNLISTED}: {exc}")
                         break
                     log.warning("Restore: listing the mirror %s failed (%s); trying again in %g s.",
                                 self.target, exc, pause)
