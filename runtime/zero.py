@@ -921,18 +921,15 @@ class ShardedGradients:
             # chunk, each sums them all, in chunk order, so every rank gets the same norm alone.
             pick = ([per_h[self._held.index(j)] for j in range(self.layout.world)] if self._full else per_h[:1]
                     for per_h in self._steppers)
-            with torch.no_grad():  # piece by piece: a float64 copy of a whole chunk is a big temporary
-                for opt, _spans in (o for chosen in pick for o in chosen):
-                    for v in opt.param_groups[0]["params"]:
-                        stats[0] += torch.sum(v.grad.to(torch.float64) ** 2)
+            with torch.no_grad():  # float64, piece by piece, as the replicated path's norm
+                gradients.add_squares(stats[0], (v.grad for opt, _spans in (o for chosen in pick for o in chosen)
+                                                 for v in opt.param_groups[0]["params"]))
         if (max_grad_norm is not None or found_infs) and not self._full:
             _wait(collectives.allreduce_async(self._pg, stats), self._abort)
         skipped = bool(stats[1] > 0)
         norm = None
         if max_grad_norm is not None:
-            total = math.sqrt(float(stats[0])) if math.isfinite(float(stats[0])) else float("inf")
-            norm = total
-            coef = min(1.0, max_grad_norm / (total + 1e-6)) if not math.isnan(total) else float("nan")
+            norm, coef = gradients.clip_coefficient(max_grad_norm, float(stats[0]))
             with torch.no_grad():
                 for v in self._unscale_view.param_groups[0]["params"]:
                     v.grad.mul_(coef)
