@@ -11,7 +11,9 @@
 # takes a final checkpoint and `up` restores it; nothing is left running. Then restart
 # mode on NCCL (examples/ddp_restart.py, unmodified) through an owner yield: it resumes at
 # the step it stopped at; and examples/train_real.py with fp16 autocast and its GradScaler
-# on CUDA through a yield, a resume and `eltctl checkpoints export`. Events are waited
+# on CUDA through a yield, a resume and `eltctl checkpoints export`. Last, sharded training
+# (issue 22) at world 1 on NCCL: replicated, ZeRO-2 and ZeRO-1 three times, each ending at
+# replicated's loss and parameters, with each run's CUDA peak printed. Events are waited
 # for, not asserted the instant the GPU is free. A few minutes in all (under 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -138,6 +138,9 @@ def main() -> int:
     ap.add_argument("--grad-scaler", type=int, default=None, metavar="GROWTH_INTERVAL",
                     help="a CPU GradScaler (init scale 2**10) that doubles its scale every GROWTH_INTERVAL "
                          "steps; the result holds its state")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms (warn only: an op without a deterministic kernel "
+                         "warns); on CUDA set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment too")
     ap.add_argument("--debug", action="store_true", help="the runtime's DEBUG lines (each move of the shards)")
     ap.add_argument("--result", type=Path, default=None)
     ap.add_argument("--progress", type=Path, default=None)
@@ -180,6 +183,8 @@ def main() -> int:
                         format=f"%(asctime)s {config.worker_id} %(levelname)s %(message)s")
     if args.debug:
         logging.getLogger("eltctl_runtime").setLevel(logging.DEBUG)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(args.seed)
     model = toy.make_model(hidden=args.hidden, layers=args.layers, seed=args.seed)
     if args.optimizer == "adamw":
