@@ -51,7 +51,7 @@ def main() -> int:
 
     import torch
 
-    from eltctl_runtime.gradients import add_squares, clip_coefficient
+    from eltctl_runtime.gradients import clip_global_norm_
 
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -67,13 +67,7 @@ def main() -> int:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def job_clip(gs: list[torch.Tensor]) -> float:
-        acc = torch.zeros((), dtype=torch.float64)
-        with torch.no_grad():
-            add_squares(acc, gs)
-            norm, coef = clip_coefficient(max_norm, float(acc))
-            for g in gs:
-                g.mul_(coef)
-        return norm
+        return clip_global_norm_(gs, max_norm)  # what the replicated path's clip_grad_norm_ runs
 
     rows = {}
     for name, fn in (("torch clip_grad_norm_ (float32 norm)", torch_clip),

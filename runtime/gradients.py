@@ -282,6 +282,20 @@ def clip_coefficient(max_norm: float, sum_sq: float) -> tuple[float, float]:
     return norm, min(1.0, max_norm / (norm + 1e-6))
 
 
+def clip_global_norm_(grads: list[torch.Tensor], max_norm: float) -> float:
+    """Clip `grads` (one rank's whole gradient, all on one device) in place by their
+    global norm (add_squares, clip_coefficient); returns the norm before clipping."""
+    if not grads:
+        return 0.0
+    acc = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    with torch.no_grad():
+        add_squares(acc, grads)
+        norm, coef = clip_coefficient(max_norm, float(acc))
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """True if no element is inf or NaN (one reduction per tensor)."""
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
@@ -534,14 +548,7 @@ class ReplicatedPath(GradientPath):
     def clip_grad_norm_(self, max_norm: float, abort: threading.Event) -> float:
         """Every rank holds the whole all-reduced gradient: the local norm is the global
         one, in float64 (add_squares) over the flat buffers, as the sharded path's."""
-        grads = [f[:n] for f, n in zip(self._flats, self.layout.lengths)]
-        acc = torch.zeros((), dtype=torch.float64, device=self.device)
-        with torch.no_grad():
-            add_squares(acc, grads)
-            norm, coef = clip_coefficient(max_norm, float(acc))
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        return clip_global_norm_([f[:n] for f, n in zip(self._flats, self.layout.lengths)], max_norm)
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: Any, abort: threading.Event) -> bool:
         """Every rank holds the same all-reduced gradients, so every rank decides alike."""
