@@ -13,7 +13,10 @@ here; a sharded path, runtime/zero.py, implements the same class)::
                                                            is sent: resolve a step dropped halfway (sharded:
                                                            undo or keep it; replicated: no-op)
                      reshard(old_members, new_members)     after the state agreed (replicated: no-op)
-    per step         begin(tail_size)                      before the last micro-batch's backward:
+    per step         [begin_round() / finish_round()]      around each earlier micro-batch's backward,
+                                                           [empty_round()] for each this rank lacks,
+                                                           only where reduces_micro_batches (ZeRO-2)
+                     begin(tail_size)                      before the last micro-batch's backward:
                                                            bind .grad, arm the hooks
                      grad_ready(index, param)              post-accumulate-grad hook of parameter `index`
                                                            (ElasticJob registers it): launch what is ready
@@ -315,6 +318,25 @@ class GradientPath(ABC):
         self.pg, self.rank, self.members, self.abort = pg, rank, tuple(members), abort
 
     gathers = False  # True: capture_full and fingerprint are collectives every rank calls (sharded)
+    # True: each micro-batch before the step's last is reduced too (ZeRO-2 with
+    # ElasticJob(reduce_each_micro_batch=True)): the job agrees on the step's number of
+    # micro-batches and calls begin_round / finish_round around each backward before the
+    # last, and empty_round for each micro-batch this rank has fewer than another.
+    # False: the gradients of those micro-batches accumulate locally.
+    reduces_micro_batches = False
+
+    def begin_round(self) -> None:
+        """Before the backward of a micro-batch that is not the step's last (reduces_micro_batches)."""
+        raise NotImplementedError("this gradient path accumulates micro-batches locally")
+
+    def finish_round(self) -> None:
+        """After that backward: reduce what it produced into this rank's part (every rank alike)."""
+        raise NotImplementedError("this gradient path accumulates micro-batches locally")
+
+    def empty_round(self) -> None:
+        """A round without a backward: this rank's share has fewer micro-batches than another's."""
+        self.begin_round()
+        self.finish_round()
 
     def reshard(self, old_members: Sequence[str], new_members: Sequence[str]) -> None:
         """After a membership change, once the state is agreed: move what each rank

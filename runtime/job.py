@@ -130,6 +130,7 @@ class ElasticJob:
         pin_memory: bool = False,
         shard: str | None = None,
         shard_replicas: int = 1,
+        reduce_each_micro_batch: bool = False,
     ) -> None:
         if max_steps is None and epochs is None:
             raise ValueError("give max_steps or epochs (or both)")
@@ -183,6 +184,14 @@ class ElasticJob:
         self._compiled = type(model).__name__ == "OptimizedModule"
         # How the step's gradients are reduced and applied (gradients.py: the seam).
         self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb, shard_replicas)
+        if reduce_each_micro_batch:
+            if shard != "gradients":
+                raise ValueError("reduce_each_micro_batch applies to shard='gradients' (ZeRO-2), whose gradients "
+                                 f"are sharded; with shard={shard!r} every rank keeps the whole gradient anyway")
+            self._grads.reduces_micro_batches = True
+        # reduce_each_micro_batch: micro-batches this rank runs fewer than another in the step
+        # in flight (their rounds are reduced without a backward before the last: _pad_rounds)
+        self._pad = 0
         if shard is not None:
             self._grads.restore_chunks = self._restore_chunks  # a restore's chunks from the shard files
         self._shard = shard
@@ -448,6 +457,8 @@ class ElasticJob:
             indices = self._indices_for(self._sampler)
             global_count = self._sampler.step_size()
             chunks = micro_chunks(indices, self._micro_limit())
+            if self._grads.reduces_micro_batches and not self._agree_rounds(len(chunks)):
+                continue  # the group broke: the roll call, then this step again
             if self._pipeline is not None:
                 self._pipeline.want(self._upcoming_shares())
             self._global_count = global_count
@@ -461,6 +472,34 @@ class ElasticJob:
                 yield self._handed(self._fetch(chunk))
                 if self._in_step:
                     raise RuntimeError("call job.step(loss) once per batch the job yields")
+
+    def _agree_rounds(self, n: int) -> bool:
+        """reduce_each_micro_batch: every rank runs as many reduction rounds as the rank
+        with the most micro-batches in this step (ranks' shares and micro-batch limits
+        differ: speed-balanced shares, a host's max_micro_batch, an out-of-memory redo);
+        one with fewer reduces empty rounds before its last (_pad). One small all-reduce
+        per step. False: the group broke (the step is dropped)."""
+        self._pad = 0
+        if self.world_size == 1:
+            return True
+        try:
+            most = collectives.allreduce(self._pg, torch.tensor([n], dtype=torch.int64, device=self._device),
+                                         self._abort, dist.ReduceOp.MAX)
+        except Aborted as e:
+            self._drop_step(f"the step's micro-batch count was not agreed: {e}", e.backend_error)
+            return False
+        self._pad = int(most[0]) - n
+        return True
+
+    def _pad_rounds(self) -> None:
+        """Before the last micro-batch's backward: the rounds this rank has no micro-batch
+        for (_agree_rounds), reduced from zeros. Not counted as this rank's compute time
+        (its pace: balance.py)."""
+        t0 = time.perf_counter()
+        for _ in range(self._pad):
+            self._grads.empty_round()
+        self._pad = 0
+        self._t_handed += time.perf_counter() - t0
 
     def _indices_for(self, sampler: SamplerState) -> list[int]:
         """This rank's share of the step `sampler` is at, in the current layout:
@@ -527,9 +566,14 @@ class ElasticJob:
             raise RuntimeError("job.step() called outside an iteration of the job")
         self._in_step = False
         n = self._mb_count
+        rounds = self._grads.reduces_micro_batches
         if self._mb_left == 1:
+            if self._pad:
+                self._pad_rounds()
             # buckets are reduced as backward fills them
             self._grads.begin(self._ctrl_size() + self._buffers.size)
+        elif rounds:
+            self._grads.begin_round()
         aborted = None
         try:
             if n > 0 and not self._oom_retry:
@@ -558,6 +602,8 @@ class ElasticJob:
             self._drop_step(str(aborted), aborted.backend_error)
             return None
         if self._mb_left > 0:
+            if rounds:
+                self._grads.finish_round()
             return None
         return self._reduce_and_commit()
 

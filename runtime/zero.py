@@ -406,6 +406,12 @@ class ShardedGradients:
         # ZeRO-2 with replicas: the backups' exchange (point-to-point into _shard_grads) is
         # posted and not yet waited for to its end
         self._exchanging = False
+        # ZeRO-2 reducing each micro-batch (ElasticJob(reduce_each_micro_batch=True)): the
+        # rounds of this step already reduced into _shard_grads (begin(accumulate=True),
+        # finish_round); a later round's reduction is added to them, not written over them.
+        self._rounds = 0
+        self._rs_into: dict[int, torch.Tensor] = {}  # a later round's reduce-scatter: bucket -> its sum
+        self._loose: list = []  # reductions of a failed round that may still be in flight (drop)
         # A dropped step left a reduction that may still write into the gradient buffers and
         # the staging pool (drop): they are replaced before they are used again (begin), and
         # a reshard's new path does not take them over (bind).
@@ -628,8 +634,13 @@ class ShardedGradients:
 
     # -- the gradient reduction
 
-    def begin(self, pg, abort: threading.Event | None = None) -> None:
-        """Arm the reduction for the coming (last) backward of the step."""
+    def begin(self, pg, abort: threading.Event | None = None, accumulate: bool = False) -> None:
+        """Arm the reduction for the coming backward: the step's last (finish() follows),
+        or (`accumulate`, ZeRO-2) a micro-batch before it, whose gradients are reduced into
+        the held chunks' and added to those of the rounds before (finish_round follows).
+        Every rank runs the same number of rounds in a step."""
+        if accumulate and self.shard != "gradients":
+            raise ValueError("only ZeRO-2 (shard='gradients') reduces each micro-batch")
         self._pg, self._abort = pg, abort
         asked = self._reduce_scatter_asked
         # Every chunk held here: an all-reduce gives them all at once (a reduce-scatter would
@@ -637,7 +648,7 @@ class ShardedGradients:
         gloo = self._gloo = collectives.is_gloo(pg)
         self._rs = False if self._full else asked if asked is not None else not gloo
         self._p2p_gather = self._p2p_gather_asked if self._p2p_gather_asked is not None else gloo
-        if self._stale:
+        if self._stale and not self._rounds:
             self._renew_grads()
         if self.shard == "optimizer":
             with torch.no_grad():
@@ -653,7 +664,10 @@ class ShardedGradients:
         self._ready = [0] * len(self.layout.buckets)
         self._fired: set[int] = set()
         self._works = []
-        self._staging, self._pooled, self._retired, self._error = {}, {}, 0, None
+        # A failure in an earlier round of this step is kept for finish() to raise.
+        self._staging, self._pooled, self._retired = {}, {}, 0
+        self._error = self._error if self._rounds else None
+        self._rs_into = {}
         self._prepared = None
         self._ok_upto = 0  # reductions before this one are known to have succeeded (failed())
         self._launching = True
@@ -747,13 +761,17 @@ class ShardedGradients:
         if self.shard != "gradients":  # ZeRO-1: the pieces' gradients are views of the reduced buckets
             return
         t = self._staging.pop(b)
+        bucket = self.layout.buckets[b]
+        off = self._offsets[b]
         if not self._rs:  # all-reduced: every held chunk is here
-            bucket = self.layout.buckets[b]
-            off = self._offsets[b]
             with torch.no_grad():
                 for h, j in enumerate(self._held):
-                    self._section(self._shard_grads[bucket.group], bucket.group, h)[off:off + bucket.chunk] \
-                        .copy_(t[j * bucket.chunk:(j + 1) * bucket.chunk])
+                    held = self._section(self._shard_grads[bucket.group], bucket.group, h)[off:off + bucket.chunk]
+                    src = t[j * bucket.chunk:(j + 1) * bucket.chunk]
+                    held.add_(src) if self._rounds else held.copy_(src)
+        elif b in self._rs_into:  # a later round's reduce-scatter
+            with torch.no_grad():
+                self._shard_grads[bucket.group][off:off + bucket.chunk].add_(self._rs_into.pop(b))
         buf = self._pooled.pop(b, None)
         if buf is not None:
             self._pool[buf.dtype].append(buf)
@@ -784,6 +802,8 @@ class ShardedGradients:
             # this rank's chunks (_retire_next). Same traffic as replicated.
             return collectives.allreduce_async(self._pg, self._staging[b])
         out = self._shard_grads[bucket.group][self._offsets[b]:self._offsets[b] + bucket.chunk]
+        if self._rounds:  # a later round: its sum goes beside the chunk's, added at _retire_next
+            out = self._rs_into[b] = self._empty(bucket.chunk, out.dtype)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         return self._pg._reduce_scatter_base(out, self._staging[b], opts)
@@ -798,6 +818,7 @@ class ShardedGradients:
             self._prepare_step()
         while self._error is None and self._retired < len(self._works):
             self._retire_next()
+        self._rounds = 0
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -807,6 +828,24 @@ class ShardedGradients:
             with torch.no_grad():
                 self._exchange_backups()
             self._exchanging = False
+
+    def finish_round(self) -> None:
+        """After a micro-batch's backward armed with begin(accumulate=True): launch the
+        buckets not launched yet (a round with no backward, for a rank that has fewer
+        micro-batches than another, launches them all: zeros), wait for all and add them
+        into the held chunks' gradients. Between rounds the full gradients are gone
+        (each is staged into its bucket as it comes, then dropped): only the held chunks'
+        are kept, as after a step. A failure is kept for the step's finish(), which
+        raises it; the rounds that follow still issue their collectives."""
+        while len(self._works) < len(self.layout.buckets):
+            self._launch(len(self._works))
+        self._launching = False
+        while self._error is None and self._retired < len(self._works):
+            self._retire_next()
+        if self._error is not None:
+            self._loose.extend(w for w in self._works[self._retired:] if w is not None)
+        self._works = []
+        self._rounds += 1
 
     def _prepare_step(self) -> None:
         """What the step needs of the parameters and the optimizer state, which backward
@@ -828,9 +867,10 @@ class ShardedGradients:
         crash's survivors allocate nothing here (fresh zeroed buffers for the 50 M model's
         gradients took 0.1-0.15 s of each survivor's pause at world 4, only for the new
         layout to replace them)."""
-        settled = collectives.settled(self._works) and not self._exchanging
+        settled = collectives.settled(self._works + self._loose) and not self._exchanging
         self._works, self._staging, self._pooled, self._launching, self._error = [], {}, {}, False, None
         self._prepared, self._exchanging = None, False
+        self._rounds, self._rs_into, self._loose = 0, {}, []
         if not settled:
             self._stale = True
             self._pool, self._pool_size = {}, {}  # a buffer lent to a reduction in flight is never lent again
@@ -1172,6 +1212,7 @@ class ShardedGradients:
         if self.shard == "gradients":
             for p in self.params:
                 p.grad = None
+        self._rounds, self._loose = 0, []
 
     @contextmanager
     def attached(self) -> Iterator["ShardedGradients"]:
@@ -1799,6 +1840,12 @@ class ShardedPath(gradients.GradientPath):
             self._tail_buf.zero_()
         self._tail_work = None
         self.sg.begin(self.pg, self.abort)
+
+    def begin_round(self) -> None:
+        self.sg.begin(self.pg, self.abort, accumulate=True)
+
+    def finish_round(self) -> None:
+        self.sg.finish_round()
 
     def grad_ready(self, index: int, p: torch.Tensor) -> None:
         if self.sg is not None:

@@ -131,6 +131,7 @@ def main() -> int:
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--shard", choices=("optimizer", "gradients"), default=None)
     ap.add_argument("--shard-replicas", type=int, default=1)
+    ap.add_argument("--reduce-each-micro-batch", action="store_true")
     ap.add_argument("--bucket-mb", type=float, default=0.002)
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--checkpoint-every", type=int, default=None)
@@ -198,7 +199,8 @@ def main() -> int:
                          max_steps=args.steps, micro_batch_size=args.micro_batch,
                          checkpoint_every_steps=args.checkpoint_every, config=config, bucket_mb=args.bucket_mb,
                          max_grad_norm=args.max_grad_norm, balance=False, shard=args.shard,
-                         shard_replicas=args.shard_replicas, grad_scaler=scaler)
+                         shard_replicas=args.shard_replicas, grad_scaler=scaler,
+                         reduce_each_micro_batch=args.reduce_each_micro_batch)
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None
     with job:

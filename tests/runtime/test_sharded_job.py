@@ -89,6 +89,33 @@ def test_sharded_fixed_size_run_with_micro_batches_equals_replicated(cluster_fac
     check_against_reference(c, ws, 12)
 
 
+def test_zero2_reducing_each_micro_batch_with_uneven_counts_through_a_sigkill_equals_replicated(cluster_factory):
+    """ElasticJob(shard="gradients", reduce_each_micro_batch=True): one worker's host caps
+    its micro-batches at 3 (ELTCTL_MAX_MICRO_BATCH: its share of 12 runs as 4 micro-batches),
+    the others' run as 5, 5, 2 (the script's micro_batch_size): every rank reduces 4 rounds a
+    step, the others one empty. A third joins, then one is SIGKILLed (its shards restored
+    from the checkpoint). Every loss and the final parameters equal replicated training's;
+    the audit is clean."""
+    c = cluster_factory(min_workers=2)
+    c.script = WORKER
+    c.args = list(ARGS)
+    extra = ["--steps", "36", "--shard", "gradients", "--reduce-each-micro-batch", "--micro-batch", "5",
+             "--checkpoint-every", "4", "--step-sleep", "0.04"]
+    capped = c.start(1, extra, env={"ELTCTL_MAX_MICRO_BATCH": "3"})[0]
+    (other,) = c.start(1, extra)
+    g = c.wait_world(2, steps_after=3)
+    (third,) = c.start(1, extra)
+    g = c.wait_world(3, min_gen=g + 1, steps_after=3)
+    c.kill(other)
+    c.wait_world(2, min_gen=g + 1, steps_after=3, timeout=120)
+    finals = [capped, third]
+    c.wait_exit(finals)
+    assert all(w.proc.returncode == 0 for w in finals), c.dump_logs()
+    check_against_reference(c, finals, 36)
+    logs = capped.log.read_text()
+    assert "at most 3 samples at once on this host" in logs
+
+
 def rank0(c, world: int):
     members = c.wait_for_status(lambda s: s["world_size"] == world)["members"]
     return next(w for w in c.workers if w.id == members[0])

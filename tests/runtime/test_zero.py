@@ -806,3 +806,56 @@ def dist_settled(sg: ShardedGradients) -> bool:
     from eltctl_runtime import collectives
 
     return collectives.settled(sg._works)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("reduce_scatter", [False, True])
+def test_zero2_reducing_each_micro_batch_equals_replicated_with_uneven_counts_and_keeps_no_full_gradient(
+        reduce_scatter, replicas):
+    """ElasticJob(reduce_each_micro_batch=True)'s rounds. At world 3 each step rank 0 runs
+    its share in 3 micro-batches, rank 1 in 2, rank 2 in 1: each micro-batch before the last
+    is reduced into the held chunks (begin(accumulate=True), finish_round), added to the
+    rounds before; a rank with fewer reduces empty rounds (zeros) before its last. With
+    clipping, the parameters equal replicated training's on the global batch, and between
+    micro-batches no rank keeps a full gradient (every .grad is None)."""
+    steps, world, clip, counts = 4, 3, 0.05, (3, 2, 1)
+    ref_model, _ref_opt, _ = replicated("adamw", steps, clip=clip)
+    store = dist.HashStore()
+
+    def rank(r: int):
+        w = Worker("adamw", "gradients", reduce_scatter=reduce_scatter)
+        lay = shard_layout(w.params, w.opt, members("a", "b", "c"), replicas=replicas, bucket_mb=0.0002)
+        sg = w.sg = w.path(lay, f"w{r}")
+        pg = group(store, "g", r, world)
+        between, norms = [], []
+        with sg.attached():
+            for t in range(steps):
+                parts = torch.tensor_split(torch.tensor_split(torch.arange(ROWS), world)[r], counts[r])
+                for rows in parts[:-1]:
+                    sg.begin(pg, accumulate=True)
+                    loss_of(w.model, rows, t).backward()
+                    sg.finish_round()
+                    between.append(all(p.grad is None for p in w.params))
+                for _ in range(max(counts) - counts[r]):
+                    sg.begin(pg, accumulate=True)
+                    sg.finish_round()
+                sg.begin(pg)
+                loss_of(w.model, parts[-1], t).backward()
+                sg.finish()
+                norms.append(sg.step(clip).grad_norm)
+                sg.zero_grad()
+        return w, between, norms
+
+    out = run_ranks({f"w{r}": (lambda r=r: rank(r)) for r in range(world)})
+    assert len({tuple(norms) for _w, _b, norms in out.values()}) == 1  # every rank clipped alike
+    for w, between, norms in out.values():
+        assert_params_match(w.model, ref_model)
+        assert all(between) and all(n > clip for n in norms)
+    assert [len(out[f"w{r}"][1]) for r in range(world)] == [steps * (c - 1) for c in counts]
+
+
+def test_only_zero2_reduces_each_micro_batch():
+    w = Worker("adamw", "optimizer")
+    sg = w.path(shard_layout(w.params, w.opt, members("a")), "w0")
+    with pytest.raises(ValueError, match="only ZeRO-2"):
+        sg.begin(None, accumulate=True)
