@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="shard the optimizer state (ZeRO-1) or also the gradients (ZeRO-2) across the workers")
     ap.add_argument("--shard-replicas", type=int, choices=(1, 2), default=1,
                     help="ranks holding each shard (2: a crash loses no optimizer state)")
+    ap.add_argument("--reduce-each-micro-batch", action="store_true",
+                    help="with --shard gradients and micro-batches: reduce each micro-batch into the shards, "
+                         "so no rank keeps a whole gradient between them (one reduction per micro-batch)")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="steps")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step (tests)")
     ap.add_argument("--slow-per-sample", type=float, default=0.0,
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         epochs=args.epochs, micro_batch_size=args.micro_batch, checkpoint_every_steps=args.checkpoint_every,
         config=config, bucket_mb=args.bucket_mb, balance=not args.no_balance, num_workers=args.num_workers,
         prefetch_steps=args.prefetch_steps, shard=args.shard,
-        shard_replicas=args.shard_replicas,
+        shard_replicas=args.shard_replicas, reduce_each_micro_batch=args.reduce_each_micro_batch,
     )
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None

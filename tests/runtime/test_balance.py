@@ -261,6 +261,26 @@ def test_a_hosts_micro_batch_limit_and_an_out_of_memory_share_train_like_whole_s
 
 
 @pytest.mark.slow
+def test_zero2_reducing_each_micro_batch_through_a_hosts_limit_and_an_out_of_memory_redo(cluster_factory):
+    """As above with shard="gradients", reduce_each_micro_batch=True: a's host computes at
+    most 5 samples (micro-batches 5, 5, 2), b's 10 (10, 2), and b runs out of memory in its
+    first micro-batch, one reduced on its own (a round), then redoes the step in
+    micro-batches of 5 (5, 5, 2); the missing rounds are reduced empty. The training is
+    that of whole shares."""
+    args = ["--steps", "12", "--no-balance", "--shard", "gradients", "--optimizer", "adamw"]
+    whole = cluster_factory(min_workers=2)
+    ref = finish(whole, whole.start(2, args), 12)[0]
+    limited = cluster_factory(min_workers=2)
+    each = args + ["--reduce-each-micro-batch"]
+    (a,) = limited.start(1, each, env={"ELTCTL_MAX_MICRO_BATCH": "5"})
+    (b,) = limited.start(1, each + ["--oom-once-above", "8"], env={"ELTCTL_MAX_MICRO_BATCH": "10"})
+    got = finish(limited, [a, b], 12)[0]
+    assert abs(got["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (got, ref)
+    assert "out of memory on 10 samples at step 1; the step is redone in micro-batches of at most 5" in b.log_text()
+    assert "step 1 redone (out of memory on rank(s)" in a.log_text()
+
+
+@pytest.mark.slow
 def test_a_worker_that_holds_the_job_back_is_reported_a_straggler_in_the_status(cluster_factory):
     # s computes 100 ms a sample, a and b 1 ms: even s's minimum share of one
     # sample takes longer than the others' whole step.
