@@ -156,7 +156,7 @@ def test_gloo_listeners_survive_one_byte_silence_and_floods_from_another_account
 
 
 ROUNDS = r"""
-import json, secrets, sys, threading, time
+import json, os, secrets, sys, threading, time
 import torch
 import torch.distributed as dist
 from eltctl_runtime import auth, collectives
@@ -222,6 +222,12 @@ for r in range(rounds):
             g += 1
     with open(out, "w") as f:
         json.dump({"rounds": res, "forged": forgeries.counts()}, f)
+# Ended as a worker ends (runtime/exiting.py: os._exit once the script is done), not by the
+# interpreter's teardown: with the dropped groups still held by their daemon threads
+# (collectives.bury), that teardown once aborted the process after every round had passed
+# (a gloo timeout thrown while it tore down: SIGABRT, exit -6).
+sys.stderr.flush()
+os._exit(0)
 """
 
 # What a hijacked pair carries at most: one handshake message (the group id sealed for
