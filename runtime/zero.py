@@ -768,7 +768,10 @@ class ShardedGradients:
                 for h, j in enumerate(self._held):
                     held = self._section(self._shard_grads[bucket.group], bucket.group, h)[off:off + bucket.chunk]
                     src = t[j * bucket.chunk:(j + 1) * bucket.chunk]
-                    held.add_(src) if self._rounds else held.copy_(src)
+                    if self._rounds:  # a later round: added to the rounds before
+                        held.add_(src)
+                    else:
+                        held.copy_(src)
         elif b in self._rs_into:  # a later round's reduce-scatter
             with torch.no_grad():
                 self._shard_grads[bucket.group][off:off + bucket.chunk].add_(self._rs_into.pop(b))
@@ -811,13 +814,10 @@ class ShardedGradients:
     def finish(self) -> None:
         """Launch the buckets not launched yet, wait for all; afterwards every held
         chunk's gradient (summed over ranks) is in place."""
-        while len(self._works) < len(self.layout.buckets):
-            self._launch(len(self._works))
-        self._launching = False
+        self._launch_rest()
         if self._error is None:
             self._prepare_step()
-        while self._error is None and self._retired < len(self._works):
-            self._retire_next()
+        self._retire_all()
         self._rounds = 0
         if self._error is not None:
             error, self._error = self._error, None
@@ -829,6 +829,17 @@ class ShardedGradients:
                 self._exchange_backups()
             self._exchanging = False
 
+    def _launch_rest(self) -> None:
+        """The buckets this backward did not launch (unused parameters, or no backward), in order."""
+        while len(self._works) < len(self.layout.buckets):
+            self._launch(len(self._works))
+        self._launching = False
+
+    def _retire_all(self) -> None:
+        """Wait for every launched reduction and take it out (until one fails: _error)."""
+        while self._error is None and self._retired < len(self._works):
+            self._retire_next()
+
     def finish_round(self) -> None:
         """After a micro-batch's backward armed with begin(accumulate=True): launch the
         buckets not launched yet (a round with no backward, for a rank that has fewer
@@ -837,11 +848,8 @@ class ShardedGradients:
         (each is staged into its bucket as it comes, then dropped): only the held chunks'
         are kept, as after a step. A failure is kept for the step's finish(), which
         raises it; the rounds that follow still issue their collectives."""
-        while len(self._works) < len(self.layout.buckets):
-            self._launch(len(self._works))
-        self._launching = False
-        while self._error is None and self._retired < len(self._works):
-            self._retire_next()
+        self._launch_rest()
+        self._retire_all()
         if self._error is not None:
             self._loose.extend(w for w in self._works[self._retired:] if w is not None)
         self._works = []
@@ -962,8 +970,8 @@ class ShardedGradients:
             pick = ([per_h[self._held.index(j)] for j in range(self.layout.world)] if self._full else per_h[:1]
                     for per_h in self._steppers)
             with torch.no_grad():  # float64, piece by piece, as the replicated path's norm
-                gradients.add_squares(stats[0], (v.grad for opt, _spans in (o for chosen in pick for o in chosen)
-                                                 for v in opt.param_groups[0]["params"]))
+                gradients.add_squares(stats[0], [v.grad for chosen in pick for opt, _spans in chosen
+                                                 for v in opt.param_groups[0]["params"]])
         if (max_grad_norm is not None or found_infs) and not self._full:
             _wait(collectives.allreduce_async(self._pg, stats), self._abort)
         skipped = bool(stats[1] > 0)
