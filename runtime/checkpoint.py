@@ -1202,8 +1202,10 @@ def assemble_optimizer(path: Path | str, sharded: Mapping[str, Any], param_group
                     at = bk[4] + off - bk[1]
                     opt_index, shape = sharded["params"][i]
                     entry = state.setdefault(int(opt_index), {})
-                    if sharded.get("adamw") and "step" not in entry:
-                        entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+                    if sharded.get("counts_steps", sharded.get("adamw")) and "step" not in entry:
+                        # as zero.step_tensor makes it (torch alone here)
+                        entry["step"] = torch.tensor(float(step), dtype=torch.float64 if torch.get_default_dtype()
+                                                     == torch.float64 else torch.float32)
                     entry[name] = full[at:at + numel].view(shape).clone()
     return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 

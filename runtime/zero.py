@@ -35,9 +35,10 @@ without talking to anyone.
 
 The optimizer the script built is kept for its hyperparameters (a scheduler's
 changes to lr are copied into the shard optimizer at every step) and never
-stepped. AdamW and SGD are supported: their updates are elementwise, so a shard
-steps exactly as the replicated optimizer steps those elements. Others are
-refused (`check_optimizer`).
+stepped. AdamW, Adam, SGD, RMSprop, Adamax, RAdam and Adadelta are supported: their
+updates are elementwise and their state per parameter is tensors shaped as it and a
+step count, so a shard steps exactly as the replicated optimizer steps those elements.
+Others are refused (`check_optimizer`).
 
 Live resharding (`reshard`): given the old and the new layout and a group that
 holds every rank involved (the old group for a planned leave, so the leaver can
@@ -99,8 +100,15 @@ JOINER_MEMORY_HOLD_S = 60.0
 # The tags of the parameters' point-to-point gather on gloo (GATHER_TAG + bucket); reshard's
 # transfers use tag 0.
 GATHER_TAG = 1 << 20
-# Optimizers whose update is elementwise: a shard's step is the replicated step of its elements.
-SUPPORTED_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
+# Optimizers whose update is elementwise and whose state per parameter is tensors shaped as it
+# (made at the first step) and a step count: a shard's step is the replicated step of its elements.
+SUPPORTED_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD,
+                        "RMSprop": torch.optim.RMSprop, "Adamax": torch.optim.Adamax, "RAdam": torch.optim.RAdam,
+                        "Adadelta": torch.optim.Adadelta}
+# Why the nearest others are not: what the refusal says.
+_WHY_NOT = {"Adagrad": "its state is made when it is built, whole on every rank",
+            "NAdam": "its state holds a per-parameter product (mu_product) beside the step count",
+            "ZeroRedundancyOptimizer": "it shards the state itself; give the job the optimizer it wraps"}
 
 
 class ShardsLost(RuntimeError):
@@ -111,12 +119,15 @@ class ShardsLost(RuntimeError):
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Raise ValueError unless the optimizer is one whose shards step alike."""
     if type(optimizer) not in SUPPORTED_OPTIMIZERS.values():
+        name = type(optimizer).__name__
+        why = f" ({_WHY_NOT[name]})" if name in _WHY_NOT else ""
         raise ValueError(f"sharded optimizer state supports {', '.join(SUPPORTED_OPTIMIZERS)} (exactly those "
-                         f"classes, not subclasses); got {type(optimizer).__name__}. Use shard=None for "
-                         "other optimizers")
+                         f"classes, not subclasses); got {name}{why}. Use shard=None for other optimizers")
     for group in optimizer.param_groups:
-        if group.get("fused") or group.get("differentiable"):
-            raise ValueError("sharded optimizer state does not support fused=True or differentiable=True")
+        for flag in ("fused", "differentiable", "capturable"):
+            if group.get(flag):
+                raise ValueError(f"sharded optimizer state does not support {flag}=True: build the "
+                                 f"{type(optimizer).__name__} without it")
 
 
 # ---------------------------------------------------------------------------- layout (pure)
@@ -299,9 +310,33 @@ class StepResult:
 
 
 def _state_names(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
-    if isinstance(optimizer, torch.optim.AdamW):
+    """The elementwise state tensors a supported optimizer keeps per parameter of `group`
+    (as its _init_group makes them)."""
+    kind = type(optimizer)
+    if kind in (torch.optim.AdamW, torch.optim.Adam):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    if kind is torch.optim.RAdam:
+        return ("exp_avg", "exp_avg_sq")
+    if kind is torch.optim.Adamax:
+        return ("exp_avg", "exp_inf")
+    if kind is torch.optim.Adadelta:
+        return ("square_avg", "acc_delta")
+    if kind is torch.optim.RMSprop:
+        return (("square_avg",) + (("momentum_buffer",) if group.get("momentum", 0) > 0 else ())
+                + (("grad_avg",) if group.get("centered") else ()))
     return ("momentum_buffer",) if group.get("momentum", 0) else ()
+
+
+def counts_steps(optimizer: torch.optim.Optimizer) -> bool:
+    """The optimizer keeps a step count per parameter (every supported one but SGD)."""
+    return type(optimizer) is not torch.optim.SGD
+
+
+def step_tensor(step: int) -> torch.Tensor:
+    """A step count as torch's optimizers keep it (not capturable, not fused): a 0-dim
+    float32 tensor, float64 where that is the default dtype."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(float(step), dtype=dtype)
 
 
 class _Pieces:
@@ -1279,8 +1314,8 @@ class ShardedGradients:
         for g, ms in enumerate(self._masters):
             for h, m in enumerate(ms):
                 st: dict[str, Any] = {}
-                if isinstance(inner, torch.optim.AdamW):
-                    st["step"] = torch.tensor(float(step), dtype=torch.float32)
+                if counts_steps(inner):
+                    st["step"] = step_tensor(step)
                 for k in self._names(g):
                     t = tensors[g][h][k]
                     st[k] = t if adopt and t.dtype == m.dtype and t.device == m.device else t.to(m.dtype).clone()
@@ -1327,8 +1362,8 @@ class ShardedGradients:
                         if self.layout.slots[i].group != g:
                             continue
                         entry = state.setdefault(self._opt_index[id(p)], {})
-                        if isinstance(self.optimizer, torch.optim.AdamW) and "step" not in entry:
-                            entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+                        if counts_steps(self.optimizer) and "step" not in entry:
+                            entry["step"] = step_tensor(step)
                         entry[name] = self._param_in(full, i).view_as(p).clone()
         sd["state"] = dict(sorted(state.items()))
         return sd
@@ -1996,7 +2031,8 @@ def checkpoint_layout(sg: ShardedGradients) -> dict[str, Any]:
     optimizer state is rebuilt out of the shard files (checkpoint.assemble_optimizer)."""
     step = sg.steps_taken()
     return {"format": FORMAT, "layout": json.loads(sg.layout.to_json()), "step": step,
-            "adamw": isinstance(sg.optimizer, torch.optim.AdamW),
+            "optimizer": type(sg.optimizer).__name__, "counts_steps": counts_steps(sg.optimizer),
+            "adamw": counts_steps(sg.optimizer),  # what "counts_steps" was called when AdamW was the only one
             "names": [list(sg._names(g)) if step else [] for g in range(len(sg.layout.groups))],
             "params": [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]}
 

@@ -135,8 +135,14 @@ def test_an_unsupported_optimizer_is_refused_naming_the_supported_ones():
     model = torch.nn.Linear(2, 2)
     params = list(model.parameters())
     opt = SGDWithATwist(params, lr=0.1)
-    with pytest.raises(ValueError, match="supports AdamW, SGD .*got SGDWithATwist"):
+    with pytest.raises(ValueError, match="supports AdamW, Adam, SGD, RMSprop, Adamax, RAdam, Adadelta .*got SGDWithATwist"):
         ShardedGradients(params, opt, shard_layout(params, opt, members("a")), 0)
+    for opt, why in ((torch.optim.Adagrad(params), "made when it is built"),
+                     (torch.optim.NAdam(params), "mu_product"),
+                     (torch.optim.Adam(params, capturable=True), "capturable=True"),
+                     (torch.optim.RMSprop(params, foreach=False, differentiable=True), "differentiable=True")):
+        with pytest.raises(ValueError, match=why):
+            ShardedGradients(params, opt, shard_layout(params, opt, members("a")), 0)
 
 
 # -- real gloo groups --------------------------------------------------------------------------
@@ -165,7 +171,27 @@ def make_opt(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
         return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                                  lr=0.01)
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    params = model.parameters()
+    if kind == "adam":  # L2 weight decay (added to the gradient) and the running maximum
+        return torch.optim.Adam(params, lr=0.01, weight_decay=0.05, amsgrad=True)
+    if kind == "rmsprop":  # every state tensor it has: square_avg, momentum_buffer, grad_avg
+        # eps 1: its momentum buffer sums g / (sqrt(v) + eps), at the first step sign(g) / 0.1
+        # with a small eps, so a gradient element summed to near zero (float32 rounding of a
+        # cancelling sum) flips it: at the default eps replicated training itself, its batch
+        # split in 3 micro-batches, ends 6e-5 apart (relative) in that buffer of this model.
+        # With eps 1 the buffer is as exact as the gradients' reduction order.
+        return torch.optim.RMSprop(params, lr=0.01, eps=1.0, momentum=0.5, centered=True, weight_decay=0.01)
+    if kind == "adamax":
+        return torch.optim.Adamax(params, lr=0.02, weight_decay=0.01)
+    if kind == "radam":  # its rectified update starts at step 6 (default betas): the 9-step tests reach it
+        return torch.optim.RAdam(params, lr=0.01, weight_decay=0.01, decoupled_weight_decay=True)
+    if kind == "adadelta":
+        return torch.optim.Adadelta(params, lr=1.0, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+# The supported optimizers other than AdamW and SGD (tested at fewer world sizes)
+OTHER_KINDS = ["adam", "rmsprop", "adamax", "radam", "adadelta"]
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,11 +275,11 @@ def assert_state_matches(full: dict, ref: dict) -> None:
     for i, entry in ref["state"].items():
         assert full["state"][i].keys() == entry.keys()
         for k, v in entry.items():
-            torch.testing.assert_close(full["state"][i][k], v, rtol=RTOL, atol=1e-7, msg=f"{i}/{k}")
+            torch.testing.assert_close(full["state"][i][k], v, rtol=RTOL, atol=1e-7, msg=lambda m, i=i, k=k: f"{i}/{k}: {m}")
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("world,kind", [(w, k) for w in (1, 2, 3) for k in ("adamw", "sgd")]
+                         + [(2, k) for k in OTHER_KINDS])
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_sharded_training_equals_replicated_and_the_gathered_state_too(shard, kind, world):
     steps = 4
@@ -373,11 +399,13 @@ def test_clipping_and_an_inf_in_one_shard_skip_the_step_everywhere_as_replicated
         assert_params_match(w.model, ref_model)
 
 
+@pytest.mark.parametrize("kind", ["adamw"] + OTHER_KINDS)
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
-def test_a_planned_leave_3_to_2_then_a_join_2_to_3_keep_training_replicated(shard):
+def test_a_planned_leave_3_to_2_then_a_join_2_to_3_keep_training_replicated(shard, kind):
     """w0 (rank 0) leaves after step 3, handing its shards over; after step 6 w3
-    joins with other initial weights and receives parameters and state."""
-    ref_model, ref_opt, _ = replicated("adamw", 9)
+    joins with other initial weights and receives parameters and state (each state
+    tensor and the step count of every supported optimizer that keeps one)."""
+    ref_model, ref_opt, _ = replicated(kind, 9)
     store = dist.HashStore()
     ids_a, ids_b, ids_c = ["w0", "w1", "w2"], ["w1", "w2"], ["w1", "w2", "w3"]
     hosts = {"w0": "h0", "w1": "h1", "w2": "h2", "w3": "h3"}
@@ -386,7 +414,7 @@ def test_a_planned_leave_3_to_2_then_a_join_2_to_3_keep_training_replicated(shar
         return shard_layout(w.params, w.opt, [Member(i, hosts[i]) for i in ids], bucket_mb=0.0002)
 
     def member(me: str):
-        w = Worker("adamw", shard)
+        w = Worker(kind, shard)
         lay_a, lay_b, lay_c = layout(w, ids_a), layout(w, ids_b), layout(w, ids_c)
         w.sg = w.path(lay_a, me)
         pg_a = group(store, "a", ids_a.index(me), 3)
@@ -406,7 +434,7 @@ def test_a_planned_leave_3_to_2_then_a_join_2_to_3_keep_training_replicated(shar
         return w, w.sg.full_state_dict()
 
     def joiner():
-        w = Worker("adamw", shard, seed=7)  # other weights: they must come from the members
+        w = Worker(kind, shard, seed=7)  # other weights: they must come from the members
         lay_b, lay_c = layout(w, ids_b), layout(w, ids_c)
         w.sg = w.path(lay_c, "w3")
         pg_c = group(store, "c", 2, 3)
