@@ -118,6 +118,20 @@ def abort_after_transfers(who: str) -> None:
     zero.reshard = reshard
 
 
+# --optimizer: what the script builds (test_sharded_job.reference builds the same)
+OPTIMIZERS = {
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+    # L2 weight decay (added to the gradient) and the running maximum (max_exp_avg_sq)
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr, weight_decay=0.01, amsgrad=True),
+    "rmsprop": lambda params, lr: torch.optim.RMSprop(params, lr=lr, eps=1.0, momentum=0.5, centered=True),
+}
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    return OPTIMIZERS[name](params, lr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -128,7 +142,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=480)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     ap.add_argument("--shard", choices=("optimizer", "gradients"), default=None)
     ap.add_argument("--shard-replicas", type=int, default=1)
     ap.add_argument("--reduce-each-micro-batch", action="store_true")
@@ -188,10 +202,7 @@ def main() -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(args.seed)
     model = toy.make_model(hidden=args.hidden, layers=args.layers, seed=args.seed)
-    if args.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     dataset = toy.make_dataset(n_samples=args.samples)
     scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=args.grad_scaler)
               if args.grad_scaler else None)

@@ -22,6 +22,7 @@ from runtime_cluster import assert_exactly_once, assert_identical_state, committ
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import toy  # noqa: E402
+import shard_worker  # noqa: E402  (its --optimizer choices: the reference builds the same)
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +31,14 @@ N_SAMPLES, BATCH, LR = 480, 24, 3e-3
 ARGS = ["--samples", str(N_SAMPLES), "--batch", str(BATCH), "--lr", str(LR), "--hidden", "32", "--layers", "2"]
 
 
-def reference(audit: Path, final_step: int, max_norm: float | None = None) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-    """The replicated fixed-size run: one process, each committed step's global batch."""
+def reference(audit: Path, final_step: int, max_norm: float | None = None, optimizer: str = "adamw",
+              opt_out: list | None = None) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """The replicated fixed-size run: one process, each committed step's global batch
+    (`opt_out`: gets the optimizer at the end)."""
     model = toy.make_model(hidden=32, layers=2, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    opt = shard_worker.make_optimizer(optimizer, model.parameters(), LR)
+    if opt_out is not None:
+        opt_out.append(opt)
     data = toy.make_dataset(n_samples=N_SAMPLES)
     lineage = committed_lineage(audit)
     losses = {}
@@ -63,12 +68,13 @@ def committed_losses(workers) -> dict[int, float]:
     return {s: l for s, (g, l) in best.items()}
 
 
-def check_against_reference(cluster, finals, steps: int, max_norm: float | None = None) -> None:
+def check_against_reference(cluster, finals, steps: int, max_norm: float | None = None,
+                            optimizer: str = "adamw") -> None:
     results = [w.read_result() for w in finals]
     assert all(r and not r["left"] and r["step"] == steps for r in results), cluster.dump_logs()
     assert_identical_state(results)
     assert_exactly_once(cluster.audit, N_SAMPLES, BATCH, steps)
-    ref_losses, ref_params = reference(cluster.audit, steps, max_norm)
+    ref_losses, ref_params = reference(cluster.audit, steps, max_norm, optimizer)
     got = committed_losses(cluster.workers)
     for s in range(1, steps + 1):
         assert got[s] == pytest.approx(ref_losses[s], rel=1e-5), (s, got[s], ref_losses[s])
@@ -114,6 +120,54 @@ def test_zero2_reducing_each_micro_batch_with_uneven_counts_through_a_sigkill_eq
     check_against_reference(c, finals, 36)
     logs = capped.log.read_text()
     assert "at most 3 samples at once on this host" in logs
+
+
+@pytest.mark.parametrize("optimizer,shard,replicas", [("adam", "gradients", 1), ("rmsprop", "optimizer", 2)])
+def test_adam_and_rmsprop_train_sharded_through_a_join_and_a_sigkill_and_export_their_state(
+        cluster_factory, optimizer, shard, replicas):
+    """Beyond AdamW and SGD: Adam (L2 weight decay, amsgrad: exp_avg, exp_avg_sq,
+    max_exp_avg_sq and the step count) and centered RMSprop with momentum (square_avg,
+    momentum_buffer, grad_avg). A third worker joins (its shards come from the members),
+    one is SIGKILLed (one replica: its chunks come from the newest sharded checkpoint; two:
+    from their backups). Every loss and the final parameters equal replicated training's,
+    and the newest checkpoint's optimizer state, read back as one plain state dict, is the
+    replicated optimizer's at that step and loads into a plain torch optimizer."""
+    from eltctl_runtime.checkpoint import load_checkpoint
+
+    c = cluster_factory(min_workers=2)
+    c.script = WORKER
+    c.args = list(ARGS)
+    extra = ["--steps", "100000", "--optimizer", optimizer, "--shard", shard, "--shard-replicas", str(replicas),
+             "--checkpoint-every", "4", "--step-sleep", "0.04"]
+    a, b = c.start(2, extra)
+    g = c.wait_world(2, steps_after=3)
+    (d,) = c.start(1, extra)
+    g = c.wait_world(3, min_gen=g + 1, steps_after=3)
+    c.kill(b)
+    c.wait_world(2, min_gen=g + 1, steps_after=5, timeout=120)
+    c.stop()
+    c.wait_exit([a, d])
+    assert a.proc.returncode == 0 and d.proc.returncode == 0, c.dump_logs()
+    check_against_reference(c, [a, d], a.read_result()["step"], optimizer=optimizer)
+    kinds = [ev["kind"] for ev in c.events()]
+    assert ("restore" in kinds) == (replicas == 1), c.events()
+    newest = max(c.ckpt.glob("step-*"))
+    saved = load_checkpoint(newest)
+    step = int(saved["step"])
+    assert step > 0 and json.loads((newest / "manifest.json").read_text())["sharded"]["optimizer"] == {
+        "adam": "Adam", "rmsprop": "RMSprop"}[optimizer]
+    got = []
+    reference(c.audit, step, optimizer=optimizer, opt_out=got)
+    want = got[0].state_dict()
+    assert saved["optimizer"]["param_groups"] == want["param_groups"]
+    assert saved["optimizer"]["state"].keys() == want["state"].keys()
+    for i, entry in want["state"].items():
+        assert saved["optimizer"]["state"][i].keys() == entry.keys(), (i, saved["optimizer"]["state"][i].keys())
+        for k, v in entry.items():
+            torch.testing.assert_close(saved["optimizer"]["state"][i][k], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, i=i, k=k: f"{i}/{k}: {m}")
+    plain = shard_worker.make_optimizer(optimizer, toy.make_model(hidden=32, layers=2).parameters(), LR)
+    plain.load_state_dict(saved["optimizer"])
 
 
 def rank0(c, world: int):
@@ -415,8 +469,8 @@ def test_unsupported_optimizers_and_settings_are_refused_when_the_job_is_built()
 
     model = toy.make_model(hidden=8, layers=1)
     data = toy.make_dataset(n_samples=16)
-    with pytest.raises(ValueError, match="AdamW, SGD"):
-        elt.ElasticJob(model, torch.optim.Adam(model.parameters()), data, global_batch_size=4, max_steps=1,
+    with pytest.raises(ValueError, match="AdamW, Adam, SGD, RMSprop, Adamax, RAdam, Adadelta .*Adagrad"):
+        elt.ElasticJob(model, torch.optim.Adagrad(model.parameters()), data, global_batch_size=4, max_steps=1,
                        shard="optimizer")
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="shard_replicas"):
