@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam",
-                    help="adamw or sgd to shard (--shard); adam only replicated")
+                    help="the optimizer (each of them also sharded: --shard)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--bucket-mb", type=float, default=4.0,
                     help="gradient all-reduce bucket size; 0: one all-reduce after backward")
