@@ -168,6 +168,21 @@ def test_restore_at_another_world_size_and_shard_setting(written, world, shard, 
                 for r, d in did.items()} == {r: (True, r % 2 == 1) for r in range(world)}
 
 
+def test_a_sharded_checkpoint_of_another_optimizer_class_is_refused_naming_both(written):
+    """AdamW's state (and hyperparameters) restored into an Adam job: refused before
+    anything is loaded, with what to do."""
+    step_dir, _ref = written
+    model = cw.Net()
+    groups = cw.make_opt(model).param_groups
+    opt = torch.optim.Adam([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups], lr=0.01)
+    params = list(model.parameters())
+    sg = ShardedGradients(params, opt, shard_layout(params, opt, [Member("w0", "a")]), 0, "optimizer")
+    sg.bind()
+    with pytest.raises(ValueError, match="optimizer state is AdamW's, this job's optimizer is Adam: build"):
+        ckpt.restore_sharded(step_dir, sg)
+    assert not opt.state and not sg.steps_taken()
+
+
 def test_a_tampered_shard_file_is_rejected(written, tmp_path):
     step_dir, _ref = written
     copy = tmp_path / step_dir.name
