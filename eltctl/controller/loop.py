@@ -227,7 +227,8 @@ class Controller:
             others = [n for n, v in views.items() if n not in targets and v.reach in (
                 pol.Reach.OK, pol.Reach.CPU_ONLY, pol.Reach.UNHEALTHY)]
             if not self.restorer.ready(survivor, targets, lambda names: self._restore(names, others)):
-                self.phase, self.message = Phase.STARTING, "looking on the hosts for a checkpoint to start from (if there is none: step 0)"
+                self.phase = Phase.STARTING
+                self.message = "looking on the hosts for a checkpoint to start from (if there is none: step 0)"
             else:
                 await self.act(decision, now, start_as)
                 self.phase, self.message = status.next_phase(
