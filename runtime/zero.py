@@ -284,9 +284,9 @@ def _param_groups_of(params: list[torch.Tensor], optimizer: torch.optim.Optimize
     if missing:
         raise ValueError(f"parameters {missing} are not in the optimizer; sharding needs every trained "
                          "parameter in it")
-    if len(where) != len(params):
-        raise ValueError("the optimizer holds parameters that are not trained (requires_grad=False); "
-                         "leave them out of the optimizer to shard its state")
+    # Parameters of the optimizer that are not trained (requires_grad=False: a frozen backbone
+    # under AdamW(model.parameters())) are not sharded: they never have a gradient, so the
+    # replicated optimizer never steps them or makes state for them either.
     return [where[id(p)] for p in params]
 
 

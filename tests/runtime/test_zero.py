@@ -304,6 +304,56 @@ def test_sharded_training_equals_replicated_and_the_gathered_state_too(shard, ki
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_frozen_parameters_in_the_optimizer_are_left_out_and_training_equals_replicated(shard):
+    """Fine-tuning's usual form: AdamW(model.parameters()) with weight decay, then part of
+    the model frozen (requires_grad=False). The frozen parameters are not sharded and never
+    change (as under the replicated optimizer, which skips a parameter without a
+    gradient); the rest train as replicated, and the gathered state is the replicated
+    optimizer's: no state for the frozen ones."""
+    steps, world = 4, 2
+
+    def build(seed: int = 0):
+        model = Net(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        model.a.weight.requires_grad_(False)
+        model.b.bias.requires_grad_(False)
+        return model, opt
+
+    ref, ref_opt = build()
+    frozen = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    for t in range(steps):
+        loss_of(ref, torch.arange(ROWS), t).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    store = dist.HashStore()
+
+    def rank(r: int):
+        model, opt = build()
+        params = [p for p in model.parameters() if p.requires_grad]
+        lay = shard_layout(params, opt, members("a", "b"), bucket_mb=0.0002)
+        sg = ShardedGradients(params, opt, lay, r, shard)
+        sg.bind()
+        pg = group(store, "g", r, world)
+        with sg.attached():
+            for t in range(steps):
+                sg.begin(pg)
+                loss_of(model, torch.tensor_split(torch.arange(ROWS), world)[r], t).backward()
+                sg.finish()
+                sg.step()
+                sg.zero_grad()
+        return model, sg.full_state_dict()
+
+    out = run_ranks({f"w{r}": (lambda r=r: rank(r)) for r in range(world)})
+    for model, full in out.values():
+        assert_params_match(model, ref)
+        for n, p in model.named_parameters():
+            if n in frozen:
+                assert torch.equal(p.detach(), frozen[n]), n
+        assert_state_matches(full, ref_opt.state_dict())
+        assert len(full["state"]) == 2  # a.bias and b.weight
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_the_parameters_gather_by_point_to_point_and_by_all_gather_give_the_same_bits(monkeypatch, shard):
     """gloo gathers the stepped chunks into every rank's parameters by point-to-point
     sends and receives (its all-gather was 2-2.6x slower here), NCCL by
