@@ -132,6 +132,13 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return OPTIMIZERS[name](params, lr)
 
 
+def freeze(model: torch.nn.Module, n: int) -> None:
+    """--freeze N: the model's first N parameters stop training after the optimizer was
+    built over all of them (fine-tuning's usual form)."""
+    for p in list(model.parameters())[:n]:
+        p.requires_grad_(False)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -143,6 +150,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    ap.add_argument("--freeze", type=int, default=0, metavar="N",
+                    help="the first N parameters frozen (requires_grad=False), though in the optimizer")
     ap.add_argument("--shard", choices=("optimizer", "gradients"), default=None)
     ap.add_argument("--shard-replicas", type=int, default=1)
     ap.add_argument("--reduce-each-micro-batch", action="store_true")
@@ -203,6 +212,7 @@ def main() -> int:
     torch.manual_seed(args.seed)
     model = toy.make_model(hidden=args.hidden, layers=args.layers, seed=args.seed)
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    freeze(model, args.freeze)
     dataset = toy.make_dataset(n_samples=args.samples)
     scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=args.grad_scaler)
               if args.grad_scaler else None)

@@ -32,11 +32,12 @@ ARGS = ["--samples", str(N_SAMPLES), "--batch", str(BATCH), "--lr", str(LR), "--
 
 
 def reference(audit: Path, final_step: int, max_norm: float | None = None, optimizer: str = "adamw",
-              opt_out: list | None = None) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+              opt_out: list | None = None, frozen: int = 0) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """The replicated fixed-size run: one process, each committed step's global batch
-    (`opt_out`: gets the optimizer at the end)."""
+    (`opt_out`: gets the optimizer at the end; `frozen`: shard_worker's --freeze)."""
     model = toy.make_model(hidden=32, layers=2, seed=0)
     opt = shard_worker.make_optimizer(optimizer, model.parameters(), LR)
+    shard_worker.freeze(model, frozen)
     if opt_out is not None:
         opt_out.append(opt)
     data = toy.make_dataset(n_samples=N_SAMPLES)
@@ -69,12 +70,12 @@ def committed_losses(workers) -> dict[int, float]:
 
 
 def check_against_reference(cluster, finals, steps: int, max_norm: float | None = None,
-                            optimizer: str = "adamw") -> None:
+                            optimizer: str = "adamw", frozen: int = 0) -> None:
     results = [w.read_result() for w in finals]
     assert all(r and not r["left"] and r["step"] == steps for r in results), cluster.dump_logs()
     assert_identical_state(results)
     assert_exactly_once(cluster.audit, N_SAMPLES, BATCH, steps)
-    ref_losses, ref_params = reference(cluster.audit, steps, max_norm, optimizer)
+    ref_losses, ref_params = reference(cluster.audit, steps, max_norm, optimizer, frozen=frozen)
     got = committed_losses(cluster.workers)
     for s in range(1, steps + 1):
         assert got[s] == pytest.approx(ref_losses[s], rel=1e-5), (s, got[s], ref_losses[s])
@@ -122,12 +123,15 @@ def test_zero2_reducing_each_micro_batch_with_uneven_counts_through_a_sigkill_eq
     assert "at most 3 samples at once on this host" in logs
 
 
-@pytest.mark.parametrize("optimizer,shard,replicas", [("adam", "gradients", 1), ("rmsprop", "optimizer", 2)])
-def test_adam_and_rmsprop_train_sharded_through_a_join_and_a_sigkill_and_export_their_state(
-        cluster_factory, optimizer, shard, replicas):
+@pytest.mark.parametrize("optimizer,shard,replicas,frozen", [("adam", "gradients", 1, 0), ("rmsprop", "optimizer", 2, 0),
+                                                             ("adamw", "gradients", 1, 2)])
+def test_adam_rmsprop_and_a_frozen_layer_train_sharded_through_a_join_and_a_sigkill_and_export_their_state(
+        cluster_factory, optimizer, shard, replicas, frozen):
     """Beyond AdamW and SGD: Adam (L2 weight decay, amsgrad: exp_avg, exp_avg_sq,
     max_exp_avg_sq and the step count) and centered RMSprop with momentum (square_avg,
-    momentum_buffer, grad_avg). A third worker joins (its shards come from the members),
+    momentum_buffer, grad_avg); and AdamW over every parameter with the first layer then
+    frozen (fine-tuning's form: the frozen ones are not sharded, have no state and never
+    change). A third worker joins (its shards come from the members),
     one is SIGKILLed (one replica: its chunks come from the newest sharded checkpoint; two:
     from their backups). Every loss and the final parameters equal replicated training's,
     and the newest checkpoint's optimizer state, read back as one plain state dict, is the
@@ -138,7 +142,7 @@ def test_adam_and_rmsprop_train_sharded_through_a_join_and_a_sigkill_and_export_
     c.script = WORKER
     c.args = list(ARGS)
     extra = ["--steps", "100000", "--optimizer", optimizer, "--shard", shard, "--shard-replicas", str(replicas),
-             "--checkpoint-every", "4", "--step-sleep", "0.04"]
+             "--checkpoint-every", "4", "--step-sleep", "0.04", "--freeze", str(frozen)]
     a, b = c.start(2, extra)
     g = c.wait_world(2, steps_after=3)
     (d,) = c.start(1, extra)
@@ -148,16 +152,19 @@ def test_adam_and_rmsprop_train_sharded_through_a_join_and_a_sigkill_and_export_
     c.stop()
     c.wait_exit([a, d])
     assert a.proc.returncode == 0 and d.proc.returncode == 0, c.dump_logs()
-    check_against_reference(c, [a, d], a.read_result()["step"], optimizer=optimizer)
+    check_against_reference(c, [a, d], a.read_result()["step"], optimizer=optimizer, frozen=frozen)
     kinds = [ev["kind"] for ev in c.events()]
     assert ("restore" in kinds) == (replicas == 1), c.events()
     newest = max(c.ckpt.glob("step-*"))
     saved = load_checkpoint(newest)
     step = int(saved["step"])
     assert step > 0 and json.loads((newest / "manifest.json").read_text())["sharded"]["optimizer"] == {
-        "adam": "Adam", "rmsprop": "RMSprop"}[optimizer]
+        "adam": "Adam", "rmsprop": "RMSprop", "adamw": "AdamW"}[optimizer]
     got = []
-    reference(c.audit, step, optimizer=optimizer, opt_out=got)
+    _losses, ref_params = reference(c.audit, step, optimizer=optimizer, opt_out=got, frozen=frozen)
+    initial = toy.make_model(hidden=32, layers=2, seed=0).state_dict()
+    for k in list(initial)[:frozen]:  # the frozen ones are where they started, in the checkpoint too
+        assert torch.equal(saved["model"][k], initial[k]) and torch.equal(ref_params[k], initial[k]), k
     want = got[0].state_dict()
     assert saved["optimizer"]["param_groups"] == want["param_groups"]
     assert saved["optimizer"]["state"].keys() == want["state"].keys()
