@@ -1166,6 +1166,8 @@ def assemble_optimizer(path: Path | str, sharded: Mapping[str, Any], param_group
     chunk's elements belong. The shard files are memory-mapped."""
     import torch
 
+    from . import zero
+
     path = Path(path)
     lay = sharded["layout"]
     world = len(lay["members"])
@@ -1202,10 +1204,9 @@ def assemble_optimizer(path: Path | str, sharded: Mapping[str, Any], param_group
                     at = bk[4] + off - bk[1]
                     opt_index, shape = sharded["params"][i]
                     entry = state.setdefault(int(opt_index), {})
+                    # "adamw": what counts_steps was called when AdamW was the only optimizer that did
                     if sharded.get("counts_steps", sharded.get("adamw")) and "step" not in entry:
-                        # as zero.step_tensor makes it (torch alone here)
-                        entry["step"] = torch.tensor(float(step), dtype=torch.float64 if torch.get_default_dtype()
-                                                     == torch.float64 else torch.float32)
+                        entry["step"] = zero.step_tensor(step)
                     entry[name] = full[at:at + numel].view(shape).clone()
     return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 

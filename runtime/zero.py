@@ -2032,7 +2032,6 @@ def checkpoint_layout(sg: ShardedGradients) -> dict[str, Any]:
     step = sg.steps_taken()
     return {"format": FORMAT, "layout": json.loads(sg.layout.to_json()), "step": step,
             "optimizer": type(sg.optimizer).__name__, "counts_steps": counts_steps(sg.optimizer),
-            "adamw": counts_steps(sg.optimizer),  # what "counts_steps" was called when AdamW was the only one
             "names": [list(sg._names(g)) if step else [] for g in range(len(sg.layout.groups))],
             "params": [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]}
 
