@@ -58,7 +58,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import collectives, exiting
 from .auth import Forgeries, ForgedValue
 from .collectives import Aborted
 from .config import Device, RuntimeConfig
@@ -1021,6 +1021,12 @@ def main(argv: list[str] | None = None) -> int:
                      warm=not args.no_warm, progress=args.progress,
                      limit=RestartLimit(max_restarts=args.max_restarts, window_s=args.restart_window),
                      checkpoint_poll_s=args.checkpoint_poll)
+    # End as a worker ends (exiting.py): once run() returns, the process exits without the
+    # interpreter's teardown, whose destructors of the gloo groups this process held (the
+    # last generation's, and the dropped ones collectives.bury keeps) can abort it when a
+    # peer closes its side meanwhile: seen in CI, a supervisor whose job had ended cleanly
+    # exited -6 (terminate called after throwing gloo::IoException).
+    exiting.arm()
     try:
         return sup.run()
     except ExcludedFromJob as e:
@@ -1029,4 +1035,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()  # before sys.exit is looked up: main() arms exiting, which wraps it to keep the status
+    sys.exit(status)

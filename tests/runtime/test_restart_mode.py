@@ -111,6 +111,39 @@ def test_directory_snapshot_round_trips_and_replaces(tmp_path):
     assert list(dst.iterdir()) == []
 
 
+SUPERVISOR_EXIT = """
+import ctypes, sys
+from eltctl_runtime import restart
+
+# What a gloo group's destructor did to a supervisor: abort the process from the
+# interpreter's teardown (C exit handlers run there; os._exit skips them).
+libc = ctypes.CDLL(None)
+libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
+
+class Ended:  # a supervisor whose job has ended: run() returns its exit status
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def run(self):
+        return 4
+
+restart.Supervisor = Ended
+status = restart.main(["--script-dir", sys.argv[1], "--", "python", "train.py"])
+sys.exit(status)  # as restart.py's __main__ does
+"""
+
+
+def test_a_supervisor_ends_without_the_interpreters_teardown_and_keeps_its_status(tmp_path):
+    """The teardown runs the destructors of the gloo groups the supervisor held, which abort
+    the process (-6) when a peer closes its side meanwhile (seen in CI after a clean end)."""
+    env = host_env({**{k: v for k, v in os.environ.items() if not k.startswith("ELTCTL_")},
+                    "ELTCTL_STORE": "127.0.0.1:9", "ELTCTL_JOB": "j", "ELTCTL_WORKER_ID": "h/0/a"})
+    proc = subprocess.run([PYTHON, "-c", SUPERVISOR_EXIT, str(tmp_path / "scripts")], env=env,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode != -signal.SIGABRT, "the interpreter's teardown ran (its exit handlers aborted it)"
+    assert proc.returncode == 4, proc.stderr
+
+
 # -- real supervisors ------------------------------------------------------------------
 
 
