@@ -40,7 +40,7 @@ from .protocol import (
 _LAZY = {
     "Commit": "job", "ElasticJob": "job", "ExcludedFromJob": "job", "DataLoadError": "pipeline",
     "SamplerState": "sampler", "epoch_order": "sampler", "share_bounds": "sampler",
-    "load_checkpoint": "checkpoint", "export_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint", "export_checkpoint": "checkpoint", "OptimizerMismatch": "state",
     # restart mode's calls for a torchrun script (stdlib only: no torch)
     "report": "progress", "checkpoint_saved": "progress",
 }
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from .pipeline import DataLoadError
     from .progress import checkpoint_saved, report
     from .sampler import SamplerState, epoch_order, share_bounds
+    from .state import OptimizerMismatch
 
 
 def __getattr__(name: str) -> Any:
@@ -68,6 +69,6 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Commit", "ConfigError", "DataLoadError", "Desired", "Device", "ElasticJob", "EventKind", "ExcludedFromJob",
-    "Keys", "Plan", "RuntimeConfig", "SamplerState", "append_event", "checkpoint_saved", "epoch_order",
+    "Keys", "OptimizerMismatch", "Plan", "RuntimeConfig", "SamplerState", "append_event", "checkpoint_saved", "epoch_order",
     "export_checkpoint", "job_store", "load_checkpoint", "read_events", "read_status", "report", "report_dead", "request_leave", "request_stop", "share_bounds",
 ]

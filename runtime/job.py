@@ -979,7 +979,19 @@ class ElasticJob:
         it takes it up, so every rank reads it at once (at world 4 on 2 cores the others
         waited 0.1-0.15 s for the source's take-up)."""
         found = self._find_checkpoint() if self._rank == src else None
-        desc = self._broadcast_json(self._restored if found else None, src) if self.world_size > 1 else None
+        refused = None
+        if found is not None:  # another optimizer class's: every rank stops with the source's reason
+            try:
+                state_mod.check_optimizer_class(found[1], self.optimizer, found[0].path)
+            except state_mod.OptimizerMismatch as exc:
+                refused = str(exc)
+        if self.world_size > 1:
+            told = self._broadcast_json({"refused": refused} if refused else (self._restored if found else None), src)
+            refused, desc = (told["refused"], None) if told and "refused" in told else (None, told)
+        else:
+            desc = None
+        if refused:
+            raise state_mod.OptimizerMismatch(refused)
         if found is not None:
             self._take_up_found(*found)
         if self.world_size == 1:
@@ -1272,7 +1284,9 @@ class ElasticJob:
         return self.worker_id.split("/", 1)[0]
 
     def _take_up(self, saved: dict, desc: dict) -> None:
-        """Adopt a checkpoint's state (`desc`: which checkpoint, where it was read)."""
+        """Adopt a checkpoint's state (`desc`: which checkpoint, where it was read); one of
+        another optimizer class is refused before anything is adopted."""
+        state_mod.check_optimizer_class(saved, self.optimizer, desc["path"])
         if self._shard is not None:
             from .checkpoint import is_sharded
 

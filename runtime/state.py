@@ -164,14 +164,42 @@ def check_encodable(extra: dict[str, Any] | None) -> None:
     encode({"extra_state": extra_state_dicts(extra)})
 
 
+class OptimizerMismatch(ValueError):
+    """A saved state's optimizer state is another optimizer class's."""
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """What a state records as its optimizer's class (`optimizer_class`): the class name."""
+    return type(optimizer).__name__
+
+
+def check_optimizer_class(state: dict, optimizer: torch.optim.Optimizer, where: object) -> None:
+    """Raise OptimizerMismatch, saying what to do, when `state` (from `where`: a checkpoint
+    directory) was captured with another optimizer class than `optimizer`'s. A state from
+    before the class was recorded passes.
+
+    Loaded anyway, another class's state fails at the first step (an SGD checkpoint in an
+    Adam job: KeyError 'step'; the reverse: KeyError 'momentum'), or, worse, trains on
+    silently with the other class's hyperparameters (an AdamW checkpoint makes an Adam job
+    AdamW: its param_groups carry decoupled_weight_decay=True)."""
+    saved, ours = state.get("optimizer_class"), optimizer_class(optimizer)
+    if saved is not None and saved != ours:
+        raise OptimizerMismatch(
+            f"{where}: the checkpoint's optimizer state is {saved}'s, this job's optimizer is {ours}. Build the "
+            f"job with {saved}; or start without the checkpoint (move its step-* directories away, or give the "
+            f"job another checkpoint directory); or export it (eltctl checkpoints export) and load only its "
+            f"model into the new job before it starts")
+
+
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: dict,
             extra: dict[str, Any] | None = None) -> dict:
     """Everything needed to resume exactly: model (parameters and buffers),
-    optimizer, progress (step, epoch, position, generation), RNG states and the
-    extra objects' state dicts."""
+    optimizer (and its class, check_optimizer_class), progress (step, epoch,
+    position, generation), RNG states and the extra objects' state dicts."""
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
+        "optimizer_class": optimizer_class(optimizer),
         "extra_state": extra_state_dicts(extra),
         "progress": dict(progress),
         "rng": rng_state(),

@@ -1962,6 +1962,7 @@ class ShardedPath(gradients.GradientPath):
         model_sd = {k: v.detach() for k, v in self._replicated(model, with_params).items()}
         return {"model": model_sd, "optimizer": opt, "extra_state": state_mod.extra_state_dicts(extra),
                 "progress": dict(progress), "rng": state_mod.rng_state(),
+                "optimizer_class": state_mod.optimizer_class(optimizer),
                 "zero": {"members": [m.id for m in self.layout.members] if self.layout is not None else None}}
 
     def apply(self, saved, model, optimizer, extra) -> dict:
@@ -1984,7 +1985,8 @@ class ShardedPath(gradients.GradientPath):
         from the shards. A collective: every rank of the group calls it."""
         full = self.sg.full_state_dict() if self.sg is not None else optimizer.state_dict()
         return {"model": model.state_dict(), "optimizer": full, "extra_state": state_mod.extra_state_dicts(extra),
-                "progress": dict(progress), "rng": state_mod.rng_state()}
+                "progress": dict(progress), "rng": state_mod.rng_state(),
+                "optimizer_class": state_mod.optimizer_class(optimizer)}
 
     def shard_checkpoint_state(self, model, progress, extra) -> dict | None:
         """What a sharded checkpoint holds besides the optimizer's chunks (the job hands it
@@ -1993,7 +1995,8 @@ class ShardedPath(gradients.GradientPath):
         if self.sg is None or self.pg is None or self.layout is None:
             return None
         return {"model": model.state_dict(), "optimizer": None, "extra_state": state_mod.extra_state_dicts(extra),
-                "progress": dict(progress), "rng": state_mod.rng_state()}
+                "progress": dict(progress), "rng": state_mod.rng_state(),
+                "optimizer_class": state_mod.optimizer_class(self.sg.optimizer)}
 
     def fingerprint(self, model, optimizer, extra) -> str:
         """Hash of the gathered state (a collective: every rank calls it); identical on every rank."""

@@ -159,6 +159,36 @@ def test_all_members_die_and_the_job_restarts_from_the_newest_checkpoint(cluster
     assert restore and restore[0]["from_step"] < int(newest.name.split("-")[1]), cluster.events()
 
 
+def test_a_checkpoint_of_another_optimizer_class_stops_every_worker_with_the_reason_and_stays_whole(
+        cluster_factory):
+    """The script's optimizer was changed (SGD to Adam) with the checkpoint directory kept.
+    Loaded anyway, SGD's state fails Adam's first step (KeyError 'step'); an AdamW
+    checkpoint would even turn an Adam job into AdamW silently (its param_groups). Every
+    worker stops at the restore, before any step, saying which classes and what to do; the
+    checkpoints are left as they were, and the SGD job resumes from them."""
+    cluster = cluster_factory(min_workers=2)
+    sgd = ["--steps", "40", "--step-sleep", "0.02", "--checkpoint-every", "5", "--optimizer", "sgd"]
+    a, b = cluster.start(2, sgd)
+    cluster.wait_step(12)
+    cluster.kill(a)
+    cluster.kill(b)
+    cluster.wait_exit([a, b])
+    before = sorted(p.name for p in cluster.ckpt.iterdir() if p.name.startswith("step-"))
+    c, d = cluster.start(2, ["--steps", "40", "--checkpoint-every", "5", "--optimizer", "adam"])
+    cluster.wait_exit([c, d], timeout=90)
+    for w in (c, d):
+        log = w.log_text()
+        assert w.proc.returncode != 0, log
+        assert "OptimizerMismatch" in log and "optimizer state is SGD's, this job's optimizer is Adam" in log, log
+        assert "KeyError" not in log, log
+        assert w.last_progress()[0] == 0, "a step ran on the refused state"
+    assert sorted(p.name for p in cluster.ckpt.iterdir() if p.name.startswith("step-")) == before
+    e, f = cluster.start(2, sgd)
+    finish(cluster, 40, [e, f], 2)
+    restore = [ev for ev in cluster.events() if ev["kind"] == "restore"]
+    assert restore and restore[-1]["from_step"] == int(before[-1].split("-")[1]), cluster.events()
+
+
 def _copy_step(src, dst_dir) -> int:
     """Copy the newest committed step directory of `src` into `dst_dir` (renamed into
     place, as a delivery does); returns its step."""
