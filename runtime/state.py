@@ -185,10 +185,10 @@ def check_optimizer_class(state: dict, optimizer: torch.optim.Optimizer, where: 
     saved, ours = state.get("optimizer_class"), optimizer_class(optimizer)
     if saved is not None and saved != ours:
         raise OptimizerMismatch(
-            f"{where}: the checkpoint's optimizer state is {saved}'s, this job's optimizer is {ours}. Build the "
-            f"job with {saved}; or start without the checkpoint (move its step-* directories away, or give the "
-            f"job another checkpoint directory); or export it (eltctl checkpoints export) and load only its "
-            f"model into the new job before it starts")
+            f"the checkpoint's optimizer state is {saved}'s, this job's optimizer is {ours}. Build the job with "
+            f"{saved}; or start without the checkpoint (move its step-* directories away, or give the job "
+            f"another checkpoint directory); or export it (eltctl checkpoints export) and load only its model "
+            f"into the new job before it starts. The checkpoint: {where}")
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: dict,
