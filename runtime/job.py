@@ -979,12 +979,9 @@ class ElasticJob:
         it takes it up, so every rank reads it at once (at world 4 on 2 cores the others
         waited 0.1-0.15 s for the source's take-up)."""
         found = self._find_checkpoint() if self._rank == src else None
-        refused = None
-        if found is not None:  # another optimizer class's: every rank stops with the source's reason
-            try:
-                state_mod.check_optimizer_class(found[1], self.optimizer, found[0].path)
-            except state_mod.OptimizerMismatch as exc:
-                refused = str(exc)
+        # Another optimizer class's checkpoint: every rank stops, with the source's reason.
+        refused = found and state_mod.optimizer_mismatch(
+            found[1].get("optimizer_class"), state_mod.optimizer_class(self.optimizer), found[0].path)
         if self.world_size > 1:
             told = self._broadcast_json({"refused": refused} if refused else (self._restored if found else None), src)
             refused, desc = (told["refused"], None) if told and "refused" in told else (None, told)
@@ -1284,9 +1281,7 @@ class ElasticJob:
         return self.worker_id.split("/", 1)[0]
 
     def _take_up(self, saved: dict, desc: dict) -> None:
-        """Adopt a checkpoint's state (`desc`: which checkpoint, where it was read); one of
-        another optimizer class is refused before anything is adopted."""
-        state_mod.check_optimizer_class(saved, self.optimizer, desc["path"])
+        """Adopt a checkpoint's state (`desc`: which checkpoint, where it was read)."""
         if self._shard is not None:
             from .checkpoint import is_sharded
 

@@ -173,28 +173,27 @@ def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
     return type(optimizer).__name__
 
 
-def check_optimizer_class(state: dict, optimizer: torch.optim.Optimizer, where: object) -> None:
-    """Raise OptimizerMismatch, saying what to do, when `state` (from `where`: a checkpoint
-    directory) was captured with another optimizer class than `optimizer`'s. A state from
-    before the class was recorded passes.
+def optimizer_mismatch(saved: str | None, ours: str, where: object = None) -> str | None:
+    """Why a state captured with optimizer class `saved` cannot go into an optimizer of
+    class `ours` (`where`: the checkpoint, for the message), or None when it can (a state
+    from before the class was recorded included).
 
     Loaded anyway, another class's state fails at the first step (an SGD checkpoint in an
-    Adam job: KeyError 'step'; the reverse: KeyError 'momentum'), or, worse, trains on
+    Adam job: KeyError 'betas'; the reverse: KeyError 'momentum'), or, worse, trains on
     silently with the other class's hyperparameters (an AdamW checkpoint makes an Adam job
     AdamW: its param_groups carry decoupled_weight_decay=True)."""
-    saved, ours = state.get("optimizer_class"), optimizer_class(optimizer)
-    if saved is not None and saved != ours:
-        raise OptimizerMismatch(
-            f"the checkpoint's optimizer state is {saved}'s, this job's optimizer is {ours}. Build the job with "
+    if saved is None or saved == ours:
+        return None
+    return (f"the checkpoint's optimizer state is {saved}'s, this job's optimizer is {ours}: build the job with "
             f"{saved}; or start without the checkpoint (move its step-* directories away, or give the job "
             f"another checkpoint directory); or export it (eltctl checkpoints export) and load only its model "
-            f"into the new job before it starts. The checkpoint: {where}")
+            f"into the new job before it starts" + (f". The checkpoint: {where}" if where is not None else ""))
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: dict,
             extra: dict[str, Any] | None = None) -> dict:
     """Everything needed to resume exactly: model (parameters and buffers),
-    optimizer (and its class, check_optimizer_class), progress (step, epoch,
+    optimizer (and its class, optimizer_mismatch), progress (step, epoch,
     position, generation), RNG states and the extra objects' state dicts."""
     return {
         "model": model.state_dict(),

@@ -2082,11 +2082,10 @@ def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards
     only the element ranges its held chunks need: no full state is built. `sharded`: the
     manifest's entry (checkpoint_layout)."""
     new = sg.layout
-    saved_by, ours = sharded.get("optimizer"), type(sg.optimizer).__name__
-    if saved_by is not None and saved_by != ours:  # its hyperparameters and state names are another class's
-        raise ValueError(f"the checkpoint's optimizer state is {saved_by}'s, this job's optimizer is {ours}: build "
-                         f"the job with {saved_by}, or start without the checkpoint (move its step-* directory "
-                         f"away), or export it (eltctl checkpoints export) and load only its model")
+    # its hyperparameters and state names would be another class's
+    reason = state_mod.optimizer_mismatch(sharded.get("optimizer"), state_mod.optimizer_class(sg.optimizer))
+    if reason:
+        raise state_mod.OptimizerMismatch(reason)
     if sharded["params"] != [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]:
         raise ValueError("the checkpoint was written for other parameters (order, shapes or optimizer)")
     sg.optimizer.load_state_dict({"state": {}, "param_groups": param_groups})
