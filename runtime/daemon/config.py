@@ -336,8 +336,10 @@ def data_plane(cfg: DaemonConfig, base: Mapping[str, str]) -> tuple[netif.DataPl
     # the workers' bind address: the job's env (the controller puts a local host's there), the daemon's own
     address = (cfg.env.get(netif.BIND_ADDRESS_ENV) or base.get(netif.BIND_ADDRESS_ENV) or "").strip()
     if not address:
-        host, _, port = cfg.store.rpartition(":")
-        address = netif.local_address_towards(host.strip("[]"), int(port))
+        # as the workers' own rule (collectives.bind_address, config.py): towards the store;
+        # a Unix socket's store (this machine's) says nothing about the network: loopback
+        where = parse_spec(cfg.store)
+        address = netif.local_address_towards(where.host, where.port) if where.host else "127.0.0.1"
     plane = netif.choose(netif.addresses(), address=address, interface=cfg.data_interface)
     keep = {k: v for k, v in base.items() if k in (netif.GLOO_IFNAME, netif.NCCL_IFNAME)}
     keep.update(cfg.env)

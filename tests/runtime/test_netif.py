@@ -92,3 +92,12 @@ def test_a_data_interface_the_host_lacks_fails_the_daemons_config(tmp_path):
         DaemonConfig.from_json(json.dumps(dict(CFG, data_interface=3)))
     path.write_text(json.dumps(dict(CFG, data_interface="lo")))
     assert DaemonConfig.load(path).data_interface == "lo"
+
+
+def test_a_daemon_whose_store_is_a_unix_socket_names_loopback_as_the_workers_do():
+    # before: "invalid literal for int()" from the socket's path, a warning at every daemon start
+    cfg = DaemonConfig.from_json(json.dumps(dict(CFG, store="unix:/tmp/eltctl-x/store.sock")))
+    plane, env = data_plane(cfg, {})
+    assert plane.address == "127.0.0.1" and plane.interface == "lo" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    plane, _ = data_plane(cfg, {"ELTCTL_BIND_ADDRESS": "127.0.0.2"})  # the controller's address wins
+    assert plane.address == "127.0.0.2"
