@@ -42,6 +42,9 @@ def up(
         for line in stopped.lines(inventory.job.name):
             err.print(escape(line))
         raise typer.Exit(130) from None  # EXIT_INTERRUPTED (eltctl/cli.py): 128 + SIGINT
+    if result.state == "finished" and not result.controller_pid:  # nothing was started (client.finished_run)
+        out.print(f"[blue]finished:[/] {escape(result.message)}")
+        return
     who = "started" if result.started else "already running"
     out.print(f"controller {result.controller_pid} ({who})")
     if result.state == "waiting" and result.status.get("starts_at"):
@@ -55,5 +58,7 @@ def up(
                   "(`eltctl status` shows the hosts)")
     elif result.state == "training":
         out.print(f"[green]{escape(result.message)}[/]")
+    elif result.state == "finished":
+        out.print(f"[blue]finished:[/] {escape(result.message)}")
     else:
         out.print(f"{escape(result.message)}; `eltctl status` follows it")

@@ -318,13 +318,15 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             print(json.dumps(result), flush=True)
             kstore.stop_keeper(keeper)
             return 0 if result["ok"] else 1
+        ctl.on_end = shutdown.set  # the training returned and the hosts are tidied (Controller.finish)
         run_task = asyncio.ensure_future(ctl.run(first_probe))
         first_probe = None
         await shutdown.wait()
         await asyncio.sleep(0.3)  # let the answer to `down` reach its caller
         if ctl.stopping:
             kstore.stop_keeper(ctl.keeper.info if ctl.keeper is not None else keeper)
-            log.info("The job is down; the controller exits.")
+            if ctl.phase != Phase.FINISHED:  # finish logged its own end
+                log.info("The job is down; the controller exits.")
         else:
             log.info("The controller exits on a signal; the workers keep training.")
         return 0
@@ -343,7 +345,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
             ctl.outputs.stop()  # what is still queued gets a few seconds more
         if ctl is not None and ctl.ledger is not None:
             # Down: what is still open ended (inferred) when it was last seen.
-            ctl.ledger.close(ctl.clock(), job_down=ctl.phase is Phase.STOPPED)
+            ctl.ledger.close(ctl.clock(), job_down=ctl.phase in (Phase.STOPPED, Phase.FINISHED))
         if ledger is not None:  # opened for the first probe, never handed to a controller
             ledger.close()
         if first_probe is not None:

@@ -162,6 +162,9 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
     from eltctl import preflight
 
     state = state_of(inventory)
+    finished = finished_run(inventory, state)
+    if finished is not None:
+        return finished
     try:
         # raises when nothing can run (or the mirror cannot work): starts nothing
         left_out = preflight.for_up(inventory, progress, ignore_mirror_check=ignore_mirror_check)
@@ -178,6 +181,32 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
             pid = _live_controller(state)
             started = pid is not None
         raise UpInterrupted(pid, started) from None
+
+
+def finished_run(inventory: Inventory, state: StateDir) -> UpResult | None:
+    """`up` of a job whose training returned, unchanged since (its code and [job]/[ssh]
+    settings, the fingerprint of hosts.json's `finished`), while no controller runs: it
+    starts nothing (a new run would restore the last checkpoint and finish at once, and
+    a cron entry would repeat that, and its notification, every time). None otherwise:
+    a changed job trains on from its last checkpoint; `eltctl down` forgets the end."""
+    fin = (read_json(state.hosts_json) or {}).get("finished") if state.hosts_json.exists() else None
+    if not isinstance(fin, dict) or ping(state, timeout=2.0) is not None:
+        return None
+    from eltctl.controller import act
+    from eltctl.controller import policy as pol
+
+    now = pol.fingerprint(inventory, act.code_digest(inventory.job.workdir))
+    if not fin.get("code") or fin.get("code") != now["code"] or fin.get("job") != now["job"]:
+        return None
+    from datetime import datetime
+
+    at = fin.get("at")
+    when = f" ({datetime.fromtimestamp(at).strftime('%Y-%m-%d %H:%M')})" if isinstance(at, (int, float)) else ""
+    step = fin.get("step")
+    message = (f"the job finished{f' at step {step}' if step is not None else ''}{when} and is unchanged since; "
+               "nothing was started. To train on, raise its steps (or change its code) and run `eltctl up` "
+               "again; to run it again unchanged: `eltctl down`, then `eltctl up`")
+    return UpResult(0, False, "finished", message, read_json(state.status_json) or {})
 
 
 def _live_controller(state: StateDir) -> int | None:
@@ -211,6 +240,9 @@ def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, sta
             doc = csock.request(state.socket, {"op": "status"}, timeout=30)
         except csock.SocketError:
             if not pid_alive(pid):
+                last = read_json(state.status_json) or {}
+                if last.get("state") == "finished":  # it tidied up and ended (Controller.finish)
+                    return UpResult(pid, started, "finished", str(last.get("message") or "finished"), last)
                 raise EltctlError("the controller died:\n" + _log_tail(state),
                                   hint=f"see {state.controller_log}") from None
             time.sleep(0.5)
@@ -235,12 +267,17 @@ def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, sta
             raise start_failed_error(doc["start_failed"])
         if doc.get("failed"):
             raise restart_failed_error(doc)
+        if doc.get("state") == "finished":
+            return UpResult(pid, started, "finished", message, doc)
         if doc.get("state") == "training" and trains(doc):
             return UpResult(pid, started, "training", training_message(doc), doc)
         if doc.get("state") == "waiting":
             return UpResult(pid, started, "waiting", message or "waiting for free GPUs or CPU slots", doc)
         if doc.get("state") == "paused":  # outside working hours or over a quota: resumes by itself
             return UpResult(pid, started, "paused", message, doc)
+        if doc.get("state") == "stopping" and status_done(doc) == "finished":
+            time.sleep(0.5)  # the training returned: the controller stops the daemons, then ends
+            continue
         if doc.get("state") in ("stopping", "stopped"):
             raise EltctlError(f"the job is {doc.get('state')} (an `eltctl down` is under way)")
         time.sleep(0.5)
@@ -252,6 +289,12 @@ def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, sta
     raise NotTrainingYet(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
                          "the controller goes on",
                          hint=f"`eltctl status` shows why; {logs} the workers' output; `eltctl down` stops it")
+
+
+def status_done(doc: Mapping) -> str:
+    """The reason of a status document's `done` (rank 0's end of the job), "" while it runs."""
+    done = doc.get("done")
+    return str(done.get("reason") or "") if isinstance(done, Mapping) else ""
 
 
 def _problem_line(host: dict, problem: str) -> str:

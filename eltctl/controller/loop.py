@@ -70,6 +70,9 @@ KEEPER_GRACE_S = 20.0
 KEEPER_RETRY_S = 3.0  # a keeper that cannot be restarted (its port taken) is tried again this often
 STATUS_EVERY_S = 1.0
 DOWN_TIMEOUT_S = 90.0
+# After the training returned: how long its last workers may take to exit (they do in about
+# 0.3 s) before every daemon is stopped anyway (`down` then waits for what is left).
+FINISH_WAIT_S = 30.0
 
 
 def probe_hosts(inventory: Inventory, fleet: Fleet, published: dict) -> Awaitable[list]:
@@ -158,6 +161,12 @@ class Controller:
         self.replacing: dict[str, str] = {}  # host -> why its running daemon is replaced (replace_wrong_daemons)
         self._replaced_at: dict[str, float] = {}  # host -> when its daemon was last found wrong
         self._retired_at: dict[str, float] = {}  # host -> when its old daemon was asked to exit (_retire)
+        # The training returned (rank 0's `done`, "finished"): when it was first read, and once the
+        # hosts were tidied (`finish`), what finished (hosts.json `finished`: `up` starts no new run
+        # of an unchanged job). `on_end` (set by __main__) ends the controller after `finish`.
+        self._done_seen_at: float | None = None
+        self.finished: dict | None = None
+        self.on_end: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------- the loop
 
@@ -171,10 +180,15 @@ class Controller:
         else:
             self._published = self.first_demand(self.clock())
             self.maybe_probe(self.clock(), force=True)
+        if self.finished is not None:  # a new run: a finished one's record goes (`up` chose to start it)
+            self.finished = None
+            self.save_records()
         while not self.stopped.is_set():
             try:
                 if await self.watch_keeper():
                     await self.reconcile()
+                if self._done_seen_at is not None and not self.stopping:
+                    await self.finish()
             except Exception:  # noqa: BLE001 - keep reconciling; the log says what broke
                 log.exception("A reconcile pass failed.")
             if self.clock() - self._status_written >= STATUS_EVERY_S:
@@ -198,6 +212,8 @@ class Controller:
             if self._keeper_grace(now):
                 return None
             views = self.observed.views(self.inventory.hosts, now, self.inventory.policy)
+            if self._training_returned(views, now):
+                return None  # `run` tidies up (`finish`): no slot is asked for again
             # what each daemon started now would get, from the same reports as the views
             # (the probe runs on in the background while this pass awaits the store)
             start_as = {h.name: self.observed.daemon_slots(h) for h in self.inventory.hosts}
@@ -240,6 +256,45 @@ class Controller:
             if self.records != before:
                 self.save_records()
             return decision
+
+    # ----------------------------------------------------------------- the job's end
+
+    def _training_returned(self, views: dict[str, pol.HostView], now: float) -> bool:
+        """Whether the training returned (rank 0's `done` says "finished") and its workers
+        have exited, or had FINISH_WAIT_S to: then nothing is started again (a new worker
+        would find the job done and exit at once, the host left "starting" for ever)."""
+        if not status.training_finished(self.outputs.done):
+            self._done_seen_at = None
+            return False
+        if self._done_seen_at is None:
+            self._done_seen_at = now
+            log.info("The training finished at step %s.", (self.outputs.done or {}).get("step"))
+        return True
+
+    async def finish(self) -> None:
+        """The training returned: its last workers' exit is awaited (FINISH_WAIT_S), then
+        every daemon stops as for `down` (the final checkpoint mirrored), the end is
+        remembered (hosts.json `finished`, with the job's fingerprint) and the controller
+        ends (`on_end`). status.json keeps the phase `finished`."""
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while time.monotonic() < deadline:
+            views = self.observed.views(self.inventory.hosts, self.clock(), self.inventory.policy)
+            if not any(v.workers for v in views.values()):
+                break
+            await asyncio.sleep(0.5)
+            await self.observe_store()
+        done = dict(self.outputs.done or {})
+        step = done.get("step")
+        result = await self.down(force=False, why=f"the training finished at step {step}; stopping the daemons: ")
+        fp = self.fingerprint or {}
+        self.finished = {"step": done.get("step"), "at": self.clock(), "code": fp.get("code"), "job": fp.get("job")}
+        self.save_records()
+        self.phase = Phase.FINISHED
+        self.message = status.finished_message(done.get("step"), result)
+        self.write_status()
+        log.info("The job finished at step %s: %s; the controller exits.", done.get("step"), result["message"])
+        if self.on_end is not None:
+            self.on_end()
 
     # ----------------------------------------------------------------- the store keeper
 
@@ -666,13 +721,15 @@ class Controller:
         self.observed.checkpoint = ck if isinstance(ck, dict) and isinstance(ck.get("step"), int) else None
         fp = doc.get("fingerprint")
         self.fingerprint = fp if isinstance(fp, dict) else None
+        fin = doc.get("finished")
+        self.finished = fin if isinstance(fin, dict) else None
 
     def save_records(self) -> None:
         write_json_atomic(self.state.hosts_json, {
             "hosts": {name: r.to_json() for name, r in self.records.items()},
             "desired_seq": max([self.seq_floor] + [r.seq for r in self.records.values()]),
             "events_read": self.observed.events_read, "fingerprint": self.fingerprint,
-            "checkpoint": self.observed.checkpoint})
+            "checkpoint": self.observed.checkpoint, "finished": self.finished})
 
     async def adopt_desired(self) -> None:
         """Seed the memory from the store's desired keys: a controller that lost
@@ -790,10 +847,12 @@ class Controller:
         self.write_status()
         return {"ok": all(r["ok"] for r in results), "results": results}
 
-    async def down(self, force: bool, progress: Callable[[str], None] | None = None) -> dict:
-        """The final checkpoint, then every worker and daemon stops (or is killed with force)."""
+    async def down(self, force: bool, progress: Callable[[str], None] | None = None, why: str = "") -> dict:
+        """The final checkpoint, then every worker and daemon stops (or is killed with force).
+        `why` leads the messages while it runs (`finish`: the training finished)."""
         self.stopping = True
-        self.phase, self.message = Phase.STOPPING, "final checkpoint"
+        self.finished = None  # after `down` a new `up` starts the job again, finished or not
+        self.phase, self.message = Phase.STOPPING, why + "final checkpoint"
         self.write_status()
         store_ok = True
         try:
@@ -812,7 +871,7 @@ class Controller:
             if not store_ok and not signalled:
                 await act.signal_daemons(self.fleet, left)
                 signalled = True
-            self.message = "waiting for " + ", ".join(f"{h} ({len(p)} process(es))" for h, p in left.items() if p)
+            self.message = why + "waiting for " + ", ".join(f"{h} ({len(p)} process(es))" for h, p in left.items() if p)
             self.write_status()
             await asyncio.sleep(1.0)
         killed = {}

@@ -37,6 +37,7 @@ class Phase:
     TRAINING = "training"
     STOPPING = "stopping"
     STOPPED = "stopped"
+    FINISHED = "finished"  # the training returned (rank 0's `done`, "finished"): every worker and daemon ended
 
 
 def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
@@ -62,6 +63,19 @@ def next_phase(phase: str, message: str, *, now: float, inventory: Inventory,
     if desired:
         return Phase.STARTING, "waiting for the first step" if running else "starting workers"
     return phase, message
+
+
+def training_finished(done: Mapping | None) -> bool:
+    """Whether rank 0's `done` (the store's key) says the training returned."""
+    return isinstance(done, Mapping) and done.get("reason") == "finished"
+
+
+def finished_message(step: Any, down: Mapping) -> str:
+    """A finished job's message: where it ended, what was tidied, how to train on."""
+    where = f"the training finished at step {step}" if step is not None else "the training finished"
+    tidy = "every worker and daemon stopped" if down.get("ok") else str(down.get("message") or "")
+    return (f"{where}; {tidy}. To train on, raise the job's steps (or change its code) and run `eltctl up`; "
+            "to run it again unchanged: `eltctl down`, then `eltctl up`")
 
 
 def current_members(runtime_status: Mapping | None, views: Mapping[str, pol.HostView], now: float,
@@ -214,7 +228,7 @@ def fix_hint(cause: str) -> str:
 def job_state(phase: str) -> str:
     """The job's state in the document: the phase as a person reads it."""
     return {Phase.TRAINING: "training", Phase.WAITING: "waiting", Phase.PAUSED: "paused", Phase.STOPPING: "stopping",
-            Phase.STOPPED: "stopped"}.get(phase, "starting")
+            Phase.STOPPED: "stopped", Phase.FINISHED: "finished"}.get(phase, "starting")
 
 
 def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | None, now: float,
@@ -287,7 +301,9 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
     rank 0's, else the last the controller saw), not only the current rank 0's."""
     rs = runtime_status or {}
     job = inventory.job
-    live = current_members(rs, views, now, inventory)
+    # a job that ended (down, finished) has no members, whatever rank 0's last status says:
+    # its daemons are gone, so nothing contradicts it (observe.member_alive)
+    live = [] if phase in (Phase.STOPPED, Phase.FINISHED) else current_members(rs, views, now, inventory)
     if checkpoint is None:
         checkpoint = observe.newest_checkpoint(None, rs, now, job.name)
     limits = limits or {}

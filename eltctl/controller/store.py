@@ -187,9 +187,9 @@ class JobStore:
 
 def previous_keeper(state: StateDir) -> KeeperInfo | None:
     """The keeper controller.json names, alive or not, when the job may still run
-    (status.json does not say it was taken down): a new keeper must take its port,
+    (status.json does not say it was taken down or finished): a new keeper must take its port,
     the only one the hosts know."""
-    if (read_json(state.status_json) or {}).get("phase") == "stopped":
+    if (read_json(state.status_json) or {}).get("phase") in ("stopped", "finished"):
         return None
     store = (read_json(state.controller_json) or {}).get("store") or {}
     try:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 FORGED_REPEAT_S = 600.0
-QUIET_STATES = ("paused", "stopping", "stopped", "failed")  # no stall is judged in these
+QUIET_STATES = ("paused", "stopping", "stopped", "failed", "finished")  # no stall is judged in these
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 EVENTS_SHOWN = 8
 
 JOB_STATE_STYLE = {"starting": "cyan", "waiting": "yellow", "paused": "blue", "training": "bold green",
-                   "stopping": "yellow", "stopped": "dim"}
+                   "stopping": "yellow", "stopped": "dim", "finished": "bold blue"}
 HOST_STATE_STYLE = {"running": "green", "starting": "cyan", "idle": "white", "busy": "red",
                     "cooldown": "yellow", "benched": "magenta", "removed": "dim",
                     "unreachable": "red", "unhealthy": "yellow", "cordoned": "dim", "off-hours": "blue",

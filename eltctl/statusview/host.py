@@ -10,7 +10,7 @@ from eltctl.statusview.formatting import (
     GPU_STATE_STYLE, HOST_STATE_STYLE, JOB_STATE_STYLE, ViewOptions, format_age, format_clock, num, show,
 )
 from eltctl.statusview.hosts import doc_staleness, heartbeat, host_notes
-from eltctl.statusview.snapshot import CONTROLLER_DOWN, Snapshot
+from eltctl.statusview.snapshot import Snapshot, controller_down
 
 
 # --------------------------------------------------------------------------- one host: `status HOST`
@@ -52,7 +52,7 @@ def render_host(snapshot: Snapshot, name: str, options: ViewOptions):
     grid.add_row("job", f"[bold]{escape(str(doc.get('job', '?')))}[/] "
                         f"[{JOB_STATE_STYLE.get(state, 'white')}]{escape(state)}[/]")
     if not snapshot.controller_alive:
-        grid.add_row("controller", f"[bold yellow]{escape(CONTROLLER_DOWN)}[/]\n"
+        grid.add_row("controller", f"[bold yellow]{escape(controller_down(doc))}[/]\n"
                                    f"[dim]showing the last status it wrote, "
                                    f"{format_age(doc_staleness(doc, options.now))} old[/]")
     if host is None:

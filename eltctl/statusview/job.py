@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from eltctl.statusview.formatting import JOB_STATE_STYLE, ViewOptions, format_age, num, show
-from eltctl.statusview.snapshot import CONTROLLER_DOWN, Snapshot
+from eltctl.statusview.snapshot import Snapshot, controller_down
 
 
 def job_summary(snapshot: Snapshot, options: ViewOptions):
@@ -100,7 +100,7 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
         line = f"running (pid {pid})" if pid is not None else "running"
         line += f", status {format_age(staleness)} old"
     else:
-        line = (f"[bold yellow]{escape(CONTROLLER_DOWN)}[/]\n"
+        line = (f"[bold yellow]{escape(controller_down(doc))}[/]\n"
                 f"[dim]showing the last status it wrote, {format_age(staleness)} old[/]")
     grid.add_row("controller", line)
     return grid

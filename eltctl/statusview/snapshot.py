@@ -22,6 +22,14 @@ SOCKET_FILE = SOCKET_NAME
 SOCKET_TIMEOUT_S = 3.0  # the controller answers from memory; longer means it is wedged
 
 CONTROLLER_DOWN = "controller not running: `eltctl up` restarts it, workers keep training"
+# The job ended, and its controller with it: nothing trains on (status.json's last state).
+CONTROLLER_ENDED = {"finished": "controller ended with the job: the training finished, nothing runs on the hosts",
+                    "stopped": "controller ended with the job (`eltctl down`): nothing runs on the hosts"}
+
+
+def controller_down(doc) -> str:
+    """The `controller` row of a status document no live controller answered."""
+    return CONTROLLER_ENDED.get(str(doc.get("state")), CONTROLLER_DOWN)
 
 
 class Source(str, enum.Enum):
