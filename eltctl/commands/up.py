@@ -42,11 +42,9 @@ def up(
         for line in stopped.lines(inventory.job.name):
             err.print(escape(line))
         raise typer.Exit(130) from None  # EXIT_INTERRUPTED (eltctl/cli.py): 128 + SIGINT
-    if result.state == "finished" and not result.controller_pid:  # nothing was started (client.finished_run)
-        out.print(f"[blue]finished:[/] {escape(result.message)}")
-        return
-    who = "started" if result.started else "already running"
-    out.print(f"controller {result.controller_pid} ({who})")
+    if result.controller_pid:  # 0: a finished job, unchanged, for which nothing was started (client.finished_run)
+        who = "started" if result.started else "already running"
+        out.print(f"controller {result.controller_pid} ({who})")
     if result.state == "waiting" and result.status.get("starts_at"):
         out.print(f"[yellow]waiting:[/] {escape(result.message)}")
         out.print("the controller starts the job by itself then (`eltctl status` shows the countdown)")

@@ -189,7 +189,7 @@ def finished_run(inventory: Inventory, state: StateDir) -> UpResult | None:
     starts nothing (a new run would restore the last checkpoint and finish at once, and
     a cron entry would repeat that, and its notification, every time). None otherwise:
     a changed job trains on from its last checkpoint; `eltctl down` forgets the end."""
-    fin = (read_json(state.hosts_json) or {}).get("finished") if state.hosts_json.exists() else None
+    fin = (read_json(state.hosts_json) or {}).get("finished")
     if not isinstance(fin, dict) or ping(state, timeout=2.0) is not None:
         return None
     from eltctl.controller import act
@@ -220,6 +220,7 @@ def _live_controller(state: StateDir) -> int | None:
 
 def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, started: bool, left_out: dict,
                         detach: bool, timeout: float, progress: Progress) -> UpResult:
+    from eltctl.controller.status import training_finished
     from eltctl.durations import format_left
 
     pid = int(answer["pid"])
@@ -275,7 +276,7 @@ def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, sta
             return UpResult(pid, started, "waiting", message or "waiting for free GPUs or CPU slots", doc)
         if doc.get("state") == "paused":  # outside working hours or over a quota: resumes by itself
             return UpResult(pid, started, "paused", message, doc)
-        if doc.get("state") == "stopping" and status_done(doc) == "finished":
+        if doc.get("state") == "stopping" and training_finished(doc.get("done")):
             time.sleep(0.5)  # the training returned: the controller stops the daemons, then ends
             continue
         if doc.get("state") in ("stopping", "stopped"):
@@ -289,12 +290,6 @@ def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, sta
     raise NotTrainingYet(f"the job is not training after {timeout:g} s (phase {last[0] if last else '?'}); "
                          "the controller goes on",
                          hint=f"`eltctl status` shows why; {logs} the workers' output; `eltctl down` stops it")
-
-
-def status_done(doc: Mapping) -> str:
-    """The reason of a status document's `done` (rank 0's end of the job), "" while it runs."""
-    done = doc.get("done")
-    return str(done.get("reason") or "") if isinstance(done, Mapping) else ""
 
 
 def _problem_line(host: dict, problem: str) -> str:

@@ -161,10 +161,9 @@ class Controller:
         self.replacing: dict[str, str] = {}  # host -> why its running daemon is replaced (replace_wrong_daemons)
         self._replaced_at: dict[str, float] = {}  # host -> when its daemon was last found wrong
         self._retired_at: dict[str, float] = {}  # host -> when its old daemon was asked to exit (_retire)
-        # The training returned (rank 0's `done`, "finished"): when it was first read, and once the
-        # hosts were tidied (`finish`), what finished (hosts.json `finished`: `up` starts no new run
-        # of an unchanged job). `on_end` (set by __main__) ends the controller after `finish`.
-        self._done_seen_at: float | None = None
+        # Once the training returned and the hosts were tidied (`finish`): what finished
+        # (hosts.json `finished`: `up` starts no new run of an unchanged job). `on_end` (set
+        # by __main__) ends the controller after `finish`.
         self.finished: dict | None = None
         self.on_end: Callable[[], None] | None = None
 
@@ -187,7 +186,7 @@ class Controller:
             try:
                 if await self.watch_keeper():
                     await self.reconcile()
-                if self._done_seen_at is not None and not self.stopping:
+                if status.training_finished(self.outputs.done) and not self.stopping:
                     await self.finish()
             except Exception:  # noqa: BLE001 - keep reconciling; the log says what broke
                 log.exception("A reconcile pass failed.")
@@ -212,8 +211,10 @@ class Controller:
             if self._keeper_grace(now):
                 return None
             views = self.observed.views(self.inventory.hosts, now, self.inventory.policy)
-            if self._training_returned(views, now):
-                return None  # `run` tidies up (`finish`): no slot is asked for again
+            if status.training_finished(self.outputs.done):
+                # `run` tidies up (`finish`): no slot is asked for again (a new worker would
+                # find the job done and exit at once, its host left "starting" for ever)
+                return None
             # what each daemon started now would get, from the same reports as the views
             # (the probe runs on in the background while this pass awaits the store)
             start_as = {h.name: self.observed.daemon_slots(h) for h in self.inventory.hosts}
@@ -259,23 +260,13 @@ class Controller:
 
     # ----------------------------------------------------------------- the job's end
 
-    def _training_returned(self, views: dict[str, pol.HostView], now: float) -> bool:
-        """Whether the training returned (rank 0's `done` says "finished") and its workers
-        have exited, or had FINISH_WAIT_S to: then nothing is started again (a new worker
-        would find the job done and exit at once, the host left "starting" for ever)."""
-        if not status.training_finished(self.outputs.done):
-            self._done_seen_at = None
-            return False
-        if self._done_seen_at is None:
-            self._done_seen_at = now
-            log.info("The training finished at step %s.", (self.outputs.done or {}).get("step"))
-        return True
-
     async def finish(self) -> None:
         """The training returned: its last workers' exit is awaited (FINISH_WAIT_S), then
         every daemon stops as for `down` (the final checkpoint mirrored), the end is
         remembered (hosts.json `finished`, with the job's fingerprint) and the controller
         ends (`on_end`). status.json keeps the phase `finished`."""
+        step = (self.outputs.done or {}).get("step")
+        log.info("The training finished at step %s.", step)
         deadline = time.monotonic() + FINISH_WAIT_S
         while time.monotonic() < deadline:
             views = self.observed.views(self.inventory.hosts, self.clock(), self.inventory.policy)
@@ -283,16 +274,14 @@ class Controller:
                 break
             await asyncio.sleep(0.5)
             await self.observe_store()
-        done = dict(self.outputs.done or {})
-        step = done.get("step")
         result = await self.down(force=False, why=f"the training finished at step {step}; stopping the daemons: ")
         fp = self.fingerprint or {}
-        self.finished = {"step": done.get("step"), "at": self.clock(), "code": fp.get("code"), "job": fp.get("job")}
+        self.finished = {"step": step, "at": self.clock(), "code": fp.get("code"), "job": fp.get("job")}
         self.save_records()
         self.phase = Phase.FINISHED
-        self.message = status.finished_message(done.get("step"), result)
+        self.message = status.finished_message(step, result)
         self.write_status()
-        log.info("The job finished at step %s: %s; the controller exits.", done.get("step"), result["message"])
+        log.info("The job finished at step %s: %s; the controller exits.", step, result["message"])
         if self.on_end is not None:
             self.on_end()
 
