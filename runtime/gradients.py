@@ -92,8 +92,9 @@ import torch
 from . import collectives, hostmem, state as state_mod
 from .collectives import Aborted
 
-N_CTRL = 5  # pending, stop, local sample count, local loss sum, checkpoint due; then one leave flag per rank
+N_CTRL = 6  # pending, stop, local sample count, local loss sum, checkpoint due, join ready; then one leave flag per rank
 CTRL_CHECKPOINT = 4  # rank 0's clock says a checkpoint is due (checkpoint_every_seconds): every rank takes part
+CTRL_JOIN_READY = 5  # ranks that see a queued joiner and are ready for it (ready_for_join): a join alone needs all
 TAIL_DTYPE = torch.float32
 _TAIL_KIND = str(TAIL_DTYPE)
 
@@ -342,10 +343,17 @@ class GradientPath(ABC):
         """After a membership change, once the state is agreed: move what each rank
         owns to its new owners (old_members is empty for the first generation)."""
 
-    def prepare_join(self, world: int, stop: threading.Event) -> None:
-        """A joiner waiting to be admitted to a job that will then have `world` members:
+    def prepare_join(self, world: int, stop: threading.Event, prepared: threading.Event | None = None) -> None:
+        """A joiner about to ask to be admitted to a job that will then have `world` members:
         prepare what its first layout needs (sharded: its host memory, zero.py); runs on a
-        helper thread, in slices until `stop` is set. Replicated: nothing."""
+        helper thread, in slices until `stop` is set, sets `prepared` once it is ready (the
+        joiner asks then) and holds what it prepared until `stop`. Replicated: nothing."""
+
+    def ready_for_join(self, world: int) -> bool:
+        """A joiner is queued and the next layout will have `world` members: False while
+        this rank still prepares for it (sharded: touches the host memory of its move, on a
+        helper thread, zero.py); the job holds the join back meanwhile. Replicated: True."""
+        return True
 
     def hand_over(self, left: Sequence[str]) -> None:
         """A planned leave, over the old group, before it goes (every old member

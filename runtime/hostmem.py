@@ -15,8 +15,9 @@ buffers) serves the new layout's first step well, and must not be held back for 
 A `Recycler` holds the byte ranges of buffers that died and carves new buffers out of
 them, best fit; what does not fit is allocated as before. The sharded path gives it the
 old layout's pre-step copy (one allocation, ShardedGradients._spare) as a reshard
-starts, or a joiner's memory touched while it waited to be admitted
-(ShardedPath.prepare_join); the new layout's bind and move take from it; once the move
+starts, and memory touched ahead: a joiner's, touched before it asks to be admitted
+(ShardedPath.prepare_join), or a member's, touched while the job holds a queued joiner
+back for it (ShardedPath.ready_for_join); the new layout's bind and move take from it; once the move
 is done it is released (`release`), and the old layout's buffers are let go of at the
 same moment. Releasing hands back the pages of what nobody took (a carved buffer keeps
 its whole allocation mapped, so the unused rest of it goes back with madvise instead of

@@ -63,7 +63,7 @@ STATUS_EVERY_S = 1.0
 # A cold start whose host lacks the job's newest checkpoint waits this long for eltctl to deliver it.
 RESTORE_WAIT_S = 90.0
 CONFIRM_COMMITS = 3  # a new balanced split is adopted once proposed at this many commits in a row
-_N_CTRL = gradients.N_CTRL  # pending, stop, local sample count, local loss sum; then the per-rank slots
+_N_CTRL = gradients.N_CTRL  # pending, stop, local sample count, local loss sum, checkpoint, join ready; then per rank
 
 
 
@@ -660,8 +660,13 @@ class ElasticJob:
         n_ctrl = self._ctrl_size()
         ctrl = torch.zeros(n_ctrl, dtype=torch.float32)
         lost = self._health.expired()  # the store away too long: every rank ends at this step
-        ctrl[0] = 1.0 if req.any or lost else 0.0
+        # A join alone goes ahead once every rank has seen it and is ready for it (sharded:
+        # has touched its next layout's host memory); a leave, a stop or the store's loss
+        # does not wait for that (the joiner is admitted with them where it is queued).
+        ready = req.join and self._grads.ready_for_join(W + 1)
+        ctrl[0] = 1.0 if req.leave or req.stop or lost or ready else 0.0
         ctrl[1] = 1.0 if req.stop or lost else 0.0
+        ctrl[gradients.CTRL_JOIN_READY] = 1.0 if ready else 0.0
         if self._rank == 0 and self._ckpt_seconds and time.monotonic() - self._last_ckpt_t >= self._ckpt_seconds:
             ctrl[gradients.CTRL_CHECKPOINT] = 1.0
         ctrl[2] = float(len(self._local_indices))
@@ -702,7 +707,9 @@ class ElasticJob:
         global_loss = float(tail[3]) / max(1.0, float(tail[2]))
         self._replan([float(tail[_pace_slot(W, r)]) for r in range(W)])
         self._commit(global_loss, skipped)
-        leavers = {self._plan.members[r] for r in range(W) if tail[_N_CTRL + r] > 0} if tail[0] > 0 else None
+        leaving = {self._plan.members[r] for r in range(W) if tail[_N_CTRL + r] > 0}
+        change = tail[1] > 0 or bool(leaving) or tail[gradients.CTRL_JOIN_READY] >= W
+        leavers = leaving if change else None
         self._after_commit = (bool(tail[1] > 0), leavers)
         return global_loss
 
@@ -1120,28 +1127,35 @@ class ElasticJob:
 
     @contextlib.contextmanager
     def _preparing_join(self) -> Iterator[None]:
-        """While a joiner of a running job (its status names the members) waits to be
+        """Before a joiner of a running job (its status names the members) asks to be
         admitted, its gradient path prepares the layout it will most likely join, of one
-        member more (sharded: touches its host memory), on a helper thread that stops
-        once the wait is over. Not where the job has no room for it (it may wait long)."""
+        member more (sharded: touches its host memory), on a helper thread that holds it
+        until the wait is over. The request goes in once it is prepared: the members are
+        admitted to nothing the joiner could have done before asking (touched after the
+        request, a joiner's first 500 MB on a VM were still faulting in when the members
+        reached the reshard, and they waited for it there: 1 s of the pause). Not where the
+        job has no room for it (it may wait long)."""
         status = self._read(get_status)
         world = status.get("world_size") if isinstance(status, dict) and not status.get("paused") else None
         full = self.config.max_workers is not None and isinstance(world, int) and world >= self.config.max_workers
         if not isinstance(world, int) or world < 1 or full:
             yield  # no running job, or no room in it: this joiner may wait long
             return
-        stop = threading.Event()
+        stop, prepared = threading.Event(), threading.Event()
 
         def prepare() -> None:
             try:
-                self._grads.prepare_join(world + 1, stop)
+                self._grads.prepare_join(world + 1, stop, prepared)
             except Exception as e:  # noqa: BLE001 - an optimization: the join goes on without it
                 log.warning("worker %s: preparing to join failed (the join goes on without it): %s",
                             self.worker_id, e)
+            finally:
+                prepared.set()
 
         helper = threading.Thread(target=prepare, name="eltctl-prepare-join", daemon=True)
         helper.start()
         try:
+            prepared.wait()
             yield
         finally:
             stop.set()

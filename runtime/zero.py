@@ -97,6 +97,10 @@ PAD_MIN_QUANTA = 64
 # How long a joiner keeps the memory it touched ahead while it waits to be admitted
 # (ShardedPath.prepare_join): a joiner of a job with room is admitted at its next boundary.
 JOINER_MEMORY_HOLD_S = 60.0
+# How long the members of a running job hold a queued joiner back while they touch the host
+# memory their next layout's move allocates (ShardedPath.ready_for_join): after this the
+# join goes on with whatever is touched.
+MEMBER_PREPARE_MAX_S = 10.0
 # The tags of the parameters' point-to-point gather on gloo (GATHER_TAG + bucket); reshard's
 # transfers use tag 0.
 GATHER_TAG = 1 << 20
@@ -560,11 +564,7 @@ class ShardedGradients:
         gradient buffer, the chunk gradients, the backups' stepped copies and the held
         chunks' optimizer state, each rounded up to a cache line (what
         ShardedPath.prepare_join touches ahead)."""
-        lay, held, total = self.layout, len(self._held), 0
-
-        def line(n_bytes: int) -> int:
-            return -(-n_bytes // 64) * 64
-
+        lay, held, total, line = self.layout, len(self._held), 0, _line
         for g, (dtype, _pg) in enumerate(lay.groups):
             item, n, names = dtype_named(dtype).itemsize, lay.shard_len(g), len(self._names(g))
             total += line(lay.padded(g) * item) * (2 if self.shard == "optimizer" else 1)
@@ -1598,6 +1598,48 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
 # ---------------------------------------------------------------------------- the job's gradient path
 
 
+def _line(n_bytes: int) -> int:
+    """`n_bytes` rounded up to a cache line (how a Recycler carves)."""
+    return -(-n_bytes // 64) * 64
+
+
+def _touched(need: int, stop: threading.Event) -> torch.Tensor:
+    """`need` bytes of fresh host memory (hostmem.empty), touched a slice at a time until
+    all of it is or `stop` is set: the part touched."""
+    buf = hostmem.empty(need, torch.uint8)
+    done, piece = 0, 64 << 20
+    while done < need and not stop.is_set():
+        buf[done:done + piece].zero_()
+        done = min(need, done + piece)
+    return buf[:done]
+
+
+class _Toucher:
+    """_touched on a helper thread: `done` once it is; `take` stops it (after the slice in
+    hand) and gives the part touched."""
+
+    def __init__(self, need: int, name: str) -> None:
+        self.t0 = time.monotonic()
+        self.stop, self.done = threading.Event(), threading.Event()
+        self._buf: torch.Tensor | None = None
+        self._thread = threading.Thread(target=self._run, args=(need,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, need: int) -> None:
+        try:
+            self._buf = _touched(need, self.stop)
+        except Exception as e:  # noqa: BLE001 - an optimization: the move allocates as before
+            log.warning("sharded: touching %d bytes ahead failed (the move allocates them itself): %s", need, e)
+        finally:
+            self.done.set()
+
+    def take(self) -> torch.Tensor | None:
+        self.stop.set()
+        self._thread.join()
+        buf, self._buf = self._buf, None
+        return buf if buf is not None and buf.numel() else None
+
+
 def _chunk_sections(lay: ShardLayout, g: int, j: int, names, dtype: torch.dtype,
                     sg: "ShardedGradients") -> dict[str, torch.Tensor]:
     """New state tensors (one per name) for chunk j's section of group g, on `sg`'s device
@@ -1669,6 +1711,8 @@ class ShardedPath(gradients.GradientPath):
         # checkpoint.restore_chunks; zero.py does not import the checkpoint module).
         self.restore_chunks: Any = None
         self._joiner_memory: Recycler | None = None  # prepare_join's, for the first layout's buffers
+        self._member_prep: _Toucher | None = None  # ready_for_join's, for the next layout's buffers
+        self._touched_ahead = 0  # of the move under way: bytes its recycler got touched ahead (logged)
 
     # -- layout
     def _layout(self, members) -> ShardLayout:
@@ -1800,11 +1844,16 @@ class ShardedPath(gradients.GradientPath):
         """This rank's path for layout `lay`. On the CPU its buffers until the move is done
         (bind's, the new state's) are carved out of memory the rank holds where they fit
         (hostmem.py): the current path's pre-step copy, dead between steps, and when a
-        checkpoint's state replaces it (`restoring`) its optimizer state too; or a joiner's
-        memory that prepare_join touched while it waited."""
+        checkpoint's state replaces it (`restoring`) its optimizer state too; and the memory
+        touched ahead: a joiner's (prepare_join, while it waited) or a member's
+        (ready_for_join, while the job held a joiner back)."""
         new = ShardedGradients(self._params, self._opt, lay, rank, self.shard)
+        prep, self._member_prep = self._member_prep, None
         if self.device.type == "cpu":
             rec, self._joiner_memory = self._joiner_memory or Recycler(), None
+            if prep is not None:
+                rec.give(prep.take())
+            self._touched_ahead = rec.free_bytes
             if self.sg is not None:
                 rec.give(*self.sg.take_spares(), *(self.sg.take_state() if restoring else ()))
             new.recycler = rec
@@ -1818,36 +1867,76 @@ class ShardedPath(gradients.GradientPath):
         old, stats = self.sg, {}
         if new is not None:
             stats = new.recycler.stats() if new.recycler is not None else {}
+            if self._touched_ahead:
+                stats["touched_ahead_bytes"], self._touched_ahead = self._touched_ahead, 0
             new.release_recycler()
             if old is not None:
                 old.discard()
         self.sg, self.layout = new, lay
         return stats
 
-    def prepare_join(self, world: int, stop: threading.Event) -> None:
-        """A joiner waiting to be admitted to a job that will then have `world` members: the
-        host memory its first layout's bind and reshard allocate (host_bytes), allocated and
-        touched now (on the caller's thread, in slices until `stop` is set), so that its
-        reshard and first step carve their buffers out of it instead of faulting pages in
-        inside the pause. The layout is a guess (any `world` members; the sizes depend only
-        on how many): where it is wrong, the rest is allocated as before."""
+    def prepare_join(self, world: int, stop: threading.Event, prepared: threading.Event | None = None) -> None:
+        """A joiner about to ask to be admitted to a job that will then have `world` members:
+        the host memory its first layout's bind and reshard allocate (host_bytes), allocated
+        and touched now (on the caller's thread, in slices until `stop` is set; then
+        `prepared` is set and the joiner asks), so that its reshard and first step carve
+        their buffers out of it instead of faulting pages in inside the pause. The layout is
+        a guess (any `world` members; the sizes depend only on how many): where it is wrong,
+        the rest is allocated as before."""
         if self.device.type != "cpu" or self.sg is not None or world < 1:
             return
         lay = self._layout([f"joining-{i}" for i in range(world)])
         need = ShardedGradients(self._params, self._opt, lay, world - 1, self.shard).host_bytes()
-        buf = hostmem.empty(need, torch.uint8)
-        done, piece = 0, 64 << 20
-        while done < need and not stop.is_set():
-            buf[done:done + piece].zero_()
-            done = min(need, done + piece)
         rec = Recycler()
-        rec.give(buf[:done])
+        rec.give(_touched(need, stop))
+        if prepared is not None:
+            prepared.set()
         # Held only while admission is near: a joiner kept waiting (the job paused by its
         # hours, say) gives the memory back rather than sit on it on someone's workstation.
         if stop.wait(JOINER_MEMORY_HOLD_S):
             self._joiner_memory = rec
         else:
             rec.release()
+
+    def ready_for_join(self, world: int) -> bool:
+        """A joiner is queued and this member's next layout will have `world` members: False
+        while this rank still touches the host memory that layout's move allocates afresh
+        (its new state sections, backups' copies, chunk gradients: _member_need) on a helper
+        thread, started at the first call; True once that is done, where there is nothing to
+        prepare (not the CPU, no layout yet, no more members), or MEMBER_PREPARE_MAX_S after
+        the first call. The job holds the join back while any rank says False (job.py), so
+        the reshard carves its buffers out of memory touched while the job still trained
+        instead of faulting pages in inside the pause (a ZeRO-1 member's 200 MB of fresh
+        state at a join 1 -> 2 took 0.5-1.4 s to fault in on this project's VMs)."""
+        if self.device.type != "cpu" or self.sg is None or self.layout is None or world <= len(self.members):
+            return True
+        prep = self._member_prep
+        if prep is None:
+            prep = self._member_prep = _Toucher(self._member_need(world), "eltctl-prepare-members")
+        return prep.done.is_set() or time.monotonic() - prep.t0 >= MEMBER_PREPARE_MAX_S
+
+    def _member_need(self, world: int) -> int:
+        """The bytes this member's path would allocate afresh at a move to a layout of
+        `world` members (the current ones in their order, then joiners on hosts of their
+        own: the sizes depend on how many): the new path's host_bytes less what bind keeps
+        (a parameter buffer of the same geometry, ZeRO-1's gradient buffer, ZeRO-2's chunk
+        gradients of the same size). The pre-step copy, which the recycler gets too, is not
+        counted off: carved best fit out of two ranges, a total that only just fits can
+        leave a buffer with no range left that is big enough (the toy model of
+        tests/runtime/test_sharded_job.py: 4.9 of 39 KB fresh); all in the touched range,
+        everything fits, and what nobody took goes back at the end of the move."""
+        old = self.sg
+        lay = self._layout(list(self.members) + [f"joining-{i}" for i in range(world - len(self.members))])
+        new = ShardedGradients(self._params, self._opt, lay, self.rank, self.shard)
+        need = new.host_bytes()
+        for g, (dtype, _pg) in enumerate(lay.groups):
+            item = dtype_named(dtype).itemsize
+            if g < len(old._flat) and old._geometry(g) == new._geometry(g):
+                need -= _line(lay.padded(g) * item) * (2 if self.shard == "optimizer" else 1)
+            n = len(new._held) * lay.shard_len(g)
+            if self.shard == "gradients" and g < len(old._shard_grads) and old._shard_grads[g].numel() == n:
+                need -= _line(n * item)
+        return max(0, need)
 
     def _restore_chunks(self, new: ShardedGradients, ckpt: dict) -> dict:
         """A restore from a sharded checkpoint (`ckpt`: where the restoring rank found it),

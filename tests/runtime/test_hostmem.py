@@ -171,3 +171,10 @@ def test_a_joiner_kept_waiting_gives_the_memory_back(monkeypatch):
     path = _path()
     path.prepare_join(3, threading.Event())  # never admitted: it gives up after the hold
     assert path._joiner_memory is None
+
+
+def test_a_member_with_no_layout_yet_is_ready_for_a_joiner_at_once():
+    """ready_for_join touches a member's next layout's memory only where it has a layout
+    (a path not bound yet has nothing to move): no helper thread, no memory held."""
+    path = _path()
+    assert path.ready_for_join(3) and path._member_prep is None

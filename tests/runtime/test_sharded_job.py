@@ -250,6 +250,12 @@ def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, sha
     joined = [json.loads(line.split(" ranks: ", 1)[1]) for line in d.log_text().splitlines()
               if "sharded: reshard 2 -> 3 ranks" in line]
     assert joined and joined[0]["recycled_bytes"] > 0 and joined[0]["fresh_bytes"] == 0, joined
+    # and the members held the joiner back until they had touched what their own move to 3
+    # ranks allocates (ready_for_join): all of it, nothing allocated afresh in the pause
+    held = [json.loads(line.split(" ranks: ", 1)[1]) for w in (a, b) for line in w.log_text().splitlines()
+            if "sharded: reshard 2 -> 3 ranks" in line]
+    assert len(held) == 2 and all(m.get("touched_ahead_bytes", 0) > 0 and m["fresh_bytes"] == 0
+                                  for m in held), json.dumps(held)
 
 
 def test_a_rank_killed_during_a_sharded_checkpoint_leaves_no_partial_step_and_the_job_goes_on(cluster_factory):
