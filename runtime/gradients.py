@@ -92,9 +92,9 @@ import torch
 from . import collectives, hostmem, state as state_mod
 from .collectives import Aborted
 
-N_CTRL = 6  # pending, stop, local sample count, local loss sum, checkpoint due, join ready; then one leave flag per rank
+N_CTRL = 5  # join ready, stop, local sample count, local loss sum, checkpoint due; then one leave flag per rank
+CTRL_JOIN_READY = 0  # ranks that see a queued joiner and are ready for it (ready_for_join): a join alone needs all
 CTRL_CHECKPOINT = 4  # rank 0's clock says a checkpoint is due (checkpoint_every_seconds): every rank takes part
-CTRL_JOIN_READY = 5  # ranks that see a queued joiner and are ready for it (ready_for_join): a join alone needs all
 TAIL_DTYPE = torch.float32
 _TAIL_KIND = str(TAIL_DTYPE)
 

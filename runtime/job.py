@@ -10,8 +10,8 @@ loop; one iteration is one global step::
 The job owns the step boundaries. `step` runs backward with the loss scaled by
 this rank's share of the global batch, reduces the gradients through the
 gradient path (gradients.py: the seam; replicated, it all-reduces flat buffers)
-whose float32 tail carries the control scalars (a change
-is pending, a leave, a stop, the sample count and the loss sum, each rank's
+whose float32 tail carries the control scalars (ready for a
+queued joiner, a leave, a stop, the sample count and the loss sum, each rank's
 speed and whether it ran out of memory) and the buffers' updates, unscales and
 clips the global gradient, steps the optimizer and commits. Because the control
 scalars ride with the gradients, every rank learns at the same step, with no
@@ -63,7 +63,7 @@ STATUS_EVERY_S = 1.0
 # A cold start whose host lacks the job's newest checkpoint waits this long for eltctl to deliver it.
 RESTORE_WAIT_S = 90.0
 CONFIRM_COMMITS = 3  # a new balanced split is adopted once proposed at this many commits in a row
-_N_CTRL = gradients.N_CTRL  # pending, stop, local sample count, local loss sum, checkpoint, join ready; then per rank
+_N_CTRL = gradients.N_CTRL  # join ready, stop, local sample count, local loss sum, checkpoint; then the per-rank slots
 
 
 
@@ -663,10 +663,8 @@ class ElasticJob:
         # A join alone goes ahead once every rank has seen it and is ready for it (sharded:
         # has touched its next layout's host memory); a leave, a stop or the store's loss
         # does not wait for that (the joiner is admitted with them where it is queued).
-        ready = req.join and self._grads.ready_for_join(W + 1)
-        ctrl[0] = 1.0 if req.leave or req.stop or lost or ready else 0.0
+        ctrl[gradients.CTRL_JOIN_READY] = 1.0 if req.join and self._grads.ready_for_join(W + 1) else 0.0
         ctrl[1] = 1.0 if req.stop or lost else 0.0
-        ctrl[gradients.CTRL_JOIN_READY] = 1.0 if ready else 0.0
         if self._rank == 0 and self._ckpt_seconds and time.monotonic() - self._last_ckpt_t >= self._ckpt_seconds:
             ctrl[gradients.CTRL_CHECKPOINT] = 1.0
         ctrl[2] = float(len(self._local_indices))

@@ -66,7 +66,7 @@ import time
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -1615,21 +1615,21 @@ def _touched(need: int, stop: threading.Event) -> torch.Tensor:
 
 
 class _Toucher:
-    """_touched on a helper thread: `done` once it is; `take` stops it (after the slice in
-    hand) and gives the part touched."""
+    """_touched on a helper thread, of `need()` bytes (worked out there too): `done` once it
+    is; `take` stops it (after the slice in hand) and gives the part touched."""
 
-    def __init__(self, need: int, name: str) -> None:
+    def __init__(self, need: Callable[[], int], name: str) -> None:
         self.t0 = time.monotonic()
         self.stop, self.done = threading.Event(), threading.Event()
         self._buf: torch.Tensor | None = None
         self._thread = threading.Thread(target=self._run, args=(need,), name=name, daemon=True)
         self._thread.start()
 
-    def _run(self, need: int) -> None:
+    def _run(self, need: Callable[[], int]) -> None:
         try:
-            self._buf = _touched(need, self.stop)
+            self._buf = _touched(need(), self.stop)
         except Exception as e:  # noqa: BLE001 - an optimization: the move allocates as before
-            log.warning("sharded: touching %d bytes ahead failed (the move allocates them itself): %s", need, e)
+            log.warning("sharded: touching memory ahead failed (the move allocates it itself): %s", e)
         finally:
             self.done.set()
 
@@ -1912,12 +1912,14 @@ class ShardedPath(gradients.GradientPath):
             return True
         prep = self._member_prep
         if prep is None:
-            prep = self._member_prep = _Toucher(self._member_need(world), "eltctl-prepare-members")
+            sg, members, rank = self.sg, list(self.members), self.rank  # as they are now, for the helper
+            prep = self._member_prep = _Toucher(lambda: self._member_need(sg, members, rank, world),
+                                                "eltctl-prepare-members")
         return prep.done.is_set() or time.monotonic() - prep.t0 >= MEMBER_PREPARE_MAX_S
 
-    def _member_need(self, world: int) -> int:
+    def _member_need(self, old: ShardedGradients, members: list[str], rank: int, world: int) -> int:
         """The bytes this member's path would allocate afresh at a move to a layout of
-        `world` members (the current ones in their order, then joiners on hosts of their
+        `world` members (`members`, this one's path `old` at `rank`, in their order, then joiners on hosts of their
         own: the sizes depend on how many): the new path's host_bytes less what bind keeps
         (a parameter buffer of the same geometry, ZeRO-1's gradient buffer, ZeRO-2's chunk
         gradients of the same size). The pre-step copy, which the recycler gets too, is not
@@ -1925,9 +1927,8 @@ class ShardedPath(gradients.GradientPath):
         leave a buffer with no range left that is big enough (the toy model of
         tests/runtime/test_sharded_job.py: 4.9 of 39 KB fresh); all in the touched range,
         everything fits, and what nobody took goes back at the end of the move."""
-        old = self.sg
-        lay = self._layout(list(self.members) + [f"joining-{i}" for i in range(world - len(self.members))])
-        new = ShardedGradients(self._params, self._opt, lay, self.rank, self.shard)
+        lay = self._layout(members + [f"joining-{i}" for i in range(world - len(members))])
+        new = ShardedGradients(self._params, self._opt, lay, rank, self.shard)
         need = new.host_bytes()
         for g, (dtype, _pg) in enumerate(lay.groups):
             item = dtype_named(dtype).itemsize
