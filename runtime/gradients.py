@@ -92,9 +92,10 @@ import torch
 from . import collectives, hostmem, state as state_mod
 from .collectives import Aborted
 
-N_CTRL = 5  # join ready, stop, local sample count, local loss sum, checkpoint due; then one leave flag per rank
+N_CTRL = 6  # join ready, stop, local sample count, local loss sum, checkpoint due, leave ready; then one leave flag per rank
 CTRL_JOIN_READY = 0  # ranks that see a queued joiner and are ready for it (ready_for_join): a join alone needs all
 CTRL_CHECKPOINT = 4  # rank 0's clock says a checkpoint is due (checkpoint_every_seconds): every rank takes part
+CTRL_LEAVE_READY = 5  # ranks ready for the leave the last commit asked for (ready_for_leave): a leave needs all
 TAIL_DTYPE = torch.float32
 _TAIL_KIND = str(TAIL_DTYPE)
 
@@ -353,6 +354,15 @@ class GradientPath(ABC):
         """A joiner is queued and the next layout will have `world` members: False while
         this rank still prepares for it (sharded: touches the host memory of its move, on a
         helper thread, zero.py); the job holds the join back meanwhile. Replicated: True."""
+        return True
+
+    def ready_for_leave(self, leaving: Sequence[str]) -> bool:
+        """The last commit asked for `leaving` to leave (empty: no leave is known yet):
+        False while this rank still prepares for the survivors' layout (sharded on the
+        CPU: touches the host memory its hand-over allocates, on a helper thread started
+        at the first call, zero.py; with nothing known yet it cannot, so a leave waits
+        one commit there); the job holds the leave back meanwhile. Replicated: True (a
+        leave goes at the commit that first sees it)."""
         return True
 
     def hand_over(self, left: Sequence[str]) -> None:

@@ -205,6 +205,10 @@ class ElasticJob:
         self._check_first = False  # the last restore's checkpoint failed its hashes: check before loading
         self._buffers = gradients.BufferSync(model)
         self._after_commit: tuple[bool, set[str] | None] | None = None
+        # A leave the last commit asked for and held back while the ranks prepare for it
+        # (ready_for_leave); a join held back one boundary because a checkpoint is due there.
+        self._leave_seen: frozenset[str] = frozenset()
+        self._join_deferred = False
         self._hooks: list = []
 
         # The membership state machine (generation.py): plan, rank, group; made in _enter.
@@ -662,8 +666,12 @@ class ElasticJob:
         lost = self._health.expired()  # the store away too long: every rank ends at this step
         # A join alone goes ahead once every rank has seen it and is ready for it (sharded:
         # has touched its next layout's host memory); a leave, a stop or the store's loss
-        # does not wait for that (the joiner is admitted with them where it is queued).
-        ctrl[gradients.CTRL_JOIN_READY] = 1.0 if req.join and self._grads.ready_for_join(W + 1) else 0.0
+        # does not wait for that (the joiner is admitted with them where it is queued). While
+        # a leave is held back for its own preparation (ready_for_leave) the ranks prepare
+        # for that one only, and a queued joiner is admitted with it.
+        ctrl[gradients.CTRL_JOIN_READY] = 1.0 if req.join and not self._leave_seen \
+            and self._grads.ready_for_join(W + 1) else 0.0
+        ctrl[gradients.CTRL_LEAVE_READY] = 1.0 if self._grads.ready_for_leave(self._leave_seen) else 0.0
         ctrl[1] = 1.0 if req.stop or lost else 0.0
         if self._rank == 0 and self._ckpt_seconds and time.monotonic() - self._last_ckpt_t >= self._ckpt_seconds:
             ctrl[gradients.CTRL_CHECKPOINT] = 1.0
@@ -706,8 +714,21 @@ class ElasticJob:
         self._replan([float(tail[_pace_slot(W, r)]) for r in range(W)])
         self._commit(global_loss, skipped)
         leaving = {self._plan.members[r] for r in range(W) if tail[_N_CTRL + r] > 0}
-        change = tail[1] > 0 or bool(leaving) or tail[gradients.CTRL_JOIN_READY] >= W
+        # A leave goes once every rank is ready for it (sharded on the CPU: the survivors have
+        # touched the memory their hand-over allocates, one commit later; elsewhere at once).
+        leave = bool(leaving) and tail[gradients.CTRL_LEAVE_READY] >= W
+        # A join does not go at a boundary that writes a checkpoint (deferred one boundary, not
+        # more): the two pauses would add up (a sharded checkpoint's 1-2 s at world 4 here).
+        join = tail[gradients.CTRL_JOIN_READY] >= W
+        if join and not self._join_deferred and self._checkpoint_due():
+            join, self._join_deferred = False, True
+        change = tail[1] > 0 or leave or join
+        if change:
+            self._join_deferred = False
         leavers = leaving if change else None
+        self._leave_seen = frozenset(leaving) if leaving and not change else frozenset()
+        if self._leave_seen:
+            self._grads.ready_for_leave(self._leave_seen)  # the survivors start preparing now
         self._after_commit = (bool(tail[1] > 0), leavers)
         return global_loss
 
@@ -886,6 +907,7 @@ class ElasticJob:
         """The group is formed and checked: bind the gradient path, agree on the
         state, move the shards (replicated: nothing), note the generation's event."""
         self._mark("group")  # the old group released, the new one formed and its pairs checked
+        self._leave_seen, self._join_deferred = frozenset(), False
         self._grads.bind(self._pg, self._rank, plan.members, self._abort)
         restored = self._sync_state()
         self._mark("state")  # the state agreed (a step dropped halfway settled in _sync_state)
@@ -1165,11 +1187,17 @@ class ElasticJob:
         Due by steps, or by rank 0's clock (it rode the last commit's tail: _ckpt_due)."""
         if self._ckpt is None:
             return
-        due = (self._ckpt_steps and self._step % self._ckpt_steps == 0) or self._ckpt_due
+        due = self._checkpoint_due()
         self._ckpt_due = False
         if due:
             self._last_ckpt_t = now
             self._save_checkpoint()
+
+    def _checkpoint_due(self) -> bool:
+        """A checkpoint is due at the coming boundary (the same on every rank: the step, or
+        rank 0's clock through the last commit's tail)."""
+        return self._ckpt is not None and bool((self._ckpt_steps and self._step % self._ckpt_steps == 0)
+                                               or self._ckpt_due)
 
     def _checkpoint_now(self) -> None:
         """Every rank calls it (sharded: a collective); rank 0 writes and waits."""

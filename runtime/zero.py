@@ -101,6 +101,9 @@ JOINER_MEMORY_HOLD_S = 60.0
 # memory their next layout's move allocates (ShardedPath.ready_for_join): after this the
 # join goes on with whatever is touched.
 MEMBER_PREPARE_MAX_S = 10.0
+# How long the survivors of a planned leave hold it back while they touch the host memory their
+# hand-over allocates (ShardedPath.ready_for_leave): a leaver's owner is waiting, so it is short.
+LEAVE_PREPARE_MAX_S = 2.0
 # The tags of the parameters' point-to-point gather on gloo (GATHER_TAG + bucket); reshard's
 # transfers use tag 0.
 GATHER_TAG = 1 << 20
@@ -1618,8 +1621,9 @@ class _Toucher:
     """_touched on a helper thread, of `need()` bytes (worked out there too): `done` once it
     is; `take` stops it (after the slice in hand) and gives the part touched."""
 
-    def __init__(self, need: Callable[[], int], name: str) -> None:
+    def __init__(self, need: Callable[[], int], name: str, key: Any = None) -> None:
         self.t0 = time.monotonic()
+        self.key = key  # what it prepares for (ShardedPath._ready_for)
         self.stop, self.done = threading.Event(), threading.Event()
         self._buf: torch.Tensor | None = None
         self._thread = threading.Thread(target=self._run, args=(need,), name=name, daemon=True)
@@ -1846,7 +1850,7 @@ class ShardedPath(gradients.GradientPath):
         (hostmem.py): the current path's pre-step copy, dead between steps, and when a
         checkpoint's state replaces it (`restoring`) its optimizer state too; and the memory
         touched ahead: a joiner's (prepare_join, while it waited) or a member's
-        (ready_for_join, while the job held a joiner back)."""
+        (ready_for_join / ready_for_leave, while the job held a joiner or a leave back)."""
         new = ShardedGradients(self._params, self._opt, lay, rank, self.shard)
         prep, self._member_prep = self._member_prep, None
         if self.device.type == "cpu":
@@ -1898,28 +1902,64 @@ class ShardedPath(gradients.GradientPath):
         else:
             rec.release()
 
+    def _prepares(self) -> bool:
+        """Whether this rank's moves allocate host memory worth touching ahead (a CPU path
+        with a layout: it has state to move)."""
+        return self.device.type == "cpu" and self.sg is not None and self.layout is not None
+
     def ready_for_join(self, world: int) -> bool:
         """A joiner is queued and this member's next layout will have `world` members: False
         while this rank still touches the host memory that layout's move allocates afresh
-        (its new state sections, backups' copies, chunk gradients: _member_need) on a helper
-        thread, started at the first call; True once that is done, where there is nothing to
-        prepare (not the CPU, no layout yet, no more members), or MEMBER_PREPARE_MAX_S after
-        the first call. The job holds the join back while any rank says False (job.py), so
-        the reshard carves its buffers out of memory touched while the job still trained
-        instead of faulting pages in inside the pause (a ZeRO-1 member's 200 MB of fresh
-        state at a join 1 -> 2 took 0.5-1.4 s to fault in on this project's VMs)."""
-        if self.device.type != "cpu" or self.sg is None or self.layout is None or world <= len(self.members):
+        (_member_need) on a helper thread, started at the first call; True once that is done,
+        where there is nothing to prepare (not the CPU, no layout yet, no more members), or
+        MEMBER_PREPARE_MAX_S after the first call. The job holds the join back while any rank
+        says False (job.py), so the reshard carves its buffers out of memory touched while the
+        job still trained instead of faulting pages in inside the pause (a ZeRO-1 member's
+        200 MB of fresh state at a join 1 -> 2 took 0.5-1.4 s to fault in on this project's VMs)."""
+        members = list(self.members)
+        if not self._prepares() or world <= len(members):
             return True
-        prep = self._member_prep
-        if prep is None:
-            sg, members, rank = self.sg, list(self.members), self.rank  # as they are now, for the helper
-            prep = self._member_prep = _Toucher(lambda: self._member_need(sg, members, rank, world),
-                                                "eltctl-prepare-members")
-        return prep.done.is_set() or time.monotonic() - prep.t0 >= MEMBER_PREPARE_MAX_S
+        return self._ready_for(members + [f"joining-{i}" for i in range(world - len(members))], self.rank,
+                               MEMBER_PREPARE_MAX_S)
 
-    def _member_need(self, old: ShardedGradients, members: list[str], rank: int, world: int) -> int:
-        """The bytes this member's path would allocate afresh at a move to a layout of
-        `world` members (`members`, this one's path `old` at `rank`, in their order, then joiners on hosts of their
+    def ready_for_leave(self, leaving) -> bool:
+        """The last commit asked for `leaving` to leave: False while this survivor still
+        touches the host memory its hand-over allocates afresh for the survivors' layout (on
+        a helper thread, started at the first call); True once that is done, on a leaver
+        (it only sends), where there is nothing to prepare, or LEAVE_PREPARE_MAX_S after the
+        first call. `leaving` empty (no leave known yet): True only where nothing is ever
+        prepared, so on the CPU a leave waits one commit, in which the survivors touch (a
+        ZeRO-1 survivor of 2 -> 1 takes over 200 MB more state: its hand-over faulted it in
+        for 0.65-0.95 s of a 1.0-1.5 s pause on this project's VMs)."""
+        if not self._prepares():
+            return True
+        if not leaving:
+            return False
+        gone = set(leaving)
+        survivors = [m for m in self.members if m not in gone]
+        me = self.members[self.rank]
+        if me in gone or not survivors:
+            return True
+        return self._ready_for(survivors, survivors.index(me), LEAVE_PREPARE_MAX_S)
+
+    def _ready_for(self, members: list[str], rank: int, limit_s: float) -> bool:
+        """Touch, on a helper thread, what this rank's move to a layout of `members` (this
+        rank at `rank`) allocates afresh; True once done or `limit_s` after it began. A
+        preparation for another layout is stopped and let go first."""
+        key = (tuple(members), rank)
+        prep = self._member_prep
+        if prep is not None and prep.key != key:
+            prep.take()
+            prep = self._member_prep = None
+        if prep is None:
+            sg = self.sg  # as it is now, for the helper
+            prep = self._member_prep = _Toucher(lambda: self._member_need(sg, members, rank),
+                                                "eltctl-prepare-members", key)
+        return prep.done.is_set() or time.monotonic() - prep.t0 >= limit_s
+
+    def _member_need(self, old: ShardedGradients, members: list[str], rank: int) -> int:
+        """The bytes this member's path `old` would allocate afresh at a move to a layout of
+        `members` (this rank at `rank`; a joiner's placeholder ids stand for hosts of their
         own: the sizes depend on how many): the new path's host_bytes less what bind keeps
         (a parameter buffer of the same geometry, ZeRO-1's gradient buffer, ZeRO-2's chunk
         gradients of the same size). The pre-step copy, which the recycler gets too, is not
@@ -1927,7 +1967,7 @@ class ShardedPath(gradients.GradientPath):
         leave a buffer with no range left that is big enough (the toy model of
         tests/runtime/test_sharded_job.py: 4.9 of 39 KB fresh); all in the touched range,
         everything fits, and what nobody took goes back at the end of the move."""
-        lay = self._layout(members + [f"joining-{i}" for i in range(world - len(members))])
+        lay = self._layout(members)
         new = ShardedGradients(self._params, self._opt, lay, rank, self.shard)
         need = new.host_bytes()
         for g, (dtype, _pg) in enumerate(lay.groups):

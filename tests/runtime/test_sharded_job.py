@@ -256,6 +256,15 @@ def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, sha
             if "sharded: reshard 2 -> 3 ranks" in line]
     assert len(held) == 2 and all(m.get("touched_ahead_bytes", 0) > 0 and m["fresh_bytes"] == 0
                                   for m in held), json.dumps(held)
+    # the same for rank 0's leave: the survivors held it back one commit while they touched
+    # what their hand-over to 2 ranks allocates (ready_for_leave)
+    survived = [json.loads(line.split(" ranks: ", 1)[1]) for w in (a, b, d) if w is not first
+                for line in w.log_text().splitlines() if "sharded: hand_over 3 -> 2 ranks" in line]
+    assert len(survived) == 2 and all(m.get("touched_ahead_bytes", 0) > 0 and m["fresh_bytes"] == 0
+                                      for m in survived), json.dumps(survived)
+    # and the join did not go at a boundary that wrote a checkpoint (every 4 steps): deferred one
+    joins = [ev for ev in events if ev["kind"] == "join" and ev["world_size"] == 3]
+    assert joins and all(ev["from_step"] % 4 != 0 for ev in joins), joins
 
 
 def test_a_rank_killed_during_a_sharded_checkpoint_leaves_no_partial_step_and_the_job_goes_on(cluster_factory):
