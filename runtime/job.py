@@ -754,7 +754,8 @@ class ElasticJob:
         if after is None:
             return
         stop, leavers = after
-        if leavers is not None and not stop and self._checkpoint_due():
+        defer = leavers is not None and not stop and self._checkpoint_due()
+        if defer:
             # A membership change goes at this boundary: the checkpoint due here goes at the
             # next one, so the two pauses do not add up (a sharded checkpoint held the boundary
             # 1.3-3.8 s at world 4 here, and a change that fell on it paid both). Nothing is at
@@ -764,7 +765,7 @@ class ElasticJob:
             log.info("worker %s: the checkpoint of step %d moves to the next boundary (a membership change "
                      "goes at this one)", self.worker_id, self._step)
         try:
-            if not self._ckpt_owed:
+            if not defer:
                 self._maybe_checkpoint(time.monotonic())
         except Aborted as e:  # sharded: a rank died while the shards went to the writer
             log.warning("worker %s: checkpoint of step %d abandoned in generation %d (the newest one stands): %s",

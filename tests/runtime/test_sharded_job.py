@@ -186,6 +186,20 @@ def rank0(c, world: int):
     return next(w for w in c.workers if w.id == members[0])
 
 
+def join_then_rank0_leaves(c, run: list[str]):
+    """2 workers, a third joins (3), then rank 0 leaves (2) and exits: the three workers,
+    the leaver and the generation at 2."""
+    a, b = c.start(2, run)
+    g = c.wait_world(2, steps_after=3)
+    (d,) = c.start(1, run)
+    g = c.wait_world(3, min_gen=g + 1, steps_after=3)
+    first = rank0(c, 3)
+    c.leave(first)
+    g = c.wait_world(2, min_gen=g + 1, steps_after=3)
+    c.wait_exit([first])
+    return (a, b, d), first, g
+
+
 @pytest.mark.parametrize("shard,replicas", [("optimizer", 1), ("optimizer", 2), ("gradients", 1), ("gradients", 2)])
 def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, shard, replicas):
     """2 workers; one joins (3); rank 0 leaves (2: it hands its shards over); one is
@@ -197,14 +211,7 @@ def test_sharded_job_through_join_leave_sigkill_and_restore(cluster_factory, sha
     c.args = list(ARGS)
     run = ["--steps", "100000", "--shard", shard, "--shard-replicas", str(replicas), "--checkpoint-every", "4",
            "--step-sleep", "0.04", "--max-grad-norm", "0.5", "--debug"]
-    a, b = c.start(2, run)
-    g = c.wait_world(2, steps_after=3)
-    (d,) = c.start(1, run)
-    g = c.wait_world(3, min_gen=g + 1, steps_after=3)
-    first = rank0(c, 3)
-    c.leave(first)
-    g = c.wait_world(2, min_gen=g + 1, steps_after=3)
-    c.wait_exit([first])
+    (a, b, d), first, g = join_then_rank0_leaves(c, run)
     assert first.proc.returncode == 0 and first.read_result()["left"], c.dump_logs()
     victim = next(w for w in (a, b, d) if w is not first and w.proc.poll() is None)
     c.kill(victim)
@@ -514,14 +521,7 @@ def test_a_checkpoint_due_where_a_membership_change_goes_moves_to_the_next_bound
     c.script = WORKER
     c.args = list(ARGS)
     run = ["--steps", "100000", "--shard", "optimizer", "--checkpoint-every", "1", "--step-sleep", "0.04", "--debug"]
-    a, b = c.start(2, run)
-    g = c.wait_world(2, steps_after=3)
-    (d,) = c.start(1, run)
-    g = c.wait_world(3, min_gen=g + 1, steps_after=3)
-    first = rank0(c, 3)
-    c.leave(first)
-    g = c.wait_world(2, min_gen=g + 1, steps_after=3)
-    c.wait_exit([first])
+    (a, b, d), first, g = join_then_rank0_leaves(c, run)
     changes = [ev for ev in c.events() if ev["kind"] in ("join", "leave") and ev["world_size"] in (2, 3)
                and ev["generation"] > 0]
     assert {ev["kind"] for ev in changes} == {"join", "leave"}, c.events()
