@@ -92,10 +92,11 @@ import torch
 from . import collectives, hostmem, state as state_mod
 from .collectives import Aborted
 
-N_CTRL = 6  # join ready, stop, local sample count, local loss sum, checkpoint due, leave ready; then one leave flag per rank
+N_CTRL = 7  # join ready, stop, local sample count, local loss sum, checkpoint due, leave ready, restore bad; then one leave flag per rank
 CTRL_JOIN_READY = 0  # ranks that see a queued joiner and are ready for it (ready_for_join): a join alone needs all
 CTRL_CHECKPOINT = 4  # rank 0's clock says a checkpoint is due (checkpoint_every_seconds): every rank takes part
 CTRL_LEAVE_READY = 5  # ranks ready for the leave the last commit asked for (ready_for_leave): a leave needs all
+CTRL_RESTORE_BAD = 6  # ranks that found a file of the checkpoint just restored damaged: the step is not taken
 TAIL_DTYPE = torch.float32
 _TAIL_KIND = str(TAIL_DTYPE)
 

@@ -74,21 +74,22 @@ def break_in_gather(spec: str, how: str) -> None:
 
 
 def abort_before_restore_check() -> None:
-    """The first restore this worker takes part in aborts its generation (once) after the
-    state and the reshard, before the checkpoint's hashes are confirmed
-    (ElasticJob._restore_confirmed): what every rank took up is not trusted yet."""
+    """The first restore this worker takes part in aborts its generation (once) in the
+    restore's first step, its backward done, before its verdict on the checkpoint's hashes
+    goes in the control tail (ElasticJob._restore_flag): what every rank took up is not
+    trusted yet."""
     from eltctl_runtime import collectives, job
 
-    real = job.ElasticJob._restore_confirmed
+    real = job.ElasticJob._restore_flag
     done = []
 
-    def confirmed(self):
+    def flag(self):
         if not done:
             done.append(True)
             raise collectives.Aborted("test: the restore's generation aborted before its hashes were confirmed")
         return real(self)
 
-    job.ElasticJob._restore_confirmed = confirmed
+    job.ElasticJob._restore_flag = flag
 
 
 def abort_after_transfers(who: str) -> None:
