@@ -838,11 +838,15 @@ class ElasticJob:
         self._peer_gone = backend_error
         log.warning("worker %s: step %d dropped in generation %d: %s (%s)", self.worker_id, self._step + 1,
                     self.generation, why, self._control.abort_reason())
-        self._grads.drop()  # a collective that never finished may still write into its buffers
-        self.optimizer.zero_grad(set_to_none=True)
-        self._buffers.reset()  # the dropped step's forward moved them
+        self._discard_step()
         self._need_recovery = True
         self._mark("dropped_step")
+
+    def _discard_step(self) -> None:
+        """Forget a step not taken: its gradients and what its forward did to the buffers."""
+        self._grads.drop()  # a collective that never finished may still write into its buffers
+        self.optimizer.zero_grad(set_to_none=True)
+        self._buffers.reset()  # the step's forward moved them
 
     def _commit(self, global_loss: float, skipped: bool = False) -> None:
         now = time.monotonic()
@@ -1116,12 +1120,10 @@ class ElasticJob:
         self._check_first = True  # after a damaged one, every rank checks before it loads
         log.warning("worker %s: the checkpoint restored is damaged on a rank; step %d is not taken and the "
                     "newest checkpoint that verifies is restored", self.worker_id, self._step + 1)
-        self._grads.drop()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._buffers.reset()  # the step's forward moved them
+        self._discard_step()
         had_state = self._has_state_before
         self._has_state = False
-        self._sync_state()  # Aborted: the step is dropped, the recovery restores again (_unconfirmed)
+        self._sync_state()  # Aborted: the step is dropped; the recovery restores (this rank holds no state)
         self._grads.reshard(self._members_before, self._members_before)
         self._has_state_before = had_state
         if self._pending_event is not None:
