@@ -36,21 +36,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import io
 import json
 import logging
 import os
 import re
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tarfile
 import threading
 import time
-import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -67,7 +63,9 @@ from .generation import ExcludedFromJob, GenerationHooks, Generations
 from .membership import Plan, choose_source, job_store, scan_joiners
 from .progress import ENV_PROGRESS, ProgressFile, ProgressTracker, compile_progress
 from .protocol import EventKind, Keys, add_event, put_dead, status_document
-from .scriptwatch import CheckpointWatch, OutputPump, RestartLimit, group_pids, listing, progress_matcher, writers_under
+from .dirsnap import pack_dir, unpack_dir
+from .scriptwatch import (CheckpointWatch, Listing, LiveSnapshots, OutputPump, RestartLimit, Take, group_pids,
+                          listing, progress_matcher, writers_under)
 from .state import tensor_bytes
 from . import storeclient
 
@@ -152,35 +150,6 @@ def warm_form(argv: Sequence[str]) -> tuple[str, list[str], bool] | None:
     if argv[1].startswith("-"):
         return None
     return argv[0], list(argv[1:]), False
-
-
-def pack_dir(path: Path) -> bytes:
-    """The directory's files as an uncompressed tar (relative names)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        if path.is_dir():
-            for entry in sorted(path.iterdir()):
-                tar.add(entry, arcname=entry.name)
-    return buf.getvalue()
-
-
-def unpack_dir(data: bytes, path: Path) -> None:
-    """Replace the directory's contents with the tar `data` (empty: an empty
-    directory). The new tree is extracted beside it and swapped in."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.new-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    if data:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-            if hasattr(tarfile, "data_filter"):
-                tar.extractall(tmp, filter="data")
-            else:  # pragma: no cover - Python < 3.11.4
-                tar.extractall(tmp)
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ---- the script's process ------------------------------------------------------
@@ -377,6 +346,7 @@ class Supervisor:
         self._announced = False  # the script called checkpoint_saved since the last look
         self._last_look = 0.0
         self._live: threading.Thread | None = None  # rank 0: a snapshot taken while the script runs
+        self._live_snaps: LiveSnapshots | None = None  # how it is taken (made at the first one)
         self._snap_steps: dict[int, int | None] = {}  # snapshot counter -> the script's step when it was taken
         self.argv = expand_command(command, self.script_dir)
         self.stop_grace = stop_grace
@@ -511,7 +481,7 @@ class Supervisor:
             self._unpacked = counter
         self.script_dir.mkdir(parents=True, exist_ok=True)
         if self._rank == 0:
-            self._ckpt_watch.taken(listing(self.script_dir))  # the directory is snapshot `counter`
+            self._ckpt_watch.unpacked(listing(self.script_dir))  # the directory is snapshot `counter`
             if counter > self._saved:
                 self._save_checkpoint(wait=False)
         restarts = self._starts
@@ -896,22 +866,31 @@ class Supervisor:
             return
         current = listing(self.script_dir)
         announced, self._announced = self._announced, False
-        writers = bool(current) and bool(writers_under(group_pids(self._child.proc.pid), self.script_dir))
-        if not self._ckpt_watch.look(current, writers, announced):
+        writers = self._writers() if current else []
+        how = self._ckpt_watch.look(current, writers, announced)
+        if how is None:
             return
-        self._live = threading.Thread(target=self._live_snapshot, args=(current,), name="live-snapshot",
+        self._live = threading.Thread(target=self._live_snapshot, args=(how, current), name="live-snapshot",
                                       daemon=True)
         self._live.start()
 
-    def _live_snapshot(self, before) -> None:
-        try:
-            data = pack_dir(self.script_dir)
-        except OSError as e:  # a file went away while it was packed: look again later
-            log.info("supervisor %s: the script's directory changed while it was copied (%s)", self.me, e)
+    def _writers(self) -> list[str]:
+        """The files under the script's directory its processes hold open for writing (relative)."""
+        child = self._child
+        if child is None:
+            return []
+        root = str(self.script_dir.resolve())
+        return [os.path.relpath(w, root) for w in writers_under(group_pids(child.proc.pid), self.script_dir)]
+
+    def _live_snapshot(self, how: Take, judged: Listing) -> None:
+        if self._live_snaps is None:
+            self._live_snaps = LiveSnapshots(self.script_dir, lambda: bool(self._writers()))
+        got = self._live_snaps.take(how, judged, self._ckpt_watch.last_taken)
+        if got is None:
+            log.info("supervisor %s: no consistent copy of the script's directory this time (%s); next look",
+                     self.me, how.value)
             return
-        if listing(self.script_dir) != before:
-            log.info("supervisor %s: the script's directory changed while it was copied; next look", self.me)
-            return
+        before, data = got
         self._ckpt_watch.taken(before)
         counter = (self._snap[0] if self._snap else 0) + 1
         self._snap = (counter, data)

@@ -5,37 +5,69 @@
   is offered to the progress patterns and the last lines are kept for the
   failure message.
 - `CheckpointWatch`: when the script's checkpoint directory holds a new
-  complete checkpoint, so that rank 0 can mirror it while the script runs. A
-  directory counts as complete when no process of the script's group holds a
-  file in it open for writing and its listing (names, sizes, mtimes) has not
-  changed since the previous look or no file in it changed for QUIET_S (a
-  save of several files is not taken between two of them); a script that
-  writes with rename, or that calls `checkpoint_saved`, is never caught
-  half-way. The listing is checked
-  again after packing: a file that changed meanwhile discards the copy.
+  complete checkpoint, so that rank 0 can mirror it while the script runs. It
+  tells two kinds of savers apart by what it sees between its looks: an
+  *atomic* saver has replaced a file by rename (a name's inode changed, or the
+  temporary name seen at one look is the final one at the next) and rewrote no
+  file in place since the last look; any other saver writes in place (a name
+  keeps its inode, its size or mtime changes) or is not known yet. stat cannot
+  tell an in-place rewrite from a freed inode reused by the next save, so an
+  in-place change sends only that look to the older rule.
+  - In-place savers (and unknown ones), the older rule: a directory counts as complete when no
+    process of the script's group holds a file in it open for writing and its
+    listing has not changed since the previous look or no file in it changed
+    for QUIET_S (a save of several files is not taken between two of them).
+  - Atomic savers: a rename never shows a half-written file, so any moment when
+    nothing under the directory is open for writing and its listing (inodes and
+    folders' mtimes included) is the same as SETTLED_S before is a consistent
+    one, however often the script saves; once a look sees a new save, such a
+    moment is looked for during about a second (`LiveSnapshots`). No clock is
+    compared with the files' mtimes (a file server's clock may differ).
+  Either way the snapshot is a hard-linked capture (`capture`): every file is
+  linked into a scratch folder in one pass (a file replaced by rename later
+  keeps its captured inode), the listing is checked before and after the pass,
+  the capture is packed at leisure, and a captured file written in place
+  meanwhile discards it. Where links are refused (another file system under
+  the directory), the directory itself is packed and a change discards it.
+  One look per --checkpoint-poll (2 s) bounds the rate: at most one snapshot
+  per look.
 - `RestartLimit`: the failures of the script within a window, the back-off
   before the next start and when to give up (pure).
 """
-
 from __future__ import annotations
 
+import enum
 import os
 import re
+import shutil
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, NamedTuple, Sequence
 
 from .daemon.logic import cause_line
+from .dirsnap import pack_dir
 from .progress import match_progress
 
 LAST_LINES = 40
 QUIET_S = 0.5  # no file of the directory changed this long: the save is over
+# Atomic savers: the directory is the same at two tries this long apart (a save of several
+# files, each renamed into place, is not taken between two of them unless it pauses longer) ...
+SETTLED_S = 0.05
+CAPTURE_TRIES = 20  # ... looked for this often, SETTLED_S apart, once a look found a new save
 LINE_MAX = 16 * 1024  # a longer "line" (a progress bar without \r?) is cut here
 
-Listing = Mapping[str, tuple[int, int]]  # relative path -> (size, mtime_ns)
+
+class Stamp(NamedTuple):
+    size: int
+    mtime_ns: int
+    ino: int
+
+
+Listing = Mapping[str, Stamp]  # relative path -> what the file is now
 
 
 # ---- output -------------------------------------------------------------------------
@@ -141,19 +173,31 @@ def progress_matcher(patterns: Sequence[re.Pattern[str]], sink: Callable[[Mappin
 # ---- the checkpoint directory ------------------------------------------------------------
 
 
-def listing(root: Path) -> dict[str, tuple[int, int]]:
-    """Every regular file under `root`: relative path -> (size, mtime_ns)."""
-    out: dict[str, tuple[int, int]] = {}
+def listing(root: Path) -> dict[str, Stamp]:
+    """Every regular file (and link) under `root`: relative path -> (size, mtime_ns, inode)."""
+    out: dict[str, Stamp] = {}
     if not root.is_dir():
         return out
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
+    for dirpath, dirs, names in os.walk(root):
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
             p = os.path.join(dirpath, name)
             try:
                 st = os.lstat(p)
             except OSError:
                 continue
-            out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns)
+            out[os.path.relpath(p, root)] = Stamp(st.st_size, st.st_mtime_ns, st.st_ino)
+    return out
+
+
+def folder_stamps(root: Path) -> dict[str, int]:
+    """The mtime of every folder under `root` (itself included): a file created,
+    renamed or removed in a folder changes its mtime."""
+    out = {}
+    for dirpath, _dirs, _names in os.walk(root):
+        try:
+            out[dirpath] = os.lstat(dirpath).st_mtime_ns
+        except OSError:
+            continue
     return out
 
 
@@ -200,27 +244,166 @@ def writers_under(pids: Iterable[int], root: Path) -> list[str]:
     return found
 
 
+class Take(enum.Enum):
+    """What a look decided: pack the directory as it was judged (NOW), or find a
+    consistent moment of an atomic saver within the next second (ATOMIC)."""
+
+    NOW = "now"
+    ATOMIC = "atomic"
+
+
 @dataclass
 class CheckpointWatch:
     """Decides when rank 0's script directory holds a new complete checkpoint.
-    `look(listing, writers, announced)` once a poll; True: pack it now (and
-    `taken(listing)` once the copy is made)."""
+    `look(listing, writers, announced)` once a poll (`writers`: the relative
+    paths the script holds open for writing); a `Take`: snapshot it now (and
+    `taken(listing)` once the copy is made), None: not now."""
 
-    last_taken: Mapping[str, tuple[int, int]] | None = None
-    previous: Mapping[str, tuple[int, int]] | None = None
+    last_taken: Listing | None = None
+    previous: Listing | None = None
+    previous_writers: frozenset[str] = frozenset()
+    renames_seen: bool = False  # a name's inode changed between two looks: the script saves by rename
+    # A name kept its inode and changed since the last look: rewritten in place (or, as
+    # stat cannot tell, a replaced file's inode reused by the next one): not sticky.
+    in_place_now: bool = False
 
-    def look(self, current: Listing, writers: bool, announced: bool = False, now_ns: int | None = None) -> bool:
+    @property
+    def atomic(self) -> bool:
+        return self.renames_seen and not self.in_place_now
+
+    def look(self, current: Listing, writers: Collection[str], announced: bool = False,
+             now_ns: int | None = None) -> Take | None:
         previous, self.previous = self.previous, dict(current)
+        previous_writers, self.previous_writers = self.previous_writers, frozenset(writers)
+        self.in_place_now = False
+        if previous is not None:
+            self._learn(previous, current, previous_writers)
         if not current or current == self.last_taken:
-            return False
+            return None
         if announced:
-            return True  # the script said it is complete
+            return Take.NOW  # the script said it is complete
+        if self.atomic:
+            return Take.ATOMIC
         now_ns = time.time_ns() if now_ns is None else now_ns
-        quiet = now_ns - max(m for _s, m in current.values()) >= QUIET_S * 1e9
-        return not writers and (current == previous or quiet)
+        quiet = now_ns - max(st.mtime_ns for st in current.values()) >= QUIET_S * 1e9
+        return Take.NOW if not writers and (current == previous or quiet) else None
+
+    def _learn(self, previous: Listing, current: Listing, previous_writers: Collection[str]) -> None:
+        by_ino = {st.ino: name for name, st in previous.items()}
+        for name, st in current.items():
+            old = previous.get(name)
+            if old is None:
+                was = by_ino.get(st.ino)
+                if was is not None and was not in current and previous[was] == st:
+                    self.renames_seen = True  # a file seen before, under a new name (tmp -> final name)
+                continue
+            if old == st:
+                continue
+            if old.ino != st.ino:
+                self.renames_seen = True
+            elif name not in previous_writers:  # not a file still being written at the last look
+                self.in_place_now = True
 
     def taken(self, current: Listing) -> None:
         self.last_taken = dict(current)
+
+    def unpacked(self, current: Listing) -> None:
+        """The directory was replaced by a snapshot (every inode is new: nothing to learn from it)."""
+        self.last_taken, self.previous, self.previous_writers = dict(current), None, frozenset()
+
+
+# ---- taking a snapshot while the script runs ------------------------------------------
+
+
+def capture(root: Path, dest: Path) -> None:
+    """Hard-link every file under `root` into `dest` (created; the same tree; a
+    symbolic link is linked itself, not its target), so `listing(dest)` equals
+    `listing(root)` inodes included. OSError from os.link (EXDEV, EPERM, ...) means
+    links cannot be used here; FileNotFoundError, that a file went away during the pass."""
+    dest.mkdir()
+    for dirpath, dirs, names in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        to = dest if rel == "." else dest / rel
+        for d in list(dirs):
+            if os.path.islink(os.path.join(dirpath, d)):
+                dirs.remove(d)
+                names.append(d)
+            else:
+                (to / d).mkdir()
+        for name in names:
+            os.link(os.path.join(dirpath, name), to / name, follow_symlinks=False)
+
+
+@dataclass
+class LiveSnapshots:
+    """Takes the snapshots `CheckpointWatch` asks for, from a running script's
+    directory `root`; `writing()` says whether the script holds a file under it
+    open for writing. `take` returns (listing, tar) or None (nothing consistent
+    was found: the next look tries again)."""
+
+    root: Path
+    writing: Callable[[], bool]
+    links: bool = True  # False once os.link was refused: pack the directory itself
+    swept: bool = False  # captures left by a supervisor killed while it packed are removed once
+
+    def take(self, how: Take, judged: Listing, last_taken: Listing | None) -> tuple[dict[str, Stamp], bytes] | None:
+        if not self.swept:
+            self.swept = True
+            for old in self.root.parent.glob(f".{self.root.name}.capture-*"):
+                shutil.rmtree(old, ignore_errors=True)
+        if how is Take.NOW:
+            before = listing(self.root)
+            if not before or before == last_taken or before != judged:
+                return None  # it changed since the look judged it complete
+            data = self._copy(before)
+            return (before, data) if data is not None else None
+        seen = None  # the directory at the previous try, SETTLED_S ago
+        for i in range(CAPTURE_TRIES):
+            if i:
+                time.sleep(SETTLED_S)
+            before = listing(self.root)
+            if not before or before == last_taken:
+                return None
+            now = (before, folder_stamps(self.root))
+            if now != seen:  # it changed within SETTLED_S (or this is the first try)
+                seen = now
+                continue
+            if self.writing():
+                continue
+            data = self._copy(before)
+            if data is not None:
+                return before, data
+            seen = None
+        return None
+
+    def _copy(self, before: Listing) -> bytes | None:
+        return self._capture(before) if self.links else self._pack_live(before)
+
+    def _capture(self, before: Listing) -> bytes | None:
+        scratch = self.root.parent / f".{self.root.name}.capture-{uuid.uuid4().hex[:8]}"
+        try:
+            try:
+                capture(self.root, scratch)
+            except FileNotFoundError:
+                return None  # a file was renamed away during the pass
+            except OSError:
+                self.links = False  # no hard links here (another file system?): the old way
+                return self._pack_live(before)
+            if listing(self.root) != before or listing(scratch) != before:
+                return None  # renamed or written during the pass
+            data = pack_dir(scratch)
+            if listing(scratch) != before:
+                return None  # a captured file was written in place while it was packed
+            return data
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _pack_live(self, before: Listing) -> bytes | None:
+        try:
+            data = pack_dir(self.root)
+        except OSError:
+            return None  # a file went away while it was packed
+        return data if listing(self.root) == before else None
 
 
 # ---- the restart limit ------------------------------------------------------------------

@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from eltctl_runtime import auth, read_status
@@ -287,6 +288,33 @@ def test_status_shows_the_scripts_step_and_its_checkpoints_are_snapshotted_while
             e.get("kind") not in ("crash", "leave", "join") for e in cluster.events())  # no restart was needed
         info, state = CheckpointStore(cluster.ckpt).latest_valid()
         assert state["format"] == "eltctl-restart-snapshot" and int(state["script_step"]) > 0
+        cluster.stop()
+        cluster.wait_exit([a])
+        assert a.proc.returncode == 0, cluster.dump_logs()
+    finally:
+        cluster.close()
+
+
+@pytest.mark.slow
+def test_a_script_saving_several_times_a_second_is_snapshotted_while_it_runs(tmp_path):
+    """The unmodified DDP script saving every 2 steps (about every 0.1 s, with rename):
+    its directory is never quiet, yet rank 0's supervisor turns its saves into eltctl
+    checkpoints while it runs, newer ones as it goes, each holding a whole ckpt.pt."""
+    cluster = RestartCluster(tmp_path, hang_timeout=10.0, min_workers=1)
+    try:
+        (a,) = cluster.start(1, supervisor=["--progress", "step-loss", "--checkpoint-poll", "0.5"],
+                             extra=["--save-every", "2"])
+        first = cluster.wait_for_status(lambda s: ((s.get("checkpoint") or {}).get("script_step") or 0) > 0, 120)
+        later = cluster.wait_for_status(
+            lambda s: ((s.get("checkpoint") or {}).get("script_step") or 0) > first["checkpoint"]["script_step"], 60)
+        assert later["checkpoint"]["step"] > first["checkpoint"]["step"], (first, later)
+        assert a.proc.poll() is None and all(e.get("kind") not in ("crash", "leave", "join")
+                                             for e in cluster.events())  # taken while the script ran
+        _info, state = CheckpointStore(cluster.ckpt).latest_valid()
+        out = tmp_path / "unpacked"
+        unpack_dir(bytes(state["tar"].numpy()), out)
+        saved = torch.load(out / "ckpt.pt", weights_only=True)  # whole: it loads
+        assert saved["step"] > 0 and sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
         cluster.stop()
         cluster.wait_exit([a])
         assert a.proc.returncode == 0, cluster.dump_logs()
