@@ -24,7 +24,9 @@ class LocalTransport:
         self.host = host
         self._default_timeout = default_timeout
         # The environment eltctl itself runs with, plus the host's `env`; read once here
-        # because a local shell inherits it anyway.
+        # because a local shell inherits it anyway. It goes in the exec environment, never
+        # on a command line: /proc/<pid>/environ is readable by the account alone, cmdline
+        # by every account (eltctl.hosts.transport `wrap_env` does the same over SSH).
         self._env = {**(os.environ if base_env is None else base_env), **dict(host.env)}
 
     async def run(self, command: str, *, timeout: float | None = None,

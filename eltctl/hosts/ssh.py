@@ -125,8 +125,11 @@ class SSHTransport:
         """A channel of this connection running `command` with binary stdin and stdout."""
         import asyncssh
 
+        wrapped = wrap_env(command, self.host.env)
         try:
-            proc = await self._conn.create_process(wrap_env(command, self.host.env), encoding=None)
+            proc = await self._conn.create_process(wrapped.command, encoding=None)
+            if wrapped.stdin_head:  # the host's env values, read before the command's own input
+                proc.stdin.write(wrapped.stdin_head.encode())
         except (asyncssh.Error, OSError) as exc:
             raise HostError(self.host.name, f"could not start a copy: {exc}", kind=ErrorKind.UNREACHABLE) from exc
         return SSHStream(proc)
@@ -136,10 +139,10 @@ class SSHTransport:
         import asyncssh
 
         timeout = self._default_timeout if timeout is None else timeout
-        full = wrap_env(command, self.host.env)
+        full = wrap_env(command, self.host.env)  # env values on stdin, never on the command line
         async with self._sessions:
             try:
-                done = await self._run_once(full, input, timeout)
+                done = await self._run_once(full.command, full.input(input), timeout)
             except asyncssh.TimeoutError as exc:
                 raise HostError(
                     self.host.name, f"command did not finish in {timeout:g} s",

@@ -107,14 +107,45 @@ class Transport(Protocol):
 PRIVATE = "umask 077; "
 
 
-def wrap_env(command: str, env: Iterable[tuple[str, str]]) -> str:
+@dataclass(frozen=True)
+class Wrapped:
+    """A command for the host's login shell, and what must precede the caller's input on
+    its stdin (the host's `env` values: `wrap_env`)."""
+
+    command: str
+    stdin_head: str = ""
+
+    def input(self, input: str | None) -> str | None:
+        """The whole stdin to send: the head, then the caller's input (None: nothing)."""
+        if not self.stdin_head:
+            return input
+        return self.stdin_head + (input or "")
+
+
+def wrap_env(command: str, env: Iterable[tuple[str, str]]) -> Wrapped:
     """The command with the host's extra environment and umask 077, for any login shell.
 
-    `env K=V sh -c CMD` works whatever shell the account has and does not depend on
-    sshd's AcceptEnv.
+    The values travel on the command's stdin, one line each, ahead of the caller's own
+    input; the command line names only the variables. A command line is world-readable
+    (`ps`, /proc/<pid>/cmdline), and the inventory's `env` may hold a token. `/bin/sh`
+    reads each line with its `read` builtin (which takes a pipe's bytes one at a time,
+    so the caller's input stays whole) and decodes it with the `printf` builtin: no
+    process is started with a value in its arguments. sshd's own environment passing
+    (SetEnv/AcceptEnv) is not used: sshd accepts only LANG and LC_* by default.
     """
     command = PRIVATE + command
-    pairs = [f"{k}={v}" for k, v in env]
+    pairs = list(env)
     if not pairs:
-        return command
-    return "env " + " ".join(shlex.quote(p) for p in pairs) + " /bin/sh -c " + shlex.quote(command)
+        return Wrapped(command)
+    load = "".join(f'IFS= read -r {k} || {{ echo "eltctl: the value of {k} did not arrive on stdin" >&2; '
+                   f"exit 125; }}; {k}=$(printf '%bx' \"${k}\"); export {k}=\"${{{k}%x}}\"; "
+                   for k, _ in pairs)
+    head = "".join(encode_env_value(v) for _, v in pairs)
+    return Wrapped("/bin/sh -c " + shlex.quote(load + command), head)
+
+
+def encode_env_value(value: str) -> str:
+    """One stdin line that `printf '%b'` turns back into `value`: the only escapes are a
+    backslash's and a newline's (octal), so no other `%b` escape can appear. The `x`
+    the loader appends after decoding keeps trailing newlines, which `$(...)` strips."""
+    return value.replace("\\", "\\0134").replace("\n", "\\012") + "\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -69,6 +70,70 @@ def test_hosts_env_reaches_remote_commands(testbed):
 
     out = asyncio.run(main())
     assert out["h1"].value.stdout == "hello 'world' $HOME|3"
+
+
+SECRET = "tok-9f3c2a7e51b4 with 'quotes' and \\ backslash"
+
+
+def _cmdlines_holding(text: str) -> list[str]:
+    """Every process on this machine whose command line holds `text` (sshd hosts run here)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    line = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue  # gone meanwhile
+            if text in line:
+                found.append(f"{entry}: {line}")
+    return found
+
+
+def test_hosts_env_values_never_appear_on_a_command_line(testbed, tmp_path):
+    """A host's `env` value is on no process's command line (world-readable through
+    `ps`) while a program started there runs, over SSH and locally; the program has it."""
+    h = testbed.add_host("h1")
+    inv = load_inventory(testbed.write_inventory())
+    env = (("ELT_TOKEN", SECRET), ("ELT_PLAIN", "1"))
+    hosts = [Host(name="h1", address=h.address, port=h.port, env=env),
+             Host(name="here", address="local", env=env)]
+
+    async def hold(host, t):
+        # the program: a long-running python, holding until the test has looked
+        ready, go = tmp_path / f"{host.name}.pid", tmp_path / f"{host.name}.go"
+        prog = (f"import os, time; open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
+                f"while not os.path.exists({str(go)!r}): time.sleep(0.02)")
+        return await t.run(f"exec {sys.executable} -c {shlex.quote(prog)}", input="", timeout=120)
+
+    async def main():
+        async with Fleet(hosts, ssh=inv.ssh) as fleet:
+            running = asyncio.ensure_future(fleet.each(None, hold))
+            pids = {}
+            for name in ("h1", "here"):
+                while not (tmp_path / f"{name}.pid").exists() or not (tmp_path / f"{name}.pid").read_text():
+                    await asyncio.sleep(0.02)
+                pids[name] = int((tmp_path / f"{name}.pid").read_text())
+            seen = _cmdlines_holding("9f3c2a7e51b4")
+            environs = {name: Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for name, pid in pids.items()}
+            for name in pids:
+                (tmp_path / f"{name}.go").touch()
+            done = await running
+            # a byte stream gets the values too, and its own input after them, whole
+            s = await (await fleet.transport(hosts[0])).open_stream('printf "%s|" "$ELT_TOKEN"; cat')
+            await s.write(bytes(range(256)))
+            await s.close_stdin()
+            got = bytearray()
+            while chunk := await s.read(1 << 16):
+                got += chunk
+            return seen, environs, done, bytes(got), await s.wait()
+
+    seen, environs, out, streamed, (status, _) = asyncio.run(main())
+    assert status == 0 and streamed == SECRET.encode() + b"|" + bytes(range(256))
+    assert seen == [], f"a host's env value is on a command line: {seen}"
+    for name in ("h1", "here"):
+        assert out[name].ok and out[name].value.ok, out[name]
+        assert f"ELT_TOKEN={SECRET}".encode() in environs[name] and b"ELT_PLAIN=1" in environs[name]
 
 
 def test_a_slow_command_is_that_hosts_timeout_only(testbed):

@@ -19,7 +19,7 @@ from eltctl.inventory import Host, SSHSettings
 from eltctl.hosts.ssh import Endpoint, endpoint
 from eltctl.hosts.fleet import Fleet
 from eltctl.hosts.local import LocalTransport
-from eltctl.hosts.transport import ErrorKind, RunResult, Transport, wrap_env
+from eltctl.hosts.transport import ErrorKind, RunResult, Transport, Wrapped, wrap_env
 
 LOCAL = Host(name="here", address="local")
 
@@ -107,13 +107,36 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("env, command, expected", [
-    ((), "echo hi", "umask 077; echo hi"),
-    ((("A", "1"),), "echo $A", "env A=1 /bin/sh -c 'umask 077; echo $A'"),
-    ((("A", "x y"),), "true", "env 'A=x y' /bin/sh -c 'umask 077; true'"),
-])
-def test_wrap_env(env, command, expected):
-    assert wrap_env(command, env) == expected
+def test_wrap_env_without_env_is_the_private_command():
+    assert wrap_env("echo hi", ()) == Wrapped("umask 077; echo hi")
+    assert Wrapped("x").input("in") == "in" and Wrapped("x").input(None) is None
+
+
+SECRETS = [("A", "s3cret-token"), ("B", "it's a \"test\" $HOME `id` \\c %s \\0134 \\n"),
+           ("C", "two\nlines\n\n"), ("D", ""), ("E", "é ünïcode \t tab")]
+
+
+def test_wrap_env_names_variables_on_the_command_line_and_puts_values_on_stdin():
+    w = wrap_env("true", SECRETS)
+    for name, value in SECRETS:
+        assert f"read -r {name}" in w.command
+        if value:
+            assert value not in w.command
+    assert w.stdin_head.count("\n") == len(SECRETS)  # one line per value, newlines escaped
+    assert w.input("rest") == w.stdin_head + "rest" and w.input(None) == w.stdin_head
+
+
+def test_wrapped_command_sees_every_value_exactly_and_the_input_after_them():
+    names = " ".join(f'"${n}"' for n, _ in SECRETS)
+    w = wrap_env(f"printf '%s|' {names}; cat", SECRETS)
+    r = run(LocalTransport(LOCAL).run(w.command, input=w.input("the input\nstays whole\n")))
+    assert r.ok, r.stderr
+    assert r.stdout == "".join(v + "|" for _, v in SECRETS) + "the input\nstays whole\n"
+
+
+def test_wrapped_command_without_its_values_on_stdin_says_so():
+    r = run(LocalTransport(LOCAL).run(wrap_env("echo ran", [("TOKEN", "x")]).command, input=""))
+    assert r.exit_status == 125 and "TOKEN did not arrive on stdin" in r.stderr and "ran" not in r.stdout
 
 
 def test_what_a_command_creates_on_a_host_is_private(tmp_path):
@@ -121,12 +144,6 @@ def test_what_a_command_creates_on_a_host_is_private(tmp_path):
     r = run(LocalTransport(LOCAL).run(f"mkdir {tmp_path}/d && echo x > {tmp_path}/d/f && umask"))
     assert r.stdout.strip() == "0077"
     assert (tmp_path / "d").stat().st_mode & 0o777 == 0o700 and (tmp_path / "d" / "f").stat().st_mode & 0o777 == 0o600
-
-
-def test_wrapped_command_sees_values_with_quotes_and_spaces():
-    cmd = wrap_env('printf "%s" "$V"', [("V", "it's a \"test\" $HOME")])
-    r = run(LocalTransport(LOCAL).run(cmd))
-    assert r.stdout == "it's a \"test\" $HOME"
 
 
 # --------------------------------------------------------------------------- Fleet
