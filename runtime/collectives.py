@@ -16,7 +16,11 @@ peer, over that very pair, a message signed with the job's secret for (generatio
 sender, receiver, group id), and checks the one it receives from each peer. A wrong or
 missing message fails the group like a forged rendezvous value: Aborted, counted
 (`gen/pair`, `gen/pair missing` among the Forgeries `status --json` shows), and the
-roll call forms the next generation on fresh listeners.
+roll call forms the next generation on fresh listeners. A handshake that keeps failing
+(someone racing every new group) is reported, one line per failure naming the pairs,
+who is connected to the rank's listener and the count, and backed off (`PairFailures`).
+The handshake authenticates a pair when it forms, nothing that crosses it later: what
+that leaves open is in docs/control-plane.md, "What the data plane exposes".
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from .netif import BIND_ADDRESS_ENV, local_address_towards
+from .netif import BIND_ADDRESS_ENV, connections_to_my_listeners, local_address_towards
 from .protocol import Keys
 
 log = logging.getLogger("eltctl_runtime")
@@ -47,6 +51,12 @@ BACKEND_TIMEOUT = timedelta(seconds=300)
 # NCCL connects its point-to-point channels in the handshake itself.
 PAIR_CHECK_S = 10.0
 PAIR_CHECK_NCCL_S = 60.0
+# A handshake that keeps failing (someone racing the listeners of every new group) would
+# abort generation after generation at once: from the second failure in a row the rank
+# waits before it answers the roll call (so before the next group forms), doubling up to
+# the cap. Its heartbeat goes on meanwhile, so nobody takes it for hung.
+PAIR_BACKOFF_FIRST_S = 1.0
+PAIR_BACKOFF_MAX_S = 16.0
 
 
 class Aborted(Exception):
@@ -318,8 +328,63 @@ def check_pair_messages(signer, generation: int, gid: str, rank: int, got: list[
             if j != rank and signer.open(Keys.pair(generation, j, rank), raw) != want]
 
 
+def pair_backoff_s(failures: int) -> float:
+    """How long a rank waits after `failures` failed handshakes in a row: nothing after
+    one (a single race or hiccup costs only its abort), then 1, 2, 4 ... s, at most
+    PAIR_BACKOFF_MAX_S."""
+    if failures < 2:
+        return 0.0
+    return min(PAIR_BACKOFF_MAX_S, PAIR_BACKOFF_FIRST_S * 2 ** (failures - 2))
+
+
+class PairFailures:
+    """This process's pair handshakes that failed in a row (one data plane per worker),
+    for the back-off and its report; a handshake that passes clears them."""
+
+    def __init__(self) -> None:
+        self.in_a_row = 0
+        self.suspects: dict[str, int] = {}  # peer (rank and worker) -> failures it was suspect in
+
+    def passed(self) -> None:
+        if self.in_a_row:
+            log.info("pair handshake: passed after %d failed one(s) in a row", self.in_a_row)
+        self.in_a_row = 0
+        self.suspects = {}
+
+    def failed(self, peers: list[str]) -> float:
+        """Count a failure whose suspect pairs are `peers`; the back-off it earns."""
+        self.in_a_row += 1
+        for p in peers:
+            self.suspects[p] = self.suspects.get(p, 0) + 1
+        return pair_backoff_s(self.in_a_row)
+
+    def report(self, generation: int, rank: int, listen: str | None, what: str, backoff_s: float,
+               connected: list[tuple[str, int, int | None]]) -> str:
+        """The log line: which pairs, how many failures, who is connected, what happens next."""
+        me = os.getuid()
+        others = [c for c in connected if c[2] is not None and c[2] != me]
+        counts: dict[tuple[str, int | None], int] = {}
+        for address, _port, uid in others or connected:  # another account's, when any: the suspects
+            counts[(address, uid)] = counts.get((address, uid), 0) + 1
+        who = ", ".join(f"{address} ({n} connection{'s' if n > 1 else ''}"
+                        + (f", uid {uid}, another account" if uid is not None and uid != me else "") + ")"
+                        for (address, uid), n in sorted(counts.items(), key=lambda kv: -kv[1])[:8])
+        suspects = ", ".join(f"{p} ({n}x)" for p, n in sorted(self.suspects.items())) or "unknown"
+        return (f"pair handshake of generation {generation} failed ({what}) for rank {rank}"
+                f"{f' listening on {listen}' if listen else ''}: {self.in_a_row} failed in a row; pairs "
+                f"with {suspects}; connected to this rank's data-plane listener: {who or 'nobody now'}. "
+                "Someone may be connecting first to every new group's listener (gloo gives a pair to "
+                "whoever names its sequence number; docs/control-plane.md, \"The data plane\")"
+                + (f"; the next group forms after a {backoff_s:g} s back-off" if backoff_s else ""))
+
+
+FAILURES = PairFailures()  # this process's; verify_pairs' default
+
+
 def verify_pairs(pg, signed_store, generation: int, gid: str, rank: int, size: int, device: torch.device,
-                 abort: threading.Event, timeout_s: float | None = None) -> None:
+                 abort: threading.Event, timeout_s: float | None = None, *, peers: list[str] | None = None,
+                 listen: str | None = None, failures: PairFailures | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
     """The signed pair handshake (module docstring), right after the group forms and
     before any collective uses it. One all-to-all: gloo's (gloo/alltoall.cc) and NCCL's
     send each peer its block over the direct pair (no ring, no relay), so every pair
@@ -327,7 +392,14 @@ def verify_pairs(pg, signed_store, generation: int, gid: str, rank: int, size: i
     and Forgeries); a job without a secret (a plain store) has nothing to sign with and
     skips the check. Raises Aborted when a peer's message is wrong or missing after
     `timeout_s` (counted), when the generation is aborted meanwhile, or when the
-    backend fails (a peer gone: backend_error)."""
+    backend fails (a peer gone: backend_error).
+
+    A wrong or missing message is also counted in `failures` (this process's
+    `FAILURES`): one log line names the suspect pairs (`peers`: the members by rank),
+    this rank's address (`listen`), who is connected to its listeners and how many
+    handshakes failed in a row, and from the second one in a row the rank backs off
+    (`pair_backoff_s`) before raising."""
+    failures = FAILURES if failures is None else failures
     signer = getattr(signed_store, "signer", None)
     forgeries = getattr(signed_store, "forgeries", None)
     if signer is None or size < 2:
@@ -361,8 +433,22 @@ def verify_pairs(pg, signed_store, generation: int, gid: str, rank: int, size: i
             if "timed out" not in str(e).lower():
                 raise Aborted(f"generation {generation}'s pair handshake failed: {e}", backend_error=True) from e
             missing = True
+
+    def named(ranks: list[int]) -> list[str]:
+        return [f"rank {j}" + (f" ({peers[j]})" if peers and j < len(peers) else "") for j in ranks]
+
+    def back_off(suspects: list[int], what: str) -> None:
+        wait = failures.failed(named(suspects))
+        log.warning("%s", failures.report(generation, rank, listen, what, wait, connections_to_my_listeners()))
+        if wait:
+            sleep(wait)
+
     if missing:
         _pair_anomaly(forgeries, Keys.pair(generation, -1, rank), "missing")
+        # Which peers' messages never came: readable only on the CPU (a CUDA copy would wait
+        # for the stuck all-to-all); a block gloo had not written yet reads as not verified.
+        suspects = _unverified(signer, generation, gid, rank, size, n, recv) if device.type == "cpu" else []
+        back_off(suspects, "a message missing")
         raise Aborted(f"generation {generation}'s pair handshake: no message from some peer of rank {rank} "
                       f"within {timeout_s:g} s (another account may hold a pair of the group: it is not used)")
     got = bytes(recv.cpu().tolist())
@@ -370,9 +456,16 @@ def verify_pairs(pg, signed_store, generation: int, gid: str, rank: int, size: i
     if bad:
         for j in bad:
             _pair_anomaly(forgeries, Keys.pair(generation, j, rank), "forged")
+        back_off(bad, "a message not signed for its pair")
         raise Aborted(f"generation {generation}'s pair handshake: the message of rank(s) {bad} to rank {rank} "
                       "is not signed for this pair with the job's secret (someone else holds that pair): "
                       "the group is not used")
+    failures.passed()
+
+
+def _unverified(signer, generation: int, gid: str, rank: int, size: int, n: int, recv: torch.Tensor) -> list[int]:
+    got = bytes(recv.clone().tolist())
+    return check_pair_messages(signer, generation, gid, rank, [got[j * n:(j + 1) * n] for j in range(size)])
 
 
 def _pair_anomaly(forgeries, key: str, what: str) -> None:

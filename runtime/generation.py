@@ -195,7 +195,7 @@ class Generations:
             # Every pair signed before any collective (gloo's listener gives a pair to whoever
             # connects first): a wrong or missing peer message aborts the generation (counted).
             collectives.verify_pairs(self.pg, self._store(), plan.generation, collectives.group_id(plan.to_json()),
-                                     rank, size, device, abort)
+                                     rank, size, device, abort, peers=list(plan.members), listen=bind)
             self._hooks.on_group(plan)
         except Aborted:
             self._to(Phase.RECOVERING)

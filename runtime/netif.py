@@ -170,3 +170,84 @@ def parse_ip_addr(text: str) -> dict[str, tuple[str, ...]]:
             name = parts[1].split("@", 1)[0]
             table.setdefault(name, []).append(parts[3].split("/", 1)[0])
     return {n: tuple(a) for n, a in table.items()}
+
+
+# ---------------------------------------------------------------------------- who connected
+
+
+@dataclass(frozen=True)
+class TcpRow:
+    """One row of /proc/net/tcp or tcp6: a socket of this network namespace (any account's)."""
+
+    local: tuple[str, int]
+    remote: tuple[str, int]
+    state: int  # the kernel's TCP state: 1 established, 10 listening
+    uid: int
+    inode: int
+
+
+ESTABLISHED, LISTEN = 0x01, 0x0A
+
+
+def _hex_address(field: str) -> tuple[str, int]:
+    """`0100007F:1F90` -> ("127.0.0.1", 8080): the address is in the kernel's byte order,
+    32-bit words of it (four for IPv6) each little-endian on the hosts we run on."""
+    addr, port = field.split(":")
+    raw = bytes.fromhex(addr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip), int(port, 16)
+
+
+def parse_proc_net_tcp(text: str) -> list[TcpRow]:
+    """The rows of /proc/net/tcp or /proc/net/tcp6 (a malformed row is skipped)."""
+    rows = []
+    for line in text.splitlines()[1:]:
+        f = line.split()
+        try:
+            rows.append(TcpRow(_hex_address(f[1]), _hex_address(f[2]), int(f[3], 16), int(f[7]), int(f[9])))
+        except (IndexError, ValueError):
+            continue
+    return rows
+
+
+def accepted_connections(rows: list[TcpRow], mine: set[int]) -> list[tuple[str, int, int | None]]:
+    """The remote ends of the connections that the sockets `mine` (inodes) accepted on
+    their listeners: (address, port, the uid of the account whose socket it is when it
+    is on this machine, else None). Pure: `rows` are every socket of the namespace."""
+    listening = {r.local for r in rows if r.inode in mine and r.state == LISTEN}
+    ports = {port for _, port in listening}
+    owner = {(r.local, r.remote): r.uid for r in rows if r.state == ESTABLISHED}
+    out = []
+    for r in rows:
+        if r.inode in mine and r.state == ESTABLISHED and r.local[1] in ports and (
+                r.local in listening or ("0.0.0.0", r.local[1]) in listening or ("::", r.local[1]) in listening):
+            out.append((r.remote[0], r.remote[1], owner.get((r.remote, r.local))))
+    return sorted(out)
+
+
+def connections_to_my_listeners() -> list[tuple[str, int, int | None]]:
+    """`accepted_connections` of this process, read from /proc (empty where unreadable):
+    who is connected to this worker's data-plane listeners, naming another account of
+    this machine by its uid."""
+    mine = set()
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                mine.add(int(link[8:-1]))
+        rows = []
+        for name in ("tcp", "tcp6"):
+            try:
+                with open(f"/proc/self/net/{name}") as f:
+                    rows += parse_proc_net_tcp(f.read())
+            except OSError:
+                continue
+    except OSError:
+        return []
+    return accepted_connections(rows, mine)

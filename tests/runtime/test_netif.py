@@ -4,6 +4,7 @@ host's own table, `ip -o addr show`'s output, and the daemon's variables for its
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -101,3 +102,40 @@ def test_a_daemon_whose_store_is_a_unix_socket_names_loopback_as_the_workers_do(
     assert plane.address == "127.0.0.1" and plane.interface == "lo" and env["GLOO_SOCKET_IFNAME"] == "lo"
     plane, _ = data_plane(cfg, {"ELTCTL_BIND_ADDRESS": "127.0.0.2"})  # the controller's address wins
     assert plane.address == "127.0.0.2"
+
+
+# ------------------------------------------------------------------- who is connected to a listener
+
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 100 1 0
+   1: 0100007F:1F90 0100007F:A000 01 00000000:00000000 00:00000000 00000000     0        0 101 1 0
+   2: 0100007F:A000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 900 1 0
+   3: 0100007F:B000 0500000A:0016 01 00000000:00000000 00:00000000 00000000     0        0 102 1 0
+   4: 0100007F:1F90 0600000A:C000 01 00000000:00000000 00:00000000 00000000     0        0 103 1 0
+"""
+
+
+def test_the_connections_a_process_accepted_name_a_local_peers_account():
+    from eltctl_runtime.netif import accepted_connections, parse_proc_net_tcp
+
+    rows = parse_proc_net_tcp(PROC_NET_TCP)
+    assert rows[0].local == ("127.0.0.1", 8080) and rows[3].remote == ("10.0.0.5", 22)
+    # ours: the listener (100), two accepted connections (101, 103) and one we opened (102)
+    assert accepted_connections(rows, {100, 101, 102, 103}) == [("10.0.0.6", 49152, None),
+                                                                ("127.0.0.1", 40960, 65534)]
+    assert accepted_connections(rows, {102}) == []
+
+
+def test_the_connections_to_this_processs_own_listener_are_found():
+    import socket
+
+    from eltctl_runtime.netif import connections_to_my_listeners
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname()) as client:
+            accepted, _ = listener.accept()
+            with accepted:
+                assert (*client.getsockname(), os.getuid()) in connections_to_my_listeners()

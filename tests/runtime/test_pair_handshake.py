@@ -6,6 +6,7 @@ timeout (counted as gen/pair missing); a job without a secret skips the check.""
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from datetime import timedelta
@@ -30,7 +31,8 @@ def _signed(secret: bytes):
     return auth.SignedStore(None, auth.Signer(secret, job_prefix("j")))
 
 
-def _handshake(server, prefix: str, stores: list, *, gid: str = "g1", answer=(True, True), timeout_s: float = 5.0):
+def _handshake(server, prefix: str, stores: list, *, gid: str = "g1", answer=(True, True), timeout_s: float = 5.0,
+               extra=({}, {})):
     """Form a 2-rank gloo group on `prefix` and run verify_pairs on the ranks that
     `answer`; {rank: "ok" or the Aborted message}."""
     out: dict[int, str] = {}
@@ -49,7 +51,7 @@ def _handshake(server, prefix: str, stores: list, *, gid: str = "g1", answer=(Tr
             collectives.bury(pg)
             return
         try:
-            collectives.verify_pairs(pg, stores[r], 7, gid, r, 2, CPU, threading.Event(), timeout_s)
+            collectives.verify_pairs(pg, stores[r], 7, gid, r, 2, CPU, threading.Event(), timeout_s, **extra[r])
             out[r] = "ok"
         except collectives.Aborted as e:
             out[r] = str(e)
@@ -113,3 +115,44 @@ def test_the_group_id_is_the_plan_s():
     assert collectives.group_id('{"generation": 1}') == collectives.group_id(b'{"generation": 1}')
     assert collectives.group_id('{"generation": 1}') != collectives.group_id('{"generation": 2}')
     assert len(collectives.group_id("x")) == 32
+
+
+@pytest.mark.parametrize("failures, wait", [(0, 0.0), (1, 0.0), (2, 1.0), (3, 2.0), (4, 4.0), (6, 16.0), (40, 16.0)])
+def test_the_back_off_starts_at_the_second_failure_in_a_row_and_doubles_to_its_cap(failures, wait):
+    assert collectives.pair_backoff_s(failures) == wait
+
+
+def test_a_handshake_that_keeps_failing_backs_off_and_names_the_pair_and_the_count(server, caplog):
+    """A peer that keeps failing the handshake (here: it signs with another secret, as a
+    racer holding the pair would) makes each rank wait longer before the next group (1 s,
+    then 2 s: recorded, not slept), and each failure's log line names the pair (rank and
+    worker), this rank's address, who is connected to its listener, and the count; a
+    handshake that passes clears the count."""
+    mine, theirs = (secrets.token_bytes(auth.SECRET_BYTES) for _ in range(2))
+    failures = [collectives.PairFailures(), collectives.PairFailures()]
+    slept: list[list[float]] = [[], []]
+    extra = [dict(peers=["h1/0/1", "h2/0/1"], listen="127.0.0.1", failures=failures[r], sleep=slept[r].append)
+             for r in range(2)]
+    caplog.set_level("WARNING", logger="eltctl_runtime")
+    for i in range(3):
+        out = _handshake(server, f"race{i}", [_signed(mine), _signed(theirs)], extra=extra)
+        assert all("not signed" in out[r] for r in range(2)), out
+    assert slept == [[1.0, 2.0], [1.0, 2.0]]
+    assert [f.in_a_row for f in failures] == [3, 3]
+    lines = [r.getMessage() for r in caplog.records if "failed in a row" in r.getMessage()]
+    last = [line for line in lines if "for rank 0" in line][-1]
+    assert "3 failed in a row" in last and "rank 1 (h2/0/1) (3x)" in last and "listening on 127.0.0.1" in last
+    assert "connected to this rank's data-plane listener: " in last and "a 2 s back-off" in last
+    assert _handshake(server, "honest", [_signed(mine), _signed(mine)], extra=extra) == {0: "ok", 1: "ok"}
+    assert [f.in_a_row for f in failures] == [0, 0] and slept == [[1.0, 2.0], [1.0, 2.0]]
+
+
+def test_the_report_names_another_account_connected_to_the_listener():
+    f = collectives.PairFailures()
+    f.failed(["rank 1 (h2/0/1)"])
+    other = os.getuid() + 1
+    line = f.report(4, 0, "10.0.0.5", "a message missing", 0.0,
+                    [("10.0.0.6", 41000, None), ("10.0.0.5", 52000, other), ("10.0.0.5", 52001, other)])
+    assert f"listener: 10.0.0.5 (2 connections, uid {other}, another account)." in line
+    assert "10.0.0.6" not in line  # the other account's connections are the ones shown
+    assert "1 failed in a row" in line and "back-off" not in line

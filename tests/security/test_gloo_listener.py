@@ -202,7 +202,7 @@ for r in range(rounds):
             pg = collectives.run_abortable(lambda: collectives.make_group(store, rank, 2, cpu, addr), abort,
                                            f"group of generation {g}")
             collectives.verify_pairs(pg, js, g, collectives.group_id(f"round {r} generation {g}"), rank, 2, cpu,
-                                     abort, timeout_s=check_s)
+                                     abort, timeout_s=check_s, peers=["rank0", "rank1"], listen=addr)
             raw.set(f"ok/{g}/{rank}", "1")
             while not raw.check([f"ok/{g}/{1 - rank}"]):
                 if abort.is_set():
@@ -292,3 +292,11 @@ def test_a_new_gloo_group_is_not_hijacked_by_another_account_racing_its_listener
         assert dropped, "the attacker held a pair but no generation was dropped"
     counted = sum(n for res in results for fam, n in res["forged"].items() if fam.startswith("gen/pair"))
     assert counted >= (1 if dropped else 0), [res["forged"] for res in results]
+    # each failed handshake is reported (issue 49): the pair, this rank's address, who is
+    # connected to its listener and how many failed in a row (the back-off from the second)
+    reports = [line for r in range(2) for line in (tmp_path / f"rank{r}.err").read_text().splitlines()
+               if "failed in a row" in line]
+    print("the ranks' reports:", *reports[:6], sep="\n  ")
+    if dropped:
+        assert reports and all(f"listening on {address}" in line for line in reports), reports
+        assert any("another account" in line for line in reports), reports  # it names the racer's account
