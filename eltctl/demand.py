@@ -16,7 +16,12 @@ account (`user`) and clock (`time`), so a reader compares times on one clock::
 and `wants_here` are about this host (whether the job would take a GPU here);
 `usage_gpu_h` is the job's recent usage (GPU-hours decayed with its
 `usage_half_life`); `every` its probe interval. An entry older than `stale_after(every)`
-on the host's clock is ignored (its controller is gone). The job's host daemons read the
+on the host's clock is ignored (its controller is gone), and so is one dated more than
+`CLOCK_SKEW_S` in the future. Anyone can write that directory: an entry is believed only
+when the file's owner is the account its name and its `user` name, and its `job` is the
+one its name names (runtime/claims.py `judge`, applied by the probe's parser and the
+daemons; a refused entry is reported with its owner). Another account that created this
+job's file name first is reported and the alternate `demand.<user>.<job>~1` is written. The job's host daemons read the
 entries too (runtime/claims.py `DemandReader`, every watch interval) and pass them on in
 their state documents (`demands`): a controller sees another job's new demand within
 a second or two of its publication (`from_daemon_state`). The file's name and the
@@ -29,6 +34,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
+from eltctl_runtime.claims import CLOCK_SKEW_S
 from eltctl_runtime.claims import DEMAND_PREFIX as PREFIX
 from eltctl_runtime.claims import DEMAND_STALE_MIN_S as STALE_MIN_S
 from eltctl_runtime.claims import demand_stale_after as stale_after
@@ -87,7 +93,10 @@ class Demand:
                    min_workers=max(1, num("min_workers", int, 1)), every=num("every", float, 30.0))
 
     def fresh(self, host_now: float | None) -> bool:
-        return host_now is None or host_now - self.time <= stale_after(self.every)
+        """Written recently enough to count, on the host's clock; a time further in the
+        future than the clock skew allowed is never fresh (it would stay fresh for ever)."""
+        return host_now is None or (host_now - self.time <= stale_after(self.every)
+                                    and self.time <= host_now + CLOCK_SKEW_S)
 
 
 def file_name(user: str, job: str) -> str:
@@ -96,8 +105,9 @@ def file_name(user: str, job: str) -> str:
 
 def from_daemon_state(state: Any, not_before: float | None = None) -> tuple[Demand, ...]:
     """The fresh demand entries a host daemon passed on in its state document
-    (`demands`, read from its host's claims directory; `time` is that host's clock),
-    judged at `not_before` when that is later (a newer probe of the host)."""
+    (`demands`, read from its host's claims directory and believed by its owner rule;
+    `time` is that host's clock), judged at `not_before` when that is later (a newer
+    probe of the host)."""
     if not isinstance(state, Mapping) or not isinstance(state.get("demands"), list):
         return ()
     now = state.get("time")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import secrets
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,16 +42,17 @@ from eltctl_runtime.owner import OwnerPolicy
 
 from eltctl_runtime import netif  # the data plane's choice, shared with the host daemon; stdlib only
 from eltctl_runtime import nvsmi  # the one nvidia-smi parser, shared with the host daemon; stdlib only
-from eltctl_runtime.claims import DEFAULT_DIR as CLAIMS_DEFAULT_DIR, ENV as CLAIMS_ENV, Claim, parse_slot_file
+from eltctl_runtime.claims import Claim, Refusal, parse_slot_file
 from eltctl_runtime.nvsmi import parse_number
 from eltctl.demand import Demand
+from eltctl.sharedir import claims_section, demand_section, parse_claims, parse_demands, refused_summary
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy
 from eltctl.hosts.fleet import Fleet, Outcome
 from eltctl.hosts.transport import ErrorKind, Transport
 from eltctl.text import printable
 
-MARK = ":::eltctl:"
+MARK = ":::eltctl:"  # the fixed marker (doctor's script); a probe's own is random (`new_marker`)
 PROBE_VERSION = "1"
 GPU_FIELDS = ",".join(nvsmi.GPU_FIELDS)
 APP_FIELDS = ",".join(nvsmi.APP_FIELDS)
@@ -124,6 +126,7 @@ class HostProbe:
     host_time: float | None = None  # the host's clock when the probe ran (demand times are on it)
     demands: tuple[Demand, ...] = ()  # the fresh demand entries of the jobs sharing the host (eltctl/demand.py)
     demand_error: str = ""  # why this job's demand could not be written there
+    refused: tuple[Refusal, ...] = ()  # entries of the claims directory not believed (eltctl/sharedir.py)
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ class HostReport:
     claims: tuple[tuple[str, Claim], ...] = ()
     host_time: float | None = None
     demands: tuple[Demand, ...] = ()
+    refused: tuple[Refusal, ...] = ()  # entries of its claims directory not believed: file, owner, reason
 
     @property
     def reachable(self) -> bool:
@@ -169,11 +173,12 @@ class HostReport:
 
 def probe_script(job: str, nvidia_smi_timeout: float) -> str:
     """The POSIX sh program a probe runs; the job name is its first argument, then
-    (optional) the host's Python, the owner policy as JSON and owner.py's source."""
+    (optional) the host's Python, the owner policy as JSON and owner.py's source, this
+    job's demand and the sections' marker (`new_marker`)."""
     t = f"{nvidia_smi_timeout:g}"
     return f"""\
 job="$1"
-m='{MARK}'
+m="${{6:-{MARK}}}"
 echo "${{m}}probe {PROBE_VERSION}"
 tmp=$(mktemp 2>/dev/null) || tmp=$(umask 077; mkdir -p "$HOME/.eltctl" && echo "$HOME/.eltctl/probe.$$")
 trap 'rm -f "$tmp"' EXIT
@@ -224,69 +229,32 @@ if command -v ip >/dev/null 2>&1; then ip -o addr show 2>/dev/null; else echo "!
 """
 
 
-def claims_section() -> str:
-    """The script's `claims` section: `<file> <content>` for each held GPU claim of the host
-    (runtime/claims.py; the directory is $ELTCTL_CLAIMS_DIR of the session, as the daemon's).
-    Held: a shared flock fails at once (`flock`, util-linux); without `flock`, the pid the
-    claim names is alive."""
-    return f"""\
-echo "${{m}}claims"
-cdir="${{{CLAIMS_ENV}:-{CLAIMS_DEFAULT_DIR}}}"
-for f in "$cdir"/gpu* "$cdir"/cpu*; do
-  [ -f "$f" ] || continue
-  c=$(head -c 2000 "$f" 2>/dev/null | tr -d '\\n')
-  if command -v flock >/dev/null 2>&1; then
-    flock -n -s 9 9<"$f" 2>/dev/null && continue
-  else
-    cpid=$(printf '%s' "$c" | sed -n 's/.*"pid": *\\([0-9][0-9]*\\).*/\\1/p')
-    [ -n "$cpid" ] && [ -d "/proc/$cpid" ] || continue
-  fi
-  echo "${{f##*/}} $c"
-done
-"""
-
-
-def demand_section() -> str:
-    """The script's `demand` section: the host's clock, then (when the fifth argument, this
-    job's demand as JSON, is given) that demand written atomically to
-    `<claims dir>/demand.<user>.<job>` with `user` and `time` added, then `<file> <content>`
-    for every demand file there (eltctl/demand.py)."""
-    return f"""\
-echo "${{m}}demand"
-date +%s
-if [ -n "$5" ]; then
-  cdir="${{{CLAIMS_ENV}:-{CLAIMS_DEFAULT_DIR}}}"
-  [ -d "$cdir" ] || {{ mkdir -m 1777 "$cdir" 2>/dev/null && chmod 1777 "$cdir" 2>/dev/null; }}
-  u=$(id -un 2>/dev/null)
-  dt="$cdir/.demand.$u.$1.$$"
-  if (umask 022; printf '{{"user": "%s", "time": %s, %s\\n' "$u" "$(date +%s)" "${{5#?}}" >"$dt") 2>/dev/null \\
-     && mv -f "$dt" "$cdir/demand.$u.$1" 2>/dev/null; then :; else rm -f "$dt"; echo "!cannot write $cdir/demand.$u.$1"; fi
-fi
-for f in "${{{CLAIMS_ENV}:-{CLAIMS_DEFAULT_DIR}}}"/demand.*; do
-  [ -f "$f" ] || continue
-  echo "${{f##*/}} $(head -c 4000 "$f" 2>/dev/null | tr -d '\\n')"
-done
-"""
-
-
 def owner_source() -> str:
     """eltctl_runtime.owner's source: what the probe runs on a host without the runtime."""
     return Path(owner_signals.__file__).read_text(encoding="utf-8")
 
 
 def probe_command(job: str, nvidia_smi_timeout: float, owner: OwnerPolicy | None = None,
-                  python: str = "python3", demand: Demand | None = None) -> str:
+                  python: str = "python3", demand: Demand | None = None, marker: str = MARK) -> str:
     """The one shell command a probe sends: `sh -c SCRIPT eltctl-probe JOB [PYTHON POLICY SOURCE
-    [DEMAND]]` (the next three when `owner` watches signals, else empty when a demand follows;
-    DEMAND: this job's demand to publish there, as JSON)."""
+    [DEMAND [MARKER]]]` (the three when `owner` watches signals; DEMAND: this job's demand to
+    publish there, as JSON; MARKER: the sections' marker, `new_marker`; empty ones are
+    passed as '' when a later one follows)."""
     cmd = "sh -c " + shlex.quote(probe_script(job, nvidia_smi_timeout)) + " eltctl-probe " + shlex.quote(job)
-    if owner is not None and owner.enabled:
-        cmd += " " + " ".join(shlex.quote(a) for a in (python, json.dumps(owner.to_dict()), owner_source()))
-    elif demand is not None:
-        cmd += " '' '' ''"
-    if demand is not None:
-        cmd += " " + shlex.quote(json.dumps(demand.published()))
-    return cmd
+    args = [python, json.dumps(owner.to_dict()), owner_source()] if owner is not None and owner.enabled else \
+        ["", "", ""]
+    args += [json.dumps(demand.published()) if demand is not None else "", "" if marker == MARK else marker]
+    while args and not args[-1]:
+        args.pop()
+    return cmd + "".join(" " + shlex.quote(a) for a in args)
+
+
+def new_marker() -> str:
+    """A probe's own section marker: random, so nothing the host echoes (a file name, a
+    process name) can start a section the parser believes (issue 49). It is on the
+    command line, which other accounts may read while the probe runs: what keeps an
+    echoed name out is the strict name set (eltctl/sharedir.py); this is the second lock."""
+    return f":::eltctl-{secrets.token_hex(8)}:"
 
 
 def probe_timeout(policy: Policy) -> float:
@@ -313,13 +281,17 @@ def parse_app_line(line: str) -> GpuProcess | None:
     return GpuProcess(pid=a.pid, gpu_uuid=a.gpu_uuid, used_memory_mib=a.used_memory_mib, name=a.name)
 
 
-def sections(text: str) -> dict[str, tuple[str, list[str]]]:
-    """{name: (argument after the name, lines)} for each `:::eltctl:name arg` marker."""
+def sections(text: str, marker: str = MARK) -> dict[str, tuple[str, list[str]]]:
+    """{name: (argument after the name, lines)} for each `<marker>name arg` line. Each
+    section is parsed once: a second section of a name (forged) is ignored, lines and all."""
     out: dict[str, tuple[str, list[str]]] = {}
     current: list[str] | None = None
     for line in text.splitlines():
-        if line.startswith(MARK):
-            name, _, arg = line[len(MARK):].partition(" ")
+        if line.startswith(marker):
+            name, _, arg = line[len(marker):].partition(" ")
+            if name in out:
+                current = None
+                continue
             current = []
             out[name] = (arg.strip(), current)
         elif current is not None:
@@ -334,10 +306,11 @@ def _status(arg: str) -> int | None:
         return None
 
 
-def parse_probe_output(text: str) -> HostProbe:
-    """The facts in a probe's output. Tolerates missing sections (a truncated run).
-    Control characters (a process or user name of anyone on the host) are made visible."""
-    s = sections(printable(text))
+def parse_probe_output(text: str, marker: str = MARK) -> HostProbe:
+    """The facts in a probe's output (`marker`: its sections' marker, `new_marker`).
+    Tolerates missing sections (a truncated run). Control characters (a process or user
+    name of anyone on the host) are made visible."""
+    s = sections(printable(text), marker)
     cpu_count = None
     for line in s.get("cpus", ("", []))[1]:
         n = parse_number(line)
@@ -401,45 +374,17 @@ def parse_probe_output(text: str) -> HostProbe:
         ssh_address = arg or None
         if "!no-ip" not in lines:
             interfaces = netif.parse_ip_addr("\n".join(lines))
+    demand = parse_demands(s.get("demand", ("", []))[1])
+    claims, refused, trusted = parse_claims(s.get("claims", ("", []))[1], demand["host_time"])
+    if not trusted:
+        demand = {**demand, "demands": ()}
     return HostProbe(
         net="net" in s, ssh_address=ssh_address, interfaces=interfaces,
         complete="end" in s, cpu_count=cpu_count, load_avg=load_avg, users=tuple(users),
         nvidia_smi=nvidia_smi, gpu_status=gpu_status, gpu_output=gpu_output or "", gpus=tuple(gpus),
         apps_status=apps_status, apps_output=apps_output or "", processes=tuple(procs),
         owner_ran=owner_ran, owner=owner, owner_output=owner_output,
-        claims=parse_claims(s.get("claims", ("", []))[1]),
-        **parse_demands(s.get("demand", ("", []))[1]))
-
-
-def parse_demands(lines: Iterable[str]) -> dict:
-    """The `demand` section: the host's clock, the fresh entries and a write failure."""
-    host_time, out, error = None, [], ""
-    for i, line in enumerate(lines):
-        line = line.strip()
-        if i == 0:
-            try:
-                host_time = float(line)
-            except ValueError:
-                pass
-            continue
-        if line.startswith("!"):
-            error = line[1:]
-            continue
-        name, _, content = line.partition(" ")
-        d = Demand.from_json(content) if name.startswith("demand.") else None
-        if d is not None and d.fresh(host_time):
-            out.append(d)
-    return {"host_time": host_time, "demands": tuple(sorted(out, key=lambda d: d.key)), "demand_error": error}
-
-
-def parse_claims(lines: Iterable[str]) -> tuple[tuple[str, Claim], ...]:
-    """The `claims` section: `<file> <claim JSON>` per held claim (see `claims_section`)."""
-    out = []
-    for line in lines:
-        name, _, content = line.strip().partition(" ")
-        if parse_slot_file(name) is not None:
-            out.append((name, Claim.from_json(content)))
-    return tuple(sorted(out))
+        claims=claims, **{**demand, "refused": refused + demand["refused"]})
 
 
 # --------------------------------------------------------------------------- decisions
@@ -516,8 +461,12 @@ def taken_reason(taken: Iterable[GpuProcess], claim: Claim | None) -> str:
 
 def gpu_claims(probe: HostProbe, job: str) -> dict[int, Claim]:
     """GPU index -> the claim another eltctl job (not `job`) holds on it."""
-    return {int(name[3:]): c for name, c in probe.claims
-            if name.startswith("gpu") and (not job or c.job != job)}
+    out: dict[int, Claim] = {}
+    for name, c in probe.claims:
+        slot = parse_slot_file(name)
+        if slot is not None and slot[0] == "gpu" and (not job or c.job != job):
+            out.setdefault(slot[1], c)
+    return out
 
 
 def _first_line(text: str, default: str) -> str:
@@ -556,7 +505,8 @@ def assess_host(host: Host, probe: HostProbe, policy: Policy, *, job: str = "") 
     plane = data_plane(host, probe)
     if plane is not None and plane["error"] and plane["source"] == "inventory":  # its daemon would not start
         report = replace(report, reason=f"{report.reason}; {plane['error']}")
-    return replace(report, data_plane=plane, claims=probe.claims, host_time=probe.host_time, demands=probe.demands)
+    return replace(report, data_plane=plane, claims=probe.claims, host_time=probe.host_time, demands=probe.demands,
+                   refused=probe.refused)
 
 
 def data_plane(host: Host, probe: HostProbe) -> dict | None:
@@ -664,15 +614,16 @@ async def probe_host(host: Host, transport: Transport, *, job: str, policy: Poli
     `owner`: the owner signals the host watches (None or none watched: no owner check).
     `demand`: this job's demand to publish on the host (a controller's probe; None: none)."""
     limit = probe_timeout(policy)
+    marker = new_marker()
     try:
-        result = await transport.run(probe_command(job, policy.nvidia_smi_timeout, owner, host.python, demand),
-                                     timeout=limit)
+        result = await transport.run(probe_command(job, policy.nvidia_smi_timeout, owner, host.python, demand,
+                                                   marker), timeout=limit)
     except HostError as exc:
         if exc.kind in (ErrorKind.TIMEOUT, ErrorKind.COMMAND):  # str enum: equal to the plain strings too
             return HostReport(name=host.name, address=host.address, state=HostState.UNHEALTHY,
                               reason=f"the probe did not complete: {bare_message(exc)}", error=exc)
         raise
-    probe = parse_probe_output(result.stdout)
+    probe = parse_probe_output(result.stdout, marker)
     if not probe.complete and result.exit_status != 0:
         msg = _first_line(result.stderr, f"exit {result.exit_status}")
         return HostReport(name=host.name, address=host.address, state=HostState.UNHEALTHY,
@@ -733,6 +684,7 @@ JSON_FORMAT = """\
 | `data_plane` | object or null | where the job's collectives (gloo, NCCL) listen on the host, as its daemon chooses (docs/control-plane.md, "The data plane"): `interface` (string or null: none holds the address, or a `local` host decides from its route to the store), `address` (string or null), `source` (`inventory`: the host's `data_interface`; `address`: the interface of the host's address of its SSH connection; `store route`), `error` (string or null: e.g. a `data_interface` the host lacks, then also in `reason`); null when the host was not probed to the end |
 | `gpus` | [object] | the GPUs considered (the host's `gpus` list, or all), by index; empty unless `state` is `ok` |
 | `host_time` | number or null | the host's clock when the probe ran |
+| `refused` | object or null | entries of the host's GPU claims directory that were not believed (docs/control-plane.md, "Several jobs on one lab"): `count`, `entries` (the first 20: `file`, `owner` (the file owner's account), `reason`); null when none |
 | `demands` | [object] | fair share (docs/fairshare.md): the fresh demand entries the eltctl jobs sharing the host published beside its GPU claims: `job`, `user` (the host account), `time` (host clock), `priority`, `held` and `wanted` (GPUs, job-wide), `held_here`, `wants_here` (this host), `usage_gpu_h` (recent usage, decayed GPU-hours), `min_workers`, `every` (seconds between its writes) |
 
 Each GPU:
@@ -773,6 +725,7 @@ def report_to_json(r: HostReport) -> dict:
         "data_plane": r.data_plane,
         "host_time": r.host_time,
         "demands": [json.loads(d.to_json()) for d in r.demands],
+        "refused": refused_summary(r.refused),
         "gpus": [
             {
                 "index": g.gpu.index,

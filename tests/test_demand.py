@@ -6,14 +6,16 @@ import os
 import subprocess
 
 from eltctl.demand import Demand, stale_after
-from eltctl.probe import parse_demands, parse_probe_output, probe_command
+from eltctl.probe import parse_probe_output, probe_command
+from eltctl.sharedir import parse_demands
 
 
 def test_parse_keeps_fresh_entries_and_the_write_failure():
     fresh = Demand(job="a", user="alice", time=1000.0, held=2, wanted=1, every=30.0)
     old = Demand(job="b", user="bob", time=1000.0 - stale_after(30.0) - 200, held=4)
-    lines = ["1050", f"demand.alice.a {fresh.to_json()}", f"demand.bob.b {old.to_json()}",
-             "demand.x.y not json", "!cannot write /tmp/eltctl-gpus/demand.alice.a"]
+    # each entry: name, its owner's uid and account, content
+    lines = ["1050", f"demand.alice.a 1001 alice {fresh.to_json()}", f"demand.bob.b 1002 bob {old.to_json()}",
+             "demand.x.y 1003 x not json", "!cannot write /tmp/eltctl-gpus/demand.alice.a"]
     got = parse_demands(lines)
     assert got["host_time"] == 1050.0
     assert got["demands"] == (fresh,)
@@ -50,3 +52,14 @@ def test_entries_a_daemon_passed_on_are_judged_on_its_hosts_clock():
     assert [d.job for d in from_daemon_state(state)] == ["b"]
     assert from_daemon_state(state, not_before=990.0 + 61) == ()  # a newer probe of the host: b is stale by then
     assert from_daemon_state({"demands": []}) == () and from_daemon_state(None) == ()
+
+
+def test_a_time_in_the_future_is_never_fresh():
+    """Issue 49: `time: 9e12` kept a forged entry fresh for ever; a small clock skew is allowed."""
+    from eltctl_runtime.claims import CLOCK_SKEW_S, demand_fresh
+
+    now = 1000.0
+    assert not Demand(job="g", time=9e12).fresh(now)
+    assert not Demand(job="g", time=now + CLOCK_SKEW_S + 1).fresh(now)
+    assert Demand(job="g", time=now + CLOCK_SKEW_S - 1).fresh(now)
+    assert not demand_fresh({"time": 9e12}, now) and demand_fresh({"time": now + 5}, now)

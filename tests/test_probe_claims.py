@@ -69,10 +69,14 @@ def _output(claims_lines: list[str], owners: str) -> str:
 
 
 def test_parse_reads_the_other_job_and_the_held_claims():
-    text = _output([f"gpu0 {B_CLAIM.to_json()}", "gpu1 {\"job\": \"a\"}", "junk line"], "7 0 bob b")
+    # each claim line: name, owner uid and account, lock held, pid a live process of the owner, content
+    a_claim = '{"job": "a", "user": "alice"}'
+    text = _output(["!dir 0 0 root 43ff", f"gpu0@bob 1001 bob 1 1 {B_CLAIM.to_json()}",
+                    f"gpu1@alice 1002 alice 1 1 {a_claim}", "junk line"], "7 0 bob b")
     p = parse_probe_output(text)
     assert p.processes[0].job == "b" and not p.processes[0].ours
-    assert p.claims == (("gpu0", B_CLAIM), ("gpu1", Claim(job="a")))
+    assert p.claims == (("gpu0@bob", B_CLAIM), ("gpu1@alice", Claim(job="a", user="alice")))
+    assert p.refused == ()
     r = assess_host(Host(name="h1", address="x"), p, POLICY, job="a")
     assert [(g.gpu.index, g.state, g.job) for g in r.gpus] == [(0, GpuUse.TAKEN, "b"), (1, GpuUse.FREE, None)]
     assert r.slots == 1  # a taken GPU is not free
@@ -99,7 +103,7 @@ def test_the_script_reads_the_hosts_claims_and_names_the_holding_job(sim_host, t
             time.sleep(0.1)
         assert [(g.state, g.job) for g in r.gpus] == [(GpuUse.TAKEN, "other"), (GpuUse.OURS, "job1")], \
             [g.reason for g in r.gpus]
-        assert "taken by job other (user bob" in r.gpus[0].reason
+        assert f"taken by job other (user {claims.my_account()}" in r.gpus[0].reason
         held.close()
         [r] = _probe([host])
         assert r.gpus[0].state is GpuUse.FREE  # released: the file stays, nobody holds it

@@ -80,3 +80,7 @@ def render(reports) -> None:
     reachable = sum(1 for r in reports if r.reachable)
     Console(highlight=False).print(
         f"{reachable} of {len(reports)} host(s) reachable; GPUs: {summary}; CPU slots: {cpu}")
+    from eltctl.commands.lab import refused_lines  # the claims directories' refusals (issue 49)
+
+    for line in refused_lines([(r.name, x) for r in reports for x in r.refused]):
+        Console(highlight=False).print(line)

@@ -80,7 +80,12 @@ class Plan:
 
 def merge(entries: Iterable[Demand]) -> list[Demand]:
     """One entry per job: the newest of those seen on the hosts. A job is known by its
-    name, as its GPU claims are (its account may differ from host to host)."""
+    name, as its GPU claims are (its account may differ from host to host). What makes
+    that safe (issue 49) is upstream: an entry reaches here only when its file's owner
+    is the account it names (runtime/claims.py `judge`), and never with a time in the
+    future (which would make it the newest for ever); another account can publish under
+    a job's name only as itself, and a job's own controller ignores every entry of its
+    name (`plan`, `others_seen`)."""
     out: dict[str, Demand] = {}
     for d in entries:
         if d.job not in out or d.time > out[d.job].time:
@@ -365,9 +370,11 @@ def others_seen(reports: Mapping[str, object], job: str) -> list[Demand]:
 
 
 def own_user(reports: Mapping[str, object], job: str, default: str) -> str:
-    """The host account this job's entries were written under (else `default`)."""
-    return next((d.user for r in reports.values() for d in getattr(r, "demands", ()) if d.job == job and d.user),
-                default)
+    """The host account this job's entries were written under (else `default`). `default`
+    (this controller's account) wins when an entry of it is seen: another account may
+    publish an entry with this job's name under its own account (issue 49)."""
+    users = [d.user for r in reports.values() for d in getattr(r, "demands", ()) if d.job == job and d.user]
+    return default if default in users or not users else users[0]
 
 
 def free_gpus(reports: Mapping[str, object], usable: Iterable[str], states: tuple = ()) -> int:

@@ -55,8 +55,12 @@ The daemon
      "phase": "running" | "stopping" | "stopped" | "failed",
      "seq_applied": int | null, "wanted": [slots of that seq],
      "slot_kind": "gpu" | "cpu", "valid_slots": [slots it has] | null (any GPU),
-         # fixed at its start (config.py gpu_host, valid_slots): a desired slot it does
-         # not have is refused, so the controller replaces a daemon of the wrong kind
+     "follows_gpus": bool,
+         # the kind is fixed at its start (config.py gpu_host), and so are the slots unless
+         # follows_gpus (daemon.json's follow_gpus: its GPU list came from the probe): then
+         # they are what nvidia-smi lists, and a desired slot refused earlier is taken up
+         # once listed (logic.late_slots). A desired slot it does not have is refused, so
+         # the controller replaces a daemon of the wrong kind (or, not following, too few GPUs)
      "config": daemon.json's config ("": none): the controller's digest of the job's code,
          # settings and this host's entry it was started with; an idle daemon with an
          # older one is replaced, and its crash events (which carry it) count no failure
@@ -82,10 +86,15 @@ The daemon
      "store": {"connected", "reconnects", "last_error"},
      "forged": {"<family>": int},   # store values that failed the job's signature check, per key
          # family (auth.family, e.g. "daemon/desired"), ignored and counted; {} when none
-     "demands": [{"job", "user", "time", "priority", "held", "wanted", ...}]}
+     "demands": [{"job", "user", "time", "priority", "held", "wanted", ...}],
          # the fresh fair-share demand entries in the host's claims directory, as their files
          # hold them (claims.DemandReader, read every watch_interval; eltctl/demand.py): the
-         # controller learns of another job's new demand from them, not only at its next probe
+         # controller learns of another job's new demand from them, not only at its next probe;
+         # only the entries believed (claims.judge: the file's owner is the account they name)
+     "refused": {"count": int, "entries": [{"file", "owner", "reason"}]}}
+         # the entries of the claims directory not believed at its last look (claims.judge):
+         # written by another account than the one they name, a name outside the strict set,
+         # a time in the future, a lock with no live process of its account (issue 49)
 
 Events it appends to the runtime's `events/<n>`: `{time, kind, host, workers,
 pause_s: null, detail}` with kind `yield` or `crash` (`protocol.event_document`);

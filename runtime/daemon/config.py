@@ -12,6 +12,9 @@
       "env": {"NCCL_DEBUG": "WARN"},          # extra worker environment
       "device": "cuda",                       # or "cpu" (also: simulated GPU hosts)
       "gpus": [0, 1],                         # GPU indices the job may use; null: CPU slots
+      "follow_gpus": true,  # optional: `gpus` is what the probe saw, not the inventory's list: the
+                            # daemon's GPU slots then follow what its nvidia-smi lists (logic.py
+                            # `followed_slots`); absent or false: `gpus` is fixed for its life
       "slots": 1,                             # CPU workers when gpus is null and device is cpu
       "max_micro_batch": null,                # optional: a worker's largest micro-batch here
       "checkpoint_dir": "/shared/ckpt/mnist", # or null
@@ -107,6 +110,7 @@ class DaemonConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     device: str = "cpu"  # "cpu" | "cuda"
     gpus: tuple[int, ...] | None = None
+    follow_gpus: bool = False  # the GPU slots follow nvidia-smi's list (module docstring)
     slots: int = 1
     max_micro_batch: int | None = None
     checkpoint_dir: Path | None = None
@@ -145,6 +149,8 @@ class DaemonConfig:
 
     @property
     def valid_slots(self) -> frozenset[int] | None:
+        """The slots it has at its start (None: any GPU); with `follow_gpus` the daemon's
+        GPU slots then follow nvidia-smi (service.py `_observe_gpus`)."""
         if self.gpus is not None:
             return frozenset(self.gpus)
         return None if self.device == "cuda" else frozenset(range(self.slots))
@@ -234,6 +240,9 @@ class DaemonConfig:
                                  or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0
                                             for g in gpus)):
             raise DaemonConfigError(f"{source}: 'gpus' must be null or a list of GPU indices")
+        follow_gpus = d.get("follow_gpus") or False
+        if not isinstance(follow_gpus, bool):
+            raise DaemonConfigError(f"{source}: 'follow_gpus' must be true or false, not {follow_gpus!r}")
         slots = d.get("slots", 1)
         if not isinstance(slots, int) or slots < 1:
             raise DaemonConfigError(f"{source}: 'slots' must be a positive integer")
@@ -286,7 +295,8 @@ class DaemonConfig:
             job=need("job"), host=need("host"), store=store, job_dir=Path(need("job_dir")).expanduser(),
             code_dir=Path(need("code_dir")).expanduser(), command=tuple(command),
             python=d.get("python") or "python3", env=dict(env), device=device,
-            gpus=tuple(gpus) if gpus is not None else None, slots=slots, max_micro_batch=max_micro,
+            gpus=tuple(gpus) if gpus is not None else None, follow_gpus=follow_gpus and gpus is not None,
+            slots=slots, max_micro_batch=max_micro,
             checkpoint_dir=Path(ckpt).expanduser() if ckpt else None,
             hang_timeout=number("hang_timeout", 10.0), min_workers=min_workers, max_workers=max_workers,
             watch_interval=number("watch_interval", 1.0), nvidia_smi_timeout=number("nvidia_smi_timeout", 10.0),

@@ -238,6 +238,20 @@ def incarnation_of(worker: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
+def late_slots(listed, wanted: frozenset[int], valid: frozenset[int] | None) -> frozenset[int]:
+    """The slots of the applied desired document that were refused at its apply (not in
+    `wanted`, which only a new seq changes) and that the host has now (`valid`)."""
+    return frozenset(s for s in listed if s not in wanted and (valid is None or s in valid))
+
+
+def followed_slots(current: frozenset[int] | None, listed) -> frozenset[int] | None:
+    """A following daemon's GPU slots after a watch round that listed the GPUs `listed`
+    (indices): what nvidia-smi lists now; an empty list says nothing (a glitch, or a
+    driver mid-reset: the probe calls it unhealthy) and keeps `current`."""
+    seen = frozenset(listed)
+    return seen if seen else current
+
+
 def decide(v: View) -> Decision:
     m = v.memory
     actions: list[Action] = []
@@ -262,6 +276,16 @@ def decide(v: View) -> Decision:
             m = replace(m, seq_applied=d.seq, wanted=wanted, armed=wanted,
                         yielded=tuple(y for y in m.yielded if y.slot not in wanted))
             actions.append(Note(f"host {v.host} applies desired seq {d.seq}: slots {sorted(wanted)}"))
+    elif d is not None and not stopping and d.seq == m.seq_applied:
+        # 1b. Slots the applied seq listed that the host did not have then and has now (a
+        # daemon that follows its GPUs: nvidia-smi lists one it did not): taken up as at
+        # the apply, armed once each; the controller need not write the same slots again.
+        late = late_slots(d.slots, m.wanted, v.valid_slots)
+        if late:
+            m = replace(m, wanted=m.wanted | late, armed=m.armed | late,
+                        yielded=tuple(y for y in m.yielded if y.slot not in late))
+            actions.append(Note(f"host {v.host} now has slot(s) {sorted(late)} that desired seq {d.seq} lists: "
+                                f"they are taken up"))
 
     # 2. Live workers.
     leaving = set(m.leaving)

@@ -30,7 +30,8 @@ from ..auth import Forgeries
 from .link import StoreLink
 from .logic import (
     Decision, Exit, Foreign, Kill, Leave, MarkStopping, Memory, Note, RecordYield, Start, View,
-    TAIL_BYTES, WorkerState, WorkerView, cause_line, decide, exit_outcome, first_incarnation, incarnation_of,
+    TAIL_BYTES, WorkerState, WorkerView, cause_line, decide, exit_outcome, first_incarnation, followed_slots,
+    incarnation_of,
 )
 
 log = logging.getLogger("eltctl_runtime.daemon")
@@ -91,6 +92,9 @@ class Daemon:
         self._foreign: dict[int, Foreign] = {}
         self._watch: dict[str, Any] = {"health": WatchHealth.NONE.value, "reason": "", "since": time.time()}
         self._gpu_states: dict[int, tuple[str, str, float]] = {}  # index -> (state, reason, since)
+        # the slots it has: fixed at its start, but for a daemon that follows its GPUs
+        # (cfg.follow_gpus: the probe's list, not the inventory's), what nvidia-smi lists
+        self._valid_slots = cfg.valid_slots
         self._last_watch: WatchResult | None = None
         self._terminating = False
         self._crashes = 0
@@ -108,6 +112,8 @@ class Daemon:
         self._demand_reader = claims.DemandReader(self._claims_dir)
         self._demands: list[dict] = []
         self._claims_problem = ""
+        # entries of the claims directory not believed (claims.judge): name -> Refusal, each watch interval
+        self._refused: dict[str, claims.Refusal] = {}
 
     # -- life ------------------------------------------------------------------
     def run(self, ready=None) -> int:
@@ -126,7 +132,8 @@ class Daemon:
         try:
             log.info("host %s: daemon pid %d of job %s starts (store %s, %s)", self.cfg.host, os.getpid(),
                      self.cfg.job, self.cfg.store,
-                     f"GPUs {list(self.cfg.gpus)}" if self.cfg.gpus is not None else
+                     f"GPUs {list(self.cfg.gpus)}{' (following nvidia-smi)' if self.cfg.follow_gpus else ''}"
+                     if self.cfg.gpus is not None else
                      ("any GPU" if self.cfg.device == "cuda" else f"{self.cfg.slots} CPU slot(s)"))
             log.info("host %s: workers run with %s", self.cfg.host,
                      courtesy.describe(self.cfg.courtesy, self.cfg.device))
@@ -310,7 +317,9 @@ class Daemon:
                 out.state.value, detail, "; reported dead" if out.report_dead else "")
         self._ended[w.slot] = {"slot": w.slot, "worker_id": w.worker_id, "pid": w.pid, "state": out.state.value,
                                "since": round(time.time(), 3), "adopted": w.proc is None, "detail": detail,
-                               "exit_code": rc, "cause": cause, "at_start": out.at_start}
+                               "exit_code": rc, "cause": cause, "at_start": out.at_start,
+                               # where its own output begins in workers/<slot>.log (`eltctl logs --failed`)
+                               "log_offset": w.log_offset if w.proc is not None else None}
 
     def _cause(self, w: _Worker) -> str:
         """The line of its log (from where its own output began) that says why it ended."""
@@ -346,6 +355,8 @@ class Daemon:
             self._last_watch = result
             return
         self._last_watch = result
+        if self.cfg.follow_gpus:
+            self._follow_gpus(result)
         ours_roots = {w.pid for w in self._workers.values()}
         closed: frozenset[int] | None = None
         ownership: dict[int, Ownership] = {}
@@ -392,6 +403,17 @@ class Daemon:
             since = old[2] if old and old[0] == state else time.time()
             self._gpu_states[g.index] = (state, reason, since)
 
+    def _follow_gpus(self, result: WatchResult) -> None:
+        """The host's GPU list as this round's nvidia-smi gives it (logic.followed_slots): a
+        GPU that was not seen when the daemon was configured (a driver reset, a probe that
+        caught it mid-change) is used once it is listed, with no new daemon; one that is
+        gone is refused to later desired documents (its worker, if any, ends on its own)."""
+        new = followed_slots(self._valid_slots, (g.index for g in result.gpus))
+        if new != self._valid_slots:
+            log.warning("host %s: nvidia-smi now lists GPUs %s (the daemon had %s): its slots follow",
+                        self.cfg.host, sorted(new or ()), sorted(self._valid_slots or ()))
+            self._valid_slots = new
+
     def _observe_owner(self, now: float) -> None:
         if self._owner is None or now < self._owner_next:
             return
@@ -411,7 +433,7 @@ class Daemon:
         view = View(
             now=now, wall=time.time(), host=self.cfg.host, desired=self._link.desired(), memory=self._memory,
             workers=tuple(w.view() for w in self._workers.values()), foreign=dict(self._foreign),
-            terminating=self._terminating, valid_slots=self.cfg.valid_slots,
+            terminating=self._terminating, valid_slots=self._valid_slots,
             departed=self._link.departed(), leave_timeout=self.cfg.leave_timeout,
             stop_timeout=self.cfg.stop_timeout, evict_grace=self.cfg.evict_grace,
             owner_leave=self._owner_verdict.leave if self._owner_verdict else None,
@@ -530,9 +552,10 @@ class Daemon:
                             pid=os.getpid(), since=round(time.time(), 3))
         try:
             held = claims.take(self._claims_dir, self._claim_name(slot), mine)
+            self._note_refused(held.refused)
         except claims.Taken as e:
             holder = e.holder or claims.Claim(job="")
-            if holder.job == cfg.job:
+            if holder.job == cfg.job and holder.user in ("", mine.user, claims.my_account()):
                 log.warning("host %s: the claim of %s %d is still held by a process of this job (%s); worker %s "
                             "starts without one", cfg.host, "GPU" if cfg.gpu_host else "CPU slot", slot,
                             holder.describe(), wid)
@@ -568,16 +591,39 @@ class Daemon:
         if now < self._claims_next:
             return
         self._claims_next = now + self.cfg.watch_interval
+        refused: list[claims.Refusal] = []
+        try:
+            problem = claims.check_dir(self._claims_dir) if self._claims_dir.exists() else None
+        except claims.ClaimError as e:  # not trusted at all: nothing in it keeps us off a GPU
+            self._demands = []
+            self._refused = {str(self._claims_dir): claims.Refusal(str(self._claims_dir), "?", str(e))}
+            for slot in list(self._taken):
+                self._set_taken(slot, None)
+            return
+        refused += [problem] if problem else []
         self._demands = self._demand_reader.read(time.time())
+        refused += self._demand_reader.refused
         slots = set(self.cfg.valid_slots or ()) | set(self._memory.wanted)
         if self._last_watch is not None:
             slots |= {g.index for g in self._last_watch.gpus}
         for slot in sorted(slots):
+            holder = claims.holder(self._claims_dir, self._claim_name(slot), refused=refused)
             if slot in self._workers:
                 self._set_taken(slot, None)
                 continue
-            holder = claims.holder(self._claims_dir, self._claim_name(slot))
             self._set_taken(slot, holder if holder is not None and holder.job != self.cfg.job else None)
+        self._note_refused(refused, fresh=True)
+
+    def _note_refused(self, refused, fresh: bool = False) -> None:
+        """Keep the refused entries (claims.Refusal) for the state document (`fresh`: the
+        whole list of this look, replacing the last); log each new one once."""
+        before = self._refused
+        self._refused = {} if fresh else dict(before)
+        for r in refused:
+            key = f"{r.file} {r.owner}"
+            if key not in before:
+                log.warning("host %s: not believed in the GPU claims directory: %s", self.cfg.host, r.describe())
+            self._refused[key] = r
 
     def _claimed_by_user_of(self, app) -> bool:
         """An unreadable process (another user's) on a GPU another job claims as that user."""
@@ -624,7 +670,7 @@ class Daemon:
             gpus = [{"index": i, "state": s, "reason": r, "since": round(t, 3)}
                     for i, (s, r, t) in sorted(self._gpu_states.items())]
         elif not healthy:
-            known = sorted(self._gpu_states) or sorted(self.cfg.gpus or ())
+            known = sorted(self._gpu_states) or (sorted(self._valid_slots or ()) if self.cfg.gpus is not None else [])
             gpus = [{"index": i, "state": "unknown", "reason": self._watch["reason"], "since": self._watch["since"]}
                     for i in known]
         else:
@@ -633,10 +679,12 @@ class Daemon:
         return {
             "time": now, "heartbeat": now, "pid": os.getpid(), "started": self._started, "phase": self._phase,
             "host": self.cfg.host, "job": self.cfg.job, "seq_applied": m.seq_applied,
-            # what its slots are, for its whole life (daemon.json's gpus and device): the
-            # controller replaces a daemon whose slots are not what the host has
+            # what its slots are (daemon.json's gpus and device; the kind for its whole life, the
+            # GPUs following nvidia-smi with follow_gpus): the controller replaces a daemon whose
+            # slots are not what the host has
             "slot_kind": "gpu" if self.cfg.gpu_host else "cpu",
-            "valid_slots": sorted(self.cfg.valid_slots) if self.cfg.valid_slots is not None else None,
+            "valid_slots": sorted(self._valid_slots) if self._valid_slots is not None else None,
+            "follows_gpus": self.cfg.follow_gpus,
             "config": self.cfg.config,  # what it was started with (daemon.json): replaced after a fix
             "wanted": sorted(m.wanted), "workers": workers, "gpus": gpus,
             "yielded": [y.to_dict() for y in m.yielded], "crashes": self._crashes,
@@ -646,6 +694,8 @@ class Daemon:
             "store": {"connected": self._link.connected, "reconnects": 0, "last_error": self._link.error},
             "signal": self._signal_doc(), "forged": self._forgeries.counts(),
             "demands": self._demands,
+            # entries of the claims directory not believed, named with their owner (runtime/claims.py `judge`)
+            "refused": claims.refusal_doc(self._refused.values()),
         }
 
     def _signal_doc(self) -> dict | None:

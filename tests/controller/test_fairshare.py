@@ -339,3 +339,20 @@ def test_first_demand(name, kw, wanted):
     assert all(e.wants_here == (wanted > 0) and e.priority == 1 for e in out.values())
     assert out["h1"].held_here == len(kw["desired"].get("h1", ()))
 
+
+
+def test_the_jobs_own_account_wins_over_an_entry_of_its_name_by_another_account():
+    """Issue 49: another account may publish an entry named like this job (as itself);
+    this job's own figures stay under the controller's account."""
+    from types import SimpleNamespace
+
+    mine = Demand(job="mnist", user="alice", time=10.0)
+    squat = Demand(job="mnist", user="nobody", time=20.0)
+    reports = {"h1": SimpleNamespace(demands=(squat,)), "h2": SimpleNamespace(demands=(mine,))}
+    assert fs.own_user(reports, "mnist", "alice") == "alice"
+    assert fs.own_user({"h1": SimpleNamespace(demands=(squat,))}, "mnist", "alice") == "nobody"  # as before
+    assert fs.own_user({}, "mnist", "alice") == "alice"
+    # and the plan of "mnist" never counts an entry of its own name as another job
+    me = Demand(job="mnist", user="alice", held=2, wanted=0, min_workers=1)
+    ghost = Demand(job="mnist", user="nobody", priority=100, min_workers=8, held=0, wanted=8, time=1.0)
+    assert fs.plan(me, [ghost], [], free=0, half_life_s=3600, slack=0, hold_s=0).release == {}

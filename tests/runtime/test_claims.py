@@ -2,8 +2,9 @@
 
 A claim is held exactly as long as some process holds its file description: the
 daemon passes it to the worker and closes its own copy, so a dead worker frees
-the GPU and a dead daemon does not. Another user's daemon can claim a file the
-first user created (mode 0666 in a 1777 directory).
+the GPU and a dead daemon does not. Each account claims through its own file
+(`gpu0@account`, mode 0644 in a 1777 directory); the claims of another account are
+believed by their owner (issue 49: tests/runtime/test_claims_rules.py has the rules).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from tests.testbed.procs import ensure_foreign_user
 CLAIMS_PY = Path(claims.__file__)
 
 
+ME = claims.my_account()
+
+
 def mine(job: str = "a", slot: int = 0) -> Claim:
     return Claim(job=job, user="alice", host="h1", slot=slot, pid=os.getpid(), since=time.time())
 
@@ -34,18 +38,18 @@ def test_a_claim_is_exclusive_and_names_its_holder(tmp_path):
     d = tmp_path / "claims"
     with claims.take(d, "gpu0", mine("a")) as held:
         assert stat.S_IMODE(d.stat().st_mode) == 0o1777
-        assert stat.S_IMODE((d / "gpu0").stat().st_mode) == 0o666
-        h = claims.holder(d, "gpu0")
-        assert h is not None and (h.job, h.user, h.host, h.slot) == ("a", "alice", "h1", 0)
+        assert stat.S_IMODE((d / f"gpu0@{ME}").stat().st_mode) == 0o644
+        h = claims.holder(d, "gpu0")  # the claim names this account, whatever the caller said
+        assert h is not None and (h.job, h.user, h.host, h.slot) == ("a", ME, "h1", 0)
         with pytest.raises(Taken) as exc:
             claims.take(d, "gpu0", mine("b"))
         assert exc.value.holder.job == "a"
-        assert "job a (user alice, pid" in str(exc.value)
+        assert f"job a (user {ME}, pid" in str(exc.value)
         # Another slot is free; a reader's look does not take anything.
         assert claims.holder(d, "gpu1") is None
         claims.take(d, "gpu1", mine("b")).close()
-        held.record(Claim(job="a", user="alice", host="h1", slot=0, pid=12345, since=1.0))
-        assert claims.holder(d, "gpu0").pid == 12345
+        held.record(Claim(job="a", user=ME, host="h1", slot=0, pid=os.getppid(), since=1.0))
+        assert claims.holder(d, "gpu0").pid == os.getppid()
     assert claims.holder(d, "gpu0") is None  # released: the file stays, unlocked
     assert claims.holders(d, ["gpu0", "gpu1", "cpu0"]) == {}
     claims.take(d, "gpu0", mine("b")).close()
@@ -56,7 +60,7 @@ def test_the_worker_holds_the_claim_for_its_whole_life(tmp_path):
     held = claims.take(d, "gpu0", mine("a"))
     worker = subprocess.Popen(["sleep", "60"], pass_fds=(held.fd,), start_new_session=True)
     try:
-        held.record(Claim(job="a", user="alice", slot=0, pid=worker.pid, since=time.time()))
+        held.record(Claim(job="a", user=ME, slot=0, pid=worker.pid, since=time.time()))
         held.close()  # the daemon's copy: the daemon may die now
         assert claims.holder(d, "gpu0").pid == worker.pid
         with pytest.raises(Taken):
@@ -71,7 +75,7 @@ def test_the_worker_holds_the_claim_for_its_whole_life(tmp_path):
 def test_a_reader_never_makes_a_claim_look_taken(tmp_path):
     d = tmp_path / "claims"
     claims.take(d, "gpu0", mine("a")).close()
-    fd = os.open(d / "gpu0", os.O_RDONLY)
+    fd = os.open(d / f"gpu0@{ME}", os.O_RDONLY)
     import fcntl
     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a reader's instant, stretched
     try:
@@ -95,13 +99,14 @@ def test_the_claims_directory_comes_from_config_then_environment_then_default(tm
     assert claims.claims_dir(None, {claims.ENV: "/b"}) == Path("/b")
     assert claims.claims_dir(None, {}) == Path(claims.DEFAULT_DIR)
     assert claims.slot_file(3) == "gpu3" and claims.slot_file(1, gpu=False) == "cpu1"
+    assert claims.own_file("gpu3", "alice") == "gpu3@alice"
     (tmp_path / "file").write_text("")
     with pytest.raises(ClaimError, match="not a directory"):
         claims.take(tmp_path / "file", "gpu0", mine())
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
-def test_a_second_user_claims_the_files_of_the_first():
+def test_a_second_account_claims_what_the_first_released_and_sees_what_it_holds():
     other = ensure_foreign_user()
     if other is None:
         pytest.skip("no second user on this machine")
@@ -110,11 +115,11 @@ def test_a_second_user_claims_the_files_of_the_first():
         os.chmod(root, 0o755)
         shutil.copy(CLAIMS_PY, root / "eltclaims.py")
         d = root / "claims"
-        claims.take(d, "gpu0", mine("a")).close()  # created by us (root): mode 0666 in a 1777 dir
+        claims.take(d, "gpu0", mine("a")).close()  # released: its file stays, ours
         held = claims.take(d, "gpu1", mine("a"))
-        script = ("import sys, time; sys.path.insert(0, sys.argv[1]); import eltclaims as c; "
+        script = ("import os, sys, time; sys.path.insert(0, sys.argv[1]); import eltclaims as c; "
                   "from pathlib import Path; d = Path(sys.argv[2]); "
-                  "h = c.take(d, 'gpu0', c.Claim(job='b', user='bob', pid=1)); "
+                  "h = c.take(d, 'gpu0', c.Claim(job='b', pid=os.getpid())); "
                   "print(c.holder(d, 'gpu0').job, c.holder(d, 'gpu1').job); "
                   "c.take(d, 'gpu1', c.Claim(job='b'))")
         out = subprocess.run(["setpriv", f"--reuid={other.pw_uid}", f"--regid={other.pw_gid}", "--clear-groups",
@@ -152,15 +157,15 @@ def test_demand_reader_reads_fresh_entries_and_rereads_only_replaced_files(tmp_p
         os.replace(tmp, tmp_path / name)
 
     now = 10_000.0
-    write("demand.bob.b", {"job": "b", "user": "bob", "time": now - 5, "wanted": 1, "every": 1.0})
-    write("demand.old.x", {"job": "x", "user": "old", "time": now - 3600, "wanted": 4, "every": 1.0})
-    (tmp_path / "demand.bad.y").write_text("{not json")
-    (tmp_path / ".demand.bob.c.123").write_text(json.dumps({"job": "c", "time": now}))
+    write(f"demand.{ME}.b", {"job": "b", "user": ME, "time": now - 5, "wanted": 1, "every": 1.0})
+    write(f"demand.{ME}.x", {"job": "x", "user": ME, "time": now - 3600, "wanted": 4, "every": 1.0})
+    (tmp_path / f"demand.{ME}.y").write_text("{not json")
+    (tmp_path / f".demand.{ME}.c.123").write_text(json.dumps({"job": "c", "time": now}))
     (tmp_path / "gpu0").write_text("{}")
     reader = claims.DemandReader(tmp_path)
     assert [(e["job"], e["wanted"]) for e in reader.read(now)] == [("b", 1)]
-    write("demand.bob.b", {"job": "b", "user": "bob", "time": now, "wanted": 3, "every": 1.0})
+    write(f"demand.{ME}.b", {"job": "b", "user": ME, "time": now, "wanted": 3, "every": 1.0})
     assert [(e["job"], e["wanted"]) for e in reader.read(now)] == [("b", 3)]
-    (tmp_path / "demand.bob.b").unlink()
+    (tmp_path / f"demand.{ME}.b").unlink()
     assert reader.read(now) == []
     assert claims.DemandReader(tmp_path / "missing").read(now) == []
