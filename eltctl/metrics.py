@@ -13,7 +13,8 @@ written as 0. The families (docs/commands.md, `eltctl metrics`, lists them):
     eltctl_controller_up                           gauge   1: the live controller answered
     eltctl_world_size, eltctl_min_workers          gauge
     eltctl_generation, eltctl_step                 gauge
-    eltctl_samples_per_second, eltctl_loss         gauge
+    eltctl_total_steps, eltctl_eta_seconds         gauge   where the training ends, the time left to it
+    eltctl_samples_per_second, eltctl_loss         gauge   samples/s: over the last 30 s of commits
     eltctl_checkpoint_step, eltctl_checkpoint_age_seconds   gauge
     eltctl_hosts{state}, eltctl_host_workers{host} gauge
     eltctl_resize_pauses_total                     counter  resizes (generation changes) seen
@@ -121,6 +122,10 @@ def render(doc: Mapping[str, Any], ledger: Mapping[str, Any] | None = None, *,
     e.one("eltctl_generation", "gauge", "The runtime's worker generation (a new one at every resize).",
           doc.get("generation"))
     e.one("eltctl_step", "gauge", "The job's last committed step.", doc.get("step"))
+    e.one("eltctl_total_steps", "gauge", "The step the training ends at (max_steps or its epochs' steps).",
+          doc.get("total_steps"))
+    e.one("eltctl_eta_seconds", "gauge", "Seconds until the training ends at the recent rate (while workers run).",
+          doc.get("eta_s"))
     e.one("eltctl_samples_per_second", "gauge", "Training speed, samples per second (while workers run).",
           doc.get("samples_per_s"))
     e.one("eltctl_loss", "gauge", "The loss rank 0 last reported.", doc.get("loss"))

@@ -1455,13 +1455,25 @@ class ElasticJob:
                                  position=self._sampler.position, samples_per_s=round(rate, 2),
                                  loss=self._last_loss, checkpoint=self._last_ckpt, workers=self._workers_report(),
                                  forged=self._forgeries.counts(),
-                                 extra=self._shard_fields() if self._shard is not None else None)
+                                 extra={**self._progress_fields(),
+                                        **(self._shard_fields() if self._shard is not None else {})})
         if paused:
             status["paused"] = True  # every member left: the members named hold nothing any more
         try:
             self._store.set(Keys.STATUS, json.dumps(status))
         except Exception as e:  # noqa: BLE001 - status is advisory (counted and logged once: storeloss.py)
             self._health.failed("status", e, epoch=self._store_epoch)
+
+    def _progress_fields(self) -> dict:
+        """`eltctl status`'s progress: `total_steps`, the step the training ends at (max_steps
+        or the epochs' steps, the fewer; null when neither bounds it), and `samples`, the
+        samples committed since the training began (its samples/s: the controller's rate
+        over recent commits, observe.py)."""
+        s = self._sampler
+        ends = [self._max_steps] if self._max_steps is not None else []
+        if self._epochs is not None:
+            ends.append(self._epochs * -(-s.n_samples // s.global_batch))
+        return {"total_steps": min(ends) if ends else None, "samples": s.epoch * s.n_samples + s.position}
 
     def _shard_fields(self) -> dict:
         """Sharded training in the status document and the events: the mode, the

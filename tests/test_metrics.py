@@ -120,3 +120,11 @@ def test_the_ledgers_figures_count_gpu_seconds_and_how_workers_ended(tmp_path):
     fams = parse(render(DOC, figures))
     assert value(fams, "eltctl_gpu_seconds_total", host="ws1") == 90.0
     assert value(fams, "eltctl_yields_total", host="ws1", cause="yield") == 1
+
+
+def test_where_the_training_ends_and_the_time_left_are_figures_too():
+    fams = parse(render({**DOC, "total_steps": 5000, "eta_s": 812.5}, None))
+    assert value(fams, "eltctl_total_steps", job="mnist") == 5000
+    assert value(fams, "eltctl_eta_seconds", job="mnist") == 812.5
+    unknown = parse(render({**DOC, "total_steps": None, "eta_s": None}, None))
+    assert "eltctl_total_steps" not in unknown and "eltctl_eta_seconds" not in unknown

@@ -389,7 +389,9 @@ def wrong_slots(expected: tuple[str, frozenset[int] | None], state: Mapping[str,
     """Why a running daemon's slots (its state's `slot_kind` and `valid_slots`) are not
     those of a daemon started now (`expected`: hosts/ops.py `daemon_slot_kind`), or None
     when they are: of the same kind, with every slot it would have. A daemon that does
-    not say (an older runtime) is never judged."""
+    not say (an older runtime) is never judged; one that follows its GPUs (`follows_gpus`:
+    it takes nvidia-smi's list at each watch round) by its kind alone (judged by the list,
+    it would be replaced, its workers leaving, for a GPU it is about to take up)."""
     kind, valid = state.get("slot_kind"), state.get("valid_slots")
     if kind not in ("gpu", "cpu") or not (valid is None or isinstance(valid, list)):
         return None
@@ -398,7 +400,8 @@ def wrong_slots(expected: tuple[str, frozenset[int] | None], state: Mapping[str,
     except (TypeError, ValueError):
         return None
     want_kind, want = expected
-    if kind != want_kind or (want is not None and has is not None and not want <= has):
+    fewer = want is not None and has is not None and not want <= has and state.get("follows_gpus") is not True
+    if kind != want_kind or fewer:
         return f"its daemon runs {_slots_words(kind, has)} but the host has {_slots_words(want_kind, want)}"
     return None
 
@@ -415,11 +418,20 @@ def add_refusal(report: HostReport, force: bool) -> str | None:
     return None
 
 
-def added_message(report: HostReport) -> str:
-    """What `scale --add` says of a host it added: what joins, GPUs or CPU slots."""
-    if report.state is HostState.CPU_ONLY:
-        return "added; its CPU slots join now"
-    return "added; its free GPUs join now"
+def added_message(report: HostReport, desired: Iterable[int] | None = None,
+                  waiting: Mapping[str, Any] | None = None) -> str:
+    """What `scale --add` says of a host it added, once the controller's pass after it
+    decided (`desired`: the slots it asked of the host; `waiting`: the host's status entry's
+    `waiting`, status.host_wait): the slots that join now, else what holds them back. It
+    never promises what the policy then refuses (fair share, max_workers, hours, quota)."""
+    what = "CPU slot" if report.state is HostState.CPU_ONLY else "GPU"
+    n = len(tuple(desired or ()))
+    if n:
+        return f"added; {n} {what}{'' if n == 1 else 's'} join now"
+    if isinstance(waiting, Mapping) and waiting.get("detail") and waiting.get("kind") != "joining":
+        return (f"added, but its {what}s do not join now: {waiting.get('kind')}: {waiting['detail']} "
+                "(`eltctl status` shows it)")
+    return f"added; its {what}s join when the controller's next pass gives them (`eltctl status` shows it)"
 
 
 def adopted(record: pol.HostRecord, desired: Any) -> pol.HostRecord:
@@ -432,6 +444,56 @@ def adopted(record: pol.HostRecord, desired: Any) -> pol.HostRecord:
         return record
     slots = () if desired.get("stop") else tuple(int(s) for s in desired.get("slots", ()))
     return replace(record, seq=seq, desired=slots)
+
+
+# --------------------------------------------------------------------------- the job's pace
+
+# The job's samples/s and steps/s are those committed over the last RATE_WINDOW_S of
+# rank 0's commits: one figure for status, the metrics and the usage ledger. Rank 0's own
+# figure covers the second since its last status (it swings with every pause and commit).
+RATE_WINDOW_S = 30.0
+
+
+def commit_point(status: Mapping[str, Any]) -> tuple[str, float, int | None, int | None] | None:
+    """(rank 0's worker, its clock, samples committed, step) of a status document; None
+    when it has no time. Rank 0's `time` is its host's clock: comparable only between two
+    documents of one rank 0, hence the worker."""
+    def whole(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    t = status.get("time")
+    if not isinstance(t, (int, float)) or isinstance(t, bool):
+        return None
+    members = status.get("members") or []
+    return (str(members[0]) if members else "", float(t), whole(status.get("samples")), whole(status.get("step")))
+
+
+def pace(points: Iterable[tuple[str, float, int | None, int | None]],
+         window: float = RATE_WINDOW_S) -> dict[str, float | None]:
+    """{samples_per_s, steps_per_s, window_s}: what was committed between the oldest and
+    the newest point of the last `window` seconds of rank 0's commits (the newest run of
+    points of one rank 0 in which samples and steps never go back: a restore from an older
+    checkpoint or a new rank 0 starts the count again). None where fewer than two points
+    (or no time between them) tell."""
+    run: list[tuple[str, float, int | None, int | None]] = []
+    for p in points:
+        if run and (p[0] != run[-1][0] or p[1] < run[-1][1]
+                    or any(a is not None and b is not None and b < a for a, b in ((run[-1][2], p[2]),
+                                                                                  (run[-1][3], p[3])))):
+            run = []
+        run.append(p)
+    recent = [p for p in run if run and p[1] >= run[-1][1] - window]
+    out: dict[str, float | None] = {"samples_per_s": None, "steps_per_s": None, "window_s": None}
+    if len(recent) < 2 or recent[-1][1] <= recent[0][1]:
+        return out
+    first, last = recent[0], recent[-1]
+    dt = last[1] - first[1]
+    out["window_s"] = round(dt, 1)
+    for key, i in (("samples_per_s", 2), ("steps_per_s", 3)):
+        a, b = first[i], last[i]
+        if a is not None and b is not None:
+            out[key] = round((b - a) / dt, 3 if key == "steps_per_s" else 1)
+    return out
 
 
 # --------------------------------------------------------------------------- what was seen
@@ -463,6 +525,8 @@ class Observer:
     # fingerprint): a crash of a daemon started with another (from before a fix) counts nothing
     config_of: Callable[[str], str] = lambda name: ""
     _stale_logged: set = field(default_factory=set)
+    # rank 0's commits of the last RATE_WINDOW_S and more (`commit_point`): the job's pace
+    _commits: deque = field(default_factory=lambda: deque(maxlen=600))
 
     async def read_store(self, store, host_names: Iterable[str], now: float) -> None:
         """The daemons' states, the new events and rank 0's status."""
@@ -515,7 +579,22 @@ class Observer:
                 status["seen"] = self._status_changed
             else:
                 status["seen"] = self._status_first if now - self._status_first < STATUS_SETTLE_S else 0.0
+            self._note_pace(status)
         self.runtime_status = status if isinstance(status, dict) else None
+
+    def _note_pace(self, status: dict) -> None:
+        """The job's pace into rank 0's status (`pace`): `samples_per_s` becomes the rate over
+        the last RATE_WINDOW_S of commits where the runtime counts its committed `samples`
+        (rank 0's own figure stays while fewer than two commits tell), `steps_per_s` beside it."""
+        point = commit_point(status)
+        if point is not None and (not self._commits or self._commits[-1] != point):
+            self._commits.append(point)
+        figures = pace(self._commits) if point is not None else {}
+        if figures.get("samples_per_s") is not None and "samples" in status:
+            status["samples_per_s"] = figures["samples_per_s"]
+        for key, value in (("steps_per_s", figures.get("steps_per_s")), ("pace_window_s", figures.get("window_s"))):
+            if value is not None:
+                status[key] = value
 
     async def _read_events(self, store, born_seq: int | None) -> bool:
         """Read on from `events_read` while there are entries, at most EVENTS_WINDOW

@@ -21,6 +21,7 @@ from eltctl.controller.observe import DaemonSeen
 from eltctl_runtime.files import write_json_atomic
 from eltctl_runtime.protocol import WORKER_FIELDS
 from eltctl.inventory import Inventory
+from eltctl.sharedir import refused_of_state, refused_summary
 
 log = logging.getLogger("eltctl.controller")
 
@@ -249,6 +250,8 @@ def host_entry(view: pol.HostView, record: pol.HostRecord, seen: DaemonSeen | No
         "daemon": daemon_summary(seen.state) if seen is not None else None,
         "usable_at": limit.until if limit.phase is not None and limit.until is not None else None,
         "signal": owner_signal(view, seen),
+        # entries of its GPU claims directory its daemon did not believe (eltctl/sharedir.py)
+        "refused": refused_summary(refused_of_state(seen.state)) if seen is not None else None,
     }
 
 
@@ -287,7 +290,7 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
                     limits: Mapping[str, pol.Limit] | None = None,
                     forged: Mapping[str, Any] | None = None, keeper: dict | None = None,
                     checkpoint: Mapping[str, Any] | None = None,
-                    starts_at: float | None = None) -> dict[str, Any]:
+                    starts_at: float | None = None, fairshare: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The status document (status.json): the job, rank 0's figures, each host, recent
     events, the forged store values ignored (`forged_summary`), `keeper`: the store
     keeper's pid, restarts and the problem restarting it (when supervised), and
@@ -295,15 +298,21 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
     idle_for, `Decision.starts_at`).
 
     Every line is derived from what holds now: `members`, `world_size` and `workers`
-    name only the members that run now (`current_members`); with none, the last status
-    is history (`runtime_current` false: its step and loss stay as the last seen, no
-    speed, no worker). `checkpoint` is the job's last checkpoint (observe.newest_checkpoint:
+    name only the members that run now (`current_members`; none once the job ended or its
+    last members paused it); with none, the last status is history (`runtime_current`
+    false: its step and loss stay as the last seen, no speed, no worker). Progress
+    (`progress_fields`): `total_steps`, `steps_per_s` and `eta_s` beside `step`, and one
+    `samples_per_s` (observe.pace). `fairshare` is fair share's plan (fairshare.plan_to_json),
+    none once the job ended, with its `unit`; each host's `waiting` says what holds its
+    slots back (`host_wait`). `checkpoint` is the job's last checkpoint (observe.newest_checkpoint:
     rank 0's, else the last the controller saw), not only the current rank 0's."""
     rs = runtime_status or {}
     job = inventory.job
     # a job that ended (down, finished) has no members, whatever rank 0's last status says:
     # its daemons are gone, so nothing contradicts it (observe.member_alive)
-    live = [] if phase in (Phase.STOPPED, Phase.FINISHED) else current_members(rs, views, now, inventory)
+    # a status its last members wrote as they all left (`paused`) names no one who runs
+    ended = phase in (Phase.STOPPED, Phase.FINISHED)
+    live = [] if ended or rs.get("paused") else current_members(rs, views, now, inventory)
     if checkpoint is None:
         checkpoint = observe.newest_checkpoint(None, rs, now, job.name)
     limits = limits or {}
@@ -331,7 +340,17 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         **(restart_fields(rs) if job.mode.value == "restart" else {}),
         "forged": dict(forged) if forged is not None else forged_summary({}, {}, None),
         "starts_at": starts_at,
+        **progress_fields(rs, bool(live), job.mode.value == "restart"),
     }
+    ended = ended or bool(doc.get("failed"))  # restart mode's limit stopped it
+    if fairshare is not None:  # a job that ended holds nothing and asks for nothing
+        doc["fairshare"] = None if ended else {**fairshare, "unit": slot_unit(views.values())}
+    total = sum(len(records[h.name].desired) for h in inventory.hosts
+                if h.name in records and not records[h.name].removed)
+    for entry, h in zip(hosts, inventory.hosts):
+        entry["waiting"] = None if ended else host_wait(
+            views[h.name], records.get(h.name, pol.HostRecord()), limits.get(h.name, pol.NO_LIMIT), now=now,
+            inventory=inventory, total=total, fair=fairshare)
     if doc.get("failed"):  # restart mode: the script failed max_restarts times; the job stopped
         doc["state"] = doc["phase"] = "failed"
         doc["message"] = doc["failed"]
@@ -346,6 +365,104 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
             if isinstance(f, dict):
                 h["forward"] = {"socket": f.get("socket"), "up": bool(f.get("up")), "error": f.get("error") or None}
     return doc
+
+
+def progress_fields(rs: Mapping[str, Any], live: bool, restart: bool = False) -> dict[str, Any]:
+    """`total_steps` (the step the training ends at, from rank 0; null when unknown),
+    `steps_per_s` (over the last observe.RATE_WINDOW_S of commits) and `eta_s`, the
+    seconds to `total_steps` at that rate (null while unknown or no worker runs)."""
+    def number(v: Any) -> float | None:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    total, step = rs.get("total_steps"), rs.get("step")
+    total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
+    sps = number(rs.get("steps_per_s")) if live else None
+    if sps is None and live and restart and isinstance(rs.get("script"), dict):
+        sps = number(rs["script"].get("steps_per_s"))  # the script's own figure (its output's steps)
+    eta = None
+    if total is not None and isinstance(step, int) and sps and sps > 0:
+        eta = round(max(0, total - step) / sps, 1)
+    return {"total_steps": total, "steps_per_s": sps, "eta_s": eta}
+
+
+def slot_unit(views: Iterable[pol.HostView]) -> str:
+    """What the job's slots are: "GPU", "CPU slot" (hosts without GPUs) or "slot" (both)."""
+    kinds = {"cpu" if v.reach is pol.Reach.CPU_ONLY else "gpu" for v in views
+             if v.reach in (pol.Reach.OK, pol.Reach.CPU_ONLY) and v.slots}
+    return {frozenset({"cpu"}): "CPU slot", frozenset({"cpu", "gpu"}): "slot"}.get(frozenset(kinds), "GPU")
+
+
+def _jobs_wanting(fair: Mapping[str, Any], me: str) -> str:
+    """The other jobs of fair share's table that want more: "job b (bob: holds 1, share 2)"."""
+    out = []
+    for j in fair.get("jobs") or []:
+        if isinstance(j, dict) and j.get("job") != me and (j.get("wanted") or 0) > 0:
+            out.append(f"job {j.get('job')} ({j.get('user')}: holds {j.get('held')}, share {j.get('share')})")
+    return ", ".join(out)
+
+
+def host_wait(view: pol.HostView, record: pol.HostRecord, limit: pol.Limit, *, now: float,
+              inventory: Inventory, total: int, fair: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """What holds back the slots of a host that it does not run or start: `{kind, detail,
+    until}` (until: when it lifts by itself, else null), or None when nothing waits there
+    (every slot used, or the host is out: removed, unreachable, not probed). Kinds: a limit's
+    phase (off-hours, quota, cordoned, disabled), "benched", "cooldown" (its cause),
+    "fair share" (which jobs it yields to), "host cap" (max_gpus_per_host or a quota),
+    "max_workers", "idle_for" (free, not for long enough yet), "owner", "taken" (another
+    eltctl job), "joining" (usable: the next pass gives them, or the job starts once
+    min_workers are). `total`: the slots the job asks of all its hosts; `fair`: fair share's
+    plan (status.json `fairshare`)."""
+    def wait(kind: str, detail: str, until: float | None = None) -> dict[str, Any]:
+        return {"kind": kind, "detail": detail, "until": until}
+
+    if record.removed:
+        return None
+    if limit.phase is not None:
+        return wait(limit.phase.value, limit.reason, limit.until)
+    if view.reach not in (pol.Reach.OK, pol.Reach.CPU_ONLY):
+        return None
+    unit = "CPU slot" if view.reach is pol.Reach.CPU_ONLY else "GPU"
+    open_slots = [s for s in view.slots if s.index not in record.desired and s.index not in view.workers]
+    if not open_slots:
+        return None
+    if not record.join_now:
+        if record.benched_until > now:
+            return wait("benched", f"{record.last_problem}; {record.benched_until - now:.0f} s more",
+                        record.benched_until)
+        for until, note in ((record.cooldown_until, record.last_problem), (record.owner_until, record.owner_note),
+                            (record.straggler_until, record.straggler_note)):
+            if until > now:
+                return wait("cooldown", f"cooling down after {note or 'a failure'}; {until - now:.0f} s more", until)
+    job = inventory.job
+    if pol.eligible_slots(view, record, inventory, now):
+        here = len(record.desired)
+        if limit.cap is not None and here >= limit.cap:
+            if limit.reason:  # fair share's release (policy.fair_limits)
+                return wait("fair share", limit.reason)
+            return wait("host cap", f"max_gpus_per_host or a gpu-hours quota lets it run {limit.cap} here")
+        if job.max_workers is not None and total >= job.max_workers:
+            return wait("max_workers", f"the job runs max_workers ({job.max_workers}) already")
+        cap = fair.get("cap") if isinstance(fair, dict) else None
+        if isinstance(cap, int) and total >= max(cap, job.min_workers):
+            others = _jobs_wanting(fair, job.name) or "another job"
+            return wait("fair share", f"fair share holds the job at {_n(total, unit)} (its share "
+                                      f"{fair.get('share')} of {fair.get('pool')}) while {others} wants more")
+        if total == 0 and job.min_workers > 1:
+            return wait("joining", f"usable; the job starts once {job.min_workers} slots are usable (min_workers)")
+        return wait("joining", "usable: the controller's next pass gives it workers")
+    soon = pol.maturing(view, record, inventory, now)
+    if soon:
+        at = min(t for _, t in soon)
+        key = pol.idle_for_key(view)
+        return wait("idle_for", f"free, used once free for {key} ({pol.idle_for(view, inventory):.0f} s): "
+                                f"in {at - now:.0f} s; `eltctl scale --add {view.name}` uses it now", at)
+    busy = [s for s in open_slots if s.use is pol.GpuUse.BUSY]
+    if busy:
+        return wait("owner", f"{unit} {busy[0].index}: {busy[0].reason or 'its owner uses it'}")
+    taken = [s for s in open_slots if s.use is pol.GpuUse.TAKEN]
+    if taken:
+        return wait("taken", f"{unit} {taken[0].index}: {taken[0].reason or 'another eltctl job holds it'}")
+    return None
 
 
 def restart_fields(rs: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from eltctl.statusview.snapshot import Snapshot, controller_down
 # --------------------------------------------------------------------------- one host: `status HOST`
 
 _HOST_KEYS_SHOWN = {"name", "state", "reason", "workers", "heartbeat_age_s", "benched_until",
-                    "cooldown_until", "failures", "desired", "gpus", "daemon", "device"}
+                    "cooldown_until", "failures", "desired", "gpus", "daemon", "device",
+                    "waiting"}  # a note (hosts.wait_note)
 
 
 def find_host(doc: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:

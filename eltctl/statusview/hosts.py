@@ -78,8 +78,11 @@ def host_notes(host: Mapping[str, Any], options: ViewOptions, *, brief: bool = F
     """Why a host is as it is: its reason, benching or cooldown, failures in a row.
     `brief`: few words each (the compact layout), plain text."""
     notes = []
-    if host.get("reason"):
-        notes.append(str(host["reason"]))
+    wait = wait_note(host, brief=brief)
+    if host.get("reason") and not (wait is not None and host.get("state") == "idle"):
+        notes.append(str(host["reason"]))  # an idle host's "usable, not used" is what the wait explains
+    if wait is not None:
+        notes.append(wait)
     forward = host.get("forward")
     if isinstance(forward, dict) and not forward.get("up"):
         why = str(forward.get("error") or "not open yet")
@@ -100,6 +103,26 @@ def host_notes(host: Mapping[str, Any], options: ViewOptions, *, brief: bool = F
     if isinstance(failures, int) and failures > 0:
         notes.append(f"{failures} failure(s)" if brief else f"{failures} failure(s) in a row")
     return notes
+
+
+# The host's state and reason say these waits already (a limit, a cooldown, busy GPUs).
+_STATE_SAYS = {"off-hours": "off-hours", "quota": "quota", "cordoned": "cordoned", "disabled": "disabled",
+               "benched": "benched", "cooldown": "cooldown", "owner": "busy", "taken": "busy"}
+
+
+def wait_note(host: Mapping[str, Any], *, brief: bool = False) -> str | None:
+    """What holds back the host's slots that it does not run (its entry's `waiting`:
+    fair share and which job, max_workers, idle_for, a host cap...), unless its state
+    and reason say it already; None when nothing waits there."""
+    wait = host.get("waiting")
+    if not isinstance(wait, dict) or not wait.get("detail"):
+        return None
+    kind, detail = str(wait.get("kind") or "waiting"), str(wait["detail"])
+    if _STATE_SAYS.get(kind) == host.get("state") or detail in str(host.get("reason") or ""):
+        return None
+    if brief:
+        return detail if detail.startswith(kind) else f"{kind}: {detail}"
+    return f"not joining ({kind}): {detail}"
 
 
 def heartbeat(host: Mapping[str, Any], staleness: float) -> str:

@@ -37,7 +37,7 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
         workers += f"   restart mode, {n} restart{'' if n == 1 else 's'}"
     grid.add_row("workers", workers)
 
-    progress = f"step {show(doc.get('step'))}"
+    progress = f"step {show(doc.get('step'))}" + steps_of(doc)
     if restart_mode:  # the script's own step (report() or [job] progress), and the snapshots eltctl took
         if doc.get("step") is None:
             progress = "step [dim]unknown (set \\[job] progress or call eltctl_runtime.report)[/]"
@@ -54,6 +54,9 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
         # the last status of a run none of whose workers runs now: history, not a live figure
         progress += "   [dim](where it stopped; no worker runs now)[/]"
     grid.add_row("progress", progress)
+    finish = finish_line(doc, now, staleness, options)
+    if finish is not None:
+        grid.add_row("finishes", finish)
 
     ckpt = doc.get("checkpoint")
     if isinstance(ckpt, dict) and ckpt.get("step") is not None:
@@ -82,6 +85,11 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     forged = forged_line(doc.get("forged"))
     if forged is not None:
         grid.add_row("[red]warning[/]", forged)
+    from eltctl.statusview.refused import refused_line  # the claims directory's refusals (issue 49)
+
+    refused = refused_line(doc)
+    if refused is not None:
+        grid.add_row("[red]warning[/]", refused)
     keeper = doc.get("keeper") if isinstance(doc.get("keeper"), dict) else {}
     if keeper.get("attack"):  # the keeper's store refused requests: someone else talks to it
         grid.add_row("[red]warning[/]", escape(str(keeper["attack"])))
@@ -104,6 +112,30 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
                 f"[dim]showing the last status it wrote, {format_age(staleness)} old[/]")
     grid.add_row("controller", line)
     return grid
+
+
+def steps_of(doc: Any) -> str:
+    """`of M (p%)` after the step, when the training says where it ends (`total_steps`)."""
+    total, step = doc.get("total_steps"), doc.get("step")
+    if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
+        return ""
+    done = f" ({min(step, total) / total:.0%})" if isinstance(step, int) and not isinstance(step, bool) else ""
+    return f" of {total}{done}"
+
+
+def finish_line(doc: Any, now: float, staleness: float, options: ViewOptions) -> str | None:
+    """The `finishes` row: the time left to `total_steps` at the recent rate (`eta_s`, as of
+    the document, less its age), the clock time and the steps/s it assumes; None while
+    unknown (no bound on the steps, no worker running, no rate yet)."""
+    from eltctl.statusview.formatting import format_clock
+
+    eta = num(doc.get("eta_s"))
+    if eta is None:
+        return None
+    left = max(0.0, eta - staleness)
+    sps = num(doc.get("steps_per_s"))
+    rate = f" at {sps:.3g} steps/s" if sps is not None else ""
+    return f"in {format_age(left)} (about {format_clock(now + left, options.tz)}){rate}"
 
 
 def mirror_line(mirror: Any, now: float, staleness: float = 0.0, unit: str = "step") -> str | None:
@@ -155,10 +187,13 @@ def fairshare_line(fair: Any) -> str | None:
     if not isinstance(fair, dict) or fair.get("held") is None:
         return None
     share = fair.get("share")
-    head = (f"{share} of {show(fair.get('pool'))} GPUs" if share is not None
+    unit = str(fair.get("unit") or "GPU")  # CPU slots are never called GPUs (status.slot_unit)
+    head = (f"{share} of {show(fair.get('pool'))} {unit}s" if share is not None
             else "[dim]no other job on its hosts[/]")
+    # recent usage is GPU-hours only (the ledger's GPU intervals): none to show on CPU slots
+    usage = "" if unit == "CPU slot" else f", recent usage {num(fair.get('usage_gpu_h')) or 0:.2f} GPU-h"
     line = (f"{head}   holding {show(fair.get('held'))}, wants {show(fair.get('wanted'))} more   "
-            f"user {escape(str(fair.get('user') or '?'))}, recent usage {num(fair.get('usage_gpu_h')) or 0:.2f} GPU-h"
+            f"user {escape(str(fair.get('user') or '?'))}{usage}"
             f"   priority {show(fair.get('priority'))}")
     if fair.get("reason"):
         line += f"\n[dim]{escape(str(fair['reason']))}[/]"

@@ -157,12 +157,18 @@ def sparkline(points: Iterable[tuple[float, float | None]], since: float, until:
     return "".join(out)
 
 
-def render_charts(samples: Sequence[tuple[float, int, float | None]], now: float, width: int = 60):
-    """`status --watch`'s charts: world size and samples/s over the last hour."""
+def render_charts(samples: Sequence[tuple[float, int, float | None]], now: float, width: int = 60,
+                  current: tuple[int, float | None] | None = None):
+    """`status --watch`'s charts: world size and samples/s over the last hour. `current`:
+    (world size, samples/s) of the status document shown above them, the charts' last
+    point and the figures beside them (the ledger samples every ~10 s: without it the
+    charts lag the view)."""
     from rich.text import Text
 
     since = now - CHART_WINDOW_S
     recent = [s for s in samples if s[0] >= since]
+    if current is not None:
+        recent.append((now, int(current[0]), current[1]))
     if not recent:
         return Text("last hour: no samples in the usage ledger yet", style="dim")
     ws = [(t, float(w)) for t, w, _ in recent]
@@ -182,8 +188,9 @@ def render_charts(samples: Sequence[tuple[float, int, float | None]], now: float
     return lines
 
 
-def ledger_charts(state_dir: Path, now: float, width: int = 60):
-    """The charts from the job's usage ledger, or None when it has none (yet)."""
+def ledger_charts(state_dir: Path, now: float, width: int = 60, current: tuple[int, float | None] | None = None):
+    """The charts from the job's usage ledger, or None when it has none (yet); `current`:
+    as `render_charts`."""
     import sqlite3
 
     from eltctl.ledger import DB_NAME, LedgerError, open_reader, samples
@@ -198,7 +205,7 @@ def ledger_charts(state_dir: Path, now: float, width: int = 60):
         return None
     finally:
         conn.close()
-    return render_charts(got, now, width)
+    return render_charts(got, now, width, current)
 
 
 __all__ = ["CHART_WINDOW_S", "LEGEND", "TIMELINE_CHARS", "ledger_charts", "render_charts", "render_timeline",

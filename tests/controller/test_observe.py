@@ -269,6 +269,11 @@ WRONG = [
     ("more GPUs than asked (one fell off the probe): it has every one", ("gpu", frozenset({0})),
      {"slot_kind": "gpu", "valid_slots": [0, 1]}, None),
     ("a daemon watching any GPU", ("gpu", frozenset({0, 1})), {"slot_kind": "gpu", "valid_slots": None}, None),
+    ("a daemon following its GPUs that lacks one yet: it takes it up itself (issue 49)", ("gpu", frozenset({0, 1})),
+     {"slot_kind": "gpu", "valid_slots": [0], "follows_gpus": True}, None),
+    ("a following daemon of the wrong kind is still wrong", ("cpu", frozenset({0})),
+     {"slot_kind": "gpu", "valid_slots": [0], "follows_gpus": True},
+     "its daemon runs GPUs [0] but the host has CPU slots [0]"),
     ("the same CPU slots", ("cpu", frozenset({0, 1})), {"slot_kind": "cpu", "valid_slots": [0, 1]}, None),
     ("an older daemon that does not say: never judged", ("gpu", frozenset({0})), {"phase": "running"}, None),
     ("a malformed state: never judged", ("gpu", frozenset({0})), {"slot_kind": "cpu", "valid_slots": "0"}, None),
@@ -496,5 +501,70 @@ def test_no_checkpoint_anywhere_is_none():
 def test_scale_add_says_what_joins_gpus_or_cpu_slots():
     from eltctl.controller.observe import added_message
 
-    assert added_message(report("c", HostState.CPU_ONLY)) == "added; its CPU slots join now"
-    assert added_message(report("a", HostState.OK, gpu(0, "free"))) == "added; its free GPUs join now"
+    assert added_message(report("c", HostState.CPU_ONLY), (0, 1)) == "added; 2 CPU slots join now"
+    assert added_message(report("a", HostState.OK, gpu(0, "free")), (0,)) == "added; 1 GPU join now"
+
+
+def test_scale_add_never_promises_what_the_policy_refuses():
+    """Issue 50: `scale --add` said "its CPU slots join now" and fair share held them back
+    for minutes with no word: a host given no slot says what holds it, from its status entry."""
+    from eltctl.controller.observe import added_message
+
+    fair = {"kind": "fair share", "detail": "fair share holds the job at 1 CPU slot (its share 1 of 2) while "
+                                            "job b (bob: holds 1, share 1) wants more", "until": None}
+    msg = added_message(report("c", HostState.CPU_ONLY), (), fair)
+    assert msg.startswith("added, but its CPU slots do not join now: fair share: fair share holds the job")
+    assert "join now" not in msg.replace("do not join now", "")
+    assert "next pass" in added_message(report("c", HostState.CPU_ONLY), (), {"kind": "joining", "detail": "x"})
+    assert "join now" not in added_message(report("c", HostState.CPU_ONLY))
+
+
+# ----------------------------------------------------------------------- the job's pace: one samples/s
+
+from eltctl.controller.observe import RATE_WINDOW_S, commit_point, pace  # noqa: E402
+
+# (case, points (rank 0, its clock, samples committed, step), samples/s, steps/s)
+PACES = [
+    ("two commits 10 s apart", [("a/0/1", 100.0, 0, 0), ("a/0/1", 110.0, 2560, 10)], 256.0, 1.0),
+    ("only the last RATE_WINDOW_S count", [("a/0/1", 0.0, 0, 0), ("a/0/1", 100.0, 100_000, 1000),
+                                           ("a/0/1", 100.0 + RATE_WINDOW_S, 103_000, 1030)], 100.0, 1.0),
+    ("a new rank 0 (another host's clock) starts the count again",
+     [("a/0/1", 5000.0, 0, 0), ("a/0/1", 5010.0, 1000, 10), ("b/0/1", 20.0, 1100, 11), ("b/0/1", 30.0, 2100, 21)],
+     100.0, 1.0),
+    ("a restore from an older checkpoint starts it again",
+     [("a/0/1", 0.0, 0, 0), ("a/0/1", 10.0, 5000, 50), ("a/0/1", 20.0, 3000, 30), ("a/0/1", 30.0, 4000, 40)],
+     100.0, 1.0),
+    ("one commit tells nothing", [("a/0/1", 0.0, 0, 0)], None, None),
+    ("a runtime without `samples`: steps/s only", [("a/0/1", 0.0, None, 0), ("a/0/1", 4.0, None, 8)], None, 2.0),
+]
+
+
+@pytest.mark.parametrize("case, points, samples, steps", PACES, ids=[c[0] for c in PACES])
+def test_pace_is_what_was_committed_over_the_last_window(case, points, samples, steps):
+    got = pace(points)
+    assert (got["samples_per_s"], got["steps_per_s"]) == (samples, steps)
+
+
+def test_commit_point_reads_rank_0s_worker_clock_samples_and_step():
+    assert commit_point({"time": 5.0, "members": ["a/0/1", "b/0/1"], "samples": 64, "step": 2}) == ("a/0/1", 5.0, 64, 2)
+    assert commit_point({"members": ["a/0/1"], "step": 2}) is None
+    assert commit_point({"time": 5.0, "step": True}) == ("", 5.0, None, None)
+
+
+def test_the_observer_gives_rank_0s_status_one_samples_per_s_over_its_recent_commits():
+    """Issue 50: status showed 239.6 and 315.1 samples/s for one moment (rank 0's figure of
+    its last second, and another sampled apart). The controller's figure is the samples
+    committed over the last RATE_WINDOW_S of commits, in the status itself, so status, the
+    metrics and the usage ledger read the same one."""
+    import asyncio
+
+    store = FakeStore({"status": {"time": 50.0, "members": ["a/0/1"], "step": 10, "samples": 640,
+                                  "samples_per_s": 239.6}})
+    o = Observer()
+    asyncio.run(o.read_store(store, [], NOW))
+    assert o.runtime_status["samples_per_s"] == 239.6  # one commit: rank 0's own figure stays
+    store.values["status"] = {"time": 60.0, "members": ["a/0/1"], "step": 20, "samples": 3840, "samples_per_s": 315.1}
+    asyncio.run(o.read_store(store, [], NOW + 1))
+    assert (o.runtime_status["samples_per_s"], o.runtime_status["steps_per_s"]) == (320.0, 1.0)
+    asyncio.run(o.read_store(store, [], NOW + 2))  # the same status read again: the same figure
+    assert o.runtime_status["samples_per_s"] == 320.0

@@ -90,7 +90,8 @@ def test_status_document_shape():
     assert list(doc) == ["job", "state", "phase", "message", "updated", "generation", "world_size", "members",
                          "runtime_current", "min_workers", "max_workers", "step", "epoch", "samples_per_s", "loss", "checkpoint",
                          "runtime_status_age_s", "controller", "store", "hosts", "events", "mirror",
-                         "start_failed", "mode", "restarts", "forged", "starts_at"]
+                         "start_failed", "mode", "restarts", "forged", "starts_at", "total_steps", "steps_per_s",
+                         "eta_s"]
     assert (doc["mode"], doc["restarts"]) == ("elastic", None)
     assert doc["forged"] == {"controller": {}, "hosts": {}, "rank0": {}, "total": 0, "events_skipped": 0}
     assert (doc["job"], doc["state"], doc["world_size"], doc["min_workers"], doc["max_workers"]) == ("j", "training", 1,
@@ -104,7 +105,8 @@ def test_status_document_shape():
                  "heartbeat_age_s": 0.5,
                  "benched_until": None, "cooldown_until": NOW + 5, "failures": 0, "desired": [0],
                  "gpus": [{"index": 0, "state": "ours", "reason": ""}, {"index": 1, "state": "busy", "reason": "pid 9"}],
-                 "last_problem": "", "start_failure": None, "daemon": {}, "usable_at": None, "signal": None}
+                 "last_problem": "", "start_failure": None, "daemon": {}, "usable_at": None, "signal": None,
+                 "refused": None, "waiting": {"kind": "cooldown", "detail": "cooling down after a failure; 5 s more", "until": NOW + 5}}
     assert doc["start_failed"] is None
     assert (b["state"], b["reason"], b["heartbeat_age_s"], b["gpus"]) == ("unreachable", "timeout", None, [])
 
@@ -329,3 +331,133 @@ def test_waiting_for_cpu_slots_names_slots_never_gpus():
     assert msg == ("1 CPU slot held by its owner (an owner signal), 1 CPU slot taken by another eltctl job; "
                    "min_workers is 2")
     assert "GPU" not in msg
+
+
+# ----------------------------------------------------------------------- issue 50: every wait says why, no phantoms
+
+from eltctl.controller.policy import HostPhase, Limit  # noqa: E402
+from eltctl.controller.status import host_wait, progress_fields  # noqa: E402
+
+CPU2 = (SlotView(0, GpuUse.FREE, "CPU slot"), SlotView(1, GpuUse.FREE, "CPU slot"))
+# fair share's plan (status.json `fairshare`): this job j holds 1 of a pool of 2, job b of bob wants more
+FAIR = {"share": 1, "pool": 2, "cap": 1, "release": {}, "to": "", "reason": "",
+        "jobs": [{"user": "alice", "job": "j", "held": 1, "wanted": 0, "share": 1},
+                 {"user": "bob", "job": "b", "held": 1, "wanted": 2, "share": 1}]}
+ADDED = HostRecord(join_now=True)  # `scale --add`: idle_for, cooldown and benching waived once
+OFF = Limit(0, HostPhase.OFF_HOURS, "outside its working hours (Mon-Fri 09:00-18:00); usable again at Sat 00:00",
+            NOW + 3600, "Sat 00:00")
+QUOTA = Limit(0, HostPhase.QUOTA, "gpu_hours_per_day 4 reached (4.0 h used today); usable again at 00:00", NOW + 60)
+RELEASED = Limit(0, None, "released 1 GPU (1 on a) to job b (fair share 1 of 2)")
+
+
+def inv_max(max_workers=None):
+    extra = f"max_workers = {max_workers}\n" if max_workers is not None else ""
+    return parse_inventory('[job]\nname = "j"\ncommand = "python t.py"\nmin_workers = 1\n' + extra +
+                           '[policy]\nidle_for = 10\n[[hosts]]\nname = "a"\naddress = "a.lab"\n', "hosts.toml")
+
+
+# (case, view, record, limit, the job's slots in all, max_workers, fair share's plan, kind, words in its detail)
+WAITS = [
+    ("a CPU host added while fair share caps the job: fair share, and which job waits",
+     HostView("a", Reach.CPU_ONLY, slots=CPU2), ADDED, Limit(), 1, None, FAIR, "fair share",
+     ["1 CPU slot", "share 1 of 2", "job b (bob: holds 1, share 1)"]),
+    ("fair share released this host's GPU to another job", HostView("a", Reach.OK, slots=FREE1), ADDED, RELEASED, 1,
+     None, FAIR, "fair share", ["released 1 GPU", "job b"]),
+    ("a cooldown after a failure, with its cause", HostView("a", Reach.OK, slots=FREE1), FAILED, Limit(), 0, None,
+     None, "cooldown", [CANT_OPEN, "118 s more"]),
+    ("an owner's cooldown", HostView("a", Reach.OK, slots=FREE1),
+     HostRecord(owner_until=NOW + 30, owner_note="its owner took GPU 0"), Limit(), 0, None, None, "cooldown",
+     ["its owner took GPU 0", "30 s more"]),
+    ("outside working hours", HostView("a", Reach.OK, slots=FREE1), HostRecord(), OFF, 0, None, None, "off-hours",
+     ["usable again at Sat 00:00"]),
+    ("a gpu-hours quota", HostView("a", Reach.OK, slots=FREE1), HostRecord(), QUOTA, 0, None, None, "quota",
+     ["gpu_hours_per_day 4 reached"]),
+    ("the owner's process", HostView("a", Reach.OK, slots=BUSY2[:1]), HostRecord(), Limit(), 0, None, None, "owner",
+     ["GPU 0: pid 7"]),
+    ("another eltctl job's claim", HostView("a", Reach.OK, slots=(SlotView(0, GpuUse.TAKEN, "taken by job b"),)),
+     HostRecord(), Limit(), 0, None, None, "taken", ["GPU 0: taken by job b"]),
+    ("free, not for idle_for yet", HostView("a", Reach.OK, slots=FREE1), HostRecord(free_since=((0, NOW - 4),)),
+     Limit(), 0, None, None, "idle_for", ["idle_for (10 s)", "in 6 s", "scale --add a"]),
+    ("max_workers reached", HostView("a", Reach.OK, slots=FREE1), ADDED, Limit(), 2, 2, None, "max_workers",
+     ["max_workers (2)"]),
+    ("usable and nothing holds it: the next pass", HostView("a", Reach.OK, slots=FREE1), ADDED, Limit(), 1, None,
+     None, "joining", ["next pass"]),
+]
+
+
+@pytest.mark.parametrize("case, view, record, limit, total, max_workers, fair, kind, words", WAITS,
+                         ids=[c[0] for c in WAITS])
+def test_a_host_that_does_not_join_says_what_holds_it(case, view, record, limit, total, max_workers, fair, kind,
+                                                      words):
+    wait = host_wait(view, record, limit, now=NOW, inventory=inv_max(max_workers), total=total, fair=fair)
+    assert wait is not None and wait["kind"] == kind
+    for w in words:
+        assert w in wait["detail"]
+
+
+@pytest.mark.parametrize("case, view, record", [
+    ("every slot runs", HostView("a", Reach.OK, slots=FREE1, workers=(0,)), HostRecord(desired=(0,))),
+    ("every slot asked for", HostView("a", Reach.OK, slots=FREE1), HostRecord(desired=(0,))),
+    ("removed: its state says so", HostView("a", Reach.OK, slots=FREE1), HostRecord(removed=True)),
+    ("unreachable: its state says so", HostView("a", Reach.UNREACHABLE, reason="timeout"), HostRecord()),
+])
+def test_nothing_waits_on_a_host_whose_slots_are_used_or_that_is_out(case, view, record):
+    assert host_wait(view, record, Limit(), now=NOW, inventory=inv_max(), total=1, fair=FAIR) is None
+
+
+def test_the_document_carries_each_hosts_wait_and_fair_shares_unit():
+    """Issue 50: a CPU host added while fair share capped the job showed no reason, and
+    fair share's line called CPU slots GPUs."""
+    views = {"a": HostView("a", Reach.CPU_ONLY, slots=CPU2[:1], daemon_alive=True, workers=(0,),
+                           worker_ids=("a/0/1",)),
+             "b": HostView("b", Reach.CPU_ONLY, slots=CPU2)}
+    records = {"a": HostRecord(desired=(0,)), "b": ADDED}
+    doc = status_document(now=NOW, inventory=INV, phase=Phase.TRAINING, message="", runtime_status=None,
+                          views=views, records=records, seen={}, events=[], store_endpoint="x", mirror=None,
+                          fairshare=FAIR)
+    a, b = doc["hosts"]
+    assert a["waiting"] is None
+    assert b["waiting"]["kind"] == "fair share" and "job b (bob" in b["waiting"]["detail"]
+    assert doc["fairshare"]["unit"] == "CPU slot" and doc["fairshare"]["share"] == 1
+
+
+def test_a_paused_job_shows_no_worker_of_its_last_status():
+    """Issue 50: `paused` with "workers 1" and a worker row while no worker ran. The last
+    members wrote `paused` as they all left; a silent daemon does not bring them back."""
+    rs = {**TRAINING_STATUS, "paused": True, "samples_per_s": 300.0,
+          "workers": {"a/0/1": {"share": 64, "samples_per_s": 300.0}}}
+    views = {"a": HostView("a", Reach.OK, slots=FREE1), "b": HostView("b", Reach.OK)}  # daemon silent
+    doc = status_document(now=NOW, inventory=INV, phase=Phase.PAUSED, message="outside working hours",
+                          runtime_status=rs, views=views, records={}, seen={}, events=[], store_endpoint="x",
+                          mirror=None)
+    assert (doc["state"], doc["world_size"], doc["members"], doc["samples_per_s"]) == ("paused", 0, [], None)
+    assert "workers" not in doc and doc["step"] == 7
+
+
+def test_a_finished_job_holds_nothing_in_fair_share_and_waits_for_nothing():
+    """Issue 50: "holding 2" after the job finished (fair share's last plan, from before)."""
+    views = {"a": HostView("a", Reach.OK, slots=FREE1), "b": HostView("b", Reach.OK, slots=FREE1)}
+    held = {**FAIR, "held": 2, "wanted": 0, "user": "alice"}
+    doc = status_document(now=NOW, inventory=INV, phase=Phase.FINISHED, message="the training finished",
+                          runtime_status=TRAINING_STATUS, views=views, records={"a": HostRecord(desired=(0,))},
+                          seen={}, events=[], store_endpoint="x", mirror=None, fairshare=held)
+    assert doc["fairshare"] is None and doc["world_size"] == 0
+    assert [h["waiting"] for h in doc["hosts"]] == [None, None]
+
+
+# (case, rank 0's status, a worker runs, total_steps, steps/s, eta_s)
+PROGRESS = [
+    ("step N of M and the time left at the recent rate", {"step": 400, "total_steps": 1000, "steps_per_s": 2.0},
+     True, 1000, 2.0, 300.0),
+    ("no bound on the steps: no time left", {"step": 400, "steps_per_s": 2.0}, True, None, 2.0, None),
+    ("no worker runs: the last status is history, no rate", {"step": 400, "total_steps": 1000, "steps_per_s": 2.0},
+     False, 1000, None, None),
+    ("restart mode: the script's own steps/s", {"step": 10, "total_steps": 20, "script": {"steps_per_s": 0.5}},
+     True, 20, 0.5, 20.0),
+]
+
+
+@pytest.mark.parametrize("case, rs, live, total, sps, eta", PROGRESS, ids=[c[0] for c in PROGRESS])
+def test_progress_fields(case, rs, live, total, sps, eta):
+    got = progress_fields(rs, live, restart="script" in rs)
+    assert (got["total_steps"], got["steps_per_s"], got["eta_s"]) == (total, sps, eta)

@@ -70,6 +70,13 @@ def test_status_agrees_with_checkpoints_and_the_running_workers_after_a_resize_a
     job_env.eltctl("up")
     job_env.training_at(2)
     first = wait_for(lambda: (job_env.status().get("checkpoint") or {}).get("step"), 120, "the first checkpoint")
+    # Progress at a glance (issue 50): step N of M from the runtime, one samples/s (the
+    # controller's rate over recent commits) and the time to finish at that rate.
+    doc = wait_for(lambda: (lambda d: d if d.get("eta_s") is not None else None)(status_json(job_env)), 60,
+                   "a time to finish")
+    assert doc["total_steps"] == 1_000_000 and doc["steps_per_s"] > 0 and doc["samples_per_s"] > 0, doc
+    text = " ".join(job_env.eltctl("status").stdout.split())
+    assert " of 1000000 (" in text and "finishes in " in text, text
 
     # 1. A resize: the host of rank 0 leaves; the new rank 0 has written no checkpoint yet.
     rank0_host = job_env.status()["members"][0].split("/")[0]
