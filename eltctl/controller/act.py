@@ -84,13 +84,14 @@ async def republish_desired(store, records: Mapping[str, pol.HostRecord], hosts,
             await store.set_json(desired_key(host.name), desired_document(rec.seq, rec.desired, stop=stopping))
 
 
-def code_digest(workdir) -> str:
-    """A digest of the job's code directory as the controller syncs it ("" if unreadable)."""
+def code_digest(inventory: Inventory) -> str:
+    """A digest of the job's code directory as the controller syncs it (`hostops.code_rules`:
+    a file left out, the metrics file rewritten every second, changes nothing; "" if unreadable)."""
     import hashlib
     import json
 
     try:
-        manifest = hostops.local_manifest(workdir)
+        manifest = hostops.local_manifest(inventory.job.workdir, hostops.code_rules(inventory))
     except OSError:
         return ""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
@@ -222,7 +223,8 @@ class DaemonStarter:
             if sent:
                 log.info("Host %s: shipped the runtime to %s.", host.name, runtime_dir)
             if not inventory.job.shared_filesystem:
-                synced = await hostops.sync_code(t, inventory.job.workdir, paths.code_dir)
+                synced = await hostops.sync_code(t, inventory.job.workdir, paths.code_dir,
+                                                 hostops.code_rules(inventory))
                 if synced.sent or synced.deleted:
                     log.info("Host %s: code synced (%d sent, %d deleted).", host.name, len(synced.sent),
                              len(synced.deleted))
@@ -301,13 +303,22 @@ class Restorer:
 
 
 async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_worker,
-                  event: Callable[..., Awaitable[None]], others: list[str] = ()) -> dict:
+                  event: Callable[..., Awaitable[None]], others: list[str] = (),
+                  known: dict | None = None) -> dict:
     """Choose the newest valid checkpoint among these hosts', the other reachable hosts'
     (`others`: the job's last worker may have left from one of them) and the mirror's, and
     deliver it to each of `names` (mirror.prepare_restore). A failure is logged and the
     start goes on: the runtime then restores whatever its host holds. Returns what the
-    runtime is told (Keys.RESTORED): {"step" (None: none delivered), "targets", "ready"}."""
+    runtime is told (Keys.RESTORED): {"step" (None: none delivered), "targets", "ready"}.
+
+    `known`: the last checkpoint the controller saw (hosts.json); newer than the one
+    chosen and on a host not looked at (out of the inventory, unreachable), it is warned
+    of, naming the host and the step (`resume.newer_out_of_reach`), in the log and in the
+    restore event (`newer`) that `eltctl up` prints."""
+    from eltctl.controller import resume
+
     job = inventory.job.name
+    looked_at: list[str] = []
     # its own connection: the background copier's resets must not cut this one
     mirror = mirror_worker.mirror.detached() if mirror_worker is not None else None
     try:
@@ -319,6 +330,7 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
                 log.warning("Restore: host %s is left out: %s", name, exc)
                 continue
             (places if name in names else sources).append(place)
+            looked_at.append(name)
         plan = await mir.prepare_restore(places, mirror, sources)
     except Exception as exc:  # noqa: BLE001 - a failed restore must not end the controller
         log.exception("Restore: choosing or delivering the checkpoint failed.")
@@ -327,9 +339,16 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
     finally:
         if mirror is not None:
             await mirror.close()
+    chosen = plan.choice.step if plan.choice is not None else None
+    newer = resume.newer_out_of_reach(known, chosen, looked_at, (h.name for h in inventory.hosts))
+    if newer is not None:
+        log.warning("Restore: %s.", resume.newer_sentence(newer, chosen))
     if plan.choice is None:
         unlisted = [why for why in plan.skipped if why.startswith(mir.MIRROR_UNLISTED)]
-        if unlisted:  # its checkpoints may be the job's only ones: said loudly, not as "none"
+        if newer is not None:  # the job goes back to step 0: said in the event `up` prints
+            await event(EventKind.RESTORE, None, resume.newer_sentence(newer, None), step=None, where=None,
+                        skipped=list(plan.skipped), newer=newer)
+        elif unlisted:  # its checkpoints may be the job's only ones: said loudly, not as "none"
             log.warning("Restore: no checkpoint on %s, and %s; the job starts from step 0.",
                         ", ".join(names), unlisted[0])
             await event(EventKind.RESTORE, None, f"no checkpoint on {', '.join(names)}, and the {unlisted[0]}; "
@@ -344,9 +363,11 @@ async def restore(fleet: Fleet, inventory: Inventory, names: list[str], mirror_w
         detail += "; not delivered to " + "; ".join(f"{h}: {why}" for h, why in plan.failed)
     if c.skipped:
         detail += "; skipped " + "; ".join(c.skipped)
+    if newer is not None:
+        detail += f"; newer: step {newer['step']} on {newer['host']}, which {newer['why']}"
     log.info("Restore: %s.", detail)
     await event(EventKind.RESTORE, None, detail, step=c.step, where=c.where, skipped=list(c.skipped),
-                ready=list(plan.ready))
+                ready=list(plan.ready), **({"newer": newer} if newer is not None else {}))
     if mirror_worker is not None:
         # Steps after c.step will be committed anew by this run: count from c.step
         # again (also when the newer ones were not skipped but lost with their hosts).

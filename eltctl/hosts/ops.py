@@ -8,12 +8,15 @@ Python there (docs/control-plane.md, "Files"):
   is sent (a base64 tar on stdin) only when that directory is missing.
 - `sync_code`: the job's code directory goes to `~/.eltctl/jobs/<job>/<host>/code/`;
   the host's Python lists what is there with SHA-256 sums and only changed files are
-  sent, removed ones deleted. Skipped when the inventory says the hosts share a
+  sent, removed ones deleted. What goes is chosen by `code_rules` (`eltctl.hosts.ignore`:
+  the built-in rules, the ignore files, `[job] exclude` and `include`); a file left out
+  is deleted on the host too. Skipped when the inventory says the hosts share a
   filesystem (the workers then run in `workdir` itself).
 - `start_daemon`: writes the job's `secret` (mode 0600, carried on the command's
   stdin: never on a command line or in an environment that `ps` shows) and
-  `daemon.json`, and starts `python -m eltctl_runtime.daemon` detached (`setsid
-  nohup`, stdin from /dev/null, output to `daemon.log`).
+  `daemon.json` (the job's `env` inside it, also from stdin), and starts `python -m
+  eltctl_runtime.daemon` detached (`setsid nohup`, stdin from /dev/null, output to
+  `daemon.log`).
 - `daemon_pid`, `job_processes`, `kill_pids`: what runs there, found on the host
   itself (pid files and `/proc/<pid>/environ` holding `ELTCTL_JOB=<job>`), whatever
   the controller remembers.
@@ -32,14 +35,13 @@ import hashlib
 import importlib.util
 import io
 import json
-import os
 import shlex
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from eltctl.errors import HostError
-from eltctl.hosts import layout, programs
+from eltctl.hosts import ignore, layout, programs
 from eltctl.hosts.layout import HostPaths
 from eltctl.hosts.transport import ErrorKind, RunResult, Transport
 from eltctl.inventory import DeviceKind, Host, Inventory, courtesy
@@ -47,7 +49,8 @@ from eltctl_runtime.auth import encode_secret
 
 RUNTIME_PACKAGE = "eltctl_runtime"
 DAEMON_MODULE = "eltctl_runtime.daemon"
-# Never synced: version control, caches, environments, our own state.
+# Never listed on the host (so never deleted there): version control, caches, environments,
+# our own state. What is sent is chosen by `code_rules`.
 SYNC_EXCLUDE_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", layout.STATE_DIR,
                                ".mypy_cache", ".pytest_cache", ".ipynb_checkpoints", "node_modules"})
 SYNC_EXCLUDE_SUFFIXES = (".pyc", ".pyo")
@@ -125,19 +128,30 @@ async def ensure_runtime(t: Transport, paths: HostPaths, files: dict[str, bytes]
 
 # --------------------------------------------------------------------------- the code
 
-def local_manifest(workdir: Path) -> dict[str, str]:
-    """{relative path: sha256} of the code directory, with the same exclusions as the host's."""
-    out: dict[str, str] = {}
-    for d, dirs, files in os.walk(workdir):
-        dirs[:] = sorted(x for x in dirs if x not in SYNC_EXCLUDE_DIRS)
-        for f in sorted(files):
-            if f.endswith(SYNC_EXCLUDE_SUFFIXES):
-                continue
-            p = Path(d) / f
-            if not p.is_file():
-                continue
-            out[str(p.relative_to(workdir))] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
+def code_rules(inventory: Inventory) -> ignore.Rules:
+    """What of the job's workdir goes to the hosts (`eltctl.hosts.ignore`): the built-in
+    rules, the job's own files inside the workdir, `[job] exclude` and `include`."""
+    from eltctl.controller.statedir import state_root
+
+    job = inventory.job
+    own = ((inventory.path, "the inventory"), (state_root(), "the controller's state"),
+           (inventory.controller.metrics_file, "the metrics file"))
+    return ignore.Rules(first=ignore.builtin_rules() + ignore.job_rules(job.workdir, own),
+                        exclude=ignore.compile_patterns(job.exclude, "[job] exclude"),
+                        include=ignore.compile_patterns(job.include, "[job] include"))
+
+
+def code_selection(inventory: Inventory) -> ignore.Selection:
+    """The files of the workdir that go to the hosts, and those left out (with why)."""
+    return ignore.choose(inventory.job.workdir, code_rules(inventory))
+
+
+def local_manifest(workdir: Path, rules: ignore.Rules | None = None) -> dict[str, str]:
+    """{relative path: sha256} of the code directory's files that go to the hosts (`rules`;
+    None: the built-in rules only)."""
+    rules = rules if rules is not None else ignore.Rules(first=ignore.builtin_rules())
+    return {rel: hashlib.sha256((workdir / rel).read_bytes()).hexdigest()
+            for rel in sorted(ignore.choose(workdir, rules).files)}
 
 
 @dataclass(frozen=True)
@@ -153,8 +167,9 @@ def plan_sync(local: dict[str, str], remote: dict[str, str]) -> SyncResult:
     return SyncResult(sent=sent, deleted=deleted)
 
 
-async def sync_code(t: Transport, workdir: Path, code_dir: str) -> SyncResult:
-    """Make `code_dir` on the host hold exactly `workdir`'s files; send only the changes."""
+async def sync_code(t: Transport, workdir: Path, code_dir: str, rules: ignore.Rules | None = None) -> SyncResult:
+    """Make `code_dir` on the host hold exactly `workdir`'s files that `rules` choose
+    (`code_rules`; None: the built-in rules); send only the changes."""
     host = t.host
     listing = programs.command(host.python, "manifest", code_dir, json.dumps(sorted(SYNC_EXCLUDE_DIRS)),
                                json.dumps(list(SYNC_EXCLUDE_SUFFIXES)))
@@ -163,7 +178,7 @@ async def sync_code(t: Transport, workdir: Path, code_dir: str) -> SyncResult:
         remote = json.loads(got.stdout.strip().splitlines()[-1]) if got.stdout.strip() else {}
     except ValueError as exc:
         raise HostError(host.name, f"unreadable code listing from the host: {exc}", kind=ErrorKind.COMMAND) from exc
-    local = local_manifest(workdir)
+    local = local_manifest(workdir, rules)
     plan = plan_sync(local, remote)
     if not plan.sent and not plan.deleted:
         return plan
@@ -210,6 +225,8 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
         "env": dict(job.env),
         "device": device,
         "gpus": list(gpus) if gpus else None,
+        # the probe's GPUs, not the inventory's: the daemon follows what its nvidia-smi lists
+        "follow_gpus": _follows(host, gpus),
         "slots": host.slots,
         "max_micro_batch": host.max_micro_batch,
         "data_interface": host.data_interface,
@@ -230,6 +247,12 @@ def daemon_config(inventory: Inventory, host: Host, paths: HostPaths, store: str
     }
 
 
+def _follows(host: Host, gpus: tuple[int, ...] | None) -> bool:
+    """The daemon's GPUs follow its nvidia-smi: they came from a probe (the inventory's
+    `gpus` pin them; a CPU host has none to follow)."""
+    return host.gpus is None and bool(gpus)
+
+
 def _daemon_device(inventory: Inventory, gpus: tuple[int, ...] | None) -> str:
     if inventory.job.device is DeviceKind.AUTO:
         return "cuda" if gpus else "cpu"
@@ -240,7 +263,8 @@ def daemon_slot_kind(inventory: Inventory, host: Host,
                      gpus: tuple[int, ...] | None) -> tuple[str, frozenset[int] | None]:
     """What the slots of a daemon started with `gpus` (`daemon_config`) are: ("gpu" or
     "cpu", the slots it has; None: any GPU), as its state document reports them
-    (`slot_kind`, `valid_slots`; runtime/daemon/config.py `gpu_host`, `valid_slots`)."""
+    (`slot_kind`, `valid_slots`, at its start: one that follows its GPUs, `follow_gpus`,
+    takes nvidia-smi's list later; runtime/daemon/config.py `gpu_host`, `valid_slots`)."""
     listed = tuple(gpus) if gpus else None
     if listed is not None:
         return "gpu", frozenset(listed)

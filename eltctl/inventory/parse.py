@@ -44,7 +44,7 @@ _SSH_URL = re.compile(r"ssh://(?:[^@/\s]+@)?[^:/\s]+(?::\d+)?/\S*")
 TOP_KEYS = ("job", "ssh", "policy", "storage", "controller", "notify", "hosts")
 JOB_KEYS = ("name", "command", "workdir", "min_workers", "max_workers", "device", "env",
             "shared_filesystem", "mode", "stop_grace", "progress", "max_restarts", "restart_window",
-            "priority")
+            "priority", "exclude", "include")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout",
             "command_timeout", "max_parallel")
 POLICY_KEYS = ("idle_for", "cpu_idle_for", "memory_threshold_mib", "utilization_threshold", "cooldown",
@@ -198,13 +198,14 @@ class Checker:
         max_restarts = t.integer("max_restarts", JobSpec.max_restarts, lo=0, meaning=" (0: never stop)")
         restart_window = t.duration("restart_window", JobSpec.restart_window, positive=True)
         priority = t.integer("priority", JobSpec.priority, meaning=" (higher is served first; default 0)")
+        exclude, include = t.patterns("exclude"), t.patterns("include")
         if self.problems:
             return None
         return JobSpec(name=name, command=command, workdir=workdir, min_workers=min_workers,
                        max_workers=max_workers, device=DeviceKind(device), env=env,
                        shared_filesystem=shared, mode=JobMode(mode), stop_grace=stop_grace,
                        progress=progress, max_restarts=max_restarts, restart_window=restart_window,
-                       priority=priority)
+                       priority=priority, exclude=exclude, include=include)
 
     def command(self, t: Table) -> Any:
         value = t.raw("command", required='["python", "train.py"]')

@@ -286,6 +286,29 @@ class Table:
             return self.fail(key, f"must be one of {listed}, {got(value)}{hint}")
         return value
 
+    def patterns(self, key: str) -> Any:
+        """A list of gitignore patterns (`[job] exclude`, `include`: eltctl/hosts/ignore.py)."""
+        from eltctl.hosts.ignore import check_pattern
+
+        value = self.raw(key)
+        if value is ABSENT:
+            return ()
+        if isinstance(value, str):
+            return self.fail(key, f"must be a list of patterns, {got(value)}; write {key} = [{show(value)}]")
+        if not isinstance(value, list):
+            return self.fail(key, f"must be a list of patterns, {got(value)}; write {key} = [\"data/\", \"*.bin\"]")
+        out = []
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                self.fail(f"{key}[{i}]", f"must be a string (a pattern such as \"data/\"), {got(item)}")
+                continue
+            problem = check_pattern(item)
+            if problem is not None:
+                self.fail(f"{key}[{i}]", problem)
+                continue
+            out.append(item)
+        return BAD if len(out) < len(value) else tuple(out)
+
     def env(self, key: str) -> Any:
         value = self.raw(key)
         if value is ABSENT:

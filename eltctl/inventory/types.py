@@ -45,6 +45,10 @@ class JobSpec:
     max_restarts: int = 5  # restart mode: failures of the script within restart_window that stop the job (0: never)
     restart_window: float = 600.0  # seconds
     priority: int = 0  # fair share between jobs: a higher priority's demand is served first (docs/fairshare.md)
+    # what of workdir does not go to the hosts, and what goes whatever the rules say: gitignore
+    # patterns (eltctl/hosts/ignore.py), after the built-in rules, .gitignore and .eltctlignore
+    exclude: tuple[str, ...] = ()
+    include: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

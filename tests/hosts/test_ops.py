@@ -172,7 +172,25 @@ def test_the_slots_the_controller_expects_are_those_the_daemon_reports(tmp_path,
                           '[[hosts]]\nname = "a"\naddress = "a"\nslots = 2\n', tmp_path / "hosts.toml")
     config = hostops.daemon_config(inv, inv.hosts[0], HostPaths(home="/h", job="j", host="a"), "10.0.0.5:1", gpus)
     cfg = DaemonConfig.from_json(json.dumps(config))
+    assert cfg.follow_gpus == bool(gpus)  # the probe's GPUs: followed
     assert hostops.daemon_slot_kind(inv, inv.hosts[0], gpus) == ("gpu" if cfg.gpu_host else "cpu", cfg.valid_slots)
+
+
+def test_only_a_daemon_whose_gpus_came_from_the_probe_follows_them(tmp_path):
+    """The inventory's `gpus` pin a host's GPU slots; the probe's list is followed (the
+    daemon reads nvidia-smi's list itself); a CPU host has no GPUs to follow."""
+    from eltctl.inventory import parse_inventory
+    from eltctl_runtime.daemon.config import DaemonConfig
+
+    inv = parse_inventory('[job]\nname = "j"\ncommand = "python t.py"\n'
+                          '[[hosts]]\nname = "a"\naddress = "a"\n'
+                          '[[hosts]]\nname = "b"\naddress = "b"\ngpus = [0, 1]\n', tmp_path / "hosts.toml")
+    probed, pinned = inv.hosts
+    docs = {(h.name, g): hostops.daemon_config(inv, h, HostPaths(home="/h", job="j", host=h.name), "10.0.0.5:1", g)
+            for h, g in ((probed, (0, 1)), (probed, None), (pinned, (0, 1)))}
+    assert {k: d["follow_gpus"] for k, d in docs.items()} == {("a", (0, 1)): True, ("a", None): False,
+                                                               ("b", (0, 1)): False}
+    assert DaemonConfig.from_json(json.dumps(docs[("a", (0, 1))])).follow_gpus
 
 # ------------------------------------------------------------------- the layout and the programs
 

@@ -193,7 +193,7 @@ ERRORS = [
     ("unknown key without a near name", JOB + "colour = 1\n" + HOST,
      "hosts.toml:4: job.colour: unknown key; [job] accepts: name, command, workdir, "
      "min_workers, max_workers, device, env, shared_filesystem, mode, stop_grace, progress, max_restarts, "
-     "restart_window, priority"),
+     "restart_window, priority, exclude, include"),
     ("unknown section", JOB + "[host]\nname = 'a'\n" + HOST,
      "hosts.toml:4: host: unknown section; did you mean hosts?"),
     ("missing job section", HOST,
