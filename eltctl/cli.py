@@ -19,16 +19,17 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from eltctl.errors import EltctlError
+from eltctl.commands.common import DEFAULT_INVENTORY, PlainHelpGroup
+from eltctl.errors import ConfigError, EltctlError
 
 if TYPE_CHECKING:
+    from eltctl.commands.common import Choice
     from eltctl.inventory import Inventory
 
-DEFAULT_INVENTORY = "hosts.toml"
 INVENTORY_ENV = "ELTCTL_INVENTORY"
 
 EXIT_OK = 0
@@ -42,19 +43,44 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 class AppContext:
     """What every command gets (`ctx.obj`): where the inventory is, loaded on first use.
 
-    `inventory_origin` says who chose the path ("-i", "$ELTCTL_INVENTORY", or None
-    for the default), so a missing file can be explained.
+    `inventory_path` and `inventory_origin` are the `-i` option's (before or after the
+    command's name) or $ELTCTL_INVENTORY's, the origin saying who chose the path ("-i",
+    "$ELTCTL_INVENTORY", or None for the default) so a missing file can be explained;
+    `job` is `--job NAME`. Which file is used follows from them
+    (eltctl/commands/common.py: `choose_inventory`).
     """
 
     inventory_path: Path
     inventory_origin: str | None = None
+    job: str | None = None
     _inventory: Inventory | None = field(default=None, repr=False)
+    _choice: Choice | None = field(default=None, repr=False)
+
+    def set_inventory(self, path: Path, origin: str | None) -> None:
+        self.inventory_path, self.inventory_origin = path, origin
+        self._inventory = self._choice = None
+
+    def chosen(self) -> Choice:
+        """The inventory file to use and who chose it (a note on stderr when eltctl did)."""
+        if self._choice is None:
+            from eltctl.commands.common import print_note, resolve
+
+            self._choice = resolve(self.inventory_path, self.inventory_origin, self.job)
+            if self._choice.note:
+                print_note(self._choice.note)
+        return self._choice
 
     def inventory(self) -> Inventory:
         if self._inventory is None:
             from eltctl.inventory import load_inventory
 
-            self._inventory = load_inventory(self.inventory_path, origin=self.inventory_origin)
+            choice = self.chosen()
+            try:
+                self._inventory = load_inventory(choice.path, origin=choice.origin)
+            except ConfigError as exc:
+                if choice.if_missing and not (choice.path.exists() or choice.path.is_symlink()):
+                    exc.hint = f"{exc.hint}; {choice.if_missing}" if exc.hint else choice.if_missing
+                raise
         return self._inventory
 
 
@@ -90,6 +116,7 @@ _flags_take_no_value()
 
 app = typer.Typer(
     name="eltctl",
+    cls=PlainHelpGroup,  # help read as text: "[notify]" is a section name, not markup
     help="Elastic PyTorch training on the GPUs your lab already has, over SSH.",
     no_args_is_help=True,
     add_completion=True,  # --install-completion, --show-completion (typer imports its completion code anyway)
@@ -106,13 +133,17 @@ def _global(
         "-i",
         envvar=INVENTORY_ENV,
         show_envvar=True,
-        help="The inventory file: the job and the hosts it may use.",
+        help="The inventory file: the job and the hosts it may use (default: ./hosts.toml, else the "
+             "inventory of the one job running on this machine). Also after the command's name.",
     ),
+    job: Optional[str] = typer.Option(
+        None, "--job", show_default=False,
+        help="The job of that name on this machine: the inventory its controller was started from."),
 ) -> None:
     source = ctx.get_parameter_source("inventory")
     origin = {"COMMANDLINE": "-i", "ENVIRONMENT": f"${INVENTORY_ENV}"}.get(
         getattr(source, "name", ""))
-    ctx.obj = AppContext(inventory_path=inventory, inventory_origin=origin)
+    ctx.obj = AppContext(inventory_path=inventory, inventory_origin=origin, job=job)
 
 
 def _register_commands() -> None:

@@ -35,6 +35,7 @@ WORKDIR = "~/.eltctl"
 # restores checkpoints (perhaps from a shared mirror) with it.
 MIN_TORCH = (2, 6)
 TORCH_IMPORT_TIMEOUT = 120.0  # seconds; a cold `import torch` on a loaded host is slow
+RUNTIME_PACKAGE = "eltctl_runtime"  # shipped to each host and put on its workers' PYTHONPATH (hosts/ops.py)
 
 
 class Status(str, enum.Enum):
@@ -442,3 +443,116 @@ async def mirror_diagnosis(inventory: Inventory, fleet: Fleet, results: list[Hos
         return []
     checks = tuple(Check(f.name, Status.OK if f.ok else Status.FAIL, f.detail, f.fix) for f in found.findings)
     return [HostDiagnosis("mirror", found.target, checks)]
+
+
+# --------------------------------------------------------------------------- the job's script, on a host
+
+def script_neighbours(directory) -> list[str]:
+    """The modules beside the script on this machine (`x.py`, a package or namespace
+    directory `x/`, an extension `x.cpython-...so`): its imports of them are found on
+    the host once the code is there, which it need not be yet when `doctor` runs."""
+    import os
+
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    names = set()
+    for e in entries:
+        stem, dot, suffix = e.partition(".")
+        if not dot and os.path.isdir(os.path.join(directory, e)) and e.isidentifier():
+            names.add(e)
+        elif dot and suffix.rsplit(".", 1)[-1] in ("py", "so", "pyc") and stem.isidentifier():
+            names.add(stem)
+    return sorted(names)
+
+
+def script_imports_check(output: str, script: str, python: str) -> Check:
+    """The answer of the host program `script_imports` as doctor's check of the script."""
+    import json
+
+    try:
+        found = json.loads(output.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return Check("script imports", Status.WARN, f"the check of {script} gave no answer: {output.strip()[:200]!r}",
+                     f"run `{python} -c 'import ast'` on the host to see what fails")
+    version = found.get("python", "?")
+    syntax = found.get("syntax")
+    if isinstance(syntax, dict):
+        return Check("script imports", Status.FAIL,
+                     f"{script} line {syntax.get('line')} does not compile with the host's Python {version}: "
+                     f"{syntax.get('message')}", f"fix the script, or use a Python on the host that reads it")
+    missing = found.get("missing") or []
+    if missing:
+        names = ", ".join(f"{m} (line {line})" for m, line in missing)
+        first = missing[0][0]
+        return Check("script imports", Status.FAIL,
+                     f"{script} imports what {python} (Python {version}) on the host cannot find: {names}",
+                     f"install the package that provides {first} for that interpreter ({python} -m pip install ...), "
+                     f"or put {first}.py beside the script in the workdir")
+    return Check("script imports", Status.OK,
+                 f"{script} compiles and its {found.get('checked', 0)} top-level import(s) are found (not run)")
+
+
+@dataclass(frozen=True)
+class LocalScript:
+    """The job's Python script as this machine has it, for `check_script_imports`."""
+
+    name: str  # as the command names it, relative to the workdir
+    source: str
+    neighbours: tuple[str, ...]  # the modules a worker has besides the host's own (local_script)
+    paths: tuple[str, ...]  # the job's env PYTHONPATH (absolute entries)
+    interpreter: str | None  # the command's own interpreter; None: the host's `python` (command[0] "python")
+
+    def python(self, host_python: str) -> str:
+        return self.interpreter or host_python
+
+
+def local_script(command: tuple[str, ...], script: str | None, workdir, env) -> LocalScript | None:
+    """The script `command` runs with Python (`script`: its name, as preflight.command_target
+    tells it) when it is a relative `.py` file this machine has; else None (nothing to check)."""
+    import os
+    from pathlib import Path
+
+    if not command or script is None or os.path.isabs(script) or not script.endswith(".py"):
+        return None
+    path = Path(workdir) / script
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None  # job_problems reports a missing script
+    first = os.path.basename(command[0])
+    if not first.startswith("python"):
+        return None  # bash run.sh, ./train.py: not a Python command line to check this way
+    entries = [p for p in dict(env).get("PYTHONPATH", "").split(":") if p]
+    # what a worker imports besides the host's own modules: the script's neighbours, the
+    # job's relative PYTHONPATH (in the synced code), and the runtime eltctl ships there
+    provided = {*script_neighbours(path.parent), RUNTIME_PACKAGE}
+    for entry in entries:
+        if not os.path.isabs(entry):
+            provided.update(script_neighbours(Path(workdir) / entry))
+    return LocalScript(script, source, tuple(sorted(provided)), tuple(p for p in entries if os.path.isabs(p)),
+                       None if command[0] in ("python", "python3") else command[0])
+
+
+async def check_script_imports(transport: Transport, host_python: str, script: LocalScript,
+                               timeout: float) -> Check:
+    """Compile the job's script (its source, sent on stdin) with the host's interpreter and
+    find its top-level imports there, without running it (hosts/programs/script_imports.py)."""
+    import json
+
+    from eltctl.hosts import programs
+
+    python = script.python(host_python)
+    command = programs.command(python, "script_imports", json.dumps(sorted(script.neighbours)),
+                               json.dumps(list(script.paths)))
+    try:
+        res = await transport.run(command, timeout=timeout, input=script.source)
+    except HostError as exc:
+        return Check("script imports", Status.WARN, f"the check of {script.name} did not complete: {_bare(exc)}",
+                     exc.hint)
+    if not res.ok:
+        return Check("script imports", Status.WARN,
+                     f"the check of {script.name} failed (exit {res.exit_status}): {res.stderr.strip()[-200:]}",
+                     f"run `{python} -c 'import ast'` on the host to see what fails")
+    return script_imports_check(res.stdout, script.name, python)

@@ -16,15 +16,19 @@ import base64
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from eltctl.errors import EltctlError, HostError
 from eltctl.hosts import layout
 from eltctl.hosts.transport import ErrorKind, Transport
+from eltctl.inventory import Host
 
 MARK = "@@eltctl-log"
 NO_DIR = "@@eltctl-nodir"
 FOLLOW_INTERVAL_S = 1.0
+CONTROLLER_LOG = "controller.log"  # in the job's state directory on this machine (controller/statedir.py)
+LOCAL_TAIL_BYTES = 1 << 20  # the first read of the controller's log looks this far back for its last lines
 _WORKER_LOG = re.compile(re.escape(layout.WORKERS_DIR) + r"/(\d+)\.log")
 
 
@@ -102,9 +106,11 @@ def parse_read_output(stdout: str) -> list[Chunk] | None:
 
 
 def source_name(path: str) -> str:
-    """How a line's source is shown: `daemon`, `worker 0`."""
+    """How a line's source is shown: `daemon`, `worker 0`, `controller`."""
     if path == layout.DAEMON_LOG:
         return "daemon"
+    if path == CONTROLLER_LOG:
+        return "controller"
     m = _WORKER_LOG.fullmatch(path)
     return f"worker {m.group(1)}" if m else path
 
@@ -124,10 +130,12 @@ class LogReader:
 
     offsets: dict[str, int] = field(default_factory=dict)
     partial: dict[str, bytes] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)  # the logs that exist: a chunk of each came
 
     def feed(self, chunks: list[Chunk]) -> list[str]:
         out: list[str] = []
         for chunk in sorted(chunks, key=lambda c: _order(c.path)):
+            self.seen.add(chunk.path)
             previous = self.offsets.get(chunk.path)
             if previous is not None and chunk.size < previous:
                 self.partial.pop(chunk.path, None)  # the file was rewritten from the start
@@ -164,24 +172,69 @@ async def read_new(transport: Transport, job: str, host: str, reader: LogReader,
     return None if chunks is None else reader.feed(chunks)
 
 
+def last_per_source(lines: list[str], n: int, sources: Iterable[str]) -> list[str]:
+    """`lines` (each prefixed with its source, `[worker 0] `) with only the last `n` of
+    each of `sources`; the other sources' lines untouched."""
+    prefixes = {f"[{source_name(p)}] " for p in sources}
+    kept: dict[str, int] = {}
+    for line in reversed(lines):
+        prefix = next((p for p in prefixes if line.startswith(p)), None)
+        if prefix is not None:
+            kept[prefix] = kept.get(prefix, 0) + 1
+    out, seen = [], dict.fromkeys(prefixes, 0)
+    for line in lines:
+        prefix = next((p for p in prefixes if line.startswith(p)), None)
+        if prefix is None:
+            out.append(line)
+            continue
+        seen[prefix] += 1
+        if seen[prefix] > kept[prefix] - n:
+            out.append(line)
+    return out
+
+
+def failed_log_starts(doc: Mapping, host: str, failed_states: Iterable[str]) -> dict[int, int]:
+    """{slot: byte offset} where each failed worker's own output begins in its slot's log,
+    from the host daemon's worker states in the status document (`log_offset`: the log's
+    size when the daemon started that worker). A slot's log holds every worker that ran
+    on it; `--failed` shows the failed one's lines, not those of the healthy ones before."""
+    states = set(failed_states)
+    hosts = doc.get("hosts") if isinstance(doc.get("hosts"), list) else []
+    entry = next((h for h in hosts if isinstance(h, dict) and h.get("name") == host), {})
+    daemon = entry.get("daemon") if isinstance(entry.get("daemon"), dict) else {}
+    out = {}
+    for w in daemon.get("workers") or []:
+        if (isinstance(w, dict) and w.get("state") in states and isinstance(w.get("slot"), int)
+                and isinstance(w.get("log_offset"), int) and w["log_offset"] >= 0):
+            out[w["slot"]] = w["log_offset"]
+    return out
+
+
 async def show_logs(transport: Transport, job: str, host: str, *, lines: int, follow: bool,
                     emit: Callable[[str], None], interval: float = FOLLOW_INTERVAL_S,
-                    stop: asyncio.Event | None = None, slots: Iterable[int] | None = None) -> list[str]:
+                    stop: asyncio.Event | None = None, slots: Iterable[int] | None = None,
+                    starts: Mapping[int, int] | None = None) -> list[str]:
     """Emit the last `lines` lines of every log (of the workers of `slots` only, when
     given: e.g. those that failed); with `follow`, then every new line until cancelled
-    (Ctrl-C) or until `stop` is set. Returns the logs read (`daemon.log`, `workers/0.log`)."""
+    (Ctrl-C) or until `stop` is set. Returns the logs read (`daemon.log`, `workers/0.log`).
+
+    `starts` ({slot: byte offset}): a worker's log is read from there only (the output of
+    the slot's last worker, not of those before it: `failed_log_starts`)."""
     slots = None if slots is None else sorted(set(slots))
-    reader = LogReader()
+    begin = {layout.worker_log(s): int(off) for s, off in (starts or {}).items()
+             if slots is None or s in slots}
+    reader = LogReader(offsets=dict(begin))
     first = await read_new(transport, job, host, reader, last_lines=lines, slots=slots)
     if first is None and not follow:
         raise NoLogsError(f"host {host} has no logs of job {job!r} (no {job_dir(job, host)})",
                           hint="the job has not run on this host; `eltctl status` shows where it runs")
-    for line in first or []:
+    shown = (first or []) + (reader.flush() if not follow else [])
+    if begin:  # read from each such worker's start to the end: only its last `lines` lines are shown
+        shown = last_per_source(shown, lines, begin)
+    for line in shown:
         emit(line)
     if not follow:
-        for line in reader.flush():
-            emit(line)
-        return sorted(reader.offsets, key=_order)
+        return sorted(reader.seen, key=_order)
     seen_dir = first is not None
     stop = stop or asyncio.Event()
     while not stop.is_set():
@@ -198,4 +251,95 @@ async def show_logs(transport: Transport, job: str, host: str, *, lines: int, fo
         seen_dir = True
         for line in new:
             emit(line)
-    return sorted(reader.offsets, key=_order)
+    return sorted(reader.seen, key=_order)
+
+
+# --------------------------------------------------------------------------- every host at once
+
+@dataclass(frozen=True)
+class HostLogs:
+    """One host's outcome of `show_hosts_logs`: the logs read, or why none were."""
+
+    host: str
+    read: tuple[str, ...] = ()
+    error: EltctlError | None = None  # a HostError (not reached), NoLogsError (the job never ran there)
+
+
+async def show_hosts_logs(open_transport: Callable[[Host], Awaitable[Transport]], hosts: Sequence[Host], job: str,
+                          *, lines: int, follow: bool, emit: Callable[[str], None],
+                          slots: Mapping[str, Iterable[int]] | None = None,
+                          starts: Mapping[str, Mapping[int, int]] | None = None,
+                          interval: float = FOLLOW_INTERVAL_S, stop: asyncio.Event | None = None) -> list[HostLogs]:
+    """`show_logs` on every host at once, each line prefixed with its host's name (padded,
+    so the sources line up). One host's failure is that host's outcome, never the batch's
+    end. Without `follow` the hosts' lines come host after host, in `hosts`' order; with
+    it, as they arrive. `slots` / `starts`: per host, as `show_logs` takes them (a host
+    missing from `slots` is skipped when `slots` is given)."""
+    width = max((len(h.name) for h in hosts), default=0)
+    held: dict[str, list[str]] = {h.name: [] for h in hosts}
+
+    async def one(host: Host) -> HostLogs:
+        prefix = host.name.ljust(width) + " "
+        out = (lambda line: emit(prefix + line)) if follow else (lambda line: held[host.name].append(prefix + line))
+        try:
+            transport = await open_transport(host)
+            read = await show_logs(transport, job, host.name, lines=lines, follow=follow, emit=out,
+                                   interval=interval, stop=stop,
+                                   slots=None if slots is None else slots.get(host.name, ()),
+                                   starts=(starts or {}).get(host.name))
+        except EltctlError as exc:
+            return HostLogs(host.name, error=exc)
+        return HostLogs(host.name, tuple(read))
+
+    chosen = [h for h in hosts if slots is None or slots.get(h.name)]
+    results = await asyncio.gather(*(one(h) for h in chosen))
+    for host in chosen:
+        for line in held[host.name]:
+            emit(line)
+    return list(results)
+
+
+# --------------------------------------------------------------------------- the controller's log (this machine)
+
+def read_local(path: Path, reader: LogReader, *, last_lines: int | None) -> list[str] | None:
+    """What is new in a log on this machine, as `read_new` reads a host's: from the
+    reader's offset, or (the first read) the last `last_lines` lines. None: no such file."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            off = reader.offsets.get(CONTROLLER_LOG)
+            if off is None or off > size:
+                start = 0 if off is not None else max(0, size - LOCAL_TAIL_BYTES)
+            else:
+                start = off
+            f.seek(start)
+            data = f.read(size - start)
+    except FileNotFoundError:
+        return None
+    if off is None and last_lines is not None:
+        tail = data.split(b"\n")
+        unfinished = tail.pop()
+        data = b"".join(ln + b"\n" for ln in tail[-last_lines:] if last_lines) + unfinished
+    return reader.feed([Chunk(CONTROLLER_LOG, size, data)])
+
+
+def show_local_log(path: Path, *, lines: int, follow: bool, emit: Callable[[str], None],
+                   interval: float = FOLLOW_INTERVAL_S, stop: Callable[[], bool] = lambda: False) -> None:
+    """The last `lines` lines of the controller's log on this machine, prefixed
+    `[controller] `; with `follow`, then every new line until Ctrl-C (or `stop()`)."""
+    import time
+
+    reader = LogReader()
+    first = read_local(path, reader, last_lines=lines)
+    if first is None and not follow:
+        raise NoLogsError(f"no controller log on this machine ({path})",
+                          hint="the job's controller has not run here; `eltctl up` starts it")
+    for line in (first or []) + ([] if follow else reader.flush()):
+        emit(line)
+    seen = first is not None
+    while follow and not stop():
+        time.sleep(interval)
+        new = read_local(path, reader, last_lines=None if seen else lines)
+        seen = seen or new is not None
+        for line in new or []:
+            emit(line)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from eltctl.doctor import Check, HostDiagnosis, Status, check_store_forward
+from eltctl.doctor import Check, HostDiagnosis, Status, check_script_imports, check_store_forward, local_script
 from eltctl.errors import ConfigError, EltctlError, HostError
 from eltctl.inventory import Host, Inventory, JobSpec
 
@@ -238,12 +238,18 @@ def host_job_checks(inventory: Inventory):
     """doctor's `extra` hook: the job's checks on one connected host."""
     facts = job_facts(inventory)
     job = inventory.job
+    # the script compiled and its top-level imports found by the host's Python (doctor.py)
+    python_script = local_script(job.command, facts.target.name if facts.target and facts.target.kind == "script"
+                                 else None, job.workdir, job.env)
 
     async def extra(host: Host, transport) -> list[Check]:
         checks = await owner_checks(inventory, host, transport)
         if inventory.controller.store == "ssh":
             forward = await check_store_forward(host, transport)
             checks += [forward] if forward is not None else []
+        if python_script is not None:
+            checks.append(await check_script_imports(transport, host.python, python_script,
+                                                     timeout=inventory.ssh.command_timeout + 30))
         script = host_job_script(job, facts, host.python)
         if script is None:
             return checks

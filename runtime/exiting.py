@@ -96,7 +96,10 @@ def flush_open_files() -> None:
     """Flush every open Python file object (as an ordinary exit does when it
     collects them), then the standard streams."""
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # The type, not isinstance: an ABC's isinstance reads `obj.__class__`, an attribute
+        # access on every live object, and some objects warn on any (torch's deprecated
+        # `torch.distributed.reduce_op` printed a FutureWarning in every worker's log at exit).
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()

@@ -7,6 +7,7 @@ is compared is exactly what a user reads in a terminal log.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -368,7 +369,7 @@ def test_help_shows_flags_without_a_value_and_host_arguments_by_name():
         assert "<bool>" not in text and "list[str]" not in text, (command, text)
     assert "--force " in _help("down") and "--force <" not in _help("down")
     assert "--add" in _help("scale") and "HOST" in _help("scale")
-    assert "[HOST]" in _help("status") and "{HOST}" in _help("logs")
+    assert "[HOST]" in _help("status") and "[HOST]" in _help("logs")  # logs: every host without one
 
 
 def _commands():
@@ -389,3 +390,182 @@ def test_the_cli_imports_with_a_typer_that_has_no_rich_type_labels(monkeypatch):
         if hasattr(cls, "display_type_rich"):
             monkeypatch.delattr(cls, "display_type_rich")
     _flags_take_no_value()  # nothing to patch: returns without an error
+
+
+# ---------------------------------------------------------------- which inventory: -i anywhere, --job, the running job
+
+def _command_lines() -> list[list[str]]:
+    """Every command that reads the inventory, with the arguments it needs."""
+    needs = {("scale",): ["--add", "h1"], ("cordon",): ["h1"], ("uncordon",): ["h1"],
+             ("checkpoints", "export"): ["out.pt"]}
+    paths = [p for p in _every_command_path() if p and p[0] not in ("init", "demo") and p != ["notify"]]
+    return [[*p, *needs.get(tuple(p), [])] for p in paths]
+
+
+def test_every_command_takes_the_inventory_after_its_name_too(tmp_path, monkeypatch, capsys):
+    from eltctl.cli import main
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+    lines = _command_lines()
+    assert ["status"] in lines and ["checkpoints", "export", "out.pt"] in lines and ["notify", "test"] in lines
+    for line in lines:
+        code = main([*line, "-i", "lab.toml"])
+        err = capsys.readouterr().err
+        assert (code, err.splitlines()[0]) == (2, "error: lab.toml: no such inventory file (named by -i)"), line
+
+
+# The running job's controller: its lock names a live pid (this test's), controller.json its inventory.
+def record_job(state: Path, job: str, inventory: Path, *, running: bool = True) -> Path:
+    d = state / "eltctl" / job
+    d.mkdir(parents=True)
+    (d / "controller.json").write_text(json.dumps({"pid": os.getpid(), "inventory": str(inventory)}))
+    (d / "controller.lock").write_text(str(os.getpid() if running else 999999999))
+    (d / "status.json").write_text(json.dumps({"job": job, "state": "training", "step": 7, "hosts": []}))
+    return d
+
+
+def status_json(tmp_path, monkeypatch, capsys, cwd: Path, *args: str) -> tuple[int, dict | None, str]:
+    from eltctl.cli import main
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("ELTCTL_INVENTORY", raising=False)
+    monkeypatch.chdir(cwd)
+    code = main([*args, "status", "--json"])
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if out else None, err
+
+
+def test_a_directory_without_an_inventory_uses_the_running_jobs(tmp_path, monkeypatch, capsys):
+    (tmp_path / "job").mkdir()
+    inventory = tmp_path / "job" / "hosts.toml"
+    inventory.write_text(JOB + HOST)
+    record_job(tmp_path / "state", "t", inventory)
+    elsewhere = tmp_path / "job" / "sub"
+    elsewhere.mkdir()
+    code, doc, err = status_json(tmp_path, monkeypatch, capsys, elsewhere)
+    assert (code, doc["job"], doc["step"]) == (0, "t", 7)
+    assert err == f"no hosts.toml here; using job t's inventory {inventory} (its controller runs)\n"
+
+
+def test_a_directory_without_an_inventory_names_the_stopped_jobs_recorded_here(tmp_path, monkeypatch, capsys):
+    record_job(tmp_path / "state", "t", tmp_path / "t.toml", running=False)
+    code, doc, err = status_json(tmp_path, monkeypatch, capsys, tmp_path)
+    assert (code, doc) == (2, None)
+    assert err == ("error: hosts.toml: no such inventory file\n" + NO_FILE_HINT.rstrip("\n")
+                   + f"; or choose a job recorded here with --job NAME: t ({tmp_path / 't.toml'})\n")
+
+
+def test_several_running_jobs_need_a_choice_and_job_makes_it(tmp_path, monkeypatch, capsys):
+    for name in ("t", "u"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "hosts.toml").write_text(JOB.replace('"t"', f'"{name}"') + HOST)
+        record_job(tmp_path / "state", name, tmp_path / name / "hosts.toml")
+    code, doc, err = status_json(tmp_path, monkeypatch, capsys, tmp_path)
+    assert (code, doc) == (2, None)
+    assert err == (f"error: no hosts.toml here, and 2 jobs run on this machine: t ({tmp_path / 't' / 'hosts.toml'}), "
+                   f"u ({tmp_path / 'u' / 'hosts.toml'})\n"
+                   "  hint: choose one with --job NAME, or name its inventory with -i FILE\n")
+    code, doc, err = status_json(tmp_path, monkeypatch, capsys, tmp_path, "--job", "u")
+    assert (code, doc["job"], err) == (0, "u", "")
+    code, doc, err = status_json(tmp_path, monkeypatch, capsys, tmp_path / "t", "--job", "v")
+    assert (code, err) == (2, "error: no job 'v' is recorded on this machine\n"
+                              "  hint: jobs recorded here: t (running), u (running)\n")
+
+
+def test_status_of_a_recorded_job_survives_a_typo_in_its_inventory(tmp_path, monkeypatch, capsys):
+    inventory = tmp_path / "hosts.toml"
+    inventory.write_text(JOB + "[[hosts]]\nname \"h\"\n")
+    record_job(tmp_path / "state", "t", inventory)
+    code, doc, err = status_json(tmp_path, monkeypatch, capsys, tmp_path)
+    assert (code, doc["job"], doc["step"]) == (0, "t", 7)
+    assert err == ("warning: hosts.toml:5: invalid TOML: Expected '=' after a key in a key/value pair (column 6)\n"
+                   "  showing job t from its state directory; `up`, `scale` and `down` need the inventory fixed\n")
+    # an inventory no job was run from: its error, as before
+    (tmp_path / "other.toml").write_text(JOB + "[[hosts]]\nname \"h\"\n")
+    code, doc, err = status_json(tmp_path, monkeypatch, capsys, tmp_path, "-i", "other.toml")
+    assert (code, doc) == (2, None) and err.startswith("error: other.toml:5: invalid TOML")
+
+
+def test_a_record_written_by_another_account_is_not_believed(tmp_path):
+    from eltctl.controller.statedir import recorded_jobs
+
+    d = record_job(tmp_path / "state", "t", tmp_path / "hosts.toml")
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    assert [(r.name, r.running) for r in recorded_jobs(env)] == [("t", True)]
+    if os.getuid() == 0:
+        os.chown(d / "controller.json", 65534, 65534)  # nobody's
+        assert recorded_jobs(env) == []
+
+
+CHOICES = [
+    # (given, origin, --job, ./hosts.toml exists, recorded (name, running)) -> (path, origin) or error start
+    ("hosts.toml", None, None, True, [("t", True)], ("hosts.toml", None)),
+    ("a.toml", "-i", None, False, [("t", True)], ("a.toml", "-i")),
+    ("a.toml", "$ELTCTL_INVENTORY", None, False, [("t", True)], ("a.toml", "$ELTCTL_INVENTORY")),
+    ("a.toml", "$ELTCTL_INVENTORY", "t", False, [("t", True)], ("/j/t.toml", "--job t")),
+    ("hosts.toml", None, "t", True, [("t", False)], ("/j/t.toml", "--job t")),
+    ("hosts.toml", None, None, False, [("t", True), ("u", False)], ("/j/t.toml", "the running job t's record")),
+    ("hosts.toml", None, None, False, [("t", False)], ("hosts.toml", None)),  # and a hint naming t
+    ("hosts.toml", None, None, False, [], ("hosts.toml", None)),
+    ("hosts.toml", None, None, False, [("t", True), ("u", True)], "no hosts.toml here, and 2 jobs run"),
+    ("a.toml", "-i", "t", False, [("t", True)], "-i and --job both choose the inventory"),
+    ("hosts.toml", None, "x", True, [("t", True)], "no job 'x' is recorded on this machine"),
+]
+
+
+@pytest.mark.parametrize("given, origin, job, exists, recorded, want", CHOICES)
+def test_which_inventory_a_command_uses(given, origin, job, exists, recorded, want):
+    from eltctl.commands.common import choose_inventory
+    from eltctl.controller.statedir import RecordedJob
+    from eltctl.errors import UsageError
+
+    jobs = [RecordedJob(n, Path(f"/j/{n}.toml"), running) for n, running in recorded]
+    if isinstance(want, str):
+        with pytest.raises(UsageError) as exc:
+            choose_inventory(Path(given), origin, job, default_exists=exists, recorded=jobs)
+        assert exc.value.message.startswith(want)
+        return
+    choice = choose_inventory(Path(given), origin, job, default_exists=exists, recorded=jobs)
+    assert (choice.path, choice.origin) == (Path(want[0]), want[1])
+
+
+# ---------------------------------------------------------------- --help keeps the inventory's [section] names
+
+def _every_command_path() -> list[list[str]]:
+    import typer.main
+
+    from eltctl.cli import app
+
+    def walk(command, path):
+        yield path
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*path, name])
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_help_shows_bracketed_names_as_written_for_every_command():
+    import re
+
+    import typer.main
+
+    from eltctl.cli import app
+
+    root = typer.main.get_command(app)
+    checked = 0
+    for path in _every_command_path():
+        command = root
+        for name in path:
+            command = command.commands[name]
+        texts = [command.help or ""] + [getattr(p, "help", None) or "" for p in command.params]
+        texts += [sub.help or "" for sub in getattr(command, "commands", {}).values()]  # the commands' list
+        names = {m for t in texts for m in re.findall(r"\[(\w+)\]", t.replace("\\[", "["))}
+        shown = _help(*path)
+        for name in names:
+            assert f"[{name}]" in shown, (path, name, shown)
+            checked += 1
+    assert checked >= 5
+    assert "[notify] in the inventory" in _help("notify") and "command of [notify]" in _help("notify", "test")
+    assert "[storage] mirror" in _help("up") and "[controller] metrics_file" in _help("metrics")

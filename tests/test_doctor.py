@@ -208,3 +208,74 @@ def test_doctor_runs_the_job_checks_up_runs_on_the_inventory_init_writes(tmp_pat
     r = eltctl("doctor")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "job proj (this machine): ok" in r.stdout and "job ok; 1 of 1 host(s) ready" in r.stdout
+
+
+# ---------------------------------------------------------------- the script's imports (issue 50, finding 10)
+
+def run_script_imports(source: str, neighbours=(), paths=()) -> dict:
+    """The host program as a host runs it: `python -c <program> ...` with the script on stdin."""
+    import json
+    import subprocess
+
+    from eltctl.hosts import programs
+
+    r = subprocess.run(programs.command(sys.executable, "script_imports", json.dumps(list(neighbours)),
+                                        json.dumps(list(paths))), shell=True, input=source, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_script_imports_are_found_without_running_the_script(tmp_path):
+    marker = tmp_path / "ran"
+    found = run_script_imports(f'"""doc"""\nimport os, json\nfrom collections import abc\nimport model\n'
+                               f'import nosuchmodule_xyz.sub\nfrom . import rel\n'
+                               f'open({str(marker)!r}, "w")\n'
+                               f'import later_nosuch  # after other code: maybe after a sys.path edit\n'
+                               f'try:\n    import optional_nosuch\nexcept ImportError:\n    pass\n',
+                               neighbours=["model"])
+    assert found["missing"] == [["nosuchmodule_xyz", 5]] and found["checked"] == 5
+    assert not marker.exists()  # nothing of the script ran
+    assert run_script_imports("import os\ndef f(:\n    pass\n")["syntax"]["line"] == 2
+    lib = tmp_path / "lib"
+    (lib / "extra_pkg_xyz").mkdir(parents=True)
+    (lib / "extra_pkg_xyz" / "__init__.py").write_text("raise SystemExit('imported!')\n")
+    assert run_script_imports("import extra_pkg_xyz\n", paths=[str(lib)])["missing"] == []
+
+
+@pytest.mark.parametrize("answer, status, words", [
+    ('{"python": "3.11.2", "checked": 3, "missing": []}', Status.OK, "its 3 top-level import(s) are found"),
+    ('{"python": "3.11.2", "checked": 3, "missing": [["tqdm", 4]]}', Status.FAIL,
+     "train.py imports what python3 (Python 3.11.2) on the host cannot find: tqdm (line 4)"),
+    ('{"python": "3.8.1", "syntax": {"line": 7, "message": "invalid syntax"}}', Status.FAIL,
+     "train.py line 7 does not compile with the host's Python 3.8.1: invalid syntax"),
+    ("Traceback ...", Status.WARN, "gave no answer"),
+])
+def test_script_imports_check(answer, status, words):
+    from eltctl.doctor import script_imports_check
+
+    check = script_imports_check(answer, "train.py", "python3")
+    assert check.status is status and words in check.detail, check
+
+
+def test_doctor_fails_a_script_whose_import_is_broken(tmp_path):
+    """`doctor` passed a script whose `import` fails on the host; the workers then all
+    crashed at start. Its top-level imports are now found (not run) by the host's Python."""
+    import os
+    import subprocess
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "200"}
+    env.pop("ELTCTL_INVENTORY", None)
+    assert subprocess.run([sys.executable, "-m", "eltctl", "init"], cwd=proj, env=env, capture_output=True,
+                          timeout=300, stdin=subprocess.DEVNULL).returncode == 0
+    (proj / "model.py").write_text("X = 1\n")
+    (proj / "train.py").write_text("import os\nimport model\nimport eltctl_runtime\nimport tqdm_not_installed_xyz\n"
+                                   "print('training')\n")
+    r = subprocess.run([sys.executable, "-m", "eltctl", "doctor"], cwd=proj, env=env, capture_output=True, text=True,
+                       timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert ("FAIL script imports: train.py imports what" in r.stdout
+            and "cannot find: tqdm_not_installed_xyz (line 4)" in r.stdout), r.stdout
+    assert "install the package that provides tqdm_not_installed_xyz" in r.stdout

@@ -9,27 +9,30 @@ heavy imports stay inside the function body, so importing this package (and
 from __future__ import annotations
 
 import typer
+import typer.core
 
 from eltctl.commands import (checkpoints, cordon, cron, demo, doctor, down, init, lab, logs, metrics, notify, probe,
                              scale, status, up, usage)
 
 
 def register(app: typer.Typer) -> None:
-    """Add every command to `app`, in the order `eltctl --help` lists them."""
-    app.command("init")(init.init)
-    app.command("doctor")(doctor.doctor)
-    app.command("probe")(probe.probe)
-    app.command("up")(up.up)
-    app.command("scale")(scale.scale)
-    app.command("cordon")(cordon.cordon)
-    app.command("uncordon")(cordon.uncordon)
-    app.command("down")(down.down)
-    app.command("status")(status.status)
-    app.command("logs")(logs.logs)
-    app.command("usage")(usage.usage)
-    app.command("lab")(lab.lab)
-    app.command("metrics")(metrics.metrics)
-    app.add_typer(notify.app, name="notify")
-    app.command("demo")(demo.demo)
-    app.command("cron")(cron.cron)
-    app.add_typer(checkpoints.app, name="checkpoints")
+    """Add every command to `app`, in the order `eltctl --help` lists them.
+
+    Each gets `-i FILE` and `--job NAME` after its name too, and its help read as text
+    (eltctl/commands/common.py); `init` takes only `-i` (the file it writes), `demo` neither."""
+    from eltctl.commands.common import InventoryCommand, InventoryGroup, InventoryOnlyCommand, PlainHelpCommand
+
+    app.command("init", cls=InventoryOnlyCommand)(init.init)
+    for name, function in (("doctor", doctor.doctor), ("probe", probe.probe), ("up", up.up), ("scale", scale.scale),
+                           ("cordon", cordon.cordon), ("uncordon", cordon.uncordon), ("down", down.down),
+                           ("status", status.status), ("logs", logs.logs), ("usage", usage.usage), ("lab", lab.lab),
+                           ("metrics", metrics.metrics)):
+        app.command(name, cls=InventoryCommand)(function)
+    app.add_typer(notify.app, name="notify", cls=InventoryGroup)
+    app.command("demo", cls=PlainHelpCommand)(demo.demo)
+    app.command("cron", cls=InventoryCommand)(cron.cron)
+    app.add_typer(checkpoints.app, name="checkpoints", cls=InventoryGroup)
+    for group in (notify.app, checkpoints.app):
+        for info in group.registered_commands:
+            if info.cls in (None, typer.core.TyperCommand):  # typer's default: not chosen by the command
+                info.cls = InventoryCommand

@@ -3,7 +3,8 @@
 
 Listing: exit status 0 when everything could be listed; 3 when a host or the mirror
 could not be reached (what was found elsewhere is still shown). Never imports torch.
-Export imports torch (to write the file), and only then.
+Export imports torch (to write the file), and only then; it refuses to replace an existing
+file unless --force (exit 2).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def checkpoints(
 @app.command("export")
 def export(
     ctx: typer.Context,
-    out: Path = typer.Argument(..., help="The file to write (e.g. model.pt); replaced atomically."),
+    out: Path = typer.Argument(..., help="The file to write (e.g. model.pt); an existing one only with --force."),
     step: Optional[int] = typer.Option(None, "--step", help="This step (default: the newest that verifies)."),
     source: Optional[str] = typer.Option(None, "--from", help="Only from this host, or 'mirror'."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists (atomically)."),
 ) -> None:
     """Write a checkpoint as a plain torch file: {model, optimizer, extra_state, step, epoch}.
 
@@ -73,6 +75,7 @@ def export(
         raise EltctlError(f"{out} is a directory", hint="give the file to write, e.g. model.pt")
     if not out.parent.is_dir():
         raise EltctlError(f"{out.parent} does not exist", hint="create the directory first, or write elsewhere")
+    refuse_existing(out, force)
     console = Console(highlight=False, stderr=True)
     with tempfile.TemporaryDirectory(prefix=".eltctl-export-", dir=out.parent) as work:
         fetched = asyncio.run(fetch_checkpoint(inventory, Path(work), step=step, source=source,
@@ -92,6 +95,18 @@ def export(
             raise EltctlError(f"step {fetched.step} from {fetched.where} cannot be exported: {e}") from e
     typer.echo(f"exported step {done['step']} (epoch {done['epoch']}, from {fetched.where}) to {out} "
                f"({_size(done['size'])}); load it with torch.load({str(out)!r}, weights_only=True)")
+
+
+def refuse_existing(out: Path, force: bool) -> None:
+    """An existing OUT is replaced only with --force (checked before anything is fetched)."""
+    import shlex
+
+    from eltctl.errors import UsageError
+
+    if (out.exists() or out.is_symlink()) and not force:
+        raise UsageError(f"{out} already exists; not overwriting it",
+                         hint=f"`eltctl checkpoints export {shlex.quote(str(out))} --force` replaces it, "
+                              "or name another file")
 
 
 def _size(n: int) -> str:

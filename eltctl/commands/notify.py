@@ -5,7 +5,8 @@ the way the controller sends them (eltctl/notify: the webhook's body in its form
 command with the event on stdin), with the timeout and retries of `[notify]`, and says
 what each target answered. It does not touch the controller's record (notify.json).
 
-Exit status: 0 every target took it; 1 one failed; 2 `[notify]` names no target.
+Exit status: 0 every target took it; 1 one failed, or `[notify]` names no target (nothing
+was sent: the message says how to configure one); 2 bad usage (an unknown --kind).
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ def test(
     from rich.console import Console
     from rich.markup import escape
 
-    from eltctl.errors import UsageError
+    from eltctl.errors import EltctlError, UsageError
     from eltctl.inventory.notify import NOTIFY_EVENTS
     from eltctl.notify import Notifier, notification
 
     inventory = ctx.obj.inventory()
     settings = inventory.notify
     if not settings.enabled:
-        raise UsageError(f"{inventory.path}: [notify] names no webhook and no command",
-                         hint='add [notify] with webhook = "https://..." or command = ["..."] (docs/notifications.md)')
+        # Nothing was sent: a failure of what was asked (1), not a mistake in the command line (2).
+        raise EltctlError(f"no notifications are configured: {inventory.path} has no [notify] webhook or "
+                          "command, so there is nothing to test",
+                          hint='add a [notify] section to it with webhook = "https://..." (ntfy, Slack, a generic '
+                               'JSON POST) and/or command = ["/path/to/program"]; docs/notifications.md')
     if kind not in ("test", *NOTIFY_EVENTS):
         raise UsageError(f"--kind must be test or one of {', '.join(NOTIFY_EVENTS)}, not {kind!r}")
     event = notification(kind, inventory.job.name, time.time(), "a test notification sent by `eltctl notify test`",

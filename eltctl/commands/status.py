@@ -37,10 +37,12 @@ def status(
 
     from eltctl.statusview import job_state_dir, read_snapshot
 
-    inventory = ctx.obj.inventory()
-    if host is not None:
+    from eltctl.commands.common import inventory_or_recorded_job
+
+    # A broken inventory of a recorded job: that job, from its state directory, and a warning.
+    inventory, job = inventory_or_recorded_job(ctx)
+    if host is not None and inventory is not None:
         inventory.hosts_named([host])  # an unknown name: exit 2, with a did-you-mean
-    job = inventory.job.name
     state_dir = job_state_dir(job, os.environ)
     if json_out:
         import json
@@ -99,7 +101,11 @@ def _watch(job, state_dir, events: int, host: str | None) -> None:
             return f"[yellow]{escape(exc.message)}[/] [dim](watching; Ctrl-C ends)[/]"
         shown = _view(snapshot, events, host)
         # The last hour's world size and samples/s, from the usage ledger (eltctl/ledger).
-        charts = ledger_charts(state_dir, time.time(), max(10, min(60, console.width - 30)))
+        # The document's world size and samples/s end the charts: one figure for one moment.
+        doc = snapshot.document
+        ws = doc.get("world_size")
+        current = (ws if isinstance(ws, int) else 0, doc.get("samples_per_s")) if snapshot.controller_alive else None
+        charts = ledger_charts(state_dir, time.time(), max(10, min(60, console.width - 30)), current)
         return shown if charts is None or host is not None else Group(shown, "", charts)
 
     try:

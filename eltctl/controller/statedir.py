@@ -188,3 +188,45 @@ def lock_holder(path: Path) -> int | None:
     except (OSError, ValueError):
         return None
     return pid if pid_alive(pid) else None
+
+
+@dataclass(frozen=True)
+class RecordedJob:
+    """A job this machine's state directory knows: its name, the inventory its controller
+    was started from (controller.json), and whether that controller is alive."""
+
+    name: str
+    inventory: Path
+    running: bool
+
+
+def recorded_jobs(environ: Mapping[str, str] | None = None) -> list[RecordedJob]:
+    """Every job under the state root whose controller.json names its inventory, by name.
+
+    Only what this account wrote is believed: a state directory or controller.json owned
+    by another uid is passed over (the commands would otherwise run on an inventory
+    someone else chose)."""
+    import json
+
+    root = state_root(environ)
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return []
+    uid = os.getuid()
+    jobs = []
+    for entry in entries:
+        state = StateDir(entry)
+        try:
+            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != uid:
+                continue
+            st = os.lstat(state.controller_json)
+            if st.st_uid != uid or not (st.st_mode & 0o170000) == 0o100000:  # a regular file of ours
+                continue
+            doc = json.loads(state.controller_json.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        inventory = doc.get("inventory") if isinstance(doc, dict) else None
+        if isinstance(inventory, str) and os.path.isabs(inventory):
+            jobs.append(RecordedJob(entry.name, Path(inventory), lock_holder(state.lock) is not None))
+    return jobs

@@ -95,9 +95,9 @@ def watch(before: Watch, doc: Mapping[str, Any], now: float, stall_after: float)
         events.append(notification("finished", job, now, f"the training finished at step {done.get('step', step)}",
                                    **common))
     if cause and cause != before.failed:
-        what = ("stopped on its restart limit" if doc.get("failed") else
-                f"its workers failed at start on every host given slots")
-        events.append(notification("failed", job, now, f"the job {what}: {cause}", cause=cause,
+        what = ("the job stopped on its restart limit" if doc.get("failed") else
+                "the job's workers failed at start on every host given slots")
+        events.append(notification("failed", job, now, f"{what}: {cause}", cause=cause,
                                    host=cause_host, **common))
     if state == "paused" and before.state != "paused":
         events.append(notification("paused", job, now, str(doc.get("message") or "paused"), **common))

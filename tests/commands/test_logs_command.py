@@ -132,3 +132,56 @@ def test_following_one_worker_shows_only_its_new_lines(tmp_path):
     read = asyncio.run(scenario())
     assert seen == ["[worker 0] ModuleNotFoundError: No module named 'tqdm'", "[worker 0] second try"]
     assert read == ["workers/0.log"]
+
+
+def run_all(tmp_path: Path, *args: str, home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eltctl", "logs", *args], cwd=tmp_path,
+                          env={**cli_env(tmp_path), "HOME": str(home)}, capture_output=True, text=True,
+                          timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+
+
+def test_failed_shows_the_failed_workers_own_lines_not_the_healthy_ones_before_it(tmp_path):
+    # Slot 0 ran a healthy worker (generation 1) that left, then a new worker that crashed:
+    # the daemon recorded where the new one's output began in workers/0.log.
+    earlier = "healthy step 1\nhealthy step 2\nleft in the planned way\n"
+    daemon = {"pid": 10, "workers": [{"slot": 0, "worker_id": "here/0/4", "state": "crashed",
+                                      "detail": "exit status 1", "log_offset": len(earlier)}]}
+    home = setup(tmp_path, {**status_doc(daemon=daemon), "events": []})
+    (home / ".eltctl/jobs/j1/here/workers/0.log").write_text(earlier + "starting\n" + "\n".join(TRACEBACK) + "\n")
+    r = run(tmp_path, "--failed", "-n", "50", home=home)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "".join(f"[worker 0] {ln}\n" for ln in ["starting", *TRACEBACK])
+    assert r.stderr == "worker 0 failed: here/0/4 crashed: exit status 1\n"
+    r = run(tmp_path, "--failed", "-n", "1", home=home)
+    assert r.stdout == f"[worker 0] {TRACEBACK[-1]}\n"
+
+
+def test_logs_without_a_host_shows_every_host_prefixed_by_its_name(tmp_path):
+    (tmp_path / "hosts.toml").write_text('[job]\nname = "j1"\ncommand = "python train.py"\n\n'
+                                         '[[hosts]]\nname = "here"\naddress = "local"\n'
+                                         '[[hosts]]\nname = "elsewhere"\naddress = "local"\n'
+                                         '[[hosts]]\nname = "never"\naddress = "local"\n')
+    home = tmp_path / "home"
+    job_logs(home)
+    other = home / ".eltctl" / "jobs" / "j1" / "elsewhere"
+    (other / "workers").mkdir(parents=True)
+    (other / "daemon.log").write_text("daemon up\n")
+    (other / "workers" / "0.log").write_text("step 7\n")
+    r = run_all(tmp_path, "-n", "1", home=home)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ("here      [daemon] worker here/0/3 (pid 11, slot 0) crashed: exit status 1\n"
+                        "here      [worker 0] ModuleNotFoundError: No module named 'tqdm'\n"
+                        "here      [worker 1] step 2\n"
+                        "here      [worker 2] left at step 9\n"
+                        "elsewhere [daemon] daemon up\n"
+                        "elsewhere [worker 0] step 7\n")
+    assert r.stderr == "never: no logs of job 'j1' (it has not run there)\n"
+
+
+def test_logs_controller_shows_the_controllers_log_on_this_machine(tmp_path):
+    write_inventory(tmp_path, job="j1")
+    (state_dir(tmp_path, "j1") / "controller.log").write_text("one\ntwo\nthree\n")
+    r = run_all(tmp_path, "--controller", "-n", "2", home=tmp_path / "home")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "[controller] two\n[controller] three\n", "")
+    r = run_all(tmp_path, "here", "--controller", home=tmp_path / "home")
+    assert r.returncode == 2 and "--controller shows the controller's log alone" in r.stderr

@@ -61,7 +61,10 @@ def test_failures_at_start_are_named_by_up_and_a_fix_takes_effect_at_once(job_en
 
     # 2. The inventory is changed to a script that raises at import: tried at once
     #    (the cooldown of step 1 is forgotten), and the exception's line is named.
-    (job_env.workdir / "bad.py").write_text("import no_such_module_xyz\n")
+    #    The import is made at run time (importlib): a plain `import` statement of a missing
+    #    module is refused before any worker starts by up's script check (doctor's), and this
+    #    step is about a failure at the workers' start.
+    (job_env.workdir / "bad.py").write_text("import importlib\nimportlib.import_module('no_such_module_xyz')\n")
     _set_command(job_env, '"train.py", "--no-such-flag"', '"bad.py"')
     r, took = _up(job_env)
     out = r.stdout + r.stderr

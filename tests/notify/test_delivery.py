@@ -200,3 +200,21 @@ def test_eltctl_notify_test_sends_one_and_says_how_it_went(tmp_path):
     assert ep.received[0][2]["kind"] == "failed" and ep.received[0][2]["test"] is True
     assert bad.returncode == 1 and "failed to webhook" in bad.stdout and "HTTP 503" in bad.stdout, bad.stdout
     assert not (tmp_path / "state").exists()  # the controller's record is not touched
+
+
+def test_notify_test_without_a_target_says_how_to_configure_one_and_exits_1(tmp_path, monkeypatch, capsys):
+    # Nothing configured is not a command-line mistake (it exited 2): nothing was sent (1),
+    # and the message says what to add where.
+    from eltctl.cli import main
+
+    inventory = tmp_path / "hosts.toml"
+    inventory.write_text('[job]\nname = "bert"\ncommand = "python t.py"\n[[hosts]]\nname = "a"\naddress = "local"\n')
+    monkeypatch.setenv("COLUMNS", "200")
+    code = main(["-i", str(inventory), "notify", "test"])
+    captured = capsys.readouterr()
+    assert (code, captured.out) == (1, "")
+    assert captured.err == (
+        f"error: no notifications are configured: {inventory} has no [notify] webhook or command, so there is "
+        "nothing to test\n"
+        '  hint: add a [notify] section to it with webhook = "https://..." (ntfy, Slack, a generic JSON POST) '
+        'and/or command = ["/path/to/program"]; docs/notifications.md\n')

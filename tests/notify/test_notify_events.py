@@ -53,12 +53,14 @@ def test_a_stop_by_down_is_not_finished():
 def test_failed_carries_the_cause_line_restart_mode_and_failed_at_start():
     events = feed((0, doc()), (1, doc(state="failed", failed="ValueError: bad batch")))
     assert kinds(events) == ["failed"] and events[0]["cause"] == "ValueError: bad batch"
-    assert "ValueError: bad batch" in events[0]["detail"]
+    assert events[0]["detail"] == "the job stopped on its restart limit: ValueError: bad batch"
     events = feed((0, doc(state="starting")),
                   (1, doc(state="waiting", start_failed={"b": "ModuleNotFoundError: No module named 'foo'"})),
                   (2, doc(state="waiting", start_failed={"b": "ModuleNotFoundError: No module named 'foo'"})))
     assert kinds(events) == ["failed"]
     assert events[0]["host"] == "b" and events[0]["cause"] == "ModuleNotFoundError: No module named 'foo'"
+    assert events[0]["detail"] == ("the job's workers failed at start on every host given slots: "
+                                   "ModuleNotFoundError: No module named 'foo'")
     # a start failure that comes and goes while hosts are retried is told once, until a new step
     failing = doc(state="waiting", step=None, start_failed={"b": "ImportError: x"})
     retried = doc(state="starting", step=None)

@@ -9,7 +9,8 @@ runs the file's source with `python -c` (so nothing is installed on the host).
 - `manifest`: `{relative path: sha256}` of the job's code directory on the host;
 - `apply`: deletes and writes code files, as `sync_code` planned them;
 - `list_processes`: this job's processes (`ELTCTL_JOB` in /proc/<pid>/environ);
-- `mirror_copy`: copy, hash, verify and publish one checkpoint (the mirror).
+- `mirror_copy`: copy, hash, verify and publish one checkpoint (the mirror);
+- `script_imports`: compile the job's script and find its top-level imports (`doctor`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 import shlex
 from pathlib import Path
 
-NAMES = ("unpack_runtime", "manifest", "apply", "list_processes", "mirror_copy")
+NAMES = ("unpack_runtime", "manifest", "apply", "list_processes", "mirror_copy", "script_imports")
 
 
 @functools.cache
