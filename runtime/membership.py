@@ -27,7 +27,8 @@ from enum import Enum
 from typing import Callable, Iterable
 
 from .auth import ForgedValue, signed
-from .protocol import EventKind, Keys, claim, first_generation, job_prefix, peek, peek_many, scan, wait_written
+from .protocol import (EventKind, Keys, claim, counter_hint, first_generation, job_prefix, peek, peek_many, scan,
+                       wait_written)
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -196,7 +197,7 @@ def read_verified(store, key: str) -> bytes | None:
 def _register(store, me: str, after: int = 0) -> int:
     """Queue `me` as a joiner past number `after` (the newest plan's join_upto): the
     first free `join/<n>` (protocol.claim; `join/seq` is only its first guess)."""
-    seq = claim(store, Keys.join, after, me, hint=store.add(Keys.JOIN_SEQ, 1))
+    seq = claim(store, Keys.join, after, me, hint=counter_hint(store, Keys.JOIN_SEQ))
     log.info("%s: waiting to be admitted (join #%d)", me, seq)
     return seq
 

@@ -351,7 +351,20 @@ def add_event(js: Store, event: dict) -> int:
     missing; the rest is written as given, in its order."""
     doc = dict(event, kind=EventKind(event["kind"]).value)
     doc.setdefault("time", _now())
-    return claim(js, Keys.event, 0, json.dumps(doc), hint=js.add(Keys.EVENTS_SEQ, 1))
+    return claim(js, Keys.event, 0, json.dumps(doc), hint=counter_hint(js, Keys.EVENTS_SEQ))
+
+
+def counter_hint(js: Store, key: str) -> int | None:
+    """A tick of the counter `key` (`add(key, 1)`): a writer's first guess, or None when
+    the store refuses it (someone wrote a value that is not an integer there before any
+    ADD: sockstore refuses ADD on it), so the writer still finds its number (`claim`)."""
+    from .sockstore import StoreRefused
+
+    try:
+        return js.add(key, 1)
+    except StoreRefused as exc:
+        log.warning("The store's counter %s is spoiled (%s); the log is found without it.", key, exc)
+        return None
 
 
 # Counters (`events/seq`, `join/seq`, `dead/seq`) are store `add`s: they cannot be
@@ -578,7 +591,7 @@ def get_restored(js: Store) -> dict | None:
 def put_dead(js: Store, worker_id: str) -> None:
     """`dead/<worker>` and a tick of `dead/seq`: survivors abort at once."""
     js.set(Keys.dead(worker_id), str(_now()))
-    js.add(Keys.DEAD_SEQ, 1)
+    counter_hint(js, Keys.DEAD_SEQ)
 
 
 def put_leave(js: Store, worker_id: str) -> None:

@@ -12,25 +12,25 @@ own account can connect: the kernel checks it) and, for the warned
 
 - each connection is served on its own: a client that sends part of a frame and
   goes silent is dropped after `Limits.frame_timeout_s`, and never delays another;
-- values, keys, the number of keys, the bytes held and the connections are limited
-  (`Limits`); a request over a limit is answered with an error that names the limit
-  (the client raises `StoreRefused` with that text), and counted (`StoreServer.stats`).
+- a connection that sends nothing is closed after `Limits.silent_timeout_s`, one idle
+  between requests after `Limits.idle_timeout_s`; at the connection limit the longest
+  idle one is closed to make room (a flood of idle connections never locks the job's
+  clients out). Such a close is announced with a CLOSED frame that the server sends
+  before it reads anything more, so the client knows its request was not read and
+  sends it again on a new connection (storeclient.py);
+- values, keys, the number of keys, the bytes held, the size of an answer and the
+  connections are limited (`Limits`); a request over a limit is answered with an error
+  that names the limit (the client raises `StoreRefused` with that text), and counted
+  (`StoreServer.stats`). A MULTI_SET is checked as a whole: all its pairs are stored,
+  or none. The connection limit is kept below the process's open-file limit
+  (`connection_cap`, `raise_nofile`: the keeper raises it to its hard limit), so the
+  limit refuses a connection before `accept` could fail for want of descriptors;
+- a counter (a key ADD wrote) stays an integer: a non-integer write to it is refused,
+  and ADD on a value that is not an integer is refused cleanly (the connection stays).
 
-Addresses ("specs"), one grammar for every client (`parse_spec`):
-
-    unix:/abs/path/store.sock   this server on a Unix socket
-    tcp:HOST:PORT               this server on TCP (the direct mode)
-    HOST:PORT                   a c10d TCPStore (a job run without eltctl's keeper, the tests)
-
-The protocol: every message is a frame, a 4-byte big-endian length then the body.
-A request's body is one op byte then a list of byte strings; a response's is one
-status byte then a list of byte strings (`encode`, `decode`). A connection's requests
-are answered one at a time, in order: a client may send several before reading the
-answers (pipelining: the control thread sends its heartbeat and its reads as one
-write, runtime/control.py), and one that waits (GET, WAIT, MULTI_GET of a missing key)
-holds the ones behind it. GET and WAIT carry their timeout (ms) and the server answers
-TIMEOUT when it passes. PEEK reads several keys at once and never waits (each answer
-is b"\\1" + the value, or b"\\0" for a missing key).
+Addresses ("specs": `unix:/path`, `tcp:HOST:PORT`, or a c10d TCPStore's `HOST:PORT`)
+and the listening sockets: eltctl_runtime.storeaddr; the limits: .storelimits; the
+protocol (frames, ops, statuses): .storewire.
 
 The server parses frames as they arrive (an asyncio Protocol per connection, no task
 per request): a request costs it a few tens of microseconds (benchmarks/store_ops.py).
@@ -39,142 +39,29 @@ per request): a request costs it a few tens of microseconds (benchmarks/store_op
 from __future__ import annotations
 
 import asyncio
-import enum
-import errno
 import logging
 import os
 import socket
-import stat
-import struct
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
+from .storeaddr import (BACKLOG, SCHEME_TCP, SCHEME_UNIX, UNIX_PATH_MAX, Spec, bind_tcp, bind_unix, parse_spec,
+                        unix_connect)
+from .storelimits import ACCEPT_BURST, FD_RESERVE, Limits, connection_cap, raise_nofile
+from .storewire import _LEN, Op, Status, StoreClosed, StoreError, StoreRefused, StoreTimeout, decode, encode
+
 log = logging.getLogger("eltctl_runtime.sockstore")
-
-SCHEME_UNIX = "unix:"
-SCHEME_TCP = "tcp:"
-UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with its NUL
-BACKLOG = 512  # pending connects a listening store socket queues
-_LEN = struct.Struct(">I")
-
-
-class Op(enum.IntEnum):
-    SET = 1
-    GET = 2  # blocks until the key exists or the timeout passes
-    ADD = 3
-    CHECK = 4
-    WAIT = 5
-    DELETE_KEY = 6
-    COMPARE_SET = 7  # c10d: an empty expected sets an absent key; returns the current value
-    NUM_KEYS = 8
-    MULTI_GET = 9
-    MULTI_SET = 10
-    APPEND = 11
-    LIST_KEYS = 12
-    PING = 13
-    PEEK = 14  # several keys' values, never waiting: b"\1" + value, or b"\0" when missing
-
 
 _WAITING_OPS = (Op.GET, Op.WAIT, Op.MULTI_GET)
 _OP_NAMES = {int(op): op.name for op in Op}
 _READ_AHEAD = 1 << 20  # bytes buffered behind a waiting request before reading pauses
+_BIG_ANSWER = 1 << 20  # an answer this big is checked against the unread answers' limit
 
 
-class Status(enum.IntEnum):
-    OK = 0
-    ERROR = 1  # a malformed request
-    TIMEOUT = 2
-    REFUSED = 3  # over a limit
-
-
-class StoreError(RuntimeError):
-    """A store request failed."""
-
-
-class StoreTimeout(StoreError):
-    """GET or WAIT timed out (c10d raises on a timeout as well)."""
-
-
-class StoreRefused(StoreError):
-    """The server refused the request: it is over one of its limits (the text says which)."""
-
-
-class StoreClosed(StoreError, ConnectionError):
-    """The connection is gone (the keeper died, or dropped this client); a new client
-    is needed, as with a TCPStore whose server went away."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_value: int = 4 << 20  # bytes of one value
-    max_key: int = 4096  # bytes of one key
-    max_keys: int = 200_000
-    max_total: int = 1 << 30  # bytes of keys and values held
-    max_connections: int = 4096
-    max_frame: int = 16 << 20  # bytes of one request (a MULTI_SET carries several values)
-    max_timeout_s: float = 3600.0  # a GET or WAIT waits at most this long
-    frame_timeout_s: float = 10.0  # a frame begun must be complete within this
-
-
-# --------------------------------------------------------------------------- addresses
-
-@dataclass(frozen=True)
-class Spec:
-    kind: str  # "unix", "tcp" (this server) or "c10d" (a TCPStore)
-    path: str = ""
-    host: str = ""
-    port: int = 0
-
-    def __str__(self) -> str:
-        if self.kind == "unix":
-            return f"{SCHEME_UNIX}{self.path}"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{SCHEME_TCP if self.kind == 'tcp' else ''}{host}:{self.port}"
-
-
-def parse_spec(spec: str) -> Spec:
-    """A store address (the module's grammar); ValueError names what is wrong."""
-    spec = spec.strip()
-    if spec.startswith(SCHEME_UNIX):
-        path = spec[len(SCHEME_UNIX):]
-        if not path.startswith("/"):
-            raise ValueError(f"store {spec!r}: a unix: address takes an absolute path")
-        return Spec("unix", path=path)
-    kind = "c10d"
-    if spec.startswith(SCHEME_TCP):
-        kind, spec = "tcp", spec[len(SCHEME_TCP):]
-    host, sep, port = spec.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"store {spec!r} is not unix:/path, tcp:host:port or host:port")
-    return Spec(kind, host=host.strip("[]"), port=int(port))
-
-
-def _short_unix_path(path: str) -> tuple[str, int | None]:
-    """`path`, or, when longer than sun_path holds, the same file named through an
-    O_PATH descriptor of its directory (/proc/self/fd/N/name; close N afterwards)."""
-    if len(os.fsencode(path)) <= UNIX_PATH_MAX:
-        return path, None
-    parent, name = os.path.split(path)
-    fd = os.open(parent or ".", os.O_PATH | os.O_DIRECTORY)
-    return f"/proc/self/fd/{fd}/{name}", fd
-
-
-def unix_connect(path: str, timeout: float | None) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    short, fd = _short_unix_path(path)
-    try:
-        sock.connect(short)
-    except BaseException:
-        sock.close()
-        raise
-    finally:
-        if fd is not None:
-            os.close(fd)
-    return sock
+# The wire (ops, statuses, frames, errors), the limits and the addresses:
+# eltctl_runtime.storewire, .storelimits and .storeaddr (re-exported here).
 
 
 def answers(path: str, timeout: float = 2.0) -> bool:
@@ -193,93 +80,24 @@ def answers(path: str, timeout: float = 2.0) -> bool:
         sock.close()
 
 
-def bind_unix(path: str | Path, backlog: int | None = BACKLOG) -> socket.socket:
-    """A listening Unix socket at `path`, mode 0600 from its creation (umask), in a
-    directory that must be this account's own (made when missing, tightened to 0700). A
-    stale socket file is replaced; any other file there is an error. `backlog` None:
-    bound, not yet listening (a connect is refused until someone calls listen)."""
-    path = str(path)
-    parent = os.path.dirname(path) or "."
-    os.makedirs(parent, mode=0o700, exist_ok=True)
-    st = os.stat(parent)
-    if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(parent, 0o700)  # ours: tightened (an older eltctl made it 0755)
-        st = os.stat(parent)
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise PermissionError(errno.EPERM, f"the store's directory {parent} must be this account's own and "
-                                           f"mode 0700 (it is {stat.S_IMODE(st.st_mode):o}, owner {st.st_uid})")
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    short, fd = _short_unix_path(path)
-    old = os.umask(0o177)
-    try:
-        sock.bind(short)
-    except BaseException:
-        sock.close()
-        raise
-    finally:
-        os.umask(old)
-        if fd is not None:
-            os.close(fd)
-    if backlog is not None:
-        sock.listen(backlog)
-    return sock
-
-
-def bind_tcp(address: str, port: int, backlog: int | None = BACKLOG) -> socket.socket:
-    """A listening TCP socket on `address`:`port` (0: one the OS picks); `backlog` None:
-    bound, not yet listening."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((address, port))
-    except BaseException:
-        sock.close()
-        raise
-    if backlog is not None:
-        sock.listen(backlog)
-    return sock
-
-
-# --------------------------------------------------------------------------- frames
-
-def encode(head: int, items: list[bytes] | tuple[bytes, ...] = ()) -> bytes:
-    """A frame: length, then the op (or status) byte, the count and each item."""
-    parts = [bytes((head,)), _LEN.pack(len(items))]
-    for item in items:
-        parts.append(_LEN.pack(len(item)))
-        parts.append(item)
-    body = b"".join(parts)
-    return _LEN.pack(len(body)) + body
-
-
-def decode(body: bytes) -> tuple[int, list[bytes]]:
-    """A frame's body as (op or status, items); ValueError when malformed."""
-    if len(body) < 5:
-        raise ValueError("a frame of fewer than 5 bytes")
-    (count,) = _LEN.unpack_from(body, 1)
-    items, at = [], 5
-    for _ in range(count):
-        if at + 4 > len(body):
-            raise ValueError("a frame cut short")
-        (n,) = _LEN.unpack_from(body, at)
-        at += 4
-        if at + n > len(body):
-            raise ValueError("a frame cut short")
-        items.append(body[at:at + n])
-        at += n
-    if at != len(body):
-        raise ValueError("trailing bytes after a frame's items")
-    return body[0], items
-
-
 def _int(b: bytes) -> int:
     return int(b.decode("ascii"))
+
+
+def _is_int(b: bytes) -> bool:
+    """Whether ADD can count on `b` (what ADD itself writes: ASCII decimal digits)."""
+    try:
+        int(b.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return True
+
+
+def _counter_refusal(name: str, what: str, current: bytes = b"") -> str:
+    if what == "ADD":
+        return (f"the key {name[:80]!r} holds {current[:40]!r}, not an integer: ADD refused (a counter is "
+                "written by ADD only)")
+    return f"the key {name[:80]!r} is a counter (written by ADD): {what} is refused there"
 
 
 # --------------------------------------------------------------------------- the server
@@ -299,7 +117,9 @@ class _Connection(asyncio.Protocol):
     a request that waits for a key holds the ones behind it until it is answered (the
     client's pipelined requests stay in step). A frame begun must be complete within
     `Limits.frame_timeout_s` (else the connection is dropped, counted "slow_frame");
-    between frames a connection may idle for ever. While a request waits the connection
+    a connection that never sends a byte is closed after `Limits.silent_timeout_s`,
+    one idle between requests after `Limits.idle_timeout_s` (`StoreServer._sweep`;
+    counted as "silent_closed" and "idle_closed", not as refusals). While a request waits the connection
     is still read (a client that leaves is seen at once and its wait abandoned), up to
     _READ_AHEAD bytes; while the client does not read its answers, nothing more is read."""
 
@@ -314,6 +134,9 @@ class _Connection(asyncio.Protocol):
         self._closed = False
         self._write_paused = False
         self._read_paused = False
+        self._last = time.monotonic()  # when it was last seen busy (by the sweep: once a pass)
+        self._busy = False  # a request since the sweep's last pass
+        self._spoke = False  # a byte received
 
     # -- asyncio's callbacks ------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -322,6 +145,9 @@ class _Connection(asyncio.Protocol):
         with srv._lock:
             srv._stats["accepted"] += 1
             over = srv._connections >= lim.max_connections
+        if over and srv._evict():  # the longest idle (a silent one first) makes room
+            over = False
+        with srv._lock:
             if not over:
                 srv._connections += 1
                 self._counted = True
@@ -331,11 +157,15 @@ class _Connection(asyncio.Protocol):
             transport.write(encode(Status.REFUSED, [message.encode()]))
             self._close()
             return
-        srv._conns.add(self)
+        srv._conns[self] = None
+        srv._silent[self] = None
 
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
+        if not self._spoke:
+            self._spoke = True
+            self._srv._silent.pop(self, None)
         if self._discard:
             n = min(self._discard, len(data))
             self._discard -= n
@@ -356,8 +186,14 @@ class _Connection(asyncio.Protocol):
         self._disarm()
         if self._waiting is not None:
             self._waiting.cancel()
+        self._release()
+
+    def _release(self) -> None:
+        """Out of the server's books: its slot is free for the next connection."""
         srv = self._srv
-        srv._conns.discard(self)
+        srv._conns.pop(self, None)
+        srv._silent.pop(self, None)
+        srv._backlogged.pop(self, None)
         if self._counted:
             self._counted = False
             with srv._lock:
@@ -365,10 +201,12 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._srv._backlogged[self] = None
         self._reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._srv._backlogged.pop(self, None)
         self._reading()
         self._process()
 
@@ -404,6 +242,7 @@ class _Connection(asyncio.Protocol):
 
     def _request(self, body: bytes) -> None:
         srv = self._srv
+        self._busy = True
         with srv._lock:
             srv._stats["requests"] += 1
             srv._ops[body[0] if body else -1] += 1
@@ -419,6 +258,7 @@ class _Connection(asyncio.Protocol):
 
     def _answered(self, task: asyncio.Task) -> None:
         self._waiting = None
+        self._busy = True
         if task.cancelled() or self._closed:
             return
         exc = task.exception()
@@ -442,6 +282,17 @@ class _Connection(asyncio.Protocol):
             log.error("store: a connection ended on an unexpected error", exc_info=exc)
             self._close()
             return
+        elif out and (len(out) > 1 or len(out[0]) >= _BIG_ANSWER):
+            size = sum(map(len, out)) + 4 * len(out)
+            if size > srv.limits.max_response:
+                message = srv._response_refusal(size)
+                srv._count_refusal("response_size", message)
+                status, out = Status.REFUSED, [message.encode()]
+            elif size >= _BIG_ANSWER and srv._unread() + size > srv.limits.max_unread:
+                message = (f"the store holds {srv._unread()} bytes of answers its clients have not read; an answer "
+                           f"of {size} more would pass its limit of {srv.limits.max_unread}: try again later")
+                srv._count_refusal("unread", message)
+                status, out = Status.REFUSED, [message.encode()]
         self._t.write(encode(status, out))
 
     # -- the frame timer, reading, closing ------------------------------------------
@@ -468,13 +319,30 @@ class _Connection(asyncio.Protocol):
             self._read_paused = pause
             (self._t.pause_reading if pause else self._t.resume_reading)()
 
+    @property
+    def idle(self) -> bool:
+        """Between requests: nothing waits, no frame begun (a client that does not read
+        its answers counts as idle: it asks for nothing the server could go on with)."""
+        return self._waiting is None and not self._buf and not self._discard
+
+    def goodbye(self, message: str) -> None:
+        """Close an idle connection, saying so first: the client sends again, on a new
+        connection, whatever it sent after this (nothing more is read here)."""
+        if not self._closed:
+            self._t.write(encode(Status.CLOSED, [message.encode(), self._srv.instance]))
+            self._close()
+
     def _close(self) -> None:
         if not self._closed:
             self._closed = True
             self._disarm()
             if self._waiting is not None:
                 self._waiting.cancel()
-            self._t.close()
+            if self._t.get_write_buffer_size():
+                self._t.abort()  # a client that does not read would hold the descriptor for ever
+            else:
+                self._t.close()
+            self._release()  # the descriptor goes in this loop pass: the slot is free now
 
 
 class StoreServer:
@@ -492,7 +360,13 @@ class StoreServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._servers: list[asyncio.AbstractServer] = []
-        self._conns: set[_Connection] = set()
+        self._conns: dict[_Connection, None] = {}  # open connections, oldest first
+        self._silent: dict[_Connection, None] = {}  # those that have not sent a byte yet, oldest first
+        self._backlogged: dict[_Connection, None] = {}  # those whose clients do not read their answers
+        self._counters: set[str] = set()  # keys ADD wrote: they stay integers
+        # this server's identity (PING answers it; so does a CLOSED frame): a client that
+        # was closed as idle sends again only to the same server, not to a keeper's successor
+        self.instance = os.urandom(8).hex().encode()
         self._connections = 0
         self._lock = threading.Lock()  # stats read from other threads
         self._stats = Counter()
@@ -540,16 +414,20 @@ class StoreServer:
             asyncio.set_event_loop(loop)
             try:
                 for sock in self._socks:
+                    # asyncio's backlog is also how many it accepts in one pass: kept small
+                    # (FD_RESERVE), and the kernel's queue set to BACKLOG afterwards
                     if sock.family == socket.AF_UNIX:
-                        coro = loop.create_unix_server(lambda: _Connection(self), sock=sock, backlog=BACKLOG)
+                        coro = loop.create_unix_server(lambda: _Connection(self), sock=sock, backlog=ACCEPT_BURST)
                     else:
-                        coro = loop.create_server(lambda: _Connection(self), sock=sock, backlog=BACKLOG)
+                        coro = loop.create_server(lambda: _Connection(self), sock=sock, backlog=ACCEPT_BURST)
                     self._servers.append(loop.run_until_complete(coro))
+                    sock.listen(BACKLOG)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 failed.append(exc)
                 ready.set()
                 return
             ready.set()
+            loop.call_later(self._sweep_every(), self._sweep)
             loop.run_forever()
             for server in self._servers:
                 server.close()
@@ -587,6 +465,60 @@ class StoreServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    # -- idle connections ----------------------------------------------------------
+    def _sweep_every(self) -> float:
+        lim = self.limits
+        return max(0.05, min(1.0, lim.silent_timeout_s / 4, lim.idle_timeout_s / 4))
+
+    def _sweep(self) -> None:
+        """Close the connections that never spoke within the silent timeout, and those
+        idle past the idle timeout (a few thousand at most: one pass a second)."""
+        now, lim = time.monotonic(), self.limits
+        for conn in self._conns:  # the idle clock, at the sweep's resolution: no clock read per request
+            if conn._busy or not conn.idle:
+                conn._busy, conn._last = False, now
+        for conn in list(self._silent):
+            if now - conn._last < lim.silent_timeout_s:
+                break  # oldest first: the rest are younger
+            with self._lock:  # not a refusal: a client may connect and think (torch clones stores)
+                self._stats["silent_closed"] += 1
+            conn.goodbye(f"the store closed a connection that sent nothing within {lim.silent_timeout_s:g} s")
+        for conn in list(self._conns):
+            if conn.idle and now - conn._last >= lim.idle_timeout_s:
+                with self._lock:
+                    self._stats["idle_closed"] += 1
+                conn.goodbye(f"the store closed a connection idle for {lim.idle_timeout_s:g} s")
+        self._loop.call_later(self._sweep_every(), self._sweep)
+
+    def _evict(self) -> bool:
+        """At the connection limit: close the connection that has sent nothing for the
+        longest, else the one idle the longest (at least `Limits.evict_idle_s`), to make room for
+        a new one. Counted ("evicted"): at the limit, someone holds many connections."""
+        victim = next(iter(self._silent), None)
+        if victim is None:
+            now, idlest = time.monotonic(), None
+            for conn in self._conns:
+                if (not conn._busy and conn.idle and now - conn._last >= self.limits.evict_idle_s
+                        and (idlest is None or conn._last < idlest._last)):
+                    idlest = conn
+            victim = idlest
+        if victim is None:
+            return False
+        message = (f"the store closed a connection idle for {time.monotonic() - victim._last:.1f} s: it has "
+                   f"{self.limits.max_connections} open (its limit)")
+        self._count_refusal("evicted", message)
+        victim.goodbye(message)
+        return True
+
+    def _unread(self) -> int:
+        """Bytes of answers buffered for clients that do not read them (a connection
+        that reads keeps less than asyncio's high-water mark, 64 KiB, buffered)."""
+        return sum(conn._t.get_write_buffer_size() for conn in self._backlogged)
+
+    def _response_refusal(self, size: int) -> str:
+        return (f"an answer of {size} bytes is over the store's limit of {self.limits.max_response} bytes per "
+                "answer: ask for fewer keys at once")
+
     def set(self, key: str, value: bytes | str) -> None:
         """Write a key from this process (thread-safe; before `start` too)."""
         value = value.encode() if isinstance(value, str) else value
@@ -605,7 +537,8 @@ class StoreServer:
         mean someone else is connecting."""
         with self._lock:
             return {"connections": self._connections, "accepted": self._stats["accepted"],
-                    "requests": self._stats["requests"],
+                    "requests": self._stats["requests"], "idle_closed": self._stats["idle_closed"],
+                    "silent_closed": self._stats["silent_closed"],
                     "requests_by_op": {_OP_NAMES.get(op, str(op)): n for op, n in self._ops.items()},
                     "keys": len(self._data), "bytes": self._total,
                     "refused": sum(self._refused.values()), "refused_by_reason": dict(self._refused),
@@ -630,19 +563,53 @@ class StoreServer:
                                        f"{self.limits.max_key} bytes per key")
         return key
 
-    def _check_put(self, key: bytes, value: bytes) -> None:
-        lim = self.limits
+    def _check_item(self, key: bytes, value: bytes) -> str:
+        """One key and value against the per-item limits; the key's name."""
         self._check_key(key)
-        if len(value) > lim.max_value:
+        if len(value) > self.limits.max_value:
             raise _Refused("value_size", f"a value of {len(value)} bytes is over the store's limit of "
-                                         f"{lim.max_value} bytes per value (key {key[:80].decode(errors='replace')!r})")
-        old = self._data.get(key.decode())
+                                         f"{self.limits.max_value} bytes per value (key {key[:80].decode(errors='replace')!r})")
+        name = key.decode()
+        if name in self._counters and not _is_int(value):
+            raise _Refused("counter", _counter_refusal(name, "a value that is not an integer"))
+        return name
+
+    def _check_put(self, key: bytes, value: bytes, name: str | None = None) -> None:
+        """One key and value against every limit (`name`: the key's, its value known to
+        be an integer: ADD's own)."""
+        lim = self.limits
+        if name is None:  # _check_item, inline: SET is the hot path
+            if len(key) > lim.max_key:
+                self._check_key(key)
+            if len(value) > lim.max_value:
+                self._check_item(key, value)
+            name = key.decode()
+            if name in self._counters and not _is_int(value):
+                raise _Refused("counter", _counter_refusal(name, "a value that is not an integer"))
+        old = self._data.get(name)
         if old is None and len(self._data) >= lim.max_keys:
             raise _Refused("keys", f"the store holds {len(self._data)} keys, its limit: a new key is refused")
         grow = len(value) - (len(old) if old is not None else -len(key))
         if self._total + grow > lim.max_total:
             raise _Refused("total", f"the store holds {self._total} bytes; {grow} more would pass its limit "
                                     f"of {lim.max_total} bytes")
+
+    def _check_puts(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        """A MULTI_SET's pairs against the limits as a whole (a key named twice: its last
+        value), as if each were stored: the keys and bytes they add together must fit."""
+        lim, data = self.limits, self._data
+        final = {self._check_item(key, value): (key, value) for key, value in pairs}
+        new = sum(1 for name in final if name not in data)
+        if new and len(data) + new > lim.max_keys:
+            raise _Refused("keys", f"the store holds {len(data)} keys; a MULTI_SET of {new} new keys would pass "
+                                   f"its limit of {lim.max_keys}: refused as a whole")
+        grow = 0
+        for name, (key, value) in final.items():
+            old = data.get(name)
+            grow += len(value) - (len(old) if old is not None else -len(key))
+        if self._total + grow > lim.max_total:
+            raise _Refused("total", f"the store holds {self._total} bytes; a MULTI_SET of {grow} more would pass "
+                                    f"its limit of {lim.max_total} bytes: refused as a whole")
 
     def _put(self, key: bytes, value: bytes) -> None:
         name = key.decode()
@@ -698,10 +665,17 @@ class StoreServer:
             self._put(key, value)
             return []
         if op == Op.PEEK:
-            out = []
+            out, size, most = [], 0, self.limits.max_response
             for key in items:
                 value = data.get(self._check_key(key).decode())
-                out.append(b"\0" if value is None else b"\1" + value)
+                if value is None:
+                    out.append(b"\0")
+                    continue
+                size += len(value)
+                if size > most:  # refused before more copies are made than the answer may hold
+                    raise _Refused("response_size", self._response_refusal(
+                        sum(len(v) + 1 for v in (data.get(k.decode()) for k in items) if v is not None)))
+                out.append(b"\1" + value)
             return out
         if op == Op.GET:
             key, timeout = items
@@ -710,9 +684,15 @@ class StoreServer:
         if op == Op.ADD:
             key, amount = items
             name = self._check_key(key).decode()
-            value = str(_int(data.get(name, b"0")) + _int(amount)).encode()
-            self._check_put(key, value)
+            step = _int(amount)
+            current = data.get(name, b"0")
+            try:
+                value = str(int(current) + step).encode()
+            except ValueError:
+                raise _Refused("counter", _counter_refusal(name, "ADD", current)) from None
+            self._check_put(key, value, name)
             self._put(key, value)
+            self._counters.add(name)
             return [value]
         if op == Op.CHECK:
             return [b"1" if all(k.decode() in data for k in items) else b"0"]
@@ -725,6 +705,7 @@ class StoreServer:
         if op == Op.DELETE_KEY:
             (key,) = items
             old = data.pop(key.decode(), None)
+            self._counters.discard(key.decode())
             if old is not None:
                 self._total -= len(key) + len(old)
             return [b"1" if old is not None else b"0"]
@@ -746,8 +727,10 @@ class StoreServer:
             if len(items) % 2:
                 raise _Bad("MULTI_SET takes pairs")
             pairs = list(zip(items[0::2], items[1::2]))
-            for key, value in pairs:
-                self._check_put(key, value)
+            if len(pairs) == 1:
+                self._check_put(*pairs[0])
+            else:
+                self._check_puts(pairs)
             for key, value in pairs:
                 self._put(key, value)
             return []
@@ -758,11 +741,16 @@ class StoreServer:
             self._put(key, new)
             return []
         if op == Op.LIST_KEYS:
+            size = sum(map(len, data)) + 4 * len(data)  # characters: at most the bytes
+            if size > self.limits.max_response:
+                raise _Refused("response_size", self._response_refusal(size))
             return [k.encode() for k in data]
         if op == Op.PING:
-            return []
+            return [self.instance]
         raise _Bad(f"unknown op {op}")
 
 
-__all__ = ["Limits", "Op", "Spec", "Status", "StoreClosed", "StoreError", "StoreRefused", "StoreServer",
-           "StoreTimeout", "answers", "bind_tcp", "bind_unix", "decode", "encode", "parse_spec", "unix_connect"]
+__all__ = ["ACCEPT_BURST", "BACKLOG", "FD_RESERVE", "SCHEME_TCP", "SCHEME_UNIX", "UNIX_PATH_MAX", "Limits", "Op",
+           "Spec", "Status", "StoreClosed", "StoreError", "StoreRefused", "StoreServer", "StoreTimeout", "answers",
+           "bind_tcp", "bind_unix", "connection_cap", "decode", "encode", "parse_spec", "raise_nofile",
+           "unix_connect"]

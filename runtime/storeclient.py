@@ -45,7 +45,7 @@ def _b(value) -> bytes:
 
 
 def _open(spec: str, timeout: float) -> socket.socket:
-    """A connected socket; retried (the keeper may be starting) until `timeout`."""
+    """A connected socket; retried (the keeper may be starting, or busy) until `timeout`."""
     where = parse_spec(spec)
     deadline = time.monotonic() + timeout
     while True:
@@ -55,7 +55,9 @@ def _open(spec: str, timeout: float) -> socket.socket:
             sock = socket.create_connection((where.host, where.port), timeout=max(timeout, 1.0))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
+        except (FileNotFoundError, ConnectionRefusedError, BlockingIOError) as exc:
+            # BlockingIOError: a Unix socket's backlog is full (a flood of connections
+            # the server is still accepting and refusing): it drains
             if time.monotonic() + _CONNECT_RETRY_S >= deadline:
                 raise StoreClosed(f"the store at {spec} does not answer: {exc}") from exc
             time.sleep(_CONNECT_RETRY_S)
@@ -126,39 +128,87 @@ class _Wire:
         return [self._raise(a, None) for a in answers]
 
     def _exchange(self, frames: list[bytes], wait_s: float | None) -> list[tuple[int, list[bytes]]]:
-        """Send `frames`, read one answer each: [(status, items)]."""
+        """Send `frames`, read one answer each: [(status, items)]. When the server had
+        closed the connection as idle (its CLOSED frame comes first: it read none of
+        them), they are sent once more on a new connection to the same store."""
         with self._lock:
-            sock = self._sock
-            if sock is None:
-                raise StoreClosed(f"the connection to the store at {self.spec} was lost")
-            answers: list[tuple[int, list[bytes]]] = []
-            try:
-                sock.settimeout((wait_s + _MARGIN_S) if wait_s is not None else max(self._seconds(), 1.0))
-                try:
-                    sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
-                except OSError:
-                    sock.settimeout(1.0)  # the server may have said why before it closed: read that
-                buf = b""
-                while len(answers) < len(frames):
-                    if len(buf) >= 4:
-                        (size,) = _LEN.unpack_from(buf)
-                        if len(buf) >= 4 + size:
-                            answers.append(decode(buf[4:4 + size]))
-                            buf = buf[4 + size:]
-                            continue
-                        chunk = sock.recv(max(4 + size - len(buf), 1 << 16))
-                    else:
-                        chunk = sock.recv(1 << 16)
-                    if not chunk:
-                        raise ConnectionResetError("the store closed the connection")
-                    buf = buf + chunk if buf else chunk
-            except (OSError, ValueError) as exc:
-                self._drop()
-                refused = [a for a in answers if a[0] != Status.OK]
-                if refused:  # it said why before it closed (e.g. over its connections)
-                    self._raise(refused[0], wait_s)
-                raise StoreClosed(f"the connection to the store at {self.spec} was lost: {exc}") from exc
+            answers = self._exchange_once(frames, wait_s)
+            if answers[0][0] == Status.CLOSED:
+                said = answers[0][1]
+                self._sock = _open(self.spec, min(max(self._seconds(), 1.0), 30.0))
+                if len(said) > 1:  # only to the same server: a new keeper is a lost store to the callers
+                    pong = self._exchange_once([encode(Op.PING)], None)[0]
+                    if pong[0] != Status.OK or pong[1][:1] != said[1:2]:
+                        self._drop()
+                        raise StoreClosed(f"the store at {self.spec} was replaced since it closed this idle "
+                                          "connection")
+                answers = self._exchange_once(frames, wait_s)
+                if answers[0][0] == Status.CLOSED:
+                    self._drop()
+                    raise StoreClosed(f"the store at {self.spec} closed a new connection at once: "
+                                      f"{answers[0][1][0].decode(errors='replace') if answers[0][1] else ''}")
         return answers
+
+    def _exchange_once(self, frames: list[bytes], wait_s: float | None) -> list[tuple[int, list[bytes]]]:
+        """One try of `_exchange` (the lock held): the answers, or [CLOSED] alone."""
+        sock = self._sock
+        if sock is None:
+            raise StoreClosed(f"the connection to the store at {self.spec} was lost")
+        answers: list[tuple[int, list[bytes]]] = []
+        buf = b""
+        try:
+            sock.settimeout((wait_s + _MARGIN_S) if wait_s is not None else max(self._seconds(), 1.0))
+            try:
+                sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
+            except OSError:
+                sock.settimeout(1.0)  # the server may have said why before it closed: read that
+            while len(answers) < len(frames):
+                if len(buf) >= 4:
+                    (size,) = _LEN.unpack_from(buf)
+                    if len(buf) >= 4 + size:
+                        answers.append(decode(buf[4:4 + size]))
+                        buf = buf[4 + size:]
+                        if answers[-1][0] == Status.CLOSED:  # nothing after it was read
+                            break
+                        continue
+                    chunk = sock.recv(max(4 + size - len(buf), 1 << 16))
+                else:
+                    chunk = sock.recv(1 << 16)
+                if not chunk:
+                    raise ConnectionResetError("the store closed the connection")
+                buf = buf + chunk if buf else chunk
+        except (OSError, ValueError) as exc:
+            closed = self._said_closed(sock, answers, buf)
+            self._drop()
+            if closed:
+                return [(Status.CLOSED, [])]
+            refused = [a for a in answers if a[0] != Status.OK]
+            if refused:  # it said why before it closed (e.g. over its connections)
+                self._raise(refused[0], wait_s)
+            raise StoreClosed(f"the connection to the store at {self.spec} was lost: {exc}") from exc
+        if answers[-1][0] == Status.CLOSED:
+            self._drop()
+            if len(answers) > 1:  # the first ones were served: not sent again (not all can be repeated)
+                raise StoreClosed(f"the store at {self.spec} closed the connection as idle after answering "
+                                  f"{len(answers) - 1} requests of a pipelined batch")
+        return answers
+
+    @staticmethod
+    def _said_closed(sock: socket.socket, answers: list, buf: bytes) -> bool:
+        """Whether the server's first word on a connection that failed (a send into a
+        closed socket) was CLOSED: read what it left, without waiting."""
+        if answers:
+            return False
+        try:
+            sock.settimeout(0.0)
+            while len(buf) < 9:
+                chunk = sock.recv(64)
+                if not chunk:
+                    break
+                buf += chunk
+        except OSError:
+            pass
+        return len(buf) >= 5 and buf[4] == Status.CLOSED
 
     def _raise(self, answer: tuple[int, list[bytes]], wait_s: float | None) -> list[bytes]:
         status, out = answer

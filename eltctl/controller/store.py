@@ -16,10 +16,14 @@ them. `StoreLike` is the seam a test can fill with a dict.
 The keeper's life: `live_keeper` (adopt the one controller.json names),
 `start_keeper`, `stop_keeper`, and `KeeperSupervisor`, which the controller asks
 every pass or two whether its keeper still lives and answers; a lost keeper is
-replaced by a new one on the SAME address and port (the hosts know only that
-one; a port another process took is retried, never changed), controller.json
-names the new pid, and the controller swaps its client (`JobStore.swap`) and
-re-publishes what it owns (controller/loop.py `Controller.watch_keeper`).
+replaced by a new one on the SAME address and port (the hosts know that one), or,
+in the direct mode when another process took that port, on a new port (`--any-port`:
+anyone on the LAN can take a port, and would otherwise keep the job from its store
+for as long as they hold it); controller.json names the new pid and port, the
+controller swaps its client (`JobStore.swap`), re-publishes what it owns and gives
+the new address to every daemon it starts (controller/loop.py
+`Controller.watch_keeper`). The Unix socket of the "ssh" mode is in the controller's
+0700 directory: no other account can take it.
 """
 
 from __future__ import annotations
@@ -228,16 +232,18 @@ def forwards_path(state: StateDir) -> Path:
 
 
 def start_keeper(state: StateDir, address: str | None, port: int = 0, restarted_job: str | None = None,
-                 forward_inventory: Path | None = None, *, inventory: Path | None = None) -> KeeperInfo:
+                 forward_inventory: Path | None = None, *, inventory: Path | None = None,
+                 any_port: bool = False) -> KeeperInfo:
     """Start a store keeper detached, and wait until it serves: on TCP at `address`
     (and `port`; 0: any), or, with `address` None, on the state directory's Unix
     socket (`state.store_socket`). `restarted_job`: it replaces a lost keeper of that
     job (the store gets the job's `store/restarted` mark). `forward_inventory`: the
     keeper holds SSH forwards of its socket to this inventory's remote hosts (the
     "ssh" store mode; their state in `forwards_path(state)`); `inventory` (the direct
-    mode): the keeper only writes its run id to that inventory's hosts. Raises
-    KeeperPortTaken when the address is held by another process, RuntimeError when
-    it fails otherwise."""
+    mode): the keeper only writes its run id to that inventory's hosts. `any_port`
+    (with a `port`): when another process holds it, the keeper serves on a new one
+    (the returned info says which). Raises KeeperPortTaken when the address is held
+    by another process, RuntimeError when it fails otherwise."""
     info_path = state.path / "storekeeper.json"
     try:
         info_path.unlink()
@@ -248,7 +254,7 @@ def start_keeper(state: StateDir, address: str | None, port: int = 0, restarted_
            "--stats", str(state.store_stats)]
     cmd += ["--socket", str(state.store_socket)] if address is None else ["--address", address]
     if port and address is not None:
-        cmd += ["--port", str(port)]
+        cmd += ["--port", str(port)] + (["--any-port"] if any_port else [])
     if restarted_job:
         cmd += ["--restarted-job", restarted_job]
         if existing_secret(state) is not None:
@@ -284,7 +290,8 @@ def start_keeper(state: StateDir, address: str | None, port: int = 0, restarted_
 
 class KeeperSupervisor:
     """Whether the job's store keeper lives and answers, and its restart on the same
-    address and port. Blocking calls (run them off the event loop); the constructor
+    address and port (in the direct mode, a new port when another process took it).
+    Blocking calls (run them off the event loop); the constructor
     does no I/O.
 
     `check` is a pid check every call and a store round trip every `round_trip_every`
@@ -362,12 +369,14 @@ class KeeperSupervisor:
                 "possible attack on the store's address")
 
     def restart(self) -> KeeperInfo:
-        """A new keeper at the same address; controller.json names it.
-        Raises KeeperPortTaken or RuntimeError (the caller tries again later)."""
+        """A new keeper at the same address (the direct mode: on a new port when another
+        process took the old one); controller.json names it. Raises KeeperPortTaken or
+        RuntimeError (the caller tries again later)."""
         old = self.info  # gone (`check` killed one that did not answer): never signalled here, its pid may be reused
         try:
             info = start_keeper(self.state, None if old.socket else old.address, old.port, restarted_job=self.job,
-                                forward_inventory=self.forward_inventory, inventory=self.inventory)
+                                forward_inventory=self.forward_inventory, inventory=self.inventory,
+                                any_port=not old.socket)
         except KeeperPortTaken as exc:
             self.problem = (f"the store's address {old.endpoint} is taken by another process ({exc}); the hosts "
                             "know only this address: free it, the controller retries every few seconds")

@@ -1,7 +1,7 @@
 """The store keeper's supervision (eltctl/controller/store.py `KeeperSupervisor`), with
 real keeper processes: a killed keeper is seen at once and replaced on the same address
 and port, controller.json names the new one, its store carries the job's restart mark;
-a port held by another process is refused with a clear reason and tried again."""
+in the direct mode a port another process took is given up for a new one."""
 
 from __future__ import annotations
 
@@ -96,10 +96,13 @@ def test_a_store_that_refuses_requests_is_reported_not_restarted(state):
         os.kill(info.pid, signal.SIGCONT)
 
 
-def test_a_port_taken_by_another_process_is_refused_and_tried_again(state):
+def test_a_port_taken_by_another_process_moves_the_direct_store_to_a_new_port(state):
+    """Anyone on the LAN can take a lost keeper's port: the restart serves on a new one
+    (never waits for the squatter), and controller.json names it (issue 49)."""
     s, started = state
     first = kstore.start_keeper(s, "127.0.0.1")
     started.append(first)
+    s.controller_json.write_text(json.dumps({"pid": 1, "store": first.to_json()}))
     sup = kstore.KeeperSupervisor(s, JOB, first)
     os.kill(first.pid, signal.SIGKILL)
     os.waitpid(first.pid, 0)
@@ -108,15 +111,30 @@ def test_a_port_taken_by_another_process_is_refused_and_tried_again(state):
     squatter.bind(("127.0.0.1", first.port))
     squatter.listen(1)
     try:
-        with pytest.raises(kstore.KeeperPortTaken):
-            sup.restart()
-        assert f"address tcp:127.0.0.1:{first.port} is taken by another process" in sup.problem
-        assert "free it" in sup.problem and sup.restarts == 0
+        with pytest.raises(kstore.KeeperPortTaken):  # without any_port: the port or nothing
+            kstore.start_keeper(s, "127.0.0.1", first.port)
+        info = sup.restart()
+        started.append(info)
     finally:
         squatter.close()
-    info = sup.restart()  # freed: the next attempt takes the same port
-    started.append(info)
-    assert info.port == first.port and sup.problem == ""
+    assert info.port != first.port and info.address == first.address and sup.problem == ""
+    assert json.loads(s.controller_json.read_text())["store"] == info.to_json()
+    assert "taken by another process; serving on a new one" in s.storekeeper_log.read_text()
+    client = kstore.connect_client(info.endpoint, JOB)
+    assert client.check([Keys.STORE_RESTARTED])  # the restarted store, with its mark
+
+
+def test_the_keeper_keeps_its_connection_limit_below_its_open_files():
+    from eltctl.storekeeper import keeper_limits, parse_limit
+    from eltctl_runtime.sockstore import FD_RESERVE
+
+    assert keeper_limits(1 << 20, forwarding=True).max_connections == 4096
+    assert keeper_limits(1024, forwarding=False).max_connections == 1024 - FD_RESERVE
+    assert keeper_limits(1024, forwarding=True).max_connections == (1024 - FD_RESERVE) // 2
+    lim = keeper_limits(1 << 20, False, dict([parse_limit("idle_timeout_s=60"), parse_limit("max_keys=10")]))
+    assert lim.idle_timeout_s == 60.0 and lim.max_keys == 10 and isinstance(lim.max_keys, int)
+    with pytest.raises(Exception, match="NAME=VALUE"):
+        parse_limit("nonsense=1")
 
 
 def test_republishing_writes_every_remembered_desired_document_with_its_seq():

@@ -118,8 +118,17 @@ def test_a_silent_partial_frame_is_dropped(server):
     assert server.stats()["refused_by_reason"] == {"slow_frame": 1}
 
 
-def test_too_many_connections_are_refused(server):
+def test_too_many_busy_connections_are_refused(tmp_path):
+    srv = StoreServer(Limits(max_connections=16, evict_idle_s=3600.0))  # none idle long enough to make room
+    srv.listen_unix(tmp_path / "run" / "store.sock")
+    with srv:
+        _too_many_connections_are_refused(srv)
+
+
+def _too_many_connections_are_refused(server):
     held = [client(server) for _ in range(16)]
+    for c in held:
+        c.ping()  # spoken: not evicted as a silent connection
     with pytest.raises(StoreRefused, match="16 open"):
         client(server).get("x")
     held.pop().close()
