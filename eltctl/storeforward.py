@@ -24,19 +24,25 @@ The keeper holds the forwards (not the controller), so a controller crash costs
 nothing; a keeper restart re-opens them at the same paths. `Forwarder` runs an asyncio
 loop on a thread of its own in the keeper process:
 
-- which hosts: the inventory's remote hosts (address other than "local"); the file is
-  re-read when its mtime changes (checked every `RELOAD_EVERY_S`) or on `reload()`
-  (the keeper calls it on SIGHUP), so `scale --add` of a host newly written into the
-  inventory gets its forward. A host removed from the inventory loses its forward.
+- which hosts: the inventory's remote hosts (address other than "local") get a
+  forward; its "local" hosts get the run id in their job directory on this machine
+  (`deliver_local`) and an entry that is up once it is there. The file is re-read when
+  its mtime changes (checked every `RELOAD_EVERY_S`) or on `reload()` (the keeper calls
+  it on SIGHUP, which the controller sends when it re-reads the inventory: `up`,
+  `scale --add`), so a host newly written into the inventory, local or remote, gets its
+  run id (and forward) within seconds. The controller starts a host's daemon only once
+  its entry is up (`run_delivered`, `forward_socket`): a daemon started before would
+  sign with another run id, and it and the job would take each other's values for
+  forgeries. A host removed from the inventory loses its forward.
 - a lost connection is opened again with back-off (`BACKOFF_S`, doubling to
   `BACKOFF_MAX_S`).
 
 forwards.json (`FORWARDS_FILE` in the state directory, written atomically on every
-change): {"keeper": pid, "keeper_socket": path, "forward": bool, "hosts": {host:
-{"socket": the host's store.sock path or null, "up": bool, "error": str, "since":
-time}}}. The controller reads it for the address to write into a host's daemon.json
-(only while "keeper" is its keeper's pid and the host's forward is up) and `status`
-shows it.
+change): {"keeper": pid, "keeper_socket": path, "forward": bool, "local_runs": true,
+"hosts": {host: {"socket": the host's store.sock path or null, "up": bool, "error":
+str, "since": time, "local": true for a local host}}}. The controller reads it for the
+address to write into a host's daemon.json (only while "keeper" is its keeper's pid
+and the host's forward, or a local host's run id, is up) and `status` shows it.
 """
 
 from __future__ import annotations
@@ -78,6 +84,22 @@ def forward_socket(doc: dict, host: str, keeper_pid: int) -> str | None:
     return path if entry.get("up") and isinstance(path, str) and path.startswith("/") else None
 
 
+def nudge_keeper(forwards_file: Path, keeper_pid: int) -> bool:
+    """Ask keeper `keeper_pid` to re-read the inventory now (SIGHUP), when it holds a
+    Forwarder (its pid in the forwards file: a keeper without one would stop on SIGHUP).
+    The controller calls it when it re-reads the inventory, so a host added to the file
+    gets its run id within a pass, not at the next mtime check."""
+    import signal
+
+    if keeper_pid <= 0 or read_forwards(forwards_file).get("keeper") != keeper_pid:
+        return False
+    try:
+        os.kill(keeper_pid, signal.SIGHUP)
+    except OSError:
+        return False
+    return True
+
+
 def prepare_command(job: str, host: str) -> str:
     """The host's side of a forward, before it opens: the job directory (0700), the run
     id from stdin into `run` (0600, renamed into place), no stale `store.sock`; prints
@@ -103,6 +125,27 @@ def write_local_run(job_dir: Path, run_id: str) -> None:
     write_atomic(job_dir / layout.RUN_FILE, run_id + "\n")  # 0600
 
 
+def local_job_dir(host, job: str) -> Path:
+    """A "local" host's job directory on this machine (its HOME: the entry's env, else ours)."""
+    from eltctl.hosts.layout import job_dir_in
+
+    home = dict(host.env).get("HOME") or os.environ.get("HOME") or str(Path.home())
+    return job_dir_in(Path(home), job, host.name)
+
+
+def run_delivered(doc: dict, host: str, keeper_pid: int) -> bool:
+    """Whether keeper `keeper_pid` wrote its run id to `host`'s job directory (a daemon
+    started before that signs with another run id, and every value it and the others
+    exchange reads as forged). A keeper from before local hosts were listed
+    (no "local_runs" in its file) wrote them all at its start."""
+    if doc.get("keeper") != keeper_pid:
+        return False
+    if not doc.get("local_runs"):
+        return True
+    entry = (doc.get("hosts") or {}).get(host) or {}
+    return bool(entry.get("up"))
+
+
 class Forwarder:
     def __init__(self, inventory_path: Path, state_file: Path, keeper_socket: str | None, run_id: str, *,
                  forward: bool = True) -> None:
@@ -114,6 +157,7 @@ class Forwarder:
         self.hosts: dict[str, dict] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._addresses: dict[str, tuple] = {}
+        self._local: dict[str, Path] = {}  # the "local" hosts' job directories the run id is written to
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mtime: float | None = None
         self._wake: asyncio.Event | None = None
@@ -152,6 +196,34 @@ class Forwarder:
         self._loop.call_soon_threadsafe(self._wake.set)
         self._thread.join(timeout)
 
+    def deliver_local(self, inventory=None) -> None:
+        """The run id into the job directory of each "local" host of the inventory that
+        does not hold it yet (the keeper calls it once before its store serves, the loop
+        at every re-read: a local host added to the file gets it within seconds, before
+        the controller starts its daemon; `run_delivered`)."""
+        from eltctl.inventory import load_inventory
+
+        inventory = inventory if inventory is not None else load_inventory(self.inventory_path)
+        wanted = {h.name: local_job_dir(h, inventory.job.name) for h in inventory.hosts if h.is_local}
+        for name in [n for n in self._local if n not in wanted]:
+            del self._local[name]
+            self.hosts.pop(name, None)
+        for name, job_dir in wanted.items():
+            if self._local.get(name) == job_dir and (self.hosts.get(name) or {}).get("up"):
+                continue
+            try:
+                write_local_run(job_dir, self.run_id)
+            except OSError as exc:
+                self._local[name] = job_dir
+                self.hosts[name] = {"socket": None, "up": False, "local": True, "since": time.time(),
+                                    "error": f"cannot write the run id to {job_dir}: {exc}"}
+                log.warning("store forwards: %s: cannot write the run id to %s: %s", name, job_dir, exc)
+                continue
+            self._local[name] = job_dir
+            self.hosts[name] = {"socket": None, "up": True, "error": "", "local": True, "since": time.time()}
+            log.info("store forwards: %s: the run id is in its job directory %s", name, job_dir)
+        self._write()
+
     def reload(self) -> None:
         """Re-read the inventory now (thread-safe; the keeper's SIGHUP)."""
         if self._loop is not None and self._wake is not None:
@@ -159,31 +231,34 @@ class Forwarder:
 
     # ------------------------------------------------------------------ the loop
     async def _main(self) -> None:
+        forced = False
         while not self._stopping:
             try:
-                self._sync()
+                self._sync(forced)
             except Exception as exc:  # noqa: BLE001 - a bad edit of the inventory: keep what runs
                 log.warning("store forwards: cannot read the inventory %s: %s", self.inventory_path, exc)
             try:
                 await asyncio.wait_for(self._wake.wait(), RELOAD_EVERY_S)
             except asyncio.TimeoutError:
                 pass
+            forced = self._wake.is_set()  # reload(): read it even if its mtime looks the same
             self._wake.clear()
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    def _sync(self) -> None:
+    def _sync(self, forced: bool = False) -> None:
         from eltctl.inventory import load_inventory
 
         try:
             mtime = self.inventory_path.stat().st_mtime
         except OSError:
             return
-        if mtime == self._mtime and not self._wake.is_set():
+        if mtime == self._mtime and not forced:
             return
         self._mtime = mtime
         inventory = load_inventory(self.inventory_path)
+        self.deliver_local(inventory)
         wanted = {h.name: h for h in inventory.hosts if not h.is_local}
         for name in list(self._tasks):
             h = wanted.get(name)
@@ -276,8 +351,9 @@ class Forwarder:
     def _write(self) -> None:
         with self._lock:
             hosts = {}
-            for name in self._tasks or self.hosts:
+            for name in dict.fromkeys([*self._tasks, *self._local]) or list(self.hosts):
                 hosts[name] = dict(self.hosts.get(name) or {"socket": None, "up": False, "error": "connecting"})
+            # local_runs: the local hosts are listed too, up once the run id is in their job directory
             doc = {"keeper": os.getpid(), "keeper_socket": self.keeper_socket, "forward": self.forward,
-                   "hosts": hosts, "time": time.time()}
+                   "local_runs": True, "hosts": hosts, "time": time.time()}
             write_atomic(self.state_file, json.dumps(doc, indent=1))

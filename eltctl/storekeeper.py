@@ -20,7 +20,8 @@ through controller.json and reconnects.
 At every start the keeper makes a fresh run id (`secrets.token_hex(16)`) and writes
 it, mode 0600, to the run file (the state directory's `run`) and to the job
 directory of every "local" inventory host BEFORE it serves; the forwarder writes it
-to each remote host's job directory before it opens that host's forward
+to each remote host's job directory before it opens that host's forward, and to a
+local host added to the inventory later when it re-reads the file
 (eltctl/storeforward.py). A store reachable anywhere is thus always the keeper
 whose run id is written there.
 
@@ -28,8 +29,15 @@ When the keeper itself dies, the controller starts a new one at the same address
 (`--socket` again, or `--port`; with `--restarted-job`: the new store then holds the
 job's `store/restarted` mark from its first moment, so a joiner waits for the
 members to re-publish their plan; runtime/storeloss.py). An address another process
-holds (a port, or a socket a live store answers on) is exit code 3 (PORT_TAKEN);
-the controller tries again later, never another address.
+holds (a port, or a socket a live store answers on) is exit code 3 (PORT_TAKEN),
+except with `--any-port` (the direct mode's restarts): a port another process took
+is given up for one the OS picks, and the info file names it (anyone on the LAN can
+take a port; the ssh mode's socket is in a 0700 directory).
+
+The keeper raises its open-file limit to its hard limit and keeps the store's
+connection limit below it (`keeper_limits`), so a flood of connections is refused
+by the store, counted, before `accept` could fail; `--limit NAME=VALUE` sets one of
+the store's other limits (sockstore.Limits).
 
 With `--inventory`, the keeper writes the run id to its local hosts and (with
 `--forwards`) holds one SSH forward per remote host of the inventory
@@ -55,7 +63,7 @@ from pathlib import Path
 from eltctl_runtime import auth
 from eltctl_runtime.files import write_atomic
 from eltctl_runtime.protocol import KEEPER_KEY, Keys, job_prefix
-from eltctl_runtime.sockstore import Spec, StoreServer, answers
+from eltctl_runtime.sockstore import Limits, Spec, StoreServer, answers, connection_cap, raise_nofile
 
 PORT_TAKEN = 3
 STATS_EVERY_S = 2.0
@@ -65,32 +73,54 @@ class AddressTaken(OSError):
     """Another live store serves the keeper's socket."""
 
 
-def local_job_dirs(inventory: Path) -> list[Path]:
-    """The job directories of the inventory's "local" hosts on this machine."""
-    from eltctl.hosts.layout import job_dir_in
-    from eltctl.inventory import load_inventory
+def keeper_limits(nofile: int, forwarding: bool, overrides: dict[str, float] | None = None) -> Limits:
+    """The store's limits in a keeper whose soft open-file limit is `nofile`: the
+    connection limit below it (each forwarded client also holds an SSH channel's
+    socket in this process: two descriptors), so the limit refuses a connection before
+    `accept` fails for want of one. `overrides`: Limits' fields by name (--limit)."""
+    fields = dict(overrides or {})
+    wanted = int(fields.pop("max_connections", Limits.max_connections))
+    cap = connection_cap(nofile, wanted, fds_per_client=2 if forwarding else 1)
+    kinds = {f: type(getattr(Limits, f)) for f in Limits.__dataclass_fields__}
+    return Limits(max_connections=cap, **{k: kinds[k](v) for k, v in fields.items()})
 
-    inv = load_inventory(inventory)
-    out = []
-    for host in inv.hosts:
-        if host.is_local:
-            home = dict(host.env).get("HOME") or os.environ.get("HOME") or str(Path.home())
-            out.append(job_dir_in(Path(home), inv.job.name, host.name))
-    return out
+
+def parse_limit(text: str) -> tuple[str, float]:
+    """`NAME=VALUE` for --limit: a field of sockstore.Limits and a number."""
+    name, sep, value = text.partition("=")
+    if not sep or name not in Limits.__dataclass_fields__:
+        raise argparse.ArgumentTypeError(f"--limit {text!r}: give NAME=VALUE, NAME one of "
+                                         f"{', '.join(Limits.__dataclass_fields__)}")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--limit {text!r}: {value!r} is not a number") from None
 
 
 def serve(info: Path, *, socket_path: Path | None = None, address: str | None = None, port: int = 0,
           restarted_job: str | None = None, secret_file: Path | None = None, inventory: Path | None = None,
           forwards: Path | None = None, forward: bool = True, run_file: Path | None = None,
-          stats_file: Path | None = None) -> None:
-    server = StoreServer()
+          stats_file: Path | None = None, limits: dict[str, float] | None = None, any_port: bool = False) -> None:
+    nofile = raise_nofile()
+    server = StoreServer(keeper_limits(nofile, socket_path is not None and inventory is not None and forward
+                                       and forwards is not None, limits))
     if socket_path is not None:
         if answers(str(socket_path)):
             raise AddressTaken(errno.EADDRINUSE, f"a live store answers on {socket_path}")
         server.listen_unix(socket_path)
         where = Spec("unix", path=str(socket_path))
     else:
-        port = server.listen_tcp(address, port)
+        try:
+            port = server.listen_tcp(address, port)
+        except OSError as exc:
+            if not (any_port and port and exc.errno == errno.EADDRINUSE):
+                raise
+            # another process took the lost keeper's port: never wait for it (anyone on the
+            # LAN may hold it for ever); a new one, published as the first was (the info
+            # file, controller.json, each new daemon's store address)
+            print(f"store keeper: the port {port} is taken by another process; serving on a new one",
+                  file=sys.stderr, flush=True)
+            port = server.listen_tcp(address, 0)
         where = Spec("tcp", host=address, port=port)
     run_id = secrets.token_hex(16)
     # 0600, before anyone can connect: the sockets are bound, not listening, until
@@ -105,21 +135,23 @@ def serve(info: Path, *, socket_path: Path | None = None, address: str | None = 
         server.set(f"{job_prefix(restarted_job)}/{Keys.STORE_RESTARTED}", mark)
     forwarder = None
     if inventory is not None:
-        from eltctl.storeforward import FORWARDS_FILE, Forwarder, write_local_run
+        from eltctl.storeforward import FORWARDS_FILE, Forwarder
 
-        for job_dir in local_job_dirs(inventory):
-            write_local_run(job_dir, run_id)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         logging.getLogger("asyncssh").setLevel(logging.WARNING)
         forwarder = Forwarder(inventory, forwards or info.parent / FORWARDS_FILE,
                               str(socket_path) if socket_path is not None else None, run_id,
                               forward=forward and forwards is not None)
+        # the local hosts' run ids before the store serves; the forwarder writes them again
+        # to a local host added to the inventory later (at its re-read), before its daemon starts
+        forwarder.deliver_local()
     server.start()
     if forwarder is not None:
         forwarder.start()
     write_atomic(info, json.dumps({"pid": os.getpid(), "address": where.host or "", "port": where.port,
                                    "socket": where.path or None, "spec": str(where), "started": time.time()}))
-    print(f"store keeper {os.getpid()}: serving the store on {where}"
+    print(f"store keeper {os.getpid()}: serving the store on {where} (at most "
+          f"{server.limits.max_connections} connections; {nofile} open files)"
           + (f", forwarded over SSH to the hosts of {inventory}" if forwarder and forwarder.forward else ""),
           flush=True)
     done = threading.Event()
@@ -145,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--socket", type=Path, help="serve on this Unix socket (its directory: 0700)")
     where.add_argument("--address", help="serve on TCP at this address (the direct mode)")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--any-port", action="store_true",
+                    help="with --port: when another process holds it, serve on a port the OS picks")
+    ap.add_argument("--limit", action="append", type=parse_limit, default=[], metavar="NAME=VALUE",
+                    help="one of the store's limits (eltctl_runtime.sockstore.Limits), e.g. idle_timeout_s=600")
     ap.add_argument("--info", type=Path, required=True, help="where to write pid and address (JSON)")
     ap.add_argument("--run-file", type=Path, default=None, help="where to write the run id (default: run beside --info)")
     ap.add_argument("--stats", type=Path, default=None, help="the store's counters (default: storestats.json beside --info)")
@@ -160,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(args.info, socket_path=args.socket, address=args.address, port=args.port,
               restarted_job=args.restarted_job, secret_file=args.secret_file, inventory=args.inventory,
-              forwards=args.forwards, forward=not args.no_forward, run_file=args.run_file, stats_file=args.stats)
+              forwards=args.forwards, forward=not args.no_forward, run_file=args.run_file, stats_file=args.stats,
+              limits=dict(args.limit), any_port=args.any_port)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             print(f"store keeper: {shown} is taken by another process; the hosts know only this address, so "

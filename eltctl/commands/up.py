@@ -33,8 +33,25 @@ def up(
         cron.run_unattended(inventory, timeout=timeout if given else cron.UNATTENDED_TIMEOUT_S)
         return
     out = Console(highlight=False, soft_wrap=True)
+    import time
+
+    from eltctl.controller import resume
+
+    def say(warning: bool, line: str) -> None:
+        out.print(f"[yellow]! warning: {escape(line)}[/]" if warning else f"[dim]·[/] {escape(line)}")
+
+    since = time.time()
+    if not inventory.job.shared_filesystem and inventory.job.workdir.is_dir():  # else preflight says why
+        from eltctl.hosts import ignore, ops
+        from eltctl.preflight import command_target
+
+        target = command_target(inventory.job.command)
+        needed = [target.name] if target is not None and target.kind == "script" else []
+        for warning, line in ignore.describe(ops.code_selection(inventory), needed=needed):
+            say(warning, line)
     try:
         result = client.up(inventory, detach=detach, timeout=timeout, ignore_mirror_check=ignore_mirror_check,
+                           retry_failed=True,  # a person's `up`: "after a fix `eltctl up` retries at once"
                            progress=lambda m: out.print(f"[yellow]! {escape(m)}[/]" if m.startswith("warning:")
                                                         else f"[dim]·[/] {escape(m)}"))
     except client.UpInterrupted as stopped:
@@ -42,6 +59,8 @@ def up(
         for line in stopped.lines(inventory.job.name):
             err.print(escape(line))
         raise typer.Exit(130) from None  # EXIT_INTERRUPTED (eltctl/cli.py): 128 + SIGINT
+    for warning, line in resume.up_lines((result.status or {}).get("events") or (), since):
+        say(warning, line)
     if result.controller_pid:  # 0: a finished job, unchanged, for which nothing was started (client.finished_run)
         who = "started" if result.started else "already running"
         out.print(f"controller {result.controller_pid} ({who})")

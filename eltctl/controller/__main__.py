@@ -80,17 +80,18 @@ async def choose_address(inventory: Inventory, fleet) -> str:
 def store_through_forwards(state: StateDir, ctl):
     """The "ssh" store mode's store address for a host's daemon.json: the Unix socket
     of the host's forward in its job directory (eltctl/storeforward.py), None while it
-    is not up; a local host reaches the keeper's own socket."""
+    is not up; a local host reaches the keeper's own socket, once the keeper wrote its
+    run id there (a local host added while the job runs: storeforward.run_delivered)."""
     from eltctl.controller import store as kstore
-    from eltctl.storeforward import forward_socket, read_forwards
+    from eltctl.storeforward import forward_socket, read_forwards, run_delivered
 
     said: dict[str, str] = {}
 
     def store_for(host) -> str | None:
         info = ctl.keeper.info
-        if host.is_local:
-            return info.endpoint
         doc = read_forwards(kstore.forwards_path(state))
+        if host.is_local:
+            return info.endpoint if run_delivered(doc, host.name, info.pid) else None
         path = forward_socket(doc, host.name, info.pid)
         if path:
             said.pop(host.name, None)
@@ -209,6 +210,8 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                     return {"ok": False, "error": str(exc)}
             if isinstance(req.get("left_out"), dict):
                 await ctl.leave_out({str(k): str(v) for k, v in req["left_out"].items()})
+            if req.get("retry"):  # a person's `up`: the hosts held by a failure are tried at once
+                await ctl.retry_failed()
             if ctl.mirror_worker is not None:
                 ctl.mirror_worker.retry()  # a mirror failure someone may have fixed: try now
             await ctl.reconcile()
@@ -270,7 +273,7 @@ async def amain(inventory: Inventory, state: StateDir, *, down: bool, force: boo
                 try:
                     keeper = await loop.run_in_executor(None, functools.partial(
                         kstore.start_keeper, state, address, port, restarted, forward_to,
-                        inventory=None if ssh_store else inventory.path.resolve()))
+                        inventory=None if ssh_store else inventory.path.resolve(), any_port=not ssh_store))
                 except kstore.KeeperPortTaken as exc:
                     connecting_message[0] = f"waiting for the store's port {address}:{port}: {exc}"
                     log.error("The store's port %s:%d (the one the hosts know) is taken: %s; retrying.", address,

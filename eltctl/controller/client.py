@@ -155,10 +155,13 @@ class UpResult:
 
 
 def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOUT_S,
-       progress: Progress = lambda _m: None, ignore_mirror_check: bool = False) -> UpResult:
+       progress: Progress = lambda _m: None, ignore_mirror_check: bool = False,
+       retry_failed: bool = False) -> UpResult:
     """Start what is missing and return when the job trains (or waits for GPUs, or
     starts by itself later: `starts_at`). Ctrl-C raises `UpInterrupted`, which says
-    whether a controller runs on."""
+    whether a controller runs on. `retry_failed` (a person's `up`, not cron's): the
+    hosts held by a failure are tried at once (policy.retried), as every failure's
+    hint says."""
     from eltctl import preflight
 
     state = state_of(inventory)
@@ -173,9 +176,12 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
     pid: int | None = None
     started = False
     try:
+        if retry_failed and same_inventory(inventory, ping(state)) is None:
+            _retry_stopped(inventory, state)  # the controller about to start reads it
         answer, started = ensure_controller(inventory, progress, left_out)
         pid = int(answer["pid"])
-        return _reconcile_and_wait(inventory, state, answer, started, left_out, detach, timeout, progress)
+        return _reconcile_and_wait(inventory, state, answer, started, left_out, detach, timeout, progress,
+                                   retry=retry_failed)
     except KeyboardInterrupt:
         if pid is None:  # interrupted while the controller was being started: did it come up?
             pid = _live_controller(state)
@@ -195,7 +201,7 @@ def finished_run(inventory: Inventory, state: StateDir) -> UpResult | None:
     from eltctl.controller import act
     from eltctl.controller import policy as pol
 
-    now = pol.fingerprint(inventory, act.code_digest(inventory.job.workdir))
+    now = pol.fingerprint(inventory, act.code_digest(inventory))
     if not fin.get("code") or fin.get("code") != now["code"] or fin.get("job") != now["job"]:
         return None
     from datetime import datetime
@@ -218,15 +224,46 @@ def _live_controller(state: StateDir) -> int | None:
     return int(live["pid"]) if live else lock_holder(state.lock)
 
 
+def _retry_stopped(inventory: Inventory, state: StateDir) -> None:
+    """`up`'s retry of the hosts held by a failure while no controller runs: in hosts.json,
+    under the controller's lock (as `_cordon_stopped`); a controller starting meanwhile
+    (the lock is held) gets the retry from the reconcile `up` sends it."""
+    from eltctl.controller import policy as pol
+    from eltctl.controller.statedir import ControllerLock
+    from eltctl_runtime.files import write_json_atomic
+
+    doc = read_json(state.hosts_json)
+    if not isinstance(doc, dict) or not doc.get("hosts"):
+        return
+    lock = ControllerLock(state.lock)
+    if not lock.acquire():
+        return
+    try:
+        doc = read_json(state.hosts_json) or {}
+        records = {}
+        for name, d in dict(doc.get("hosts") or {}).items():
+            try:
+                records[name] = pol.HostRecord.from_json(d)
+            except (TypeError, ValueError):
+                continue  # the controller warns about it
+        after = pol.retried(records, time.time())
+        if after != records:
+            hosts = dict(doc.get("hosts") or {})
+            hosts.update({name: r.to_json() for name, r in after.items() if r != records[name]})
+            write_json_atomic(state.hosts_json, {**doc, "hosts": hosts})
+    finally:
+        lock.release()
+
+
 def _reconcile_and_wait(inventory: Inventory, state: StateDir, answer: dict, started: bool, left_out: dict,
-                        detach: bool, timeout: float, progress: Progress) -> UpResult:
+                        detach: bool, timeout: float, progress: Progress, *, retry: bool = False) -> UpResult:
     from eltctl.controller.status import training_finished
     from eltctl.durations import format_left
 
     pid = int(answer["pid"])
     if not started:
         progress(f"controller {pid} is running; reconciling")
-        result = ask(state, {"op": "reconcile", "left_out": left_out}, timeout=120)
+        result = ask(state, {"op": "reconcile", "left_out": left_out, "retry": retry}, timeout=120)
         if not result.get("ok", False):
             raise EltctlError(f"the controller refused: {result.get('error')}")
     if detach:
@@ -358,8 +395,10 @@ def start_failed_error(failed: dict[str, str]) -> EltctlError:
 
 
 def scale(inventory: Inventory, add: list[str], remove: list[str], force: bool) -> dict:
-    """`eltctl scale`: ask the live controller. Unknown names and a host both added and
-    removed are usage errors (exit 2) before anything is asked."""
+    """`eltctl scale`: ask the live controller. Names not in the inventory file and a
+    host both added and removed are usage errors (exit 2) before anything is asked; a
+    host in the file that the controller does not know yet makes it re-read the file
+    (Controller.scale)."""
     inventory.hosts_named([*add, *remove])
     both = [n for n in dict.fromkeys(add) if n in remove]
     if both:

@@ -316,6 +316,8 @@ class Controller:
         self._keeper_down_logged = False
         async with self._pass:  # not between a pass's reading and acting
             self.store.swap(client)
+            if info.endpoint != old.endpoint and not callable(self.starter.store_endpoint):
+                self.store_endpoint = self.starter.store_endpoint = info.endpoint  # direct mode: a new port
             await self.store_restarted()
         log.warning("Restarted the store keeper on %s (pid %d, restart %d); the desired slots were written "
                     "again.", info.endpoint, info.pid, sup.restarts)
@@ -600,7 +602,7 @@ class Controller:
 
     async def _restore(self, names: list[str], others: list[str]) -> None:
         told = await act.restore(self.fleet, self.inventory, names, self.mirror_worker, self._event,
-                                 others=others)
+                                 others=others, known=self.observed.checkpoint)
         try:  # a worker that started while the job's last members paused it waits for this
             await self.store.set_json(Keys.RESTORED, told)
         except Exception as exc:  # noqa: BLE001 - advisory; the worker stops waiting after RESTORE_WAIT_S
@@ -644,7 +646,7 @@ class Controller:
         or their entry concerns forget their failures, failure cooldown and benching
         (an owner's cooldown stays), and an idle daemon of theirs is replaced by one
         with the new configuration and code. Returns the hosts concerned."""
-        code = await asyncio.get_running_loop().run_in_executor(None, act.code_digest, self.inventory.job.workdir)
+        code = await asyncio.get_running_loop().run_in_executor(None, act.code_digest, self.inventory)
         new = pol.fingerprint(self.inventory, code)
         changed = pol.changed_hosts(self.fingerprint, new)
         if not changed:
@@ -745,7 +747,40 @@ class Controller:
                 asyncio.ensure_future(self.fleet.forget(name))
             if new is None or (new.address, new.port) != (host.address, host.port):
                 self.observed.forget_machine(name)
+        top = max([self.seq_floor] + [r.seq for r in self.records.values()])
+        for host in inventory.hosts:  # a new host continues above every seq sent (as in load_records)
+            self.records.setdefault(host.name, pol.HostRecord(seq=top))
         self._check_fix = True  # the next pass compares what changed (`apply_fixes`)
+        if self.keeper is not None:  # the keeper re-reads it now: a new host's run id (and forward)
+            from eltctl.storeforward import nudge_keeper
+
+            nudge_keeper(kstore.forwards_path(self.state), self.keeper.info.pid)
+
+    def reread_inventory(self) -> str | None:
+        """Read the inventory file again and apply it (`reload_inventory`); the error, if
+        it cannot be read (a bad edit: what runs is kept)."""
+        from eltctl.errors import ConfigError
+        from eltctl.inventory import load_inventory
+
+        try:
+            new = load_inventory(self.inventory.path)
+        except ConfigError as exc:
+            return str(exc)
+        if new.job.name != self.inventory.job.name:
+            return (f"{self.inventory.path} now names job {new.job.name!r}, not {self.inventory.job.name!r}; "
+                    "`eltctl down` this job before renaming it")
+        self.reload_inventory(new)
+        return None
+
+    async def retry_failed(self) -> None:
+        """`eltctl up` run by a person: the hosts held by a failure are tried at once (policy.retried)."""
+        async with self._pass:
+            before = self.records
+            self.records = pol.retried(before, self.clock())
+            if self.records != before:
+                log.info("Host(s) %s held by a failure are tried again at once (`eltctl up`).",
+                         ", ".join(n for n in self.records if self.records[n] != before.get(n)))
+                self.save_records()
 
     async def checkpoint_place(self, name: str) -> mir.Place:
         """A host's checkpoint directory over the controller's connection (the mirror's source).
@@ -770,6 +805,10 @@ class Controller:
                 await self._event(EventKind.REMOVE, name, reason)
 
     async def scale(self, add: list[str], remove: list[str], force: bool) -> dict:
+        if any(n not in {h.name for h in self.inventory.hosts} for n in add + remove):
+            error = self.reread_inventory()  # a host just written into the file (issue 50)
+            if error is not None:
+                return {"ok": False, "error": error}
         names = {h.name for h in self.inventory.hosts}
         results = []
         for name in add + remove:
@@ -806,6 +845,12 @@ class Controller:
         self.save_records()
         await self.reconcile()
         self.write_status()
+        # what an added host does now that the pass decided: its slots join, or what holds them
+        entries = {h["name"]: h for h in self.status_document()["hosts"]}
+        for r in results:
+            if r["ok"] and r["host"] in reports and r["host"] in entries:
+                r["message"] = observe.added_message(reports[r["host"]], self.records[r["host"]].desired,
+                                                     entries[r["host"]].get("waiting"))
         return {"ok": all(r["ok"] for r in results), "results": results}
 
     async def cordon(self, names: list[str], on: bool) -> dict:
@@ -823,7 +868,8 @@ class Controller:
                 results.append({"host": name, "ok": True,
                                 "message": "already cordoned" if on else "not cordoned"})
                 continue
-            self.records[name] = replace(rec, cordoned=on)
+            # uncordon: "used again", at once: not held by a failure cooldown from before
+            self.records[name] = replace(rec if on else pol.failure_cleared(rec), cordoned=on)
             what = "cordoned by eltctl cordon" if on else "uncordoned by eltctl uncordon"
             log.info("Host %s: %s.", name, what)
             await self._event(EventKind.CORDON, name, what, state="cordoned" if on else "uncordoned")
@@ -920,9 +966,9 @@ class Controller:
                                          self.observed.events_skipped),
             keeper=self._keeper_status(),
             starts_at=(self.decision.starts_at if self.decision is not None and self.phase == Phase.STARTING
-                       else None))
-        # before `extend`: what the outputs derive from the document (metrics) sees it
-        doc["fairshare"] = fairshare.plan_to_json(self.fair, self.fair_me)
+                       else None),
+            # before `extend`: what the outputs derive from the document (metrics) sees it
+            fairshare=fairshare.plan_to_json(self.fair, self.fair_me))
         return self.outputs.extend(doc)
 
     def store_forgeries(self) -> dict[str, int]:

@@ -508,6 +508,28 @@ def changed_hosts(old: Mapping | None, new: Mapping) -> list[str]:
     return [n for n in names if before.get(n) != new["hosts"][n]]
 
 
+def failure_cleared(record: HostRecord) -> HostRecord:
+    """A host a person asked to use now (`uncordon`, a `scale --add` whose slots were
+    written): its failure cooldown is over, so it cannot come back later (an uncordon, a
+    leave) from a failure the host has since been tried past. Its failure count and
+    benching stay (they back off a host that keeps failing), and so do an owner's and a
+    straggler's cooldowns."""
+    if not record.cooldown_until:
+        return record
+    return replace(record, cooldown_until=0.0,
+                   last_problem=record.last_problem if record.benched_until else "")
+
+
+def retried(records: Mapping[str, HostRecord], now: float) -> dict[str, HostRecord]:
+    """`eltctl up` run by a person: "after a fix `eltctl up` retries at once" (the hint of
+    every failure), whether or not the fix changed anything the controller sees (a
+    package installed on the host, a full disk emptied). The hosts held by a failure
+    (cooldown, benching, a start failure) are `after_fix`; the others are left as they are."""
+    held = [name for name, r in records.items()
+            if r.cooldown_until > now or r.benched_until > now or r.failures or r.start_failure]
+    return fixed(records, held)
+
+
 def fixed(records: Mapping[str, HostRecord], names: Iterable[str]) -> dict[str, HostRecord]:
     """The records once the hosts `names` were fixed (`after_fix`)."""
     out = dict(records)
@@ -785,7 +807,12 @@ def leave_out(records: Mapping[str, HostRecord], left_out: Mapping[str, str],
 
 
 def applied(record: HostRecord, slots: tuple[int, ...]) -> HostRecord:
-    """The record once `SetDesired(slots)` was written: a new seq, the one-shot waivers used."""
+    """The record once `SetDesired(slots)` was written: a new seq, the one-shot waivers used.
+    A `scale --add` that waived a failure cooldown used it up (`failure_cleared`): kept,
+    it hid under the host's workers and came back as a stale cooldown once they left
+    (issue 50: after a cordon and uncordon)."""
+    if slots and record.join_now:
+        record = failure_cleared(record)
     return replace(record, desired=tuple(slots), seq=record.seq + 1,
                    join_now=False if slots else record.join_now,
                    force=False if slots else record.force)
