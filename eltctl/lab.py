@@ -5,8 +5,9 @@ which user) and the demand entries the jobs' controllers published beside them
 (eltctl/demand.py). `lab_view` folds them into one line per job: its user, priority,
 the slots it holds on these hosts (its claims: GPUs, and CPU slots on hosts without
 GPUs, counted apart), how many more it wants, its recent usage and its fair share by
-the rule every controller applies (controller/fairshare.py), over the pool of slots
-held plus the free GPUs (as a controller counts it). Pure; `JSON_FORMAT` documents `--json`.
+the rule every controller applies (controller/fairshare.py), over the pool of GPUs
+held plus the free GPUs (as a controller counts it: fair share counts no CPU slot; a
+job that holds and wants no GPU has no share). Pure; `JSON_FORMAT` documents `--json`.
 """
 
 from __future__ import annotations
@@ -82,9 +83,11 @@ def lab_view(reports: Iterable[HostReport], half_life_s: float) -> LabView:
     counts = {j: sum(held.get(j, {}).values()) for j in names}
     user = {j: demands[j].user if j in demands else ", ".join(sorted(users.get(j, ()))) for j in names}
     pool = sum(counts.values()) + free
-    table_in = [Demand(**{**demands[j].__dict__, "held": counts[j]}) if j in demands
-                else Demand(job=j, user=user[j], held=counts[j]) for j in names]
-    shares = {s.job: s.share for s in fairshare.shares(table_in, pool, half_life_s)}
+    gpus = {j: counts[j] - cpu.get(j, 0) for j in names}  # fair share counts GPUs only
+    table_in = [Demand(**{**demands[j].__dict__, "held": gpus[j]}) if j in demands
+                else Demand(job=j, user=user[j], held=gpus[j]) for j in names]
+    table_in = [d for d in table_in if d.held or d.wanted]
+    shares = {s.job: s.share for s in fairshare.shares(table_in, sum(gpus.values()) + free, half_life_s)}
     jobs = []
     for j in sorted(names, key=lambda j: (user[j], j)):
         d = demands.get(j)
@@ -123,7 +126,7 @@ JSON_FORMAT = """\
 
 | key | type | meaning |
 |---|---|---|
-| `pool` | int | what fair share divides: the slots eltctl jobs hold on the probed hosts (GPUs, CPU slots) and the free GPUs |
+| `pool` | int | the slots eltctl jobs hold on the probed hosts (GPUs, CPU slots) and the free GPUs; fair share divides its GPUs |
 | `free` | int | free GPUs on the probed hosts |
 | `hosts` | [string] | the hosts that answered (with GPUs, or CPU slots on a host without GPUs) |
 | `unreachable` | [string] | the hosts that did not answer |
@@ -134,7 +137,8 @@ Each job: `job`, `user` (the host account), `priority` (int, null when it publis
 demand), `held` (slots its claims hold on these hosts: `held_gpus` GPUs plus
 `held_cpu_slots` CPU slots), `wanted` (how many more it could
 use, null when unknown), `usage_gpu_h` (its recent usage: GPU-hours decayed with its
-`usage_half_life`, null when unknown), `share` (its fair share of `pool`, by
-docs/fairshare.md's rule), `hosts` ({host: slots held there}), `published` (a fresh demand
+`usage_half_life`, null when unknown), `share` (its fair share of the GPUs in `pool`, by
+docs/fairshare.md's rule, which counts no CPU slot; null for a job that holds and wants
+no GPU), `hosts` ({host: slots held there}), `published` (a fresh demand
 entry was seen: a running controller; false for a job seen only by its claims).
 """

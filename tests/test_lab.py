@@ -69,6 +69,7 @@ def test_cpu_slots_are_held_and_their_hosts_counted():
     assert (jobs["a"]["held"], jobs["a"]["held_cpu_slots"], jobs["a"]["held_gpus"]) == (2, 2, 0)
     assert jobs["a"]["hosts"] == {"local-a": 1, "local-b": 1}  # local-a's claim is not counted twice
     assert (jobs["b"]["held"], jobs["b"]["hosts"]) == (1, {"local-a": 1})
+    assert jobs["a"]["share"] is None  # fair share counts GPUs only: a job of CPU slots has no share
     text = lab_text(view, 80)
     assert "2 job(s) on 2 host(s); 3 slots shared" in text and "2 CPU" in text
 

@@ -91,7 +91,7 @@ def lab_table(view, width: int) -> list:
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis",
                          width={0: job_w, 1: user_w}.get(i, natural[i]))
     for j, r in zip(view.jobs, rows):
-        share = f"[yellow]{r[6]}[/]" if j.share is not None and j.held > j.share else r[6]
+        share = f"[yellow]{r[6]}[/]" if j.share is not None and j.held_gpus > j.share else r[6]
         table.add_row(f"[bold]{escape(r[0])}[/]", escape(r[1]), *r[2:6], share, *([hosts(j)] if wide else []))
     if wide:
         return [table]

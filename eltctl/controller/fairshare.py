@@ -25,6 +25,17 @@ job waits. The rule (docs/fairshare.md has it for users):
    to the largest remainders (ties: the job holding more, then by user and job name),
    so every controller rounds alike.
 
+Fair share shares GPUs only. A CPU slot (a worker slot of a host without GPUs) is
+cheap, is declared per host entry by each job's own inventory (`slots`), and is no pool
+every job sees alike; the usage that weighs users is GPU-hours (the ledger's GPU
+intervals). So a CPU slot counts nowhere here: not in `held` (`own_demand`, `holds`),
+not in `wanted`, the free GPUs or the pool, and the cap `plan` returns is on GPUs
+(policy.decide applies it to GPU slots alone); CPU slots are used first come, first
+served. (Issue 50: `held` counted CPU slots while the rest counted GPUs, so two jobs on
+CPU hosts each wanted 0 more, the pool was what they held, and each was capped at it:
+the CPU slots a `scale --add` brought sat unused.) An entry that holds and wants no GPU
+(a CPU-only job, a job that finished or stopped: `withdrawn`) takes no part.
+
 `plan` then applies hysteresis: a job releases only when it holds more than
 `share + fairshare_slack` and another job waits (holds less than its share and wants
 more); it releases down to its share, never below its `min_workers`, never a GPU
@@ -170,7 +181,8 @@ def plan(me: Demand, others: Iterable[Demand], hosts: Iterable[HostHold], *, fre
     another job's), which also counts GPUs in hand-over (released, not yet claimed);
     `settling`: this job released GPUs a moment ago (`settle_s`): nothing more is released
     until the waiting job has had time to claim them (the pool looks smaller meanwhile)."""
-    others = [d for d in merge(others) if d.job != me.job]
+    # A job that holds and wants no GPU (CPU slots only, finished, stopped) shares nothing.
+    others = [d for d in merge(others) if d.job != me.job and (d.held > 0 or d.wanted > 0)]
     if not others:
         return Plan()
     # The GPUs of this job's hosts that jobs may use, when known: a GPU another job asked
@@ -264,17 +276,28 @@ def settle_s(idle_for: float, probe_interval: float) -> float:
     return idle_for + 3 * probe_interval + 10.0
 
 
+def cpu_only(reports: Mapping[str, object], cpu_hosts: Iterable[str] = ()) -> set[str]:
+    """The hosts whose slots are CPU slots: `cpu_hosts` (the controller's views: policy.cpu_host)
+    and those the probe found without GPUs."""
+    from eltctl.probe import HostState
+
+    return set(cpu_hosts) | {n for n, r in reports.items() if getattr(r, "state", None) is HostState.CPU_ONLY}
+
+
 def own_demand(*, job: str, user: str, priority: int, min_workers: int, max_workers: int | None,
                desired: Mapping[str, Iterable[int]], reports: Mapping[str, object], usable: Iterable[str],
-               usage_gpu_h: float, every: float) -> tuple[Demand, dict[str, Demand]]:
+               usage_gpu_h: float, every: float, cpu_hosts: Iterable[str] = ()) -> tuple[Demand, dict[str, Demand]]:
     """This job's demand (job-wide) and the entry it publishes on each host (`held_here`,
     `wants_here` filled in). `reports`: the probe's HostReports by host name; `usable`: the
-    hosts the job may use now (not removed, cordoned, off-hours...). `wanted`: GPUs on those
-    hosts that are free or another job's, not more than `max_workers` allows."""
+    hosts the job may use now (not removed, cordoned, off-hours...). `held`: its desired
+    slots on GPU hosts (`cpu_hosts` and the hosts probed CPU-only hold CPU slots, which fair
+    share does not count); `wanted`: GPUs on the usable hosts that are free or another
+    job's, not more than `max_workers` allows."""
     from eltctl.probe import GpuUse, HostState
 
     usable = set(usable)
-    held_by = {h: len(tuple(s)) for h, s in desired.items()}
+    cpu = cpu_only(reports, cpu_hosts)
+    held_by = {h: len(tuple(s)) for h, s in desired.items() if h not in cpu}
     held = sum(held_by.values())
     could: dict[str, int] = {}
     for name, r in reports.items():
@@ -317,13 +340,16 @@ def first_demand(*, job: str, user: str, priority: int, min_workers: int, max_wo
             for name in hosts}
 
 
-def holds(desired: Mapping[str, Iterable[int]], reports: Mapping[str, object], job: str) -> list[HostHold]:
-    """Where this job holds GPUs, with each one's age (its claim's `since` against the
-    host's clock) and the other jobs that want a GPU there (their entries on that host)."""
+def holds(desired: Mapping[str, Iterable[int]], reports: Mapping[str, object], job: str,
+          cpu_hosts: Iterable[str] = ()) -> list[HostHold]:
+    """Where this job holds GPUs (not its CPU slots: `cpu_only`), with each one's age (its
+    claim's `since` against the host's clock) and the other jobs that want a GPU there
+    (their entries on that host)."""
     out = []
+    cpu = cpu_only(reports, cpu_hosts)
     for name, slots in desired.items():
         slots = tuple(slots)
-        if not slots:
+        if not slots or name in cpu:
             continue
         r = reports.get(name)
         ages: list[float] = []
@@ -337,6 +363,17 @@ def holds(desired: Mapping[str, Iterable[int]], reports: Mapping[str, object], j
             others = tuple(f"{d.user}/{d.job}" for d in getattr(r, "demands", ()) if d.job != job and d.wants_here)
         out.append(HostHold(name=name, held=len(slots), ages=tuple(sorted(ages, reverse=True)), others_want=others))
     return out
+
+
+def withdrawn(me: Demand, hosts: Iterable[str]) -> dict[str, Demand]:
+    """The entries a job that finished or stopped publishes on its hosts: held 0, wanted 0
+    (`me`: its last demand, for its name, account and settings). Its last entry would
+    otherwise say it holds its GPUs until the entry is stale (`stale_after`: a minute or
+    more), to the jobs sharing its hosts and to `eltctl lab` (issue 50)."""
+    from dataclasses import replace
+
+    gone = replace(me, held=0, wanted=0, held_here=0, wants_here=False)
+    return {name: gone for name in hosts}
 
 
 def with_daemon_demands(reports: Mapping[str, object], states: Mapping[str, object]) -> dict[str, object]:
@@ -412,5 +449,6 @@ def plan_to_json(p: Plan, me: Demand | None = None) -> dict:
     return doc
 
 
-__all__ = ["HostHold", "Plan", "Share", "free_gpus", "holds", "merge", "others_seen", "own_demand", "own_user", "plan",
-           "plan_to_json", "priority_extra", "share_to_json", "shared_gpus", "shares", "water_fill", "weight"]
+__all__ = ["HostHold", "Plan", "Share", "cpu_only", "free_gpus", "holds", "merge", "others_seen", "own_demand",
+           "own_user", "plan", "plan_to_json", "priority_extra", "share_to_json", "shared_gpus", "shares",
+           "water_fill", "weight", "withdrawn"]

@@ -566,6 +566,12 @@ def eligible_slots(view: HostView, record: HostRecord, inventory: Inventory, now
     return out
 
 
+def cpu_host(view: HostView | None) -> bool:
+    """The host's slots are CPU slots (it has no GPU, or its daemon reports none while SSH
+    is down: observe.host_view). Fair share counts GPUs only (controller/fairshare.py)."""
+    return view is not None and view.reach is Reach.CPU_ONLY
+
+
 def idle_for(view: HostView, inventory: Inventory) -> float:
     """How long a slot of this host must look free before it is used: `idle_for` for a
     GPU, `cpu_idle_for` (default 0: at once) for a CPU slot of a host without GPUs, where
@@ -694,12 +700,13 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
            now: float, limits: Mapping[str, Limit] | None = None, fair_cap: int | None = None) -> Decision:
     """What to do now: the slots each host should run, and the daemon starts and stops.
     `limits` (`host_limits`) cap each host's slots; none: no cap. `fair_cap`: the most
-    slots fair share lets the job hold while another job waits (no new ones beyond it)."""
+    GPUs fair share lets the job hold while another job waits (no new ones beyond it);
+    it caps the slots of GPU hosts only: fair share counts no CPU slot (`cpu_host`)."""
     job = inventory.job
     limits = limits or {}
     cap = job.max_workers if job.max_workers is not None else 1 << 30
-    if fair_cap is not None:
-        cap = min(cap, max(fair_cap, job.min_workers))
+    gpu_cap = None if fair_cap is None else max(fair_cap, job.min_workers)
+    gpu_hosts = {h.name for h in inventory.hosts if not cpu_host(views.get(h.name))}
     kept: dict[str, list[int]] = {}
     candidates: list[tuple[str, int]] = []
     soon_at: list[tuple[float, str, str]] = []  # (when usable, the key that delays it, host) per maturing slot
@@ -733,18 +740,22 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
         return Decision(actions=actions, desired=desired_none, usable=0, waiting=False,
                         message="", paused=pause_reason(limits, inventory))
     n_kept = sum(len(v) for v in kept.values())
+    n_gpus = sum(len(v) for k, v in kept.items() if k in gpu_hosts)
+    extra_gpus = 0 if gpu_cap is None else n_gpus - gpu_cap
     usable = n_kept + len(candidates)
     maturing_n = len(soon_at)
     waiting = False
     message = ""
     starts_at = None
     desired = {name: list(slots) for name, slots in kept.items()}
-    if n_kept > cap:  # max_workers was lowered: drop from the last hosts first
+    if n_kept > cap or extra_gpus > 0:  # max_workers or fair share's cap lowered: drop from the last hosts first
         extra = n_kept - cap
         for host in reversed(inventory.hosts):
-            while extra and desired[host.name]:
+            gpu = host.name in gpu_hosts
+            while (extra > 0 or (gpu and extra_gpus > 0)) and desired[host.name]:
                 desired[host.name].pop()
                 extra -= 1
+                extra_gpus -= gpu
     elif usable < job.min_workers and n_kept == 0:
         # Free GPUs that only wait for idle_for will do: the job is starting, not waiting.
         waiting = usable + maturing_n < job.min_workers
@@ -761,9 +772,14 @@ def decide(views: Mapping[str, HostView], records: Mapping[str, HostRecord], inv
                        f"`eltctl scale --add {host_name}` uses them now")
     else:
         room = cap - n_kept
+        gpu_room = None if gpu_cap is None else gpu_cap - n_gpus
         for name, index in candidates:
             if room <= 0:
                 break
+            if name in gpu_hosts and gpu_room is not None:
+                if gpu_room <= 0:
+                    continue  # fair share's cap: no new GPU; a CPU slot still joins
+                gpu_room -= 1
             desired[name].append(index)
             room -= 1
     actions: list[Action] = []
@@ -895,7 +911,8 @@ def ordered(names: Iterable[str], inventory: Inventory) -> list[str]:
 __all__ = ["LIMIT_PHASES", "NO_LIMIT", "Action", "Crash", "DaemonSlots", "Decision", "GpuUse", "HostRecord",
            "HostPhase", "HostView", "Limit", "Reach", "SetDesired",
            "SlotView", "StartDaemon", "after_fix", "applied", "changed_hosts", "crash_problem", "decide",
-           "eligible_slots", "fingerprint", "fixed", "host_limits", "host_state", "idle_for", "leave_out", "maturing",
+           "cpu_host", "eligible_slots", "fingerprint", "fixed", "host_limits", "host_state", "idle_for", "leave_out",
+           "maturing",
            "next_step", "pause_reason",
            "record_failure",
            "survivor_holds_state", "track", "track_stragglers", "worker_slot"]

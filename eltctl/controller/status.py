@@ -344,7 +344,8 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
     }
     ended = ended or bool(doc.get("failed"))  # restart mode's limit stopped it
     if fairshare is not None:  # a job that ended holds nothing and asks for nothing
-        doc["fairshare"] = None if ended else {**fairshare, "unit": slot_unit(views.values())}
+        # fair share counts GPUs only (controller/fairshare.py): its counts are never CPU slots
+        doc["fairshare"] = None if ended else {**fairshare, "unit": "GPU"}
     total = sum(len(records[h.name].desired) for h in inventory.hosts
                 if h.name in records and not records[h.name].removed)
     for entry, h in zip(hosts, inventory.hosts):
@@ -383,13 +384,6 @@ def progress_fields(rs: Mapping[str, Any], live: bool, restart: bool = False) ->
     if total is not None and isinstance(step, int) and sps and sps > 0:
         eta = round(max(0, total - step) / sps, 1)
     return {"total_steps": total, "steps_per_s": sps, "eta_s": eta}
-
-
-def slot_unit(views: Iterable[pol.HostView]) -> str:
-    """What the job's slots are: "GPU", "CPU slot" (hosts without GPUs) or "slot" (both)."""
-    kinds = {"cpu" if v.reach is pol.Reach.CPU_ONLY else "gpu" for v in views
-             if v.reach in (pol.Reach.OK, pol.Reach.CPU_ONLY) and v.slots}
-    return {frozenset({"cpu"}): "CPU slot", frozenset({"cpu", "gpu"}): "slot"}.get(frozenset(kinds), "GPU")
 
 
 def _jobs_wanting(fair: Mapping[str, Any], me: str) -> str:
@@ -442,10 +436,12 @@ def host_wait(view: pol.HostView, record: pol.HostRecord, limit: pol.Limit, *, n
             return wait("host cap", f"max_gpus_per_host or a gpu-hours quota lets it run {limit.cap} here")
         if job.max_workers is not None and total >= job.max_workers:
             return wait("max_workers", f"the job runs max_workers ({job.max_workers}) already")
-        cap = fair.get("cap") if isinstance(fair, dict) else None
-        if isinstance(cap, int) and total >= max(cap, job.min_workers):
+        # fair share caps GPUs only (policy.decide): a CPU slot is never held back by it
+        cap = fair.get("cap") if isinstance(fair, dict) and not pol.cpu_host(view) else None
+        gpus = fair.get("held") if isinstance(fair, dict) and isinstance(fair.get("held"), int) else total
+        if isinstance(cap, int) and gpus >= max(cap, job.min_workers):
             others = _jobs_wanting(fair, job.name) or "another job"
-            return wait("fair share", f"fair share holds the job at {_n(total, unit)} (its share "
+            return wait("fair share", f"fair share holds the job at {_n(gpus, unit)} (its share "
                                       f"{fair.get('share')} of {fair.get('pool')}) while {others} wants more")
         if total == 0 and job.min_workers > 1:
             return wait("joining", f"usable; the job starts once {job.min_workers} slots are usable (min_workers)")

@@ -187,7 +187,7 @@ def fairshare_line(fair: Any) -> str | None:
     if not isinstance(fair, dict) or fair.get("held") is None:
         return None
     share = fair.get("share")
-    unit = str(fair.get("unit") or "GPU")  # CPU slots are never called GPUs (status.slot_unit)
+    unit = str(fair.get("unit") or "GPU")  # status.json's: "GPU" (fair share counts no CPU slot)
     head = (f"{share} of {show(fair.get('pool'))} {unit}s" if share is not None
             else "[dim]no other job on its hosts[/]")
     # recent usage is GPU-hours only (the ledger's GPU intervals): none to show on CPU slots

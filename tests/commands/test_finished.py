@@ -35,6 +35,7 @@ def test_a_finished_job_ends_its_controller_and_daemons_and_up_trains_on_only_wh
         local_job):  # noqa: F811
     lj = local_job
     lj.write({"h1": HOST_PYTHON, "h2": HOST_PYTHON}, command=command(30))
+    (lj.root / "claims").mkdir(exist_ok=True)  # the probe makes each host's claims directory, not its parent
     out, _ = lj.eltctl("up", "--timeout", "240")
     assert out.returncode == 0, out.stdout + out.stderr
     first = lj.controller_pid()
@@ -45,6 +46,10 @@ def test_a_finished_job_ends_its_controller_and_daemons_and_up_trains_on_only_wh
     assert all(h["workers"] == 0 and h["state"] != "starting" for h in doc["hosts"]), doc["hosts"]
     wait_for(lambda: not pid_alive(first), 30, "the controller to end")
     wait_for(lambda: job_pids(lj.job) == [], 30, "no process of the job left")
+    for name in ("h1", "h2"):  # its fair-share demand on the hosts: it holds and wants nothing (issue 50)
+        (entry,) = (lj.root / "claims" / name).glob(f"demand.*.{lj.job}")
+        got = json.loads(entry.read_text())
+        assert (got["held"], got["wanted"]) == (0, 0), got
     shown = lj.eltctl("status")[0]
     assert shown.returncode == 0 and "finished" in shown.stdout, shown.stdout + shown.stderr
     assert "controller ended with the job" in shown.stdout and "workers keep training" not in shown.stdout

@@ -356,3 +356,151 @@ def test_the_jobs_own_account_wins_over_an_entry_of_its_name_by_another_account(
     me = Demand(job="mnist", user="alice", held=2, wanted=0, min_workers=1)
     ghost = Demand(job="mnist", user="nobody", priority=100, min_workers=8, held=0, wanted=8, time=1.0)
     assert fs.plan(me, [ghost], [], free=0, half_life_s=3600, slack=0, hold_s=0).release == {}
+
+
+# ----------------------------------------------------------------------- issue 50: fair share counts GPUs only
+
+NOW = 5000.0
+
+
+def fake_report(name, kind, mine=(), job="a"):
+    """A probe's report of a host: `kind` "cpu" (no GPU: 2 CPU slots) or "gpu" (2 GPUs, `mine` this job's)."""
+    from eltctl.probe import Gpu, GpuReport, GpuUse, HostReport, HostState
+
+    if kind == "cpu":
+        return HostReport(name=name, address="local", state=HostState.CPU_ONLY, reason="", slots=2, host_time=NOW)
+    gpus = tuple(GpuReport(gpu=Gpu(i, f"{name}-u{i}", "sim", 0, 100, 0),
+                           state=GpuUse.OURS if i in mine else GpuUse.FREE, reason="", job=job if i in mine else "")
+                 for i in range(2))
+    return HostReport(name=name, address="local", state=HostState.OK, reason="", gpus=gpus, host_time=NOW)
+
+
+def fake_view(name, kind, mine=()):
+    from eltctl.controller import policy as pol
+    from eltctl.probe import GpuUse
+
+    reach = pol.Reach.CPU_ONLY if kind == "cpu" else pol.Reach.OK
+    slots = tuple(pol.SlotView(i, GpuUse.OURS if (i in mine and kind == "gpu") else GpuUse.FREE, "") for i in range(2))
+    return pol.HostView(name, reach, slots=slots, daemon_alive=bool(mine), workers=tuple(mine))
+
+
+def published(job, hosts):
+    """The demand job `job` publishes on its hosts {name: (kind, its slots there)}: the
+    controller's arithmetic (own_demand, with the views' CPU hosts)."""
+    reports = {n: fake_report(n, k, mine, job) for n, (k, mine) in hosts.items()}
+    me, _ = fs.own_demand(job=job, user=f"user-{job}", priority=0, min_workers=1, max_workers=None,
+                          desired={n: mine for n, (_, mine) in hosts.items()}, reports=reports, usable=list(hosts),
+                          usage_gpu_h=0.0, every=30.0, cpu_hosts={n for n, (k, _) in hosts.items() if k == "cpu"})
+    return replace_time(me)
+
+
+def replace_time(d_):
+    from dataclasses import replace
+
+    return replace(d_, time=NOW)
+
+
+def job_a_decides(hosts, other, hold_s=600.0):
+    """Job a's pass (Controller.fair_share, then policy.decide) over its hosts {name: (kind,
+    its slots there, added by `scale --add`)}, with another job's entry `other`: the
+    release and the slots each host runs."""
+    import textwrap
+
+    from eltctl.controller import policy as pol
+    from eltctl.inventory import parse_inventory
+
+    inv = parse_inventory(textwrap.dedent('[job]\nname = "a"\ncommand = "python t.py"\n') + "".join(
+        f'[[hosts]]\nname = "{n}"\naddress = "local"\n' + ("slots = 2\n" if k == "cpu" else "")
+        for n, (k, _, _) in hosts.items()), "hosts.toml")
+    reports = {n: fake_report(n, k, mine) for n, (k, mine, _) in hosts.items()}
+    views = {n: fake_view(n, k, mine) for n, (k, mine, _) in hosts.items()}
+    records = {n: pol.HostRecord(desired=tuple(mine), join_now=added) for n, (_, mine, added) in hosts.items()}
+    desired = {n: r.desired for n, r in records.items()}
+    cpu = {n for n, v in views.items() if pol.cpu_host(v)}
+    usable = list(hosts)
+    me, _ = fs.own_demand(job="a", user="user-a", priority=0, min_workers=1, max_workers=None, desired=desired,
+                          reports=reports, usable=usable, usage_gpu_h=0.0, every=30.0, cpu_hosts=cpu)
+    p = fs.plan(me, [other], fs.holds(desired, reports, "a", cpu), free=fs.free_gpus(reports, usable),
+                half_life_s=DAY, slack=0, hold_s=hold_s, seen=fs.shared_gpus(reports, usable))
+    limits = pol.fair_limits({}, records, p.release, p.reason) if p.release else {}
+    decision = pol.decide(views, records, inv, NOW, limits, p.cap)
+    return me, dict(p.release), {n: tuple(s) for n, s in decision.desired.items()}
+
+
+# (case, job a's hosts {name: (kind, its slots, added)}, the other job's hosts (as for `published`),
+#  a's held and wanted, a's release, the slots each host runs after a's pass)
+CPU_AND_GPU = [
+    ("two jobs on CPU hosts: the added host's free CPU slots are given (issue 50: none joined)",
+     {"c1": ("cpu", (0, 1), False), "c2": ("cpu", (), True)}, {"c1": ("cpu", (0, 1))},
+     (0, 0), {}, {"c1": (0, 1), "c2": (0, 1)}),
+    ("a CPU host added beside GPUs held while another job waits for GPUs: its CPU slots join",
+     {"g1": ("gpu", (0, 1), False), "c1": ("cpu", (), True)}, {"g1": ("gpu", ())},
+     (2, 0), {}, {"g1": (0, 1), "c1": (0, 1)}),
+    ("GPU hosts unchanged: an added GPU host's free GPUs are left to the job that waits below its share",
+     {"g1": ("gpu", (0, 1), False), "g2": ("gpu", (), True)}, {"g3": ("gpu", ())},
+     (2, 2), {}, {"g1": (0, 1), "g2": ()}),
+]
+
+
+@pytest.mark.parametrize("case, mine, theirs, figures, release, runs", CPU_AND_GPU, ids=[c[0] for c in CPU_AND_GPU])
+def test_fair_share_counts_gpus_only_and_cpu_slots_join(case, mine, theirs, figures, release, runs):
+    other = published("b", theirs)
+    me, got_release, got_runs = job_a_decides(mine, other)
+    assert (me.held, me.wanted) == figures, case
+    assert got_release == release and got_runs == runs, case
+
+
+def test_cpu_slots_held_do_not_count_in_the_gpus_released():
+    """Job a holds 2 GPUs and 2 CPU slots, b waits for GPUs: a's share is 1 of the 2 GPUs,
+    so it releases 1 GPU (counting its CPU slots it held 4 of a pool of 4 and released 2),
+    and its CPU slots stay."""
+    other = Demand(job="b", user="user-b", held=0, wanted=2, time=NOW)
+    me, release, runs = job_a_decides({"g1": ("gpu", (0, 1), False), "c1": ("cpu", (0, 1), False)}, other, hold_s=0.0)
+    assert (me.held, release, runs) == (2, {"g1": 1}, {"g1": (0,), "c1": (0, 1)})
+
+
+def test_a_cpu_only_job_publishes_no_gpu_and_is_no_other_job():
+    """A job of CPU slots holds and wants no GPU: the jobs sharing its hosts see no other job."""
+    cpu_job = published("b", {"c1": ("cpu", (0, 1))})
+    assert (cpu_job.held, cpu_job.wanted) == (0, 0)
+    p = fs.plan(d("a", "u1", held=2, wanted=2), [cpu_job], [hold("g1", 2)], free=2, half_life_s=DAY, slack=0,
+                hold_s=600.0, seen=4)
+    assert p == fs.Plan()
+
+
+def test_a_finished_or_stopping_job_publishes_held_0_wanted_0(tmp_path):
+    """Issue 50: a finished job's controller went on publishing its last demand (held 2),
+    seen by the other jobs and `eltctl lab` as "holding 2" until the entry went stale."""
+    import asyncio
+    import textwrap
+
+    from eltctl.controller import policy as pol
+    from eltctl.controller.loop import Controller
+    from eltctl.inventory import parse_inventory
+
+    inv = parse_inventory(textwrap.dedent("""
+        [job]
+        name = "a"
+        command = "python t.py"
+        [[hosts]]
+        name = "g1"
+        address = "local"
+        [[hosts]]
+        name = "g2"
+        address = "local"
+        enabled = false
+        """), tmp_path / "hosts.toml")
+    for how in ("finished", "down"):
+        ctl = Controller(inv, None, None, None, "127.0.0.1:1", clock=lambda: NOW)
+        ctl.observed.reports = {"g1": fake_report("g1", "gpu", (0, 1)), "g2": fake_report("g2", "gpu")}
+        ctl.records = {"g1": pol.HostRecord(desired=(0, 1))}
+        asyncio.run(ctl.fair_share({}, NOW))
+        assert ctl.to_publish()["g1"].held == 2  # training: what it holds
+        if how == "finished":
+            ctl.outputs.done = {"step": 30, "reason": "finished"}
+        else:
+            ctl.stopping = True
+        out = ctl.to_publish()
+        assert sorted(out) == ["g1"], how  # its enabled hosts: what its probe reaches
+        assert {(e.job, e.user, e.held, e.wanted, e.held_here, e.wants_here) for e in out.values()} == \
+            {("a", ctl.fair_me.user, 0, 0, 0, False)}, how

@@ -358,9 +358,11 @@ def inv_max(max_workers=None):
 
 # (case, view, record, limit, the job's slots in all, max_workers, fair share's plan, kind, words in its detail)
 WAITS = [
-    ("a CPU host added while fair share caps the job: fair share, and which job waits",
-     HostView("a", Reach.CPU_ONLY, slots=CPU2), ADDED, Limit(), 1, None, FAIR, "fair share",
-     ["1 CPU slot", "share 1 of 2", "job b (bob: holds 1, share 1)"]),
+    ("a GPU host added while fair share caps the job: fair share, and which job waits",
+     HostView("a", Reach.OK, slots=FREE1), ADDED, Limit(), 1, None, FAIR, "fair share",
+     ["1 GPU", "share 1 of 2", "job b (bob: holds 1, share 1)"]),
+    ("a CPU host added while fair share caps the job's GPUs: fair share counts no CPU slot, they join",
+     HostView("a", Reach.CPU_ONLY, slots=CPU2), ADDED, Limit(), 1, None, FAIR, "joining", ["next pass"]),
     ("fair share released this host's GPU to another job", HostView("a", Reach.OK, slots=FREE1), ADDED, RELEASED, 1,
      None, FAIR, "fair share", ["released 1 GPU", "job b"]),
     ("a cooldown after a failure, with its cause", HostView("a", Reach.OK, slots=FREE1), FAILED, Limit(), 0, None,
@@ -406,8 +408,8 @@ def test_nothing_waits_on_a_host_whose_slots_are_used_or_that_is_out(case, view,
 
 
 def test_the_document_carries_each_hosts_wait_and_fair_shares_unit():
-    """Issue 50: a CPU host added while fair share capped the job showed no reason, and
-    fair share's line called CPU slots GPUs."""
+    """Issue 50: a CPU host added while fair share capped the job showed no reason. Fair
+    share counts GPUs only (its `unit`): a CPU host's slots are never held back by it."""
     views = {"a": HostView("a", Reach.CPU_ONLY, slots=CPU2[:1], daemon_alive=True, workers=(0,),
                            worker_ids=("a/0/1",)),
              "b": HostView("b", Reach.CPU_ONLY, slots=CPU2)}
@@ -417,8 +419,8 @@ def test_the_document_carries_each_hosts_wait_and_fair_shares_unit():
                           fairshare=FAIR)
     a, b = doc["hosts"]
     assert a["waiting"] is None
-    assert b["waiting"]["kind"] == "fair share" and "job b (bob" in b["waiting"]["detail"]
-    assert doc["fairshare"]["unit"] == "CPU slot" and doc["fairshare"]["share"] == 1
+    assert b["waiting"]["kind"] == "joining"
+    assert doc["fairshare"]["unit"] == "GPU" and doc["fairshare"]["share"] == 1
 
 
 def test_a_paused_job_shows_no_worker_of_its_last_status():
