@@ -18,7 +18,10 @@ every keeper start) to the host's job directory, file `run` (0600, atomically, o
 same connection), and removes a stale `store.sock` there (sshd's StreamLocalBindUnlink
 is off by default). So a store reachable on a host is always the keeper whose run id
 the host holds. With `forward=False` (the "direct" store mode) only the run id is
-delivered.
+delivered, and with it (`store`: written first, the same way) the store's TCP address
+to the file `store.address` (layout.STORE_ADDRESS): a keeper restarted while another
+process holds its port serves on a new one, and the daemons and workers already
+running read it there when they reconnect (eltctl_runtime.storeloss.StoreAddress).
 
 The keeper holds the forwards (not the controller), so a controller crash costs
 nothing; a keeper restart re-opens them at the same paths. `Forwarder` runs an asyncio
@@ -100,28 +103,37 @@ def nudge_keeper(forwards_file: Path, keeper_pid: int) -> bool:
     return True
 
 
-def prepare_command(job: str, host: str) -> str:
+def _shell_write(var: str, name: str) -> str:
+    """Shell: the line read into `var` into the file `name` (0600, renamed into place)."""
+    return (f"IFS= read -r {var} && printf '%s\\n' \"${var}\" > .{name}.tmp && chmod 600 .{name}.tmp "
+            f"&& mv -f .{name}.tmp {name}")
+
+
+def prepare_command(job: str, host: str, store: bool = False) -> str:
     """The host's side of a forward, before it opens: the job directory (0700), the run
     id from stdin into `run` (0600, renamed into place), no stale `store.sock`; prints
-    the job directory's absolute path."""
+    the job directory's absolute path. `store` (the direct mode): stdin's first line is
+    the store's address, written to `store.address` the same way, before the run id."""
     from eltctl.hosts import layout
 
     q = shlex.quote
     home = "$HOME"
     private = [f"{home}/{layout.STATE_DIR}", f"{home}/{layout.JOBS_DIR}", f"{home}/{layout.JOBS_DIR}/{q(job)}",
                layout.shell_job_dir(job, host)]
+    address = f"{_shell_write('a', layout.STORE_ADDRESS)} && " if store else ""
     return (f"umask 077 && mkdir -p {private[-1]} && chmod 700 {' '.join(private)} && cd {private[-1]} && "
-            f"IFS= read -r r && printf '%s\\n' \"$r\" > .{layout.RUN_FILE}.tmp && chmod 600 .{layout.RUN_FILE}.tmp "
-            f"&& mv -f .{layout.RUN_FILE}.tmp {layout.RUN_FILE} && rm -f {layout.STORE_SOCKET} && pwd")
+            f"{address}{_shell_write('r', layout.RUN_FILE)} && rm -f {layout.STORE_SOCKET} && pwd")
 
 
-def write_local_run(job_dir: Path, run_id: str) -> None:
+def write_local_run(job_dir: Path, run_id: str, store: str | None = None) -> None:
     """The run id into a job directory on this machine (a "local" host's), before the
-    store serves."""
+    store serves; `store` (the direct mode): the store's address too, first."""
     from eltctl.hosts import layout
 
     job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(job_dir, 0o700)
+    if store is not None:
+        write_atomic(job_dir / layout.STORE_ADDRESS, store + "\n")  # 0600
     write_atomic(job_dir / layout.RUN_FILE, run_id + "\n")  # 0600
 
 
@@ -148,11 +160,12 @@ def run_delivered(doc: dict, host: str, keeper_pid: int) -> bool:
 
 class Forwarder:
     def __init__(self, inventory_path: Path, state_file: Path, keeper_socket: str | None, run_id: str, *,
-                 forward: bool = True) -> None:
+                 forward: bool = True, store: str | None = None) -> None:
         self.inventory_path = Path(inventory_path)
         self.state_file = Path(state_file)
         self.keeper_socket = keeper_socket
         self.run_id = run_id
+        self.store = store  # the direct mode: the store's TCP address, written beside the run id
         self.forward = forward and keeper_socket is not None
         self.hosts: dict[str, dict] = {}
         self._tasks: dict[str, asyncio.Task] = {}
@@ -212,7 +225,7 @@ class Forwarder:
             if self._local.get(name) == job_dir and (self.hosts.get(name) or {}).get("up"):
                 continue
             try:
-                write_local_run(job_dir, self.run_id)
+                write_local_run(job_dir, self.run_id, self.store)
             except OSError as exc:
                 self._local[name] = job_dir
                 self.hosts[name] = {"socket": None, "up": False, "local": True, "since": time.time(),
@@ -319,7 +332,9 @@ class Forwarder:
         """The run id written on the host, its stale socket removed: the socket's path there."""
         from eltctl.hosts import layout
 
-        res = await transport.run(prepare_command(job, transport.host.name), input=self.run_id + "\n", timeout=60)
+        lines = ([self.store] if self.store is not None else []) + [self.run_id]
+        res = await transport.run(prepare_command(job, transport.host.name, store=self.store is not None),
+                                  input="".join(f"{line}\n" for line in lines), timeout=60)
         lines = res.stdout.strip().splitlines()
         if not res.ok or not lines or not lines[-1].startswith("/"):
             raise OSError(f"cannot write the run id to the host's job directory: "

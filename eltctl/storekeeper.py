@@ -32,7 +32,10 @@ members to re-publish their plan; runtime/storeloss.py). An address another proc
 holds (a port, or a socket a live store answers on) is exit code 3 (PORT_TAKEN),
 except with `--any-port` (the direct mode's restarts): a port another process took
 is given up for one the OS picks, and the info file names it (anyone on the LAN can
-take a port; the ssh mode's socket is in a 0700 directory).
+take a port; the ssh mode's socket is in a 0700 directory). A direct-mode keeper
+with `--inventory` writes its address beside the run id on every host
+(`store.address`), where the daemons and workers already running find it when they
+reconnect.
 
 The keeper raises its open-file limit to its hard limit and keeps the store's
 connection limit below it (`keeper_limits`), so a flood of connections is refused
@@ -141,7 +144,8 @@ def serve(info: Path, *, socket_path: Path | None = None, address: str | None = 
         logging.getLogger("asyncssh").setLevel(logging.WARNING)
         forwarder = Forwarder(inventory, forwards or info.parent / FORWARDS_FILE,
                               str(socket_path) if socket_path is not None else None, run_id,
-                              forward=forward and forwards is not None)
+                              forward=forward and forwards is not None,
+                              store=str(where) if socket_path is None else None)  # direct: the address moves
         # the local hosts' run ids before the store serves; the forwarder writes them again
         # to a local host added to the inventory later (at its re-read), before its daemon starts
         forwarder.deliver_local()

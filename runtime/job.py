@@ -246,6 +246,7 @@ class ElasticJob:
         self._tcp = None
         self._forgeries = Forgeries()  # forged store values read, over all of this worker's connections
         self._health: storeloss.StoreHealth | None = None  # whether the store is away (storeloss.py)
+        self._address: storeloss.StoreAddress | None = None  # where the store is (follows a moved keeper)
         self._store_epoch = 0  # the health's reconnects when _store was opened
         self._old_sigterm = None
 
@@ -343,6 +344,7 @@ class ElasticJob:
             self._device = torch.device("cpu")
         self._grads.device = self._device
         self._bind_host = collectives.bind_address(cfg.store_host, cfg.store_port)
+        self._address = storeloss.StoreAddress(cfg.store_spec, cfg.run_file)
         self._tcp = self._connect_raw()
         self._store = self._job_store(self._tcp)
         if cfg.audit_path is not None:
@@ -406,10 +408,11 @@ class ElasticJob:
                 exiting.arm()
 
     def _connect_raw(self):
-        cfg = self.config
-        return storeclient.connect(cfg.store_spec, 60)
+        return storeclient.connect(self._address.spec, 60)
 
     def _connect(self):
+        if self._health is not None and self._health.lost:
+            self._address.follow()  # a reconnect: the direct mode's keeper may serve on a new port now
         return self._job_store(self._connect_raw())
 
     def _job_store(self, tcp):

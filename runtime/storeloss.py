@@ -25,6 +25,12 @@ itself, so:
 * a change that needs the store (a leave, a join, a recovery, the end) waits for
   it (`wait_until_back`) at most until the store has been away for
   `store_loss_timeout` (ELTCTL_STORE_LOSS_TIMEOUT, default 120 s);
+* in the direct mode (a `tcp:` store) a keeper restarted while another process holds
+  its port serves on a new one; every keeper of that mode writes its address to the
+  file `store.address` beside the run file in each host's job directory
+  (`STORE_ADDRESS_FILE`, eltctl/storeforward.py); a reconnect reads it (`StoreAddress.follow`: only then,
+  never on the hot path) and goes there. It is believed only when it is this
+  account's regular file that no one else can write, like the run file;
 * past that timeout every rank ends at the same step (the stop flag rides in the
   gradients' control tail): rank 0 writes a checkpoint with the ordinary
   checkpoint path, which needs no store, and the workers exit cleanly
@@ -37,11 +43,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from .protocol import READ_WINDOW, Keys, add_event, claim, scan
+from .storeaddr import parse_spec
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -51,6 +61,9 @@ RECONNECT_EVERY_S = 0.5  # how often a worker tries the store again while it is 
 # them reconnects on its own (a loaded host takes seconds), and a heartbeat missing
 # from the new store only means that one has not yet.
 BACK_GRACE_S = 10.0
+
+
+STORE_ADDRESS_FILE = "store.address"  # beside the run file: the direct-mode store's address now
 
 
 class StoreLost(RuntimeError):
@@ -175,3 +188,63 @@ def restarted_store_waits(js) -> bool:
     """A joiner in a store the controller restarted, before any plan is in it: the
     members (if any) re-publish theirs soon, so it must not start a generation 0."""
     return js.check([Keys.STORE_RESTARTED]) and not js.check([Keys.FIRST_GEN])
+
+
+# --------------------------------------------------------------------------- a store that moved
+
+def read_store_address(path: Path | str) -> str | None:
+    """The `tcp:` address in the store address file `path` (written by the keeper, 0600),
+    or None when it is missing, is not this account's regular file that only it can
+    write (anyone else could send the job's clients to a store of theirs), or holds no
+    `tcp:` address. Never raises: the caller keeps the address it has."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            log.warning("ignoring the store address file %s: it must be a regular file of this account that only "
+                        "it can write (0600)", path)
+            return None
+        text = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        spec = parse_spec(text)
+    except ValueError:
+        return None
+    return str(spec) if spec.kind == "tcp" else None
+
+
+class StoreAddress:
+    """Where this process reaches the job's store: the address it was given, until a
+    reconnect finds that the keeper moved (the direct mode only: a `tcp:` address; the
+    ssh mode's socket never moves). The file is `STORE_ADDRESS_FILE` beside `run_file`
+    (None: a job without run ids, nothing moves). No I/O until `follow`."""
+
+    def __init__(self, spec: str, run_file: Path | str | None) -> None:
+        self.spec = spec
+        tcp = run_file is not None and str(run_file) != "" and _is_tcp(spec)
+        self.file = Path(run_file).parent / STORE_ADDRESS_FILE if tcp else None
+
+    def follow(self) -> str:
+        """At a reconnect: the keeper's published address when it differs from ours
+        (taken from now on), else ours."""
+        if self.file is None:
+            return self.spec
+        new = read_store_address(self.file)
+        if new is not None and new != self.spec:
+            log.warning("the store moved from %s to %s (its keeper was restarted on a new port; %s)", self.spec, new,
+                        self.file)
+            self.spec = new
+        return self.spec
+
+
+def _is_tcp(spec: str) -> bool:
+    try:
+        return parse_spec(spec).kind == "tcp"
+    except ValueError:
+        return False

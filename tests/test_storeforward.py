@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from pathlib import Path
 
 from eltctl.storeforward import Forwarder, nudge_keeper, read_forwards, run_delivered
 from tests.testbed.jobenv import wait_for
@@ -72,3 +73,39 @@ def test_the_keeper_is_nudged_only_when_it_holds_the_forwards_file(tmp_path):
     assert not nudge_keeper(state, os.getpid())  # no file: a keeper without a Forwarder would stop on SIGHUP
     state.write_text(json.dumps({"keeper": os.getpid() + 100000, "hosts": {}}))
     assert not nudge_keeper(state, os.getpid())
+
+
+def test_the_direct_modes_address_is_written_beside_the_run_id_on_local_and_remote_hosts(tmp_path):
+    """A direct-mode keeper restarted on a new port (another process took the old one)
+    tells the hosts where it is: `store.address` beside `run`, 0600, on a local host
+    (deliver_local) and on a remote one (prepare_command's shell, run here by sh)."""
+    import subprocess
+
+    from eltctl.hosts import layout
+    from eltctl.storeforward import prepare_command
+    from eltctl_runtime.storeloss import STORE_ADDRESS_FILE, read_store_address
+
+    assert layout.STORE_ADDRESS == STORE_ADDRESS_FILE  # the name the runtime reads
+    inventory, state = tmp_path / "hosts.toml", tmp_path / "forwards.json"
+    _write(inventory, tmp_path, "here")
+    Forwarder(inventory, state, None, "b" * 32, forward=False, store="tcp:10.0.0.5:4711").deliver_local()
+    job_dir = _run_file(tmp_path, "here").parent
+    assert read_store_address(job_dir / layout.STORE_ADDRESS) == "tcp:10.0.0.5:4711"
+    assert stat.S_IMODE((job_dir / layout.STORE_ADDRESS).stat().st_mode) == 0o600
+
+    home = tmp_path / "remote"
+    home.mkdir()
+    out = subprocess.run(["sh", "-c", prepare_command("lj", "far", store=True)], input="tcp:10.0.0.5:4712\n"
+                         + "c" * 32 + "\n", capture_output=True, text=True, env={"HOME": str(home), "PATH":
+                         os.environ["PATH"]}, timeout=30)
+    assert out.returncode == 0, out.stderr
+    far = Path(out.stdout.strip().splitlines()[-1])
+    assert far == home / ".eltctl" / "jobs" / "lj" / "far"
+    assert (far / "run").read_text() == "c" * 32 + "\n"
+    assert read_store_address(far / layout.STORE_ADDRESS) == "tcp:10.0.0.5:4712"
+    assert stat.S_IMODE((far / layout.STORE_ADDRESS).stat().st_mode) == 0o600
+    # the ssh mode: the run id alone, no address file
+    out = subprocess.run(["sh", "-c", prepare_command("lj", "far2")], input="d" * 32 + "\n", capture_output=True,
+                         text=True, env={"HOME": str(home), "PATH": os.environ["PATH"]}, timeout=30)
+    far2 = Path(out.stdout.strip().splitlines()[-1])
+    assert (far2 / "run").read_text() == "d" * 32 + "\n" and not (far2 / layout.STORE_ADDRESS).exists()

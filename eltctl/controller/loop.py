@@ -55,7 +55,8 @@ from eltctl.controller.store import JobStore
 from eltctl_runtime.protocol import Keys, desired_key
 from eltctl.inventory import Inventory
 from eltctl.controller import fairshare
-from eltctl.probe import probe_fleet
+from eltctl.demand import Demand
+from eltctl.probe import probe_fleet, probe_timeout
 from eltctl.hosts.fleet import Fleet
 from eltctl.hosts import ops as hostops
 from eltctl_runtime.files import read_json, write_json_atomic
@@ -233,7 +234,7 @@ class Controller:
             await self.retire_stale_daemons(views)
             limits = pol.host_limits(self.inventory, self.records, now, self.quota_use(now))
             await self._announce_limits(limits)
-            limits, fair_cap = await self.fair_share(limits, now)
+            limits, fair_cap = await self.fair_share(limits, now, {n for n, v in views.items() if pol.cpu_host(v)})
             limits = self._replacing_limits(limits)
             decision = self.decision = pol.decide(views, self.records, self.inventory, now, limits, fair_cap)
             survivor = pol.survivor_holds_state(views, self.observed.runtime_status, now,
@@ -317,7 +318,12 @@ class Controller:
         async with self._pass:  # not between a pass's reading and acting
             self.store.swap(client)
             if info.endpoint != old.endpoint and not callable(self.starter.store_endpoint):
-                self.store_endpoint = self.starter.store_endpoint = info.endpoint  # direct mode: a new port
+                # direct mode: a new port; the running daemons and workers read it from the hosts'
+                # store.address (the keeper writes it there) when they reconnect
+                self.store_endpoint = self.starter.store_endpoint = info.endpoint
+                log.warning("The store moved from %s to %s (another process holds the old port); the hosts "
+                            "find the new address beside their run id when they reconnect.", old.endpoint,
+                            info.endpoint)
             await self.store_restarted()
         log.warning("Restarted the store keeper on %s (pid %d, restart %d); the desired slots were written "
                     "again.", info.endpoint, info.pid, sup.restarts)
@@ -389,7 +395,7 @@ class Controller:
         self._probe_task = asyncio.ensure_future(self._probe())
 
     async def _probe(self) -> None:
-        await self._take_probe(probe_hosts(self.inventory, self.fleet, self._published))
+        await self._take_probe(probe_hosts(self.inventory, self.fleet, self.to_publish()))
 
     async def _take_probe(self, probing: Awaitable[list]) -> None:
         try:
@@ -419,9 +425,36 @@ class Controller:
                    and not self.records.get(h.name, pol.HostRecord()).removed],
             usage_gpu_h=self._usage[1], every=inv.policy.probe_interval)
 
-    async def fair_share(self, limits: dict[str, pol.Limit], now: float) -> tuple[dict[str, pol.Limit], int | None]:
+    def to_publish(self) -> dict:
+        """This job's demand entries for the next probe (host -> Demand): the last measured
+        ones; held 0 and wanted 0 once the training finished or `down` began
+        (`fairshare.withdrawn`): its last entry would say it holds its GPUs, to the jobs
+        sharing its hosts and to `eltctl lab`, until it went stale (issue 50)."""
+        if not (self.stopping or status.training_finished(self.outputs.done)):
+            return self._published
+        inv = self.inventory
+        me = self.fair_me or Demand(job=inv.job.name, user=getpass.getuser(), priority=inv.job.priority,
+                                    min_workers=inv.job.min_workers, every=inv.policy.probe_interval)
+        return fairshare.withdrawn(me, [h.name for h in inv.hosts if h.schedule.enabled])
+
+    async def publish_withdrawn(self) -> None:
+        """`down` (and a finished job's end): once nothing of the job runs, one probe
+        publishes its withdrawn demand (`to_publish`) at once, before the controller ends."""
+        busy = self._probe_task
+        if busy is not None and not busy.done():  # a probe started before: ours writes after it
+            await asyncio.wait([busy], timeout=probe_timeout(self.inventory.policy))
+        try:
+            await asyncio.wait_for(self._take_probe(probe_hosts(self.inventory, self.fleet, self.to_publish())),
+                                   probe_timeout(self.inventory.policy) + 10)
+        except Exception as exc:  # noqa: BLE001 - the entry goes stale by itself within a minute or two
+            log.warning("Could not publish the job's withdrawn fair-share demand: %s", exc)
+
+    async def fair_share(self, limits: dict[str, pol.Limit], now: float,
+                         cpu_hosts: set[str] | frozenset[str] = frozenset()) -> tuple[dict[str, pol.Limit], int | None]:
         """This job's demand to publish at the next probe, and fair share's plan
-        (controller/fairshare.py): the limits with its releases, and the cap on new slots."""
+        (controller/fairshare.py): the limits with its releases, and the cap on new GPUs.
+        `cpu_hosts`: the hosts whose slots are CPU slots (policy.cpu_host), which fair
+        share does not count."""
         inv = self.inventory
         reports = fairshare.with_daemon_demands(self.observed.reports,
                                                 {n: s.state for n, s in self.observed.seen.items()})
@@ -434,9 +467,9 @@ class Controller:
             job=inv.job.name, user=fairshare.own_user(reports, inv.job.name, getpass.getuser()),
             priority=inv.job.priority, min_workers=inv.job.min_workers, max_workers=inv.job.max_workers,
             desired=desired, reports=reports, usable=usable, usage_gpu_h=self._usage[1],
-            every=inv.policy.probe_interval)
+            every=inv.policy.probe_interval, cpu_hosts=cpu_hosts)
         plan = fairshare.plan(me, fairshare.others_seen(reports, inv.job.name),
-                              fairshare.holds(desired, reports, inv.job.name),
+                              fairshare.holds(desired, reports, inv.job.name, cpu_hosts),
                               free=fairshare.free_gpus(reports, usable), half_life_s=inv.policy.usage_half_life,
                               slack=inv.policy.fairshare_slack, hold_s=inv.policy.fairshare_hold,
                               seen=fairshare.shared_gpus(reports, usable),
@@ -913,6 +946,8 @@ class Controller:
         if any(left.values()) and force:
             killed = await act.kill(self.fleet, job, left)
             left = await act.leftovers(self.fleet, job)
+        if not any(left.values()) and self._probed_once.is_set():  # (`--down` alone never published)
+            await self.publish_withdrawn()
         checkpoint = None
         try:
             await self.observe_store()

@@ -6,6 +6,9 @@
         daemon.json                       the daemon's configuration (written by the controller)
         secret                            the job's secret (mode 0600, written by the controller over SSH)
         run                               the store keeper's run id (mode 0600, written by the keeper over SSH)
+        store.address                     the direct mode's store address (0600, written with `run`; read
+                                          by the daemon and workers when they reconnect: a keeper
+                                          restarted on a new port)
         store.sock                        the job's store: the keeper's SSH forward of its Unix socket
         daemon.pid                        flocked by the daemon for its life
         daemon.log                        the daemon's log
@@ -36,6 +39,9 @@ RUNTIME_DIR = f"{STATE_DIR}/runtime"
 DAEMON_JSON = "daemon.json"
 SECRET_FILE = SECRET_FILE_NAME  # the job's secret, 0600
 RUN_FILE = RUN_FILE_NAME  # the store keeper's run id, 0600 (written before the store is reachable here)
+# the direct mode's store address, 0600 (beside `run`, written before it); the runtime reads it by the
+# same name (eltctl_runtime.storeloss.STORE_ADDRESS_FILE; not one of the runtime modules the control side imports)
+STORE_ADDRESS = "store.address"
 STORE_SOCKET = "store.sock"  # the store, forwarded over SSH from the keeper (a Unix socket)
 DAEMON_PID = "daemon.pid"
 DAEMON_LOG = "daemon.log"
@@ -97,6 +103,10 @@ class HostPaths:
     @property
     def run_file(self) -> str:
         return f"{self.job_dir}/{RUN_FILE}"
+
+    @property
+    def store_address(self) -> str:
+        return f"{self.job_dir}/{STORE_ADDRESS}"
 
     @property
     def store_socket(self) -> str:

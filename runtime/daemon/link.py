@@ -8,7 +8,10 @@ daemon's loop, which goes on watching GPUs and reaping workers. The thread:
   the store's run: the run file is read at every connect, so a restarted keeper's
   new run id is picked up, auth.py), and on
   any error drops the connection and retries with back-off (0.5 s doubling to
-  10 s), logging once per outage;
+  10 s), logging once per outage; each retry first reads the store address file
+  beside the run file (the direct mode: a keeper restarted on a new port wrote it;
+  `storeloss.StoreAddress`), and the workers it starts from then on are given that
+  address (`address`);
 * reads `daemon/<host>/desired` about every `poll_s` and hands the newest
   verified value to the loop (`desired()`; with the job's secret a forged
   document is counted and ignored: the last verified one stands; so is one whose seq
@@ -40,6 +43,7 @@ from typing import Callable
 from ..auth import ForgedValue, Forgeries, read_run_id
 from ..membership import Plan, job_store
 from ..protocol import Desired, Keys, first_generation, get_desired, state_key
+from ..storeloss import StoreAddress
 
 log = logging.getLogger("eltctl_runtime.daemon")
 
@@ -56,7 +60,8 @@ class StoreLink:
     def __init__(self, address: str, job: str, host: str, *, poll_s: float = 0.25,
                  connect_timeout_s: float = 5.0, secret: bytes | None = None,
                  forgeries: Forgeries | None = None, run_file=None) -> None:
-        self._spec = address  # unix:/path, tcp:host:port or host:port (eltctl_runtime.sockstore)
+        # unix:/path, tcp:host:port or host:port (eltctl_runtime.sockstore); a tcp: one follows its keeper
+        self._address = StoreAddress(address, run_file)
         self._job = job
         self._host = host
         self._secret = secret  # the job's: every value read is checked, every value written signed
@@ -159,6 +164,11 @@ class StoreLink:
         return self._done_reason
 
     @property
+    def address(self) -> str:
+        """The store's address now: the one given, or where its keeper moved to."""
+        return self._address.spec
+
+    @property
     def connected(self) -> bool:
         return self._connected
 
@@ -187,12 +197,14 @@ class StoreLink:
         self._wake.set()
 
     # -- the thread --------------------------------------------------------------
-    def _connect(self):
+    def _connect(self, retry: bool = False):
         from ..storeclient import connect
 
+        if retry:  # the direct mode's keeper may serve on a new port now (never on the hot path)
+            self._address.follow()
         # plain: no torch (the daemon forms no process group), so the first desired
         # document is read within moments of the daemon's start, not after torch's import
-        raw = connect(self._spec, self._connect_timeout, plain=True)
+        raw = connect(self._address.spec, self._connect_timeout, plain=True)
         run = read_run_id(self._run_file) if self._secret is not None else ""
         return job_store(raw, self._job, self._secret, self._forgeries, run)  # it keeps the client alive
 
@@ -201,15 +213,18 @@ class StoreLink:
         conn = None
         outage_logged = False
         next_poll = 0.0
+        tried = False  # a connection failed before: each try reads where the store is now
+        answered = False  # the last connection answered a request (a port's squatter only accepts)
         while not self._stop.is_set():
             if conn is None:
                 try:
-                    conn = self._connect()
+                    conn = self._connect(retry=tried)
                 except Exception as e:  # noqa: BLE001 - any failure to connect means: try again later
+                    tried = True
                     self._error = str(e).splitlines()[0] if str(e) else type(e).__name__
                     if not outage_logged:
                         log.warning("host %s: the store at %s is unreachable (%s); the workers keep running "
-                                    "and the daemon retries", self._host, self._spec, self._error)
+                                    "and the daemon retries", self._host, self._address.spec, self._error)
                         outage_logged = True
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -220,12 +235,12 @@ class StoreLink:
                 if self._error:
                     self._last_error = self._error
                 self._error = ""
-                backoff = BACKOFF_START_S
+                answered = False  # the back-off is reset by an exchange, not by a connect
                 if outage_logged:
                     self._reconnects += 1
-                    log.info("host %s: connected to the store at %s again", self._host, self._spec)
+                    log.info("host %s: connected to the store at %s again", self._host, self._address.spec)
                 else:
-                    log.info("host %s: connected to the store at %s", self._host, self._spec)
+                    log.info("host %s: connected to the store at %s", self._host, self._address.spec)
                 outage_logged = False
             js = conn
             try:
@@ -250,13 +265,19 @@ class StoreLink:
                     link = {"connected": True, "reconnects": self._reconnects, "last_error": self._last_error}
                     js.set(state_key(self._host), json.dumps(dict(doc, time=time.time(), store=link)))
                 self._last_ok = time.time()
+                if not answered:
+                    answered, backoff = True, BACKOFF_START_S
             except Exception as e:  # noqa: BLE001 - the store went away: reconnect with back-off
                 self._error = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.warning("host %s: lost the store at %s (%s); the workers keep running and the daemon "
-                            "reconnects", self._host, self._spec, self._error)
+                            "reconnects", self._host, self._address.spec, self._error)
                 outage_logged = True
                 self._connected = False
                 conn = None
+                tried = True
+                if not answered:  # it accepted and never answered: not a store (or not yet), back off
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
             self._wake.wait(min(self._poll_s, 0.25))
             self._wake.clear()

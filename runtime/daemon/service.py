@@ -504,6 +504,7 @@ class Daemon:
         cfg = self.cfg
         log_path = self._workers_dir / f"{slot}.log"
         env = worker_env(cfg, self._base_env, slot, wid)
+        env["ELTCTL_STORE"] = self._link.address  # the direct mode's keeper may have moved since daemon.json
         try:
             offset = log_path.stat().st_size
         except OSError:

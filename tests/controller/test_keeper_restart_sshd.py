@@ -10,6 +10,10 @@ benched, and training shows again in status.json. Then another user's process
 takes h2's GPU: h2's worker leaves in the planned way (no crash, nobody lost);
 it ends and h2's worker rejoins. `down` ends with the final checkpoint mirrored
 and verified, and no process of the job left.
+
+In the direct mode, a port another process took while the keeper was away moves the
+store to a new port, and the daemons and workers already running follow it there
+(the address file beside the run id, read at their reconnect).
 """
 
 from __future__ import annotations
@@ -140,4 +144,81 @@ def test_keeper_and_controller_both_killed_the_next_up_serves_the_old_port(testb
         out = je.eltctl("down", timeout=300).stdout
         assert "no process of job" in out, out
     finally:
+        next(gen, None)
+
+
+def test_a_direct_mode_keeper_whose_port_was_taken_moves_and_the_running_hosts_follow(testbed):
+    """Plan (issue 49): two hosts (1 GPU each) train at 2 with `store = "direct"`. With
+    the controller stopped, the keeper is SIGKILLed and another process takes its port
+    (it accepts connections and hangs up: no store). The controller goes on: the new
+    keeper serves on a new port and writes it beside the run id on each host; the
+    daemons and workers already running (they know only the old port) reconnect there,
+    and the same workers train on at 2, their steps seen again through the new store."""
+    import socket
+    import threading
+
+    hosts = testbed.add_hosts(2, gpus=1)
+    gen = job_env_on(testbed, hosts, extra='\n[controller]\nstore = "direct"\n')
+    je = next(gen)
+    ctl = None
+    stop = threading.Event()
+    squatter = None
+    try:
+        je.eltctl("up")
+        st = je.training_at(2)
+        before = _keeper(je)
+        workers = worker_pids(je.job)
+        ctl = je.controller_pid()
+
+        os.kill(ctl, signal.SIGSTOP)
+        os.kill(before["pid"], signal.SIGKILL)
+        wait_for(lambda: _dead(before["pid"]), 30, "the keeper to die")
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+        def take_port() -> bool:  # the dead keeper's closing connections hold it a moment (FIN-WAIT)
+            try:
+                squatter.bind((before["address"], before["port"]))
+            except OSError:
+                return False
+            return True
+
+        wait_for(take_port, 60, "the keeper's port to be free for another process", interval=0.1)
+        squatter.listen(64)
+        squatter.settimeout(0.2)
+
+        def hang_up() -> None:  # another program on the old port: it speaks no store protocol
+            while not stop.is_set():
+                try:
+                    squatter.accept()[0].close()
+                except OSError:
+                    pass
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        # steps past any the stopped controller saw (checkpoints every 25): a status past this
+        # one can only come through the new store, from workers that found it
+        ckpt = _newest_checkpoint(je)
+        past = wait_for(lambda: (c := _newest_checkpoint(je)) >= ckpt + 75 and c, 90,
+                        "rank 0 to commit 75 more steps with the keeper dead", interval=0.2)
+        os.kill(ctl, signal.SIGCONT)
+        ctl = None
+        after = wait_for(lambda: (k := _keeper(je)).get("pid") not in (None, before["pid"]) and k, 60,
+                         "a new keeper in controller.json")
+        assert after["address"] == before["address"] and after["port"] != before["port"], (before, after)
+        endpoint = f"tcp:{after['address']}:{after['port']}"
+        for h in hosts:
+            address = h.home / ".eltctl" / "jobs" / je.job / h.name / "store.address"
+            wait_for(lambda: address.exists() and address.read_text().strip() == endpoint, 60,
+                     f"{h.name}'s store address")
+        st = je.training_at(2, after_step=past, timeout=120)
+        assert worker_pids(je.job) == workers  # the same workers: none restarted to learn the port
+        events = je.status().get("events") or []
+        assert not [e for e in events if e["kind"] in ("crash", "hang", "bench")], \
+            f"{json.dumps(events, indent=1)}\n{je.host_logs(40)}\n{je.controller_log(40)}"
+    finally:
+        if ctl is not None:
+            os.kill(ctl, signal.SIGCONT)
+        stop.set()
+        if squatter is not None:
+            squatter.close()
         next(gen, None)

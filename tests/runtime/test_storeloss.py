@@ -4,14 +4,18 @@ plan-following of a restarted store (protocol.first_generation, membership.await
 from __future__ import annotations
 
 import json
+import os
+import socket
+import threading
+import time
 
 import pytest
 
 from dictstore import DictStore
 from eltctl_runtime.membership import Plan, await_admission
 from eltctl_runtime.protocol import EventKind, Keys, first_generation
-from eltctl_runtime.storeloss import (StoreHealth, StoreLost, flush_held, republish, restarted_store_waits,
-                                      wait_until_back)
+from eltctl_runtime.storeloss import (STORE_ADDRESS_FILE, StoreAddress, StoreHealth, StoreLost, flush_held,
+                                      read_store_address, republish, restarted_store_waits, wait_until_back)
 
 
 class Clock:
@@ -137,3 +141,112 @@ def test_a_daemons_link_follows_a_restarted_stores_plans_from_the_republished_on
     republish(new, Plan(generation=9, members=("h1/0/1", "h2/0/4"), kind=EventKind.JOIN), "h1/0/1")
     link._follow_plans(new)
     assert link._generation == 9 and "h2/0/4" in link.joined() and link.departed() == {"h2/0/2"}
+
+
+# --------------------------------------------------------------------------- a direct-mode store that moved
+
+def _address_file(tmp_path, text: str, mode: int = 0o600):
+    path = tmp_path / STORE_ADDRESS_FILE
+    path.write_text(text)
+    os.chmod(path, mode)
+    return path
+
+
+def test_a_reconnect_goes_where_the_direct_mode_keeper_moved_and_only_then(tmp_path):
+    addr = StoreAddress("tcp:127.0.0.1:4000", tmp_path / "run")
+    assert addr.follow() == "tcp:127.0.0.1:4000"  # no file: the address given
+    _address_file(tmp_path, "tcp:127.0.0.1:4711\n")
+    assert addr.spec == "tcp:127.0.0.1:4000"  # nothing is read before a reconnect asks
+    assert addr.follow() == "tcp:127.0.0.1:4711" and addr.spec == "tcp:127.0.0.1:4711"
+    # the ssh mode's socket (and a job without run ids) never moves: the file is not read
+    assert StoreAddress("unix:/home/u/.eltctl/jobs/j/h1/store.sock", tmp_path / "run").follow() == \
+        "unix:/home/u/.eltctl/jobs/j/h1/store.sock"
+    assert StoreAddress("tcp:127.0.0.1:4000", None).follow() == "tcp:127.0.0.1:4000"
+
+
+@pytest.mark.parametrize("case", ["another-owner", "group-writable", "other-writable", "symlink", "unix", "garbage",
+                                  "directory"])
+def test_a_store_address_file_others_could_write_or_that_names_no_tcp_store_is_not_believed(tmp_path, case):
+    if case == "another-owner":
+        if os.getuid() != 0:
+            pytest.skip("giving a file to another account needs root")
+        os.chown(_address_file(tmp_path, "tcp:10.0.0.66:4711\n"), 65534, -1)
+    elif case in ("group-writable", "other-writable"):
+        _address_file(tmp_path, "tcp:10.0.0.66:4711\n", 0o620 if case == "group-writable" else 0o602)
+    elif case == "symlink":
+        real = tmp_path / "elsewhere"
+        real.write_text("tcp:10.0.0.66:4711\n")
+        os.chmod(real, 0o600)
+        (tmp_path / STORE_ADDRESS_FILE).symlink_to(real)
+    elif case == "unix":
+        _address_file(tmp_path, "unix:/tmp/theirs.sock\n")
+    elif case == "garbage":
+        _address_file(tmp_path, "tcp:10.0.0.66:notaport\n")
+    else:
+        (tmp_path / STORE_ADDRESS_FILE).mkdir()
+    assert read_store_address(tmp_path / STORE_ADDRESS_FILE) is None
+    assert StoreAddress("tcp:127.0.0.1:4000", tmp_path / "run").follow() == "tcp:127.0.0.1:4000"
+
+
+def test_a_daemons_link_reconnects_to_the_keepers_new_port_when_another_process_holds_the_old_one(tmp_path):
+    """Plan: the daemon's link reads its desired document from a store on port A; that
+    store dies and another process takes A (it accepts and hangs up); a new store serves
+    on port B and the keeper's address file names it: the link reconnects to B (the old
+    code retried A for ever)."""
+    from eltctl_runtime.daemon.link import StoreLink
+    from eltctl_runtime.membership import job_store
+    from eltctl_runtime.protocol import Desired, put_desired
+    from eltctl_runtime.sockstore import StoreServer
+    from eltctl_runtime.storeclient import connect
+
+    first = StoreServer()
+    port_a = first.listen_tcp("127.0.0.1", 0)
+    first.start()
+    put_desired(job_store(connect(f"tcp:127.0.0.1:{port_a}", 5, plain=True), "j"), "h1", Desired(1, (0,)))
+    link = StoreLink(f"tcp:127.0.0.1:{port_a}", "j", "h1", poll_s=0.02, connect_timeout_s=1.0,
+                     run_file=tmp_path / "run")
+    second = squatter = None
+    stop = threading.Event()
+    link.start()
+    try:
+        wait(lambda: link.desired() and link.desired().seq == 1, "the first store's document")
+        first.stop()
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", port_a))
+        squatter.listen(16)
+        squatter.settimeout(0.1)
+
+        def hang_up() -> None:  # another program on the port: it speaks no store protocol
+            while not stop.is_set():
+                try:
+                    squatter.accept()[0].close()
+                except OSError:
+                    pass
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        second = StoreServer()
+        port_b = second.listen_tcp("127.0.0.1", 0)
+        second.start()
+        put_desired(job_store(connect(f"tcp:127.0.0.1:{port_b}", 5, plain=True), "j"), "h1", Desired(2, (0, 1)))
+        wait(lambda: not link.connected, "the link to notice the loss")
+        _address_file(tmp_path, f"tcp:127.0.0.1:{port_b}\n")
+        wait(lambda: link.desired().seq == 2, "the link to read the moved store's document", timeout=60)
+        assert link.connected and link.address == f"tcp:127.0.0.1:{port_b}"
+    finally:
+        link.close(flush_s=0)
+        stop.set()
+        for srv in (first, second):
+            if srv is not None:
+                srv.stop()
+        if squatter is not None:
+            squatter.close()
+
+
+def wait(pred, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
