@@ -68,10 +68,14 @@ def test_a_window_closing_empties_a_host_its_opening_brings_it_back_and_cordon(t
         je.inventory.write_text(text.replace(entry, f'{entry}hours = ["{_utc(opens)}-{_utc(closes)}"]\n'))
         je.eltctl("up")
 
-        victim = next(p for w, p in worker_pids(je.job).items() if w.startswith(f"{h2}/"))
-        wait_for(lambda: not os.path.exists(f"/proc/{victim}") or
-                 open(f"/proc/{victim}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
-                 60, f"h2's worker (pid {victim}) to leave when its window closes")
+        # On a loaded machine `up` (its checks over SSH) can outlast the seconds before the
+        # window closes: h2's worker may have left already (CI saw StopIteration here).
+        victims = [p for w, p in worker_pids(je.job).items() if w.startswith(f"{h2}/")]
+        assert victims or time.time() >= closes - 1.0, "h2 has no worker before its window closed"
+        for victim in victims[:1]:
+            wait_for(lambda: not os.path.exists(f"/proc/{victim}") or
+                     open(f"/proc/{victim}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
+                     60, f"h2's worker (pid {victim}) to leave when its window closes")
         assert time.time() >= closes - 1.0, "it left before its window closed"
         st = je.training_at(1, after_step=st["step"])
         _planned_leave_of(st["events"], f"{h2}/")
