@@ -71,7 +71,8 @@ class _Launcher:
             self.spec = f"127.0.0.1:{self.store.port}"
             self.js = elt.protocol.scope(self.store, self.job)
         elif store in ("socket", "c10d-signed"):
-            from eltctl_runtime import auth, protocol, storeclient
+            from eltctl_runtime.store import auth, client as storeclient
+            from eltctl_runtime import protocol
             if store == "socket":  # served by a process of its own, as the store keeper is
                 sock = workdir / "state" / "store.sock"
                 self._server = _serve_in_a_process(sock)
@@ -216,7 +217,7 @@ class _Launcher:
 
 _SERVE = """
 import signal, sys, threading
-from eltctl_runtime.sockstore import StoreServer
+from eltctl_runtime.store.server import StoreServer
 srv = StoreServer()
 srv.listen_unix(sys.argv[1])
 srv.start()
@@ -228,9 +229,9 @@ srv.stop()
 
 
 def _serve_in_a_process(sock: Path) -> subprocess.Popen:
-    """eltctl_runtime.sockstore's server on `sock`, in a child process (as the keeper serves
+    """eltctl_runtime.store.server's server on `sock`, in a child process (as the keeper serves
     it: not sharing this launcher's GIL); returned once it answers."""
-    from eltctl_runtime.sockstore import answers
+    from eltctl_runtime.store.server import answers
 
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(sock)], stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

@@ -76,7 +76,7 @@ def log(msg: str) -> None:
 def make_checkpoint(directory: Path, step: int, mb: int) -> int:
     import torch
 
-    from eltctl_runtime.checkpoint import CheckpointStore
+    from eltctl_runtime.checkpoint.store import CheckpointStore
 
     floats = mb * 1_000_000 // 4
     info = CheckpointStore(directory, keep=10).save(step, {"w": torch.randn(floats), "step": step})

@@ -51,7 +51,7 @@ def main() -> int:
 
     import torch
 
-    from eltctl_runtime.gradients import clip_global_norm_
+    from eltctl_runtime.train.gradients import clip_global_norm_
 
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)

@@ -33,9 +33,9 @@ def form(port: int, secret: bytes, generation: int, world: int) -> tuple[float, 
     import torch
     import torch.distributed as dist
 
-    from eltctl_runtime import collectives
-    from eltctl_runtime.membership import job_store
-    from eltctl_runtime.pgstore import pg_store
+    from eltctl_runtime.member import collectives
+    from eltctl_runtime.member.plan import job_store
+    from eltctl_runtime.store.pgstore import pg_store
 
     cpu = torch.device("cpu")
     times: dict[int, tuple[float, float]] = {}

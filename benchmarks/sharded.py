@@ -4,7 +4,7 @@
         [--job-steps 10] [--step-repeats 1] [--job-args "--bucket-mb 25"] [--skip-memory]
         [--baseline zero-torchrun [--baseline-world 2 4] [--pause-repeats 3] [--skip-torchrun] [--eltctl-runs NAME ...]]
 
-Its memory part drives `eltctl_runtime.zero` directly, in plain worker processes on one
+Its memory part drives `eltctl_runtime.train.zero.sharded` directly, in plain worker processes on one
 gloo group per configuration (spawned, a FileStore, one torch thread each).
 
 `--baseline zero-torchrun` adds the pause baseline issue 22 compares against:
@@ -114,7 +114,8 @@ class _Replicated:
     def __init__(self, params, pg) -> None:
         import torch
 
-        from eltctl_runtime import collectives, gradients
+        from eltctl_runtime.member import collectives
+        from eltctl_runtime.train import gradients
 
         self._c = collectives
         self.params, self.pg = params, pg
@@ -154,7 +155,7 @@ def _worker(cfg: dict, rank: int, store_path: str, out) -> None:
 
     faulthandler.dump_traceback_later(cfg.get("hang_s", 600), exit=True)  # a hung worker says where
 
-    from eltctl_runtime import zero
+    from eltctl_runtime.train.zero import sharded as zero
 
     torch.set_num_threads(1)
     world = cfg["world"]
@@ -328,12 +329,12 @@ def eltctl_shard_support() -> str | None:
     import inspect
 
     try:
-        from eltctl_runtime.job import ElasticJob
+        from eltctl_runtime.train.job import ElasticJob
     except Exception as exc:  # noqa: BLE001 - reported, not raised
-        return f"eltctl_runtime.job does not import: {exc}"
+        return f"eltctl_runtime.train.job does not import: {exc}"
     if "shard" not in inspect.signature(ElasticJob).parameters:
         return "ElasticJob has no shard= in this tree (issue 22's job wiring is not merged)"
-    from eltctl_runtime import zero
+    from eltctl_runtime.train.zero import sharded as zero
 
     if not hasattr(zero, "sharded_path"):
         return "ElasticJob(shard=...) is refused in this tree: zero.sharded_path (the job's sharded gradient path) is not merged"

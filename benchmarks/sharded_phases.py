@@ -45,7 +45,7 @@ def _timed(phases: dict[str, float], name: str, fn):
 def _worker(cfg: dict, rank: int, store_path: str, out) -> None:
     import torch
 
-    from eltctl_runtime import zero
+    from eltctl_runtime.train.zero import sharded as zero
 
     torch.set_num_threads(1)
     world = cfg["world"]

@@ -16,7 +16,7 @@ are the client's send alone; SocketStore's `set` is a round trip (a value over a
 must raise). Compare the gets for the protocol's cost.
 
 The servers: TCPStore on 127.0.0.1 (non-libuv, as the old store keeper served it,
-and the default libuv one), and eltctl_runtime.sockstore on a Unix socket (the
+and the default libuv one), and eltctl_runtime.store.server on a Unix socket (the
 keeper's "ssh" mode) and on TCP (the direct mode).
 
     .venv/bin/python benchmarks/store_ops.py [--ops 5000] [--json]
@@ -50,7 +50,7 @@ def _serve_tcpstore(port_q, stop, libuv: bool) -> None:
 
 
 def _serve_sockstore(port_q, stop, where: str) -> None:
-    from eltctl_runtime.sockstore import StoreServer
+    from eltctl_runtime.store.server import StoreServer
 
     srv = StoreServer()
     if where == "tcp":
@@ -140,7 +140,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch.distributed as dist
 
-    from eltctl_runtime.storeclient import SocketStore
+    from eltctl_runtime.store.client import SocketStore
 
     def tcp_client(port):
         return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))

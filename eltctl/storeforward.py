@@ -21,7 +21,7 @@ the host holds. With `forward=False` (the "direct" store mode) only the run id i
 delivered, and with it (`store`: written first, the same way) the store's TCP address
 to the file `store.address` (layout.STORE_ADDRESS): a keeper restarted while another
 process holds its port serves on a new one, and the daemons and workers already
-running read it there when they reconnect (eltctl_runtime.storeloss.StoreAddress).
+running read it there when they reconnect (eltctl_runtime.store.loss.StoreAddress).
 
 The keeper holds the forwards (not the controller), so a controller crash costs
 nothing; a keeper restart re-opens them at the same paths. `Forwarder` runs an asyncio
@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 from eltctl_runtime.files import read_json, write_atomic
-from eltctl_runtime.sockstore import UNIX_PATH_MAX
+from eltctl_runtime.store.server import UNIX_PATH_MAX
 
 log = logging.getLogger("eltctl.storeforward")
 

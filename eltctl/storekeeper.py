@@ -4,7 +4,7 @@
                                  [--run-file PATH] [--stats PATH] [--restarted-job JOB]
                                  [--inventory PATH [--forwards PATH] [--no-forward]]
 
-It serves eltctl_runtime.sockstore's store (the standard library only: the keeper
+It serves eltctl_runtime.store.server's store (the standard library only: the keeper
 imports no torch): on the Unix socket PATH (the default `[controller] store = "ssh"`
 mode: in the controller's 0700 state directory, so only the job's account can
 connect), or on TCP at ADDR:N (the warned "direct" mode). Either way the store's
@@ -63,10 +63,10 @@ import threading
 import time
 from pathlib import Path
 
-from eltctl_runtime import auth
+from eltctl_runtime.store import auth
 from eltctl_runtime.files import write_atomic
 from eltctl_runtime.protocol import KEEPER_KEY, Keys, job_prefix
-from eltctl_runtime.sockstore import Limits, Spec, StoreServer, answers, connection_cap, raise_nofile
+from eltctl_runtime.store.server import Limits, Spec, StoreServer, answers, connection_cap, raise_nofile
 
 PORT_TAKEN = 3
 STATS_EVERY_S = 2.0
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--any-port", action="store_true",
                     help="with --port: when another process holds it, serve on a port the OS picks")
     ap.add_argument("--limit", action="append", type=parse_limit, default=[], metavar="NAME=VALUE",
-                    help="one of the store's limits (eltctl_runtime.sockstore.Limits), e.g. idle_timeout_s=600")
+                    help="one of the store's limits (eltctl_runtime.store.server.Limits), e.g. idle_timeout_s=600")
     ap.add_argument("--info", type=Path, required=True, help="where to write pid and address (JSON)")
     ap.add_argument("--run-file", type=Path, default=None, help="where to write the run id (default: run beside --info)")
     ap.add_argument("--stats", type=Path, default=None, help="the store's counters (default: storestats.json beside --info)")

@@ -23,7 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, Device, RuntimeConfig
-from .membership import Plan, job_store
+from .member.plan import Plan, job_store
 from .protocol import (
     Desired,
     EventKind,
@@ -38,20 +38,20 @@ from .protocol import (
 
 # name -> the submodule that defines it, imported on first access.
 _LAZY = {
-    "Commit": "job", "ElasticJob": "job", "ExcludedFromJob": "job", "DataLoadError": "pipeline",
-    "SamplerState": "sampler", "epoch_order": "sampler", "share_bounds": "sampler",
-    "load_checkpoint": "checkpoint", "export_checkpoint": "checkpoint", "OptimizerMismatch": "state",
+    "Commit": "train.job", "ElasticJob": "train.job", "ExcludedFromJob": "train.job", "DataLoadError": "train.pipeline",
+    "SamplerState": "train.sampler", "epoch_order": "train.sampler", "share_bounds": "train.sampler",
+    "load_checkpoint": "checkpoint.store", "export_checkpoint": "checkpoint.store", "OptimizerMismatch": "train.state",
     # restart mode's calls for a torchrun script (stdlib only: no torch)
-    "report": "progress", "checkpoint_saved": "progress",
+    "report": "restart.progress", "checkpoint_saved": "restart.progress",
 }
 
 if TYPE_CHECKING:
-    from .job import Commit, ElasticJob, ExcludedFromJob
-    from .checkpoint import export_checkpoint, load_checkpoint
-    from .pipeline import DataLoadError
-    from .progress import checkpoint_saved, report
-    from .sampler import SamplerState, epoch_order, share_bounds
-    from .state import OptimizerMismatch
+    from .train.job import Commit, ElasticJob, ExcludedFromJob
+    from .checkpoint.store import export_checkpoint, load_checkpoint
+    from .train.pipeline import DataLoadError
+    from .restart.progress import checkpoint_saved, report
+    from .train.sampler import SamplerState, epoch_order, share_bounds
+    from .train.state import OptimizerMismatch
 
 
 def __getattr__(name: str) -> Any:

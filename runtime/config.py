@@ -14,8 +14,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Mapping
 
-from .auth import ENV_RUN_FILE, ENV_SECRET_FILE, SecretError, read_run_id, read_secret
-from .sockstore import parse_spec
+from .store.auth import ENV_RUN_FILE, ENV_SECRET_FILE, SecretError, read_run_id, read_secret
+from .store.server import parse_spec
 
 
 class Device(str, Enum):
@@ -50,7 +50,7 @@ class RuntimeConfig:
     # and checked with it (auth.py). None: unsigned (a job run without eltctl's controller).
     secret: bytes | None = field(default=None, repr=False)
     store_loss_timeout_s: float = DEFAULT_STORE_LOSS_TIMEOUT_S
-    store: str = ""  # ELTCTL_STORE as given (eltctl_runtime.sockstore's grammar); "": store_host:store_port
+    store: str = ""  # ELTCTL_STORE as given (eltctl_runtime.store.server's grammar); "": store_host:store_port
 
     @property
     def store_spec(self) -> str:

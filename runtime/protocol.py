@@ -61,7 +61,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any, Iterable, Protocol
 
-from .auth import ABSENT, ForgedValue, raw_store
+from .store.auth import ABSENT, ForgedValue, raw_store
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -274,7 +274,7 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
     loss, checkpoint: {step, time, path} | null, time}`, and, once a step of
     the generation has committed, `workers`: per member, as of that step,
     `{worker: {share, samples_per_s, relative_speed, speedup_without,
-    straggler}}` (WORKER_FIELDS; eltctl_runtime.balance.worker_report says
+    straggler}}` (WORKER_FIELDS; eltctl_runtime.train.balance.worker_report says
     what each means). Restart mode (restart.py) adds `mode: "restart"` and
     `restarts` (how many times the script's processes were restarted); its
     `step` is the script's own step where known (report() or the `[job]
@@ -358,7 +358,7 @@ def counter_hint(js: Store, key: str) -> int | None:
     """A tick of the counter `key` (`add(key, 1)`): a writer's first guess, or None when
     the store refuses it (someone wrote a value that is not an integer there before any
     ADD: sockstore refuses ADD on it), so the writer still finds its number (`claim`)."""
-    from .sockstore import StoreRefused
+    from .store.server import StoreRefused
 
     try:
         return js.add(key, 1)

@@ -16,9 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"eltctl": ROOT / "eltctl", "eltctl_runtime": ROOT / "runtime"}
 # What the control side imports from the runtime: these must not need torch.
 STDLIB_ONLY = ("eltctl_runtime", "eltctl_runtime.protocol", "eltctl_runtime.files", "eltctl_runtime.pids",
-               "eltctl_runtime.nvsmi", "eltctl_runtime.checkpoint", "eltctl_runtime.owner",
-               "eltctl_runtime.claims", "eltctl_runtime.auth", "eltctl_runtime.progress", "eltctl_runtime.netif",
-               "eltctl_runtime.sockstore", "eltctl_runtime.storeclient")
+               "eltctl_runtime.nvsmi", "eltctl_runtime.checkpoint.store", "eltctl_runtime.owner",
+               "eltctl_runtime.claims", "eltctl_runtime.store.auth", "eltctl_runtime.restart.progress", "eltctl_runtime.netif",
+               "eltctl_runtime.store.server", "eltctl_runtime.store.client",
+               "eltctl_runtime.store", "eltctl_runtime.checkpoint", "eltctl_runtime.restart", "eltctl_runtime.member",
+               "eltctl_runtime.member.plan", "eltctl_runtime.config")
 
 
 def modules() -> dict[str, Path]:

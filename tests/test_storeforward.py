@@ -83,7 +83,7 @@ def test_the_direct_modes_address_is_written_beside_the_run_id_on_local_and_remo
 
     from eltctl.hosts import layout
     from eltctl.storeforward import prepare_command
-    from eltctl_runtime.storeloss import STORE_ADDRESS_FILE, read_store_address
+    from eltctl_runtime.store.loss import STORE_ADDRESS_FILE, read_store_address
 
     assert layout.STORE_ADDRESS == STORE_ADDRESS_FILE  # the name the runtime reads
     inventory, state = tmp_path / "hosts.toml", tmp_path / "forwards.json"

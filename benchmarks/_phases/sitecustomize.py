@@ -94,7 +94,7 @@ def _patch(name, mod):
             if hasattr(mod.PgStore, op):
                 setattr(mod.PgStore, op, _timed_op(op, getattr(mod.PgStore, op)))
     elif name.endswith(".generation") or name.endswith(".job"):
-        from eltctl_runtime import membership
+        from eltctl_runtime.member import plan as membership
         for n in ("decide", "await_admission"):
             if hasattr(mod, n):
                 setattr(mod, n, getattr(membership, n))

@@ -31,7 +31,7 @@ from eltctl.controller.statedir import ControllerLock, StateDir, job_secret, loc
 from eltctl_runtime.files import write_json_atomic
 from eltctl.errors import ConfigError, EltctlError
 from eltctl.inventory import Inventory, load_inventory
-from eltctl_runtime.auth import SecretError
+from eltctl_runtime.store.auth import SecretError
 
 log = logging.getLogger("eltctl.controller")
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from eltctl_runtime.auth import RUN_FILE_NAME, SECRET_FILE_NAME, new_secret, read_secret, write_secret
+from eltctl_runtime.store.auth import RUN_FILE_NAME, SECRET_FILE_NAME, new_secret, read_secret, write_secret
 from eltctl_runtime.files import try_flock
 from eltctl_runtime.pids import pid_alive
 

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from eltctl.controller.statedir import StateDir, existing_secret
 from eltctl.storekeeper import PORT_TAKEN
-from eltctl_runtime import auth
+from eltctl_runtime.store import auth
 from eltctl_runtime.files import read_json, write_json_atomic
 from eltctl_runtime.pids import pid_alive
 from eltctl_runtime.protocol import Keys, add_event, job_prefix, watch_deleted
@@ -83,7 +83,7 @@ class KeeperInfo:
 
     @property
     def endpoint(self) -> str:
-        """The store's address for `storeclient.connect` (eltctl_runtime.sockstore's grammar)."""
+        """The store's address for `storeclient.connect` (eltctl_runtime.store.server's grammar)."""
         if self.socket:
             return f"unix:{self.socket}"
         host = f"[{self.address}]" if ":" in self.address else self.address
@@ -106,7 +106,7 @@ def connect_client(endpoint: str, job: str, timeout: float = STORE_TIMEOUT_S,
     `secret`, else the one in the job's state directory (statedir.job_secret, made at
     the first `up`). The one place the controller's store is built, so a reconnect is
     signed as the first connection was."""
-    from eltctl_runtime.storeclient import connect, prefix_store
+    from eltctl_runtime.store.client import connect, prefix_store
 
     state = StateDir.for_job(job)
     if secret is None:

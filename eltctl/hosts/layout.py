@@ -29,7 +29,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from eltctl_runtime.auth import RUN_FILE_NAME, SECRET_FILE_NAME
+from eltctl_runtime.store.auth import RUN_FILE_NAME, SECRET_FILE_NAME
 
 STATE_DIR = ".eltctl"  # under the account's HOME
 JOBS_DIR = f"{STATE_DIR}/jobs"
@@ -40,7 +40,7 @@ DAEMON_JSON = "daemon.json"
 SECRET_FILE = SECRET_FILE_NAME  # the job's secret, 0600
 RUN_FILE = RUN_FILE_NAME  # the store keeper's run id, 0600 (written before the store is reachable here)
 # the direct mode's store address, 0600 (beside `run`, written before it); the runtime reads it by the
-# same name (eltctl_runtime.storeloss.STORE_ADDRESS_FILE; not one of the runtime modules the control side imports)
+# same name (eltctl_runtime.store.loss.STORE_ADDRESS_FILE; not one of the runtime modules the control side imports)
 STORE_ADDRESS = "store.address"
 STORE_SOCKET = "store.sock"  # the store, forwarded over SSH from the keeper (a Unix socket)
 DAEMON_PID = "daemon.pid"

@@ -45,7 +45,7 @@ from eltctl.hosts import ignore, layout, programs
 from eltctl.hosts.layout import HostPaths
 from eltctl.hosts.transport import ErrorKind, RunResult, Transport
 from eltctl.inventory import DeviceKind, Host, Inventory, courtesy
-from eltctl_runtime.auth import encode_secret
+from eltctl_runtime.store.auth import encode_secret
 
 RUNTIME_PACKAGE = "eltctl_runtime"
 DAEMON_MODULE = "eltctl_runtime.daemon"

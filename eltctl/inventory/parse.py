@@ -33,7 +33,7 @@ from eltctl.inventory.types import (
     Storage,
     StragglerPolicy,
 )
-from eltctl_runtime.progress import PatternError, compile_progress
+from eltctl_runtime.restart.progress import PatternError, compile_progress
 from eltctl_runtime.protocol import NAME_RULE
 
 INTERFACE_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@-]{0,14}")  # Linux: at most 15 characters

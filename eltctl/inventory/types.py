@@ -39,7 +39,7 @@ class JobSpec:
     shared_filesystem: bool = False  # workdir is the same path on every host: no code sync
     mode: JobMode = JobMode.ELASTIC
     stop_grace: float = 30.0  # restart mode: seconds the script has to save after SIGTERM
-    # restart mode: a regex (named groups step, loss, ...) or a name in eltctl_runtime.progress.PATTERNS,
+    # restart mode: a regex (named groups step, loss, ...) or a name in eltctl_runtime.restart.progress.PATTERNS,
     # matched against rank 0's output for the script's step; None: report() calls only
     progress: str | None = None
     max_restarts: int = 5  # restart mode: failures of the script within restart_window that stop the job (0: never)

@@ -1,6 +1,6 @@
 """The workers table: each member's share of the global batch and its own speed.
 
-Shares follow the workers' measured speeds (eltctl_runtime.balance); a worker
+Shares follow the workers' measured speeds (eltctl_runtime.train.balance); a worker
 far slower than the others, or one the job would be faster without, is marked
 a straggler, with the figure that says so.
 """

@@ -80,11 +80,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .. import netif
-from ..auth import ENV_RUN_FILE, ENV_SECRET_FILE, RUN_FILE_NAME, SecretError, read_secret
+from ..store.auth import ENV_RUN_FILE, ENV_SECRET_FILE, RUN_FILE_NAME, SecretError, read_secret
 from ..owner import OwnerPolicy
 from ..protocol import NAME_RULE, valid_name
 from .courtesy import Courtesy, thread_env
-from ..sockstore import parse_spec
+from ..store.server import parse_spec
 
 
 MODES = ("elastic", "restart")
@@ -102,7 +102,7 @@ class DaemonConfigError(ValueError):
 class DaemonConfig:
     job: str
     host: str
-    store: str  # the job's store: unix:/path, tcp:host:port or host:port (eltctl_runtime.sockstore)
+    store: str  # the job's store: unix:/path, tcp:host:port or host:port (eltctl_runtime.store.server)
     job_dir: Path
     code_dir: Path
     command: tuple[str, ...]

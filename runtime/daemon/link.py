@@ -1,4 +1,4 @@
-"""The host daemon's link to the job's store (served by the store keeper; eltctl_runtime.storeclient).
+"""The host daemon's link to the job's store (served by the store keeper; eltctl_runtime.store.client).
 
 One background thread owns the connection, so a store that has gone away (the
 control machine rebooted, the store keeper was killed) never blocks the
@@ -40,10 +40,10 @@ import threading
 import time
 from typing import Callable
 
-from ..auth import ForgedValue, Forgeries, read_run_id
-from ..membership import Plan, job_store
+from ..store.auth import ForgedValue, Forgeries, read_run_id
+from ..member.plan import Plan, job_store
 from ..protocol import Desired, Keys, first_generation, get_desired, state_key
-from ..storeloss import StoreAddress
+from ..store.loss import StoreAddress
 
 log = logging.getLogger("eltctl_runtime.daemon")
 
@@ -60,7 +60,7 @@ class StoreLink:
     def __init__(self, address: str, job: str, host: str, *, poll_s: float = 0.25,
                  connect_timeout_s: float = 5.0, secret: bytes | None = None,
                  forgeries: Forgeries | None = None, run_file=None) -> None:
-        # unix:/path, tcp:host:port or host:port (eltctl_runtime.sockstore); a tcp: one follows its keeper
+        # unix:/path, tcp:host:port or host:port (eltctl_runtime.store.server); a tcp: one follows its keeper
         self._address = StoreAddress(address, run_file)
         self._job = job
         self._host = host
@@ -198,7 +198,7 @@ class StoreLink:
 
     # -- the thread --------------------------------------------------------------
     def _connect(self, retry: bool = False):
-        from ..storeclient import connect
+        from ..store.client import connect
 
         if retry:  # the direct mode's keeper may serve on a new port now (never on the hot path)
             self._address.follow()

@@ -26,7 +26,7 @@ from . import courtesy, procs
 from .config import DaemonConfig, data_plane, worker_env
 from .history import History, process_start
 from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
-from ..auth import Forgeries
+from ..store.auth import Forgeries
 from .link import StoreLink
 from .logic import (
     Decision, Exit, Foreign, Kill, Leave, MarkStopping, Memory, Note, RecordYield, Start, View,

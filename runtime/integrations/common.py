@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ..progress import checkpoint_saved, report  # noqa: F401 - re-exported for the callbacks
+from ..restart.progress import checkpoint_saved, report  # noqa: F401 - re-exported for the callbacks
 
 # The exit status of a script that stopped on SIGTERM after saving (128 + SIGTERM,
 # as a shell reports a process killed by it). Not 0: under restart mode rank 0's

@@ -126,7 +126,7 @@ def test_a_port_taken_by_another_process_moves_the_direct_store_to_a_new_port(st
 
 def test_the_keeper_keeps_its_connection_limit_below_its_open_files():
     from eltctl.storekeeper import keeper_limits, parse_limit
-    from eltctl_runtime.sockstore import FD_RESERVE
+    from eltctl_runtime.store.server import FD_RESERVE
 
     assert keeper_limits(1 << 20, forwarding=True).max_connections == 4096
     assert keeper_limits(1024, forwarding=False).max_connections == 1024 - FD_RESERVE

@@ -17,7 +17,7 @@ from eltctl.hosts import ops as hostops
 from eltctl.hosts.layout import HostPaths
 from eltctl.hosts.local import LocalTransport
 from eltctl.inventory import Host, parse_inventory
-from eltctl_runtime.auth import SECRET_BYTES, SecretError, encode_secret, read_secret
+from eltctl_runtime.store.auth import SECRET_BYTES, SecretError, encode_secret, read_secret
 
 
 def mode(path: Path) -> int:

@@ -14,7 +14,7 @@ import pytest
 from eltctl.controller import store as kstore
 from eltctl.controller.observe import Observer
 from eltctl.controller.status import forged_summary
-from eltctl_runtime import auth
+from eltctl_runtime.store import auth
 from eltctl_runtime.protocol import EventKind, Keys, add_event, job_prefix, state_key
 
 dist = pytest.importorskip("torch.distributed")

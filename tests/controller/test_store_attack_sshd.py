@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from eltctl_runtime import storeclient
+from eltctl_runtime.store import client as storeclient
 from eltctl_runtime.protocol import EventKind, Keys, desired_key, job_prefix
 from tests.testbed.attacker import tcp_listeners as listening_addresses
 from tests.testbed.jobenv import job_env_on, job_pids, wait_for, worker_pids

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from eltctl.storeforward import Forwarder, forward_socket, read_forwards
-from eltctl_runtime.sockstore import bind_unix
+from eltctl_runtime.store.server import bind_unix
 from tests.testbed.jobenv import wait_for
 
 pytestmark = pytest.mark.sshd

@@ -66,7 +66,7 @@ def test_runtime_is_shipped_once_and_importable(host_t):
     shipped = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py"))
     assert shipped == sorted(hostops.runtime_files())
     assert run(hostops.ensure_runtime(t, paths)) == (target, False)  # present: not sent again
-    r = subprocess.run([sys.executable, "-c", "import eltctl_runtime.membership as m; print(m.__file__)"],
+    r = subprocess.run([sys.executable, "-c", "import eltctl_runtime.member.plan as m; print(m.__file__)"],
                        env={**os.environ, "PYTHONPATH": target}, capture_output=True, text=True, cwd=home)
     assert r.stdout.strip().startswith(target)
 

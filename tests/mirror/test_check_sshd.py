@@ -30,7 +30,7 @@ from eltctl.hosts.fleet import Fleet
 from eltctl.inventory import load_inventory
 from eltctl.mirror import Mirror, host_place
 from eltctl.mirror.check import check_mirror
-from eltctl_runtime.checkpoint import CheckpointStore
+from eltctl_runtime.checkpoint.store import CheckpointStore
 from tests.testbed.jobenv import job_env_on, wait_for
 from tests.testbed.procs import LOGIN_GROUP
 

@@ -43,7 +43,7 @@ from eltctl.mirror import (
 )
 from eltctl.errors import HostError
 from eltctl.hosts.fleet import Fleet
-from eltctl_runtime.checkpoint import CheckpointStore, verify_dir
+from eltctl_runtime.checkpoint.store import CheckpointStore, verify_dir
 
 pytestmark = pytest.mark.sshd
 
@@ -567,7 +567,7 @@ def test_checkpoints_export_writes_a_plain_file_from_the_mirror_or_a_host(testbe
     """`eltctl checkpoints export OUT.pt`: the newest verified checkpoint, brought from the
     mirror (a damaged copy there is passed over for a host's), as a file torch.load opens
     with weights_only=True in an interpreter without eltctl."""
-    from eltctl_runtime import state as state_mod
+    from eltctl_runtime.train import state as state_mod
     from tests.testbed.hostpython import HOST_PYTHON
 
     h1 = testbed.add_host("h1")

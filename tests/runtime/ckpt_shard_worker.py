@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eltctl_runtime import checkpoint, zero
+from eltctl_runtime.checkpoint import store as checkpoint
+from eltctl_runtime.train.zero import sharded as zero
 
 ROWS = 12
 

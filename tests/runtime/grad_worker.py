@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import eltctl_runtime as elt
-from eltctl_runtime import state as elt_state
+from eltctl_runtime.train import state as elt_state
 
 DTYPES = {"32": torch.float32, "64": torch.float64}
 

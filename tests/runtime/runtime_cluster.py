@@ -24,7 +24,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 import eltctl_runtime as elt
-from eltctl_runtime import auth, protocol
+from eltctl_runtime.store import auth
+from eltctl_runtime import protocol
 from tests.testbed.hostpython import HOST_PYTHON, host_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +92,7 @@ class Cluster:
 
     @property
     def store_spec(self) -> str:
-        """ELTCTL_STORE for the workers (eltctl_runtime.sockstore's grammar)."""
+        """ELTCTL_STORE for the workers (eltctl_runtime.store.server's grammar)."""
         return f"127.0.0.1:{self.store.port}"
 
     def env(self, worker_id: str) -> dict:

@@ -25,7 +25,7 @@ import eltctl_runtime as elt  # noqa: E402
 
 def die_in_checkpoint(at_step: int) -> None:
     """The job imports checkpoint.save_sharded when it saves, so this wrapper is what it calls."""
-    from eltctl_runtime import checkpoint
+    from eltctl_runtime.checkpoint import store as checkpoint
 
     real_save, real_send = checkpoint.save_sharded, checkpoint._send_bytes
 
@@ -49,7 +49,8 @@ def break_in_gather(spec: str, how: str) -> None:
     aborted, nobody dies). The wrapper replaces ShardedGradients.gather_params, which
     launches each bucket's gather as the shard's step yields it: it steps the shard to the
     end, launching only the first BUCKETS gathers."""
-    from eltctl_runtime import collectives, zero
+    from eltctl_runtime.member import collectives
+    from eltctl_runtime.train.zero import sharded as zero
 
     at_step, n = (int(x) for x in spec.split(":"))
     real = zero.ShardedGradients.gather_params
@@ -78,7 +79,8 @@ def abort_before_restore_check() -> None:
     restore's first step, its backward done, before its verdict on the checkpoint's hashes
     goes in the control tail (ElasticJob._restore_flag): what every rank took up is not
     trusted yet."""
-    from eltctl_runtime import collectives, job
+    from eltctl_runtime.member import collectives
+    from eltctl_runtime.train import job
 
     real = job.ElasticJob._restore_flag
     done = []
@@ -100,7 +102,8 @@ def abort_after_transfers(who: str) -> None:
     "member": a member at a join (it keeps the old layout's chunks while the others
     hold the new one's). "survivor": a survivor of a planned leave, whose chunks move in
     the hand-over over the old group (it keeps the old layout's)."""
-    from eltctl_runtime import collectives, zero
+    from eltctl_runtime.member import collectives
+    from eltctl_runtime.train.zero import sharded as zero
 
     real = zero.reshard
     done = []
@@ -200,7 +203,7 @@ def main() -> int:
     # (hostmem.MIN_BYTES, 1 MiB): here it takes every one, so each reshard carves the new
     # layout's buffers out of the old pre-step copy (or a joiner's prepared memory) as a
     # real model's do, and every exactness check in these tests covers that path.
-    from eltctl_runtime import hostmem
+    from eltctl_runtime.train.zero import hostmem
 
     hostmem.MIN_BYTES = 1
     config = elt.RuntimeConfig.from_env()

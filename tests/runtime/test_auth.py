@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from eltctl_runtime import auth
+from eltctl_runtime.store import auth
 from eltctl_runtime.protocol import Keys, job_prefix
 
 

@@ -9,19 +9,9 @@ import random
 import pytest
 
 from eltctl_runtime import ConfigError, RuntimeConfig, SamplerState, read_status
-from eltctl_runtime.balance import (
-    DEAD_BAND,
-    EMA_ALPHA,
-    Pace,
-    Split,
-    known_paces,
-    predicted_step_s,
-    relative_speed,
-    speedup_without,
-    worker_report,
-)
+from eltctl_runtime.train.balance import DEAD_BAND, EMA_ALPHA, Pace, Split, known_paces, predicted_step_s, relative_speed, speedup_without, worker_report
 from eltctl_runtime.protocol import WORKER_FIELDS
-from eltctl_runtime.sampler import counts_bounds, proportional_counts
+from eltctl_runtime.train.sampler import counts_bounds, proportional_counts
 from runtime_cluster import SMALL, assert_exactly_once, assert_identical_state
 
 N_SAMPLES = int(SMALL[SMALL.index("--samples") + 1])
@@ -295,7 +285,7 @@ def test_a_worker_that_holds_the_job_back_is_reported_a_straggler_in_the_status(
 
 
 def test_a_balanced_split_keeps_batchnorm_ranks_at_two_samples_or_more():
-    from eltctl_runtime.balance import Split
+    from eltctl_runtime.train.balance import Split
 
     slots = [0.001, 0.001, 0.05]  # the third rank is 50x slower
     assert Split().replanned(slots, 24).counts(24, 3)[2] == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-from eltctl_runtime import collectives
+from eltctl_runtime.member import collectives
 
 
 def test_bind_address_prefers_the_environment(monkeypatch):

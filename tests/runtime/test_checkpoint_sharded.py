@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eltctl_runtime import checkpoint as ckpt
-from eltctl_runtime.zero import Member, ShardedGradients, shard_layout
+from eltctl_runtime.checkpoint import store as ckpt
+from eltctl_runtime.train.zero.sharded import Member, ShardedGradients, shard_layout
 
 WORKER = Path(__file__).with_name("ckpt_shard_worker.py")
 sys.path.insert(0, str(WORKER.parent))

@@ -11,7 +11,7 @@ import tarfile
 
 import pytest
 
-from eltctl_runtime.dirsnap import UnsafeSnapshot, pack_dir, unpack_dir
+from eltctl_runtime.restart.snapshots import UnsafeSnapshot, pack_dir, unpack_dir
 
 FILTERS = pytest.mark.parametrize("data_filter", [None, getattr(tarfile, "data_filter", None)],
                                   ids=["without-data_filter", "with-data_filter"])

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 import eltctl_runtime as elt
-from eltctl_runtime.exiting import exit_code_of
+from eltctl_runtime.member.exiting import exit_code_of
 
 SCRIPT = textwrap.dedent("""
     import atexit, ctypes, sys, torch
@@ -92,7 +92,7 @@ def test_flushing_at_exit_touches_no_attribute_of_other_objects():
     # which reads obj.__class__, and torch's deprecated object warns on any attribute read.
     import warnings
 
-    from eltctl_runtime.exiting import flush_open_files
+    from eltctl_runtime.member.exiting import flush_open_files
 
     assert dist.reduce_op is not None  # the deprecated object lives (read once here, before recording)
     with warnings.catch_warnings(record=True) as caught:

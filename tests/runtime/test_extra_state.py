@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import eltctl_runtime as elt
-from eltctl_runtime import state as st
-from eltctl_runtime.checkpoint import CheckpointStore, InvalidCheckpoint
+from eltctl_runtime.train import state as st
+from eltctl_runtime.checkpoint.store import CheckpointStore, InvalidCheckpoint
 from tests.testbed.hostpython import HOST_PYTHON
 
 

@@ -27,9 +27,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eltctl_runtime import auth
-from eltctl_runtime.membership import job_store
-from eltctl_runtime.pgstore import PgStore, pg_store
+from eltctl_runtime.store import auth
+from eltctl_runtime.member.plan import job_store
+from eltctl_runtime.store.pgstore import PgStore, pg_store
 from eltctl_runtime.protocol import Keys, job_prefix
 from runtime_cluster import SMALL, assert_exactly_once, assert_identical_state
 
@@ -138,7 +138,7 @@ def test_groups_form_on_signed_values_and_a_forged_one_raises_naming_its_key(ser
 def test_an_unsigned_job_keeps_plain_values(server):
     """No secret: the group forms on the plain prefix `gen/<g>/pg` (PlainPgStore: its waits
     in slices), its values unsigned."""
-    from eltctl_runtime.pgstore import PlainPgStore
+    from eltctl_runtime.store.pgstore import PlainPgStore
 
     store = pg_store(dist.PrefixStore(job_prefix("j"), server), 3)
     assert type(store) is PlainPgStore

@@ -21,8 +21,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from eltctl_runtime import auth
-from eltctl_runtime.membership import Plan
+from eltctl_runtime.store import auth
+from eltctl_runtime.member.plan import Plan
 from eltctl_runtime.protocol import EventKind, Keys, job_prefix
 from runtime_cluster import SMALL, assert_exactly_once, assert_identical_state
 

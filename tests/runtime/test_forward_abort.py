@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eltctl_runtime.collectives import Aborted
-from eltctl_runtime.job import ElasticJob
+from eltctl_runtime.member.collectives import Aborted
+from eltctl_runtime.train.job import ElasticJob
 
 
 class Counting(torch.nn.Module):

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from eltctl_runtime.generation import TRANSITIONS, ExcludedFromJob, GenerationHooks, Generations, Phase
-from eltctl_runtime.membership import Plan
+from eltctl_runtime.member.generation import TRANSITIONS, ExcludedFromJob, GenerationHooks, Generations, Phase
+from eltctl_runtime.member.plan import Plan
 from eltctl_runtime.protocol import EventKind, Keys
 
 from dictstore import DictStore
@@ -109,7 +109,7 @@ def test_the_roll_call_reads_only_verified_answers_plans_and_death_reports():
     """The roll call reads the next plan and every member's answer and death report at
     once (one request per look on the keeper's store); each value is still verified: a
     forged plan, answer or death report reads as missing (counted), never acted on."""
-    from eltctl_runtime import auth
+    from eltctl_runtime.store import auth
 
     raw = DictStore()
     store = auth.signed(raw, "eltctl/j", auth.new_secret(), run="ab")

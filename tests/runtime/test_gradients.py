@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import grad_worker
-from eltctl_runtime.gradients import BufferSync, Bucket, Slot, plan_layout
+from eltctl_runtime.train.gradients import BufferSync, Bucket, Slot, plan_layout
 from runtime_cluster import assert_exactly_once
 
 F32, F64, F16 = "torch.float32", "torch.float64", "torch.float16"
@@ -181,7 +181,7 @@ def test_a_reduction_that_failed_is_seen_without_waiting_so_backward_can_stop(tm
 
     import torch.distributed as dist
 
-    from eltctl_runtime import collectives
+    from eltctl_runtime.member import collectives
 
     store_path = str(tmp_path / "store")
     peer = subprocess.Popen([sys.executable, "-c", _PEER, store_path], stdin=subprocess.PIPE, text=True)
@@ -225,8 +225,8 @@ def test_the_replicated_path_keeps_a_dropped_steps_buffers_only_where_its_reduct
     import torch.distributed as dist
     from runtime_cluster import gloo_group, run_threads
 
-    from eltctl_runtime import collectives
-    from eltctl_runtime.gradients import ReplicatedPath
+    from eltctl_runtime.member import collectives
+    from eltctl_runtime.train.gradients import ReplicatedPath
 
     x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
 
@@ -299,8 +299,8 @@ def test_the_clipping_norm_is_summed_in_float64_and_both_paths_clip_alike():
     import torch.distributed as dist
     from runtime_cluster import gloo_group
 
-    from eltctl_runtime.gradients import ReplicatedPath
-    from eltctl_runtime.zero import Member, ShardedGradients, shard_layout
+    from eltctl_runtime.train.gradients import ReplicatedPath
+    from eltctl_runtime.train.zero.sharded import Member, ShardedGradients, shard_layout
 
     x = torch.randn(32, 2048, generator=torch.Generator().manual_seed(1))
 

@@ -10,7 +10,7 @@ from tests.testbed.hostpython import HOST_PYTHON, SETUP_HINT, host_env
 STATE_ROUND_TRIP = """
 import sys
 import torch
-import eltctl_runtime.state as st
+import eltctl_runtime.train.state as st
 
 model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
 opt = torch.optim.Adam(model.parameters())

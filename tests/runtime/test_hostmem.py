@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from eltctl_runtime import hostmem
-from eltctl_runtime.hostmem import ALIGN, MIN_BYTES, Recycler
+from eltctl_runtime.train.zero import hostmem
+from eltctl_runtime.train.zero.hostmem import ALIGN, MIN_BYTES, Recycler
 
 MB = 1 << 20
 
@@ -89,7 +89,7 @@ def test_release_hands_back_the_pages_nobody_took_and_keeps_what_was_carved():
 
 
 def _path(shard: str = "optimizer", replicas: int = 2):
-    from eltctl_runtime import zero
+    from eltctl_runtime.train.zero import sharded as zero
 
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))  # 2 MB of parameters
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -148,7 +148,7 @@ def test_a_large_host_buffer_is_faulted_in_huge_pages():
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_a_joiner_admitted_in_time_keeps_the_memory_its_first_layout_needs(shard):
-    from eltctl_runtime import zero
+    from eltctl_runtime.train.zero import sharded as zero
 
     path = _path(shard)
     path.prepare_join(3, AdmittedOnceTouched())
@@ -165,7 +165,7 @@ def test_a_joiner_admitted_in_time_keeps_the_memory_its_first_layout_needs(shard
 def test_a_joiner_kept_waiting_gives_the_memory_back(monkeypatch):
     import threading
 
-    from eltctl_runtime import zero
+    from eltctl_runtime.train.zero import sharded as zero
 
     monkeypatch.setattr(zero, "JOINER_MEMORY_HOLD_S", 0.05)
     path = _path()

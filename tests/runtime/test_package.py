@@ -17,7 +17,7 @@ report(step=1, loss=0.5)  # outside eltctl: a no-op
 checkpoint_saved("x")
 assert "torch" not in sys.modules, "restart mode's report() imported torch"
 job_class = elt.ElasticJob
-assert "torch" in sys.modules and job_class.__module__ == "eltctl_runtime.job"
+assert "torch" in sys.modules and job_class.__module__ == "eltctl_runtime.train.job"
 from eltctl_runtime import share_bounds, SamplerState, ExcludedFromJob, Commit
 assert set(elt.__all__) <= set(dir(elt))
 try:

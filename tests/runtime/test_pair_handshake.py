@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eltctl_runtime import auth, collectives
+from eltctl_runtime.store import auth
+from eltctl_runtime.member import collectives
 from eltctl_runtime.protocol import Keys, job_prefix
 
 CPU = torch.device("cpu")

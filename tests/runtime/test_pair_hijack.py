@@ -22,7 +22,7 @@ import secrets
 
 import pytest
 
-from eltctl_runtime import auth
+from eltctl_runtime.store import auth
 from eltctl_runtime.netif import BIND_ADDRESS_ENV
 from runtime_cluster import SMALL, assert_exactly_once, assert_identical_state
 from tests.testbed import attacker

@@ -27,16 +27,8 @@ from torch.utils.data import TensorDataset, default_collate
 
 import eltctl_runtime as elt
 from eltctl_runtime.pids import pid_alive
-from eltctl_runtime.pipeline import (
-    DataLoadError,
-    Prefetcher,
-    ShareKey,
-    check_pipeline_args,
-    fetch_batch,
-    micro_chunks,
-    plan_shares,
-)
-from eltctl_runtime.sampler import SamplerState
+from eltctl_runtime.train.pipeline import DataLoadError, Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
+from eltctl_runtime.train.sampler import SamplerState
 from runtime_cluster import SMALL, assert_exactly_once, assert_identical_state
 
 N_SAMPLES = int(SMALL[SMALL.index("--samples") + 1])

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from eltctl_runtime import progress
-from eltctl_runtime.progress import (PATTERNS, PatternError, ProgressFile, ProgressTracker, compile_progress,
-                                     match_progress)
+from eltctl_runtime.restart import progress
+from eltctl_runtime.restart.progress import PATTERNS, PatternError, ProgressFile, ProgressTracker, compile_progress, match_progress
 
 SCRIPT = """
 import os, sys

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from eltctl_runtime import ConfigError, RuntimeConfig, SamplerState, epoch_order, share_bounds
-from eltctl_runtime.membership import Plan, Transfer, Verdict, choose_source, propose, receivers, roll_call
+from eltctl_runtime.member.plan import Plan, Transfer, Verdict, choose_source, propose, receivers, roll_call
 from eltctl_runtime.protocol import EventKind
-from eltctl_runtime import state as st
-from eltctl_runtime.job import bucket_layout
+from eltctl_runtime.train import state as st
+from eltctl_runtime.train.job import bucket_layout
 
 
 @pytest.mark.parametrize("total,world", [(10, 3), (7, 7), (3, 5), (64, 4), (65, 4), (0, 2)])

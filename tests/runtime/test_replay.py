@@ -21,11 +21,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from eltctl_runtime import auth
+from eltctl_runtime.store import auth
 from eltctl_runtime.config import RuntimeConfig
-from eltctl_runtime.control import ControlThread
+from eltctl_runtime.member.control import ControlThread
 from eltctl_runtime.daemon.link import StoreLink
-from eltctl_runtime.membership import Plan, await_admission, decide, job_store, scan_joiners
+from eltctl_runtime.member.plan import Plan, await_admission, decide, job_store, scan_joiners
 from eltctl_runtime.protocol import EventKind, Keys, add_event, get_events, job_prefix
 
 SECRET = bytes(range(32))

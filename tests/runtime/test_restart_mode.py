@@ -26,11 +26,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eltctl_runtime import auth, read_status
+from eltctl_runtime.store import auth
+from eltctl_runtime import read_status
 from eltctl_runtime.daemon.procs import environ_of as procs_environ
 from eltctl_runtime.protocol import Keys, job_prefix
-from eltctl_runtime.checkpoint import CheckpointStore
-from eltctl_runtime.restart import ScriptStore, expand_command, pack_dir, torchrun_env, unpack_dir, warm_form
+from eltctl_runtime.checkpoint.store import CheckpointStore
+from eltctl_runtime.restart.supervisor import ScriptStore, expand_command, pack_dir, torchrun_env, unpack_dir, warm_form
 from runtime_cluster import PYTHON, ROOT, Cluster, Worker
 from tests.testbed.hostpython import host_env
 

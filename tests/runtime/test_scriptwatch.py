@@ -11,9 +11,8 @@ import time
 
 import pytest
 
-from eltctl_runtime.scriptwatch import (CheckpointWatch, LiveSnapshots, OutputPump, RestartLimit, Stamp, Take,
-                                        group_pids, listing, writers_under)
-from eltctl_runtime.dirsnap import unpack_dir
+from eltctl_runtime.restart.watch import CheckpointWatch, LiveSnapshots, OutputPump, RestartLimit, Stamp, Take, group_pids, listing, writers_under
+from eltctl_runtime.restart.snapshots import unpack_dir
 
 S = 10**9  # ns
 

@@ -1,4 +1,4 @@
-"""The job's store server (eltctl_runtime.sockstore) and its client (storeclient.SocketStore):
+"""The job's store server (eltctl_runtime.store.server) and its client (storeclient.SocketStore):
 every op with c10d's meaning, the limits and their messages, a silent client that
 delays nobody, the socket's modes, long paths, and gloo's rendezvous through it."""
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eltctl_runtime.sockstore import Limits, StoreServer, parse_spec
-from eltctl_runtime.storeclient import SocketStore, StoreClosed, StoreRefused, StoreTimeout, connect
+from eltctl_runtime.store.server import Limits, StoreServer, parse_spec
+from eltctl_runtime.store.client import SocketStore, StoreClosed, StoreRefused, StoreTimeout, connect
 
 
 @pytest.fixture
@@ -278,8 +278,8 @@ def test_peek_reads_several_keys_without_waiting_and_pipelined_requests_stay_in_
 
 
 def test_a_signed_poll_verifies_every_value_and_counts_forgeries(server):
-    from eltctl_runtime import auth
-    from eltctl_runtime.membership import job_store
+    from eltctl_runtime.store import auth
+    from eltctl_runtime.member.plan import job_store
     from eltctl_runtime.protocol import Keys, job_prefix, scan
 
     secret = auth.new_secret()
@@ -304,7 +304,7 @@ def test_a_signed_poll_verifies_every_value_and_counts_forgeries(server):
 def test_the_plain_client_speaks_the_same_store_without_torch(server):
     """connect(..., plain=True) (the controller's and the daemons' client): no dist.Store,
     the same requests; its prefix store and torch's PrefixStore see the same keys."""
-    from eltctl_runtime.storeclient import PlainPrefixStore, PlainSocketStore, prefix_store
+    from eltctl_runtime.store.client import PlainPrefixStore, PlainSocketStore, prefix_store
 
     spec = f"unix:{server.unix_path}"
     plain = connect(spec, 5.0, plain=True)
@@ -327,9 +327,9 @@ def test_a_rendezvous_wait_brings_the_value_and_its_get_still_verifies_it(server
     """gloo waits for each peer's key, then gets it: PgStore fetches the value with the wait
     (one round trip: WAIT and PEEK pipelined) and its get checks it as before; a forged
     value fetched so is refused and counted all the same."""
-    from eltctl_runtime import auth
-    from eltctl_runtime.membership import job_store
-    from eltctl_runtime.pgstore import pg_store
+    from eltctl_runtime.store import auth
+    from eltctl_runtime.member.plan import job_store
+    from eltctl_runtime.store.pgstore import pg_store
     from eltctl_runtime.protocol import Keys, job_prefix
 
     js = job_store(client(server), "j", auth.new_secret())
@@ -361,9 +361,9 @@ def test_an_abandoned_group_construction_keeps_no_request_of_the_same_client_wai
     lock (c10d's TCPStore holds it too) and the roll call could not write a word until the
     wait ran out (a hand-over aborted on one survivor stalled the job 300 s). Now every wait
     of the rendezvous goes in slices: the roll call's requests pass while it still waits."""
-    from eltctl_runtime import auth
-    from eltctl_runtime.membership import job_store
-    from eltctl_runtime.pgstore import pg_store
+    from eltctl_runtime.store import auth
+    from eltctl_runtime.member.plan import job_store
+    from eltctl_runtime.store.pgstore import pg_store
 
     if kind == "keeper":
         base = client(server, timeout=60)

@@ -1,5 +1,5 @@
 """The store's limits on connections, answers, MULTI_SET and counters
-(eltctl_runtime.sockstore), with an in-process server and the plain client (no torch):
+(eltctl_runtime.store.server), with an in-process server and the plain client (no torch):
 
 - the connection limit below the open-file limit (`connection_cap`: a table);
 - a connection that sends nothing is closed (counted, not as a refusal); one idle between
@@ -20,8 +20,8 @@ import time
 import pytest
 
 from eltctl_runtime.protocol import Keys, add_event, scope
-from eltctl_runtime.sockstore import FD_RESERVE, Limits, StoreServer, connection_cap, encode, Op, Status, decode
-from eltctl_runtime.storeclient import PlainSocketStore, StoreRefused
+from eltctl_runtime.store.server import FD_RESERVE, Limits, StoreServer, connection_cap, encode, Op, Status, decode
+from eltctl_runtime.store.client import PlainSocketStore, StoreRefused
 
 
 def _serve(tmp_path, **limits) -> StoreServer:
@@ -191,7 +191,7 @@ def test_after_an_idle_close_the_client_sends_again_only_to_the_same_server(tmp_
     """A keeper restarted at the same address while a client sat idle: the client's next
     call is a lost store (StoreClosed, what the callers recover from), not a quiet
     reconnect to a new store whose run id it does not know."""
-    from eltctl_runtime.sockstore import StoreClosed
+    from eltctl_runtime.store.server import StoreClosed
 
     srv = _serve(tmp_path, idle_timeout_s=0.2)
     c = _client(srv)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from eltctl_runtime import auth, protocol, storeclient
-from eltctl_runtime.checkpoint import CheckpointStore
+from eltctl_runtime.store import auth, client as storeclient
+from eltctl_runtime import protocol
+from eltctl_runtime.checkpoint.store import CheckpointStore
 from eltctl_runtime.protocol import Keys, first_generation
 from runtime_cluster import ROOT, SMALL, Cluster, assert_exactly_once, assert_identical_state
 

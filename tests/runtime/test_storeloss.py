@@ -12,10 +12,9 @@ import time
 import pytest
 
 from dictstore import DictStore
-from eltctl_runtime.membership import Plan, await_admission
+from eltctl_runtime.member.plan import Plan, await_admission
 from eltctl_runtime.protocol import EventKind, Keys, first_generation
-from eltctl_runtime.storeloss import (STORE_ADDRESS_FILE, StoreAddress, StoreHealth, StoreLost, flush_held,
-                                      read_store_address, republish, restarted_store_waits, wait_until_back)
+from eltctl_runtime.store.loss import STORE_ADDRESS_FILE, StoreAddress, StoreHealth, StoreLost, flush_held, read_store_address, republish, restarted_store_waits, wait_until_back
 
 
 class Clock:
@@ -194,10 +193,10 @@ def test_a_daemons_link_reconnects_to_the_keepers_new_port_when_another_process_
     on port B and the keeper's address file names it: the link reconnects to B (the old
     code retried A for ever)."""
     from eltctl_runtime.daemon.link import StoreLink
-    from eltctl_runtime.membership import job_store
+    from eltctl_runtime.member.plan import job_store
     from eltctl_runtime.protocol import Desired, put_desired
-    from eltctl_runtime.sockstore import StoreServer
-    from eltctl_runtime.storeclient import connect
+    from eltctl_runtime.store.server import StoreServer
+    from eltctl_runtime.store.client import connect
 
     first = StoreServer()
     port_a = first.listen_tcp("127.0.0.1", 0)

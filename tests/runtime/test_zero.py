@@ -16,18 +16,7 @@ import torch.distributed as dist
 
 from runtime_cluster import gloo_group as group, run_threads as run_ranks
 
-from eltctl_runtime.zero import (
-    PAD_MIN_QUANTA,
-    PAD_QUANTUM,
-    Member,
-    ShardedGradients,
-    ShardsLost,
-    ShardLayout,
-    plan_shards,
-    plan_transfers,
-    reshard,
-    shard_layout,
-)
+from eltctl_runtime.train.zero.sharded import PAD_MIN_QUANTA, PAD_QUANTUM, Member, ShardedGradients, ShardsLost, ShardLayout, plan_shards, plan_transfers, reshard, shard_layout
 
 F32, F64 = "torch.float32", "torch.float64"
 ROWS = 12
@@ -401,7 +390,7 @@ def test_a_shard_stepped_in_small_pieces_with_one_staging_buffer_trains_as_repli
     5 elements (PIECE_ELEMS; its state views of the chunk's, the first step's state joined
     from the pieces), and ZeRO-2 has one staging buffer per dtype, so each float64 bucket
     waits in backward for the one before to be reduced and taken out of it."""
-    from eltctl_runtime import zero
+    from eltctl_runtime.train.zero import sharded as zero
 
     monkeypatch.setattr(zero, "PIECE_ELEMS", 5)
     monkeypatch.setattr(zero, "STAGING_BUFFERS", 1)
@@ -711,7 +700,7 @@ def test_a_collective_waited_on_without_an_abort_event_waits_for_a_late_peer():
     """checkpoint.restore_chunks and zero's helpers take abort=None outside a generation
     (tests, tools): a peer that comes late (hashing its shard files, here 0.3 s) must be
     waited for, not end the wait with an AttributeError on the missing event."""
-    from eltctl_runtime import collectives
+    from eltctl_runtime.member import collectives
 
     store = dist.HashStore()
 
@@ -799,7 +788,7 @@ def test_a_transfer_posted_to_a_peer_already_gone_is_an_abort_with_a_backend_err
     import subprocess
     import sys
 
-    from eltctl_runtime import collectives
+    from eltctl_runtime.member import collectives
 
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
     peer = subprocess.Popen([sys.executable, "-c", PEER_THAT_GOES, str(store.port)])
@@ -881,7 +870,7 @@ def test_a_dropped_step_keeps_its_buffers_where_its_reductions_ended_and_replace
 
 
 def dist_settled(sg: ShardedGradients) -> bool:
-    from eltctl_runtime import collectives
+    from eltctl_runtime.member import collectives
 
     return collectives.settled(sg._works)
 

@@ -160,8 +160,8 @@ import json, os, secrets, sys, threading, time
 import torch
 import torch.distributed as dist
 from eltctl_runtime import auth, collectives
-from eltctl_runtime.membership import job_store
-from eltctl_runtime.pgstore import pg_store
+from eltctl_runtime.member.plan import job_store
+from eltctl_runtime.store.pgstore import pg_store
 
 rank, addr, storefile, out, rounds, skew, secret_file, check_s = (
     int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), float(sys.argv[6]), sys.argv[7],
@@ -249,7 +249,7 @@ def test_a_new_gloo_group_is_not_hijacked_by_another_account_racing_its_listener
         pytest.skip(reason)
     import random
 
-    from eltctl_runtime import auth
+    from eltctl_runtime.store import auth
 
     address = f"127.{random.randint(20, 63)}.{random.randint(0, 255)}.1"  # its own, below test beds' 127.64+
     script = tmp_path / "rounds.py"

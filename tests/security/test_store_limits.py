@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from eltctl_runtime.sockstore import Op, Status, decode, encode
-from eltctl_runtime.storeclient import PlainSocketStore, StoreRefused
+from eltctl_runtime.store.server import Op, Status, decode, encode
+from eltctl_runtime.store.client import PlainSocketStore, StoreRefused
 
 NOFILE = 700  # the keeper's open-file limit (soft and hard) in these tests
 

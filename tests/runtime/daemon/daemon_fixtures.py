@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import eltctl_runtime as elt
 from eltctl.sim.gpustate import ForeignProcess, GpuState, install_nvidia_smi
-from eltctl_runtime import auth
+from eltctl_runtime.store import auth
 from eltctl_runtime.protocol import desired_key, get_events, get_status, state_key
 from tests.testbed.hostpython import HOST_PYTHON, host_env
 

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from daemon_fixtures import SimHost
-from eltctl_runtime import auth
+from eltctl_runtime.store import auth
 from eltctl_runtime.protocol import desired_key, job_prefix
 
 pytestmark = pytest.mark.slow

@@ -89,8 +89,10 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from . import collectives, hostmem, state as state_mod
-from .collectives import Aborted
+from ..member import collectives
+from .zero import hostmem
+from . import state as state_mod
+from ..member.collectives import Aborted
 
 N_CTRL = 7  # join ready, stop, local sample count, local loss sum, checkpoint due, leave ready, restore bad; then one leave flag per rank
 CTRL_JOIN_READY = 0  # ranks that see a queued joiner and are ready for it (ready_for_join): a join alone needs all

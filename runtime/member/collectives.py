@@ -36,8 +36,8 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from .netif import BIND_ADDRESS_ENV, connections_to_my_listeners, local_address_towards
-from .protocol import Keys
+from ..netif import BIND_ADDRESS_ENV, connections_to_my_listeners, local_address_towards
+from ..protocol import Keys
 
 log = logging.getLogger("eltctl_runtime")
 

@@ -43,19 +43,21 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from . import collectives, exiting, gradients, state as state_mod, storeloss
-from .auth import Forgeries
+from ..member import collectives, exiting
+from . import gradients, state as state_mod
+from ..store import loss as storeloss
+from ..store.auth import Forgeries
 from .balance import Pace, Split, worker_report
-from .collectives import Aborted
-from .config import Device, RuntimeConfig
-from .control import ControlThread
-from .generation import CRASH_CONFIRM_S, ExcludedFromJob, GenerationHooks, Generations  # noqa: F401 - re-exported
+from ..member.collectives import Aborted
+from ..config import Device, RuntimeConfig
+from ..member.control import ControlThread
+from ..member.generation import CRASH_CONFIRM_S, ExcludedFromJob, GenerationHooks, Generations  # noqa: F401 - re-exported
 from .gradients import GradientPath, ReplicatedPath
-from .membership import Plan, choose_source, job_store, receivers
+from ..member.plan import Plan, choose_source, job_store, receivers
 from .pipeline import Prefetcher, ShareKey, check_pipeline_args, fetch_batch, micro_chunks, plan_shares
-from .protocol import EventKind, Keys, add_event, get_restored, get_status, put_dead, status_document
+from ..protocol import EventKind, Keys, add_event, get_restored, get_status, put_dead, status_document
 from .sampler import SamplerState
-from . import storeclient
+from ..store import client as storeclient
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -350,7 +352,7 @@ class ElasticJob:
         if cfg.audit_path is not None:
             self._audit_fd = os.open(cfg.audit_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if cfg.checkpoint_dir is not None:
-            from .checkpoint import CheckpointStore
+            from ..checkpoint.store import CheckpointStore
 
             self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
         if cfg.max_micro_batch:
@@ -1092,7 +1094,7 @@ class ElasticJob:
         checks, self._pending_checks = self._pending_checks, []
         if not checks:
             return True
-        from .checkpoint import InvalidCheckpoint
+        from ..checkpoint.store import InvalidCheckpoint
 
         ok = True
         for check in checks:  # every one waited for: none is left hashing
@@ -1247,7 +1249,7 @@ class ElasticJob:
         if self._grads.gathers:
             state = self._grads.shard_checkpoint_state(self.model, self._progress(), self._extra)
             if state is not None:
-                from .checkpoint import save_sharded
+                from ..checkpoint.store import save_sharded
 
                 g = self._grads
                 save_sharded(self._step, state, g.sg, g.pg, hosts=[m.host for m in g.layout.members],
@@ -1306,7 +1308,7 @@ class ElasticJob:
         if self._check_first:
             found = self._ckpt.latest_valid(assemble=not sharded, mmap=sharded)
             if found is None:
-                from .checkpoint import CheckpointError
+                from ..checkpoint.store import CheckpointError
 
                 raise CheckpointError(
                     f"the newest checkpoint in {self._ckpt.directory} was damaged (see the warning above) and "
@@ -1323,7 +1325,7 @@ class ElasticJob:
                 self._pending_checks.append(check)
         # What the other ranks are told (_restore_together); for a sharded checkpoint also what
         # each rank's chunks come from at reshard (checkpoint.restore_chunks).
-        from .checkpoint import restore_identity
+        from ..checkpoint.store import restore_identity
 
         self._restored = {"path": str(info.path), "sha256": info.sha256, "host": self._host,
                           **restore_identity(info.path)}
@@ -1340,7 +1342,7 @@ class ElasticJob:
         """The sharded path's loader (checkpoint.restore_chunks): each rank's chunks from the
         restored checkpoint's shard files; on another host than the restoring rank's, the
         files it reads are hashed meanwhile and confirmed with the rest of the restore."""
-        from .checkpoint import restore_chunks
+        from ..checkpoint.store import restore_chunks
 
         return restore_chunks(ckpt, sg, pg, host, abort, checks=None if self._check_first else self._pending_checks)
 
@@ -1351,7 +1353,7 @@ class ElasticJob:
     def _take_up(self, saved: dict, desc: dict) -> None:
         """Adopt a checkpoint's state (`desc`: which checkpoint, where it was read)."""
         if self._shard is not None:
-            from .checkpoint import is_sharded
+            from ..checkpoint.store import is_sharded
 
             if is_sharded(desc["path"]):
                 saved["optimizer"] = {**saved["optimizer"], "checkpoint": dict(desc)}
@@ -1366,7 +1368,7 @@ class ElasticJob:
         rank's hashes cover it (at world 4 on 2 cores, three ranks each hashing what they
         read took CPU from every rank's restore). False: it receives the state from the
         restoring rank."""
-        from .checkpoint import InvalidCheckpoint, covered_by_restorer, load_restored
+        from ..checkpoint.store import InvalidCheckpoint, covered_by_restorer, load_restored
 
         sharded = self._shard is not None
         try:
@@ -1541,7 +1543,7 @@ def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.o
         return ReplicatedPath(params, bucket_mb)
     if shard not in SHARD_SETTINGS:
         raise ValueError(f"shard must be None or one of {', '.join(map(repr, SHARD_SETTINGS))}, got {shard!r}")
-    from . import zero  # only a sharded job pays for importing it
+    from .zero import sharded as zero  # only a sharded job pays for importing it
 
     return zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
 

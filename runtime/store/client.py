@@ -1,6 +1,6 @@
 """The store's client, and `connect`: the one way every process reaches the job's store.
 
-`SocketStore` is a `torch.distributed.Store` speaking eltctl_runtime.sockstore's
+`SocketStore` is a `torch.distributed.Store` speaking eltctl_runtime.store.server's
 protocol (over a Unix socket, or TCP in the direct mode), so it serves everywhere a
 c10d store does: `PrefixStore`, gloo's and NCCL's rendezvous, the signed job store.
 Keep a Python reference to it while C++ uses it (a temporary handed straight to
@@ -28,8 +28,7 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-from eltctl_runtime.sockstore import (Op, Status, StoreClosed, StoreError, StoreRefused, StoreTimeout, _LEN, decode,
-                                      encode, parse_spec, unix_connect)
+from .server import Op, Status, StoreClosed, StoreError, StoreRefused, StoreTimeout, _LEN, decode, encode, parse_spec, unix_connect
 
 DEFAULT_TIMEOUT_S = 300.0
 _MARGIN_S = 10.0  # a blocking GET's socket waits this much past the server's own timeout
@@ -497,7 +496,7 @@ def prefix_store(prefix: str, base):
 
 
 def connect(spec: str, timeout: float, plain: bool = False):
-    """A client of the job's store at `spec` (eltctl_runtime.sockstore's grammar):
+    """A client of the job's store at `spec` (eltctl_runtime.store.server's grammar):
     `unix:/path` and `tcp:host:port` are the keeper's store (`SocketStore`; with
     `plain`, a `PlainSocketStore`, no torch: for a process that forms no process group);
     a bare `host:port` is a c10d TCPStore (a job run without eltctl's keeper). Raises

@@ -71,9 +71,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from . import collectives, gradients, hostmem, state as state_mod
+from ...member import collectives
+from .. import gradients, state as state_mod
+from . import hostmem
 from .hostmem import Recycler
-from .state import dtype_named
+from ..state import dtype_named
 
 log = logging.getLogger("eltctl_runtime")
 

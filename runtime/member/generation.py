@@ -42,9 +42,9 @@ import torch
 
 from . import collectives
 from .collectives import Aborted
-from .membership import Plan, Verdict, await_admission, decide, propose, roll_call, scan_joiners
-from .pgstore import pg_store
-from .protocol import EventKind, Keys, peek_many, set_and_peek
+from .plan import Plan, Verdict, await_admission, decide, propose, roll_call, scan_joiners
+from ..store.pgstore import pg_store
+from ..protocol import EventKind, Keys, peek_many, set_and_peek
 
 log = logging.getLogger("eltctl_runtime")
 

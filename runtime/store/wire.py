@@ -12,8 +12,8 @@ is b"\\1" + the value, or b"\\0" for a missing key).
 
 A server that closes an idle connection says so first (CLOSED) and reads nothing
 after it: the client sends what it had sent again, on a new connection. Standard
-library only (the server: eltctl_runtime.sockstore, which re-exports these names;
-the client: eltctl_runtime.storeclient).
+library only (the server: eltctl_runtime.store.server, which re-exports these names;
+the client: eltctl_runtime.store.client).
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Collection, Iterable, Mapping, NamedTuple, Sequence
 
-from .daemon.logic import cause_line
-from .dirsnap import pack_dir
+from ..daemon.logic import cause_line
+from .snapshots import pack_dir
 from .progress import match_progress
 
 LAST_LINES = 40

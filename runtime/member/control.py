@@ -32,9 +32,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .membership import Plan, scan_joiners
-from .protocol import Keys, set_and_peek, watch_deleted
-from .storeloss import BACK_GRACE_S, RECONNECT_EVERY_S, StoreHealth
+from .plan import Plan, scan_joiners
+from ..protocol import Keys, set_and_peek, watch_deleted
+from ..store.loss import BACK_GRACE_S, RECONNECT_EVERY_S, StoreHealth
 
 log = logging.getLogger("eltctl_runtime")
 

@@ -1,4 +1,4 @@
-"""The job's store's limits (`Limits`, served by eltctl_runtime.sockstore), and the
+"""The job's store's limits (`Limits`, served by eltctl_runtime.store.server), and the
 connection limit a process can honour under its open-file limit.
 
 A store keeper must refuse a connection with an error, counted, before `accept`

@@ -7,7 +7,7 @@
 `parse_spec` is the one grammar every client uses; `bind_unix` makes the 0600 socket
 in a 0700 directory of this account's own, `bind_tcp` the direct mode's listener;
 `unix_connect` reaches a socket whose path is longer than sun_path holds. Standard
-library only (the server: eltctl_runtime.sockstore, which re-exports these names).
+library only (the server: eltctl_runtime.store.server, which re-exports these names).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The job's store: a small key-value server with c10d's semantics, and its wire protocol.
 
 Standard library only (the store keeper on the control side serves it; the client,
-`eltctl_runtime.storeclient.SocketStore`, is a `torch.distributed.Store`).
+`eltctl_runtime.store.client.SocketStore`, is a `torch.distributed.Store`).
 
 Why not c10d's TCPStore: it listens on TCP, so every account of the machine (and of
 a host, through an SSH port forward) can connect, read, write, and wedge it (one
@@ -29,7 +29,7 @@ own account can connect: the kernel checks it) and, for the warned
   and ADD on a value that is not an integer is refused cleanly (the connection stays).
 
 Addresses ("specs": `unix:/path`, `tcp:HOST:PORT`, or a c10d TCPStore's `HOST:PORT`)
-and the listening sockets: eltctl_runtime.storeaddr; the limits: .storelimits; the
+and the listening sockets: eltctl_runtime.store.address; the limits: .storelimits; the
 protocol (frames, ops, statuses): .storewire.
 
 The server parses frames as they arrive (an asyncio Protocol per connection, no task
@@ -47,12 +47,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .storeaddr import (BACKLOG, SCHEME_TCP, SCHEME_UNIX, UNIX_PATH_MAX, Spec, bind_tcp, bind_unix, parse_spec,
-                        unix_connect)
-from .storelimits import ACCEPT_BURST, FD_RESERVE, Limits, connection_cap, raise_nofile
-from .storewire import _LEN, Op, Status, StoreClosed, StoreError, StoreRefused, StoreTimeout, decode, encode
+from .address import BACKLOG, SCHEME_TCP, SCHEME_UNIX, UNIX_PATH_MAX, Spec, bind_tcp, bind_unix, parse_spec, unix_connect
+from .limits import ACCEPT_BURST, FD_RESERVE, Limits, connection_cap, raise_nofile
+from .wire import _LEN, Op, Status, StoreClosed, StoreError, StoreRefused, StoreTimeout, decode, encode
 
-log = logging.getLogger("eltctl_runtime.sockstore")
+log = logging.getLogger("eltctl_runtime.store.server")
 
 _WAITING_OPS = (Op.GET, Op.WAIT, Op.MULTI_GET)
 _OP_NAMES = {int(op): op.name for op in Op}
@@ -61,7 +60,7 @@ _BIG_ANSWER = 1 << 20  # an answer this big is checked against the unread answer
 
 
 # The wire (ops, statuses, frames, errors), the limits and the addresses:
-# eltctl_runtime.storewire, .storelimits and .storeaddr (re-exported here).
+# eltctl_runtime.store.wire, .storelimits and .storeaddr (re-exported here).
 
 
 def answers(path: str, timeout: float = 2.0) -> bool:

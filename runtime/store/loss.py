@@ -50,8 +50,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .protocol import READ_WINDOW, Keys, add_event, claim, scan
-from .storeaddr import parse_spec
+from ..protocol import READ_WINDOW, Keys, add_event, claim, scan
+from .address import parse_spec
 
 log = logging.getLogger("eltctl_runtime")
 

@@ -54,20 +54,19 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from . import collectives, exiting
-from .auth import Forgeries, ForgedValue
-from .collectives import Aborted
-from .config import Device, RuntimeConfig
-from .control import ControlThread
-from .generation import ExcludedFromJob, GenerationHooks, Generations
-from .membership import Plan, choose_source, job_store, scan_joiners
+from ..member import collectives, exiting
+from ..store.auth import Forgeries, ForgedValue
+from ..member.collectives import Aborted
+from ..config import Device, RuntimeConfig
+from ..member.control import ControlThread
+from ..member.generation import ExcludedFromJob, GenerationHooks, Generations
+from ..member.plan import Plan, choose_source, job_store, scan_joiners
 from .progress import ENV_PROGRESS, ProgressFile, ProgressTracker, compile_progress
-from .protocol import EventKind, Keys, add_event, put_dead, status_document
-from .dirsnap import pack_dir, unpack_dir
-from .scriptwatch import (CheckpointWatch, Listing, LiveSnapshots, OutputPump, RestartLimit, Take, group_pids,
-                          listing, progress_matcher, writers_under)
-from .state import tensor_bytes
-from . import storeclient
+from ..protocol import EventKind, Keys, add_event, put_dead, status_document
+from .snapshots import pack_dir, unpack_dir
+from .watch import CheckpointWatch, Listing, LiveSnapshots, OutputPump, RestartLimit, Take, group_pids, listing, progress_matcher, writers_under
+from ..train.state import tensor_bytes
+from ..store import client as storeclient
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -92,7 +91,7 @@ _CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOC
                 "ELTCTL_SECRET_FILE")  # the script has no business with the store or its secret
 _PR_SET_PDEATHSIG = 1
 _PYTHON = re.compile(r"python[\d.]*$")
-WARM_MODULE = "eltctl_runtime.warmstart"
+WARM_MODULE = "eltctl_runtime.restart.warmstart"
 
 
 # ---- pure parts ---------------------------------------------------------------
@@ -392,7 +391,7 @@ class Supervisor:
         self._bind = collectives.bind_address(cfg.store_host, cfg.store_port)
         self._store = self._connect()
         if cfg.checkpoint_dir is not None:
-            from .checkpoint import CheckpointStore
+            from ..checkpoint.store import CheckpointStore
 
             self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
         self._control = ControlThread(self._connect, self.me, cfg.hang_timeout_s, cfg.max_workers)
@@ -966,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
                          "imported waits for it, for `python script.py` and `python -m module` commands)")
     ap.add_argument("--progress", default=None,
                     help="a regex with named groups (step, loss, samples, samples_per_s, ...) or a name in "
-                         "eltctl_runtime.progress.PATTERNS, matched against rank 0's output lines")
+                         "eltctl_runtime.restart.progress.PATTERNS, matched against rank 0's output lines")
     ap.add_argument("--max-restarts", type=int, default=RestartLimit.max_restarts,
                     help="the job stops once the script failed this often within --restart-window "
                          "(0: never; default 5)")
@@ -1011,8 +1010,3 @@ def main(argv: list[str] | None = None) -> int:
     except ExcludedFromJob as e:
         log.error("%s", e)
         return 3
-
-
-if __name__ == "__main__":
-    status = main()  # before sys.exit is looked up: main() arms exiting, which wraps it to keep the status
-    sys.exit(status)

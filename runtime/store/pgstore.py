@@ -53,8 +53,8 @@ from typing import Any
 import torch.distributed as dist
 
 from .auth import ForgedValue, SignedStore
-from .protocol import Keys
-from .storeclient import sliced_wait
+from ..protocol import Keys
+from .client import sliced_wait
 
 __all__ = ["ForgedValue", "PgStore", "pg_store"]
 

@@ -26,9 +26,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Callable, Iterable
 
-from .auth import ForgedValue, signed
-from .protocol import (EventKind, Keys, claim, counter_hint, first_generation, job_prefix, peek, peek_many, scan,
-                       wait_written)
+from ..store.auth import ForgedValue, signed
+from ..protocol import EventKind, Keys, claim, counter_hint, first_generation, job_prefix, peek, peek_many, scan, wait_written
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -241,7 +240,7 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
     generation the members re-published (`first_generation`), and before that no
     generation 0 is formed for `restarted_wait_s`: the members may be about to
     re-publish theirs."""
-    from .storeloss import restarted_store_waits
+    from ..store.loss import restarted_store_waits
 
     seq = _register(store, me, _queue_consumed(store))
     first, known = 0, -1
@@ -314,6 +313,6 @@ def job_store(store, job: str, secret: bytes | None = None, forgeries=None, run:
     a process's connections) in the store's run `run` (auth.py: a value of another
     run reads as forged; callers read the run file at every connect). Every job store
     of the runtime and the daemon is built here. The protocol's helpers need no torch: protocol.scope."""
-    from .storeclient import prefix_store  # keeps a SocketStore client alive with it
+    from ..store.client import prefix_store  # keeps a SocketStore client alive with it
 
     return signed(prefix_store(job_prefix(job), store), job_prefix(job), secret, forgeries, run)

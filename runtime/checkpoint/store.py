@@ -68,8 +68,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .files import fsync_dir
-from .pids import pid_alive
+from ..files import fsync_dir
+from ..pids import pid_alive
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -1032,7 +1032,7 @@ def _wait(work: Any, abort: Any) -> None:
     """A send's or recv's work: gloo's point-to-point works report completion only from
     wait() (is_completed() stays False), so an abortable wait runs wait() on a helper
     thread (collectives.wait_p2p)."""
-    from . import collectives
+    from ..member import collectives
 
     collectives.wait_p2p([work], abort, "shard transfers")
 
@@ -1040,7 +1040,7 @@ def _wait(work: Any, abort: Any) -> None:
 def _send_bytes(pg: Any, dst: int, data: Any, abort: Any) -> None:
     import torch
 
-    from .collectives import send
+    from ..member.collectives import send
 
     view = memoryview(bytearray(data) if isinstance(data, bytes) else data).cast("B")  # frombuffer: writable
     n = torch.tensor([len(view)], dtype=torch.int64)
@@ -1054,7 +1054,7 @@ def _recv_bytes(pg: Any, src: int, abort: Any) -> Any:
     a receive is posted is an Aborted (collectives.recv), as one gone during it."""
     import torch
 
-    from .collectives import recv
+    from ..member.collectives import recv
 
     n = torch.zeros(1, dtype=torch.int64)
     _wait(recv(pg, n, src, SHARD_TAG), abort)
@@ -1095,7 +1095,7 @@ def save_sharded(step: int, state: dict, sg: Any, pg: Any, *, hosts: list[str], 
     Ranks other than the writer return when their shard is on the writer's disk or in
     flight to it. On any failure the staged files are removed and no step directory
     appears; the exception propagates (a collective failure means the group is broken)."""
-    from . import zero
+    from ..train.zero import sharded as zero
 
     rank, world = pg.rank(), pg.size()
     if world != sg.layout.world or len(hosts) != world:
@@ -1166,7 +1166,7 @@ def assemble_optimizer(path: Path | str, sharded: Mapping[str, Any], param_group
     chunk's elements belong. The shard files are memory-mapped."""
     import torch
 
-    from . import zero
+    from ..train.zero import sharded as zero
 
     path = Path(path)
     lay = sharded["layout"]
@@ -1246,7 +1246,7 @@ def restore_sharded(path: Path | str, sg: Any) -> dict:
     "optimizer" as stored: the param_groups alone for a sharded checkpoint)."""
     import torch
 
-    from . import zero
+    from ..train.zero import sharded as zero
 
     path = Path(path)
     m = read_manifest(path)
@@ -1268,7 +1268,7 @@ def load_optimizer_chunks(path: Path | str, sg: Any, param_groups: Any, manifest
     hashed against the manifest first (verify_shard_files); else they are not verified here."""
     import torch
 
-    from . import zero
+    from ..train.zero import sharded as zero
 
     path = Path(path)
     m = manifest if manifest is not None else read_manifest(path)
@@ -1399,7 +1399,9 @@ def restore_chunks(ckpt: Mapping[str, Any], sg: Any, pg: Any, host: str, abort: 
 
     import torch
 
-    from . import collectives, state as state_mod, zero
+    from ..member import collectives
+    from ..train import state as state_mod
+    from ..train.zero import sharded as zero
 
     t0 = time.perf_counter()
     path, rank = Path(ckpt["path"]), pg.rank()
