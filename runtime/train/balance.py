@@ -16,7 +16,7 @@ from equal shares (`Split()`) and is re-planned at its first commit from the
 paces every member carried in.
 
 Pure: every function here is a deterministic function of its arguments
-(tested by table in tests/runtime/test_balance.py).
+(tested by table in tests/runtime/train/test_balance.py).
 """
 
 from __future__ import annotations

@@ -1967,7 +1967,7 @@ class ShardedPath(gradients.GradientPath):
         gradients of the same size). The pre-step copy, which the recycler gets too, is not
         counted off: carved best fit out of two ranges, a total that only just fits can
         leave a buffer with no range left that is big enough (the toy model of
-        tests/runtime/test_sharded_job.py: 4.9 of 39 KB fresh); all in the touched range,
+        tests/runtime/train/test_sharded_job.py: 4.9 of 39 KB fresh); all in the touched range,
         everything fits, and what nobody took goes back at the end of the move."""
         lay = self._layout(members)
         new = ShardedGradients(self._params, self._opt, lay, rank, self.shard)

@@ -20,13 +20,13 @@ import torch
 
 from runtime_cluster import assert_exactly_once, assert_identical_state, committed_lineage, flip_middle_byte
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 import toy  # noqa: E402
 import shard_worker  # noqa: E402  (its --optimizer choices: the reference builds the same)
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).resolve().parent / "shard_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "shard_worker.py"
 N_SAMPLES, BATCH, LR = 480, 24, 3e-3
 ARGS = ["--samples", str(N_SAMPLES), "--batch", str(BATCH), "--lr", str(LR), "--hidden", "32", "--layers", "2"]
 

@@ -1,4 +1,4 @@
-"""One rank of a sharded-checkpoint test (tests/runtime/test_checkpoint_sharded.py), run as
+"""One rank of a sharded-checkpoint test (tests/runtime/checkpoint/test_checkpoint_sharded.py), run as
 its own process: trains a small mixed-dtype model with sharded AdamW state on a gloo group
 (FileStore), writes a sharded checkpoint with checkpoint.save_sharded, and (rank 0) saves the
 gathered full optimizer state and the model as the reference.

@@ -1,5 +1,5 @@
 """Sharded checkpoints (runtime/checkpoint.py save_sharded / assemble_optimizer): written
-by real gloo ranks in their own processes (tests/runtime/ckpt_shard_worker.py), one file
+by real gloo ranks in their own processes (tests/runtime/checkpoint/ckpt_shard_worker.py), one file
 per rank under one manifest, two ranks on the writer's host (each writes its own file)
 and one on another (sends its shard to the writer); read back as one plain full state
 dict, restored at other world sizes and with shard=None exactly; torn and tampered
