@@ -343,18 +343,37 @@ def measure_eltctl(
     return out
 
 
+def base_env(base: Path | None) -> dict[str, str] | None:
+    """The workers' environment that runs another revision's runtime: `base` is a checkout of
+    it (e.g. `git worktree add /tmp/base <rev>`); its runtime/ is put first on PYTHONPATH as
+    `eltctl_runtime` (an overlay of links, beside the checkout). The store, the launcher and
+    examples/train.py stay this tree's: the store's protocol is the same on both sides."""
+    if base is None:
+        return None
+    base = Path(base).resolve()
+    if not (base / "runtime" / "__init__.py").is_file():
+        raise SystemExit(f"--base {base}: not a checkout of eltctl (no runtime/__init__.py)")
+    overlay = base.parent / f"{base.name}.overlay"
+    overlay.mkdir(exist_ok=True)
+    link = overlay / "eltctl_runtime"
+    if not link.is_symlink():
+        link.symlink_to(base / "runtime")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(overlay), os.environ.get("PYTHONPATH")) if p)}
+
+
 def measure_eltctl_step_time(world_size: int = 2, steps: int = 300, warmup: int = 30, *, threads: int = 1,
                              timeout_s: float = 300.0, extra_args: Sequence[str] = (),
-                             store: str = "c10d") -> dict[str, Any]:
+                             store: str = "c10d", env: dict[str, str] | None = None) -> dict[str, Any]:
     """A fixed-size eltctl job: steady-state step time of rank 0 after `warmup` steps.
-    `extra_args` go to examples/train.py (e.g. "--bucket-mb", "0")."""
+    `extra_args` go to examples/train.py (e.g. "--bucket-mb", "0"); `env`: extra variables
+    for every worker (e.g. a PYTHONPATH that puts another revision's runtime first)."""
     wd = Path(tempfile.mkdtemp(prefix="eltctl-steady-"))
     la = _Launcher(wd, ["--batch", "64", "--optimizer", "sgd", "--lr", "0.01", "--steps", str(steps),
                         "--threads", str(threads), *extra_args], min_workers=world_size, threads=threads,
                    store=store)
     try:
         for _ in range(world_size):
-            la.start()
+            la.start(env=env)
         la.wait(lambda: all(p.poll() is not None for _, p, _ in la.procs), timeout_s, f"{steps} steps")
         _, p0, path0 = la.procs[0]
         times = []

@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import measure_ddp_step_time, measure_torchrun  # noqa: E402
-from _eltctl_side import measure_eltctl, measure_eltctl_step_time  # noqa: E402
+from _eltctl_side import base_env, measure_eltctl, measure_eltctl_step_time  # noqa: E402
 from _restart_side import measure_restart  # noqa: E402
 
 EVENTS = ("leave", "join", "kill")
@@ -140,14 +140,22 @@ def assess(rows: list[dict], steady: dict) -> list[Target]:
 
 
 def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=print,
-        restart_mode: bool = True) -> dict[str, Any]:
+        restart_mode: bool = True, base: Path | None = None) -> dict[str, Any]:
     started = time.time()
     load_before = os.getloadavg()
+    benv = base_env(base)
     progress("eltctl: leave, join, SIGKILL on 3 workers ...")
     try:
         eltctl = measure_eltctl(EVENTS, nodes=3, threads=threads, event_cap_s=cap_s)
     except TimeoutError as e:  # a figure missing is reported, not a crash of the whole run
         eltctl = {"system": "eltctl", "error": str(e), "events": []}
+    eltctl_base = None
+    if benv is not None:
+        progress(f"eltctl at {base} (--base): leave, join, SIGKILL on 3 workers ...")
+        try:
+            eltctl_base = measure_eltctl(EVENTS, nodes=3, threads=threads, event_cap_s=cap_s, env=benv)
+        except TimeoutError as e:
+            eltctl_base = {"system": "eltctl", "error": str(e), "events": []}
     progress("torchrun c10d elastic: leave, join, SIGKILL on 3 agents ...")
     torchrun = measure_torchrun(EVENTS, nodes=3, threads=threads, event_cap_s=cap_s)
     restart = None
@@ -158,10 +166,14 @@ def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=
     for i in range(rounds):
         progress(f"steady state, round {i + 1} of {rounds}: eltctl and DDP at world size 2 ...")
         order = ("eltctl", "eltctl_one_bucket", "ddp") if i % 2 == 0 else ("ddp", "eltctl_one_bucket", "eltctl")
+        if benv is not None:  # the base revision beside this one, its place alternating too
+            order = ("eltctl", "eltctl_base", "ddp") if i % 2 == 0 else ("ddp", "eltctl_base", "eltctl")
         pair = {}
         for side in order:
             if side == "eltctl":
                 pair[side] = measure_eltctl_step_time(2, steady_steps, threads=threads)
+            elif side == "eltctl_base":
+                pair[side] = measure_eltctl_step_time(2, steady_steps, threads=threads, env=benv)
             elif side == "eltctl_one_bucket":  # the all-reduce after backward, for comparison
                 pair[side] = measure_eltctl_step_time(2, steady_steps, threads=threads, extra_args=("--bucket-mb", "0"))
             else:
@@ -171,6 +183,14 @@ def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=
     rows = event_rows(eltctl, torchrun, restart)
     steady = overhead(pairs)
     steady["one_bucket"] = overhead(pairs, "eltctl_one_bucket")
+    if eltctl_base is not None:
+        steady["base"] = overhead(pairs, "eltctl_base")
+        steady["base"]["tree"] = str(base)
+        by_base = {e["event"]: e for e in eltctl_base.get("events", [])}
+        for r in rows:  # this tree's pause beside the base's, measured in this run
+            b = by_base.get(r["event"], {})
+            r["base_pause_s"] = b.get("pause_s")
+            r["base_steps_lost"] = b.get("steps_lost")
     return {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version(),
                     "loadavg_before": [round(x, 2) for x in load_before],
@@ -188,7 +208,7 @@ def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=
         "steady": steady,
         "steady_rounds": pairs,
         "targets": [t.to_dict() for t in assess(rows, steady)],
-        "raw": {"eltctl": eltctl, "torchrun": torchrun, "restart": restart},
+        "raw": {"eltctl": eltctl, "torchrun": torchrun, "restart": restart, "eltctl_base": eltctl_base},
     }
 
 
@@ -234,14 +254,16 @@ def render(res: dict) -> str:
     s = res["steady"]
     lines += ["", f"steady state at world size {w['steady_world']} ({w['steady_steps']} steps per run, first "
                   f"{w['steady_warmup_discarded']} discarded), {s['rounds']} alternating rounds:"]
+    other = "eltctl_base" if s.get("base") else "eltctl_one_bucket"
     for i, p in enumerate(res["steady_rounds"]):
-        e, o, d = (p[k].get("median_step_s") for k in ("eltctl", "eltctl_one_bucket", "ddp"))
+        e, o, d = (p.get(k, {}).get("median_step_s") for k in ("eltctl", other, "ddp"))
         ratio = f"{e / d:.3f}" if e and d else "n/a"
         ratio_o = f"{o / d:.3f}" if o and d else "n/a"
-        lines.append(f"  round {i + 1} ({', '.join(p['order'])}): eltctl {_fmt(e, ' s')}, one-bucket "
+        lines.append(f"  round {i + 1} ({', '.join(p['order'])}): eltctl {_fmt(e, ' s')}, "
+                     f"{'base' if other == 'eltctl_base' else 'one-bucket'} "
                      f"{_fmt(o, ' s')}, DDP {_fmt(d, ' s')}; ratios {ratio}, {ratio_o}"
-                     + "".join(f"  [{k}: {p[k]['error'][:120]}]" for k in ("eltctl", "eltctl_one_bucket", "ddp")
-                               if p[k].get("error")))
+                     + "".join(f"  [{k}: {p[k]['error'][:120]}]" for k in ("eltctl", other, "ddp")
+                               if p.get(k, {}).get("error")))
     if s.get("median_ratio") is not None:
         lines.append(f"  median step: eltctl {s['eltctl_median_step_s']:.4f} s, DDP {s['ddp_median_step_s']:.4f} s; "
                      f"median ratio {s['median_ratio']:.3f} (overhead {s['overhead']:+.1%})")
@@ -249,6 +271,13 @@ def render(res: dict) -> str:
     if ob.get("median_ratio") is not None:
         lines.append(f"  for comparison, eltctl with one all-reduce after backward (--bucket-mb 0): median ratio "
                      f"{ob['median_ratio']:.3f} (overhead {ob['overhead']:+.1%})")
+    b = s.get("base") or {}
+    if b.get("median_ratio") is not None:
+        lines.append(f"  the base revision ({b['tree']}), same rounds: median step {b['eltctl_median_step_s']:.4f} s; "
+                     f"median ratio {b['median_ratio']:.3f} (overhead {b['overhead']:+.1%})")
+        lines.append("  pauses, this tree / base: " + ", ".join(
+            f"{EVENT_NAMES[r['event']]} {_fmt(r['eltctl_pause_s'], ' s')} / {_fmt(r.get('base_pause_s'), ' s')}"
+            for r in res["events"]))
     lines += ["", f"{'target':<38} {'goal':>10} {'measured':>12}  status"]
     for t in res["targets"]:
         status = "met" if t["met"] else ("n/a" if t["met"] is None else "NOT met")
@@ -265,10 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap", type=float, default=120.0, help="seconds to wait for each event to settle")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON object to this file")
     ap.add_argument("--no-restart-mode", action="store_true", help="leave out the restart-mode column")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="a checkout of another revision (git worktree add DIR REV): its runtime runs beside this "
+                         "one's, in the same run (events and alternating steady rounds)")
     a = ap.parse_args(argv)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     res = run(rounds=a.rounds, threads=a.threads, cap_s=a.cap, steady_steps=a.steady_steps, progress=say,
-              restart_mode=not a.no_restart_mode)
+              restart_mode=not a.no_restart_mode, base=a.base)
     if a.save is not None:
         a.save.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1) if a.json else render(res))

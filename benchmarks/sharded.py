@@ -392,7 +392,8 @@ def _sampled(samples: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0, runs=DEFAULT_RUNS,
                           ckpt_every: int = 5, batch: int = 4, job_args: tuple[str, ...] = (),
-                          progress=print, store: str = "socket", repeats: int = 1) -> dict[str, Any]:
+                          progress=print, store: str = "socket", repeats: int = 1,
+                          base_env: dict[str, str] | None = None) -> dict[str, Any]:
     """eltctl through the same events (leave, join, SIGKILL) at `world` as the torchrun job,
     for each of `runs` (ELTCTL_RUNS: sharded and replicated) on the same MLP, with a
     checkpoint every `ckpt_every` steps (as the baseline; with shard_replicas=1 a SIGKILL
@@ -400,7 +401,8 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
     baseline's); "not available" (with the reason) where the job does not take shard= yet.
     `repeats` jobs per configuration, taken in turns (every configuration once, then again),
     so that a change in the machine's load reaches each alike; each figure is the median
-    over them (`_sampled`)."""
+    over them (`_sampled`). `base_env` (--base): each configuration also as "NAME@base", the
+    other revision's runtime, in the same turns."""
     why = eltctl_shard_support()
     if why is not None:
         progress(f"eltctl pauses: not available: {why}")
@@ -414,6 +416,10 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
                            "model": f"examples/toy.py MLP, {layers} x Linear({WIDTH}, {WIDTH}) between 64 -> {WIDTH} "
                                     f"and {WIDTH} -> 16", "batch_per_rank": batch, "job_args": list(job_args),
                            "repeats": repeats, "runs": {}}
+    envs = {name: {} for name in runs}
+    if base_env is not None:
+        envs = {k: v for name in runs for k, v in ((name, {}), (f"{name}@base", base_env))}
+    runs = list(envs)
     samples: dict[str, list] = {name: [] for name in runs}
     errors: dict[str, dict[str, Any]] = {}
     walls: dict[str, float] = {name: 0.0 for name in runs}
@@ -425,8 +431,8 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
                 try:
                     r = _eltctl_side.measure_eltctl(
                         EVENTS, nodes=world, settle_steps=3, resumed_steps=2, event_cap_s=cap_s,
-                        worker_args=base + ELTCTL_RUNS[name], workdir=Path(tmp) / "work",
-                        env={"ELTCTL_CHECKPOINT_DIR": str(Path(tmp) / "ckpt")},
+                        worker_args=base + ELTCTL_RUNS[name.removesuffix("@base")], workdir=Path(tmp) / "work",
+                        env={"ELTCTL_CHECKPOINT_DIR": str(Path(tmp) / "ckpt"), **envs[name]},
                         event_phase=(ckpt_every, min(2, ckpt_every - 1)), store=store)
                     samples[name].append(r["events"])
                     steps_by_world[name].append(r.get("step_s_by_world"))
@@ -458,7 +464,8 @@ def measure_eltctl_pauses(world: int = 2, layers: int = 12, cap_s: float = 300.0
 
 def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, warmup: int = 3, batch: int = 4,
                           runs=("replicated", "optimizer-r1", "gradients-r1"), job_args: tuple[str, ...] = (),
-                          progress=print, store: str = "socket", repeats: int = 1) -> dict[str, Any]:
+                          progress=print, store: str = "socket", repeats: int = 1,
+                          base_env: dict[str, str] | None = None) -> dict[str, Any]:
     """The steady step time of the whole job (examples/train.py on ElasticJob, fixed size
     `world`, no checkpoints) for each of `runs`, and each sharded one against replicated
     (target <= 1.10): rank 0's median step interval after `warmup` steps. `repeats` > 1:
@@ -473,6 +480,10 @@ def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, war
 
     out: dict[str, Any] = {"available": True, "world": world, "store": store, "steps": steps, "warmup": warmup,
                            "job_args": list(job_args), "repeats": repeats, "runs": {}}
+    envs = {name: None for name in runs}
+    if base_env is not None:  # --base: each run also as "NAME@base", in the same turns
+        envs = {k: v for name in runs for k, v in ((name, None), (f"{name}@base", base_env))}
+    runs = list(envs)
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     for i in range(repeats):
         turn: dict[str, dict[str, Any]] = {}
@@ -480,12 +491,14 @@ def measure_job_step_time(world: int = 2, layers: int = 12, steps: int = 12, war
             try:
                 r = _eltctl_side.measure_eltctl_step_time(
                     world, steps, warmup, timeout_s=max(600.0, 20.0 * steps),
-                    extra_args=(*_train_args(world, layers, batch), *job_args, *ELTCTL_RUNS[name]), store=store)
+                    extra_args=(*_train_args(world, layers, batch), *job_args, *ELTCTL_RUNS[name.removesuffix("@base")]),
+                    store=store, env=envs[name])
             except Exception as exc:  # noqa: BLE001 - reported
                 r = {"error": f"{type(exc).__name__}: {exc}"}
             turn[name] = r
-            rep = turn.get("replicated", {}).get("median_step_s")
-            if r.get("median_step_s") and rep and name != "replicated":
+            ref = "replicated@base" if name.endswith("@base") else "replicated"
+            rep = turn.get(ref, {}).get("median_step_s")
+            if r.get("median_step_s") and rep and name != ref:
                 r["vs_replicated"] = round(r["median_step_s"] / rep, 3)
                 r["on_target"] = r["median_step_s"] / rep <= 1.10
             samples[name].append(r)
@@ -518,15 +531,19 @@ def pause_comparison(eltctl: dict[str, Any], torchrun: dict[str, Any]) -> dict[s
     plus the steps redone; no ratio where eltctl's is not above 0)."""
     if not eltctl.get("available"):
         return {"available": False, "reason": eltctl.get("reason")}
-    rep = (eltctl["runs"].get("replicated") or {}).get("pauses_s") or {}
-    rep_lost = (eltctl["runs"].get("replicated") or {}).get("lost_s") or {}
     tr = torchrun.get("pauses_s") or {}
     tr_cost = torchrun.get("lost_s") or {}
     tr_lost = torchrun.get("steps_redone") or {}
     out: dict[str, Any] = {}
     for name, run in eltctl["runs"].items():
-        if name == "replicated" or "pauses_s" not in run:
+        if "pauses_s" not in run:
             continue
+        if name.endswith("@base"):  # --base: against the base revision's replicated run
+            ref = eltctl["runs"].get("replicated@base") or {}
+            rep, rep_lost = ref.get("pauses_s") or {}, ref.get("lost_s") or {}
+        else:
+            ref = eltctl["runs"].get("replicated") or {}
+            rep, rep_lost = ref.get("pauses_s") or {}, ref.get("lost_s") or {}
         for ev, p in run["pauses_s"].items():
             row: dict[str, Any] = {"pause_s": p, "steps_redone": run["steps_redone"].get(ev),
                                    "replicated_pause_s": rep.get(ev), "torchrun_pause_s": tr.get(ev),
@@ -580,12 +597,19 @@ def main() -> int:
                     help="leave out the memory / raw step-time part (the job step time still runs at --worlds)")
     ap.add_argument("--job-args", default="", help="more examples/train.py options for eltctl's job (e.g. "
                                                   "'--bucket-mb 25'; its default bucket is 4 MB)")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="a checkout of another revision (git worktree add DIR REV): every eltctl run also with "
+                         "its runtime (NAME@base), in the same turns, for a side-by-side comparison")
     ap.add_argument("--store", choices=("socket", "c10d"), default="socket",
                     help="eltctl's job store: socket (as under eltctl's controller: the keeper's Unix-socket "
                          "store, every value signed) or c10d (an unsigned TCPStore, this benchmark's setup "
                          "before session 15)")
     args = ap.parse_args()
     job_args = tuple(shlex.split(args.job_args))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _eltctl_side
+
+    benv = _eltctl_side.base_env(args.base)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout ends the workers too (the finally blocks)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     t0 = time.monotonic()
@@ -593,7 +617,8 @@ def main() -> int:
     if args.job_steps and args.eltctl_runs:
         result["job_step_time"] = {str(w): measure_job_step_time(w, args.layers, args.job_steps, args.job_warmup,
                                                                  args.batch, args.eltctl_runs, job_args, progress=log,
-                                                                 store=args.store, repeats=args.step_repeats)
+                                                                 store=args.store, repeats=args.step_repeats,
+                                                                 base_env=benv)
                                    for w in args.worlds}
     if args.baseline == "zero-torchrun":
         result["pauses_by_world"] = {}
@@ -604,7 +629,7 @@ def main() -> int:
                                         progress=log, repeats=args.pause_repeats))
             el = (measure_eltctl_pauses(world, args.layers, args.baseline_cap, args.eltctl_runs,
                                         args.baseline_ckpt_every, args.batch, job_args, progress=log,
-                                        store=args.store, repeats=args.pause_repeats) if args.eltctl_runs
+                                        store=args.store, repeats=args.pause_repeats, base_env=benv) if args.eltctl_runs
                   else {"available": False, "reason": "--eltctl-runs is empty"})
             result["pauses_by_world"][str(world)] = {"zero_torchrun": tr, "eltctl": el,
                                                      "comparison": pause_comparison(el, tr)}
