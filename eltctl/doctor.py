@@ -1,6 +1,6 @@
 """The doctor: per host, what would stop eltctl from using it, and how to fix it.
 
-For each host a list of `Check`s (name, ok/warn/fail/skip, detail, fix), in the order a
+For each host a list of `Check`s (name, ok/warn/fail/skip, detail, fix: eltctl/checks.py), in the order a
 person would fix them: reachable, host key, auth, then (once connected) the remote
 Python against the local major.minor, torch importable and its version against the
 local one, nvidia-smi, and a writable work directory `~/.eltctl`.
@@ -16,12 +16,12 @@ the `extra` hook of `diagnose_fleet`.
 from __future__ import annotations
 
 import asyncio
-import enum
 import shlex
 import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
+from eltctl.checks import Check, Report, Status
 from eltctl.errors import HostError
 from eltctl.inventory import Host, Inventory, Policy, SSHSettings
 from eltctl.probe import MARK, sections as _sections
@@ -38,36 +38,8 @@ TORCH_IMPORT_TIMEOUT = 120.0  # seconds; a cold `import torch` on a loaded host 
 RUNTIME_PACKAGE = "eltctl_runtime"  # shipped to each host and put on its workers' PYTHONPATH (hosts/ops.py)
 
 
-class Status(str, enum.Enum):
-    OK = "ok"
-    WARN = "warn"  # usable, but worth a look
-    FAIL = "fail"  # eltctl cannot use this host until it is fixed
-    SKIP = "skip"  # not checked, because an earlier check failed
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: Status
-    detail: str
-    fix: str | None = None
-
-
-@dataclass(frozen=True)
-class HostDiagnosis:
-    host: str
-    address: str
-    checks: tuple[Check, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(c.status is not Status.FAIL for c in self.checks)
-
-    def check(self, name: str) -> Check | None:
-        return next((c for c in self.checks if c.name == name), None)
+# doctor's name for a host's report (preflight's too; the mirror's is one more, `mirror`)
+HostDiagnosis = Report
 
 
 @dataclass(frozen=True)
@@ -347,7 +319,7 @@ async def _remote_checks(host: Host, transport: Transport, policy: Policy, local
 
 async def diagnose_host(fleet: Fleet, host: Host, *, policy: Policy, local: Versions,
                         accept_new: bool = False, extra: ExtraChecks | None = None,
-                        torch_cached: bool = False) -> HostDiagnosis:
+                        torch_cached: bool = False) -> Report:
     accepted: str | None = None
     try:
         transport = await fleet.transport(host)
@@ -384,12 +356,12 @@ async def diagnose_host(fleet: Fleet, host: Host, *, policy: Policy, local: Vers
             mine, theirs = await asyncio.gather(_remote_checks(host, transport, policy, local, torch_cached),
                                                 extra(host, transport))
             checks += mine + theirs
-    return HostDiagnosis(host=host.name, address=host.address, checks=tuple(checks))
+    return Report(host=host.name, address=host.address, checks=tuple(checks))
 
 
 async def diagnose_fleet(fleet: Fleet, *, policy: Policy, accept_new: bool = False,
                          local: Versions | None = None, hosts: Iterable[Host] | None = None,
-                         extra: ExtraChecks | None = None, torch_cached: bool = False) -> list[HostDiagnosis]:
+                         extra: ExtraChecks | None = None, torch_cached: bool = False) -> list[Report]:
     """`torch_cached`: a host's `import torch` is not repeated while its install matches
     the last successful one (doctor_script; `eltctl up`)."""
     local = local or local_versions()
@@ -401,20 +373,20 @@ async def diagnose_fleet(fleet: Fleet, *, policy: Policy, accept_new: bool = Fal
     return list(results)
 
 
-async def _guarded(coro, host: Host) -> HostDiagnosis:
+async def _guarded(coro, host: Host) -> Report:
     """One host's unexpected error is that host's failed check, never the batch's end."""
     try:
         return await coro
     except HostError as exc:
-        return HostDiagnosis(host.name, host.address, (Check("connect", Status.FAIL, _bare(exc), exc.hint),))
+        return Report(host.name, host.address, (Check("connect", Status.FAIL, _bare(exc), exc.hint),))
     except Exception as exc:  # noqa: BLE001 - reported per host, see docstring
-        return HostDiagnosis(host.name, host.address, (
+        return Report(host.name, host.address, (
             Check("internal", Status.FAIL, f"{type(exc).__name__}: {exc}",
                   "this is a bug in eltctl; please report it"),))
 
 
 def diagnose(inventory: Inventory, *, accept_new: bool = False,
-             ssh: SSHSettings | None = None, extra: ExtraChecks | None = None) -> list[HostDiagnosis]:
+             ssh: SSHSettings | None = None, extra: ExtraChecks | None = None) -> list[Report]:
     """`eltctl doctor`: diagnose every host of the inventory. `extra`: more checks per
     connected host (`eltctl doctor` passes the job's, preflight.host_job_checks, which
     include the store forward's); default: the store forward's alone."""
@@ -423,7 +395,7 @@ def diagnose(inventory: Inventory, *, accept_new: bool = False,
         check = await check_store_forward(host, transport) if inventory.controller.store == "ssh" else None
         return [check] if check is not None else []
 
-    async def main() -> list[HostDiagnosis]:
+    async def main() -> list[Report]:
         async with Fleet(inventory, ssh=ssh) as fleet:
             results = await diagnose_fleet(fleet, policy=inventory.policy, accept_new=accept_new,
                                            extra=extra or forward)
@@ -432,7 +404,7 @@ def diagnose(inventory: Inventory, *, accept_new: bool = False,
     return asyncio.run(main())
 
 
-async def mirror_diagnosis(inventory: Inventory, fleet: Fleet, results: list[HostDiagnosis]) -> list[HostDiagnosis]:
+async def mirror_diagnosis(inventory: Inventory, fleet: Fleet, results: list[Report]) -> list[Report]:
     """`[storage] mirror` checked as every account will use it (eltctl/mirror/check.py), shown
     as one more entry, `mirror`, with a check per account; [] without a mirror."""
     from eltctl.mirror.check import check_mirror
@@ -441,8 +413,7 @@ async def mirror_diagnosis(inventory: Inventory, fleet: Fleet, results: list[Hos
     found = await check_mirror(inventory, fleet.transport, ready)
     if found is None:
         return []
-    checks = tuple(Check(f.name, Status.OK if f.ok else Status.FAIL, f.detail, f.fix) for f in found.findings)
-    return [HostDiagnosis("mirror", found.target, checks)]
+    return [found]
 
 
 # --------------------------------------------------------------------------- the job's script, on a host

@@ -120,6 +120,16 @@ done
 
 # --------------------------------------------------------------------------- parsing (pure)
 
+def _bang(line: str, refused: list[Refusal]) -> bool:
+    """Whether `line` is a `!` line of the listing (a refused entry); its refusal, if
+    it names one, is added to `refused`."""
+    if not line.startswith("!"):
+        return False
+    r = _refusal_of_bang(line)
+    refused.extend([r] if r else [])
+    return True
+
+
 def _refusal_of_bang(line: str) -> Refusal | None:
     """`!odd UID ACCOUNT HEX`, `!notfile NAME UID ACCOUNT`, `!squatted NAME UID ACCOUNT`."""
     parts = line[1:].split()
@@ -172,9 +182,7 @@ def parse_claims(lines: Iterable[str], host_now: float | None) -> tuple[tuple[tu
             trusted, problem = parse_dir(line)
             refused += [problem] if problem else []
             continue
-        if line.startswith("!"):
-            r = _refusal_of_bang(line)
-            refused += [r] if r else []
+        if _bang(line, refused):
             continue
         parts = line.split(" ", 5)
         legacy = len(parts) >= 5 and is_legacy(parts[0])
@@ -212,9 +220,7 @@ def parse_demands(lines: Iterable[str], trusted: bool = True) -> dict:
         if line.startswith("!cannot"):
             error = line[1:]
             continue
-        if line.startswith("!"):
-            r = _refusal_of_bang(line)
-            refused += [r] if r else []
+        if _bang(line, refused):
             continue
         parts = line.split(" ", 3)
         if len(parts) < 3 or not parts[0].startswith("demand."):

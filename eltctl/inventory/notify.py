@@ -16,7 +16,6 @@ event means and the bodies sent.
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -61,23 +60,6 @@ def _webhook(t: Table) -> Any:
     return url
 
 
-def _command(t: Table) -> Any:
-    value = t.raw("command")
-    if value is ABSENT:
-        return None
-    if isinstance(value, str):
-        try:
-            argv = shlex.split(value)
-        except ValueError as exc:
-            return t.fail("command", f"cannot be split into arguments ({exc}); check its quotes, or write "
-                                     "it as a list")
-        return tuple(argv) if argv else t.fail("command", 'must not be empty; write command = ["my-notifier"]')
-    if isinstance(value, list) and value and all(isinstance(a, str) for a in value):
-        return tuple(value)
-    return t.fail("command", f'must be a string or a non-empty list of strings, {got(value)}; write '
-                             'command = ["my-notifier", "--json"] (run without a shell, the event on stdin)')
-
-
 def _headers(t: Table) -> Any:
     value = t.raw("headers")
     if value is ABSENT:
@@ -116,7 +98,7 @@ def notify_settings(t: Table) -> NotifySettings:
         webhook=_webhook(t),
         format=t.choice("format", d.format, FORMATS),
         headers=_headers(t),
-        command=_command(t),
+        command=t.command("command", '["my-notifier", "--json"] (run without a shell, the event on stdin)'),
         timeout=t.duration("timeout", d.timeout, positive=True),
         retries=t.integer("retries", d.retries, lo=0, hi=10, meaning=" (attempts after the first)"),
         stall_after=t.duration("stall_after", d.stall_after, positive=True),

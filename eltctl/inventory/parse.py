@@ -174,7 +174,7 @@ class Checker:
         name = t.string("name", required='"my-job"', pattern=NAME_PATTERN,
                         pattern_says=f"is not a valid job name: use {NAME_RULE} (it names files and "
                                      "directories)")
-        command = self.command(t)
+        command = t.command("command", '["python", "train.py"]', required=True)
         workdir = t.path_value("workdir", self.base)
         min_workers = t.integer("min_workers", 1, lo=1)
         max_workers = t.integer("max_workers", None, lo=1, meaning=" (or leave it out: as many as are free)")
@@ -206,29 +206,6 @@ class Checker:
                        shared_filesystem=shared, mode=JobMode(mode), stop_grace=stop_grace,
                        progress=progress, max_restarts=max_restarts, restart_window=restart_window,
                        priority=priority, exclude=exclude, include=include)
-
-    def command(self, t: Table) -> Any:
-        value = t.raw("command", required='["python", "train.py"]')
-        if value is BAD:
-            return BAD
-        if isinstance(value, str):
-            try:
-                argv = shlex.split(value)
-            except ValueError as exc:
-                return t.fail("command", f"cannot be split into arguments ({exc}); "
-                                         "check its quotes, or write it as a list")
-            if not argv:
-                return t.fail("command", 'must not be empty; write command = ["python", "train.py"]')
-            return tuple(argv)
-        if isinstance(value, list):
-            if not value:
-                return t.fail("command", 'must not be empty; write command = ["python", "train.py"]')
-            bad = [i for i, a in enumerate(value) if not isinstance(a, str)]
-            for i in bad:
-                t.fail(f"command[{i}]", f"must be a string, {got(value[i])}; quote it")
-            return BAD if bad else tuple(value)
-        return t.fail("command", f'must be a string or a list of strings, {got(value)}; '
-                                 'write command = ["python", "train.py"]')
 
     def ssh(self, t: Table) -> SSHSettings:
         d = SSHSettings()

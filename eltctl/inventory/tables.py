@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -335,6 +336,30 @@ class Table:
             else:
                 pairs.append((name, item))
         return tuple(pairs)
+
+    def command(self, key: str, example: str, *, required: bool = False) -> Any:
+        """A command line, run without a shell: a string (split as a shell would) or a
+        non-empty list of strings (`[job] command`, `[notify] command`); None when absent
+        and not `required`. `example` is the fix the messages offer (`write key = ...`)."""
+        value = self.raw(key, required=example if required else None)
+        if value is ABSENT:
+            return None
+        if value is BAD:
+            return BAD
+        if isinstance(value, str):
+            try:
+                argv = shlex.split(value)
+            except ValueError as exc:
+                return self.fail(key, f"cannot be split into arguments ({exc}); "
+                                      "check its quotes, or write it as a list")
+            return tuple(argv) if argv else self.fail(key, f"must not be empty; write {key} = {example}")
+        if isinstance(value, list) and value:
+            bad = [i for i, a in enumerate(value) if not isinstance(a, str)]
+            for i in bad:
+                self.fail(f"{key}[{i}]", f"must be a string, {got(value[i])}; quote it")
+            return BAD if bad else tuple(value)
+        wanted = "a non-empty list" if isinstance(value, list) else "a list"
+        return self.fail(key, f"must be a string or {wanted} of strings, {got(value)}; write {key} = {example}")
 
 
 def raw_host_name(item: dict[str, Any]) -> str | None:

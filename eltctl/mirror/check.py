@@ -27,9 +27,9 @@ import asyncio
 import json
 import shlex
 import uuid
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from eltctl.checks import Check, Report, Status
 from eltctl.errors import HostError
 from eltctl.hosts import programs
 from eltctl.hosts.transport import Transport
@@ -49,29 +49,14 @@ class MirrorCheckError(MirrorError):
     exit_code = 3  # a failed `doctor` check (README, "Exit codes")
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One thing checked: `name` (a host, `this machine`, `job directory`, `login`)."""
-
-    name: str
-    ok: bool
-    detail: str
-    fix: str | None = None
+def _finding(name: str, ok: bool, detail: str, fix: str | None = None) -> Check:
+    """One account's (or step's) answer; `name` a host, `this machine`, `job directory`, `login`."""
+    return Check(name, Status.OK if ok else Status.FAIL, detail, fix)
 
 
-@dataclass(frozen=True)
-class MirrorCheck:
-    target: str
-    job_dir: str
-    findings: tuple[Finding, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(f.ok for f in self.findings)
-
-    @property
-    def problems(self) -> tuple[Finding, ...]:
-        return tuple(f for f in self.findings if not f.ok)
+def _report(target, checks) -> Report:
+    """The mirror's report: doctor shows it as one more entry, `mirror`."""
+    return Report("mirror", str(target), tuple(checks))
 
 
 def _q(s: str) -> str:
@@ -98,7 +83,7 @@ async def _describe(t: Transport, path: str) -> str:
     return f"{words[0]} {words[2]} {words[3]}" if res.ok and len(words) >= 4 else ""
 
 
-async def _controller_side(t: Transport, job_dir: str, who: str) -> tuple[Finding, str]:
+async def _controller_side(t: Transport, job_dir: str, who: str) -> tuple[Check, str]:
     """This side's account creates, writes, renames and removes in the job directory."""
     tmp = f"{job_dir}/.tmp-check-{uuid.uuid4().hex[:12]}"
     res = await t.run(f"id -un; mkdir {_q(tmp)} && printf x > {_q(tmp)}/.f && mv {_q(tmp)}/.f {_q(tmp)}/f "
@@ -106,14 +91,14 @@ async def _controller_side(t: Transport, job_dir: str, who: str) -> tuple[Findin
     lines = res.stdout.split()
     me = lines[0] if lines else "?"
     if res.ok and lines[-1:] == ["ok"]:
-        return Finding(who, True, f"account {me} creates, writes, renames and removes in {job_dir}"), me
+        return _finding(who, True, f"account {me} creates, writes, renames and removes in {job_dir}"), me
     await t.run(f"rm -rf {_q(tmp)}", timeout=CHECK_TIMEOUT)
     err = (res.stderr.strip().splitlines() or [f"exit {res.exit_status}"])[-1][:300]
-    return Finding(who, False, f"account {me} cannot write {job_dir}: {err}",
+    return _finding(who, False, f"account {me} cannot write {job_dir}: {err}",
                    "fix the directory's owner or mode for that account"), me
 
 
-async def _host_side(host: Host, ht: Transport, mt: Transport, job_dir: str, me: str) -> Finding:
+async def _host_side(host: Host, ht: Transport, mt: Transport, job_dir: str, me: str) -> Check:
     """The host's login makes a directory and a file as a copy does; this machine's
     account then reads, writes into, renames and removes it."""
     name = f".tmp-check-{uuid.uuid4().hex[:12]}"
@@ -134,23 +119,23 @@ async def _host_side(host: Host, ht: Transport, mt: Transport, job_dir: str, me:
                   + (f" ({seen})" if seen else "") + f": {problem[:300]}")
         fix = accounts_fix(job_dir, me) if kind is FaultKind.PERMISSION else \
             fault_fix(kind, target=job_dir, directory=True, job_dir=job_dir) or "see the detail"
-        return Finding(f"{host.name} ({user})", False, detail, fix)
+        return _finding(f"{host.name} ({user})", False, detail, fix)
     moved = f"{tmp}.renamed"
     back = await mt.run(f"cat {_q(tmp)}/probe >/dev/null && printf x > {_q(tmp)}/mac && mv {_q(tmp)} {_q(moved)} "
                         f"&& rm -rf {_q(moved)}", timeout=CHECK_TIMEOUT)
     if back.ok:
-        return Finding(f"{host.name} ({user})", True,
+        return _finding(f"{host.name} ({user})", True,
                        f"account {user} writes and renames in {job_dir}; this machine's {me} reads, renames "
                        "and removes what it wrote")
     await ht.run(f"rm -rf {_q(tmp)} {_q(moved)}", timeout=CHECK_TIMEOUT)
     err = (back.stderr.strip().splitlines() or [f"exit {back.exit_status}"])[-1][:300]
-    return Finding(f"{host.name} ({user})", False,
+    return _finding(f"{host.name} ({user})", False,
                    f"this machine's account {me} cannot read, rename or remove what account {user} on "
                    f"{host.name} wrote in {job_dir}: {err}", accounts_fix(job_dir, me))
 
 
 async def check_mirror(inventory: Inventory, transport: Callable[[Host], "asyncio.Future[Transport]"],
-                       hosts: Iterable[Host]) -> MirrorCheck | None:
+                       hosts: Iterable[Host]) -> Report | None:
     """The mirror as the job will use it (None: no `[storage] mirror`).
 
     `transport(host)` gives a connected host (a Fleet's `transport`); a host that cannot
@@ -160,20 +145,20 @@ async def check_mirror(inventory: Inventory, transport: Callable[[Host], "asynci
         return None
     target, job_dir = mirror.target, mirror.target.job_dir(inventory.job.name)
     directory = target.kind is TargetKind.DIRECTORY
-    findings: list[Finding] = []
+    findings: list[Check] = []
     try:
         try:
             place = await mirror.place()  # connects (ssh://) and claims the job directory, as the controller will
         except HostError as exc:
             kind = classify(exc.message, login_error=str(exc.kind))
-            return MirrorCheck(str(target), job_dir, (Finding(
+            return _report(target, [_finding(
                 "login", False, f"the mirror host cannot be used: {exc.message}",
-                fault_fix(kind, target=str(target), directory=False, job_dir=job_dir) or exc.hint),))
+                fault_fix(kind, target=str(target), directory=False, job_dir=job_dir) or exc.hint)])
         except MirrorError as exc:
             kind = classify(exc.message)
             fix = exc.hint if kind is FaultKind.TRANSIENT else fault_fix(
                 kind, target=str(target), directory=directory, job_dir=job_dir)
-            return MirrorCheck(str(target), job_dir, (Finding("job directory", False, exc.message, fix),))
+            return _report(target, [_finding("job directory", False, exc.message, fix)])
         who = "this machine" if directory else f"mirror host ({target.user or 'the [ssh] user'})"
         mine, me = await _controller_side(place.transport, job_dir, who)
         findings.append(mine)
@@ -182,10 +167,10 @@ async def check_mirror(inventory: Inventory, transport: Callable[[Host], "asynci
                                                for h in hosts))
     finally:
         await mirror.close()
-    return MirrorCheck(str(target), job_dir, tuple(f for f in findings if f is not None))
+    return _report(target, (f for f in findings if f is not None))
 
 
-async def _one_host(host: Host, transport, mt: Transport, job_dir: str, me: str) -> Finding | None:
+async def _one_host(host: Host, transport, mt: Transport, job_dir: str, me: str) -> Check | None:
     try:
         ht = await transport(host)
     except HostError:
@@ -193,12 +178,12 @@ async def _one_host(host: Host, transport, mt: Transport, job_dir: str, me: str)
     try:
         return await _host_side(host, ht, mt, job_dir, me)
     except HostError as exc:
-        return Finding(host.name, False, f"the mirror check did not complete: {exc.message}", exc.hint)
+        return _finding(host.name, False, f"the mirror check did not complete: {exc.message}", exc.hint)
 
 
-def up_error(result: MirrorCheck) -> MirrorCheckError:
+def up_error(result: Report) -> MirrorCheckError:
     """`eltctl up`'s error for a mirror that fails its check (nothing was started)."""
-    lines = [f"the checkpoint mirror {result.target} cannot be used as the job would; `eltctl up` started "
+    lines = [f"the checkpoint mirror {result.address} cannot be used as the job would; `eltctl up` started "
              "nothing:"]
     for f in result.problems:
         lines.append(f"  {f.name}: {f.detail}")
@@ -211,14 +196,14 @@ def up_error(result: MirrorCheck) -> MirrorCheckError:
 
 
 def for_up(inventory: Inventory, hosts: Iterable[Host], progress: Callable[[str], None], *,
-           ignore: bool = False) -> MirrorCheck | None:
+           ignore: bool = False) -> Report | None:
     """`eltctl up`: check the mirror with the hosts about to be used; raise MirrorCheckError
     when it fails, unless `ignore` (then each problem is a warning)."""
     if not inventory.storage.mirror:
         return None
     from eltctl.hosts.fleet import Fleet
 
-    async def main() -> MirrorCheck | None:
+    async def main() -> Report | None:
         async with Fleet(inventory) as fleet:
             return await check_mirror(inventory, fleet.transport, hosts)
 

@@ -9,8 +9,9 @@ Two parts:
   used_memory,process_name`) with the runtime's one nvidia-smi parser
   (nvsmi.py, which the controller's probe uses too), `descendants` closes a
   set of pids over a parent map, `classify_pid` says whether a GPU process is
-  ours, foreign or invisible to us, and `intruders` lists the foreign
-  processes on GPUs our workers use;
+  ours, foreign or invisible to us, `intruders` lists the foreign
+  processes on GPUs our workers use, and `gpu_states` says each GPU's state
+  (busy, ours, taken, free) for the state document;
 * `SmiPoller`, a non-blocking runner of the two queries under a timeout, polled
   from the daemon's loop (no thread): a hung driver never blocks the daemon.
 """
@@ -141,6 +142,40 @@ def intruders(gpus: Iterable[GpuInfo], apps: Iterable[GpuApp], watched: Iterable
         if ownership.get(app.pid) is Ownership.FOREIGN:
             out.append(Intruder(gpu=index, pid=app.pid, name=app.name))
     return tuple(sorted(set(out), key=lambda i: (i.gpu, i.pid)))
+
+
+def gpu_states(gpus: Iterable[GpuInfo], apps: Iterable[GpuApp], ownership: Mapping[int, Ownership],
+               ours: Mapping[int, str], claimed: Mapping[int, str],
+               other_job: Mapping[int, str]) -> dict[int, tuple[str, str]]:
+    """Each GPU's state for the daemon's state document, by index, with its reason:
+    `busy` (a foreign process on it), `ours` (`ours`: index -> our worker's id there),
+    `taken` (another eltctl job's: its claim, `claimed`: index -> the claim described,
+    or its processes, `other_job`: pid -> the job their environment names), else `free`."""
+    gpus = tuple(gpus)
+    by_uuid = {g.uuid: g.index for g in gpus}
+    foreign_on: dict[int, list[int]] = {}
+    taken_on: dict[int, list[int]] = {}
+    for app in apps:
+        if ownership.get(app.pid) is Ownership.FOREIGN and app.gpu_uuid in by_uuid:
+            foreign_on.setdefault(by_uuid[app.gpu_uuid], []).append(app.pid)
+        elif ownership.get(app.pid) is Ownership.TAKEN and app.gpu_uuid in by_uuid:
+            taken_on.setdefault(by_uuid[app.gpu_uuid], []).append(app.pid)
+    states: dict[int, tuple[str, str]] = {}
+    for g in gpus:
+        if g.index in foreign_on:
+            states[g.index] = ("busy", "used by pid " + ", ".join(map(str, sorted(foreign_on[g.index]))))
+        elif g.index in ours:
+            states[g.index] = ("ours", f"worker {ours[g.index]}")
+        elif g.index in claimed:
+            states[g.index] = ("taken", f"taken by {claimed[g.index]}")
+        elif g.index in taken_on:
+            pids = taken_on[g.index]
+            jobs = sorted({other_job[p] for p in pids if p in other_job})
+            who = f"job {', '.join(jobs)}" if jobs else "another eltctl job"
+            states[g.index] = ("taken", f"taken by {who} (pid {', '.join(map(str, sorted(pids)))})")
+        else:
+            states[g.index] = ("free", "")
+    return states
 
 
 # ---------------------------------------------------------------------------- the runner

@@ -1,6 +1,9 @@
 """The host daemon's executor: each tick it observes (its workers, the GPU watch,
 the store link), calls the pure `logic.decide`, and acts (starts, signals and
-reaps workers, writes pid and memory files, queues store messages).
+reaps workers, writes pid and memory files, queues store messages). What it drives
+lives beside it, one concern a module: its worker records and their adoption
+(workers.py), the slots' GPU claims (slotclaims.py), the owner signals (owners.py),
+the nvidia-smi watch and each GPU's state (gpuwatch.py), the store link (link.py).
 
 The state document it publishes (`daemon/<host>/state`) and the events it
 appends are described in the package docstring (__init__.py).
@@ -13,26 +16,26 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Mapping
 
-from .. import claims, files
-from ..owner import OwnerSignal, OwnerWatch, Sources, Verdict
-from ..pids import read_pid_file
+from .. import files
 from ..protocol import EventKind, add_event, event_document, put_dead, put_leave
 from . import courtesy, procs
 from .config import DaemonConfig, data_plane, worker_env
-from .history import History, process_start
-from .gpuwatch import Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, intruders
+from .history import History
+from .gpuwatch import (Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, gpu_states,
+                       intruders)
 from ..store.auth import Forgeries
 from .link import StoreLink
 from .logic import (
     Decision, Exit, Foreign, Kill, Leave, MarkStopping, Memory, Note, RecordYield, Start, View,
-    TAIL_BYTES, WorkerState, WorkerView, cause_line, decide, exit_outcome, first_incarnation, followed_slots,
-    incarnation_of,
+    WorkerState, decide, exit_outcome, first_incarnation, followed_slots,
 )
+from .owners import OwnerSignals
+from .slotclaims import SlotClaims
+from .workers import Worker, adopt, cause as cause_of
 
 log = logging.getLogger("eltctl_runtime.daemon")
 
@@ -43,31 +46,6 @@ ADOPTED_VERDICT_S = 1.0  # a few store polls (0.25 s each)
 DONE_VERDICT_S = 2.0
 STATE_EVERY_S = 1.0
 EXIT_OK, EXIT_CONFIG, EXIT_RUNNING = 0, 2, 3
-
-
-@dataclass
-class _Worker:
-    """The executor's record of one worker process (mutable: it is bookkeeping)."""
-
-    slot: int
-    worker_id: str
-    pid: int
-    proc: subprocess.Popen | None  # None: adopted from an earlier daemon (not our child)
-    state: WorkerState
-    since: float  # monotonic
-    since_wall: float
-    detail: str = ""
-    gone_since: float | None = None  # monotonic: when an adopted worker was first seen gone
-    log_offset: int = 0  # the size of its log when it started: its own output begins there
-    start_wall: float = 0.0  # when its process started (wall clock): the usage ledger's start
-
-    def view(self) -> WorkerView:
-        return WorkerView(self.slot, self.worker_id, self.pid, self.state, self.since)
-
-    def to_dict(self) -> dict:
-        return {"slot": self.slot, "worker_id": self.worker_id, "pid": self.pid, "state": self.state.value,
-                "since": round(self.since_wall, 3), "adopted": self.proc is None, "detail": self.detail,
-                "start": round(self.start_wall or self.since_wall, 3)}
 
 
 class Daemon:
@@ -86,7 +64,7 @@ class Daemon:
                                run_file=cfg.run_file)
         self._poller: SmiPoller | None = None
         self._memory = Memory()
-        self._workers: dict[int, _Worker] = {}
+        self._workers: dict[int, Worker] = {}
         self._ended: dict[int, dict] = {}  # slot -> the last ended worker (for the state document)
         self._history = History(cfg.job_dir / "history.json")  # every ended worker, for the usage ledger
         self._foreign: dict[int, Foreign] = {}
@@ -100,20 +78,8 @@ class Daemon:
         self._crashes = 0
         self._phase = "running"
         self._started = time.time()
-        self._owner: OwnerWatch | None = None  # made in run() when the config watches owner signals
-        self._owner_verdict: Verdict | None = None  # None: not judged yet
-        self._owner_next = 0.0
-        self._owner_fired: OwnerSignal | None = None  # the leave signal last logged
-        # GPU claims (runtime/claims.py): slot -> the other job's claim that keeps us off it
-        self._claims_dir = claims.claims_dir(cfg.claims_dir, self._base_env)
-        self._taken: dict[int, claims.Claim] = {}
-        self._claims_next = 0.0
-        # the fair-share demand entries of the jobs sharing the host (the state's `demands`)
-        self._demand_reader = claims.DemandReader(self._claims_dir)
-        self._demands: list[dict] = []
-        self._claims_problem = ""
-        # entries of the claims directory not believed (claims.judge): name -> Refusal, each watch interval
-        self._refused: dict[str, claims.Refusal] = {}
+        self._owners = OwnerSignals(cfg)  # watched from run() when the config names owner signals
+        self._claims = SlotClaims(cfg, self._base_env)  # GPU claims (runtime/claims.py)
 
     # -- life ------------------------------------------------------------------
     def run(self, ready=None) -> int:
@@ -154,12 +120,7 @@ class Daemon:
             elif not self.cfg.gpu_host:
                 smi = None  # CPU slots only: nothing of ours to watch
             self._poller = SmiPoller(smi, self.cfg.watch_interval, self.cfg.nvidia_smi_timeout, self._base_env)
-            if self.cfg.owner.enabled:
-                self._owner = OwnerWatch(self.cfg.owner, Sources.from_env(self._base_env))
-                self._owner.look(time.monotonic(), time.time())  # the first of the two looks a load rate needs
-                self._owner_next = time.monotonic() + min(0.5, self.cfg.watch_interval)
-                log.info("host %s: watching owner signals %s (user %s is not an owner)", self.cfg.host,
-                         ", ".join(self.cfg.owner.signals), self._owner.user)
+            self._owners.start(self._base_env)
             self._link.start()
             clean = self._loop()
         except Exception:
@@ -196,7 +157,7 @@ class Daemon:
             self._reap(now)
             self._observe_claims(now)
             self._observe_gpus(now)
-            self._observe_owner(now)
+            self._owners.observe(now)
             decision = self._decide(now)
             if decision.memory != self._memory:
                 self._memory = decision.memory
@@ -228,39 +189,7 @@ class Daemon:
 
     def _adopt(self) -> None:
         """Take over the workers an earlier daemon of this job and host left running."""
-        highest = 0
-        for pid_file in sorted(self._workers_dir.glob("*.pid")):
-            if not pid_file.stem.isdigit():
-                continue
-            slot = int(pid_file.stem)
-            pid = read_pid_file(pid_file)
-            wid = procs.worker_identity(pid, self.cfg.job) if pid else None
-            if wid is None or not wid.startswith(f"{self.cfg.host}/{slot}/"):
-                log.info("host %s: %s names no live worker of this job (pid %s); removing it", self.cfg.host,
-                         pid_file.name, pid)
-                files.remove(pid_file)
-                continue
-            state = WorkerState.LEAVING if wid in self._memory.leaving else WorkerState.RUNNING
-            self._workers[slot] = _Worker(slot, wid, pid, None, state, time.monotonic(), time.time(),
-                                          detail="adopted", start_wall=process_start(pid) or time.time())
-            highest = max(highest, incarnation_of(wid) or 0)
-            log.info("host %s: adopted worker %s (pid %d) on slot %d, %s", self.cfg.host, wid, pid, slot,
-                     state.value)
-        # A daemon killed between starting a worker and writing its pid file leaves
-        # a worker without one: find it by its environment.
-        known = {w.pid for w in self._workers.values()}
-        for pid, wid in procs.session_leaders_of(self.cfg.job, f"{self.cfg.host}/").items():
-            parts = wid.split("/")
-            if pid in known or len(parts) < 3 or not parts[-2].isdigit() or int(parts[-2]) in self._workers:
-                continue
-            slot = int(parts[-2])
-            state = WorkerState.LEAVING if wid in self._memory.leaving else WorkerState.RUNNING
-            self._workers[slot] = _Worker(slot, wid, pid, None, state, time.monotonic(), time.time(),
-                                          detail="adopted", start_wall=process_start(pid) or time.time())
-            files.write_atomic(self._workers_dir / f"{slot}.pid", f"{pid}\n")
-            highest = max(highest, incarnation_of(wid) or 0)
-            log.info("host %s: adopted worker %s (pid %d) on slot %d, found without a pid file", self.cfg.host,
-                     wid, pid, slot)
+        self._workers, highest = adopt(self._workers_dir, self.cfg.job, self.cfg.host, self._memory.leaving)
         if highest >= self._memory.next_incarnation:
             self._memory = replace(self._memory, next_incarnation=highest + 1)
             self._save_memory()
@@ -289,11 +218,11 @@ class Daemon:
                         continue
             self._ended_worker(w, rc)
 
-    def _ended_worker(self, w: _Worker, rc: int | None) -> None:
+    def _ended_worker(self, w: Worker, rc: int | None) -> None:
         out = exit_outcome(rc, w.state, left_job=w.worker_id in self._link.departed(),
                            job_done=self._link.job_done,
                            joined=w.proc is None or w.worker_id in self._link.joined())
-        cause = self._cause(w) if out.crash_event else ""
+        cause = cause_of(self._workers_dir, w) if out.crash_event else ""
         if out.state is WorkerState.FINISHED and self._link.done_reason == "stop":
             self._history.note_why(w.worker_id, "down")  # it saw the stop before this daemon did
         elif out.state is WorkerState.FINISHED and self._link.done_reason == "failed":
@@ -320,19 +249,6 @@ class Daemon:
                                "exit_code": rc, "cause": cause, "at_start": out.at_start,
                                # where its own output begins in workers/<slot>.log (`eltctl logs --failed`)
                                "log_offset": w.log_offset if w.proc is not None else None}
-
-    def _cause(self, w: _Worker) -> str:
-        """The line of its log (from where its own output began) that says why it ended."""
-        path = self._workers_dir / f"{w.slot}.log"
-        try:
-            with open(path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                start = w.log_offset if w.proc is not None and w.log_offset <= size else 0
-                f.seek(max(start, size - TAIL_BYTES))
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        return cause_line(text)
 
     def _observe_gpus(self, now: float) -> None:
         if self._poller is None:
@@ -370,7 +286,8 @@ class Daemon:
             env = procs.environ_of(app.pid)
             ownership[app.pid] = classify_pid(app.pid, closed, procs.is_visible(app.pid),
                                               env.get("ELTCTL_JOB") if env else None, self.cfg.job,
-                                              claimed_by_its_user=env is None and self._claimed_by_user_of(app))
+                                              claimed_by_its_user=env is None
+                                              and self._claims.claimed_by_user_of(app, result.gpus))
             if ownership[app.pid] is Ownership.TAKEN and env and env.get("ELTCTL_JOB"):
                 other_job[app.pid] = env["ELTCTL_JOB"]
         watched = {w.slot for w in self._workers.values() if w.state is WorkerState.RUNNING} | set(self._memory.armed)
@@ -381,27 +298,12 @@ class Daemon:
                 foreign[i.gpu] = Foreign(i.pid, procs.user_of(i.pid) or "an unknown user")
         self._foreign = foreign
         # The GPUs' states for the state document.
-        by_uuid = {g.uuid: g.index for g in result.gpus}
-        foreign_on: dict[int, list[int]] = {}
-        taken_on: dict[int, list[int]] = {}
-        for app in result.apps:
-            if ownership.get(app.pid) is Ownership.FOREIGN and app.gpu_uuid in by_uuid:
-                foreign_on.setdefault(by_uuid[app.gpu_uuid], []).append(app.pid)
-            elif ownership.get(app.pid) is Ownership.TAKEN and app.gpu_uuid in by_uuid:
-                taken_on.setdefault(by_uuid[app.gpu_uuid], []).append(app.pid)
-        for g in result.gpus:
-            w = self._workers.get(g.index)
-            if g.index in foreign_on:
-                state, reason = "busy", "used by pid " + ", ".join(map(str, sorted(foreign_on[g.index])))
-            elif w is not None:
-                state, reason = "ours", f"worker {w.worker_id}"
-            elif g.index in self._taken or g.index in taken_on:
-                state, reason = "taken", self._taken_reason(g.index, taken_on.get(g.index, ()), other_job)
-            else:
-                state, reason = "free", ""
-            old = self._gpu_states.get(g.index)
+        states = gpu_states(result.gpus, result.apps, ownership, {s: w.worker_id for s, w in self._workers.items()},
+                            {i: c.describe() for i, c in self._claims.taken.items()}, other_job)
+        for index, (state, reason) in states.items():
+            old = self._gpu_states.get(index)
             since = old[2] if old and old[0] == state else time.time()
-            self._gpu_states[g.index] = (state, reason, since)
+            self._gpu_states[index] = (state, reason, since)
 
     def _follow_gpus(self, result: WatchResult) -> None:
         """The host's GPU list as this round's nvidia-smi gives it (logic.followed_slots): a
@@ -414,21 +316,6 @@ class Daemon:
                         self.cfg.host, sorted(new or ()), sorted(self._valid_slots or ()))
             self._valid_slots = new
 
-    def _observe_owner(self, now: float) -> None:
-        if self._owner is None or now < self._owner_next:
-            return
-        self._owner_next = now + self.cfg.watch_interval
-        v = self._owner.step(now, time.time())
-        self._owner_verdict = v
-        if v.leave is not None and (self._owner_fired is None or self._owner_fired.name != v.leave.name):
-            log.warning("host %s: owner signal %s: %s; the workers here leave", self.cfg.host, v.leave.name,
-                        v.leave.detail)
-        elif v.holding is None and self._owner_fired is not None:
-            log.info("host %s: the owner signals are quiet again (%s idle)", self.cfg.host,
-                     ", ".join(self.cfg.owner.signals))
-        if v.leave is not None or v.holding is None:
-            self._owner_fired = v.leave
-
     def _decide(self, now: float) -> Decision:
         view = View(
             now=now, wall=time.time(), host=self.cfg.host, desired=self._link.desired(), memory=self._memory,
@@ -436,9 +323,9 @@ class Daemon:
             terminating=self._terminating, valid_slots=self._valid_slots,
             departed=self._link.departed(), leave_timeout=self.cfg.leave_timeout,
             stop_timeout=self.cfg.stop_timeout, evict_grace=self.cfg.evict_grace,
-            owner_leave=self._owner_verdict.leave if self._owner_verdict else None,
-            owner_wait=self._owner_verdict.wait if self._owner_verdict else None,
-            owner_pending=self._owner is not None and self._owner_verdict is None,
+            owner_leave=self._owners.verdict.leave if self._owners.verdict else None,
+            owner_wait=self._owners.verdict.wait if self._owners.verdict else None,
+            owner_pending=self._owners.pending,
         )
         return decide(view)
 
@@ -509,7 +396,7 @@ class Daemon:
             offset = log_path.stat().st_size
         except OSError:
             offset = 0
-        held = self._claim(slot, wid)
+        held = self._claims.claim(slot, wid)
         if held is False:
             return
         try:
@@ -533,113 +420,18 @@ class Daemon:
             held.record(replace(held.claim, pid=proc.pid))
             held.close()  # the worker holds the claim now, for exactly its life
         files.write_atomic(self._workers_dir / f"{slot}.pid", f"{proc.pid}\n")
-        self._workers[slot] = _Worker(slot, wid, proc.pid, proc, WorkerState.RUNNING, now, time.time(),
-                                      log_offset=offset, start_wall=time.time())
+        self._workers[slot] = Worker(slot, wid, proc.pid, proc, WorkerState.RUNNING, now, time.time(),
+                                     log_offset=offset, start_wall=time.time())
         self._ended.pop(slot, None)
         log.info("host %s: started worker %s (pid %d) on %s %d; log %s", cfg.host, wid, proc.pid,
                  "GPU" if cfg.gpu_host else "CPU slot", slot, log_path)
 
-    # -- GPU claims (runtime/claims.py) ------------------------------------------------
-    def _claim_name(self, slot: int) -> str:
-        return claims.slot_file(slot, gpu=self.cfg.gpu_host, host=self.cfg.host)
-
-    def _claim(self, slot: int, wid: str) -> "claims.Held | None | bool":
-        """Claim the slot for the worker `wid` about to start: the Held claim; None when
-        the worker starts without one (the directory cannot be used, or a lingering
-        process of this job still holds it); False when another job holds it (the slot
-        is then taken: nothing starts, no yield, no crash)."""
-        cfg = self.cfg
-        mine = claims.Claim(job=cfg.job, user=procs.user_of(os.getpid()) or "", host=cfg.host, slot=slot,
-                            pid=os.getpid(), since=round(time.time(), 3))
-        try:
-            held = claims.take(self._claims_dir, self._claim_name(slot), mine)
-            self._note_refused(held.refused)
-        except claims.Taken as e:
-            holder = e.holder or claims.Claim(job="")
-            if holder.job == cfg.job and holder.user in ("", mine.user, claims.my_account()):
-                log.warning("host %s: the claim of %s %d is still held by a process of this job (%s); worker %s "
-                            "starts without one", cfg.host, "GPU" if cfg.gpu_host else "CPU slot", slot,
-                            holder.describe(), wid)
-                return None
-            self._set_taken(slot, holder)
-            return False
-        except claims.ClaimError as e:
-            if str(e) != self._claims_problem:
-                self._claims_problem = str(e)
-                log.warning("host %s: %s; workers start without GPU claims, so another eltctl job could start "
-                            "on the same GPU", cfg.host, e)
-            return None
-        self._claims_problem = ""
-        self._taken.pop(slot, None)
-        return held
-
-    def _set_taken(self, slot: int, holder: "claims.Claim | None") -> None:
-        old = self._taken.get(slot)
-        if holder is None:
-            if old is not None:
-                self._taken.pop(slot)
-                log.info("host %s: %s %d is no longer claimed by %s", self.cfg.host,
-                         "GPU" if self.cfg.gpu_host else "CPU slot", slot, old.describe())
-            return
-        self._taken[slot] = holder
-        if old is None or old.job != holder.job:
-            log.info("host %s: %s %d is taken by %s: no worker of this job starts there", self.cfg.host,
-                     "GPU" if self.cfg.gpu_host else "CPU slot", slot, holder.describe())
-
     def _observe_claims(self, now: float) -> None:
-        """Every watch interval: which of this host's slots without a worker of ours another
-        job holds (their claims), for the state document's `taken` and the GPU states."""
-        if now < self._claims_next:
-            return
-        self._claims_next = now + self.cfg.watch_interval
-        refused: list[claims.Refusal] = []
-        try:
-            problem = claims.check_dir(self._claims_dir) if self._claims_dir.exists() else None
-        except claims.ClaimError as e:  # not trusted at all: nothing in it keeps us off a GPU
-            self._demands = []
-            self._refused = {str(self._claims_dir): claims.Refusal(str(self._claims_dir), "?", str(e))}
-            for slot in list(self._taken):
-                self._set_taken(slot, None)
-            return
-        refused += [problem] if problem else []
-        self._demands = self._demand_reader.read(time.time())
-        refused += self._demand_reader.refused
+        """Which of this host's slots without a worker of ours another job holds (slotclaims.py)."""
         slots = set(self.cfg.valid_slots or ()) | set(self._memory.wanted)
         if self._last_watch is not None:
             slots |= {g.index for g in self._last_watch.gpus}
-        for slot in sorted(slots):
-            holder = claims.holder(self._claims_dir, self._claim_name(slot), refused=refused)
-            if slot in self._workers:
-                self._set_taken(slot, None)
-                continue
-            self._set_taken(slot, holder if holder is not None and holder.job != self.cfg.job else None)
-        self._note_refused(refused, fresh=True)
-
-    def _note_refused(self, refused, fresh: bool = False) -> None:
-        """Keep the refused entries (claims.Refusal) for the state document (`fresh`: the
-        whole list of this look, replacing the last); log each new one once."""
-        before = self._refused
-        self._refused = {} if fresh else dict(before)
-        for r in refused:
-            key = f"{r.file} {r.owner}"
-            if key not in before:
-                log.warning("host %s: not believed in the GPU claims directory: %s", self.cfg.host, r.describe())
-            self._refused[key] = r
-
-    def _claimed_by_user_of(self, app) -> bool:
-        """An unreadable process (another user's) on a GPU another job claims as that user."""
-        index = next((g.index for g in (self._last_watch.gpus if self._last_watch else ()) if g.uuid == app.gpu_uuid),
-                     None)
-        claim = self._taken.get(index) if index is not None else None
-        return claim is not None and bool(claim.user) and claim.user == procs.user_of(app.pid)
-
-    def _taken_reason(self, index: int, pids, other_job: Mapping[int, str]) -> str:
-        claim = self._taken.get(index)
-        if claim is not None:
-            return f"taken by {claim.describe()}"
-        jobs = sorted({other_job[p] for p in pids if p in other_job})
-        who = f"job {', '.join(jobs)}" if jobs else "another eltctl job"
-        return f"taken by {who} (pid {', '.join(map(str, sorted(pids)))})"
+        self._claims.observe(now, slots, self._workers)
 
     def _leave(self, a: Leave, now: float) -> None:
         w = self._workers[a.slot]
@@ -690,16 +482,8 @@ class Daemon:
             "wanted": sorted(m.wanted), "workers": workers, "gpus": gpus,
             "yielded": [y.to_dict() for y in m.yielded], "crashes": self._crashes,
             "history": self._history.entries(),
-            "taken": {str(s): c.job for s, c in sorted(self._taken.items())},
+            **self._claims.doc(),  # taken, demands, refused
             "health": "ok" if healthy else "unhealthy", "watch": dict(self._watch),
             "store": {"connected": self._link.connected, "reconnects": 0, "last_error": self._link.error},
-            "signal": self._signal_doc(), "forged": self._forgeries.counts(),
-            "demands": self._demands,
-            # entries of the claims directory not believed, named with their owner (runtime/claims.py `judge`)
-            "refused": claims.refusal_doc(self._refused.values()),
+            "signal": self._owners.doc(), "forged": self._forgeries.counts(),
         }
-
-    def _signal_doc(self) -> dict | None:
-        """The owner signal that holds this host now (owner.OwnerSignal.to_dict), or None."""
-        v = self._owner_verdict
-        return v.holding.to_dict() if v is not None and v.holding is not None else None

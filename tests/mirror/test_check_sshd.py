@@ -127,7 +127,7 @@ def test_a_group_shared_mirror_passes_and_a_hosts_copy_stays_group_writable(test
     inv = load_inventory(testbed.write_inventory(job={"name": JOB}, extra=f'[storage]\nmirror = "{mirror}"\n'))
     found = run_check(inv, [h1, h2])
     assert found is not None and found.ok, found
-    assert [f.name for f in found.findings] == ["this machine", "h1 (eltsim-h1)", "h2 (eltsim-h2)"]
+    assert [f.name for f in found.checks] == ["this machine", "h1 (eltsim-h1)", "h2 (eltsim-h2)"]
     job_dir = mirror / JOB
     assert job_dir.stat().st_mode & 0o7777 == 0o2770 and job_dir.stat().st_gid == mirror.stat().st_gid
     assert [p.name for p in job_dir.iterdir()] == []  # the check leaves nothing
@@ -162,11 +162,11 @@ def test_an_ssh_mirror_with_an_unknown_host_key_names_its_login_and_the_fix(test
     inv = load_inventory(testbed.write_inventory(job={"name": JOB}, extra=f'[storage]\nmirror = "{spec}"\n'))
     found = run_check(inv, [h1])
     assert found is not None and not found.ok
-    (login,) = found.findings
+    (login,) = found.checks
     assert login.name == "login" and "known_hosts" in (login.fix or ""), login
     with open(testbed.known_hosts, "a") as f:
         f.write(store.known_hosts_line() + "\n")
     found = run_check(inv, [h1])
     assert found is not None and found.ok, found
-    assert [f.name for f in found.findings] == [f"mirror host ({testbed.user})"]  # the hosts do not touch it
-    assert json.dumps([f.detail for f in found.findings])
+    assert [f.name for f in found.checks] == [f"mirror host ({testbed.user})"]  # the hosts do not touch it
+    assert json.dumps([f.detail for f in found.checks])

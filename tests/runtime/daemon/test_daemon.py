@@ -44,8 +44,8 @@ from eltctl_runtime.daemon.logic import (
 )
 from eltctl_runtime.daemon.procs import AlreadyRunning, PidLock
 from eltctl_runtime.daemon.gpuwatch import (
-    GpuApp, GpuInfo, Intruder, Ownership, SmiPoller, WatchHealth, classify_pid, descendants, intruders,
-    parse_app_query, parse_gpu_query,
+    GpuApp, GpuInfo, Intruder, Ownership, SmiPoller, WatchHealth, classify_pid, descendants, gpu_states,
+    intruders, parse_app_query, parse_gpu_query,
 )
 
 # ============================================================================ parsing
@@ -115,6 +115,28 @@ GPUS = (GpuInfo(0, "GPU-a", 0, 100, 0), GpuInfo(1, "GPU-b", 0, 100, 0))
 ])
 def test_intruders(apps, watched, owners, expected):
     assert intruders(GPUS, apps, watched, owners) == expected
+
+
+GPUS4 = tuple(GpuInfo(i, f"GPU-{i}", 0, 100, 0) for i in range(4))
+
+
+def test_gpu_states_name_who_holds_each_gpu():
+    apps = (GpuApp("GPU-0", 7, 1, "x"), GpuApp("GPU-0", 5, 1, "y"), GpuApp("GPU-1", 8, 1, "w"),
+            GpuApp("GPU-2", 9, 1, "t"), GpuApp("GPU-2", 6, 1, "u"), GpuApp("GPU-9", 4, 1, "z"))
+    owners = {7: Ownership.FOREIGN, 5: Ownership.FOREIGN, 8: Ownership.OURS, 9: Ownership.TAKEN,
+              6: Ownership.TAKEN, 4: Ownership.FOREIGN}
+    states = gpu_states(GPUS4, apps, owners, ours={0: "h1/0/1", 1: "h1/1/2"}, claimed={},
+                        other_job={9: "jobb"})
+    assert states == {
+        0: ("busy", "used by pid 5, 7"),  # a foreign process outranks our worker there
+        1: ("ours", "worker h1/1/2"),
+        2: ("taken", "taken by job jobb (pid 6, 9)"),  # its processes; 6's job unknown
+        3: ("free", ""),  # GPU-9's process: an unknown uuid, on no GPU of ours
+    }
+    claimed = gpu_states(GPUS4, apps, owners, ours={}, claimed={2: "job c (user u, pid 1)", 3: "job d"},
+                         other_job={})
+    assert claimed[2] == ("taken", "taken by job c (user u, pid 1)")  # the claim outranks the processes
+    assert claimed[3] == ("taken", "taken by job d") and claimed[1] == ("free", "")
 
 
 # ============================================================================ decisions
