@@ -75,8 +75,9 @@ port = {dead[1]}
     out = doctor(inventory)
     assert out.returncode == 3, out.stdout + out.stderr
     good = section(out.stdout, "h-good")
+    # script imports: the job's (empty) train.py checked, its input ended (not 60 s of waiting for it)
     for check in ("reachable", "host key", "auth", "python", "torch", "nvidia-smi", "work directory",
-                  "store forward"):
+                  "store forward", "script imports"):
         assert f"ok {check}" in good, good
     assert "FAIL" not in good
     assert "CPU-only" in section(out.stdout, "h-cpu") and "FAIL" not in section(out.stdout, "h-cpu")

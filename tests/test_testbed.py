@@ -15,7 +15,7 @@ import pytest
 
 from eltctl.sim import nvidia_smi
 from eltctl.sim.gpustate import DRIVER_FAILURE_MESSAGE, GpuState, install_nvidia_smi
-from tests.testbed import PYTHON, make_testbed, sshd_missing_reason
+from tests.testbed import PYTHON, Testbed, make_testbed, sshd_missing_reason
 from tests.testbed.jobenv import end_job
 from tests.testbed.sshd import SshdConfig, banner_ready
 
@@ -97,6 +97,26 @@ def test_host_python_has_torch_and_nothing_else(testbed):
     prefix = subprocess.run([PYTHON, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True)
     assert out.stdout.strip() == prefix.stdout.strip() != sys.prefix
     assert "No module named 'numpy'" in out.stderr
+
+
+def test_a_host_holds_a_torch_stamp_that_up_believes(testbed):
+    """Each host's home holds the record of a good `import torch` (torchstamp.py) that
+    `up`'s check (doctor_script with torch_cached) matches: it answers from the stamp,
+    which it would replace (a new inode) had it imported torch again."""
+    import shlex
+
+    from eltctl.doctor import TORCH_STAMP, doctor_script, parse_remote_facts
+
+    host = testbed.add_host()
+    stamp = host.home / TORCH_STAMP
+    before = stamp.stat()
+    out = ssh(host, "sh -c " + shlex.quote(doctor_script(host.python, torch_cached=True)))
+    facts = parse_remote_facts(out.stdout)
+    assert facts.torch_version and stamp.read_text().splitlines()[1] == f"torch={facts.torch_version}"
+    assert stamp.stat().st_ino == before.st_ino, "the check imported torch: the stamp does not match the host"
+    with Testbed(torch_seen=False) as fresh:  # hosts that never ran eltctl: none
+        bare = fresh.add_host("bare")
+        assert not (bare.home / TORCH_STAMP).exists()
 
 
 def test_asyncssh_sees_the_host_environment(testbed):

@@ -166,16 +166,19 @@ class SSHTransport:
         """
         import asyncssh
 
+        # asyncssh sends end-of-input only after non-empty input: empty input (an empty
+        # script for script_imports) would leave the command reading stdin until the timeout.
+        stdin = {"stdin": asyncssh.DEVNULL} if input == "" else {"input": input}
         closed = getattr(self._conn, "is_closed", lambda: False)
         for delay in SESSION_RETRY_DELAYS:
             try:
-                return await self._conn.run(command, input=input, timeout=timeout,
+                return await self._conn.run(command, **stdin, timeout=timeout,
                                             check=False, errors="replace")
             except asyncssh.ChannelOpenError:
                 if closed():
                     raise  # the connection is gone: no session will open on it (not 1.6 s of retries)
                 await asyncio.sleep(delay)
-        return await self._conn.run(command, input=input, timeout=timeout, check=False, errors="replace")
+        return await self._conn.run(command, **stdin, timeout=timeout, check=False, errors="replace")
 
     async def close(self) -> None:
         for c in (self._conn, *reversed(self._hops)):

@@ -26,6 +26,7 @@ import signal
 import pytest
 
 from tests.testbed.jobenv import job_env_on, wait_for, worker_pids
+from tests.testbed.squatter import PortSquatter
 
 pytestmark = [pytest.mark.sshd, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -154,14 +155,10 @@ def test_a_direct_mode_keeper_whose_port_was_taken_moves_and_the_running_hosts_f
     keeper serves on a new port and writes it beside the run id on each host; the
     daemons and workers already running (they know only the old port) reconnect there,
     and the same workers train on at 2, their steps seen again through the new store."""
-    import socket
-    import threading
-
     hosts = testbed.add_hosts(2, gpus=1)
     gen = job_env_on(testbed, hosts, extra='\n[controller]\nstore = "direct"\n')
     je = next(gen)
     ctl = None
-    stop = threading.Event()
     squatter = None
     try:
         je.eltctl("up")
@@ -173,28 +170,11 @@ def test_a_direct_mode_keeper_whose_port_was_taken_moves_and_the_running_hosts_f
         os.kill(ctl, signal.SIGSTOP)
         os.kill(before["pid"], signal.SIGKILL)
         wait_for(lambda: _dead(before["pid"]), 30, "the keeper to die")
-        squatter = socket.socket()
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-
-        def take_port() -> bool:  # the dead keeper's closing connections hold it a moment (FIN-WAIT)
-            try:
-                squatter.bind((before["address"], before["port"]))
-            except OSError:
-                return False
-            return True
-
-        wait_for(take_port, 60, "the keeper's port to be free for another process", interval=0.1)
-        squatter.listen(64)
-        squatter.settimeout(0.2)
-
-        def hang_up() -> None:  # another program on the old port: it speaks no store protocol
-            while not stop.is_set():
-                try:
-                    squatter.accept()[0].close()
-                except OSError:
-                    pass
-
-        threading.Thread(target=hang_up, daemon=True).start()
+        # another program on the old port: it speaks no store protocol
+        squatter = PortSquatter(before["address"], before["port"])
+        # the dead keeper's closing connections hold the port a moment (FIN-WAIT)
+        wait_for(squatter.try_bind, 60, "the keeper's port to be free for another process", interval=0.1)
+        squatter.start()
         # steps past any the stopped controller saw (checkpoints every 25): a status past this
         # one can only come through the new store, from workers that found it
         ckpt = _newest_checkpoint(je)
@@ -218,7 +198,6 @@ def test_a_direct_mode_keeper_whose_port_was_taken_moves_and_the_running_hosts_f
     finally:
         if ctl is not None:
             os.kill(ctl, signal.SIGCONT)
-        stop.set()
         if squatter is not None:
             squatter.close()
         next(gen, None)

@@ -72,6 +72,22 @@ def test_hosts_env_reaches_remote_commands(testbed):
     assert out["h1"].value.stdout == "hello 'world' $HOME|3"
 
 
+def test_empty_input_is_an_ended_input(testbed):
+    """`run(input="")` (doctor's check of an empty train.py) ends the command's input at
+    once: asyncssh sends end-of-input only after non-empty data, so the command read
+    stdin until its timeout (60 s per `up` and `doctor` of an empty script)."""
+    testbed.add_host("h1")
+    inv = load_inventory(testbed.write_inventory())
+
+    async def main():
+        async with Fleet(inv) as fleet:
+            t = await fleet.transport(inv.hosts[0])
+            return await t.run("cat; echo end", input="", timeout=30)
+
+    out = asyncio.run(main())
+    assert out.ok and out.stdout == "end\n", out
+
+
 SECRET = "tok-9f3c2a7e51b4 with 'quotes' and \\ backslash"
 
 

@@ -48,6 +48,10 @@ machine's (different uids, or NFS root_squash). `host.user` is the login name; t
 inventory names it as that host's `user`. Without root (no useradd) such a host is
 skipped by its test (`TestbedError`).
 
+Each host's home holds the record of a good `import torch` that `eltctl up` leaves
+(tests/testbed/torchstamp.py), so `up` does not import torch on it again;
+`Testbed(torch_seen=False)` gives hosts that never ran eltctl.
+
 Host keys: `add_host(known=False)` is missing from known_hosts;
 `host.change_host_key()` makes the recorded key stale. `testbed.silent_host()`
 accepts TCP but never speaks SSH; `testbed.dead_address()` refuses.
@@ -83,6 +87,7 @@ from eltctl.sim.gpustate import (
 from . import procs
 from .hostpython import HOST_PYTHON
 from .silent import SilentListener
+from .torchstamp import seed_torch_stamp
 from .sshd import (
     INSTALL_HINT,
     SshdConfig,
@@ -311,6 +316,8 @@ class SimHost:
                         self.dir / "authorized_keys")
         # Debian's bash sources ~/.bashrc for commands run by sshd: start in HOME.
         (self.home / ".bashrc").write_text('cd "$HOME" 2>/dev/null\n')
+        if self.bed.torch_seen:
+            seed_torch_stamp(self.home)  # `up` need not import torch here again (torchstamp.py)
         for name in ("python", "python3"):
             launcher = self.bin / name
             # A wrapper, not a symlink: a symlinked venv python does not find its venv.
@@ -367,8 +374,11 @@ class Testbed:
 
     __test__ = False
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, *, torch_seen: bool = True) -> None:
         self._root = root
+        # Each host starts with the record of a good `import torch` (tests/testbed/torchstamp.py);
+        # False: hosts that never ran eltctl, so `up` imports torch on each.
+        self.torch_seen = torch_seen
         self.dir: Path = Path()
         self.client_key: Path = Path()
         self.known_hosts: Path = Path()

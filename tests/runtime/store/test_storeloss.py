@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
 import time
 
 import pytest
@@ -15,6 +13,7 @@ from dictstore import DictStore
 from eltctl_runtime.member.plan import Plan, await_admission
 from eltctl_runtime.protocol import EventKind, Keys, first_generation
 from eltctl_runtime.store.loss import STORE_ADDRESS_FILE, StoreAddress, StoreHealth, StoreLost, flush_held, read_store_address, republish, restarted_store_waits, wait_until_back
+from tests.testbed.squatter import PortSquatter
 
 
 class Clock:
@@ -205,25 +204,13 @@ def test_a_daemons_link_reconnects_to_the_keepers_new_port_when_another_process_
     link = StoreLink(f"tcp:127.0.0.1:{port_a}", "j", "h1", poll_s=0.02, connect_timeout_s=1.0,
                      run_file=tmp_path / "run")
     second = squatter = None
-    stop = threading.Event()
     link.start()
     try:
         wait(lambda: link.desired() and link.desired().seq == 1, "the first store's document")
         first.stop()
-        squatter = socket.socket()
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(("127.0.0.1", port_a))
-        squatter.listen(16)
-        squatter.settimeout(0.1)
-
-        def hang_up() -> None:  # another program on the port: it speaks no store protocol
-            while not stop.is_set():
-                try:
-                    squatter.accept()[0].close()
-                except OSError:
-                    pass
-
-        threading.Thread(target=hang_up, daemon=True).start()
+        squatter = PortSquatter("127.0.0.1", port_a)  # another program on the port: no store protocol
+        squatter.bind()
+        squatter.start(backlog=16)
         second = StoreServer()
         port_b = second.listen_tcp("127.0.0.1", 0)
         second.start()
@@ -234,7 +221,6 @@ def test_a_daemons_link_reconnects_to_the_keepers_new_port_when_another_process_
         assert link.connected and link.address == f"tcp:127.0.0.1:{port_b}"
     finally:
         link.close(flush_s=0)
-        stop.set()
         for srv in (first, second):
             if srv is not None:
                 srv.stop()
