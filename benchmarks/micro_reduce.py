@@ -8,7 +8,7 @@ every micro-batch into the rank's chunks instead (`ShardedGradients.begin(accumu
 price of one reduction of the whole gradient per micro-batch. This measures both, side
 by side in one run, on the sharded benchmark's model (`--layers` Linear(2048, 2048), about
 50 M parameters with 12, AdamW), at each of `--worlds`, `--micro` micro-batches of
-`--batch` samples per rank and step, driving `eltctl_runtime.train.zero.sharded` directly in spawned
+`--batch` samples per rank and step, driving `eltctl_runtime.train.zero` directly in spawned
 worker processes on one gloo group (benchmarks/sharded.py's harness), and prints per rank:
 
   - the gradient bytes kept between micro-batches (the `.grad` tensors left after the
@@ -44,7 +44,7 @@ def _worker(cfg: dict, rank: int, store_path: str, out) -> None:
 
     import torch
 
-    from eltctl_runtime.train.zero import sharded as zero
+    from eltctl_runtime.train import zero
 
     faulthandler.dump_traceback_later(600, exit=True)
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@
         [--job-steps 10] [--step-repeats 1] [--job-args "--bucket-mb 25"] [--skip-memory]
         [--baseline zero-torchrun [--baseline-world 2 4] [--pause-repeats 3] [--skip-torchrun] [--eltctl-runs NAME ...]]
 
-Its memory part drives `eltctl_runtime.train.zero.sharded` directly, in plain worker processes on one
+Its memory part drives `eltctl_runtime.train.zero` directly, in plain worker processes on one
 gloo group per configuration (spawned, a FileStore, one torch thread each).
 
 `--baseline zero-torchrun` adds the pause baseline issue 22 compares against:
@@ -155,7 +155,7 @@ def _worker(cfg: dict, rank: int, store_path: str, out) -> None:
 
     faulthandler.dump_traceback_later(cfg.get("hang_s", 600), exit=True)  # a hung worker says where
 
-    from eltctl_runtime.train.zero import sharded as zero
+    from eltctl_runtime.train import zero
 
     torch.set_num_threads(1)
     world = cfg["world"]
@@ -334,7 +334,7 @@ def eltctl_shard_support() -> str | None:
         return f"eltctl_runtime.train.job does not import: {exc}"
     if "shard" not in inspect.signature(ElasticJob).parameters:
         return "ElasticJob has no shard= in this tree (issue 22's job wiring is not merged)"
-    from eltctl_runtime.train.zero import sharded as zero
+    from eltctl_runtime.train import zero
 
     if not hasattr(zero, "sharded_path"):
         return "ElasticJob(shard=...) is refused in this tree: zero.sharded_path (the job's sharded gradient path) is not merged"

@@ -45,7 +45,7 @@ def _timed(phases: dict[str, float], name: str, fn):
 def _worker(cfg: dict, rank: int, store_path: str, out) -> None:
     import torch
 
-    from eltctl_runtime.train.zero import sharded as zero
+    from eltctl_runtime.train import zero
 
     torch.set_num_threads(1)
     world = cfg["world"]
@@ -66,7 +66,7 @@ def _worker(cfg: dict, rank: int, store_path: str, out) -> None:
         sg = zero.ShardedGradients(params, opt, lay, rank, cfg["shard"])
         sg.bind()
         sg._prepare_step = _timed(phases, "prepare", sg._prepare_step)
-        sg._gather_bucket = _timed(phases, "launch_gather", sg._gather_bucket)
+        sg.gather_bucket = _timed(phases, "launch_gather", sg.gather_bucket)
         shard_step = sg._step_shard
 
         def stepped():  # the optimizer's own work, without the gathers launched between its buckets

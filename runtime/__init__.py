@@ -13,7 +13,7 @@ keys, event kinds and the store helpers: protocol.py) and membership.py need
 only the standard library; the training machinery
 (`ElasticJob`, the sampler) imports torch on first use (PEP 562), so the host
 daemon and the control plane start without it. `load_checkpoint` and
-`export_checkpoint` (checkpoint.py) import torch only when called. Restart
+`export_checkpoint` (checkpoint/load.py) import torch only when called. Restart
 mode's `report` and `checkpoint_saved` (progress.py) are standard library only.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError, Device, RuntimeConfig
+from .member.config import ConfigError, Device, RuntimeConfig
 from .member.plan import Plan, job_store
 from .protocol import (
     Desired,
@@ -40,14 +40,14 @@ from .protocol import (
 _LAZY = {
     "Commit": "train.job", "ElasticJob": "train.job", "ExcludedFromJob": "train.job", "DataLoadError": "train.pipeline",
     "SamplerState": "train.sampler", "epoch_order": "train.sampler", "share_bounds": "train.sampler",
-    "load_checkpoint": "checkpoint.store", "export_checkpoint": "checkpoint.store", "OptimizerMismatch": "train.state",
+    "load_checkpoint": "checkpoint.load", "export_checkpoint": "checkpoint.load", "OptimizerMismatch": "train.state",
     # restart mode's calls for a torchrun script (stdlib only: no torch)
     "report": "restart.progress", "checkpoint_saved": "restart.progress",
 }
 
 if TYPE_CHECKING:
     from .train.job import Commit, ElasticJob, ExcludedFromJob
-    from .checkpoint.store import export_checkpoint, load_checkpoint
+    from .checkpoint.load import export_checkpoint, load_checkpoint
     from .train.pipeline import DataLoadError
     from .restart.progress import checkpoint_saved, report
     from .train.sampler import SamplerState, epoch_order, share_bounds

@@ -42,6 +42,18 @@ pytest_plugins = ["tests.testbed.jobenv"]
 SSHD_FIXTURES = ("testbed", "job_env")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_stamp_per_run(request, tmp_path_factory):
+    """Under pytest-xdist, the workers make the test bed's torch stamp once between them
+    (tests/testbed/torchstamp.py) in the run's temporary directory: the parent of each
+    worker's own, which only this run uses (pytest keeps the last few runs' and removes
+    older ones)."""
+    if hasattr(request.config, "workerinput"):
+        from tests.testbed.torchstamp import share_in
+
+        share_in(tmp_path_factory.getbasetemp().parent)
+
+
 @pytest.fixture
 def testbed():
     """Simulated hosts on loopback. Starts nothing until `testbed.add_host()`;

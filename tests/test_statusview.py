@@ -374,19 +374,44 @@ def test_status_of_a_dead_controller_says_how_to_restart_it(tmp_path):
     assert m and 30 <= int(m.group(1)) <= took + 1, r.stdout
 
 
+# `python -m eltctl` with each read of the status document marked in $ELTSIM_VIEWS (a dot
+# apiece, written as the read begins): the test waits for the watch's reads, not a clock.
+# (Its output is no tty: rich prints only the last view, at the end.)
+COUNTED_READS = """
+import os, runpy
+import eltctl.statusview as statusview
+read, views = statusview.read_snapshot, os.environ.pop("ELTSIM_VIEWS")
+def counted(*args, **kwargs):
+    with open(views, "a") as f:
+        f.write(".")
+    return read(*args, **kwargs)
+statusview.read_snapshot = counted
+runpy.run_module("eltctl", run_name="__main__")
+"""
+
+
 def test_status_watch_refreshes_and_ctrl_c_exits_0(tmp_path):
     write_inventory(tmp_path)
     d = state_dir(tmp_path)
     (d / "status.json").write_text(json.dumps({**TRAINING, "updated": time.time()}))
-    proc = subprocess.Popen([sys.executable, "-m", "eltctl", "status", "--watch"], cwd=tmp_path,
-                            env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True,
+    views = tmp_path / "views"
+    proc = subprocess.Popen([sys.executable, "-c", COUNTED_READS, "status", "--watch"], cwd=tmp_path,
+                            env={**cli_env(tmp_path), "ELTSIM_VIEWS": str(views)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                             # default SIGINT even when the test run itself ignores it (started with `&`)
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    def reads_reach(n: int) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while not (views.exists() and len(views.read_text()) >= n):
+            assert proc.poll() is None and time.monotonic() < deadline, f"the watch read the document < {n} times"
+            time.sleep(0.05)
+
     try:
-        time.sleep(4)  # the watch redraws about once a second
+        reads_reach(1)  # the watch is up and showed the first document
         (d / "status.json").write_text(json.dumps({**TRAINING, "step": 99999, "updated": time.time()}))
-        time.sleep(3)
+        # Read n+1 began after the new document was written; n+2 after read n+1 was drawn.
+        reads_reach(len(views.read_text()) + 2)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=TIMEOUT)
     finally:
@@ -454,6 +479,12 @@ def test_logs_of_a_local_host_last_lines_then_follow(tmp_path):
     transport = LocalTransport(Host(name="here", address="local", env=(("HOME", str(home)),)))
     seen: list[str] = []
 
+    async def shown(*lines: str) -> None:  # the follow's reads are what the steps wait for, not a clock
+        async def wait():
+            while not set(lines) <= set(seen):
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(wait(), 60)
+
     async def scenario():
         await show_logs(transport, "j1", "here", lines=2, follow=False, emit=seen.append)
         assert seen == ["[daemon] d2", "[daemon] d3", "[worker 0] w0 \xe9", "[worker 0] \ufffd raw"]
@@ -461,14 +492,16 @@ def test_logs_of_a_local_host_last_lines_then_follow(tmp_path):
         stop = asyncio.Event()
         task = asyncio.ensure_future(show_logs(transport, "j1", "here", lines=1, follow=True,
                                                emit=seen.append, interval=0.2, stop=stop))
-        await asyncio.sleep(1.5)
+        await shown("[daemon] d3", "[worker 0] \ufffd raw")  # its first read (the last lines) is done
         with open(d / "daemon.log", "a") as f:
             f.write("d4\nd5 no newline yet")
         (d / "workers" / "1.log").write_text("w1 first\nw1 second\n")
-        await asyncio.sleep(1.5)
+        # The read that showed d4 also got "d5 no newline yet" (one write): held back, unfinished.
+        await shown("[daemon] d4", "[worker 1] w1 second")
         with open(d / "daemon.log", "a") as f:
             f.write(" - now\n")
-        await asyncio.sleep(1.5)
+        await shown("[daemon] d5 no newline yet - now")
+        await asyncio.sleep(0.5)  # a few more reads (interval 0.2): nothing else is shown
         stop.set()
         await asyncio.wait_for(task, 60)
 

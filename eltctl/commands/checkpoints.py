@@ -87,7 +87,8 @@ def export(
         if importlib.util.find_spec("torch") is None:  # the file is written with torch.save
             raise EltctlError("exporting needs torch on this machine, and it has none",
                               hint="pip install torch==2.13.0 (the controller needs it too)")
-        from eltctl_runtime.checkpoint.store import InvalidCheckpoint, export_checkpoint
+        from eltctl_runtime.checkpoint.format import InvalidCheckpoint
+        from eltctl_runtime.checkpoint.load import export_checkpoint
 
         try:
             done = export_checkpoint(fetched.path, out)  # atomic: a reader sees no file or the whole one

@@ -242,7 +242,7 @@ class Checker:
             fairshare_hold=t.duration("fairshare_hold", d.fairshare_hold, positive=False),
         )
         if isinstance(values["hang_timeout"], float) and values["hang_timeout"] > 30:
-            # The runtime caps it (runtime/config.py MAX_HANG_TIMEOUT_S): a longer
+            # The runtime caps it (runtime/member/config.py MAX_HANG_TIMEOUT_S): a longer
             # silence would stall every survivor of a crash for that long.
             values["hang_timeout"] = t.fail("hang_timeout", f"must be at most 30s, got "
                                                             f"{show(t.data['hang_timeout'])}")

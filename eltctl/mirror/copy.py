@@ -25,7 +25,7 @@ from eltctl.mirror.manifests import manifest_files, parse_sums
 from eltctl.mirror.places import (HASH_TIMEOUT, LIST_TIMEOUT, NICE, copy_hash_command, read_located, read_manifest,
                                   run_checked, verify_located, with_manifest)
 from eltctl.mirror.values import Located, MirrorError, Place
-from eltctl_runtime.checkpoint import store as ckpt
+from eltctl_runtime.checkpoint import format as ckpt
 
 COPY_TIMEOUT = 3600.0  # seconds for one copy of one checkpoint (100 MB at 30 KB/s)
 RELAY_CHUNK = 1 << 20

@@ -23,7 +23,7 @@ from eltctl.inventory import Host, Inventory
 from eltctl.mirror.job import Mirror
 from eltctl.mirror.places import host_place, list_place
 from eltctl.mirror.values import MIRROR_LABEL, Located, MirrorError, Place
-from eltctl_runtime.checkpoint import store as ckpt
+from eltctl_runtime.checkpoint import format as ckpt
 
 CHUNK = 1 << 20
 

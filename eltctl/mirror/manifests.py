@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from eltctl.mirror.values import Located, MirrorError, Place
-from eltctl_runtime.checkpoint import store as ckpt
+from eltctl_runtime.checkpoint import format as ckpt
 
 
 def manifest_files(text: str, dirname: str) -> tuple[int, float, tuple[tuple[str, int, str], ...]]:

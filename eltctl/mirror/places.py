@@ -13,7 +13,7 @@ from eltctl.hosts.transport import RunResult, Transport
 from eltctl.mirror.decisions import compare_sums
 from eltctl.mirror.manifests import manifest_files, parse_listing, parse_sums
 from eltctl.mirror.values import Located, MirrorError, Place
-from eltctl_runtime.checkpoint import store as ckpt
+from eltctl_runtime.checkpoint import format as ckpt
 
 LIST_TIMEOUT = 60.0
 HASH_TIMEOUT = 1800.0

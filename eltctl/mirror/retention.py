@@ -8,7 +8,7 @@ import uuid
 from eltctl.mirror.decisions import retention_plan
 from eltctl.mirror.places import LIST_TIMEOUT, list_place, run_checked
 from eltctl.mirror.values import Place
-from eltctl_runtime.checkpoint import store as ckpt
+from eltctl_runtime.checkpoint import format as ckpt
 
 STALE_TMP_MINUTES = 120  # `.tmp-*` on the mirror older than this are leftovers of a dead copy
 

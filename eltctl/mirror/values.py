@@ -10,7 +10,7 @@ from typing import Any
 
 from eltctl.errors import EltctlError
 from eltctl.hosts.transport import Transport
-from eltctl_runtime.checkpoint import store as ckpt
+from eltctl_runtime.checkpoint import format as ckpt
 
 MIRROR_LABEL = "mirror"  # the `where` of a mirrored checkpoint (host names are the others)
 

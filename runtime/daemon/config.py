@@ -54,7 +54,7 @@ least `stop_grace` + 60 s so the daemon never kills a supervisor that is still
 waiting for its script to save.
 
 The worker environment: the daemon's own (inherited), then `env`, then the
-runtime's contract (runtime/config.py): ELTCTL_STORE, ELTCTL_JOB,
+runtime's contract (runtime/member/config.py): ELTCTL_STORE, ELTCTL_JOB,
 ELTCTL_WORKER_ID=`<host>/<slot>/<incarnation>` (never reused: the incarnation
 counts up from the daemon's start time in ms, logic.first_incarnation),
 ELTCTL_DEVICE, ELTCTL_LOCAL_GPU (0: the one visible GPU), ELTCTL_CHECKPOINT_DIR,

@@ -150,8 +150,10 @@ def _hold(pg, keep) -> None:
 def wait_work(work, abort: threading.Event | None, poll_s: float = 0.02) -> None:
     """Wait for a collective, leaving at once (Aborted) when `abort` is set or
     the backend reports an error (e.g. a ring neighbour's connection reset).
-    `abort` None: nothing can abort the wait (a caller outside a generation)."""
-    if not work.is_completed():
+    `abort` None: nothing can abort the wait (a caller outside a generation): a plain
+    wait() (gloo's reduce-scatter reports completion only from wait(), as its
+    point-to-point works do: polled, it would never end); its error is an Aborted too."""
+    if abort is not None and not work.is_completed():
         done = threading.Event()
         try:
             work.get_future().add_done_callback(lambda _f: done.set())
@@ -210,11 +212,14 @@ def recv(pg, t: torch.Tensor, src: int, tag: int = 0):
         raise Aborted(f"a receive from rank {src} failed: {e}", backend_error=True) from e
 
 
-def wait_p2p(works: list, abort: threading.Event | None, what: str) -> None:
-    """Wait for point-to-point sends and receives. gloo's report completion only from
-    wait() (is_completed() stays False, there is no future), so an abortable wait runs
-    their wait() on a helper thread (run_abortable); a backend's error (a peer gone) is
-    an Aborted with backend_error, as wait_work's."""
+def wait_p2p(works: list, abort: threading.Event | None, what: str = "shard transfers") -> None:
+    """Wait for point-to-point sends and receives (send/recv's works): the one abortable
+    point-to-point wait (zero's shard transfers and gather, the sharded checkpoint's
+    bytes, the job's state transfer). gloo's report completion only from wait()
+    (is_completed() stays False, there is no future), so an abortable wait runs their
+    wait() on a helper thread (run_abortable); a backend's error (a peer gone) is an
+    Aborted with backend_error, as wait_work's. `what` names the transfer in the error;
+    `abort` None: nothing can abort the wait (plain wait()s)."""
     if abort is None:
         for w in works:
             w.wait()

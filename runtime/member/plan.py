@@ -70,6 +70,12 @@ class Plan:
         )
 
 
+def host_of(worker: str) -> str:
+    """The host of a worker id: its first "/"-part (`host/slot/pid`, the daemon's ids),
+    else the whole id."""
+    return worker.split("/", 1)[0]
+
+
 def propose(
     current: Plan | None,
     survivors: Iterable[str],

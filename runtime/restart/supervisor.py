@@ -35,38 +35,33 @@ from the moment the change was known to the new children's start).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
-import re
-import select
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..member import collectives, exiting
-from ..store.auth import Forgeries, ForgedValue
+from ..member import collectives, exiting, transfer
 from ..member.collectives import Aborted
-from ..config import Device, RuntimeConfig
-from ..member.control import ControlThread
-from ..member.generation import ExcludedFromJob, GenerationHooks, Generations
-from ..member.plan import Plan, choose_source, job_store, scan_joiners
-from .progress import ENV_PROGRESS, ProgressFile, ProgressTracker, compile_progress
-from ..protocol import EventKind, Keys, add_event, put_dead, status_document
-from .snapshots import pack_dir, unpack_dir
-from .watch import CheckpointWatch, Listing, LiveSnapshots, OutputPump, RestartLimit, Take, group_pids, listing, progress_matcher, writers_under
-from ..train.state import tensor_bytes
-from ..store import client as storeclient
+from ..member.generation import ExcludedFromJob, GenerationHooks
+from ..member.plan import Plan, host_of, scan_joiners  # noqa: F401 - host_of: re-exported
+from ..member.report import generation_event
+from ..member.session import MemberSession, MemberViews
+from ..member.config import Device, RuntimeConfig
+from ..store.auth import ForgedValue
+from ..protocol import EventKind, Keys, get_status
+from .keeper import SNAPSHOT_FORMAT, SnapshotKeeper  # noqa: F401 - SNAPSHOT_FORMAT: re-exported
+from .launch import (SCRIPT_DIR_PLACEHOLDER, WARM_MODULE, Child, ScriptStore, Warm, child_env,  # noqa: F401
+                     expand_command, slot_of, torchrun_env, warm_form)
+from .progress import ProgressFile, ProgressTracker, compile_progress
+from .snapshots import pack_dir, unpack_dir  # noqa: F401 - re-exported (tests import them from here)
+from .watch import OutputPump, RestartLimit, progress_matcher
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -81,243 +76,12 @@ DEFAULT_STOP_GRACE_S = 30.0
 SETTLE_S = 5.0
 PROGRESS_POLL_S = 0.5
 DEFAULT_CHECKPOINT_POLL_S = 2.0  # rank 0 looks this often for a new complete checkpoint of its script
-SNAPSHOT_FORMAT = "eltctl-restart-snapshot"
-MASTER_BYTES = 128  # room for rank 0's script store `addr:port` (an IPv6 address with its port fits)
-SCRIPT_DIR_PLACEHOLDER = "{checkpoint_dir}"
-# The child's environment: eltctl's own variables are the supervisor's, not the script's
-# (ELTCTL_JOB stays: it marks the job's processes for the daemon and `down`).
-_CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOCAL_GPU",
-                "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT",
-                "ELTCTL_SECRET_FILE")  # the script has no business with the store or its secret
-_PR_SET_PDEATHSIG = 1
-_PYTHON = re.compile(r"python[\d.]*$")
-WARM_MODULE = "eltctl_runtime.restart.warmstart"
-
-
-# ---- pure parts ---------------------------------------------------------------
-
-
-def host_of(worker: str) -> str:
-    return worker.split("/", 1)[0]
-
-
-def slot_of(worker: str) -> str:
-    parts = worker.split("/")
-    return parts[1] if len(parts) > 2 else "0"
-
-
-def torchrun_env(members: Sequence[str], me: str, master_addr: str, master_port: int, restarts: int,
-                 run_id: str, gpus: bool) -> dict[str, str]:
-    """torchrun's environment for `me` in a generation of `members` (rank order).
-    LOCAL_RANK is the order among the members on its host, GROUP_RANK the host's
-    index in order of its first member; with `gpus`, CUDA_VISIBLE_DEVICES lists the
-    host's member GPUs (their slots) in LOCAL_RANK order, so `cuda:LOCAL_RANK` is
-    this member's GPU."""
-    hosts: list[str] = []
-    for w in members:
-        if host_of(w) not in hosts:
-            hosts.append(host_of(w))
-    local = [w for w in members if host_of(w) == host_of(me)]
-    rank, world = members.index(me), len(members)
-    env = {
-        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local.index(me)),
-        "LOCAL_WORLD_SIZE": str(len(local)), "GROUP_RANK": str(hosts.index(host_of(me))),
-        "GROUP_WORLD_SIZE": str(len(hosts)), "ROLE_NAME": "default", "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_RUN_ID": run_id,
-        # env:// connects as a client to the store rank 0's supervisor hosts (ScriptStore),
-        # as torchrun's agent store: no script hosts one on a port it must find free first.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot_of(w) for w in local)
-    return env
-
-
-def expand_command(command: Sequence[str], script_dir: Path) -> list[str]:
-    return [a.replace(SCRIPT_DIR_PLACEHOLDER, str(script_dir)) for a in command]
-
-
-def warm_form(argv: Sequence[str]) -> tuple[str, list[str], bool] | None:
-    """(interpreter, the script's argv, whether it is `-m module`) when `argv` is
-    `python script.py ...` or `python -m module ...` (no interpreter options), the
-    forms a warm interpreter (warmstart.py) can run; None otherwise."""
-    if len(argv) < 2 or not _PYTHON.match(os.path.basename(argv[0])):
-        return None
-    if argv[1] == "-m":
-        return (argv[0], list(argv[2:]), True) if len(argv) > 2 else None
-    if argv[1].startswith("-"):
-        return None
-    return argv[0], list(argv[1:]), False
-
-
-# ---- the script's process ------------------------------------------------------
-
-
-try:  # looked up here, not in the forked child (no dynamic loading between fork and exec)
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # pragma: no cover - not Linux
-    _prctl = None
-
-
-def _child_setup() -> None:
-    """In the child before exec: its own process group, and SIGKILL when the
-    supervisor dies (a supervisor killed with SIGKILL leaves no orphan)."""
-    os.setpgrp()
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-
-
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class Child:
-    """The script's process (its own group) in one generation."""
-
-    def __init__(self, proc: subprocess.Popen, pump: OutputPump) -> None:
-        self.proc = proc
-        self.pump = pump  # its output, passed through to ours
-        self.stopping = False
-
-    @classmethod
-    def start(cls, argv: Sequence[str], env: Mapping[str, str], pump: OutputPump) -> "Child":
-        proc = subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=_child_setup, close_fds=True)
-        pump.attach(proc.stdout, proc.stderr)
-        return cls(proc, pump)
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def stop(self, grace: float) -> int:
-        """SIGTERM to its group, up to `grace` seconds to exit, then SIGKILL; the exit code."""
-        self.stopping = True
-        if self.proc.poll() is None:
-            _killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                log.warning("the script (pid %d) did not exit within %g s of SIGTERM; killing it",
-                            self.proc.pid, grace)
-        _killpg(self.proc.pid, signal.SIGKILL)  # and anything it left in its group
-        return self.proc.wait()
-
-
-class Warm:
-    """The next generation's process, started ahead with torch imported
-    (warmstart.py); `hand` gives it the script to run."""
-
-    def __init__(self, proc: subprocess.Popen, pipe: int, ready: int, pump: OutputPump) -> None:
-        self.proc = proc
-        self.pump = pump
-        self._pipe: int | None = pipe
-        self._ready: int | None = ready  # read end: one byte once torch is imported
-
-    @classmethod
-    def start(cls, python: str, env: Mapping[str, str], pump: OutputPump) -> "Warm":
-        r, w = os.pipe()
-        rr, rw = os.pipe()
-        try:
-            proc = subprocess.Popen([python, "-m", WARM_MODULE, str(r), str(rw)], env=dict(env),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=(r, rw), preexec_fn=_child_setup, close_fds=True)
-            pump.attach(proc.stdout, proc.stderr)
-        except BaseException:
-            os.close(w)
-            os.close(rr)
-            raise
-        finally:
-            os.close(r)
-            os.close(rw)
-        return cls(proc, w, rr, pump)
-
-    def wait_ready(self, timeout: float) -> bool:
-        """Wait until it has imported torch; False if it died or the time ran out."""
-        if self._ready is None:
-            return self.proc.poll() is None
-        readable, _, _ = select.select([self._ready], [], [], timeout)
-        ok = bool(readable) and os.read(self._ready, 1) == b"1"
-        os.close(self._ready)
-        self._ready = None
-        return ok
-
-    def hand(self, argv: Sequence[str], module: bool, env: Mapping[str, str]) -> Child | None:
-        """The warm process now runs the script; None if it is gone (start one cold)."""
-        if self.proc.poll() is not None or self._pipe is None:
-            self.discard()
-            return None
-        try:
-            os.write(self._pipe, (json.dumps({"argv": list(argv), "module": module, "env": dict(env)}) + "\n").encode())
-        except OSError:
-            self.discard()
-            return None
-        os.close(self._pipe)
-        self._pipe = None
-        if self._ready is not None:
-            os.close(self._ready)
-            self._ready = None
-        return Child(self.proc, self.pump)
-
-    def discard(self) -> None:
-        if self._pipe is not None:
-            os.close(self._pipe)
-            self._pipe = None
-        if self._ready is not None:
-            os.close(self._ready)
-            self._ready = None
-        _killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
-class ScriptStore:
-    """The scripts' rendezvous store (their env:// MASTER_ADDR:MASTER_PORT) for one
-    generation, hosted by rank 0's supervisor: a libuv TCPStore server on a socket
-    bound to the data-plane address (`addr`, where the other members reach this host;
-    never every interface) and listening before its port is published, so nobody can
-    take the port between a probe and the script's bind. The scripts connect as
-    clients (TORCHELASTIC_USE_AGENT_STORE). One per generation: a fresh store, as
-    re-used keys hang (pytorch#55967). `open()` binds, `close()` stops the server."""
-
-    def __init__(self, addr: str) -> None:
-        self.addr = addr
-        self.port: int | None = None
-        self._server = None
-
-    def open(self) -> "ScriptStore":
-        family = socket.AF_INET6 if ":" in self.addr else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.bind((self.addr, 0))
-            sock.listen(socket.SOMAXCONN)
-            self.port = sock.getsockname()[1]
-        except OSError:
-            sock.close()
-            raise
-        fd = sock.detach()  # the server owns the listening socket from here
-        try:
-            self._server = dist.TCPStore(self.addr, self.port, is_master=True, wait_for_workers=False,
-                                         timeout=timedelta(seconds=60), master_listen_fd=fd, use_libuv=True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return self
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.addr}:{self.port}"
-
-    def close(self) -> None:
-        self._server = None  # the TCPStore's destructor stops the server and closes its socket
 
 
 # ---- the supervisor --------------------------------------------------------------
 
 
-class Supervisor:
+class Supervisor(MemberViews):
     """See the module docstring. `run()` does everything; the constructor nothing."""
 
     def __init__(self, config: RuntimeConfig, command: Sequence[str], script_dir: Path,
@@ -331,7 +95,6 @@ class Supervisor:
         self.progress_path = self.script_dir.parent / f".{self.script_dir.name}.progress"
         self._patterns = compile_progress(progress) if progress else ()
         self._limit = limit
-        self._poll_s = checkpoint_poll_s
         self._progress_file = ProgressFile(self.progress_path)
         self._tracker = ProgressTracker()
         self._tracker_lock = threading.Lock()
@@ -341,12 +104,6 @@ class Supervisor:
         self._ever_running = False  # they did in some generation of this supervisor
         self._failure: str | None = None  # the job stopped on the restart limit: why
         self._failure_noted = False  # this generation's child's failure is in the store
-        self._ckpt_watch = CheckpointWatch()
-        self._announced = False  # the script called checkpoint_saved since the last look
-        self._last_look = 0.0
-        self._live: threading.Thread | None = None  # rank 0: a snapshot taken while the script runs
-        self._live_snaps: LiveSnapshots | None = None  # how it is taken (made at the first one)
-        self._snap_steps: dict[int, int | None] = {}  # snapshot counter -> the script's step when it was taken
         self.argv = expand_command(command, self.script_dir)
         self.stop_grace = stop_grace
         self._keep = keep
@@ -354,111 +111,61 @@ class Supervisor:
         self._warm: Warm | None = None
         self._child_t = 0.0
         self._child_warm = False
-        self._gen: Generations | None = None  # the membership state machine (generation.py); made in run()
         self._script_store: ScriptStore | None = None  # rank 0: this generation's scripts' store
         self._child: Child | None = None
         self._child_ran = False  # a child ran in the current generation
-        self._snap: tuple[int, bytes] | None = None  # (snapshot counter, tar) held in memory
-        self._unpacked: int | None = None  # the counter whose tar is in script_dir
-        self._saved = 0  # the newest counter this supervisor saved as an eltctl checkpoint
-        self._starts = 0  # how often the job's scripts were started (job-wide, agreed)
+        # The snapshots of the script's directory this supervisor holds, saves and restores.
+        self._snaps = SnapshotKeeper(self.me, self.script_dir, checkpoint_poll_s, lambda: self._tracker.step,
+                                     lambda: self._child)
         self._t_change: float | None = None  # when the pending change became known (monotonic)
         self._change_kind: EventKind | None = None
-        self._last_status = 0.0
-        self._last_ckpt: dict | None = None
         self._member = False
         self._over = False  # left, finished or stopped: nothing more to do
-        self._ckpt = None
-        self._control: ControlThread | None = None
-        self._forgeries = Forgeries()  # forged store values read, over all of this supervisor's connections
+        # This member's store, control thread, membership state machine and reports (a store
+        # error is only logged: restart mode does not ride out the store's loss).
+        self._session = MemberSession("supervisor", group_name="supervisors' group", mode="restart",
+                                      rides_store_loss=False)
 
-    # -- the membership state machine's view --------------------------------------------
+    # -- the membership state machine's view (and MemberViews': _plan, _rank, _pg) -----------
     @property
-    def _plan(self) -> Plan | None:
-        return self._gen.plan if self._gen is not None else None
-
-    @property
-    def _rank(self) -> int:
-        return self._gen.rank if self._gen is not None else -1
-
-    @property
-    def _pg(self):
-        return self._gen.pg if self._gen is not None else None
+    def _store(self):
+        return self._session.store
 
     # -- lifecycle -------------------------------------------------------------
     def run(self) -> int:
-        cfg = self.cfg
-        self._bind = collectives.bind_address(cfg.store_host, cfg.store_port)
-        self._store = self._connect()
+        cfg, session = self.cfg, self._session
+        session.connect(cfg)
         if cfg.checkpoint_dir is not None:
-            from ..checkpoint.store import CheckpointStore
-
-            self._ckpt = CheckpointStore(cfg.checkpoint_dir, keep=self._keep, on_committed=self._on_checkpoint)
-        self._control = ControlThread(self._connect, self.me, cfg.hang_timeout_s, cfg.max_workers)
-        self._control.start()
+            self._snaps.open(cfg.checkpoint_dir, self._keep, self._on_checkpoint)
         hooks = GenerationHooks(before_group=self._before_group, on_group=self._on_group, on_leave=self._on_leave,
                                 on_abort=self._on_abort)
-        self._gen = Generations(self.me, lambda: self._store, self._control, hooks, device=torch.device("cpu"),
-                                bind_host=self._bind, max_workers=cfg.max_workers,
-                                hang_timeout_s=cfg.hang_timeout_s, label="supervisor",
-                                group_name="supervisors' group")
-        old = signal.signal(signal.SIGTERM, lambda *_: self._control.request_local_leave())
+        session.start(hooks, torch.device("cpu"))
+        session.trap_sigterm()
+        gen = session.gen
         try:
             self._prewarm()
             if self._warm is not None and not self._warm.wait_ready(WARM_READY_S):
                 log.warning("supervisor %s: the warm interpreter was not ready within %g s; joining anyway",
                             self.me, WARM_READY_S)
-            plan = self._admit()
+            plan = session.admit(leave_gives_up=True)  # None: the job is done, or asked to leave first
+            self._member = plan is not None
             # enter each generation (on_group starts the script), watch it, and after
             # an abort (on_abort) the roll call: generation.Generations.run
-            self._gen.run(plan, lambda: self._watch(self._gen.abort),
-                          alive=lambda: str(self._snap[0] if self._snap else 0))
+            gen.run(plan, lambda: self._watch(gen.abort), alive=lambda: str(self._snaps.counter))
             return 0
         except BaseException as e:
             if self._member and not self._over and not isinstance(e, ExcludedFromJob):
-                log.error("supervisor %s: leaving abruptly: %r", self.me, e)
-                try:
-                    put_dead(self._store, self.me)
-                except Exception:  # noqa: BLE001 - best effort on the way out
-                    pass
+                session.leave_abruptly(repr(e))
             raise
         finally:
-            self._join_live()
+            self._snaps.join_live()
             if self._child is not None:
                 self._child.stop(grace=min(self.stop_grace, 5.0))
             if self._warm is not None:
                 self._warm.discard()
-            if self._ckpt is not None:
-                self._ckpt.close()
-            self._control.close()
-            signal.signal(signal.SIGTERM, old)
-            self._gen.close()
+            self._snaps.close()
+            session.close()
             self._close_script_store()
-
-    def _connect(self):
-        cfg = self.cfg
-        raw = storeclient.connect(cfg.store_spec, 60)
-        return job_store(raw, cfg.job, cfg.secret, self._forgeries, cfg.run_id())  # run id: read at every connect
-
-    # -- admission (as ElasticJob._admit) -----------------------------------------
-    def _admit(self) -> Plan | None:
-        """Wait to be a member (membership.await_admission); None: the job is done,
-        or this supervisor was asked to leave first."""
-        cfg = self.cfg
-
-        def asked_to_leave() -> bool:
-            if not self._control.requests.leave:
-                return False
-            log.info("supervisor %s: asked to leave before it was admitted", self.me)
-            put_dead(self._store, self.me)  # so that nobody admits it any more
-            return True
-
-        plan = self._gen.admit(min_workers=cfg.min_workers, give_up=asked_to_leave)
-        self._member = plan is not None
-        return plan
-
-    def _scan_joiners(self, after: int) -> tuple[list[tuple[int, str]], int]:
-        return scan_joiners(self._store, after)
 
     # -- the membership state machine's hooks (generation.GenerationHooks) ---------------
     def _before_group(self, plan: Plan) -> None:
@@ -468,22 +175,18 @@ class Supervisor:
     def _on_group(self, plan: Plan) -> None:
         """The supervisors' group is formed and checked: agree on the snapshot,
         unpack it and start the script (the watch follows: _watch)."""
-        me, st, abort = self.me, self._store, self._gen.abort
+        me, st, abort, snaps = self.me, self._store, self._session.abort, self._snaps
         if self._rank == 0:
-            self._script_store = ScriptStore(self._bind).open()
+            self._script_store = ScriptStore(self._session.bind_host).open()
             st.set(Keys.master(plan.generation), self._script_store.endpoint)  # signed; for who looks
         restored = self._sync(abort)
         addr, _, port = self._master(abort).rpartition(":")
-        counter, data = self._snap
-        if self._unpacked != counter:
-            unpack_dir(data, self.script_dir)
-            self._unpacked = counter
-        self.script_dir.mkdir(parents=True, exist_ok=True)
+        counter = snaps.unpack()
         if self._rank == 0:
-            self._ckpt_watch.unpacked(listing(self.script_dir))  # the directory is snapshot `counter`
-            if counter > self._saved:
-                self._save_checkpoint(wait=False)
-        restarts = self._starts
+            snaps.unpacked_here()  # the directory is snapshot `counter`
+            if counter > snaps.saved:
+                snaps.save(wait=False)
+        restarts = snaps.starts
         if self._rank == 0 and self._tracker.step is None:
             self._seed_progress()
         self._running_since, self._failure_noted = None, False
@@ -491,12 +194,12 @@ class Supervisor:
         self._progress_file.reset()
         with self._tracker_lock:
             self._tracker.reset()
-        env = _child_env(os.environ, self.script_dir, self.progress_path)
+        env = child_env(os.environ, self.script_dir, self.progress_path)
         env.update(torchrun_env(plan.members, me, addr, int(port), restarts, self.cfg.job,
                                 gpus=self.cfg.device is Device.CUDA))
         self._child = self._start_child(env)
         self._child_ran = True
-        self._starts += 1
+        snaps.starts += 1
         now = time.monotonic()
         log.info("supervisor %s: started the script (pid %d, %s) as rank %d of %d in generation %d (%s), "
                  "restart %d, snapshot %d; its store (MASTER_ADDR:MASTER_PORT) %s:%s", me, self._child.proc.pid,
@@ -505,17 +208,16 @@ class Supervisor:
         if self._rank == 0:  # every generation's start is an event, the job's first too
             kind = EventKind.RESTORE if restored else (self._change_kind or plan.kind)
             pause = round(now - self._t_change, 4) if self._t_change is not None else None
-            self._event({"kind": kind.value, "mode": "restart", "generation": plan.generation,
-                         "world_size": plan.world_size, "members": list(plan.members), "joined": list(plan.joined),
-                         "left": list(plan.left), "lost": list(plan.lost), "restarts": restarts,
-                         "from_step": counter, "step": counter, "pause_s": pause})
+            self._session.report.event(generation_event(kind, plan, restarts=restarts, from_step=counter,
+                                                        step=counter, pause_s=pause))
         self._t_change, self._change_kind = None, None
         if self._rank == 0:
             self._write_status(now)
 
     def _on_leave(self, plan: Plan | None) -> None:
         if plan is None:
-            log.info("supervisor %s: every member leaves; the job pauses at snapshot %d", self.me, self._snap[0])
+            log.info("supervisor %s: every member leaves; the job pauses at snapshot %d", self.me,
+                     self._snaps.counter)
         self._over = True
 
     def _on_abort(self, error: Aborted) -> None:
@@ -523,7 +225,7 @@ class Supervisor:
         self._t_change = self._t_change or time.monotonic()
         self._stop_child()
         if self._rank == 0 and self._child_ran:
-            self._take_snapshot()
+            self._snaps.take()
         self._change_kind = None
 
     def _close_script_store(self) -> None:
@@ -550,7 +252,7 @@ class Supervisor:
         if self._warm_form is not None and self._warm is None:
             try:
                 self._warm = Warm.start(self._warm_form[0],
-                                        _child_env(os.environ, self.script_dir, self.progress_path), self._pump())
+                                        child_env(os.environ, self.script_dir, self.progress_path), self._pump())
             except OSError as e:
                 log.warning("supervisor %s: no warm interpreter (%s); scripts start cold", self.me, e)
                 self._warm_form = None
@@ -558,46 +260,31 @@ class Supervisor:
     def _sync(self, abort) -> bool:
         """Agree on the newest snapshot and the start count; True if it came from
         an eltctl checkpoint (no member held one)."""
-        has = self._snap is not None
-        counter = self._snap[0] if has else 0
-        report = torch.tensor([int(has), counter, self._starts], dtype=torch.int64)
-        reports = [t.tolist() for t in collectives.allgather(self._pg, report, abort)]
-        self._starts = max(r[2] for r in reports)
-        transfer = choose_source([(bool(r[0]), int(r[1])) for r in reports])
-        if not transfer.needed:
+        snaps, pg, rank = self._snaps, self._pg, self._rank
+        rows = transfer.gather_holdings(pg, snaps.snap is not None, snaps.counter, [snaps.starts], abort)
+        snaps.starts = max(r[2] for r in rows)
+        _reports, source = transfer.choose(rows)
+        if not source.needed:
             return False
         restored = False
-        if self._rank == transfer.source:
-            if transfer.restore:
-                restored = self._restore()
-            counter, data = self._snap
-            header = torch.tensor([len(data), counter, self._starts, int(restored)], dtype=torch.int64)
-        else:
-            header = torch.zeros(4, dtype=torch.int64)
-        header = collectives.broadcast(self._pg, header, transfer.source, abort)
-        n, counter, starts, restored = (int(x) for x in header.tolist())
-        self._starts = max(self._starts, starts)
-        if n and self._plan.world_size > 1:
-            buf = (_as_tensor(self._snap[1]) if self._rank == transfer.source
-                   else torch.empty(n, dtype=torch.uint8))
-            buf = collectives.broadcast(self._pg, buf, transfer.source, abort)
-            if self._rank != transfer.source:
-                self._snap = (counter, tensor_bytes(buf))
-        elif self._rank != transfer.source:
-            self._snap = (counter, b"")
+        if rank == source.source and source.restore:
+            restored = snaps.restore() is not None
+            if restored:
+                self._restored_progress()
+        data = snaps.snap[1] if rank == source.source else None
+        data, (counter, starts, restored) = transfer.broadcast_bytes(
+            pg, data, source.source, rank, abort, meta=[snaps.counter, snaps.starts, int(restored)])
+        snaps.starts = max(snaps.starts, starts)
+        if rank != source.source:
+            snaps.snap = (counter, data)
         return bool(restored)
 
     def _master(self, abort) -> str:
         """Rank 0's script store (`addr:port`), broadcast over the supervisors' group
         (whose members the signed rendezvous vouches for): nothing written to the store
         after rank 0 wrote gen/<g>/master can redirect the scripts or abort the generation."""
-        buf = torch.zeros(MASTER_BYTES, dtype=torch.uint8)
-        if self._rank == 0:
-            raw = self._script_store.endpoint.encode()
-            buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        if self._plan.world_size > 1:
-            buf = collectives.broadcast(self._pg, buf, 0, abort)
-        return tensor_bytes(buf).rstrip(b"\0").decode()
+        raw = self._script_store.endpoint.encode() if self._rank == 0 else None
+        return transfer.broadcast_bytes(self._pg, raw, 0, self._rank, abort)[0].decode()
 
     def _watch(self, abort) -> Plan | None:
         """The control-flag rounds of a running generation; acts on the first change."""
@@ -631,10 +318,9 @@ class Supervisor:
                 # every member's script ran past the settle time (no failure flag came up) or reported a step
                 self._running_since = time.time()
                 self._ever_running = True
-            if r == 0 and now - self._last_look >= self._poll_s:
-                self._last_look = now
-                self._look_for_checkpoint()
-            if r == 0 and now - self._last_status >= STATUS_EVERY_S:
+            if r == 0:
+                self._snaps.look(now)
+            if r == 0 and now - self._session.report.last_status_t >= STATUS_EVERY_S:
                 self._write_status(now)
             if self._warm is None and now - self._child_t >= PREWARM_AFTER_S:
                 self._prewarm()
@@ -642,14 +328,14 @@ class Supervisor:
 
     def _flags(self) -> torch.Tensor:
         W, r = self._plan.world_size, self._rank
-        req = self._control.requests
+        req = self._session.control.requests
         flags = torch.zeros(2 + 3 * W, dtype=torch.int64)
         flags[0] = int(req.stop)
         # The control thread may still report a join against the previous plan
         # (the one this generation admitted): check the queue against this plan.
         # (the queue is read, never its unsigned counter: membership.scan_joiners)
         flags[1] = int(req.join and any(w not in self._plan.members
-                                        for _, w in self._scan_joiners(self._plan.join_upto)[0]))
+                                        for _, w in scan_joiners(self._store, self._plan.join_upto)[0]))
         flags[2 + r] = int(req.leave)
         rc = self._child.poll() if self._child is not None and not self._child.stopping else None
         if rc is not None:
@@ -691,10 +377,10 @@ class Supervisor:
                 abort.wait(backoff)
         self._share_snapshot(abort)
         if self._rank == 0:
-            self._save_checkpoint(wait=False)
+            self._snaps.save(wait=False)
         # The next plan (None: every member leaves, on_leave); the run loop enters it
         # (a planned leaver of it leaves there).
-        return self._gen.change(leavers, EventKind.LEAVE if leavers else kind)
+        return self._session.gen.change(leavers, EventKind.LEAVE if leavers else kind)
 
     def _verdict(self, failed: Sequence[str], abort) -> tuple[bool, float]:
         """Rank 0 adds this failure to the job's list (the store) and decides, for
@@ -727,25 +413,13 @@ class Supervisor:
 
     def _share_snapshot(self, abort) -> None:
         """Rank 0 packs its script directory (no script runs) and broadcasts it."""
+        snaps = self._snaps
         if self._rank == 0:
-            self._take_snapshot()
-            counter, data = self._snap
-            header = torch.tensor([len(data), counter], dtype=torch.int64)
-        else:
-            header = torch.zeros(2, dtype=torch.int64)
-        n, counter = (int(x) for x in collectives.broadcast(self._pg, header, 0, abort).tolist())
-        buf = _as_tensor(self._snap[1]) if self._rank == 0 else torch.empty(n, dtype=torch.uint8)
-        if n and self._plan.world_size > 1:
-            buf = collectives.broadcast(self._pg, buf, 0, abort)
+            snaps.take()
+        data, (counter,) = transfer.broadcast_bytes(self._pg, snaps.snap[1] if self._rank == 0 else None, 0,
+                                                    self._rank, abort, meta=[snaps.counter])
         if self._rank != 0:
-            self._snap = (counter, tensor_bytes(buf) if n else b"")
-
-    def _take_snapshot(self) -> None:
-        counter = (self._snap[0] if self._snap else 0) + 1
-        self._snap = (counter, pack_dir(self.script_dir))
-        self._unpacked = counter  # the directory is the snapshot
-        log.info("supervisor %s: snapshot %d of %s (%d bytes)", self.me, counter, self.script_dir,
-                 len(self._snap[1]))
+            snaps.snap = (counter, data)
 
     def _end(self, reason: str) -> None:
         """The job ends (a stop request, rank 0's script finished, or the script failed
@@ -758,74 +432,41 @@ class Supervisor:
                 grace = 5.0
         self._stop_child(grace)
         self._over = True
-        self._gen.done()
+        self._session.gen.done()
         if self._rank == 0:
-            self._take_snapshot()
-            self._save_checkpoint(wait=True)
+            snaps, report = self._snaps, self._session.report
+            snaps.take()
+            snaps.save(wait=True)
             if reason == "stop":
-                self._event({"kind": EventKind.STOP.value, "mode": "restart", "generation": self._plan.generation,
-                             "step": self._snap[0]})
+                report.stopped(snaps.counter)
             self._write_status(time.monotonic())
-            done = {"step": self._snap[0], "reason": reason, "script_step": self._tracker.step}
+            done = {"script_step": self._tracker.step}
             if reason == "failed":
                 done["failed"] = self._failure
-                self._event({"kind": EventKind.STOP.value, "mode": "restart", "generation": self._plan.generation,
-                             "step": self._snap[0], "failed": self._failure})
-            self._store.set(Keys.DONE, json.dumps(done))
+                report.stopped(snaps.counter, failed=self._failure)
+            report.done(snaps.counter, reason, **done)
         log.info("supervisor %s: the job ends (%s)", self.me, reason)
         return None
 
     def _stop_child(self, grace: float | None = None) -> None:
-        self._join_live()
+        self._snaps.join_live()
         if self._child is not None:
             rc = self._child.stop(self.stop_grace if grace is None else grace)
             self._child.pump.join()
             log.info("supervisor %s: the script exited (%s)", self.me, rc)
         self._read_progress()  # its last reports
 
-    # -- checkpoints, status, events -------------------------------------------------
-    def _restore(self) -> bool:
-        """No member holds a snapshot: the newest eltctl checkpoint's, if any."""
-        self._snap = (0, b"")
-        if self._ckpt is None:
-            return False
-        found = self._ckpt.latest_valid()
-        if found is None:
-            return False
-        info, state = found
-        if not isinstance(state, dict) or state.get("format") != SNAPSHOT_FORMAT:
-            log.warning("supervisor %s: the checkpoint %s is not a restart-mode snapshot; starting afresh",
-                        self.me, info.path)
-            return False
-        self._snap = (info.step, tensor_bytes(state["tar"]))
-        self._saved = info.step
-        script_step = int(state.get("script_step", -1))
-        if script_step >= 0:
-            self._snap_steps[info.step] = script_step
+    # -- checkpoints, status ---------------------------------------------------------
+    def _restored_progress(self) -> None:
+        """A snapshot restored from a checkpoint: the script's step where it was saved
+        (its own output corrects it)."""
+        script_step = self._snaps.steps.get(self._snaps.counter)
+        if script_step is not None:
             with self._tracker_lock:
-                self._tracker.step = script_step  # where it was when saved; its own output corrects it
-        # The generation that ran after this snapshot used the saved count: the
-        # restored scripts get a higher one (TORCHELASTIC_RESTART_COUNT only grows).
-        self._starts = max(self._starts, int(state.get("starts", 0)) + 1)
-        log.info("supervisor %s: restored snapshot %d from %s", self.me, info.step, info.path)
-        return True
-
-    def _save_checkpoint(self, wait: bool) -> None:
-        if self._ckpt is None or self._snap is None or self._snap[0] <= self._saved:
-            return
-        counter, data = self._snap
-        self._snap_steps[counter] = self._tracker.step
-        script_step = self._tracker.step
-        self._ckpt.save_async(counter, {"format": SNAPSHOT_FORMAT, "tar": _as_tensor(data), "starts": self._starts,
-                                        "script_step": script_step if script_step is not None else -1},
-                              meta={"mode": "restart", "snapshot": counter, "script_step": script_step})
-        self._saved = counter
-        if wait:
-            self._ckpt.wait()
+                self._tracker.step = script_step
 
     def _on_checkpoint(self, info) -> None:  # writer thread
-        self._last_ckpt = {"step": info.step, "time": info.created, "path": str(info.path),
-                           "snapshot": info.step, "script_step": self._snap_steps.get(info.step)}
+        self._session.report.checkpointed(info, snapshot=info.step, script_step=self._snaps.steps.get(info.step))
 
     # -- the script's progress ------------------------------------------------------
     def _on_output(self, values) -> None:  # an output thread: a progress pattern matched
@@ -839,7 +480,7 @@ class Supervisor:
     def _read_progress(self) -> None:
         for line in self._progress_file.poll():
             if "checkpoint" in line:
-                self._announced = True
+                self._snaps.announced = True
                 continue
             with self._tracker_lock:
                 if line.get("step") is not None:
@@ -848,64 +489,13 @@ class Supervisor:
 
     def _seed_progress(self) -> None:
         """A new rank 0 starts from the step the previous one last wrote (it resumes near it)."""
-        try:
-            if self._store.check([Keys.STATUS]):
-                step = json.loads(self._store.get(Keys.STATUS)).get("step")
-                if isinstance(step, int):
-                    with self._tracker_lock:
-                        self._tracker.step = step
-        except (ValueError, ForgedValue, AttributeError):
-            pass
-
-    # -- rank 0: mirroring the script's checkpoints while it runs ----------------------
-    def _look_for_checkpoint(self) -> None:
-        """Pack the script's directory in the background when it holds a new complete checkpoint."""
-        if self._ckpt is None or self._child is None or self._child.stopping or (
-                self._live is not None and self._live.is_alive()):
-            return
-        current = listing(self.script_dir)
-        announced, self._announced = self._announced, False
-        writers = self._writers() if current else []
-        how = self._ckpt_watch.look(current, writers, announced)
-        if how is None:
-            return
-        self._live = threading.Thread(target=self._live_snapshot, args=(how, current), name="live-snapshot",
-                                      daemon=True)
-        self._live.start()
-
-    def _writers(self) -> list[str]:
-        """The files under the script's directory its processes hold open for writing (relative)."""
-        child = self._child
-        if child is None:
-            return []
-        root = str(self.script_dir.resolve())
-        return [os.path.relpath(w, root) for w in writers_under(group_pids(child.proc.pid), self.script_dir)]
-
-    def _live_snapshot(self, how: Take, judged: Listing) -> None:
-        if self._live_snaps is None:
-            self._live_snaps = LiveSnapshots(self.script_dir, lambda: bool(self._writers()))
-        got = self._live_snaps.take(how, judged, self._ckpt_watch.last_taken)
-        if got is None:
-            log.info("supervisor %s: no consistent copy of the script's directory this time (%s); next look",
-                     self.me, how.value)
-            return
-        before, data = got
-        self._ckpt_watch.taken(before)
-        counter = (self._snap[0] if self._snap else 0) + 1
-        self._snap = (counter, data)
-        self._unpacked = counter
-        log.info("supervisor %s: snapshot %d of %s while the script runs (script step %s, %d bytes)", self.me,
-                 counter, self.script_dir, self._tracker.step, len(data))
-        self._save_checkpoint(wait=False)
-
-    def _join_live(self) -> None:
-        if self._live is not None:
-            self._live.join()
-            self._live = None
+        status = self._session.read(get_status)
+        step = status.get("step") if isinstance(status, dict) else None
+        if isinstance(step, int):
+            with self._tracker_lock:
+                self._tracker.step = step
 
     def _write_status(self, now: float) -> None:
-        self._last_status = now
-        plan = self._plan
         t = self._tracker
         running = self._running_since is not None
         script = {"step": t.step, "step_from": self._step_from, "loss": t.loss, "samples": t.samples,
@@ -913,39 +503,12 @@ class Supervisor:
                   "updated": t.updated, "running": running, "running_since": self._running_since,
                   "ever_running": self._ever_running,
                   "metrics": dict(t.metrics)}
-        extra = {"snapshot": self._snap[0] if self._snap else 0, "script": script}
+        extra = {"snapshot": self._snaps.counter, "script": script}
         if self._failure is not None:
             extra["failed"] = self._failure
-        doc = status_document(generation=plan.generation, world_size=plan.world_size, members=plan.members,
-                              step=t.step, epoch=t.epoch, position=0,  # epoch: None while unknown
-                              samples_per_s=t.samples_per_s,  # None while unknown: not "0.0 samples/s"
-                              loss=t.loss, checkpoint=self._last_ckpt, mode="restart",
-                              restarts=max(0, self._starts - 1), forged=self._forgeries.counts(), extra=extra)
-        try:
-            self._store.set(Keys.STATUS, json.dumps(doc))
-        except Exception as e:  # noqa: BLE001 - status is advisory
-            log.warning("supervisor %s: could not write status: %s", self.me, e)
-
-    def _event(self, ev: dict) -> None:
-        ev.setdefault("time", time.time())
-        add_event(self._store, ev)
-        log.info("supervisor %s: event %s", self.me, json.dumps(ev))
-
-
-def _as_tensor(data: bytes) -> torch.Tensor:
-    if not data:
-        return torch.zeros(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _child_env(base: Mapping[str, str], script_dir: Path, progress_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in _CHILD_DROPS}
-    env["ELTCTL_CHECKPOINT_DIR"] = str(script_dir)
-    env[ENV_PROGRESS] = str(progress_path)
-    # Its output reaches the worker's log (and the progress patterns) through a pipe:
-    # unbuffered, as on a terminal, so a line is seen when it is printed.
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
+        self._session.report.status(now, step=t.step, epoch=t.epoch, position=0,  # epoch: None while unknown
+                                    samples_per_s=t.samples_per_s,  # None while unknown: not "0.0 samples/s"
+                                    loss=t.loss, restarts=max(0, self._snaps.starts - 1), extra=extra)
 
 
 # ---- the command line ----------------------------------------------------------------

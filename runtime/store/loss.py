@@ -12,11 +12,13 @@ itself, so:
   says whether the store is away, since when (this process's monotonic clock),
   how many store calls failed (counted, logged once per outage) and how many
   times the store came back (`reconnects`, the "store epoch");
-* the control thread (control.py) reconnects through the same factory the job
-  uses (`ElasticJob._connect`), and while the store is away reports no request:
-  no membership change starts without the store;
-* the training thread (job.py) opens a fresh client of its own when the epoch
-  moved, and rank 0 re-publishes what the runtime owns in a store that came back
+* the control thread (control.py) reconnects through the same factory the
+  member's session uses (`MemberSession.connect_store`, member/session.py), and
+  while the store is away reports no request: no membership change starts
+  without the store;
+* the training thread (ElasticJob, through its session: `reconnect_if_back`,
+  `await_store`) opens a fresh client of its own when the epoch moved, and rank
+  0 re-publishes what the runtime owns in a store that came back
   empty (`republish`): the current generation's plan, `gen/first` (so that the
   daemons and the joiners, which count plans from 0, find it: protocol's
   `first_generation`), and the joiners queued in the empty store moved past the
@@ -36,7 +38,8 @@ itself, so:
   checkpoint path, which needs no store, and the workers exit cleanly
   (`StoreLost`). The next start restores it.
 
-Stdlib only (the plan type comes from membership.py).
+Stdlib only (the plan type comes from member/plan.py). Restart mode's
+supervisor does not ride out the store's loss (its session has no health).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ here; a sharded path, runtime/zero.py, implements the same class)::
                                                            (ElasticJob registers it): launch what is ready
                      end_backward()                        backward of the last micro-batch is over
                      tail()                                float32, tail_size elements: the step writes
-                                                           its control scalars and buffers' updates there
+                                                           its control tail (tail.py: the layout) and the
+                                                           buffers' updates there
                      finish(abort) -> tail                 launch the rest, wait for all (Aborted on a
                                                            broken group); the SUM of every rank's tail,
                                                            a CPU copy
@@ -60,8 +61,8 @@ dtypes in that one order: a bucket closes once it holds `bucket_bytes`, or where
 the next gradient has another dtype (a bucket never spans dtypes). Every rank
 launches the same buckets in the same order, whatever backward did on it.
 
-The step's control scalars and the module buffers' updates form a float32 tail
-(never fp16/bf16: it carries sample counts and the loss sum). It rides with the
+The step's control scalars (tail.py owns their layout) and the module buffers'
+updates form a float32 tail (never fp16/bf16: it carries sample counts and the loss sum). It rides with the
 last bucket when that bucket is float32 (the tail follows the float32
 gradients in their buffer); otherwise it goes as one extra small float32
 all-reduce after the last bucket.
@@ -94,11 +95,6 @@ from .zero import hostmem
 from . import state as state_mod
 from ..member.collectives import Aborted
 
-N_CTRL = 7  # join ready, stop, local sample count, local loss sum, checkpoint due, leave ready, restore bad; then one leave flag per rank
-CTRL_JOIN_READY = 0  # ranks that see a queued joiner and are ready for it (ready_for_join): a join alone needs all
-CTRL_CHECKPOINT = 4  # rank 0's clock says a checkpoint is due (checkpoint_every_seconds): every rank takes part
-CTRL_LEAVE_READY = 5  # ranks ready for the leave the last commit asked for (ready_for_leave): a leave needs all
-CTRL_RESTORE_BAD = 6  # ranks that found a file of the checkpoint just restored damaged: the step is not taken
 TAIL_DTYPE = torch.float32
 _TAIL_KIND = str(TAIL_DTYPE)
 

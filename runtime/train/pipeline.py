@@ -131,6 +131,47 @@ def plan_shares(
     return keys
 
 
+class Feeder:
+    """Where ElasticJob's batches come from: the dataset on the training thread, or
+    (num_workers > 0) a Prefetcher that loads the upcoming shares ahead. The
+    constructor forks nothing; `start` does (before the job's threads, its store
+    connections and CUDA exist), `close` ends the workers."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list], Any], *, num_workers: int, prefetch_steps: int,
+                 pin_memory: bool, seed: int) -> None:
+        check_pipeline_args(num_workers, prefetch_steps)
+        self.dataset = dataset
+        self._collate = collate
+        # num_workers > 0: upcoming shares are loaded in data worker processes
+        self._pipeline = Prefetcher(dataset, collate, num_workers, seed=seed) if num_workers else None
+        self._prefetch_steps = prefetch_steps
+        self._pin_memory = pin_memory
+
+    def start(self, *, cuda: bool) -> None:
+        if self._pipeline is not None:
+            self._pipeline.start(pin_memory=self._pin_memory and cuda)
+
+    def close(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+    def want(self, sampler: SamplerState, indices_for: Callable[[SamplerState], list[int]], *, micro: int | None,
+             steps_left: int | None, epochs: int | None) -> None:
+        """This step's chunks, then those of the next prefetch_steps steps as the
+        current layout splits them (after a resize or a restore the pipeline
+        drops what no longer matches)."""
+        if self._pipeline is not None:
+            self._pipeline.want(plan_shares(sampler, indices_for, micro=micro, ahead=self._prefetch_steps,
+                                            steps_left=steps_left, epochs=epochs))
+
+    def fetch(self, sampler: SamplerState, indices: list[int]) -> Any:
+        """The batch of `indices` at the sampler's committed place."""
+        if self._pipeline is not None and indices:
+            # Only ever the batch of exactly these indices at the sampler's committed place.
+            return self._pipeline.get(ShareKey(sampler.epoch, sampler.position, tuple(indices)))
+        return fetch_batch(self.dataset, indices, self._collate)
+
+
 def share_seed(seed: int, key: ShareKey) -> int:
     """The RNG seed a data worker sets before it loads `key` (torch and
     random): a share's random augmentations are the same whichever worker

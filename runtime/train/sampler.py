@@ -124,3 +124,35 @@ class SamplerState:
         if position >= self.n_samples:
             return replace(self, epoch=self.epoch + 1, position=0)
         return replace(self, position=position)
+
+
+@dataclass(frozen=True)
+class TrainingEnd:
+    """Where the training ends: after `max_steps` committed steps, or once the sampler
+    reaches epoch `epochs`, whichever comes first (at least one is given). Pure."""
+
+    max_steps: int | None
+    epochs: int | None
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("give max_steps or epochs (or both)")
+
+    def reached(self, step: int, sampler: SamplerState) -> bool:
+        if self.max_steps is not None and step >= self.max_steps:
+            return True
+        return self.epochs is not None and sampler.epoch >= self.epochs
+
+    def steps_left(self, step: int) -> int | None:
+        return None if self.max_steps is None else self.max_steps - step
+
+    def progress(self, sampler: SamplerState) -> dict:
+        """`eltctl status`'s progress: `total_steps`, the step the training ends at (max_steps
+        or the epochs' steps, the fewer; null when neither bounds it), and `samples`, the
+        samples committed since the training began (its samples/s: the controller's rate
+        over recent commits, observe.py)."""
+        s = sampler
+        ends = [self.max_steps] if self.max_steps is not None else []
+        if self.epochs is not None:
+            ends.append(self.epochs * -(-s.n_samples // s.global_batch))
+        return {"total_steps": min(ends) if ends else None, "samples": s.epoch * s.n_samples + s.position}

@@ -16,13 +16,14 @@ function, an arbitrary object) is refused with the key path that holds it.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import random
 from typing import Any
 
 import torch
+
+from ..member.transfer import tensor_bytes  # one helper (member/transfer.py); state.tensor_bytes stays
 
 _DTYPES = {str(d): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -83,21 +84,6 @@ def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         return x
 
     return walk(skeleton)
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw bytes of a tensor, through torch alone.
-
-    Hosts have Python and torch only: `Tensor.numpy()` raises there ("Numpy is not
-    available"), and `bytes(t.untyped_storage())` walks the storage byte by byte
-    (about 2 s per MB here). So the bytes are read from the tensor's own memory,
-    which a contiguous CPU tensor keeps alive for the duration of the copy.
-    """
-    t = t.detach().to("cpu").contiguous()
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return b""
-    return bytes((ctypes.c_ubyte * n).from_address(t.data_ptr()))
 
 
 def pack(obj: Any) -> tuple[bytes, torch.Tensor]:

@@ -25,6 +25,7 @@ import pytest
 
 from tests.testbed.hostpython import HOST_PYTHON
 from tests.testbed.jobenv import ELTCTL, REPO, ControllerFiles, end_job, job_pids, wait_for
+from tests.testbed.torchstamp import seed_torch_stamp
 
 NO_TORCH = "/usr/bin/python3"  # the system interpreter: Python, no torch
 QUICK_S = 60.0  # generous: one probe and one check, far below the 5-minute cooldown
@@ -66,6 +67,13 @@ class LocalJob(ControllerFiles):
         lines += [f"{k} = {json.dumps(v)}" for k, v in policy.items()]
         for name, python in hosts.items():
             home = self.root / "home" / name
+            if not home.exists() and python == HOST_PYTHON:
+                # A new host with the host interpreter: it has met eltctl before, like the test
+                # bed's (its torch-import stamp, tests/testbed/torchstamp.py), so `up` does not
+                # import torch there for nothing. A host first written with another interpreter
+                # (a bad one, fixed later) has none: its fix is checked in full.
+                home.mkdir(parents=True)
+                seed_torch_stamp(home)
             home.mkdir(parents=True, exist_ok=True)
             lines += ["", "[[hosts]]", f'name = "{name}"', 'address = "local"', f"python = {json.dumps(python)}",
                       f"env = {{ HOME = {json.dumps(str(home))}, "

@@ -438,7 +438,7 @@ def test_status_watch_draws_the_last_hours_world_size_and_speed(tmp_path):
     import signal
     import time
 
-    from tests.test_statusview import TRAINING, cli_env, state_dir, write_inventory
+    from tests.test_statusview import COUNTED_READS, TRAINING, cli_env, state_dir, write_inventory
 
     write_inventory(tmp_path)
     d = state_dir(tmp_path)
@@ -452,22 +452,18 @@ def test_status_watch_draws_the_last_hours_world_size_and_speed(tmp_path):
                         "members": ["a/0/1"]}
         world.run(rec, world.now + 10, step=10.0)
     rec.close(world.now)
-    proc = subprocess.Popen([sys.executable, "-m", "eltctl", "status", "--watch"], cwd=tmp_path,
-                            env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True,
+    views = tmp_path / "views"  # a dot per read of the status document (COUNTED_READS)
+    proc = subprocess.Popen([sys.executable, "-c", COUNTED_READS, "status", "--watch"], cwd=tmp_path,
+                            env={**cli_env(tmp_path), "ELTSIM_VIEWS": str(views)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    def reading_the_ledger() -> bool:  # the first view has opened usage.db (sqlite3 is loaded)
-        try:
-            with open(f"/proc/{proc.pid}/maps") as f:
-                return "_sqlite3" in f.read()
-        except OSError:
-            return False
+    def past_the_first_draw() -> bool:  # a second view began: the first (ledger charts and all) is drawn
+        return views.exists() and len(views.read_text()) >= 2
 
     try:
         deadline = time.monotonic() + 120  # a loaded machine starts Python slowly
-        while not reading_the_ledger() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(2)  # past the first draw: the watch is live
+        while not past_the_first_draw() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:

@@ -16,7 +16,7 @@ import pytest
 from eltctl.hosts.local import LocalTransport
 from eltctl.inventory import Host
 from eltctl.mirror import MirrorError, Place, copy_checkpoint, list_place
-from eltctl_runtime.checkpoint import store as ckpt
+from eltctl_runtime.checkpoint import format as ckpt
 
 
 class ContractOnly:

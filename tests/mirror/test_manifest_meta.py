@@ -9,7 +9,8 @@ from rich.console import Console
 
 from eltctl.mirror.manifests import SECTION, manifest_script_step, parse_listing
 from eltctl.mirror.values import Place
-from eltctl_runtime.checkpoint.store import MANIFEST_FILE, CheckpointStore
+from eltctl_runtime.checkpoint.format import MANIFEST_FILE
+from eltctl_runtime.checkpoint.store import CheckpointStore
 
 
 def test_a_snapshots_manifest_carries_the_scripts_step_to_the_listing(tmp_path, monkeypatch):

@@ -43,7 +43,8 @@ from eltctl.mirror import (
 )
 from eltctl.errors import HostError
 from eltctl.hosts.fleet import Fleet
-from eltctl_runtime.checkpoint.store import CheckpointStore, verify_dir
+from eltctl_runtime.checkpoint.format import verify_dir
+from eltctl_runtime.checkpoint.store import CheckpointStore
 
 pytestmark = pytest.mark.sshd
 

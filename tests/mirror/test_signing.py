@@ -17,7 +17,7 @@ from eltctl.inventory import Host
 from eltctl.mirror import Mirror, MirrorTarget, Place, TargetKind
 from eltctl.mirror.values import MirrorError
 from eltctl.mirror.signing import MAC_FILE, mac_problem, manifest_mac
-from eltctl_runtime.checkpoint import store as ckpt
+from eltctl_runtime.checkpoint import format as ckpt
 from tests.mirror.test_copy import commit
 
 JOB = "signed"

@@ -25,7 +25,7 @@ import eltctl_runtime as elt  # noqa: E402
 
 def die_in_checkpoint(at_step: int) -> None:
     """The job imports checkpoint.save_sharded when it saves, so this wrapper is what it calls."""
-    from eltctl_runtime.checkpoint import store as checkpoint
+    from eltctl_runtime.train.zero import checkpoint
 
     real_save, real_send = checkpoint.save_sharded, checkpoint._send_bytes
 
@@ -50,10 +50,10 @@ def break_in_gather(spec: str, how: str) -> None:
     launches each bucket's gather as the shard's step yields it: it steps the shard to the
     end, launching only the first BUCKETS gathers."""
     from eltctl_runtime.member import collectives
-    from eltctl_runtime.train.zero import sharded as zero
+    from eltctl_runtime.train.zero import ShardedGradients
 
     at_step, n = (int(x) for x in spec.split(":"))
-    real = zero.ShardedGradients.gather_params
+    real = ShardedGradients.gather_params
     done = []
 
     def gather(self, stepped=None):
@@ -63,7 +63,7 @@ def break_in_gather(spec: str, how: str) -> None:
             works = []
             for b in (stepped if stepped is not None else range(len(self.layout.buckets))):
                 if b < n:
-                    works.append(self._gather_bucket(b))
+                    works.append(self.gather_bucket(b))
             for w in works:
                 w.wait()
             if how == "die":
@@ -71,7 +71,7 @@ def break_in_gather(spec: str, how: str) -> None:
             raise collectives.Aborted(f"test: the all-gather of step {self.steps_taken()} broken after {n} buckets")
         return real(self, stepped)
 
-    zero.ShardedGradients.gather_params = gather
+    ShardedGradients.gather_params = gather
 
 
 def abort_before_restore_check() -> None:
@@ -103,9 +103,9 @@ def abort_after_transfers(who: str) -> None:
     hold the new one's). "survivor": a survivor of a planned leave, whose chunks move in
     the hand-over over the old group (it keeps the old layout's)."""
     from eltctl_runtime.member import collectives
-    from eltctl_runtime.train.zero import sharded as zero
+    from eltctl_runtime.train.zero import resharding
 
-    real = zero.reshard
+    real = resharding.reshard
     done = []
 
     def reshard(old_layout, new_layout, *a, **kw):
@@ -119,7 +119,7 @@ def abort_after_transfers(who: str) -> None:
             raise collectives.Aborted(f"test: the reshard aborted on the {who} after its transfers")
         return moved
 
-    zero.reshard = reshard
+    resharding.reshard = reshard  # where ShardedPath looks it up
 
 
 # --optimizer: what the script builds (test_sharded_job.reference builds the same)

@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eltctl_runtime.checkpoint import store as checkpoint
-from eltctl_runtime.train.zero import sharded as zero
+from eltctl_runtime.checkpoint.store import CheckpointStore
+from eltctl_runtime.train.zero import checkpoint
+from eltctl_runtime.train.zero.layout import Member, shard_layout
+from eltctl_runtime.train.zero.sharded import ShardedGradients
 
 ROWS = 12
 
@@ -64,9 +66,9 @@ def main() -> int:
     model = Net()
     opt = make_opt(model)
     params = list(model.parameters())
-    members = [zero.Member(f"w{r}", hosts[r]) for r in range(world)]
-    lay = zero.shard_layout(params, opt, members, replicas, bucket_mb=0.0002)
-    sg = zero.ShardedGradients(params, opt, lay, rank, shard)
+    members = [Member(f"w{r}", hosts[r]) for r in range(world)]
+    lay = shard_layout(params, opt, members, replicas, bucket_mb=0.0002)
+    sg = ShardedGradients(params, opt, lay, rank, shard)
     sg.bind()
     with sg.attached():
         for t in range(steps):
@@ -77,7 +79,7 @@ def main() -> int:
             sg.finish()
             sg.step()
             sg.zero_grad()
-    store = checkpoint.CheckpointStore(Path(ckpt_dir), keep=3) if rank == 0 else None
+    store = CheckpointStore(Path(ckpt_dir), keep=3) if rank == 0 else None
     if torn and store is not None:
         def die(*_a, **_k):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eltctl_runtime.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore, InvalidCheckpoint, expired_steps, parse_step_dirname, snapshot, step_dirname, tmp_owner_pid, verify_dir
+from eltctl_runtime.checkpoint.format import CheckpointError, CheckpointInfo, InvalidCheckpoint, expired_steps, parse_step_dirname, step_dirname, tmp_owner_pid, verify_dir
+from eltctl_runtime.checkpoint.store import CheckpointStore, snapshot
 from runtime_cluster import flip_middle_byte
 
 LONG = 120.0  # generous bound on any wait; nothing here asserts on timing
@@ -192,7 +193,7 @@ def test_truncated_newest_is_skipped_for_the_previous(tmp_path, caplog):
 
     assert not store.verify(newest)
     assert verify_dir(newest.path) is None
-    with caplog.at_level(logging.WARNING, logger="eltctl_runtime.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="eltctl_runtime.checkpoint"):
         info, state = store.latest_valid()
     assert info.step == 200 and state["step"] == 200
     assert "step 300" in caplog.text and "truncated" in caplog.text
@@ -209,7 +210,7 @@ def test_one_flipped_byte_in_the_newest_is_skipped_for_the_previous(tmp_path, ca
     assert newest.state_file.stat().st_size == newest.size  # same size: only the hash can tell
 
     assert not store.verify(newest)
-    with caplog.at_level(logging.WARNING, logger="eltctl_runtime.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="eltctl_runtime.checkpoint"):
         info, state = store.latest_valid()
     assert info.step == 200
     assert torch.equal(state["w"], small_state(200)["w"])
@@ -231,7 +232,7 @@ def test_a_restore_takes_the_newest_up_while_hashing_it_and_a_flipped_byte_fails
     assert info.step == 300 and check is not None  # taken up before the hashes are known
     with pytest.raises(InvalidCheckpoint, match=r"state\.pt sha256"):
         check.confirm()
-    with caplog.at_level(logging.WARNING, logger="eltctl_runtime.checkpoint.store"):
+    with caplog.at_level(logging.WARNING, logger="eltctl_runtime.checkpoint"):
         info, state = store.latest_valid()
     assert info.step == 200 and torch.equal(state["w"], small_state(200)["w"])
     assert "step 300" in caplog.text and "sha256" in caplog.text
@@ -258,7 +259,7 @@ def test_a_checkpoint_of_several_files_is_hashed_file_by_file_and_names_the_bad_
     """check_dir hashes a checkpoint's files side by side (a sharded one has state.pt and a
     shard file per chunk): each file is still checked against its own manifest entry, and
     the one that differs is named; one that cannot be read is an invalid checkpoint too."""
-    from eltctl_runtime.checkpoint.store import FORMAT, FORMAT_VERSION, InvalidCheckpoint, check_dir
+    from eltctl_runtime.checkpoint.format import FORMAT, FORMAT_VERSION, InvalidCheckpoint, check_dir
 
     def manifest() -> None:
         (d / "manifest.json").write_text(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "step": 7,
@@ -379,7 +380,7 @@ def test_disk_full_keeps_the_last_good_checkpoint_and_training_goes_on(tiny_tmpf
     store = CheckpointStore(tiny_tmpfs / "ckpt", keep=1)
     good = store.save(1, big_state(300_000))
 
-    with caplog.at_level(logging.ERROR, logger="eltctl_runtime.checkpoint.store"):
+    with caplog.at_level(logging.ERROR, logger="eltctl_runtime.checkpoint"):
         store.save_async(2, big_state(2_000_000))  # the caller is not told by an exception
         assert store.wait(LONG)
     assert store.last_error is not None and "step 2" in store.last_error
@@ -547,7 +548,7 @@ def test_a_rank_reading_the_restoring_ranks_very_directory_on_its_machine_is_cov
     need not hash them again: one on the same host, or one reading the same directory on
     the same machine under another host name (simulated hosts). A copy at the same path
     elsewhere (here: another directory, or a description from another machine) is not."""
-    from eltctl_runtime.checkpoint.store import covered_by_restorer, restore_identity
+    from eltctl_runtime.checkpoint.load import covered_by_restorer, restore_identity
 
     d = tmp_path / "step-00000005"
     d.mkdir()

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (runtime/checkpoint.py save_sharded / assemble_optimizer): written
+"""Sharded checkpoints (train/zero/checkpoint.py save_sharded, checkpoint/load.py assemble_optimizer): written
 by real gloo ranks in their own processes (tests/runtime/checkpoint/ckpt_shard_worker.py), one file
 per rank under one manifest, two ranks on the writer's host (each writes its own file)
 and one on another (sends its shard to the writer); read back as one plain full state
@@ -21,8 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eltctl_runtime.checkpoint import store as ckpt
-from eltctl_runtime.train.zero.sharded import Member, ShardedGradients, shard_layout
+from eltctl_runtime.checkpoint import format as fmt
+from eltctl_runtime.checkpoint import load
+from eltctl_runtime.checkpoint.store import CheckpointStore
+from eltctl_runtime.train.zero import checkpoint as zckpt
+from eltctl_runtime.train.zero.layout import Member, shard_layout
+from eltctl_runtime.train.zero.sharded import ShardedGradients
 
 WORKER = Path(__file__).with_name("ckpt_shard_worker.py")
 sys.path.insert(0, str(WORKER.parent))
@@ -64,7 +68,7 @@ def written(tmp_path_factory):
     codes = reap(procs)
     assert codes == [0, 0, 0], [p.stderr.read() for p in procs]
     ref = torch.load(tmp / "ref.pt", weights_only=True)
-    return tmp / "ckpts" / ckpt.step_dirname(STEPS), ref
+    return tmp / "ckpts" / fmt.step_dirname(STEPS), ref
 
 
 def assert_same(got, want, where="state"):
@@ -90,9 +94,9 @@ def test_one_file_per_rank_under_one_manifest_and_the_full_state_comes_back_exac
                      "optimizer-00002-of-00003.pt", "state.pt"]
     m = json.loads((step_dir / "manifest.json").read_text())
     assert set(m["files"]) == set(names) - {"manifest.json"} and m["sharded"]["step"] == STEPS
-    assert ckpt.check_dir(step_dir).step == STEPS  # every file's sha256
+    assert fmt.check_dir(step_dir).step == STEPS  # every file's sha256
     assert not [p for p in step_dir.parent.iterdir() if p.name.startswith(".tmp-")]  # nothing staged is left
-    state = ckpt.load_checkpoint(step_dir.parent)
+    state = load.load_checkpoint(step_dir.parent)
     assert state["step"] == STEPS
     assert_same(state["optimizer"], ref["optimizer"])
     assert_same(state["model"], ref["model"])
@@ -100,9 +104,9 @@ def test_one_file_per_rank_under_one_manifest_and_the_full_state_comes_back_exac
 
 def test_export_writes_the_plain_full_state_dict(written, tmp_path):
     step_dir, ref = written
-    done = ckpt.export_checkpoint(step_dir, tmp_path / "model.pt")
+    done = load.export_checkpoint(step_dir, tmp_path / "model.pt")
     out = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert done["step"] == STEPS and set(out) == set(ckpt.EXPORT_KEYS)
+    assert done["step"] == STEPS and set(out) == set(load.EXPORT_KEYS)
     assert_same(out["optimizer"], ref["optimizer"])
 
 
@@ -110,20 +114,22 @@ def test_restore_with_shard_none_is_the_plain_optimizer_state(written):
     step_dir, ref = written
     model = cw.Net()
     opt = cw.make_opt(model)
-    opt.load_state_dict(ckpt.load_checkpoint(step_dir)["optimizer"])
+    opt.load_state_dict(load.load_checkpoint(step_dir)["optimizer"])
     assert_same(opt.state_dict(), ref["optimizer"])
 
 
-@pytest.mark.parametrize("how", ["full", "chunks", "collective"])
+@pytest.mark.parametrize("how", ["full", "chunks", "collective", "sent"])
 @pytest.mark.parametrize("world,shard,replicas", [(2, "gradients", 2), (4, "optimizer", 1)])
 def test_restore_at_another_world_size_and_shard_setting(written, world, shard, replicas, how):
     """"full": the rebuilt full state dict, each rank keeping its chunks; "chunks":
     restore_sharded, each rank reading only its chunks' ranges from the shard files;
     "collective": the job's restore_chunks, read on host a, with the ranks on host b
-    reading the same (shared) directory: they hash the shard files they read first."""
+    reading the same (shared) directory: they hash the shard files they read first;
+    "sent": restore_chunks where only the last rank has that checkpoint (the others hold
+    another one at that path): it sends the full state and every rank takes its chunks."""
     step_dir, ref = written
-    full = ckpt.load_checkpoint(step_dir)["optimizer"]
-    sha = ckpt.read_manifest(step_dir)["files"][ckpt.STATE_FILE]["sha256"]
+    full = load.load_checkpoint(step_dir)["optimizer"]
+    sha = fmt.read_manifest(step_dir)["files"][fmt.STATE_FILE]["sha256"]
     store = dist.HashStore()
     got, errors, did = {}, [], {}
     init = threading.Lock()
@@ -145,10 +151,11 @@ def test_restore_at_another_world_size_and_shard_setting(written, world, shard, 
             if how == "full":
                 sg.load_full_state_dict(full)
             elif how == "chunks":
-                ckpt.restore_sharded(step_dir, sg)
+                zckpt.restore_sharded(step_dir, sg)
             else:
-                did[r] = ckpt.restore_chunks({"path": str(step_dir), "sha256": sha, "host": "a"}, sg, pg,
-                                             lay.members[r].host)
+                has = how == "collective" or r == world - 1
+                did[r] = zckpt.restore_chunks({"path": str(step_dir), "sha256": sha if has else "0" * 64,
+                                               "host": "a"}, sg, pg, lay.members[r].host)
             sg.begin(pg)
             got[r] = sg.full_state_dict()
         except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -166,6 +173,9 @@ def test_restore_at_another_world_size_and_shard_setting(written, world, shard, 
     if how == "collective":  # every rank read its own chunks; those on host b verified them first
         assert {r: (d.get("restored_chunks_from_files_s") is not None, d.get("verified_here"))
                 for r, d in did.items()} == {r: (True, r % 2 == 1) for r in range(world)}
+    if how == "sent":
+        assert {r: d.get("restored_full_state_from_rank") for r, d in did.items()} == dict.fromkeys(range(world),
+                                                                                                    world - 1)
 
 
 def test_a_sharded_checkpoint_of_another_optimizer_class_is_refused_naming_both(written):
@@ -179,7 +189,7 @@ def test_a_sharded_checkpoint_of_another_optimizer_class_is_refused_naming_both(
     sg = ShardedGradients(params, opt, shard_layout(params, opt, [Member("w0", "a")]), 0, "optimizer")
     sg.bind()
     with pytest.raises(ValueError, match="optimizer state is AdamW's, this job's optimizer is Adam: build"):
-        ckpt.restore_sharded(step_dir, sg)
+        zckpt.restore_sharded(step_dir, sg)
     assert not opt.state and not sg.steps_taken()
 
 
@@ -193,8 +203,8 @@ def test_a_tampered_shard_file_is_rejected(written, tmp_path):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
-    with pytest.raises(ckpt.InvalidCheckpoint, match="optimizer-00002-of-00003.pt sha256"):
-        ckpt.load_checkpoint(copy)
+    with pytest.raises(fmt.InvalidCheckpoint, match="optimizer-00002-of-00003.pt sha256"):
+        load.load_checkpoint(copy)
     # a rank on another host than the one that restored hashes the shard files it takes chunks from
     model = cw.Net()
     opt = cw.make_opt(model)
@@ -202,11 +212,11 @@ def test_a_tampered_shard_file_is_rejected(written, tmp_path):
     sg = ShardedGradients(params, opt, shard_layout(params, opt, [Member("w0", "b")], 1, bucket_mb=0.0002), 0,
                           "optimizer")
     sg.bind()
-    with pytest.raises(ckpt.InvalidCheckpoint, match="optimizer-00002-of-00003.pt does not match its sha256"):
-        ckpt.load_optimizer_chunks(copy, sg, opt.state_dict()["param_groups"], verify=True)
+    with pytest.raises(fmt.InvalidCheckpoint, match="optimizer-00002-of-00003.pt does not match its sha256"):
+        zckpt.load_optimizer_chunks(copy, sg, opt.state_dict()["param_groups"], verify=True)
     f.unlink()
-    with pytest.raises(ckpt.InvalidCheckpoint, match="optimizer-00002-of-00003.pt is missing"):
-        ckpt.export_checkpoint(copy, tmp_path / "out.pt")
+    with pytest.raises(fmt.InvalidCheckpoint, match="optimizer-00002-of-00003.pt is missing"):
+        load.export_checkpoint(copy, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -220,7 +230,7 @@ def test_a_writer_killed_before_the_rename_leaves_no_step_directory(tmp_path):
     assert codes[0] == -signal.SIGKILL
     left = sorted(p.name for p in ckpts.iterdir())
     assert left and all(n.startswith(".tmp-") for n in left), left  # only temp leftovers, no step-*
-    store = ckpt.CheckpointStore(ckpts)
+    store = CheckpointStore(ckpts)
     assert store.list() == [] and store.latest_valid() is None
     assert list(ckpts.iterdir()) == []  # the writer is dead: its leftovers are swept
 
@@ -238,7 +248,7 @@ def test_the_mirror_reads_every_shard_file_from_the_manifest(written):
 
 def test_staged_files_survive_cleanup_until_written_and_go_with_a_superseded_request(tmp_path):
     """No processes: the store's side of a sharded write."""
-    store = ckpt.CheckpointStore(tmp_path / "c", keep=2)
+    store = CheckpointStore(tmp_path / "c", keep=2)
     with store._cond:  # hold the writer back: both requests wait, the second supersedes the first
         store._writing = True
     a = store.stage(1, "shard00000", {"x": torch.ones(3)})
@@ -255,6 +265,6 @@ def test_staged_files_survive_cleanup_until_written_and_go_with_a_superseded_req
     store.close()
     assert store.last_error is None
     (info,) = store.list()
-    assert info.step == 2 and ckpt.check_dir(info.path)
+    assert info.step == 2 and fmt.check_dir(info.path)
     assert sorted(p.name for p in info.path.iterdir()) == ["manifest.json", "optimizer-00000-of-00001.pt", "state.pt"]
     assert [p.name for p in (tmp_path / "c").iterdir()] == [info.path.name]

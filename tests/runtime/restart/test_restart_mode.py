@@ -115,7 +115,7 @@ def test_directory_snapshot_round_trips_and_replaces(tmp_path):
 
 SUPERVISOR_EXIT = """
 import ctypes, sys
-from eltctl_runtime import restart
+from eltctl_runtime.restart import supervisor as restart
 
 # What a gloo group's destructor did to a supervisor: abort the process from the
 # interpreter's teardown (C exit handlers run there; os._exit skips them).

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from eltctl_runtime.store import auth
-from eltctl_runtime.config import RuntimeConfig
+from eltctl_runtime.member.config import RuntimeConfig
 from eltctl_runtime.member.control import ControlThread
 from eltctl_runtime.daemon.link import StoreLink
 from eltctl_runtime.member.plan import Plan, await_admission, decide, job_store, scan_joiners

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from eltctl_runtime.store import auth
-from eltctl_runtime.config import ConfigError, RuntimeConfig
+from eltctl_runtime.member.config import ConfigError, RuntimeConfig
 from eltctl_runtime.member.control import ControlThread
 from eltctl_runtime.daemon import DaemonConfig, DaemonConfigError, worker_env
 from eltctl_runtime.member.plan import Plan, _register, await_admission, decide, job_store, scan_joiners

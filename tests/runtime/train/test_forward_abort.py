@@ -31,9 +31,9 @@ class Counting(torch.nn.Module):
 def job_at(abort: threading.Event, mb_left: int = 1, compiled: bool = False) -> ElasticJob:
     """The parts of a job in a generation that _forward_abortable reads."""
     job = ElasticJob.__new__(ElasticJob)
-    job._gen = SimpleNamespace(abort=abort)
+    job._session = SimpleNamespace(gen=SimpleNamespace(abort=abort),  # its MemberSession's
+                                   control=SimpleNamespace(abort_reason=lambda: '{"reason": "crash"}'))
     job._mb_left, job._compiled = mb_left, compiled
-    job._control = SimpleNamespace(abort_reason=lambda: '{"reason": "crash"}')
     return job
 
 

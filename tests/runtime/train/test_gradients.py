@@ -216,7 +216,7 @@ def test_a_reduction_that_failed_is_seen_without_waiting_so_backward_can_stop(tm
 
 
 def test_the_replicated_path_keeps_a_dropped_steps_buffers_only_where_its_reductions_ended():
-    """As the sharded path's (test_zero.py): w0 drops step 1 with its all-reduces in flight
+    """As the sharded path's (test_zero_reducer.py): w0 drops step 1 with its all-reduces in flight
     and redoes it at once on fresh buffers, while w1's late all-reduces (matched with w0's
     dropped ones) write into the old ones; w1 drops it after they ended and keeps its
     buffers. Both end with the gradients of one process on the global batch."""
@@ -300,7 +300,7 @@ def test_the_clipping_norm_is_summed_in_float64_and_both_paths_clip_alike():
     from runtime_cluster import gloo_group
 
     from eltctl_runtime.train.gradients import ReplicatedPath
-    from eltctl_runtime.train.zero.sharded import Member, ShardedGradients, shard_layout
+    from eltctl_runtime.train.zero import Member, ShardedGradients, shard_layout
 
     x = torch.randn(32, 2048, generator=torch.Generator().manual_seed(1))
 

@@ -1,4 +1,4 @@
-"""Host memory handed from one layout to the next (runtime/hostmem.py): what a Recycler
+"""Host memory handed from one layout to the next (train/zero/hostmem.py): what a Recycler
 carves out of the buffers it is given, what it refuses, and that releasing it hands the
 pages nobody took back to the OS without touching what was carved."""
 
@@ -89,11 +89,11 @@ def test_release_hands_back_the_pages_nobody_took_and_keeps_what_was_carved():
 
 
 def _path(shard: str = "optimizer", replicas: int = 2):
-    from eltctl_runtime.train.zero import sharded as zero
+    from eltctl_runtime.train.zero import sharded_path
 
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))  # 2 MB of parameters
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return zero.sharded_path(shard, model, opt, list(model.parameters()), bucket_mb=1.0, replicas=replicas)
+    return sharded_path(shard, model, opt, list(model.parameters()), bucket_mb=1.0, replicas=replicas)
 
 
 class AdmittedOnceTouched:
@@ -148,33 +148,33 @@ def test_a_large_host_buffer_is_faulted_in_huge_pages():
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_a_joiner_admitted_in_time_keeps_the_memory_its_first_layout_needs(shard):
-    from eltctl_runtime.train.zero import sharded as zero
+    from eltctl_runtime.train.zero import ShardedGradients
 
     path = _path(shard)
     path.prepare_join(3, AdmittedOnceTouched())
-    lay = path._layout(["a", "b", "c"])
-    need = zero.ShardedGradients(path._params, path._opt, lay, 2, shard).host_bytes()
+    lay = path.layout_of(["a", "b", "c"])
+    need = ShardedGradients(path.params, path.optimizer, lay, 2, shard).host_bytes()
     # at least the parameters' padded buffer (ZeRO-1: and the gradients') and the held state
     n = sum(lay.padded(g) for g in range(len(lay.groups))) * 4
     assert need > (2 if shard == "optimizer" else 1) * n
-    assert path._joiner_memory is not None and path._joiner_memory.free_bytes == need
-    new = path._new_path(lay, 2)  # its first path carves out of it
-    assert new.recycler.free_bytes == need and path._joiner_memory is None
+    assert path.joiner_memory is not None and path.joiner_memory.free_bytes == need
+    new = path.new_path(lay, 2)  # its first path carves out of it
+    assert new.recycler.free_bytes == need and path.joiner_memory is None
 
 
 def test_a_joiner_kept_waiting_gives_the_memory_back(monkeypatch):
     import threading
 
-    from eltctl_runtime.train.zero import sharded as zero
+    from eltctl_runtime.train.zero import prepare
 
-    monkeypatch.setattr(zero, "JOINER_MEMORY_HOLD_S", 0.05)
+    monkeypatch.setattr(prepare, "JOINER_MEMORY_HOLD_S", 0.05)
     path = _path()
     path.prepare_join(3, threading.Event())  # never admitted: it gives up after the hold
-    assert path._joiner_memory is None
+    assert path.joiner_memory is None
 
 
 def test_a_member_with_no_layout_yet_is_ready_for_a_joiner_at_once():
     """ready_for_join touches a member's next layout's memory only where it has a layout
     (a path not bound yet has nothing to move): no helper thread, no memory held."""
     path = _path()
-    assert path.ready_for_join(3) and path._member_prep is None
+    assert path.ready_for_join(3) and not path.preparing

@@ -140,7 +140,7 @@ def test_adam_rmsprop_and_a_frozen_layer_train_sharded_through_a_join_and_a_sigk
     from their backups). Every loss and the final parameters equal replicated training's,
     and the newest checkpoint's optimizer state, read back as one plain state dict, is the
     replicated optimizer's at that step and loads into a plain torch optimizer."""
-    from eltctl_runtime.checkpoint.store import load_checkpoint
+    from eltctl_runtime.checkpoint.load import load_checkpoint
 
     c = cluster_factory(min_workers=2)
     c.script = WORKER

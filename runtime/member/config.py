@@ -14,8 +14,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Mapping
 
-from .store.auth import ENV_RUN_FILE, ENV_SECRET_FILE, SecretError, read_run_id, read_secret
-from .store.server import parse_spec
+from ..store.auth import ENV_RUN_FILE, ENV_SECRET_FILE, SecretError, read_run_id, read_secret
+from ..store.server import parse_spec
 
 
 class Device(str, Enum):
