@@ -9,7 +9,7 @@ environment contract, the store keys and the layout; the keys and documents
 shared with the controller and the host daemon (`daemon/`) are in protocol.py.
 
 Importing the package is light: the configuration, the wire protocol (store
-keys, event kinds and the store helpers: protocol.py) and membership.py need
+keys, event kinds and the store helpers: protocol.py) and member/plan.py need
 only the standard library; the training machinery
 (`ElasticJob`, the sampler) imports torch on first use (PEP 562), so the host
 daemon and the control plane start without it. `load_checkpoint` and

@@ -3,7 +3,7 @@
 Every key of the job's store, every document that crosses a process boundary
 through it, and the vocabulary of the job's event log live here, and nowhere
 else: the controller (eltctl/controller), the host daemon (daemon/) and the
-training runtime (job.py, control.py, membership.py) all import this module.
+training runtime (train/job.py, member/control.py, member/plan.py) all import this module.
 It needs only the standard library (the control side imports it without torch).
 
 The store is the job's c10d TCPStore, hosted by the store keeper on the control
@@ -23,14 +23,14 @@ the full table)::
     dead/<worker>, dead/seq     host daemon, launcher, a worker leaving abruptly (report_dead)
     stop                        controller (request_stop)
     done                        rank 0: {step, reason}
-    gen/<g>/plan, abort, alive  workers (membership.py)
+    gen/<g>/plan, abort, alive  workers (member/plan.py)
     gen/<g>/master              restart mode: rank 0's supervisor, `addr:port` of the script's
-                                MASTER_ADDR/MASTER_PORT for generation g (restart.py)
+                                MASTER_ADDR/MASTER_PORT for generation g (restart/supervisor.py)
     gen/first                   rank 0, in a store that came back empty (a restarted keeper):
                                 `{generation, by}`, the first generation whose plan this store
-                                holds (storeloss.py; absent: 0)
+                                holds (store/loss.py; absent: 0)
     store/restarted             the store keeper, when the controller restarted it: the time
-                                (a joiner then waits for the members' plan, storeloss.py)
+                                (a joiner then waits for the members' plan, store/loss.py)
     status                      rank 0, about once a second (`status_document`; its `forged`
                                 counts the forged values rank 0 read, per key family)
     events/seq, events/<n>      rank 0, host daemons, controller (`append_event`, `EventKind`)
@@ -275,7 +275,7 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
     the generation has committed, `workers`: per member, as of that step,
     `{worker: {share, samples_per_s, relative_speed, speedup_without,
     straggler}}` (WORKER_FIELDS; eltctl_runtime.train.balance.worker_report says
-    what each means). Restart mode (restart.py) adds `mode: "restart"` and
+    what each means). Restart mode (restart/supervisor.py) adds `mode: "restart"` and
     `restarts` (how many times the script's processes were restarted); its
     `step` is the script's own step where known (report() or the `[job]
     progress` pattern; null otherwise) and `extra` adds `snapshot` (the counter
@@ -569,7 +569,7 @@ def wait_written(js: Store, key: str, timeout_s: float) -> None:
 def first_generation(js: Store) -> int:
     """The first generation whose plan this store holds: 0, or in a store that came
     back empty after its keeper was restarted, the generation the members
-    re-published (`gen/first`, storeloss.py). Plans before it are not there."""
+    re-published (`gen/first`, store/loss.py). Plans before it are not there."""
     if not js.check([Keys.FIRST_GEN]):
         return 0
     try:

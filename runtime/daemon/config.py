@@ -45,7 +45,7 @@
                             # ELTCTL_SECRET_FILE; absent or null: unsigned
     }
 
-In restart mode each slot runs the supervisor (runtime/restart.py) in place of
+In restart mode each slot runs the supervisor (runtime/restart/supervisor.py) in place of
 the command: `<python> -m eltctl_runtime.restart --stop-grace S --script-dir
 <job_dir>/script-checkpoints --max-restarts N --restart-window S [--progress P]
 -- <command>`; it runs the command itself with

@@ -1,6 +1,6 @@
 """Callbacks that make the training frameworks people use lose nothing at a restart.
 
-Restart mode (restart.py) stops a script with SIGTERM at every membership change
+Restart mode (restart/supervisor.py) stops a script with SIGTERM at every membership change
 and gives it `stop_grace` seconds to save. Hugging Face `Trainer` and PyTorch
 Lightning do not save on SIGTERM, so without help each owner yield costs them up
 to a whole save interval. One module per framework, each imported only by the

@@ -25,7 +25,7 @@ class Device(str, Enum):
 
 MAX_HANG_TIMEOUT_S = 30.0
 DEFAULT_HANG_TIMEOUT_S = 10.0
-DEFAULT_STORE_LOSS_TIMEOUT_S = 120.0  # storeloss.py: away this long, the workers checkpoint and exit
+DEFAULT_STORE_LOSS_TIMEOUT_S = 120.0  # store/loss.py: away this long, the workers checkpoint and exit
 
 
 class ConfigError(ValueError):

@@ -19,7 +19,7 @@ heartbeat that was there and reads as missing was deleted by someone: it is coun
 and watched for its writer's next write (protocol.watch_deleted), so a member that
 keeps writing is not taken for silent; one that stopped is, at the hang timeout.
 
-When the store goes away (its keeper died; storeloss.py) it reports no request
+When the store goes away (its keeper died; store/loss.py) it reports no request
 (nothing that needs the store starts), counts the failure in the shared
 `StoreHealth` and connects again through its factory until the store is back.
 """

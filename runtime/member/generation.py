@@ -1,7 +1,7 @@
 """One member's life across generations: the membership state machine that
-ElasticJob (job.py) and the restart supervisor (restart.py) both run.
+ElasticJob (train/job.py) and the restart supervisor (restart/supervisor.py) both run.
 
-membership.py holds the plans and the pure decisions (who is in the next
+member/plan.py holds the plans and the pure decisions (who is in the next
 generation); this module is the executor that carries them out for one member:
 wait to be admitted, form the generation's process group and check its pairs,
 hand the group to the user to agree on the state, run, and at a change either

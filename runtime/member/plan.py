@@ -5,7 +5,7 @@ A generation is an immutable plan, written once (compare_set, so exactly one
 proposer wins) under `gen/<g>/plan`: the worker ids in rank order, who joined,
 who left or died, and how far the join queue has been consumed. Each generation
 gets its own process group on the fresh store prefix `gen/<g>/pg`. Everything
-here is pure or a thin store helper; the executor lives in job.py.
+here is pure or a thin store helper; the executor lives in train/job.py.
 
 The store keys themselves (`Keys`), the event kinds and the store helpers are
 the wire protocol: protocol.py.
@@ -166,7 +166,7 @@ def receivers(reports: list[tuple[bool, int]], transfer: Transfer) -> list[int]:
             if r != transfer.source and (transfer.restore or not has or step != best)]
 
 
-# ---- store helpers shared by ElasticJob (job.py) and the restart supervisor (restart.py)
+# ---- store helpers shared by ElasticJob (train/job.py) and the restart supervisor (restart/supervisor.py)
 
 
 def scan_joiners(store, after: int) -> tuple[list[tuple[int, str]], int]:
@@ -242,7 +242,7 @@ def await_admission(store, me: str, control, *, min_workers: int, max_workers: i
     silence measures and who it watches). Shared by ElasticJob and the restart
     supervisor.
 
-    In a store the controller restarted (storeloss.py), plans start at the
+    In a store the controller restarted (store/loss.py), plans start at the
     generation the members re-published (`first_generation`), and before that no
     generation 0 is formed for `restarted_wait_s`: the members may be about to
     re-publish theirs."""

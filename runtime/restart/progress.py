@@ -9,7 +9,7 @@ and never raise::
     report(step=step, loss=loss, samples=samples_so_far)   # every step is fine
     checkpoint_saved(path)                                  # after a complete save
 
-The contract with the supervisor (runtime/restart.py): the supervisor sets
+The contract with the supervisor (runtime/restart/supervisor.py): the supervisor sets
 `ELTCTL_PROGRESS` in the script's environment to a file path; each call appends
 one JSON line to it (open, append, close: a line is one write, so it is never
 seen half written). Lines::

@@ -3,9 +3,9 @@
 `python -m eltctl_runtime.restart [--stop-grace S] [--script-dir D] -- <command>`
 runs in place of the training script, one per slot. This supervisor is a member
 of the job exactly like an ElasticJob worker (the same ELTCTL_* environment,
-join queue, leave/dead keys, generation plans (membership.py), membership
+join queue, leave/dead keys, generation plans (member/plan.py), membership
 state machine (generation.py: it runs the whole machine, with the hooks below)
-and control thread (control.py)), so the host daemon, owner yield, scale, down and logs
+and control thread (member/control.py)), so the host daemon, owner yield, scale, down and logs
 work unchanged. It does not train: per generation it starts the script as its
 child with torchrun's environment and, about every TICK_S, all-reduces a few
 control flags with the other supervisors in their own gloo group::

@@ -2,7 +2,7 @@
 
 Most of a restarted torchrun script's start-up is the interpreter's and
 `import torch` (seconds; more on a loaded host). The restart supervisor
-(restart.py) therefore starts the next generation's process ahead of time as
+(restart/supervisor.py) therefore starts the next generation's process ahead of time as
 `python -m eltctl_runtime.restart.warmstart FD READY_FD`: it imports torch, writes one
 byte to READY_FD (the supervisor joins the job only once it is warm) and waits. When the
 generation starts, the supervisor writes one JSON line to the pipe FD::

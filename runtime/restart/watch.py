@@ -1,4 +1,4 @@
-"""Restart mode: watching the script without changing it (used by restart.py).
+"""Restart mode: watching the script without changing it (used by restart/supervisor.py).
 
 - `OutputPump`: the script's stdout and stderr pass through the supervisor
   unchanged (to the worker's log); on the way every line (split at \\n and \\r)

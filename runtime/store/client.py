@@ -9,7 +9,7 @@ PrefixStore is collected, and the next call fails with "Not implemented").
 One socket per client, one request at a time under a lock; `clone()` opens a new
 connection. A GET or WAIT waits at most the store's timeout (then raises
 `StoreTimeout`, as TCPStore raises DistStoreError). A lost connection raises
-`StoreClosed` on every later call: the callers make a new client (runtime/storeloss.py,
+`StoreClosed` on every later call: the callers make a new client (runtime/store/loss.py,
 the daemon's link, the controller's keeper supervision), as with a TCPStore.
 
 torch is imported on first use, not at import (the controller imports this module

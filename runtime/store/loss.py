@@ -12,7 +12,7 @@ itself, so:
   says whether the store is away, since when (this process's monotonic clock),
   how many store calls failed (counted, logged once per outage) and how many
   times the store came back (`reconnects`, the "store epoch");
-* the control thread (control.py) reconnects through the same factory the
+* the control thread (member/control.py) reconnects through the same factory the
   member's session uses (`MemberSession.connect_store`, member/session.py), and
   while the store is away reports no request: no membership change starts
   without the store;

@@ -22,8 +22,8 @@ scoped to `gen/<g>/pg`:
   cannot be signed, and neither backend's rendezvous trusts one for an address.
 
 The C++ side holds the Python object only by a raw reference: whoever builds a group
-on a PgStore keeps the store referenced for as long as the group lives (job.py and
-restart.py keep it beside the group and bury them together, collectives.bury), and
+on a PgStore keeps the store referenced for as long as the group lives (train/job.py and
+restart/supervisor.py keep it beside the group and bury them together, collectives.bury), and
 `clone()` keeps its clones. NCCL calls it for the group's whole life: its watchdog
 polls `check(["exception_dump"])` (seen with torch 2.11 on an H200; a forged
 `exception_dump` reads as absent, counted, so nobody can trigger a dump through it). A job without a secret (run without eltctl's controller)

@@ -17,7 +17,7 @@ own account can connect: the kernel checks it) and, for the warned
   idle one is closed to make room (a flood of idle connections never locks the job's
   clients out). Such a close is announced with a CLOSED frame that the server sends
   before it reads anything more, so the client knows its request was not read and
-  sends it again on a new connection (storeclient.py);
+  sends it again on a new connection (store/client.py);
 - values, keys, the number of keys, the bytes held, the size of an answer and the
   connections are limited (`Limits`); a request over a limit is answered with an error
   that names the limit (the client raises `StoreRefused` with that text), and counted
@@ -29,8 +29,8 @@ own account can connect: the kernel checks it) and, for the warned
   and ADD on a value that is not an integer is refused cleanly (the connection stays).
 
 Addresses ("specs": `unix:/path`, `tcp:HOST:PORT`, or a c10d TCPStore's `HOST:PORT`)
-and the listening sockets: eltctl_runtime.store.address; the limits: .storelimits; the
-protocol (frames, ops, statuses): .storewire.
+and the listening sockets: eltctl_runtime.store.address; the limits: .limits; the
+protocol (frames, ops, statuses): .wire.
 
 The server parses frames as they arrive (an asyncio Protocol per connection, no task
 per request): a request costs it a few tens of microseconds (benchmarks/store_ops.py).
@@ -60,7 +60,7 @@ _BIG_ANSWER = 1 << 20  # an answer this big is checked against the unread answer
 
 
 # The wire (ops, statuses, frames, errors), the limits and the addresses:
-# eltctl_runtime.store.wire, .storelimits and .storeaddr (re-exported here).
+# eltctl_runtime.store.wire, .limits and .address (re-exported here).
 
 
 def answers(path: str, timeout: float = 2.0) -> bool:

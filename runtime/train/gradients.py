@@ -6,7 +6,7 @@ The seam (`GradientPath`)
 -------------------------
 ElasticJob's step (job.py) calls only these methods, in this order, so the step
 reads the same whatever the path (`ElasticJob(shard=None)`: `ReplicatedPath`,
-here; a sharded path, runtime/zero.py, implements the same class)::
+here; a sharded path, runtime/train/zero/, implements the same class)::
 
     per generation   bind(pg, rank, members, abort)        the generation's group (before the state agrees)
                      settle(step_here, step_agreed)        once the ranks' steps are known, before any state
@@ -311,7 +311,7 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
 class GradientPath(ABC):
     """How a step's gradients are reduced and applied (the module docstring gives
     the call order). Implementations: ReplicatedPath (here), the sharded one in
-    zero.py."""
+    zero/."""
 
     def bind(self, pg, rank: int, members: Sequence[str], abort: threading.Event) -> None:
         """The generation's group, this rank and the members in rank order (before
@@ -345,21 +345,21 @@ class GradientPath(ABC):
 
     def prepare_join(self, world: int, stop: threading.Event, prepared: threading.Event | None = None) -> None:
         """A joiner about to ask to be admitted to a job that will then have `world` members:
-        prepare what its first layout needs (sharded: its host memory, zero.py); runs on a
+        prepare what its first layout needs (sharded: its host memory, zero/); runs on a
         helper thread, in slices until `stop` is set, sets `prepared` once it is ready (the
         joiner asks then) and holds what it prepared until `stop`. Replicated: nothing."""
 
     def ready_for_join(self, world: int) -> bool:
         """A joiner is queued and the next layout will have `world` members: False while
         this rank still prepares for it (sharded: touches the host memory of its move, on a
-        helper thread, zero.py); the job holds the join back meanwhile. Replicated: True."""
+        helper thread, zero/); the job holds the join back meanwhile. Replicated: True."""
         return True
 
     def ready_for_leave(self, leaving: Sequence[str]) -> bool:
         """The last commit asked for `leaving` to leave (empty: no leave is known yet):
         False while this rank still prepares for the survivors' layout (sharded on the
         CPU: touches the host memory its hand-over allocates, on a helper thread started
-        at the first call, zero.py; with nothing known yet it cannot, so a leave waits
+        at the first call, zero/; with nothing known yet it cannot, so a leave waits
         one commit there); the job holds the leave back meanwhile. Replicated: True (a
         leave goes at the commit that first sees it)."""
         return True
