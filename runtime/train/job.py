@@ -24,15 +24,16 @@ or hang is not noticed by the collective but by the control thread (control.py),
 which aborts the wait; the step in flight is dropped and the survivors form the
 next generation (the membership state machine: generation.py, which restart
 mode runs too) and agree on the state (state.py).
+
+What happens once per job lives beside the class: entering, admission and the
+job's end in life.py; the status's training fields, the generation's event and the
+audit log in records.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -41,8 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import default_collate
 
-from ..member import exiting
-from . import gradients, state as state_mod
+from . import gradients, life, records
 from ..store import loss as storeloss
 from .boundary import Boundary
 from .agreement import StateAgreement
@@ -52,11 +52,11 @@ from ..member.config import Device, RuntimeConfig
 from ..member.generation import CRASH_CONFIRM_S, ExcludedFromJob, GenerationHooks, Generations  # noqa: F401 - re-exported
 from .gradients import GradientPath, ReplicatedPath
 from ..member.plan import Plan
-from ..member.report import generation_event
 from ..member.session import MemberSession, MemberViews
 from .pause import Pause
 from .pipeline import Feeder, micro_chunks
-from ..protocol import EventKind, get_status
+from .records import STATUS_EVERY_S, AuditLog, JobStatus
+from ..protocol import EventKind
 from .sampler import SamplerState, TrainingEnd
 from .shares import Shares
 from .step import NOTHING_IN_FLIGHT, InFlight, OptimizerStep, forward_abortable
@@ -64,7 +64,6 @@ from .tail import Control, layout as tail_layout
 
 log = logging.getLogger("eltctl_runtime")
 
-STATUS_EVERY_S = 1.0
 
 # Megabytes of gradients per all-reduce bucket. DDP's default is 25 MB; smaller
 # buckets start sooner in backward.
@@ -155,6 +154,7 @@ class ElasticJob(MemberViews):
         # call after a dropped step, a held-back leave, a due or owed checkpoint; the end.
         self._boundary = Boundary()
         self._hooks: list = []
+        self._device = torch.device("cpu")  # set on entering (life.py): the host's GPU, where it has one
 
         # This member's store, control thread, membership state machine (plan, rank, group)
         # and reports: the session ElasticJob and restart mode share (member/session.py).
@@ -167,9 +167,9 @@ class ElasticJob(MemberViews):
         self._last_commit: Commit | None = None
         # Where a membership change's pause goes, and the new generation's event (pause.py).
         self._pause = Pause()
-        self._last_loss: float | None = None
-        self._samples_since = (0, time.monotonic())
-        self._audit_fd: int | None = None
+        # The status document's training fields; the audit log, if asked for (records.py).
+        self._status = JobStatus(time.monotonic())
+        self._audit: AuditLog | None = None
 
     # -- the membership state machine's view (and MemberViews': _plan, _rank, _pg) -----
     @property
@@ -233,70 +233,13 @@ class ElasticJob(MemberViews):
         # Data workers forked first: before the job's threads, its store connections and CUDA exist.
         self._feeder.start(cuda=self.config.device is Device.CUDA)
         try:
-            return self._enter()
+            return life.enter(self)  # the device, the session, admission (life.py)
         except BaseException:
             self._feeder.close()
             raise
 
-    def _enter(self) -> "ElasticJob":
-        cfg = self.config
-        if cfg.device is Device.CUDA:
-            torch.cuda.set_device(cfg.local_gpu)
-            self._device = torch.device("cuda", cfg.local_gpu)
-            self.model.to(self._device)  # warm before registering; parameters stay the optimizer's objects
-        else:
-            self._device = torch.device("cpu")
-        self._grads.device = self._device
-        self._session.connect(cfg)
-        if cfg.audit_path is not None:
-            self._audit_fd = os.open(cfg.audit_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        if cfg.checkpoint_dir is not None:
-            self._ckpts.open(cfg.checkpoint_dir, on_committed=self._on_checkpoint)
-        if cfg.max_micro_batch:
-            log.info("worker %s: at most %d samples at once on this host (max_micro_batch); a larger share "
-                     "runs as micro-batches", cfg.worker_id, cfg.max_micro_batch)
-        hooks = GenerationHooks(before_group=self._before_group, on_group=self._on_group, on_leave=self._on_leave)
-        self._session.start(hooks, self._device)
-        state_mod.check_encodable(self._extra)  # an extra state that cannot travel fails here, not at a resize
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
-                       for i, p in enumerate(self._params)]
-        self._session.trap_sigterm()
-        self._admit()
-        self._buffers.mark()
-        return self
-
     def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            abrupt = not self._boundary.over and self._plan is not None
-            if abrupt and not isinstance(exc, ExcludedFromJob):
-                # Leaving mid-job (an error in the script, or it left the loop):
-                # tell the others at once rather than let them wait for the
-                # hang timeout. A planned leave is SIGTERM or request_leave.
-                self._session.leave_abruptly(
-                    str(exc) if exc is not None else "the script left the loop before the job ended")
-            self._ckpts.close()
-        finally:
-            self._feeder.close()
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
-            self._session.close()  # the control thread, SIGTERM's handler, the group (never blocks)
-            if self._audit_fd is not None:
-                os.close(self._audit_fd)
-            if self._fast_exit and exc is None and self._boundary.over:
-                # Out of the job: the script's code after the loop still runs,
-                # but the interpreter's teardown (seconds, GPU memory held) is
-                # skipped. See exiting.py.
-                exiting.arm()
-
-    def _store_lost(self, e: storeloss.StoreLost) -> None:
-        """The store stayed away too long: rank 0 checkpoints (no store needed) and
-        every rank ends cleanly; the next start restores the checkpoint."""
-        log.error("worker %s: %s; %s at step %d and exits", self.worker_id, e,
-                  "checkpointing" if self._rank == 0 else "rank 0 checkpoints", self._step)
-        if not self._grads.gathers:  # sharded: the ranks may not all be here (no gather); the last checkpoint stands
-            self._ckpts.now()
-        self._boundary.finish()
+        life.close(self, exc)
 
     # -- the loop ------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -307,16 +250,16 @@ class ElasticJob(MemberViews):
                 if self._boundary.needs_recovery:
                     self._recover()
             except storeloss.StoreLost as e:
-                self._store_lost(e)
+                life.store_lost(self, e)
             if self._boundary.over or self._done():
-                self._finish()
+                life.finish(self)
                 self._session.gen.done()
                 return
             s = self._sampler
             indices = self._indices_for(s)
             micro = self._shares.micro_limit(self.config.max_micro_batch)
             chunks = micro_chunks(indices, micro)
-            flight = InFlight(indices, s.step_size(), s.global_indices() if self._audit_fd is not None else [])
+            flight = InFlight(indices, s.step_size(), s.global_indices() if self._audit is not None else [])
             if self._grads.reduces_micro_batches and self.world_size > 1:  # ZeRO-2: rounds agreed
                 try:
                     flight.agree_rounds(self._pg, len(chunks), self._abort, self._device)
@@ -517,7 +460,7 @@ class ElasticJob(MemberViews):
             b.dropped(e.backend_error)
             return  # a stop or a leave still asked for is seen again at the next commit
         if stop:
-            self._stop_job()
+            life.stop(self)
         elif leavers is not None:
             try:
                 self._planned_change(leavers)
@@ -562,23 +505,20 @@ class ElasticJob(MemberViews):
         now = time.monotonic()
         self._step += 1
         self._last_commit = Commit(self._step, self.generation, self.world_size, time.time(), global_loss, skipped)
-        if self._audit_fd is not None:
-            line = json.dumps({"step": self._step, "epoch": self._sampler.epoch, "generation": self.generation,
-                               "world_size": self.world_size, "rank": self._rank, "worker": self.worker_id,
-                               "indices": self._flight.indices, "step_indices": self._flight.global_indices,
-                               "split": self._shares.last_counts}) + "\n"
-            os.write(self._audit_fd, line.encode())
-        n_done, since = self._samples_since
-        self._samples_since = (n_done + self._flight.global_count, since)
+        if self._audit is not None:
+            self._audit.committed(self)
+        st = self._status
+        n_done, since = st.samples_since
+        st.samples_since = (n_done + self._flight.global_count, since)
         self._sampler = self._sampler.advanced()
-        self._last_loss = global_loss
+        st.last_loss = global_loss
         ev = self._pause.committed(now, had_state=self._agreement.has_state_before, worker_id=self.worker_id,
                                    generation=self.generation)  # a generation's first commit: its event
         if ev is not None and self._rank == 0:
             ev["step"] = self._step
             self._session.report.event(ev)
         if self._rank == 0 and now - self._session.report.last_status_t >= STATUS_EVERY_S:
-            self._write_status(now)
+            st.write(self, now)
 
     # -- membership changes --------------------------------------------------
     def _planned_change(self, leavers: set[str]) -> None:
@@ -590,18 +530,6 @@ class ElasticJob(MemberViews):
         if decided is not None:
             self._pause.old_t = self._pause.last_commit_t
             self._session.gen.enter(decided)
-
-    def _stop_job(self) -> None:
-        if self._session.health.lost:  # a rank's store-loss timeout (_reduce_and_commit), or the store away now
-            self._store_lost(storeloss.StoreLost(f"the store is away ({self._session.health.lost_for():.0f} s)"))
-            return
-        log.info("worker %s: stop requested; ending at step %d", self.worker_id, self._step)
-        self._ckpts.now()
-        if self._rank == 0:
-            self._session.report.stopped(self._step)
-            self._write_status(time.monotonic())
-            self._session.report.done(self._step, "stop")
-        self._boundary.finish()
 
     def _recover(self) -> None:
         """Roll call after an abort, then the next generation (generation.py)."""
@@ -644,32 +572,9 @@ class ElasticJob(MemberViews):
         # tail (_restore_flag, StateAgreement.confirmed): the hashing overlaps that step's forward
         # and backward instead of holding the pause (0.43-0.45 s of a world-4 SIGKILL's here).
         a.members_before = plan.members
-        # Every generation's first commit is an event (rank 0 writes it), the job's first start too.
-        kind = EventKind.RESTORE if restored else plan.kind
-        redo_from, a.redo_from = a.redo_from, None
-        if redo_from is not None:
-            a.redone_steps = (a.redone_steps or 0) + max(0, redo_from - self._step)
-        ev = self._pause.event = generation_event(kind, plan, from_step=self._step,
-                                                  old_t=self._pause.old_t if a.has_state_before else None)
-        if self._shard is not None:
-            ev.update(self._shard_fields())
-            if redo_from is not None:
-                ev["redone_steps"] = max(0, redo_from - self._step)
+        records.note_generation_event(self, plan, restored)  # rank 0 writes it at the first commit
         log.info("worker %s: rank %d of %d in generation %d (%s) at step %d", self.worker_id, self._rank,
                  plan.world_size, plan.generation, plan.kind.value, self._step)
-
-    def _on_leave(self, plan: Plan | None) -> None:
-        if plan is None:
-            # Everyone is leaving: keep the newest state on disk and end the job.
-            log.info("worker %s: every member leaves at step %d; the job pauses", self.worker_id, self._step)
-            self._ckpts.now()
-            if self._rank == 0:  # the controller mirrors it and restores from it; no member holds the state now
-                self._write_status(time.monotonic(), paused=True)
-        else:
-            self._grads.hand_over(plan.left)  # sharded: this leaver's chunks go to their new holders first
-            log.info("worker %s: left the job at step %d (generation %d)", self.worker_id, self._step,
-                     plan.generation)
-        self._boundary.leave()
 
     def _sync_state(self) -> bool:
         """Agree on the training state (agreement.py); True if it came from a checkpoint."""
@@ -701,62 +606,6 @@ class ElasticJob(MemberViews):
         self._sampler = SamplerState(n_samples=self._sampler.n_samples, global_batch=self._sampler.global_batch,
                                      seed=self._sampler.seed, epoch=int(p["epoch"]), position=int(p["position"]))
 
-    def _admit(self) -> None:
-        """Register as a (warm) joiner and wait to be a member of a generation."""
-        cfg = self.config
-        self._mark("join_request")  # a joiner's logged phases start here: its wait to be admitted is one
-        with self._preparing_join():
-            plan = self._session.admit(restarted_wait_s=cfg.store_loss_timeout_s)
-        self._mark("admitted")
-        if plan is None:
-            self._boundary.finish()
-            return
-        # A joiner of a running job has no committed step; members of the first
-        # generation agree on one (restoring the newest checkpoint) in on_group.
-        try:
-            self._pause.old_t = 0.0
-            self._session.gen.enter(plan)
-        except Aborted as e:
-            log.warning("worker %s: generation %d aborted while forming: %s", self.worker_id,
-                        plan.generation, e)
-            self._recover()
-
-    @contextlib.contextmanager
-    def _preparing_join(self) -> Iterator[None]:
-        """Before a joiner of a running job (its status names the members) asks to be
-        admitted, its gradient path prepares the layout it will most likely join, of one
-        member more (sharded: touches its host memory), on a helper thread that holds it
-        until the wait is over. The request goes in once it is prepared: the members are
-        admitted to nothing the joiner could have done before asking (touched after the
-        request, a joiner's first 500 MB on a VM were still faulting in when the members
-        reached the reshard, and they waited for it there: 1 s of the pause). Not where the
-        job has no room for it (it may wait long)."""
-        status = self._read(get_status)
-        world = status.get("world_size") if isinstance(status, dict) and not status.get("paused") else None
-        full = self.config.max_workers is not None and isinstance(world, int) and world >= self.config.max_workers
-        if not isinstance(world, int) or world < 1 or full:
-            yield  # no running job, or no room in it: this joiner may wait long
-            return
-        stop, prepared = threading.Event(), threading.Event()
-
-        def prepare() -> None:
-            try:
-                self._grads.prepare_join(world + 1, stop, prepared)
-            except Exception as e:  # noqa: BLE001 - an optimization: the join goes on without it
-                log.warning("worker %s: preparing to join failed (the join goes on without it): %s",
-                            self.worker_id, e)
-            finally:
-                prepared.set()
-
-        helper = threading.Thread(target=prepare, name="eltctl-prepare-join", daemon=True)
-        helper.start()
-        try:
-            prepared.wait()
-            yield
-        finally:
-            stop.set()
-            helper.join()
-
     # -- checkpoints, status, events ----------------------------------------
     def _restore_chunks(self, ckpt: dict, sg: Any, pg: Any, host: str, abort: threading.Event) -> dict:
         """The sharded path's loader: each rank's chunks from the restored checkpoint's
@@ -771,48 +620,8 @@ class ElasticJob(MemberViews):
         """`get(store)` (protocol.get_status, get_restored), or None: advisory (MemberSession.read)."""
         return self._session.read(get)
 
-    def _on_checkpoint(self, info) -> None:  # writer thread
+    def _on_checkpoint(self, info) -> None:  # writer thread; a restore too (checkpoints.py)
         self._session.report.checkpointed(info)
-
-    def _finish(self) -> None:
-        if self._boundary.over:
-            return
-        self._boundary.finish()
-        self._ckpts.now()
-        if self._rank == 0:
-            try:
-                self._session.await_store()
-            except storeloss.StoreLost as e:
-                log.error("worker %s: %s; the job's end is not recorded in the store", self.worker_id, e)
-                return
-            self._write_status(time.monotonic())
-            self._session.report.done(self._step, "finished")
-
-    def _write_status(self, now: float, paused: bool = False) -> None:
-        n, since = self._samples_since
-        rate = n / (now - since) if now > since else 0.0
-        self._samples_since = (0, now)
-        self._session.report.status(now, step=self._step, epoch=self._sampler.epoch,
-                                    position=self._sampler.position, samples_per_s=round(rate, 2),
-                                    loss=self._last_loss, workers=self._workers_report(), paused=paused,
-                                    extra={**self._progress_fields(),
-                                           **(self._shard_fields() if self._shard is not None else {})})
-
-    def _progress_fields(self) -> dict:
-        """`eltctl status`'s progress: total_steps and samples (sampler.TrainingEnd.progress)."""
-        return self._end.progress(self._sampler)
-
-    def _shard_fields(self) -> dict:
-        """Sharded training in the status document and the events: the mode, the
-        replicas, each rank's optimizer-state bytes (from the layout) and the steps
-        redone after crashes that lost shards."""
-        return {"shard": self._shard, "shard_replicas": self._grads.replicas,
-                "optimizer_state_bytes": self._grads.state_bytes_per_rank(),
-                "redone_steps": self._agreement.redone_steps or 0}
-
-    def _workers_report(self) -> dict | None:
-        """Each member's share and speed as of the last commit (balance.worker_report)."""
-        return self._shares.report(self._plan.members, self._sampler.global_batch)
 
     def _mark(self, phase: str) -> None:
         """A phase of a membership change's pause ended now (pause.py)."""
