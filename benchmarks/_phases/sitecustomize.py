@@ -86,7 +86,7 @@ def _patch(name, mod):
         cls.watch = _around(cls.watch, "watch_start", "watch_end")
         if hasattr(cls, "_set_abort"):
             cls._set_abort = _around(cls._set_abort, "abort_set")
-    elif name.endswith(".membership"):
+    elif name.endswith(".member.plan"):
         mod.decide = _around(mod.decide, None, "decided")
         mod.await_admission = _around(mod.await_admission, None, "admitted")
     elif name.endswith(".pgstore"):
@@ -122,7 +122,8 @@ def _patch(name, mod):
             cls._commit = _commit
 
 
-_TARGETS = {f"eltctl_runtime.{m}" for m in ("collectives", "control", "membership", "pgstore", "generation", "job")}
+_TARGETS = {f"eltctl_runtime.{m}" for m in ("member.collectives", "member.control", "member.plan", "store.pgstore",
+                                             "member.generation", "train.job")}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
