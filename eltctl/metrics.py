@@ -15,6 +15,8 @@ written as 0. The families (docs/commands.md, `eltctl metrics`, lists them):
     eltctl_generation, eltctl_step                 gauge
     eltctl_total_steps, eltctl_eta_seconds         gauge   where the training ends, the time left to it
     eltctl_samples_per_second, eltctl_loss         gauge   samples/s: over the last 30 s of commits
+    eltctl_network_share                           gauge   the network wait's share of a step (0..1)
+    eltctl_bytes_per_step                          gauge   bytes a rank all-reduces per step
     eltctl_checkpoint_step, eltctl_checkpoint_age_seconds   gauge
     eltctl_hosts{state}, eltctl_host_workers{host} gauge
     eltctl_resize_pauses_total                     counter  resizes (generation changes) seen
@@ -129,6 +131,11 @@ def render(doc: Mapping[str, Any], ledger: Mapping[str, Any] | None = None, *,
     e.one("eltctl_samples_per_second", "gauge", "Training speed, samples per second (while workers run).",
           doc.get("samples_per_s"))
     e.one("eltctl_loss", "gauge", "The loss rank 0 last reported.", doc.get("loss"))
+    net = doc.get("network") if isinstance(doc.get("network"), dict) else {}
+    e.one("eltctl_network_share", "gauge", "The share of rank 0's step spent waiting for the gradients' "
+          "all-reduces after backward: wait / (compute + wait), smoothed (while workers run).", net.get("share"))
+    e.one("eltctl_bytes_per_step", "gauge", "Bytes rank 0 puts into all-reduces per step (gradients and control).",
+          net.get("bytes_per_step"))
     ck = doc.get("checkpoint") if isinstance(doc.get("checkpoint"), dict) else {}
     e.one("eltctl_checkpoint_step", "gauge", "The step of the job's last checkpoint.", ck.get("step"))
     e.one("eltctl_checkpoint_age_seconds", "gauge", "The age of the job's last checkpoint.", ck.get("age_s"))

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--bucket-mb", type=float, default=4.0,
                     help="gradient all-reduce bucket size; 0: one all-reduce after backward")
+    ap.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="what float32 gradients travel as in the all-reduce (bf16: half the bytes; "
+                         "replicated training only)")
     ap.add_argument("--shard", choices=("optimizer", "gradients"), default=None,
                     help="shard the optimizer state (ZeRO-1) or also the gradients (ZeRO-2) across the workers")
     ap.add_argument("--shard-replicas", type=int, choices=(1, 2), default=1,
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         config=config, bucket_mb=args.bucket_mb, balance=not args.no_balance, num_workers=args.num_workers,
         prefetch_steps=args.prefetch_steps, shard=args.shard,
         shard_replicas=args.shard_replicas, reduce_each_micro_batch=args.reduce_each_micro_batch,
+        grad_dtype=None if args.grad_dtype == "fp32" else args.grad_dtype,
     )
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None

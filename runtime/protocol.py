@@ -288,7 +288,11 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
     `forged: {family: n}`: store values that failed their signature check,
     as rank 0's process counted them, per key family (auth.family: "leave",
     "dead", "gen/plan", "join", "hb", ...; {} when none, or when the job runs
-    without a secret)."""
+    without a secret). ElasticJob's replicated path adds, once a step committed,
+    `network: {wait_s, compute_s, share, bytes_per_step}` (NETWORK_FIELDS): where rank
+    0's steps' time goes, smoothed (train/records.py NetworkFigures: its compute, its
+    wait for the gradients' all-reduces after backward, share = wait / (compute +
+    wait), the bytes it all-reduces per step); absent in restart mode and sharded."""
     doc = {"generation": generation, "world_size": world_size, "members": list(members), "step": step,
            "epoch": epoch, "position": position, "samples_per_s": samples_per_s, "loss": loss,
            "checkpoint": checkpoint, "time": _now() if time is None else time}
@@ -306,6 +310,8 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
 
 # The fields of each entry of the status document's `workers`.
 WORKER_FIELDS = ("share", "samples_per_s", "relative_speed", "speedup_without", "straggler")
+# The fields of the status document's `network` (status_document).
+NETWORK_FIELDS = ("wait_s", "compute_s", "share", "bytes_per_step")
 
 
 # ---------------------------------------------------------------------------- on a job-scoped store

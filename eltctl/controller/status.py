@@ -19,7 +19,7 @@ from eltctl.controller import observe
 from eltctl.controller import policy as pol
 from eltctl.controller.observe import DaemonSeen
 from eltctl_runtime.files import write_json_atomic
-from eltctl_runtime.protocol import WORKER_FIELDS
+from eltctl_runtime.protocol import NETWORK_FIELDS, WORKER_FIELDS
 from eltctl.inventory import Inventory
 from eltctl.sharedir import refused_of_state, refused_summary
 
@@ -302,7 +302,8 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
     last members paused it); with none, the last status is history (`runtime_current`
     false: its step and loss stay as the last seen, no speed, no worker). Progress
     (`progress_fields`): `total_steps`, `steps_per_s` and `eta_s` beside `step`, and one
-    `samples_per_s` (observe.pace). `fairshare` is fair share's plan (fairshare.plan_to_json),
+    `samples_per_s` (observe.pace); `network`, where the steps' time goes (`network_entry`,
+    while workers run). `fairshare` is fair share's plan (fairshare.plan_to_json),
     none once the job ended, with its `unit`; each host's `waiting` says what holds its
     slots back (`host_wait`). `checkpoint` is the job's last checkpoint (observe.newest_checkpoint:
     rank 0's, else the last the controller saw), not only the current rank 0's."""
@@ -327,6 +328,7 @@ def status_document(*, now: float, inventory: Inventory, phase: str, message: st
         "step": rs.get("step"), "epoch": rs.get("epoch"),
         "samples_per_s": rs.get("samples_per_s") if live else None,
         "loss": rs.get("loss"),
+        "network": network_entry(rs) if live else None,
         "checkpoint": _checkpoint_entry(checkpoint, now),
         "runtime_status_age_s": round(now - float(rs["seen"]), 2) if rs.get("seen") else None,
         "controller": {"pid": os.getpid(), "alive": True},
@@ -510,6 +512,19 @@ def worker_entries(runtime_status: Mapping[str, Any]) -> list[dict[str, Any]]:
         if isinstance(entry, dict):
             out.append({"worker": w, **{k: entry.get(k) for k in WORKER_FIELDS}})
     return out
+
+
+def network_entry(runtime_status: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Where rank 0's steps' time goes, from its status document's `network`
+    (eltctl_runtime.protocol.NETWORK_FIELDS: wait_s, compute_s, share, bytes_per_step),
+    each a number or null; None when the runtime does not report it (an older runtime,
+    restart mode, sharded training, no step yet) or no worker runs now."""
+    net = runtime_status.get("network")
+    if not isinstance(net, dict):
+        return None
+    out = {k: net.get(k) if isinstance(net.get(k), (int, float)) and not isinstance(net.get(k), bool) else None
+           for k in NETWORK_FIELDS}
+    return out if out["share"] is not None else None
 
 
 def _checkpoint_entry(ck: Mapping[str, Any] | None, now: float) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""The job's facts at the top of the view: state, workers, progress, checkpoint, mirror, controller."""
+"""The job's facts at the top of the view: state, workers, progress, where a step's time goes,
+checkpoint, mirror, controller."""
 
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ def job_summary(snapshot: Snapshot, options: ViewOptions):
     finish = finish_line(doc, now, staleness, options)
     if finish is not None:
         grid.add_row("finishes", finish)
+    network = network_line(doc.get("network"))
+    if network is not None:
+        grid.add_row("network", network)
+        hint = network_hint(doc.get("network"))
+        if hint is not None:
+            grid.add_row("[yellow]hint[/]", hint)
 
     ckpt = doc.get("checkpoint")
     if isinstance(ckpt, dict) and ckpt.get("step") is not None:
@@ -121,6 +128,49 @@ def steps_of(doc: Any) -> str:
         return ""
     done = f" ({min(step, total) / total:.0%})" if isinstance(step, int) and not isinstance(step, bool) else ""
     return f" of {total}{done}"
+
+
+# Above this share of the step in the network wait, the network sets the job's speed.
+NETWORK_BOUND = 0.5
+
+
+def network_line(net: Any) -> str | None:
+    """The `network` row: the network's share of a step, its wait of the whole, the bytes
+    each rank all-reduces per step (the document's `network`, controller/status.py
+    network_entry); None when the runtime does not report it."""
+    if not isinstance(net, dict) or num(net.get("share")) is None:
+        return None
+    wait, compute = num(net.get("wait_s")), num(net.get("compute_s"))
+    line = f"{num(net.get('share')):.0%} of the step"
+    if wait is not None and compute is not None:
+        line += f" (wait {_seconds(wait)} of {_seconds(wait + compute)})"
+    size = num(net.get("bytes_per_step"))
+    if size is not None:
+        line += f", {format_bytes(size)} per step"
+    return line
+
+
+def network_hint(net: Any) -> str | None:
+    """When the network's wait is over NETWORK_BOUND of the step: it, not the workers'
+    compute, sets the job's speed, and which modes send less (docs/network.md); else None."""
+    share = num(net.get("share")) if isinstance(net, dict) else None
+    if share is None or share <= NETWORK_BOUND:
+        return None
+    return ("the network sets the job's speed, not the workers' compute: a bf16 all-reduce "
+            "(ElasticJob(grad_dtype=\"bf16\")) halves the bytes (docs/network.md, \"Where a step's time goes\")")
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2g} s" if s < 10 else f"{s:.0f} s"
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, three significant digits: 200 MB, 1.5 kB, 812 B."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 999.5:
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"
 
 
 def finish_line(doc: Any, now: float, staleness: float, options: ViewOptions) -> str | None:

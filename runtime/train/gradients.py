@@ -67,6 +67,16 @@ last bucket when that bucket is float32 (the tail follows the float32
 gradients in their buffer); otherwise it goes as one extra small float32
 all-reduce after the last bucket.
 
+bf16 on the wire (`ElasticJob(grad_dtype="bf16")`): each float32 bucket is
+copied into a bfloat16 buffer as it launches and that copy is all-reduced (half
+the bytes); `finish` casts each summed bucket back into the float32 gradient
+once, after the reduction, so the optimizer, clipping and the GradScaler's
+check see float32 as ever. The backend sums in bfloat16 (the inputs' 8-bit
+significands, and each partial sum rounded to one). The tail is never
+compressed: it goes as its own float32 all-reduce. Nothing is kept from one step to
+the next (no error feedback), so a resize, a drop or a restore has nothing of it
+to move; sharded paths refuse it (job.py).
+
 Buffers (`BufferSync`): every rank starts a step from the same agreed buffers
 (`mark`); the step's forward passes move them locally; each rank adds
 `local_samples * (value - agreed)` to the tail, and afterwards every rank sets
@@ -84,6 +94,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -132,6 +143,21 @@ class GradLayout:
         if self.buckets and self.groups[self.buckets[-1].group] == _TAIL_KIND:
             return self.buckets[-1].group
         return None
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One committed step's network figures, as the gradient path saw them (read-only).
+
+    `wait_s`: the time `finish` spent on the step's all-reduces after backward, the
+    part that overlapping them with backward did not hide; measured on the host
+    (no device synchronize is added), it also holds the wait for the slowest rank and,
+    on CUDA, the device's backward still queued when the host's backward returned.
+    `bytes`: what this rank put into all-reduces in the step: every bucket's
+    elements times its element size, plus the float32 tail."""
+
+    wait_s: float
+    bytes: int
 
 
 def plan_layout(kinds: list[str], numels: list[int], elem_sizes: list[int], bucket_bytes: int) -> GradLayout:
@@ -183,6 +209,17 @@ def layout_for(params: list[torch.Tensor], bucket_mb: float) -> GradLayout:
     bucket_bytes = max(1, int(bucket_mb * 2**20)) if bucket_mb > 0 else sys.maxsize
     return plan_layout([str(p.dtype) for p in params], [p.numel() for p in params],
                        [p.element_size() for p in params], bucket_bytes)
+
+
+GRAD_DTYPES = ("fp32", "bf16")  # ElasticJob(grad_dtype=): what float32 gradients travel as (None: "fp32")
+
+
+def wire_dtype(grad_dtype: str | None) -> torch.dtype | None:
+    """The dtype float32 buckets are all-reduced in for `grad_dtype`, None: as they are."""
+    if grad_dtype not in (None, *GRAD_DTYPES):
+        raise ValueError(f"grad_dtype must be None or one of {', '.join(map(repr, GRAD_DTYPES))}, "
+                         f"got {grad_dtype!r}")
+    return torch.bfloat16 if grad_dtype == "bf16" else None
 
 
 class BufferSync:
@@ -325,6 +362,9 @@ class GradientPath(ABC):
     # last, and empty_round for each micro-batch this rank has fewer than another.
     # False: the gradients of those micro-batches accumulate locally.
     reduces_micro_batches = False
+    # The last finished step's network figures (StepTiming), for the status document's
+    # `network`; None where the path does not measure them (the sharded path, zero/).
+    last_step_timing: StepTiming | None = None
 
     def begin_round(self) -> None:
         """Before the backward of a micro-batch that is not the step's last (reduces_micro_batches)."""
@@ -448,7 +488,7 @@ class ReplicatedPath(GradientPath):
     fills the buckets (module docstring)."""
 
     def __init__(self, params: list[torch.Tensor], bucket_mb: float,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"), grad_dtype: str | None = None) -> None:
         self._params = params
         self.device = device  # where the buffers live (ElasticJob sets it once the model is placed)
         # One flat buffer per parameter dtype, one bucket order over all of them;
@@ -457,8 +497,14 @@ class ReplicatedPath(GradientPath):
         for kind in self.layout.groups:
             state_mod.dtype_named(kind)  # a dtype the buffers cannot hold fails here, naming it
         self._bucket_of = {i: b for b, bucket in enumerate(self.layout.buckets) for i in bucket.members}
+        # bf16 on the wire (module docstring): float32 buckets go through a bfloat16 copy
+        # (`_wire`, one per float32 buffer); the tail never does, so it goes on its own.
+        self._wire_dtype = wire_dtype(grad_dtype)
+        self._tail_group = self.layout.tail_group if self._wire_dtype is None else None
+        self._wire: list[torch.Tensor | None] | None = None
+        self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (float32 bucket, its wire copy) this step
         # The last launch carries the float32 tail: the last bucket, or an extra one.
-        self._n_launch = len(self.layout.buckets) + (0 if self.layout.tail_group is not None else 1)
+        self._n_launch = len(self.layout.buckets) + (0 if self._tail_group is not None else 1)
         self._flats: list[torch.Tensor] | None = None
         self._tail_buf: torch.Tensor | None = None  # the tail's own buffer when it does not ride with a bucket
         self._tail_size = 0
@@ -469,6 +515,9 @@ class ReplicatedPath(GradientPath):
         self._launch_error: Exception | None = None
         self._ok_upto, self._watch_failures = 0, False  # failed()
         self.pg = None
+        # Gradient bytes all-reduced per step (every bucket once); finish adds the tail's.
+        self._grad_bytes = sum(p.numel() * (self._wire_dtype.itemsize if self._wire_dtype is not None
+                                            and p.dtype == TAIL_DTYPE else p.element_size()) for p in params)
 
     def _buffers(self, tail_size: int) -> list[torch.Tensor]:
         """The flat all-reduce buffers, one per parameter dtype (bucket by
@@ -478,14 +527,17 @@ class ReplicatedPath(GradientPath):
         is copied in or out."""
         lay = self.layout
         self._tail_size = tail_size
-        sizes = [n + (tail_size if g == lay.tail_group else 0) for g, n in enumerate(lay.lengths)]
+        sizes = [n + (tail_size if g == self._tail_group else 0) for g, n in enumerate(lay.lengths)]
         if self._flats is None or [f.numel() for f in self._flats] != sizes:
             # The caller copies the current gradients in (they are not views of these).
             self._flats = [(hostmem.empty(n, state_mod.dtype_named(kind)).zero_() if self.device.type == "cpu"
                             else torch.zeros(n, dtype=state_mod.dtype_named(kind), device=self.device))
                            for kind, n in zip(lay.groups, sizes)]
-        if lay.tail_group is None and (self._tail_buf is None or self._tail_buf.numel() != tail_size):
+        if self._tail_group is None and (self._tail_buf is None or self._tail_buf.numel() != tail_size):
             self._tail_buf = torch.zeros(tail_size, dtype=TAIL_DTYPE, device=self.device)
+        if self._wire_dtype is not None and self._wire is None:
+            self._wire = [torch.empty(n, dtype=self._wire_dtype, device=self.device) if kind == _TAIL_KIND else None
+                          for kind, n in zip(lay.groups, lay.lengths)]
         return self._flats
 
     def begin(self, tail_size: int) -> None:
@@ -506,6 +558,7 @@ class ReplicatedPath(GradientPath):
         self._ready = [0] * len(self.layout.buckets)
         self._fired = set()
         self._works = []
+        self._casts = []
         self._launch_error = None
         self._ok_upto = 0  # works before this one are known to have succeeded (failed())
         # failed() looks on gloo only: on NCCL reading a work's future makes the compute stream wait for it
@@ -551,9 +604,15 @@ class ReplicatedPath(GradientPath):
         if b < len(buckets):
             bucket = buckets[b]
             end = bucket.end
-            if b == len(buckets) - 1 and self.layout.tail_group is not None:
+            if b == len(buckets) - 1 and self._tail_group is not None:
                 end = self._flats[bucket.group].numel()
             tensor = self._flats[bucket.group][bucket.start : end]
+            wire = self._wire[bucket.group] if self._wire is not None else None
+            if wire is not None:  # bf16 on the wire: reduce a bfloat16 copy, cast back in finish
+                wire = wire[bucket.start : end]
+                wire.copy_(tensor)
+                self._casts.append((tensor, wire))
+                tensor = wire
         else:
             tensor = self._tail_buf
         try:
@@ -564,7 +623,7 @@ class ReplicatedPath(GradientPath):
 
     def tail(self) -> torch.Tensor:
         """The float32 tail: control scalars, then the buffers' updates."""
-        g = self.layout.tail_group
+        g = self._tail_group
         if g is None:
             return self._tail_buf
         return self._flats[g][self.layout.lengths[g]:]
@@ -572,14 +631,21 @@ class ReplicatedPath(GradientPath):
     def finish(self, abort: threading.Event) -> torch.Tensor:
         # Buckets whose gradients never came (parameters unused in this step, a
         # rank with no samples) go now, in order; then the last one, with the tail.
+        t0 = time.perf_counter()  # the network wait starts (StepTiming)
         while len(self._works) < self._n_launch:
             self._launch(len(self._works))
         if self._launch_error is not None:
             raise Aborted(f"an all-reduce could not be launched: {self._launch_error}", backend_error=True)
         for work in self._works:
             collectives.wait_work(work, abort)
+        for grad, wire in self._casts:  # bf16 on the wire: the sums back into the float32 gradients, once
+            grad.copy_(wire)
+        self._casts = []
         self._works = []  # all done (drop looks at those of a step that broke)
-        return self.tail().to("cpu", copy=True)  # the buffers are zeroed after the step
+        tail = self.tail().to("cpu", copy=True)  # the buffers are zeroed after the step
+        self.last_step_timing = StepTiming(time.perf_counter() - t0,
+                                           self._grad_bytes + self._tail_size * TAIL_DTYPE.itemsize)
+        return tail
 
     def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
         scaler.unscale_(optimizer)
@@ -608,10 +674,11 @@ class ReplicatedPath(GradientPath):
         # Where every one launched has completed (succeeded or failed), they are kept: begin()
         # zeroes the gradients' views again (the job sets .grad to None), the tail here.
         settled = collectives.settled(self._works)
-        self._works, self._launching = [], False
+        self._works, self._launching, self._casts = [], False, []
         if settled and self._flats is not None:
             with torch.no_grad():
                 self.tail().zero_()
             return
         self._flats = None
         self._tail_buf = None
+        self._wire = None

@@ -114,6 +114,7 @@ class ElasticJob(MemberViews):
         shard: str | None = None,
         shard_replicas: int = 1,
         reduce_each_micro_batch: bool = False,
+        grad_dtype: str | None = None,
     ) -> None:
         self._end = TrainingEnd(max_steps, epochs)  # max_steps or epochs, whichever comes first (sampler.py)
         # Where the batches come from (pipeline.py): the dataset, or data worker processes.
@@ -140,7 +141,7 @@ class ElasticJob(MemberViews):
         # torch.compile's module: no global forward hook while it runs (_forward_abortable)
         self._compiled = type(model).__name__ == "OptimizedModule"
         # How the step's gradients are reduced and applied (gradients.py: the seam).
-        self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb, shard_replicas)
+        self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb, shard_replicas, grad_dtype)
         if reduce_each_micro_batch:
             if shard != "gradients":
                 raise ValueError("reduce_each_micro_batch applies to shard='gradients' (ZeRO-2), whose gradients "
@@ -394,6 +395,7 @@ class ElasticJob(MemberViews):
         join_ready = bool(req.join and not b.leave_seen and self._grads.ready_for_join(W + 1))
         leave_ready = bool(self._grads.ready_for_leave(b.leave_seen))
         checkpoint = b.checkpoint_owed or (self._rank == 0 and self._ckpts.clock_due())
+        compute_s = self._shares.compute_s  # this step's compute (step_slots resets it): the status's network
         pace, oom = self._shares.step_slots(n)
         if self._pause.event is not None:  # a generation's first step: its parts in the pause
             self._mark("first_forward_backward")
@@ -433,6 +435,7 @@ class ElasticJob(MemberViews):
         global_loss = got.loss_sum / max(1.0, got.samples)
         # Every rank's pace, identical floats on every rank: the split of the next steps.
         self._shares.replan(got.pace, f.global_count, self._sampler.global_batch, W, self.generation)
+        self._status.network.observed(compute_s, self._grads.last_step_timing)  # before _commit's status
         self._commit(global_loss, skipped)
         leaving = {self._plan.members[r] for r in range(W) if got.leave[r] > 0}
         # A leave goes once every rank is ready for it (sharded on the CPU: the survivors have
@@ -632,16 +635,20 @@ SHARD_SETTINGS = ("optimizer", "gradients")  # ZeRO-1, ZeRO-2 (issue 22): runtim
 
 
 def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   params: list[torch.Tensor], bucket_mb: float, replicas: int = 1) -> GradientPath:
+                   params: list[torch.Tensor], bucket_mb: float, replicas: int = 1,
+                   grad_dtype: str | None = None) -> GradientPath:
     """The gradient path of `shard` (gradients.py: the seam). None: every rank holds
     every gradient and the whole optimizer state (ReplicatedPath); a sharded one
     comes from zero.py's `sharded_path(shard, model, optimizer, params, bucket_mb)`."""
     if shard is None:
         if replicas != 1:
             raise ValueError("shard_replicas applies to sharded training (shard='optimizer' or 'gradients')")
-        return ReplicatedPath(params, bucket_mb)
+        return ReplicatedPath(params, bucket_mb, grad_dtype=grad_dtype)
     if shard not in SHARD_SETTINGS:
         raise ValueError(f"shard must be None or one of {', '.join(map(repr, SHARD_SETTINGS))}, got {shard!r}")
+    if gradients.wire_dtype(grad_dtype) is not None:  # a bad value says its choices first
+        raise ValueError(f"grad_dtype={grad_dtype!r} applies to replicated training (shard=None) for now; "
+                         f"a sharded job (shard={shard!r}) reduces float32 gradients")
     from . import zero  # only a sharded job pays for importing it (zero/__init__.py: on first use)
 
     return zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)

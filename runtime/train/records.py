@@ -6,8 +6,9 @@ the job's end or pause) and each generation's event, through its session's
 `Reporter` (member/report.py), which adds what every member's report has; this
 module adds the training's own fields: the step, epoch and position, the samples
 per second since the last status, the loss, each member's share and speed, the
-progress towards the end and, sharded, the mode, replicas, optimizer-state bytes
-and steps redone. The audit log (`RuntimeConfig.audit_path`) is one JSON line per
+progress towards the end, where the step's time goes (`NetworkFigures`: rank 0's
+compute and network wait, smoothed, and the bytes it all-reduces per step) and,
+sharded, the mode, replicas, optimizer-state bytes and steps redone. The audit log (`RuntimeConfig.audit_path`) is one JSON line per
 committed step from every rank: which samples it took (tests check that every
 sample is taken once per epoch across resizes).
 
@@ -27,18 +28,59 @@ from ..member.report import generation_event
 from ..protocol import EventKind
 
 STATUS_EVERY_S = 1.0
+NETWORK_ALPHA = 0.2  # the weight of each new step in NetworkFigures' moving averages
+
+
+class NetworkFigures:
+    """Where this rank's steps' time goes, smoothed (an exponentially weighted moving
+    average, NETWORK_ALPHA): `compute_s`, from each batch handed to the script to the
+    end of its backward (Shares.compute_s, summed over the micro-batches); `wait_s`,
+    the time the gradient path's `finish` waited for the all-reduces after backward
+    (gradients.StepTiming: what overlapping them with backward did not hide);
+    `bytes_per_step`, the last step's bytes into all-reduces. `share` is
+    wait / (compute + wait). Pure: the commit feeds it, the status reads `fields`."""
+
+    __slots__ = ("compute_s", "wait_s", "bytes_per_step")
+
+    def __init__(self) -> None:
+        self.compute_s: float | None = None
+        self.wait_s: float | None = None
+        self.bytes_per_step: int | None = None
+
+    def observed(self, compute_s: float, timing: Any) -> None:
+        """One committed step: its compute seconds and the path's StepTiming (None: the
+        path does not measure, e.g. sharded; nothing is recorded)."""
+        if timing is None:
+            return
+        if self.wait_s is None or self.compute_s is None:
+            self.compute_s, self.wait_s = compute_s, timing.wait_s
+        else:
+            self.compute_s += NETWORK_ALPHA * (compute_s - self.compute_s)
+            self.wait_s += NETWORK_ALPHA * (timing.wait_s - self.wait_s)
+        self.bytes_per_step = timing.bytes
+
+    def fields(self) -> dict:
+        """The status document's `network` (protocol.NETWORK_FIELDS), or {} before a step."""
+        if self.wait_s is None or self.compute_s is None:
+            return {}
+        step = self.compute_s + self.wait_s
+        share = self.wait_s / step if step > 0 else 0.0
+        return {"network": {"wait_s": round(self.wait_s, 6), "compute_s": round(self.compute_s, 6),
+                            "share": round(min(1.0, max(0.0, share)), 4), "bytes_per_step": self.bytes_per_step}}
 
 
 class JobStatus:
     """The status document's training fields (module docstring). `samples_since`:
     (samples committed, monotonic time) since the last status; `last_loss`: the last
-    committed step's global loss. The commit updates both."""
+    committed step's global loss; `network`: where the steps' time goes. The commit
+    updates all three."""
 
-    __slots__ = ("samples_since", "last_loss")
+    __slots__ = ("samples_since", "last_loss", "network")
 
     def __init__(self, now: float) -> None:
         self.samples_since = (0, now)
         self.last_loss: float | None = None
+        self.network = NetworkFigures()
 
     def write(self, job: Any, now: float, paused: bool = False) -> None:
         n, since = self.samples_since
@@ -47,7 +89,7 @@ class JobStatus:
         job._session.report.status(now, step=job._step, epoch=job._sampler.epoch,
                                    position=job._sampler.position, samples_per_s=round(rate, 2),
                                    loss=self.last_loss, workers=workers_report(job), paused=paused,
-                                   extra={**progress_fields(job),
+                                   extra={**progress_fields(job), **self.network.fields(),
                                           **(shard_fields(job) if job._shard is not None else {})})
 
 

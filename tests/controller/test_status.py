@@ -88,8 +88,8 @@ def test_status_document_shape():
                           views=views, records=records, seen={"a": DaemonSeen(b"{}", NOW - 0.5, {})},
                           events=events, store_endpoint="127.0.0.1:29500", mirror=None)
     assert list(doc) == ["job", "state", "phase", "message", "updated", "generation", "world_size", "members",
-                         "runtime_current", "min_workers", "max_workers", "step", "epoch", "samples_per_s", "loss", "checkpoint",
-                         "runtime_status_age_s", "controller", "store", "hosts", "events", "mirror",
+                         "runtime_current", "min_workers", "max_workers", "step", "epoch", "samples_per_s", "loss", "network",
+                         "checkpoint", "runtime_status_age_s", "controller", "store", "hosts", "events", "mirror",
                          "start_failed", "mode", "restarts", "forged", "starts_at", "total_steps", "steps_per_s",
                          "eta_s"]
     assert (doc["mode"], doc["restarts"]) == ("elastic", None)

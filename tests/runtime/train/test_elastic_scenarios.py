@@ -12,6 +12,7 @@ import pytest
 
 from eltctl_runtime import read_status
 from runtime_cluster import SMALL, assert_exactly_once, assert_identical_state
+from tests.runtime.train.test_network_figures import assert_network_figures
 
 N_SAMPLES = int(SMALL[SMALL.index("--samples") + 1])
 BATCH = int(SMALL[SMALL.index("--batch") + 1])
@@ -249,6 +250,8 @@ def test_micro_batches_accumulate_to_the_same_training(cluster_factory):
     ws = micro.start(2, ["--steps", "15", "--micro-batch", "5", "--no-balance"])
     got = finish(micro, 15, ws, 2)[0]
     assert abs(got["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (got, ref)
+    # where the step's time goes (issue 51): compute summed over the micro-batches, the bytes of one step
+    assert_network_figures(read_status(micro.store, micro.job), world=2)
 
 
 
