@@ -39,7 +39,7 @@ MEMBER = """
 import os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
-from eltctl_runtime import exiting
+from eltctl_runtime.member import exiting
 
 rank, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 if mode == "quick":

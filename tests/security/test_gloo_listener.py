@@ -159,7 +159,8 @@ ROUNDS = r"""
 import json, os, secrets, sys, threading, time
 import torch
 import torch.distributed as dist
-from eltctl_runtime import auth, collectives
+from eltctl_runtime.store import auth
+from eltctl_runtime.member import collectives
 from eltctl_runtime.member.plan import job_store
 from eltctl_runtime.store.pgstore import pg_store
 
