@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         config=config, bucket_mb=args.bucket_mb, balance=not args.no_balance, num_workers=args.num_workers,
         prefetch_steps=args.prefetch_steps, shard=args.shard,
         shard_replicas=args.shard_replicas, reduce_each_micro_batch=args.reduce_each_micro_batch,
-        grad_dtype=None if args.grad_dtype == "fp32" else args.grad_dtype,
+        **({} if args.grad_dtype == "fp32" else {"grad_dtype": args.grad_dtype}),  # (a runtime before it: no such argument)
     )
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None
