@@ -10,7 +10,8 @@ The judgements are pure functions of what the host printed (`parse_remote_facts`
 `Fleet`. With `accept_new`, a host whose key is unknown gets its key recorded (trust
 on first use, with the fingerprint shown); a changed key is never replaced.
 `eltctl up` runs the same checks (eltctl/preflight.py), adding the job's own through
-the `extra` hook of `diagnose_fleet`.
+the `extra` hook of `diagnose_fleet`. With `link_test`, the hosts that pass are then
+measured in pairs over the data plane (eltctl/linkspeed.py): a `link` check each.
 """
 
 from __future__ import annotations
@@ -386,10 +387,13 @@ async def _guarded(coro, host: Host) -> Report:
 
 
 def diagnose(inventory: Inventory, *, accept_new: bool = False,
-             ssh: SSHSettings | None = None, extra: ExtraChecks | None = None) -> list[Report]:
+             ssh: SSHSettings | None = None, extra: ExtraChecks | None = None,
+             link_test: bool = False) -> list[Report]:
     """`eltctl doctor`: diagnose every host of the inventory. `extra`: more checks per
     connected host (`eltctl doctor` passes the job's, preflight.host_job_checks, which
-    include the store forward's); default: the store forward's alone."""
+    include the store forward's); default: the store forward's alone. `link_test`: the
+    hosts that pass are then measured in pairs over the data plane (eltctl/linkspeed.py),
+    each one's `link` check added last."""
 
     async def forward(host: Host, transport: Transport) -> list[Check]:
         check = await check_store_forward(host, transport) if inventory.controller.store == "ssh" else None
@@ -399,6 +403,11 @@ def diagnose(inventory: Inventory, *, accept_new: bool = False,
         async with Fleet(inventory, ssh=ssh) as fleet:
             results = await diagnose_fleet(fleet, policy=inventory.policy, accept_new=accept_new,
                                            extra=extra or forward)
+            if link_test:
+                from eltctl import linkspeed
+
+                figures = await linkspeed.measure(fleet, [inventory.host(r.host) for r in results if r.ok])
+                results = linkspeed.with_link_checks(results, figures)
             return results + await mirror_diagnosis(inventory, fleet, results)
 
     return asyncio.run(main())

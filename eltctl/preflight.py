@@ -22,6 +22,10 @@ until the next `up` (policy.leave_out). A host that only could not be reached is
 warned about but not left out, and so is one whose nvidia-smi failed: the controller
 already shows it unreachable or unhealthy and uses it once it is well (WATCHED_CHECKS).
 
+With `link_test` (a person's `up`; never cron's), the hosts checked that pass are then
+measured in pairs over the data plane (eltctl/linkspeed.py, half a second), and
+`progress` says when the network, not the GPUs, will set the job's speed.
+
 Which hosts are checked (`for_up`): every host of the inventory except those a live
 controller reports running the job's workers (they have proven themselves) and
 those removed by `scale --remove`. So `up` of a running healthy job makes no SSH
@@ -340,14 +344,22 @@ def warnings(v: Verdict) -> list[str]:
 
 # --------------------------------------------------------------------------- running it
 
-async def check_hosts(inventory: Inventory, hosts: Iterable[Host]) -> list[HostDiagnosis]:
-    """doctor's checks and the job's, on `hosts` at once."""
+async def check_hosts(inventory: Inventory, hosts: Iterable[Host], *, link_test: bool = False) -> tuple[
+        list[HostDiagnosis], list]:
+    """doctor's checks and the job's, on `hosts` at once; with `link_test`, then the link
+    test's figures between those that pass (eltctl/linkspeed.py, `UP_SECONDS` a transfer)."""
     from eltctl.doctor import diagnose_fleet
     from eltctl.hosts.fleet import Fleet
 
     async with Fleet(inventory) as fleet:
-        return await diagnose_fleet(fleet, policy=inventory.policy, hosts=hosts,
-                                    extra=host_job_checks(inventory), torch_cached=True)
+        found = await diagnose_fleet(fleet, policy=inventory.policy, hosts=hosts,
+                                     extra=host_job_checks(inventory), torch_cached=True)
+        if not link_test:
+            return found, []
+        from eltctl import linkspeed
+
+        passed = [inventory.host(d.host) for d in found if d.ok]
+        return found, await linkspeed.measure(fleet, passed, seconds=linkspeed.UP_SECONDS)
 
 
 def hosts_to_check(inventory: Inventory, status: Mapping | None) -> tuple[list[Host], list[str]]:
@@ -382,34 +394,46 @@ def _live_status(inventory: Inventory) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def for_doctor(inventory: Inventory, *, accept_new: bool = False) -> tuple[list[ConfigError], list[HostDiagnosis]]:
+def for_doctor(inventory: Inventory, *, accept_new: bool = False,
+               link_test: bool = False) -> tuple[list[ConfigError], list[HostDiagnosis]]:
     """`eltctl doctor`: the job's problems on this machine (`job_problems`) and every
     host's diagnosis with the job's checks there (`host_job_checks`): what `up` checks,
-    so a job `doctor` passes does not fail at `up`."""
+    so a job `doctor` passes does not fail at `up`; `link_test`: and the links between
+    the hosts that pass (eltctl/linkspeed.py)."""
     from eltctl.doctor import diagnose
 
-    return job_problems(inventory), diagnose(inventory, accept_new=accept_new, extra=host_job_checks(inventory))
+    return job_problems(inventory), diagnose(inventory, accept_new=accept_new, extra=host_job_checks(inventory),
+                                             link_test=link_test)
 
 
 def for_up(inventory: Inventory, progress: Progress = lambda _m: None, *,
-           ignore_mirror_check: bool = False) -> dict[str, str]:
+           ignore_mirror_check: bool = False, link_test: bool = False) -> dict[str, str]:
     """Run the checks; raise ConfigError (job), HostError (no host usable) or
     MirrorCheckError (the mirror unusable by an account that touches it, unless
     `ignore_mirror_check`); else the hosts to leave out, with their reasons (warnings go
-    to `progress`)."""
+    to `progress`). `link_test` (a person's `up`, not cron's): the hosts checked that pass
+    are measured in pairs, and `progress` says when the link, not the GPUs, will set the
+    job's speed (eltctl/linkspeed.py; the job's bytes per step when it reports them)."""
     problems = job_problems(inventory)
     if problems:
         raise ConfigError.several(problems)
-    hosts, running = hosts_to_check(inventory, _live_status(inventory))
+    status = _live_status(inventory)
+    hosts, running = hosts_to_check(inventory, status)
     if not hosts:
         return {}
     progress(f"checking {len(hosts)} host(s): {', '.join(h.name for h in hosts)}")
-    v = verdict(asyncio.run(check_hosts(inventory, hosts)))
+    diagnoses, figures = asyncio.run(check_hosts(inventory, hosts, link_test=link_test))
+    v = verdict(diagnoses)
     err = error_of(v, running=running)
     if err is not None:
         raise err
     for line in warnings(v):
         progress(line)
+    if figures:
+        from eltctl import linkspeed
+
+        for line in linkspeed.up_lines(figures, linkspeed.grad_bytes_of(status)):
+            progress(line)
     from eltctl.mirror import check as mirror_check  # the mirror as every account will use it
 
     mirror_check.for_up(inventory, [h for h in hosts if h.name in v.passed], progress, ignore=ignore_mirror_check)

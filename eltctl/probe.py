@@ -160,6 +160,8 @@ class HostReport:
     host_time: float | None = None
     demands: tuple[Demand, ...] = ()
     refused: tuple[Refusal, ...] = ()  # entries of its claims directory not believed: file, owner, reason
+    # The link test's pair this host sent on (eltctl/linkspeed.py, Figure.to_json), or None.
+    link: dict | None = None
 
     @property
     def reachable(self) -> bool:
@@ -223,10 +225,16 @@ if [ -n "$3" ]; then
   echo "${{m}}owner"
   $to "$2" -c "$4" check "$3" </dev/null 2>&1
 fi
-{claims_section()}echo "${{m}}net $(set -- ${{SSH_CONNECTION:-}}; echo ${{3:-}})"
-if command -v ip >/dev/null 2>&1; then ip -o addr show 2>/dev/null; else echo "!no-ip"; fi
-{demand_section()}echo "${{m}}end"
+{claims_section()}{net_section()}{demand_section()}echo "${{m}}end"
 """
+
+
+def net_section() -> str:
+    """The sh lines printing the `net` section (the host's address of its SSH connection,
+    then `ip -o addr show`), under the marker in `$m`: where the data plane's facts come
+    from, for the probe and for the link test (eltctl/linkspeed.py)."""
+    return ('echo "${m}net $(set -- ${SSH_CONNECTION:-}; echo ${3:-})"\n'
+            'if command -v ip >/dev/null 2>&1; then ip -o addr show 2>/dev/null; else echo "!no-ip"; fi\n')
 
 
 def owner_source() -> str:
@@ -653,7 +661,8 @@ async def probe_fleet(fleet: Fleet, *, job: str, policy: Policy,
 
 
 def probe_inventory(inventory: Inventory, *, hosts: Iterable[Host] | None = None) -> list[HostReport]:
-    """`eltctl probe`: probe the inventory's hosts (all by default) and close everything."""
+    """`eltctl probe`: probe the inventory's hosts (all by default) and close everything
+    (with the link test: eltctl/linkspeed.py `probe_inventory_with_links`)."""
 
     async def main() -> list[HostReport]:
         async with Fleet(inventory) as fleet:
@@ -682,6 +691,7 @@ JSON_FORMAT = """\
 | `users` | [string] | users logged in (from `who`), sorted, once each |
 | `owner` | object or null | the owner signal that keeps workers off the host (the inventory's owner_* keys; then every GPU is `busy` and `slots` is 0): `name` (`login`, `keyboard`, `load`, `memory`, or `unknown` when the check could not run), `detail` (e.g. "alice logged in on pts/3, idle 40 s (starts after 900 s idle)"), `since` (wall clock or null) |
 | `data_plane` | object or null | where the job's collectives (gloo, NCCL) listen on the host, as its daemon chooses (docs/control-plane.md, "The data plane"): `interface` (string or null: none holds the address, or a `local` host decides from its route to the store), `address` (string or null), `source` (`inventory`: the host's `data_interface`; `address`: the interface of the host's address of its SSH connection; `store route`), `error` (string or null: e.g. a `data_interface` the host lacks, then also in `reason`); null when the host was not probed to the end |
+| `link` | object or null | the link test (docs/network.md, "The link test"): what this host sent to the next usable host (`ok` or `cpu-only`) of a ring over that host's data plane in about a second: `from`, `to` (host names), `address` (the receiver's data-plane address), `mbit_s` (number or null: not measured or too fast to time), `bytes`, `seconds` (what arrived, and in how long), `error` (string or null: why nothing was measured); null with `--no-link-test`, with fewer than two usable hosts, or for a host not usable |
 | `gpus` | [object] | the GPUs considered (the host's `gpus` list, or all), by index; empty unless `state` is `ok` |
 | `host_time` | number or null | the host's clock when the probe ran |
 | `refused` | object or null | entries of the host's GPU claims directory that were not believed (docs/control-plane.md, "Several jobs on one lab"): `count`, `entries` (the first 20: `file`, `owner` (the file owner's account), `reason`); null when none |
@@ -726,6 +736,7 @@ def report_to_json(r: HostReport) -> dict:
         "host_time": r.host_time,
         "demands": [json.loads(d.to_json()) for d in r.demands],
         "refused": refused_summary(r.refused),
+        "link": r.link,
         "gpus": [
             {
                 "index": g.gpu.index,

@@ -143,8 +143,18 @@ def test_probe_json_cli_classifies_every_kind_of_host(bed):
                          text=True, timeout=300, cwd=Path(__file__).parents[1])
     took = time.monotonic() - started
     assert out.returncode == 0, out.stderr
-    check_document(json.loads(out.stdout))
+    doc = json.loads(out.stdout)
+    check_document(doc)
     assert took < BOUND, f"probe took {took:.1f} s; a slow host held up the batch"
+    # the link test: a ring of the usable hosts (ok, cpu-only), in inventory order, each
+    # sending to the next over its data plane (loopback here: fast)
+    links = {h["name"]: h["link"] for h in doc}
+    ring = ["h-free", "h-busy", "h-ours", "h-na", "h-cpu"]
+    for sender, receiver in zip(ring, ring[1:] + ring[:1]):
+        link = links.pop(sender)
+        assert (link["from"], link["to"], link["error"]) == (sender, receiver, None), link
+        assert link["mbit_s"] > 0 and link["address"].startswith("127."), link
+    assert set(links.values()) == {None}, links  # unhealthy and unreachable hosts take no part
 
 
 def test_probe_library_gives_the_same_answers(bed):

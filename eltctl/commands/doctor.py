@@ -13,14 +13,17 @@ def doctor(
         False, "--accept-new",
         help="Record the host key of hosts not yet in known_hosts (shows its fingerprint). "
              "A changed key is never replaced."),
+    no_link_test: bool = typer.Option(
+        False, "--no-link-test",
+        help="Skip the link test (about a second: each host that passes sends to the next over the data plane)."),
 ) -> None:
     """Check the job and each host, as `up` does: workdir and script, reachable, host key, login,
-    Python and torch versions, nvidia-smi, ~/.eltctl."""
+    Python and torch versions, nvidia-smi, ~/.eltctl; then the links between the hosts that pass."""
     from eltctl.errors import ConfigError, HostError
     from eltctl.preflight import for_doctor
 
     inventory = ctx.obj.inventory()
-    problems, results = for_doctor(inventory, accept_new=accept_new)
+    problems, results = for_doctor(inventory, accept_new=accept_new, link_test=not no_link_test)
     render(results, job=inventory.job.name, problems=problems)
     if not all(r.ok for r in results):
         raise typer.Exit(HostError.exit_code)

@@ -19,14 +19,18 @@ def probe(
                                                 show_default=False, autocompletion=complete_host),
     json_out: bool = typer.Option(
         False, "--json", help="Print the JSON document (a list of hosts; see README) instead of a table."),
+    no_link_test: bool = typer.Option(
+        False, "--no-link-test",
+        help="Skip the link test (about a second: each usable host sends to the next over the data plane)."),
 ) -> None:
     """Probe every host (or HOSTS): reachable or why not, and each GPU free / busy / ours / taken (by which job)
     with the reason."""
+    from eltctl.linkspeed import probe_inventory_with_links
     from eltctl.probe import probe_inventory, reports_to_json
 
     inventory = ctx.obj.inventory()
     chosen = inventory.hosts_named(hosts) if hosts else None  # unknown names: exit 2, with a did-you-mean
-    reports = probe_inventory(inventory, hosts=chosen)
+    reports = (probe_inventory if no_link_test else probe_inventory_with_links)(inventory, hosts=chosen)
     if json_out:
         import json
         import sys
@@ -57,6 +61,8 @@ def render(reports) -> None:
             facts.append(f"load {r.load_avg[0]:.2f}")
         if r.users:
             facts.append("users " + ", ".join(r.users))
+        if r.link is not None:
+            facts.append(link_fact(r.link))
         reason = escape(r.reason)
         if r.error is not None and r.error.hint:
             reason += f"\n[bold]fix:[/] {escape(r.error.hint)}"
@@ -84,3 +90,14 @@ def render(reports) -> None:
 
     for line in refused_lines([(r.name, x) for r in reports for x in r.refused]):
         Console(highlight=False).print(line)
+    from eltctl import linkspeed
+
+    for line in linkspeed.up_lines([linkspeed.Figure.from_json(r.link) for r in reports if r.link is not None]):
+        Console(highlight=False, soft_wrap=True).print(escape(line))
+
+
+def link_fact(link: dict) -> str:
+    """The host's link test, for its facts line."""
+    if link.get("mbit_s") is None:
+        return f"link to {link.get('to')}: {link.get('error') or 'too fast to time'}"
+    return f"link to {link.get('to')}: {link['mbit_s']:,.0f} Mbit/s"

@@ -18,6 +18,10 @@ def up(
         False, "--ignore-mirror-check",
         help="Start even when [storage] mirror fails its check (an account cannot write it): the job trains "
              "with its checkpoints on the hosts only; `eltctl status` warns."),
+    no_link_test: bool = typer.Option(
+        False, "--no-link-test",
+        help="Skip the link test of the hosts `up` checks (half a second; never under --unattended): it says when "
+             "the network, not the GPUs, will set the job's speed, and which mode helps."),
 ) -> None:
     """Start (or adopt) the job's controller; idempotent: a healthy job is left as it is."""
     from rich.console import Console
@@ -52,6 +56,7 @@ def up(
     try:
         result = client.up(inventory, detach=detach, timeout=timeout, ignore_mirror_check=ignore_mirror_check,
                            retry_failed=True,  # a person's `up`: "after a fix `eltctl up` retries at once"
+                           link_test=not no_link_test,  # a person reads the advice; cron's `up` does not measure
                            progress=lambda m: out.print(f"[yellow]! {escape(m)}[/]" if m.startswith("warning:")
                                                         else f"[dim]·[/] {escape(m)}"))
     except client.UpInterrupted as stopped:

@@ -156,12 +156,13 @@ class UpResult:
 
 def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOUT_S,
        progress: Progress = lambda _m: None, ignore_mirror_check: bool = False,
-       retry_failed: bool = False) -> UpResult:
+       retry_failed: bool = False, link_test: bool = False) -> UpResult:
     """Start what is missing and return when the job trains (or waits for GPUs, or
     starts by itself later: `starts_at`). Ctrl-C raises `UpInterrupted`, which says
     whether a controller runs on. `retry_failed` (a person's `up`, not cron's): the
     hosts held by a failure are tried at once (policy.retried), as every failure's
-    hint says."""
+    hint says. `link_test` (a person's `up`): preflight measures the links between the
+    hosts it checks and says when they will set the job's speed (eltctl/linkspeed.py)."""
     from eltctl import preflight
 
     state = state_of(inventory)
@@ -170,7 +171,8 @@ def up(inventory: Inventory, *, detach: bool = False, timeout: float = UP_TIMEOU
         return finished
     try:
         # raises when nothing can run (or the mirror cannot work): starts nothing
-        left_out = preflight.for_up(inventory, progress, ignore_mirror_check=ignore_mirror_check)
+        left_out = preflight.for_up(inventory, progress, ignore_mirror_check=ignore_mirror_check,
+                                    link_test=link_test)
     except KeyboardInterrupt:
         raise UpInterrupted(_live_controller(state), False) from None
     pid: int | None = None

@@ -123,6 +123,8 @@ def test_mixed_hosts_good_ones_train_bad_ones_are_left_out(job_env):
     assert "warning: h5 is left out: store forward" in out.stdout and "AllowStreamLocalForwarding yes" in out.stdout, \
         out.stdout
     assert "training: world size" in out.stdout, out.stdout
+    # the link test (eltctl/linkspeed.py) between the two hosts that passed, both ways
+    assert "link test: slowest h1 -> h2" in out.stdout or "link test: slowest h2 -> h1" in out.stdout, out.stdout
     print(f"\nup with two bad hosts of four returned after {took:.1f} s")
     st = job_env.training_at(4, timeout=300)
     hosts = {h["name"]: h for h in st["hosts"]}
@@ -138,5 +140,6 @@ def test_mixed_hosts_good_ones_train_bad_ones_are_left_out(job_env):
     out = job_env.eltctl("up")
     checked = next(line for line in out.stdout.splitlines() if "checking" in line)
     assert "h3" in checked and "h4" in checked and "warning: h3" not in out.stdout, out.stdout
+    assert "link test" not in out.stdout, out.stdout  # one checked host passed: no pair to measure
     st = job_env.training_at(6, timeout=300)
     assert {h["name"]: h["state"] for h in st["hosts"]}["h4"] == "removed"

@@ -10,7 +10,8 @@ runs the file's source with `python -c` (so nothing is installed on the host).
 - `apply`: deletes and writes code files, as `sync_code` planned them;
 - `list_processes`: this job's processes (`ELTCTL_JOB` in /proc/<pid>/environ);
 - `mirror_copy`: copy, hash, verify and publish one checkpoint (the mirror);
-- `script_imports`: compile the job's script and find its top-level imports (`doctor`).
+- `script_imports`: compile the job's script and find its top-level imports (`doctor`);
+- `link_test`: one side of a short host-to-host throughput test (eltctl/linkspeed.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import functools
 import shlex
 from pathlib import Path
 
-NAMES = ("unpack_runtime", "manifest", "apply", "list_processes", "mirror_copy", "script_imports")
+NAMES = ("unpack_runtime", "manifest", "apply", "list_processes", "mirror_copy", "script_imports",
+         "link_test")
 
 
 @functools.cache
