@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="what float32 gradients travel as in the all-reduce (bf16: half the bytes; "
                          "replicated training only)")
+    ap.add_argument("--compress", choices=("powersgd",), default=None,
+                    help="send big float32 gradient matrices as low-rank factors with error feedback "
+                         "(PowerSGD; replicated training only)")
+    ap.add_argument("--compress-rank", type=int, default=None, help="the factors' rank with --compress (default 4)")
+    ap.add_argument("--sync-every", type=int, default=None, metavar="H",
+                    help="local steps (DiLoCo): each worker steps on its own gradients, and the workers average "
+                         "their parameters every H steps with an outer Nesterov step (replicated training only)")
     ap.add_argument("--shard", choices=("optimizer", "gradients"), default=None,
                     help="shard the optimizer state (ZeRO-1) or also the gradients (ZeRO-2) across the workers")
     ap.add_argument("--shard-replicas", type=int, choices=(1, 2), default=1,
@@ -92,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         prefetch_steps=args.prefetch_steps, shard=args.shard,
         shard_replicas=args.shard_replicas, reduce_each_micro_batch=args.reduce_each_micro_batch,
         **({} if args.grad_dtype == "fp32" else {"grad_dtype": args.grad_dtype}),  # (a runtime before it: no such argument)
+        **({} if args.sync_every is None else {"sync": "local", "sync_every": args.sync_every}),
+        **({} if args.compress is None else {"compress": args.compress, "compress_rank": args.compress_rank}),
     )
     loss = None
     progress = args.progress.open("a", buffering=1) if args.progress else None

@@ -292,7 +292,8 @@ def status_document(*, generation: int, world_size: int, members: Iterable[str],
     `network: {wait_s, compute_s, share, bytes_per_step}` (NETWORK_FIELDS): where rank
     0's steps' time goes, smoothed (train/records.py NetworkFigures: its compute, its
     wait for the gradients' all-reduces after backward, share = wait / (compute +
-    wait), the bytes it all-reduces per step); absent in restart mode and sharded."""
+    wait), the bytes it all-reduces per step; with local steps also `mode: "local"` and
+    `sync_every`, train/local.py); absent in restart mode and sharded."""
     doc = {"generation": generation, "world_size": world_size, "members": list(members), "step": step,
            "epoch": epoch, "position": position, "samples_per_s": samples_per_s, "loss": loss,
            "checkpoint": checkpoint, "time": _now() if time is None else time}

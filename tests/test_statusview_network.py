@@ -64,3 +64,13 @@ def test_the_metrics_file_exports_the_share_and_the_bytes():
     assert value(fams, "eltctl_bytes_per_step", job="mnist") == BOUND["bytes_per_step"]
     fams = parse(render({**TRAINING, "mode": "elastic", "network": None}, None))
     assert "eltctl_network_share" not in fams and "eltctl_bytes_per_step" not in fams  # left out, never 0
+
+
+def test_local_steps_are_named_in_the_document_the_line_and_the_hint():
+    """Local steps (runtime/train/local.py) add mode and sync_every to rank 0's `network`."""
+    local = {**BOUND, "mode": "local", "sync_every": 16}
+    assert network_entry({"network": local}) == local
+    assert network_entry({"network": {**BOUND, "mode": "local", "sync_every": "x"}}) == BOUND
+    assert network_line(local) == ("67% of the step (wait 1.2 s of 1.8 s), 200 MB per step; local steps, "
+                                   "averaged every 16 steps")
+    assert "a larger sync_every" in network_hint(local) and "bf16" not in network_hint(local)

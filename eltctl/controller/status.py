@@ -524,6 +524,9 @@ def network_entry(runtime_status: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     out = {k: net.get(k) if isinstance(net.get(k), (int, float)) and not isinstance(net.get(k), bool) else None
            for k in NETWORK_FIELDS}
+    every = net.get("sync_every")
+    if net.get("mode") == "local" and isinstance(every, int) and not isinstance(every, bool):
+        out.update(mode="local", sync_every=every)  # local steps (runtime/train/local.py)
     return out if out["share"] is not None else None
 
 

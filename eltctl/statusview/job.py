@@ -147,6 +147,8 @@ def network_line(net: Any) -> str | None:
     size = num(net.get("bytes_per_step"))
     if size is not None:
         line += f", {format_bytes(size)} per step"
+    if net.get("mode") == "local":  # local steps: the parameters are averaged once per round
+        line += f"; local steps, averaged every {net.get('sync_every')} steps"
     return line
 
 
@@ -156,6 +158,9 @@ def network_hint(net: Any) -> str | None:
     share = num(net.get("share")) if isinstance(net, dict) else None
     if share is None or share <= NETWORK_BOUND:
         return None
+    if net.get("mode") == "local":
+        return ("the network sets the job's speed even with local steps: a larger sync_every averages less "
+                "often (docs/network.md, \"Local steps (DiLoCo)\")")
     return ("the network sets the job's speed, not the workers' compute: a bf16 all-reduce "
             "(ElasticJob(grad_dtype=\"bf16\")) halves the bytes (docs/network.md, \"Where a step's time goes\")")
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import default_collate
 
-from . import gradients, life, records
+from . import gradients, life, local, records
 from ..store import loss as storeloss
 from .boundary import Boundary
 from .agreement import StateAgreement
@@ -114,7 +114,12 @@ class ElasticJob(MemberViews):
         shard: str | None = None,
         shard_replicas: int = 1,
         reduce_each_micro_batch: bool = False,
+        sync: str = "steps",
+        sync_every: int | None = None,
+        outer_optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
         grad_dtype: str | None = None,
+        compress: str | None = None,
+        compress_rank: int | None = None,
     ) -> None:
         self._end = TrainingEnd(max_steps, epochs)  # max_steps or epochs, whichever comes first (sampler.py)
         # Where the batches come from (pipeline.py): the dataset, or data worker processes.
@@ -141,7 +146,8 @@ class ElasticJob(MemberViews):
         # torch.compile's module: no global forward hook while it runs (_forward_abortable)
         self._compiled = type(model).__name__ == "OptimizedModule"
         # How the step's gradients are reduced and applied (gradients.py: the seam).
-        self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb, shard_replicas, grad_dtype)
+        self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb, shard_replicas, grad_dtype,
+                                     compress, compress_rank, reduce_each_micro_batch)
         if reduce_each_micro_batch:
             if shard != "gradients":
                 raise ValueError("reduce_each_micro_batch applies to shard='gradients' (ZeRO-2), whose gradients "
@@ -149,6 +155,12 @@ class ElasticJob(MemberViews):
             self._grads.reduces_micro_batches = True
         if shard is not None:
             self._grads.restore_chunks = self._restore_chunks  # a restore's chunks from the shard files
+        # Local steps (local.py, DiLoCo): the rank's own inner steps, a round's averaging and outer
+        # step every sync_every steps or at a planned change; a roll-back to the round's start on an abort.
+        self._rounds: local.LocalPath | None = None
+        if local.check(sync, sync_every, outer_optimizer, shard=shard, grad_dtype=grad_dtype,
+                       reduce_each_micro_batch=reduce_each_micro_batch, compress=compress):
+            self._grads = self._rounds = local.LocalPath(self, sync_every, outer_optimizer)
         self._shard = shard
         self._buffers = gradients.BufferSync(model)
         # What the next step boundary owes (boundary.py): the last commit's asks, a roll
@@ -226,7 +238,9 @@ class ElasticJob(MemberViews):
         return self._update.grad_norm
 
     def fingerprint(self) -> str:
-        """Hash of parameters, buffers, optimizer state and extra state: identical on every rank."""
+        """Hash of parameters, buffers, optimizer state and extra state: identical on every rank
+        (local steps: the global parameters and buffers of the round's start and the outer
+        optimizer's state, local.py)."""
         return self._grads.fingerprint(self.model, self.optimizer, self._extra)
 
     # -- lifecycle -----------------------------------------------------------
@@ -455,6 +469,8 @@ class ElasticJob(MemberViews):
         if ask is None:
             return
         stop, leavers = ask
+        if self._rounds is not None and not self._rounds.at_boundary(stop, leavers is not None):
+            return  # local steps: the round's averaging broke; the roll call follows (local.py)
         try:  # a checkpoint due here (deferred to the next boundary where a membership change goes)
             self._ckpts.at_boundary(b, change=leavers is not None and not stop)
         except Aborted as e:  # sharded: a rank died while the shards went to the writer
@@ -536,6 +552,8 @@ class ElasticJob(MemberViews):
 
     def _recover(self) -> None:
         """Roll call after an abort, then the next generation (generation.py)."""
+        if self._rounds is not None:
+            self._rounds.roll_back()  # local steps: back to the round's start (local.py)
         peer_gone = self._boundary.recovering()
         self._session.await_store()
         while True:
@@ -636,10 +654,18 @@ SHARD_SETTINGS = ("optimizer", "gradients")  # ZeRO-1, ZeRO-2 (issue 22): runtim
 
 def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    params: list[torch.Tensor], bucket_mb: float, replicas: int = 1,
-                   grad_dtype: str | None = None) -> GradientPath:
+                   grad_dtype: str | None = None, compress: str | None = None, compress_rank: int | None = None,
+                   each_micro_batch: bool = False) -> GradientPath:
     """The gradient path of `shard` (gradients.py: the seam). None: every rank holds
     every gradient and the whole optimizer state (ReplicatedPath); a sharded one
     comes from zero.py's `sharded_path(shard, model, optimizer, params, bucket_mb)`."""
+    if compress is not None or compress_rank is not None:  # low-rank gradients (lowrank.py): replicated only
+        from . import lowrank
+
+        rank = lowrank.check_settings(compress, compress_rank, shard=shard, grad_dtype=grad_dtype,
+                                      reduce_each_micro_batch=each_micro_batch)
+        if rank is not None and replicas == 1:
+            return lowrank.lowrank_path(params, bucket_mb, rank)
     if shard is None:
         if replicas != 1:
             raise ValueError("shard_replicas applies to sharded training (shard='optimizer' or 'gradients')")

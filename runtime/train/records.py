@@ -38,14 +38,17 @@ class NetworkFigures:
     the time the gradient path's `finish` waited for the all-reduces after backward
     (gradients.StepTiming: what overlapping them with backward did not hide);
     `bytes_per_step`, the last step's bytes into all-reduces. `share` is
-    wait / (compute + wait). Pure: the commit feeds it, the status reads `fields`."""
+    wait / (compute + wait); `mode`, with local steps (local.py), `{"mode": "local",
+    "sync_every": H}`, merged into the same `network`. Pure: the commit feeds it, the
+    status reads `fields`."""
 
-    __slots__ = ("compute_s", "wait_s", "bytes_per_step")
+    __slots__ = ("compute_s", "wait_s", "bytes_per_step", "mode")
 
     def __init__(self) -> None:
         self.compute_s: float | None = None
         self.wait_s: float | None = None
         self.bytes_per_step: int | None = None
+        self.mode: dict | None = None  # local steps (local.py): {"mode": "local", "sync_every": H}
 
     def observed(self, compute_s: float, timing: Any) -> None:
         """One committed step: its compute seconds and the path's StepTiming (None: the
@@ -66,7 +69,8 @@ class NetworkFigures:
         step = self.compute_s + self.wait_s
         share = self.wait_s / step if step > 0 else 0.0
         return {"network": {"wait_s": round(self.wait_s, 6), "compute_s": round(self.compute_s, 6),
-                            "share": round(min(1.0, max(0.0, share)), 4), "bytes_per_step": self.bytes_per_step}}
+                            "share": round(min(1.0, max(0.0, share)), 4), "bytes_per_step": self.bytes_per_step,
+                            **(self.mode or {})}}
 
 
 class JobStatus:

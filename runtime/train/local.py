@@ -1,0 +1,357 @@
+"""Local steps (DiLoCo): `ElasticJob(..., sync="local", sync_every=H, outer_optimizer=None)`.
+
+Each worker steps the script's optimizer (the INNER optimizer) on its OWN gradient;
+every H committed steps (a round) the workers average how far they moved and an OUTER
+optimizer takes one step from the round's start with that average as its gradient
+(Douillard et al., 2023). The gradient all-reduce of a synchronous step goes away: a
+step all-reduces only its small control tail (tail.py: the membership asks, the
+sample counts, the pace, the module buffers' updates), so joins, leaves, yields,
+stops, checkpoints, pace and exactly-once keep working at every step; the parameters
+cross the network once per round.
+
+One round, on every rank::
+
+    round start    anchor := the global parameters (identical on every rank), with the
+                   step count, the sampler's position, the module buffers and the extra
+                   state (a scheduler, a GradScaler) at that step
+    each step      backward (the job scales the loss by n / global_count) -> finish:
+                   the tail all-reduced, then this rank's gradient multiplied by
+                   global_count / n (the gradient of its LOCAL mean loss; a rank with
+                   no samples in the step takes no inner step) -> the inner step
+    round end      delta_i = anchor - local params; all-reduce sum_i s_i * delta_i and
+                   sum_i s_i (s_i: the samples rank i trained on in the round, so a
+                   rank with a bigger share weighs more); params := anchor; the outer
+                   optimizer steps with grad = the weighted mean delta; new anchor
+
+The outer optimizer is `outer_optimizer(params)` (a callable), by default
+`torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, the paper's. The
+parameters, the buffers and the outer optimizer's state are identical on every rank
+after each round; the inner optimizer's state is each worker's own (a joiner and a
+restore start from the sending rank's, rank 0's in a checkpoint). The delta is
+averaged in float32 (float64 where a parameter is float64).
+
+Membership (the rule, also in docs/network.md, "Local steps"):
+
+- A planned change ends the round early at that step boundary: a join, a planned
+  leave, an owner's yield (a leave), a stop, a due checkpoint and the job's end.
+  Every member, the leaver included, averages what it has (weighted by its samples),
+  then the change happens. A yield never waits for a round's natural end, every
+  committed sample is contributed, and what a joiner receives and a checkpoint holds
+  is the global state at a round's end (global params, outer state, inner state of
+  the sender).
+- An abort (a peer's SIGKILL, a crash, a hang, an averaging that broke): the survivors
+  roll back to the round's start (the anchor, the step count and the sampler's
+  position, the buffers and the extra state snapshotted at the round's start), so the
+  round's samples are served again in the next generation, as after a restore; the
+  state agreement then picks the newest round start any survivor holds (a rank whose
+  averaging completed before the abort holds the next one). A SIGKILL costs at most
+  the current round. The inner optimizer's state is not rolled back.
+
+Not done (future work): the averaging streamed in fragments and overlapped with the
+next round's compute (Streaming DiLoCo), rounds bounded in time on mixed hardware
+(faster workers taking more inner steps), and composing with shard=, grad_dtype= or
+reduce_each_micro_batch= or compress=, which are refused.
+
+`LocalPath` is the GradientPath (gradients.py) of this mode and, beside the seam, the
+job's side of its rounds: `at_boundary` (ElasticJob._at_boundary) ends a round where
+`round_ends` says so, `roll_back` (ElasticJob._recover) goes back to the round's start;
+`reshard`, called once the state is agreed in each generation, starts a round.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..member import collectives
+from ..member.collectives import Aborted
+from . import state as state_mod
+from .gradients import TAIL_DTYPE, GradientPath, StepTiming, all_finite, clip_global_norm_
+from .tail import layout as tail_layout
+
+log = logging.getLogger("eltctl_runtime")
+
+SYNC_MODES = ("steps", "local")  # ElasticJob(sync=): every step's gradients, or local steps (this module)
+OUTER_KEY = "outer_optimizer"  # the outer optimizer's state in a captured state (a checkpoint)
+
+
+def default_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The paper's outer optimizer: SGD with Nesterov momentum (lr 0.7, momentum 0.9)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def check(sync: str, sync_every: int | None, outer_optimizer: Any, *, shard: str | None,
+          grad_dtype: str | None, reduce_each_micro_batch: bool, compress: str | None = None) -> bool:
+    """Validate ElasticJob's sync arguments; True for local steps. Pure."""
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync must be one of {', '.join(map(repr, SYNC_MODES))}, got {sync!r}")
+    if sync == "steps":
+        if sync_every is not None or outer_optimizer is not None:
+            raise ValueError("sync_every and outer_optimizer apply to local steps: pass sync='local' with them")
+        return False
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync='local' needs sync_every=H, the inner steps per round (an integer >= 1; the "
+                         f"DiLoCo paper uses 500), got {sync_every!r}")
+    if outer_optimizer is not None and not callable(outer_optimizer):
+        raise ValueError("outer_optimizer must be a callable params -> optimizer, e.g. "
+                         "lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True); "
+                         f"got a {type(outer_optimizer).__name__}")
+    for name, value, default in (("shard", shard, None), ("grad_dtype", grad_dtype, None),
+                                 ("reduce_each_micro_batch", reduce_each_micro_batch, False),
+                                 ("compress", compress, None)):
+        if value != default and not (name == "grad_dtype" and value == "fp32"):
+            raise ValueError(f"sync='local' does not compose with {name}={value!r} yet: local steps send the "
+                             f"parameters once per round, not the gradients; drop {name}= or use sync='steps'")
+    return True
+
+
+def round_ends(steps_in_round: int, sync_every: int, *, stop: bool, change: bool, checkpoint: bool,
+               done: bool) -> bool:
+    """Whether the round ends at this step boundary (the same on every rank: the step
+    count and the asks come from the agreed tail). Pure."""
+    return steps_in_round > 0 and (steps_in_round >= sync_every or stop or change or checkpoint or done)
+
+
+class LocalPath(GradientPath):
+    """Local steps' gradient path and rounds (module docstring). `job`: the ElasticJob
+    (its model, parameters, progress, boundary and extra state; not imported here)."""
+
+    def __init__(self, job: Any, sync_every: int, outer_optimizer: Callable[[list], Any] | None) -> None:
+        self._job = job
+        self._params: list[torch.Tensor] = job._params
+        self.sync_every = sync_every
+        self._outer = (outer_optimizer or default_outer)(self._params)
+        if not all(callable(getattr(self._outer, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+            raise ValueError(f"outer_optimizer(params) returned a {type(self._outer).__name__}, not an optimizer "
+                             "(step, state_dict, load_state_dict); return e.g. torch.optim.SGD(params, lr=0.7, "
+                             "momentum=0.9, nesterov=True)")
+        self.device = torch.device("cpu")  # the job sets it once the model is placed
+        self.pg = None
+        self._tail_buf: torch.Tensor | None = None
+        self._step_samples = 0  # this rank's samples in the step in flight (its tail, before the sum)
+        self.round_samples = 0  # this rank's samples in the round's inner steps
+        # The round's start (None before the first): the model's state dict (parameters,
+        # the anchor of the delta, and buffers), progress and extra state.
+        self._snap: dict[str, torch.Tensor] | None = None
+        self._anchor: list[torch.Tensor] = []
+        self._start: dict | None = None
+        self._extra_start: dict | None = None
+        self._flat: torch.Tensor | None = None  # the round's all-reduce buffer, kept
+        self._round_wait_s = 0.0  # the last averaging's wait, spread over a round's steps (StepTiming)
+        self._round_bytes = 0
+
+    # -- per generation ------------------------------------------------------------------
+    def bind(self, pg, rank, members, abort) -> None:
+        super().bind(pg, rank, members, abort)
+        self._job._status.network.mode = {"mode": "local", "sync_every": self.sync_every}  # the status shows it
+
+    def reshard(self, old_members, new_members) -> None:
+        """The state is agreed in a new generation (a change, a recovery, a restore): a round starts."""
+        self.start_round()
+
+    # -- per step -------------------------------------------------------------------------
+    def begin(self, tail_size: int) -> None:
+        if self._tail_buf is None or self._tail_buf.numel() != tail_size:
+            self._tail_buf = torch.zeros(tail_size, dtype=TAIL_DTYPE, device=self.device)
+
+    def grad_ready(self, index: int, p: torch.Tensor) -> None:
+        """Nothing to launch: the gradients stay on this rank."""
+
+    def end_backward(self) -> None:
+        pass
+
+    def tail(self) -> torch.Tensor:
+        return self._tail_buf
+
+    def finish(self, abort: threading.Event) -> torch.Tensor:
+        """The control tail alone is all-reduced; then this rank's gradient becomes the
+        gradient of its local mean loss (x global_count / n)."""
+        world = len(self.members)
+        self._step_samples = n = int(tail_layout(world).decode(self._tail_buf.to("cpu")).samples)
+        t0 = time.perf_counter()
+        collectives.allreduce(self.pg, self._tail_buf, abort)
+        summed = self._tail_buf.to("cpu", copy=True)
+        wait = time.perf_counter() - t0
+        total = int(tail_layout(world).decode(summed).samples)
+        if 0 < n != total:
+            with torch.no_grad():
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.mul_(total / n)
+        H = self.sync_every
+        self.last_step_timing = StepTiming(wait + self._round_wait_s / H,
+                                           self._tail_buf.numel() * TAIL_DTYPE.itemsize + self._round_bytes // H)
+        return summed
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        if self._step_samples > 0:  # a rank without samples takes no inner step (step)
+            scaler.unscale_(optimizer)
+
+    def clip_grad_norm_(self, max_norm: float, abort: threading.Event) -> float:
+        """This rank's own gradient's norm (local steps: no global gradient exists)."""
+        return clip_global_norm_(self._grads(), max_norm)
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: Any, abort: threading.Event) -> bool:
+        """The inner step on this rank's gradient; none where it had no samples."""
+        n = self._step_samples
+        if n <= 0:
+            return False
+        self.round_samples += n
+        if scaler is None:
+            optimizer.step()
+            return False
+        finite = all_finite(self._grads())
+        scaler.step(optimizer)
+        scaler.update()
+        return not finite
+
+    def zero(self) -> None:
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def drop(self) -> None:
+        self._tail_buf = None  # a collective that never finished may still write into it
+
+    # -- the rounds -----------------------------------------------------------------------
+    def at_boundary(self, stop: bool, change: bool) -> bool:
+        """At a step boundary after a commit (ElasticJob._at_boundary), before its
+        checkpoint, stop or change: average and take the outer step where the round ends
+        (round_ends). False: the averaging broke (the roll call follows: boundary dropped)."""
+        j = self._job
+        b = j._boundary
+        every = j._ckpts.every_steps
+        checkpoint = bool(every and j._step % every == 0) or b.checkpoint_due
+        steps = j._step - (self._start["step"] if self._start is not None else 0)
+        if not round_ends(steps, self.sync_every, stop=stop, change=change, checkpoint=checkpoint,
+                          done=j._done()):
+            return True
+        try:
+            self.average(j._abort)
+        except Aborted as e:
+            log.warning("worker %s: the averaging of the round ending at step %d broke in generation %d (%s); "
+                        "the round is redone from step %d", j.worker_id, j._step, j.generation, e,
+                        self._start["step"] if self._start else 0)
+            b.dropped(e.backend_error)
+            return False
+        self.start_round()
+        return True
+
+    def average(self, abort: threading.Event | None) -> None:
+        """The round's end, every rank alike: the samples-weighted mean of the deltas
+        (one all-reduce of the parameters' size), then the outer step from the anchor.
+        Raises Aborted (a broken group) with the parameters untouched."""
+        params, anchor = self._params, self._anchor
+        numel = sum(p.numel() for p in params)
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        if self._flat is None or self._flat.numel() != numel + 1 or self._flat.dtype != dtype:
+            self._flat = torch.empty(numel + 1, dtype=dtype, device=self.device)
+        flat, s = self._flat, float(self.round_samples)
+        with torch.no_grad():
+            pos = 0
+            for p, a in zip(params, anchor):
+                k = p.numel()
+                piece = flat[pos:pos + k]
+                piece.copy_(a.reshape(-1))
+                piece.sub_(p.detach().reshape(-1).to(dtype)).mul_(s)
+                pos += k
+            flat[numel] = s
+        t0 = time.perf_counter()
+        collectives.allreduce(self.pg, flat, abort)
+        self._round_wait_s, self._round_bytes = time.perf_counter() - t0, flat.numel() * flat.element_size()
+        total = float(flat[numel])
+        with torch.no_grad():
+            for p, a in zip(params, anchor):
+                p.copy_(a)
+            if total > 0:
+                flat[:numel].div_(total)
+                pos = 0
+                for p in params:
+                    k = p.numel()
+                    p.grad = flat[pos:pos + k].view_as(p).to(p.dtype)
+                    pos += k
+                self._outer.step()
+        for p in params:
+            p.grad = None  # the next step's backward starts afresh
+
+    def start_round(self) -> None:
+        """The current state is the round's start: snapshot it (module docstring)."""
+        j = self._job
+        sd = j.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            if self._snap is None or self._snap.keys() != sd.keys():
+                self._snap = {k: v.detach().clone() for k, v in sd.items()}
+                names = {id(v): k for k, v in sd.items()}
+                self._anchor = [self._snap[names[id(p)]] for p in self._params]
+            else:
+                for k, v in sd.items():
+                    self._snap[k].copy_(v.detach())
+        self._start = j._progress()
+        self._extra_start = copy.deepcopy(state_mod.extra_state_dicts(j._extra))
+        self.round_samples = 0
+
+    def roll_back(self) -> None:
+        """An abort (ElasticJob._recover, before the roll call): back to the round's start,
+        so its samples are served again (module docstring)."""
+        j = self._job
+        if self._start is None:
+            return
+        with torch.no_grad():
+            own = j.model.state_dict()
+            for k, v in self._snap.items():
+                own[k].copy_(v)
+        for p in self._params:
+            p.grad = None
+        redone = j._step - int(self._start["step"])
+        j._set_progress(self._start)
+        for name, obj in j._extra.items():
+            if name in self._extra_start:
+                obj.load_state_dict(copy.deepcopy(self._extra_start[name]))
+        j._buffers.mark()
+        self.round_samples = 0
+        if redone:
+            log.info("worker %s: back to the round's start at step %d (%d step(s) of the round are redone)",
+                     j.worker_id, j._step, redone)
+
+    # -- the state ------------------------------------------------------------------------
+    def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: dict,
+                extra: dict[str, Any]) -> dict:
+        """The state at the round's start (the current one at a round's end, where joins,
+        leaves and checkpoints happen): global params, buffers, the round start's progress
+        and extra state, this rank's inner optimizer state and the outer one's."""
+        state = state_mod.capture(model, optimizer, progress, extra)
+        if self._start is not None:
+            state["model"] = dict(self._snap)
+            state["progress"] = {**progress, **{k: self._start[k] for k in ("step", "epoch", "position")}}
+            state["extra_state"] = copy.deepcopy(self._extra_start)
+        state[OUTER_KEY] = self._outer.state_dict()
+        return state
+
+    def apply(self, saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              extra: dict[str, Any]) -> dict:
+        progress = state_mod.apply(saved, model, optimizer, extra)
+        # What the round's start held is not this state's: capture and the fingerprint read the live
+        # state until the generation's reshard starts a round from it.
+        self._snap = self._start = None
+        if OUTER_KEY in saved:
+            self._outer.load_state_dict(saved[OUTER_KEY])
+        else:
+            log.warning("the state taken up has no outer optimizer state (saved with sync='steps'); the outer "
+                        "optimizer starts afresh")
+            self._outer.state.clear()
+        return progress
+
+    def fingerprint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> str:
+        """Hash of the global state: the round start's parameters and buffers and the outer
+        optimizer's state (identical on every rank after each round; the inner state is
+        each rank's own)."""
+        return state_mod.fingerprint_of(self._snap if self._snap is not None else model.state_dict(),
+                                        self._outer.state_dict()["state"])

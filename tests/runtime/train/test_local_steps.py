@@ -1,0 +1,265 @@
+"""Local steps (`ElasticJob(sync="local", sync_every=H)`, train/local.py): inner steps on
+each rank's own gradient, a samples-weighted average of the deltas and an outer step at
+each round's end, and the job's elastic life around the rounds."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import eltctl_runtime as elt
+from eltctl_runtime.train import local
+from eltctl_runtime.train.records import NetworkFigures
+from eltctl_runtime.train.tail import Control, layout as tail_layout
+from runtime_cluster import gloo_group, run_threads
+
+INNER_LR = 0.1
+DATA_X = torch.randn(64, 6, generator=torch.Generator().manual_seed(3))
+DATA_Y = DATA_X @ torch.randn(6, 2, generator=torch.Generator().manual_seed(4))
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(11)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+
+
+def mean_loss(model: torch.nn.Module, idx: list[int]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(DATA_X[idx]), DATA_Y[idx])
+
+
+def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int) -> list[dict]:
+    """Each rank (a thread, gloo) runs LocalPath as ElasticJob does: backward of the local mean
+    loss scaled by n / global_count, the tail with its sample count, finish, the inner SGD step,
+    and the round's averaging after every `sync_every` steps. `shares[r][t]`: rank r's indices
+    at step t. Returns each rank's parameters after each round, its fingerprint and inner steps."""
+    store = torch.distributed.HashStore()
+    init = threading.Lock()  # the ranks are threads: the global RNG is shared
+
+    def rank(r: int) -> dict:
+        with init:
+            model = make_model()
+        params = list(model.parameters())
+        inner = torch.optim.SGD(params, lr=INNER_LR)
+        job = SimpleNamespace(model=model, _params=params, _extra={}, _status=SimpleNamespace(network=NetworkFigures()),
+                              _progress=lambda: {"step": 0, "epoch": 0, "position": 0})
+        path = local.LocalPath(job, sync_every, outer)
+        path.bind(gloo_group(store, "l", r, 2), r, ["a", "b"], threading.Event())
+        path.start_round()
+        lay = tail_layout(2)
+        after = []
+        for t in range(sync_every * rounds):
+            idx = shares[r][t]
+            total = len(idx) + len(shares[1 - r][t])
+            path.begin(lay.size)
+            (mean_loss(model, idx) * (len(idx) / total)).backward()
+            path.end_backward()
+            path.tail().copy_(lay.encode(r, Control(False, False, len(idx), 0.0, False, False, False, False, 0.0, 0)))
+            summed = path.finish(threading.Event())
+            assert lay.decode(summed).samples == total
+            path.step(inner, None, threading.Event())
+            path.zero()
+            if (t + 1) % sync_every == 0:
+                path.average(threading.Event())
+                path.start_round()
+                after.append([p.detach().clone() for p in params])
+        return {"after": after, "fingerprint": path.fingerprint(model, inner, {}), "mode": job._status.network.mode}
+
+    return [v for _k, v in sorted(run_threads({r: (lambda r=r: rank(r)) for r in range(2)}).items())]
+
+
+def local_sgd(params: list[torch.Tensor], steps: list[list[int]]) -> list[torch.Tensor]:
+    """By hand: plain SGD on the local mean loss of each step's indices, from `params`."""
+    model = make_model()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params):
+            p.copy_(v)
+    for idx in steps:
+        grads = torch.autograd.grad(mean_loss(model, idx), list(model.parameters()))
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads):
+                p -= INNER_LR * g
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_round_steps_the_outer_nesterov_sgd_on_the_samples_weighted_mean_delta():
+    """Rank 0 takes 3 samples a step, rank 1 takes 7: after each round of 3 steps the
+    parameters are the paper's outer step (SGD lr 0.7, Nesterov momentum 0.9) from the
+    round's start along (3 d0 + 7 d1) / 10, d_r the rank's own delta after 3 local SGD steps,
+    computed here by hand; two rounds (the second uses the momentum). Identical on both ranks
+    (bit for bit, and their fingerprints); float tolerance 1e-6 against the hand computation."""
+    H = 3
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+    shares = [[order[10 * t:10 * t + 3] for t in range(2 * H)], [order[10 * t + 3:10 * t + 10] for t in range(2 * H)]]
+    out = run_ranks(shares, H, None, rounds=2)
+    assert out[0]["mode"] == {"mode": "local", "sync_every": H}
+    for a, b in zip(out[0]["after"], out[1]["after"]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert out[0]["fingerprint"] == out[1]["fingerprint"]
+
+    start = [p.detach().clone() for p in make_model().parameters()]
+    momentum = None
+    for k in range(2):
+        ends = [local_sgd(start, shares[r][k * H:(k + 1) * H]) for r in range(2)]
+        delta = [(3 * H * (s - e0) + 7 * H * (s - e1)) / (10 * H) for s, e0, e1 in zip(start, *ends)]
+        momentum = delta if momentum is None else [0.9 * m + d for m, d in zip(momentum, delta)]
+        start = [s - 0.7 * (d + 0.9 * m) for s, d, m in zip(start, delta, momentum)]
+        moved = max(float((s - e).abs().max()) for s, e in zip(start, ends[0]))
+        assert moved > 1e-3  # the outer step is not one rank's own result
+        for got, want in zip(out[0]["after"][k], start):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_step_rounds_with_plain_outer_sgd_are_synchronous_sgd():
+    """H=1, outer SGD lr 1 without momentum, inner SGD: the new parameters are the start
+    minus lr times the samples-weighted mean of the ranks' local mean gradients, the gradient
+    of the global mean loss: plain synchronous SGD on the global batches (uneven shares),
+    within float tolerance (rtol 1e-5, atol 1e-6) over 6 steps."""
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
+    shares = [[order[8 * t:8 * t + 2] for t in range(6)], [order[8 * t + 2:8 * t + 8] for t in range(6)]]
+    out = run_ranks(shares, 1, lambda params: torch.optim.SGD(params, lr=1.0), rounds=6)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    for t in range(6):
+        sgd.zero_grad()
+        mean_loss(model, shares[0][t] + shares[1][t]).backward()
+        sgd.step()
+        for got, want in zip(out[0]["after"][t], model.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert out[0]["fingerprint"] == out[1]["fingerprint"]
+
+
+class JobView:
+    """What LocalPath reads of its ElasticJob, for a path driven by hand on one rank."""
+
+    def __init__(self, model: torch.nn.Module, extra: dict) -> None:
+        from eltctl_runtime.train.gradients import BufferSync
+
+        self.model, self._params, self._extra = model, list(model.parameters()), extra
+        self._status = SimpleNamespace(network=NetworkFigures())
+        self._buffers = BufferSync(model)
+        self._step, self._position, self.worker_id = 0, 0, "w"
+
+    def _progress(self) -> dict:
+        return {"step": self._step, "epoch": 0, "position": self._position, "generation": 0}
+
+    def _set_progress(self, p: dict) -> None:
+        self._step, self._position = int(p["step"]), int(p["position"])
+
+
+def test_mid_round_the_state_captured_is_the_rounds_start_and_an_abort_rolls_back_to_it():
+    """One rank, two inner steps into a round: capture (what a checkpoint written then, e.g.
+    at a store loss, would hold) is the round's start (parameters, progress, the scheduler's
+    state) with the outer optimizer's state; roll_back puts the parameters, the step count,
+    the position and the scheduler back there; a state applied from elsewhere is captured
+    as it is until a round starts from it."""
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    job = JobView(model, {"sched": sched})
+    path = local.LocalPath(job, 4, None)
+    path.bind(gloo_group(torch.distributed.HashStore(), "one", 0, 1), 0, ["a"], threading.Event())
+    job._step, job._position = 8, 96
+    path.start_round()
+    start = [p.detach().clone() for p in model.parameters()]
+    lay = tail_layout(1)
+    for t in range(2):
+        path.begin(lay.size)
+        mean_loss(model, list(range(8 * t, 8 * t + 8))).backward()
+        path.tail().copy_(lay.encode(0, Control(False, False, 8, 0.0, False, False, False, False, 0.0, 0)))
+        path.finish(threading.Event())
+        path.step(inner, None, threading.Event())
+        path.zero()
+        sched.step()
+        job._step, job._position = job._step + 1, job._position + 8
+    assert not torch.equal(next(model.parameters()), start[0])
+    saved = path.capture(model, inner, job._progress(), job._extra)
+    assert all(torch.equal(saved["model"][k], v) for k, v in zip(("0.weight", "0.bias", "2.weight", "2.bias"), start))
+    assert saved["progress"]["step"] == 8 and saved["progress"]["position"] == 96
+    assert saved["extra_state"]["sched"]["last_epoch"] == 0 and local.OUTER_KEY in saved
+    path.roll_back()
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start))
+    assert (job._step, job._position, sched.state_dict()["last_epoch"]) == (8, 96, 0)
+    other = {**saved, "model": {k: v + 1 for k, v in saved["model"].items()}}
+    path.apply(other, model, inner, job._extra)
+    assert torch.equal(path.capture(model, inner, job._progress(), job._extra)["model"]["0.bias"], start[1] + 1)
+
+
+@pytest.mark.parametrize("steps, H, asks, ends", [
+    (0, 4, {}, False),  # nothing trained in the round: nothing to average
+    (3, 4, {}, False),
+    (4, 4, {}, True),  # the natural end
+    (1, 4, {"stop": True}, True),
+    (1, 4, {"change": True}, True),  # a join, a planned leave, an owner's yield
+    (2, 4, {"checkpoint": True}, True),
+    (2, 4, {"done": True}, True),
+    (0, 4, {"change": True}, False),
+])
+def test_where_a_round_ends(steps, H, asks, ends):
+    kw = {"stop": False, "change": False, "checkpoint": False, "done": False, **asks}
+    assert local.round_ends(steps, H, **kw) is ends
+
+
+def test_bad_sync_settings_are_refused_naming_the_fix():
+    model = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 2))
+
+    def job(**kw):
+        return elt.ElasticJob(model, sgd, data, global_batch_size=2, max_steps=1, **kw)
+
+    with pytest.raises(ValueError, match=r"sync must be one of 'steps', 'local', got 'diloco'"):
+        job(sync="diloco")
+    with pytest.raises(ValueError, match=r"sync='local' needs sync_every=H"):
+        job(sync="local")
+    with pytest.raises(ValueError, match=r"sync_every and outer_optimizer apply to local steps"):
+        job(sync_every=5)
+    with pytest.raises(ValueError, match=r"outer_optimizer must be a callable params -> optimizer"):
+        job(sync="local", sync_every=2, outer_optimizer=sgd)
+    with pytest.raises(ValueError, match=r"outer_optimizer\(params\) returned a list, not an optimizer"):
+        job(sync="local", sync_every=2, outer_optimizer=list)
+    for kw in ({"shard": "optimizer"}, {"grad_dtype": "bf16"}, {"shard": "gradients", "reduce_each_micro_batch": True}):
+        with pytest.raises(ValueError, match=r"sync='local' does not compose with (shard|grad_dtype)="):
+            job(sync="local", sync_every=2, **kw)
+    assert isinstance(job(sync="local", sync_every=2)._grads, local.LocalPath)
+    assert job()._rounds is None  # the default: the replicated path, no rounds
+
+
+@pytest.mark.slow
+def test_local_steps_through_restore_join_leave_and_sigkill(cluster_factory):
+    """Real processes, rounds of 4 steps: 2 workers, both SIGKILLed -> 2 restored from the
+    newest checkpoint -> 3 (join) -> 2 (planned leave) -> 3 (join) -> 2 (SIGKILL of a member,
+    mid-round: the survivors go back to the round's start and redo it) -> stop. Every
+    committed step's samples exactly once (a redone step counts in its newest generation),
+    the same state on both survivors at the end (a round's end: without the roll-back their
+    parameters would differ from the crash on), the status names the mode, and the loss
+    went down."""
+    from tests.runtime.train.test_elastic_scenarios import FOREVER, finish
+
+    args = FOREVER + ["--sync-every", "4", "--checkpoint-every", "6"]
+    cl = cluster_factory(min_workers=2)
+    a, b = cl.start(2, args)
+    cl.wait_step(9)
+    cl.kill(a)
+    cl.kill(b)
+    cl.wait_exit([a, b])
+    c, d = cl.start(2, args)
+    g = cl.wait_world(2, steps_after=3)
+    (e,) = cl.start(1, args)
+    g = cl.wait_world(3, min_gen=g + 1, steps_after=5)
+    status = cl.wait_for_status(lambda s: s.get("world_size") == 3 and "network" in s)
+    assert status["network"]["mode"] == "local" and status["network"]["sync_every"] == 4, status
+    cl.leave(d)
+    g = cl.wait_world(2, min_gen=g + 1, steps_after=3)
+    (f,) = cl.start(1, args)
+    g = cl.wait_world(3, min_gen=g + 1, steps_after=6)
+    cl.kill(f)
+    cl.wait_world(2, min_gen=g + 1, steps_after=6)
+    results = finish(cl, None, [c, d, e], 2)
+    kinds = [ev["kind"] for ev in cl.events()]
+    assert kinds[0] == "start" and {"restore", "join", "leave", "crash"} <= set(kinds), kinds
+    first = float(a.progress.read_text().splitlines()[0].split()[4])
+    assert results[0]["loss"] < first, (first, results[0]["loss"])
