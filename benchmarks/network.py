@@ -20,6 +20,19 @@ of --rounds), the bytes a rank's interface sent (`tx_bytes`, headers included)
 against a ring all-reduce's 2 (N-1)/N of the payload, and the rate those imply.
 Needs root (network namespaces). Cases the kernel cannot shape (delay without
 sch_netem) are skipped with the reason, in the table and in --json.
+
+The second part trains: real `ElasticJob`s, one per (world, link, mode of
+`train_modes()`, the one table of name -> ElasticJob arguments), on a byte-level
+language model over the Python standard library's sources (benchmarks/_textlm.py),
+every rank a host of the bed with the job's store (the runtime's StoreServer) on
+rank 0's host. Per row: compute utilization per rank, bytes sent per sample, and the
+held-out loss after equal samples against synchronous fp32's (`summarize_train`). A
+mode this runtime does not accept is a skipped row with the reason, and so is
+torchft's DiLoCo (`torchft_skip`). `--quick` is the smoke test (world 2, one link,
+few steps, the small model); `--model 50m` is issue 51's 200 MB of gradients.
+
+    .venv/bin/python benchmarks/network.py --quick
+    .venv/bin/python benchmarks/network.py --json --model 50m --steps 400 --parts train
 """
 
 from __future__ import annotations
@@ -27,11 +40,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _textlm  # noqa: E402  (beside this file: the corpus and the model; torch only once built)
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 29500  # each host has its own network stack: no other bed can hold this port
@@ -203,8 +222,332 @@ def _read(proc: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
+# --- training: the modes of ElasticJob (one place) ------------------------------------
+
+SYNC = "sync_fp32"  # the reference every mode's loss is compared with
+
+
+def train_modes(sync_every: int) -> dict[str, dict]:
+    """Mode name -> the ElasticJob keyword arguments that choose it. Modes whose
+    arguments this runtime does not have are skipped with the reason (`refusal`)."""
+    return {
+        SYNC: {},
+        "bf16": {"grad_dtype": "bf16"},
+        "lowrank": {"compress": "powersgd"},
+        "local": {"sync": "local", "sync_every": sync_every},
+    }
+
+
+def refusal(parameters: list[str], kwargs: dict) -> str | None:
+    """Why an ElasticJob with these `parameters` (its signature's names) cannot take
+    `kwargs`, or None if it can (a **kwargs parameter takes anything)."""
+    if "**" in parameters:
+        return None
+    missing = [k for k in kwargs if k not in parameters]
+    if not missing:
+        return None
+    return f"this runtime's ElasticJob has no parameter {', '.join(map(repr, missing))} (not landed yet)"
+
+
+# --- training: the pure arithmetic ------------------------------------------------------
+
+def utilization(window_s: float, wait_s: float | None) -> float | None:
+    """Compute utilization of a rank: compute time / step time, where compute is the
+    window's wall time less the network wait its gradient path measured (None: the
+    path measures none)."""
+    if wait_s is None or window_s <= 0:
+        return None
+    return round(min(1.0, max(0.0, (window_s - wait_s) / window_s)), 4)
+
+
+def summarize_train(world: int, case: Case, mode: str, records: list[dict], global_batch: int) -> dict:
+    """One training row from the ranks' records (`train_worker`'s): per rank its
+    utilization over the measured steps (after the warm-up), bytes per sample (its
+    interface's tx_bytes and the job's own bytes_per_step, over the samples of the
+    whole job's measured steps), and rank 0's losses."""
+    records = sorted(records, key=lambda r: r["rank"])
+    r0 = records[0]
+    samples = r0["measured_steps"] * global_batch
+    utils = [utilization(r["window_s"], r["wait_s"]) for r in records]
+    known = [u for u in utils if u is not None]
+
+    def per_sample(key: str) -> float | None:
+        vals = [r[key] for r in records if r[key] is not None]
+        if not samples or len(vals) < len(records):
+            return None
+        return round(sum(vals) / len(vals) / samples, 1)
+
+    return {"world": world, "rate_mbit": case.rate_mbit, "delay_ms": case.delay_ms, "mode": mode,
+            "steps": r0["steps"], "measured_steps": r0["measured_steps"], "samples": r0["steps"] * global_batch,
+            "step_s": round(max(r["window_s"] for r in records) / max(1, r0["measured_steps"]), 4),
+            "utilization": round(sum(known) / len(known), 4) if len(known) == len(utils) else None,
+            "utilization_min": min(known) if len(known) == len(utils) else None,
+            "utilization_per_rank": utils,
+            "wire_bytes_per_sample": per_sample("tx_bytes"), "job_bytes_per_sample": per_sample("job_bytes"),
+            "job_bytes_per_step": r0["job_bytes_per_step"],
+            "start_loss": r0["start_loss"], "end_loss": r0["end_loss"],
+            "eval_loss_start": r0["eval_loss_start"], "eval_loss": r0["eval_loss"],
+            "halved": _textlm.halved(r0["start_loss"], r0["eval_loss"]), "loss_vs_sync": None}
+
+
+def compare_losses(rows: list[dict]) -> list[dict]:
+    """Each row with `loss_vs_sync`: its held-out loss relative to synchronous fp32's
+    on the same world and link, (loss - sync) / sync (None without a sync row)."""
+    ref = {(r["world"], r["rate_mbit"], r["delay_ms"]): r["eval_loss"] for r in rows if r["mode"] == SYNC}
+    out = []
+    for r in rows:
+        base = ref.get((r["world"], r["rate_mbit"], r["delay_ms"]))
+        rel = round((r["eval_loss"] - base) / base, 5) if base and r["eval_loss"] is not None else None
+        out.append({**r, "loss_vs_sync": rel})
+    return out
+
+
+def render_train(rows: list[dict], skipped: list[dict]) -> str:
+    head = (f"{'world':>5}  {'link':<22} {'mode':<10} {'util':>5} {'min':>5} {'step s':>7} "
+            f"{'wire kB/smp':>11} {'job kB/smp':>10} {'loss start>end':>15} {'held-out':>8} {'vs sync':>8}")
+    lines = [head, "-" * len(head)]
+
+    def num(v, fmt):
+        return format(v, fmt) if v is not None else "n/a"
+
+    for r in rows:
+        link = Case(r["rate_mbit"], r["delay_ms"]).label
+        kb = {k: None if r[k] is None else r[k] / 1e3 for k in ("wire_bytes_per_sample", "job_bytes_per_sample")}
+        vs = num(None if r["loss_vs_sync"] is None else 100 * r["loss_vs_sync"], "+.2f")
+        lines.append(f"{r['world']:>5}  {link:<22} {r['mode']:<10} {num(r['utilization'], '.2f'):>5} "
+                     f"{num(r['utilization_min'], '.2f'):>5} {r['step_s']:>7.3f} "
+                     f"{num(kb['wire_bytes_per_sample'], '.1f'):>11} {num(kb['job_bytes_per_sample'], '.1f'):>10} "
+                     f"{num(r['start_loss'], '.2f'):>7}>{num(r['end_loss'], '.2f'):<7} "
+                     f"{num(r['eval_loss'], '.3f'):>8} {vs + ('%' if r['loss_vs_sync'] is not None else ''):>8}")
+    lines += [f"skipped {s['mode']}" + (f", world {s['world']}, {Case(s['rate_mbit'], s['delay_ms']).label}"
+                                        if "world" in s else "") + f": {s['reason']}" for s in skipped]
+    return "\n".join(lines)
+
+
+# --- training: the worker (host interpreter, inside a namespace) ---------------------
+
+def train_worker(spec: dict) -> None:
+    """One rank of one ElasticJob: train, then print one JSON record on stdout.
+
+    Timing (what `utilization` reads): the window runs from the end of the
+    warm-up's last step to the end of the last step (tx_bytes read at both); the wait is the sum of the
+    network waits that the job's gradient path measured in those steps (its
+    `last_step_timing`, the figure behind the status document's `network.wait_s`,
+    here per step and unsmoothed), None if the path measures none."""
+    import torch
+
+    import eltctl_runtime as elt
+
+    T = _textlm
+    torch.set_num_threads(spec["threads"])
+    corpus = Path(spec["corpus"]).read_bytes()
+    shape = T.LMShape(**spec["shape"])
+    windows = T.Windows(len(corpus), shape.context, spec["stride"])
+    model = T.make_model(shape, spec["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+    heldout = T.heldout_batch(corpus, windows, spec["eval_samples"])
+    first = spec["rank"] == 0
+    eval_start = T.evaluate(model, heldout) if first else None
+    try:
+        job = elt.ElasticJob(model, optimizer, T.make_dataset(corpus, windows), global_batch_size=spec["batch"],
+                             seed=spec["seed"], max_steps=spec["steps"], config=elt.RuntimeConfig.from_env(),
+                             balance=spec["balance"], **spec["kwargs"])
+    except (TypeError, ValueError) as e:
+        print(json.dumps({"rank": spec["rank"], "skipped": f"ElasticJob refused {spec['kwargs']}: {e}"}), flush=True)
+        return
+    tx = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics" / "tx_bytes"
+    losses: list[float] = []
+    wait: float | None = 0.0
+    job_bytes: int | None = 0
+    per_step = None
+    with job:
+        for batch in job:
+            loss = job.step(lambda: T.loss_fn(model, batch))
+            if loss is None:
+                continue  # a dropped step (no membership change is expected here)
+            losses.append(loss)
+            timing = job._grads.last_step_timing  # private: the benchmark reads the path's own figure
+            # the window ends at the last step's end: what the job does after it (local steps'
+            # last averaging) is neither in the time nor in the waits nor in the bytes
+            t1, tx1 = time.perf_counter(), int(tx.read_text())
+            if len(losses) == spec["warmup"]:
+                t0, tx0 = t1, tx1
+            elif len(losses) > spec["warmup"]:
+                per_step = timing.bytes if timing is not None else None
+                wait = None if timing is None or wait is None else wait + timing.wait_s
+                job_bytes = None if per_step is None or job_bytes is None else job_bytes + per_step
+        measured = len(losses) - spec["warmup"]
+        tail = losses[-min(10, len(losses)):]
+        print(json.dumps({
+            "rank": spec["rank"], "steps": len(losses), "measured_steps": measured, "window_s": t1 - t0,
+            "wait_s": wait, "tx_bytes": tx1 - tx0, "job_bytes": job_bytes, "job_bytes_per_step": per_step,
+            "start_loss": losses[0], "end_loss": sum(tail) / len(tail),
+            "eval_loss_start": eval_start, "eval_loss": T.evaluate(model, heldout) if first else None,
+        }), flush=True)
+
+
+# --- training: the driver -----------------------------------------------------------------
+
+_STORE = """
+import sys
+from eltctl_runtime.store.server import StoreServer
+srv = StoreServer()
+srv.listen_tcp(sys.argv[1], int(sys.argv[2]))
+srv.start()
+print("listening", flush=True)
+sys.stdin.read()  # until the benchmark closes our stdin
+srv.stop()
+"""
+
+
+class JobFailed(Exception):
+    """A training job ended without every rank's record (the message names its log)."""
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What every training job of one run shares (the worker's spec, less rank and mode)."""
+
+    corpus: str  # the file the driver wrote the corpus to
+    shape: dict
+    stride: int
+    steps: int
+    batch: int
+    lr: float
+    seed: int
+    warmup: int
+    eval_samples: int
+    threads: int
+    timeout_s: float
+    balance: bool = True  # ElasticJob(balance=): shares follow the ranks' speeds (False: equal, reproducible)
+
+
+def probe_parameters() -> list[str]:
+    """ElasticJob's parameter names in the host interpreter's runtime ("**" for a **kwargs)."""
+    from tests.testbed.hostpython import HOST_PYTHON, host_env
+
+    code = ("import inspect, json, eltctl_runtime as e\n"
+            "ps = inspect.signature(e.ElasticJob).parameters.values()\n"
+            "print(json.dumps(['**' if p.kind is p.VAR_KEYWORD else p.name for p in ps]))")
+    env = host_env({"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONWARNINGS": "ignore::UserWarning"})
+    done = subprocess.run([HOST_PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"cannot inspect the runtime's ElasticJob: {done.stderr.strip()}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def train_world(world: int, cases: list[Case], modes: dict[str, dict], plan: TrainPlan,
+                workdir: Path) -> tuple[list[dict], list[dict]]:
+    """One bed of `world` hosts, a store on h1; for each link, one job per mode."""
+    from tests.testbed.hostpython import HOST_PYTHON, host_env
+    from tests.testbed.netns import IFNAME, Link, NetBed, shaping_missing_reason
+
+    rows, skipped, runnable = [], [], []
+    for case in cases:
+        reason = shaping_missing_reason(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
+        if reason:
+            skipped += [{"mode": m, "world": world, **asdict(case), "reason": reason} for m in modes]
+        else:
+            runnable.append(case)
+    if not runnable or not modes:
+        return rows, skipped
+    base = host_env({"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GLOO_SOCKET_IFNAME": IFNAME,
+                     "OMP_NUM_THREADS": str(plan.threads), "PYTHONUNBUFFERED": "1",
+                     "PYTHONWARNINGS": "ignore::UserWarning"})
+    with NetBed(world) as bed:
+        master = bed.address("h1")
+        store = bed.run_in("h1", [HOST_PYTHON, "-c", _STORE, master, str(STORE_PORT)], env=base,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if store.stdout.readline().strip() != "listening":
+            raise SystemExit(f"the job store did not start on {master} (exit {store.wait()})")
+        for case in runnable:
+            bed.reshape_all(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
+            for mode, kwargs in modes.items():
+                job = f"net-{mode}-w{world}-{case.rate_mbit:g}-{case.delay_ms:g}-{os.getpid()}"
+                try:
+                    records = _run_job(bed, world, job, master, base, mode, kwargs, plan, workdir)
+                except JobFailed as e:  # the row says so; the other rows still run
+                    skipped.append({"mode": mode, "world": world, **asdict(case), "reason": str(e), "failed": True})
+                    print(f"{mode}, world {world}, {case.label}: {e}", file=sys.stderr, flush=True)
+                    continue
+                refused = [r["skipped"] for r in records if "skipped" in r]
+                if refused:
+                    skipped.append({"mode": mode, "world": world, **asdict(case), "reason": refused[0]})
+                    continue
+                rows.append(summarize_train(world, case, mode, records, plan.batch))
+                print(render_train(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
+        store.stdin.close()
+        store.wait(30)
+    return rows, skipped
+
+
+def _run_job(bed, world: int, job: str, master: str, base: dict, mode: str, kwargs: dict,
+             plan: TrainPlan, workdir: Path) -> list[dict]:
+    """Start one job's ranks (h1..hN), wait for them, return their records."""
+    from tests.testbed.hostpython import HOST_PYTHON
+
+    procs = []
+    for r in range(world):
+        host = f"h{r + 1}"
+        spec = {**asdict(plan), "rank": r, "kwargs": kwargs}
+        env = {**base, "ELTCTL_STORE": f"tcp:{master}:{STORE_PORT}", "ELTCTL_JOB": job,
+               "ELTCTL_WORKER_ID": f"{host}/cpu/{r}", "ELTCTL_DEVICE": "cpu",
+               "ELTCTL_MIN_WORKERS": str(world), "ELTCTL_MAX_WORKERS": str(world),
+               "ELTCTL_BIND_ADDRESS": bed.address(host), "ELTCTL_HANG_TIMEOUT": "30"}
+        log = (workdir / f"{job}-{host}.log").open("w")
+        procs.append((bed.run_in(host, [HOST_PYTHON, __file__, "--train-worker", json.dumps(spec)], env=env,
+                                 stdout=subprocess.PIPE, stderr=log, text=True), log))
+    deadline = time.monotonic() + plan.timeout_s
+    records = []
+    try:
+        for proc, log in procs:
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise JobFailed(f"failed: job {job} ran past {plan.timeout_s:g} s; see {log.name}") from None
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if not lines:
+                raise JobFailed(f"failed: a rank of job {job} ended without a record (exit {proc.returncode}); "
+                                f"see {log.name}")
+            records.append(json.loads(lines[-1]))
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+    return records
+
+
+TORCHFT_INSTALL = ("pip install --no-deps --target DIR torchft, then into the same DIR its pure-Python "
+                   "requirements opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "
+                   "(never let pip replace the host's torch)")
+
+
+def torchft_skip(where: str | None) -> dict:
+    """The side-by-side row for torchft's DiLoCo: always a skipped row for now, saying why
+    (not asked for, does not import here with the exact error, or imports but is not run)."""
+    if not where:
+        return {"mode": "torchft_diloco", "reason": f"not asked for: --torchft DIR, where DIR holds {TORCHFT_INSTALL}"}
+    from tests.testbed.hostpython import HOST_PYTHON
+
+    code = "import torch, torchft, torchft.local_sgd as l; print(torch.__version__, l.DiLoCo.__name__)"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": where, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([HOST_PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        error = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        return {"mode": "torchft_diloco", "reason": f"torchft does not import from {where} with the host's torch: "
+                                                   f"{error}"}
+    return {"mode": "torchft_diloco", "reason": f"torchft imports here (torch {done.stdout.split()[0]}), but this "
+                                                "benchmark does not drive its DiLoCo yet (a lighthouse on h1 and a "
+                                                "Manager per replica bound to the bed's addresses): not run"}
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
+
+
+QUICK = {"worlds": "2", "rates": "1000", "delays": "0", "mb": 20.0, "steps": 40, "model": "small"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,33 +556,110 @@ def main(argv: list[str] | None = None) -> None:
         rank, world, master, floats, modes, rounds = argv[1:7]
         worker(int(rank), int(world), master, int(floats), modes.split(","), int(rounds))
         return
+    if argv[:1] == ["--train-worker"]:
+        train_worker(json.loads(argv[1]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: world 2, 1 Gbit/s without delay, 20 MB, 40 steps of the small model")
+    ap.add_argument("--parts", default="allreduce,train", help="allreduce (the raw exchange), train (ElasticJob)")
     ap.add_argument("--mb", type=float, default=200, help="fp32 gradient size in MB (200: 50 M floats)")
     ap.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
     ap.add_argument("--rates", default="10000,1000,100", help="link rates in Mbit/s")
     ap.add_argument("--delays", default="0.2,5", help="one-way delay per host link in ms (needs sch_netem)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"of: {', '.join(MODES)}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"all-reduce modes, of: {', '.join(MODES)}")
     ap.add_argument("--rounds", type=int, default=1, help="exchanges per mode and link (the median is shown)")
+    ap.add_argument("--train-modes", default=",".join(train_modes(1)),
+                    help=f"ElasticJob modes, of: {', '.join(train_modes(1))}")
+    ap.add_argument("--model", choices=sorted(_textlm.SHAPES), default="small",
+                    help="the language model: small (~0.27 M parameters), 50m (~51 M: 200 MB of fp32 gradients)")
+    ap.add_argument("--steps", type=int, default=400, help="steps per job (equal samples in every mode)")
+    ap.add_argument("--batch", type=int, default=64, help="global batch (byte windows per step)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (local steps: the inner one)")
+    ap.add_argument("--sync-every", type=int, default=16, help="local steps: steps between synchronizations (H)")
+    ap.add_argument("--corpus-mb", type=float, default=4.0, help="the first MB of the stdlib's sources")
+    ap.add_argument("--stride", type=int, default=4, help="bytes between training windows")
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the timing and the byte counts")
+    ap.add_argument("--eval-samples", type=int, default=2048, help="held-out windows for the loss")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--no-balance", action="store_true",
+                    help="equal shares (ElasticJob(balance=False)): local steps' losses repeat from run to run")
+    ap.add_argument("--torchft", default=None, metavar="DIR",
+                    help="where torchft is installed for the host interpreter (its DiLoCo side by side)")
+    ap.add_argument("--job-timeout", type=float, default=3600, help="seconds a training job may take")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
     args = ap.parse_args(argv)
+    if args.quick:  # what the command line names itself wins over the quick defaults
+        for k, v in QUICK.items():
+            if k not in given:
+                setattr(args, k, v)
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
+    table = train_modes(args.sync_every)
+    wanted = args.train_modes.split(",")
+    unknown = sorted(set(wanted) - set(table))
+    if unknown:
+        ap.error(f"unknown training mode(s) {', '.join(unknown)}: choose from {', '.join(table)}")
+    parts = set(args.parts.split(","))
+    if parts - {"allreduce", "train"} or not parts:
+        ap.error(f"--parts takes allreduce and/or train, not {args.parts!r}")
+    if args.warmup < 1 or args.steps <= args.warmup:
+        ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}), which must be at least 1")
     if os.geteuid() != 0:
         ap.error("network namespaces need root: run as root")
+    sys.path.insert(0, str(ROOT))
     floats = int(args.mb * 1e6 / 4)
     cases = [Case(r, d) for r in _floats(args.rates) for d in _floats(args.delays)]
-    rows, skipped = [], []
-    for world in (int(w) for w in args.worlds.split(",")):
-        r, s = run_world(world, cases, floats, modes, args.rounds)
-        rows += r
-        skipped += s
+    worlds = [int(w) for w in args.worlds.split(",")]
+    report: dict = {"mb": args.mb, "floats": floats, "rounds": args.rounds, "rows": [], "skipped": []}
+    if "allreduce" in parts:
+        for world in worlds:
+            r, s = run_world(world, cases, floats, modes, args.rounds)
+            report["rows"] += r
+            report["skipped"] += s
+        if not args.json:
+            print(render_table(report["rows"], report["skipped"]), flush=True)
+    if "train" in parts:
+        report["train"] = run_training(args, cases, worlds, {m: table[m] for m in wanted})
+        if not args.json:
+            print(render_train(report["train"]["rows"], report["train"]["skipped"]))
     if args.json:
-        report = {"mb": args.mb, "floats": floats, "rounds": args.rounds, "rows": rows, "skipped": skipped}
         print(json.dumps(report, indent=2))
+
+
+def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, dict]) -> dict:
+    """The training part of a run: the corpus written once, a bed per world."""
+    shape = _textlm.SHAPES[args.model]
+    params = probe_parameters()
+    skipped = [{"mode": m, "reason": why} for m, kw in modes.items() if (why := refusal(params, kw))]
+    runnable = {m: kw for m, kw in modes.items() if not refusal(params, kw)}
+    workdir = Path(tempfile.mkdtemp(prefix="eltnet-train-"))
+    rows: list[dict] = []
+    try:
+        corpus = workdir / "corpus.txt"
+        corpus.write_bytes(_textlm.build_corpus(int(args.corpus_mb * 1e6)))
+        plan = TrainPlan(str(corpus), asdict(shape), args.stride, args.steps, args.batch, args.lr, 0,
+                         args.warmup, args.eval_samples, args.threads, args.job_timeout, not args.no_balance)
+        for world in worlds:
+            r, s = train_world(world, cases, runnable, plan, workdir)
+            rows += r
+            skipped += s
+    except BaseException:
+        print(f"the workers' logs are kept in {workdir}", file=sys.stderr)
+        raise
+    if any(s.get("failed") for s in skipped):
+        print(f"a job failed: the workers' logs are kept in {workdir}", file=sys.stderr)
     else:
-        print(render_table(rows, skipped))
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"model": args.model, "shape": asdict(shape), "parameters": shape.parameters,
+            "fp32_gradient_mb": round(shape.parameters * 4 / 1e6, 1), "steps": args.steps, "batch": args.batch,
+            "lr": args.lr, "sync_every": args.sync_every, "corpus_mb": args.corpus_mb, "balance": plan.balance,
+            "timing": "window from the end of the warm-up to the last step; wait: the job's gradient path's "
+                      "per-step network wait (last_step_timing)",
+            "rows": compare_losses(rows), "skipped": [*skipped, torchft_skip(args.torchft)]}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""benchmarks/network.py's training part, its pure figures: the corpus of the stdlib's
+sources, its windows, the mode table's refusals, utilization and the loss comparison.
+No processes, no torch workers (the benchmark itself runs them, as root)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    saved = list(sys.path)  # network.py puts its folder first to import _textlm: not for the other tests
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}_under_test", _DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path[:] = saved
+    return mod
+
+
+lm = _load("_textlm")
+net = _load("network")
+
+
+def test_corpus_order_is_sorted_python_sources_without_installed_packages():
+    paths = ["json/decoder.py", "abc.py", "site-packages/foo/bar.py", "json/__pycache__/x.py",
+             "README.txt", "asyncio/base_events.py", "dist-packages/x.py"]
+    assert lm.corpus_order(paths) == ["abc.py", "asyncio/base_events.py", "json/decoder.py"]
+
+
+def test_concatenate_cuts_at_max_bytes_and_reads_no_further_chunk():
+    read = []
+
+    def chunks():
+        for c in (b"abc", b"defg", b"hij"):
+            read.append(c)
+            yield c
+
+    assert lm.concatenate(chunks(), 5) == b"abcde"
+    assert read == [b"abc", b"defg"]
+    assert lm.concatenate(iter([b"ab"]), 10) == b"ab"
+    with pytest.raises(ValueError, match="at least one byte"):
+        lm.concatenate(iter([b"ab"]), 0)
+
+
+def test_build_corpus_is_deterministic_and_reads_files_in_sorted_order(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "b" / "z.py").write_bytes(b"BZ")
+    (tmp_path / "a.py").write_bytes(b"A1")
+    (tmp_path / "c.py").write_bytes(b"C123")
+    (tmp_path / "site-packages" / "s.py").write_bytes(b"SS")
+    (tmp_path / "notes.txt").write_bytes(b"TT")
+    assert lm.build_corpus(7, tmp_path) == b"A1BZC12"
+    with pytest.raises(ValueError, match="fewer than the 100 asked for"):
+        lm.build_corpus(100, tmp_path)
+
+
+def test_windows_hold_out_one_block_in_every_few_and_never_cross_parts():
+    # blocks of 20 bytes; every 3rd (indices 2, 5, ...) held out; the last block is short
+    w = lm.Windows(size=130, context=4, stride=2, block=20, heldout_every=3)
+    held = {b for b in range(7) if b % 3 == 2}  # bytes 40-59, 100-119
+    offs = [w.train_offset(i) for i in range(w.train_samples)]
+    # training runs [0, 40), [60, 100), [120, 130): windows of 5 bytes every 2 inside each
+    assert offs == [*range(0, 36, 2), *range(60, 96, 2), *range(120, 126, 2)]
+    assert all({(o + k) // 20 for k in range(5)}.isdisjoint(held) for o in offs)
+    with pytest.raises(IndexError):
+        w.train_offset(w.train_samples)
+    assert w.heldout_offsets(100) == [40, 44, 48, 52, 100, 104, 108, 112]
+    assert w.heldout_offsets(2) == [40, 100]  # spread over the held-out part, not its start
+    with pytest.raises(ValueError, match="too small"):
+        lm.Windows(size=40, context=4, block=20, heldout_every=3)
+    with pytest.raises(ValueError, match="block > context"):
+        lm.Windows(size=1000, context=30, block=20)
+
+
+def test_shapes_parameter_count_matches_the_model():
+    torch = pytest.importorskip("torch")
+    shape = lm.LMShape(context=4, embed=3, hidden=5, layers=2)
+    model = lm.make_model(shape, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == shape.parameters
+    assert model(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 256)
+    assert 45e6 < lm.SHAPES["50m"].parameters < 55e6  # issue 51's ~200 MB of fp32 gradients
+
+
+def test_halved_needs_the_end_at_most_half_the_start():
+    assert lm.halved(5.5, 2.7) is True
+    assert lm.halved(5.5, 2.8) is False
+    assert lm.halved(None, 2.0) is None
+    assert lm.halved(5.5, float("nan")) is None
+
+
+def test_a_mode_whose_arguments_the_runtime_lacks_is_refused_by_name():
+    before = ["model", "optimizer", "dataset", "global_batch_size", "grad_dtype"]
+    modes = net.train_modes(8)
+    assert modes[net.SYNC] == {}
+    assert net.refusal(before, modes[net.SYNC]) is None
+    assert net.refusal(before, modes["bf16"]) is None
+    why = net.refusal(before, modes["local"])
+    assert "'sync'" in why and "'sync_every'" in why
+    assert modes["local"]["sync_every"] == 8
+    assert net.refusal([*before, "**"], modes["lowrank"]) is None
+
+
+def test_utilization_is_compute_over_step_time():
+    assert net.utilization(10.0, 2.5) == 0.75
+    assert net.utilization(10.0, None) is None
+    assert net.utilization(10.0, 12.0) == 0.0  # clamped: a wait measured past the window
+
+
+def _rank(rank, window, wait, tx, job_bytes=None, **kw):
+    return {"rank": rank, "steps": 20, "measured_steps": 10, "window_s": window, "wait_s": wait,
+            "tx_bytes": tx, "job_bytes": job_bytes, "job_bytes_per_step": 100,
+            "start_loss": 5.5 if rank == 0 else None, "end_loss": 3.0 if rank == 0 else None,
+            "eval_loss_start": 5.5 if rank == 0 else None, "eval_loss": kw.get("eval_loss")}
+
+
+def test_summarize_train_per_rank_utilization_and_bytes_per_sample():
+    case = net.Case(1000, 0)
+    row = net.summarize_train(2, case, "bf16", [_rank(1, 4.0, 3.0, 6400, 3200),
+                                                _rank(0, 5.0, 1.0, 3200, 3200, eval_loss=2.5)], 32)
+    assert row["utilization_per_rank"] == [0.8, 0.25]  # rank order
+    assert row["utilization"] == 0.525 and row["utilization_min"] == 0.25
+    assert row["step_s"] == 0.5  # the slower rank's window over the measured steps
+    assert row["wire_bytes_per_sample"] == 15.0  # mean tx 4800 over 10 steps x 32 samples
+    assert row["job_bytes_per_sample"] == 10.0
+    assert row["samples"] == 640 and row["eval_loss"] == 2.5 and row["halved"] is True
+    unmeasured = net.summarize_train(2, case, "x", [_rank(0, 5.0, None, 1, eval_loss=2.0),
+                                                    _rank(1, 5.0, 1.0, 1)], 32)
+    assert unmeasured["utilization"] is None and unmeasured["job_bytes_per_sample"] is None
+
+
+def test_losses_compare_with_sync_fp32_on_the_same_world_and_link():
+    rows = [{"world": 2, "rate_mbit": 1000, "delay_ms": 0, "mode": m, "eval_loss": v}
+            for m, v in (("sync_fp32", 2.0), ("bf16", 2.01), ("local", 1.94))]
+    rows.append({"world": 4, "rate_mbit": 1000, "delay_ms": 0, "mode": "bf16", "eval_loss": 2.0})
+    out = net.compare_losses(rows)
+    assert [r["loss_vs_sync"] for r in out] == [0.0, 0.005, -0.03, None]
