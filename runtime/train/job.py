@@ -147,14 +147,13 @@ class ElasticJob(MemberViews):
         self._compiled = type(model).__name__ == "OptimizedModule"
         # How the step's gradients are reduced and applied (gradients.py: the seam).
         self._grads = _gradient_path(shard, model, optimizer, self._params, bucket_mb, shard_replicas, grad_dtype,
-                                     compress, compress_rank, reduce_each_micro_batch)
+                                     compress, compress_rank, reduce_each_micro_batch,
+                                     restore_chunks=self._ckpts.restore_chunks)  # sharded: a restore's chunks
         if reduce_each_micro_batch:
             if shard != "gradients":
                 raise ValueError("reduce_each_micro_batch applies to shard='gradients' (ZeRO-2), whose gradients "
                                  f"are sharded; with shard={shard!r} every rank keeps the whole gradient anyway")
             self._grads.reduces_micro_batches = True
-        if shard is not None:
-            self._grads.restore_chunks = self._restore_chunks  # a restore's chunks from the shard files
         # Local steps (local.py, DiLoCo): the rank's own inner steps, a round's averaging and outer
         # step every sync_every steps or at a planned change; a roll-back to the round's start on an abort.
         self._rounds: local.LocalPath | None = None
@@ -628,11 +627,6 @@ class ElasticJob(MemberViews):
                                      seed=self._sampler.seed, epoch=int(p["epoch"]), position=int(p["position"]))
 
     # -- checkpoints, status, events ----------------------------------------
-    def _restore_chunks(self, ckpt: dict, sg: Any, pg: Any, host: str, abort: threading.Event) -> dict:
-        """The sharded path's loader: each rank's chunks from the restored checkpoint's
-        shard files (JobCheckpoints.restore_chunks)."""
-        return self._ckpts.restore_chunks(ckpt, sg, pg, host, abort)
-
     @property
     def _host(self) -> str:
         return self._session.host
@@ -655,7 +649,7 @@ SHARD_SETTINGS = ("optimizer", "gradients")  # ZeRO-1, ZeRO-2 (issue 22): runtim
 def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    params: list[torch.Tensor], bucket_mb: float, replicas: int = 1,
                    grad_dtype: str | None = None, compress: str | None = None, compress_rank: int | None = None,
-                   each_micro_batch: bool = False) -> GradientPath:
+                   each_micro_batch: bool = False, restore_chunks: Callable | None = None) -> GradientPath:
     """The gradient path of `shard` (gradients.py: the seam). None: every rank holds
     every gradient and the whole optimizer state (ReplicatedPath); a sharded one
     comes from zero.py's `sharded_path(shard, model, optimizer, params, bucket_mb)`."""
@@ -677,7 +671,7 @@ def _gradient_path(shard: str | None, model: torch.nn.Module, optimizer: torch.o
                          f"a sharded job (shard={shard!r}) reduces float32 gradients")
     from . import zero  # only a sharded job pays for importing it (zero/__init__.py: on first use)
 
-    return zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas)
+    return zero.sharded_path(shard, model, optimizer, params, bucket_mb, replicas, restore_chunks=restore_chunks)
 
 
 def _check_extra_state(extra_state: dict[str, Any] | None, grad_scaler: Any) -> dict[str, Any]:

@@ -14,7 +14,8 @@ import logging
 import threading
 import time
 import zlib
-from typing import Any
+from typing import Any, Callable
+
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,10 @@ from .optim import SHARD_MODES, check_optimizer
 from .prepare import _MemoryPreparation
 from .resharding import ShardsLost
 from .sharded import ShardedGradients
+
+# Each rank's chunks of a sharded checkpoint at a restore: (ckpt, new ShardedGradients, pg, host,
+# abort) -> what it did (ShardedPath._restore_chunks says the contract).
+ChunkLoader = Callable[[dict, ShardedGradients, Any, str, "threading.Event | None"], dict]
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -49,7 +54,8 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
     gathers = True  # capture_full / fingerprint are collectives
 
     def __init__(self, shard: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 params: list[torch.Tensor], bucket_mb: float, replicas: int = 1) -> None:
+                 params: list[torch.Tensor], bucket_mb: float, replicas: int = 1,
+                 restore_chunks: ChunkLoader | None = None) -> None:
         if shard not in SHARD_MODES:
             raise ValueError(f"shard must be one of {SHARD_MODES} (or None for replicated), not {shard!r}")
         if replicas not in (1, 2):
@@ -79,9 +85,10 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
         self._pending_ckpt: dict | None = None
         self._peer_members: list[str] | None = None  # the old layout's members, from the state a joiner got
         self._resend_params = False  # a broken all-gather was settled: every chunk's parameters are resent
-        # Takes each rank's chunks of a sharded checkpoint at a restore (the job sets it:
-        # train/zero/checkpoint.py's restore_chunks; path.py does not import the checkpoint modules).
-        self.restore_chunks: Any = None
+        # Takes each rank's chunks of a sharded checkpoint at a restore (the job's, given at
+        # construction: train/checkpoints.py JobCheckpoints.restore_chunks, over
+        # train/zero/checkpoint.py's; path.py does not import the checkpoint modules).
+        self._load_chunks = restore_chunks
         self._init_preparation()
         self._touched_ahead = 0  # of the move under way: bytes its recycler got touched ahead (logged)
 
@@ -262,16 +269,16 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
         """A restore from a sharded checkpoint (`ckpt`: where the restoring rank found it),
         through the loader the job gave (checkpoint.restore_chunks: a collective).
 
-        The contract with that loader (`self.restore_chunks`, set by the job):
+        The contract with that loader (ChunkLoader, given at construction):
         `restore_chunks(ckpt, new, pg, host, abort) -> dict`, called by every rank of the
         group together at reshard: `ckpt` the pending checkpoint ({"path", "sha256",
         "host"}, as `apply` took it), `new` this rank's bound ShardedGradients of the new
         layout, whose held chunks it fills (load_checkpoint_chunks), `pg` the generation's
         group, `host` this rank's host (member_of), `abort` the generation's abort event;
         it returns what it did, for the move's log line. None set: ShardsLost."""
-        if self.restore_chunks is None:
-            raise ShardsLost(f"no loader for the sharded checkpoint {ckpt.get('path')} (ShardedPath.restore_chunks)")
-        return self.restore_chunks(ckpt, new, self.pg, member_of(self.members[self.rank]).host, self.abort)
+        if self._load_chunks is None:
+            raise ShardsLost(f"no loader for the sharded checkpoint {ckpt.get('path')} (sharded_path's restore_chunks)")
+        return self._load_chunks(ckpt, new, self.pg, member_of(self.members[self.rank]).host, self.abort)
 
     def _log_move(self, what: str, old_world: int, new_world: int, plan_s: float, bind_s: float,
                   moved: dict | None) -> None:
@@ -422,6 +429,8 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
 
 
 def sharded_path(shard: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 params: list[torch.Tensor], bucket_mb: float, replicas: int = 1) -> ShardedPath:
-    """ElasticJob's gradient path for shard="optimizer" | "gradients" (job._gradient_path)."""
-    return ShardedPath(shard, model, optimizer, params, bucket_mb, replicas)
+                 params: list[torch.Tensor], bucket_mb: float, replicas: int = 1,
+                 restore_chunks: ChunkLoader | None = None) -> ShardedPath:
+    """ElasticJob's gradient path for shard="optimizer" | "gradients" (job._gradient_path);
+    `restore_chunks`: the job's loader of a sharded checkpoint's chunks (ChunkLoader)."""
+    return ShardedPath(shard, model, optimizer, params, bucket_mb, replicas, restore_chunks=restore_chunks)
