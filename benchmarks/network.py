@@ -27,9 +27,11 @@ language model over the Python standard library's sources (benchmarks/_textlm.py
 every rank a host of the bed with the job's store (the runtime's StoreServer) on
 rank 0's host. Per row: compute utilization per rank, bytes sent per sample, and the
 held-out loss after equal samples against synchronous fp32's (`summarize_train`). A
-mode this runtime does not accept is a skipped row with the reason, and so is
-torchft's DiLoCo (`torchft_skip`). `--quick` is the smoke test (world 2, one link,
-few steps, the small model); `--model 50m` is issue 51's 200 MB of gradients.
+mode this runtime does not accept is a skipped row with the reason. With `--torchft
+DIR[:DIR]`, torchft's own DiLoCo trains beside them on the same bed, the same work
+as the `local` row (benchmarks/_torchft.py); without it, or where torchft does not
+import, that row is skipped with the reason (`torchft_skip`). `--quick` is the smoke
+test (world 2, one link, few steps, the small model); `--model 50m` is issue 51's 200 MB of gradients.
 
     .venv/bin/python benchmarks/network.py --quick
     .venv/bin/python benchmarks/network.py --json --model 50m --steps 400 --parts train
@@ -51,6 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _textlm  # noqa: E402  (beside this file: the corpus and the model; torch only once built)
+import _torchft  # noqa: E402  (beside this file: torchft's DiLoCo on the bed; torchft only in its workers)
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 29500  # each host has its own network stack: no other bed can hold this port
@@ -303,7 +306,7 @@ def compare_losses(rows: list[dict]) -> list[dict]:
 
 
 def render_train(rows: list[dict], skipped: list[dict]) -> str:
-    head = (f"{'world':>5}  {'link':<22} {'mode':<10} {'util':>5} {'min':>5} {'step s':>7} "
+    head = (f"{'world':>5}  {'link':<22} {'mode':<14} {'util':>5} {'min':>5} {'step s':>7} "
             f"{'wire kB/smp':>11} {'job kB/smp':>10} {'loss start>end':>15} {'held-out':>8} {'vs sync':>8}")
     lines = [head, "-" * len(head)]
 
@@ -314,7 +317,7 @@ def render_train(rows: list[dict], skipped: list[dict]) -> str:
         link = Case(r["rate_mbit"], r["delay_ms"]).label
         kb = {k: None if r[k] is None else r[k] / 1e3 for k in ("wire_bytes_per_sample", "job_bytes_per_sample")}
         vs = num(None if r["loss_vs_sync"] is None else 100 * r["loss_vs_sync"], "+.2f")
-        lines.append(f"{r['world']:>5}  {link:<22} {r['mode']:<10} {num(r['utilization'], '.2f'):>5} "
+        lines.append(f"{r['world']:>5}  {link:<22} {r['mode']:<14} {num(r['utilization'], '.2f'):>5} "
                      f"{num(r['utilization_min'], '.2f'):>5} {r['step_s']:>7.3f} "
                      f"{num(kb['wire_bytes_per_sample'], '.1f'):>11} {num(kb['job_bytes_per_sample'], '.1f'):>10} "
                      f"{num(r['start_loss'], '.2f'):>7}>{num(r['end_loss'], '.2f'):<7} "
@@ -437,8 +440,9 @@ def probe_parameters() -> list[str]:
 
 
 def train_world(world: int, cases: list[Case], modes: dict[str, dict], plan: TrainPlan,
-                workdir: Path) -> tuple[list[dict], list[dict]]:
-    """One bed of `world` hosts, a store on h1; for each link, one job per mode."""
+                workdir: Path, torchft: str | None = None, sync_every: int = 16) -> tuple[list[dict], list[dict]]:
+    """One bed of `world` hosts, a store on h1; for each link, one job per mode, then
+    torchft's DiLoCo where `torchft` names where it is installed."""
     from tests.testbed.hostpython import HOST_PYTHON, host_env
     from tests.testbed.netns import IFNAME, Link, NetBed, shaping_missing_reason
 
@@ -449,7 +453,7 @@ def train_world(world: int, cases: list[Case], modes: dict[str, dict], plan: Tra
             skipped += [{"mode": m, "world": world, **asdict(case), "reason": reason} for m in modes]
         else:
             runnable.append(case)
-    if not runnable or not modes:
+    if not runnable or not (modes or torchft):
         return rows, skipped
     base = host_env({"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GLOO_SOCKET_IFNAME": IFNAME,
                      "OMP_NUM_THREADS": str(plan.threads), "PYTHONUNBUFFERED": "1",
@@ -475,6 +479,18 @@ def train_world(world: int, cases: list[Case], modes: dict[str, dict], plan: Tra
                     skipped.append({"mode": mode, "world": world, **asdict(case), "reason": refused[0]})
                     continue
                 rows.append(summarize_train(world, case, mode, records, plan.batch))
+                print(render_train(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
+            if torchft:
+                job = f"net-torchft-w{world}-{case.rate_mbit:g}-{case.delay_ms:g}-{os.getpid()}"
+                try:
+                    records = _torchft.run_job(bed, world, job, asdict(plan), sync_every, torchft, base, workdir)
+                except _torchft.TorchftFailed as e:
+                    skipped.append({"mode": _torchft.MODE, "world": world, **asdict(case), "reason": str(e),
+                                    "failed": True})
+                    print(f"{_torchft.MODE}, world {world}, {case.label}: {e}", file=sys.stderr, flush=True)
+                    continue
+                rows.append({**summarize_train(world, case, _torchft.MODE, records, plan.batch),
+                             **_torchft.replica_fields(records, plan.steps, sync_every)})
                 print(render_train(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
         store.stdin.close()
         store.wait(30)
@@ -519,28 +535,13 @@ def _run_job(bed, world: int, job: str, master: str, base: dict, mode: str, kwar
     return records
 
 
-TORCHFT_INSTALL = ("pip install --no-deps --target DIR torchft, then into the same DIR its pure-Python "
-                   "requirements opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "
-                   "(never let pip replace the host's torch)")
-
-
-def torchft_skip(where: str | None) -> dict:
-    """The side-by-side row for torchft's DiLoCo: always a skipped row for now, saying why
-    (not asked for, does not import here with the exact error, or imports but is not run)."""
+def torchft_skip(where: str | None) -> dict | None:
+    """The skipped row for torchft's DiLoCo, saying why (not asked for, or does not
+    import here: the exact error), or None where it imports and runs."""
     if not where:
-        return {"mode": "torchft_diloco", "reason": f"not asked for: --torchft DIR, where DIR holds {TORCHFT_INSTALL}"}
-    from tests.testbed.hostpython import HOST_PYTHON
-
-    code = "import torch, torchft, torchft.local_sgd as l; print(torch.__version__, l.DiLoCo.__name__)"
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": where, "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([HOST_PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        error = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        return {"mode": "torchft_diloco", "reason": f"torchft does not import from {where} with the host's torch: "
-                                                   f"{error}"}
-    return {"mode": "torchft_diloco", "reason": f"torchft imports here (torch {done.stdout.split()[0]}), but this "
-                                                "benchmark does not drive its DiLoCo yet (a lighthouse on h1 and a "
-                                                "Manager per replica bound to the bed's addresses): not run"}
+        return {"mode": _torchft.MODE, "reason": f"not asked for: --torchft DIR[:DIR], where {_torchft.INSTALL}"}
+    problem = _torchft.import_problem(where)
+    return {"mode": _torchft.MODE, "reason": problem} if problem else None
 
 
 def _floats(text: str) -> list[float]:
@@ -572,7 +573,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train-modes", default=",".join(train_modes(1)),
                     help=f"ElasticJob modes, of: {', '.join(train_modes(1))}")
     ap.add_argument("--model", choices=sorted(_textlm.SHAPES), default="small",
-                    help="the language model: small (~0.27 M parameters), 50m (~51 M: 200 MB of fp32 gradients)")
+                    help="the language model: small (~0.27 M parameters), 5m (~4.5 M: 18 MB of fp32 gradients), "
+                         "50m (~51 M: 200 MB of fp32 gradients)")
     ap.add_argument("--steps", type=int, default=400, help="steps per job (equal samples in every mode)")
     ap.add_argument("--batch", type=int, default=64, help="global batch (byte windows per step)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (local steps: the inner one)")
@@ -584,8 +586,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--no-balance", action="store_true",
                     help="equal shares (ElasticJob(balance=False)): local steps' losses repeat from run to run")
-    ap.add_argument("--torchft", default=None, metavar="DIR",
-                    help="where torchft is installed for the host interpreter (its DiLoCo side by side)")
+    ap.add_argument("--torchft", default=None, metavar="DIR[:DIR]",
+                    help="where torchft and its dependencies are installed for the host interpreter "
+                         "(its DiLoCo trains beside the local row)")
     ap.add_argument("--job-timeout", type=float, default=3600, help="seconds a training job may take")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
@@ -636,6 +639,8 @@ def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, di
     params = probe_parameters()
     skipped = [{"mode": m, "reason": why} for m, kw in modes.items() if (why := refusal(params, kw))]
     runnable = {m: kw for m, kw in modes.items() if not refusal(params, kw)}
+    no_torchft = torchft_skip(args.torchft)
+    skipped += [no_torchft] if no_torchft else []
     workdir = Path(tempfile.mkdtemp(prefix="eltnet-train-"))
     rows: list[dict] = []
     try:
@@ -644,7 +649,8 @@ def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, di
         plan = TrainPlan(str(corpus), asdict(shape), args.stride, args.steps, args.batch, args.lr, 0,
                          args.warmup, args.eval_samples, args.threads, args.job_timeout, not args.no_balance)
         for world in worlds:
-            r, s = train_world(world, cases, runnable, plan, workdir)
+            r, s = train_world(world, cases, runnable, plan, workdir, None if no_torchft else args.torchft,
+                               args.sync_every)
             rows += r
             skipped += s
     except BaseException:
@@ -659,7 +665,7 @@ def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, di
             "lr": args.lr, "sync_every": args.sync_every, "corpus_mb": args.corpus_mb, "balance": plan.balance,
             "timing": "window from the end of the warm-up to the last step; wait: the job's gradient path's "
                       "per-step network wait (last_step_timing)",
-            "rows": compare_losses(rows), "skipped": [*skipped, torchft_skip(args.torchft)]}
+            "rows": compare_losses(rows), "skipped": skipped}
 
 
 if __name__ == "__main__":

@@ -141,3 +141,33 @@ def test_losses_compare_with_sync_fp32_on_the_same_world_and_link():
     rows.append({"world": 4, "rate_mbit": 1000, "delay_ms": 0, "mode": "bf16", "eval_loss": 2.0})
     out = net.compare_losses(rows)
     assert [r["loss_vs_sync"] for r in out] == [0.0, 0.005, -0.03, None]
+
+
+# --- benchmarks/_torchft.py: torchft's DiLoCo beside the local row (pure parts; no torchft) ---
+
+tft = _load("_torchft")
+
+
+def test_torchft_rounds_count_the_partial_last_round_the_job_end_closes():
+    assert tft.rounds(40, 16) == 3  # syncs at 16, 32 and the job's end (8 steps)
+    assert tft.rounds(32, 16) == 2
+    assert tft.rounds(1, 16) == 1
+    with pytest.raises(ValueError, match="sync_every"):
+        tft.rounds(40, 0)
+
+
+def test_torchft_row_takes_share_weighted_replica_losses_and_the_fewest_committed_rounds():
+    records = [{"rank": 1, "share": 1, "start_loss": 6.0, "end_loss": 3.0, "commits": 2, "eval_loss": None},
+               {"rank": 0, "share": 3, "start_loss": 5.0, "end_loss": 2.0, "commits": 3, "eval_loss": 2.6}]
+    got = tft.replica_fields(records, steps=40, sync_every=16)
+    assert got["start_loss"] == 5.25 and got["end_loss"] == 2.25  # rank 0 alone would say 5.0 and 2.0
+    assert got["halved"] is True  # rank 0's held-out 2.6 <= 5.25 / 2
+    assert got["rounds"] == 3 and got["rounds_committed"] == 2  # a replica lost a round
+
+
+def test_torchft_pythonpath_puts_its_dirs_before_the_runtime_and_refuses_none():
+    assert tft.pythonpath("/opt/tft:/opt/tft-deps", "/rt") == "/opt/tft:/opt/tft-deps:/rt"
+    with pytest.raises(ValueError, match="--torchft"):
+        tft.pythonpath(":", "/rt")
+    row = net.torchft_skip(None)
+    assert row["mode"] == "torchft_diloco" and "--no-deps" in row["reason"] and "--torchft" in row["reason"]
