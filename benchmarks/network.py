@@ -290,7 +290,19 @@ def summarize_train(world: int, case: Case, mode: str, records: list[dict], glob
             "job_bytes_per_step": r0["job_bytes_per_step"],
             "start_loss": r0["start_loss"], "end_loss": r0["end_loss"],
             "eval_loss_start": r0["eval_loss_start"], "eval_loss": r0["eval_loss"],
-            "halved": _textlm.halved(r0["start_loss"], r0["eval_loss"]), "loss_vs_sync": None}
+            "halved": _textlm.halved(r0["start_loss"], r0["eval_loss"]), "loss_vs_sync": None,
+            **status_verdict(r0.get("status_network"))}
+
+
+def status_verdict(net: dict | None) -> dict:
+    """What `eltctl status` would say of rank 0's status document's `network`: its
+    smoothed share of the step, and whether the hint names the network as what sets the
+    job's speed (eltctl/statusview/job.py network_hint; the control side, no torch)."""
+    from eltctl.statusview.job import network_hint
+
+    if not isinstance(net, dict):
+        return {"status_share": None, "status_names_network": None}
+    return {"status_share": net.get("share"), "status_names_network": network_hint(net) is not None}
 
 
 def compare_losses(rows: list[dict]) -> list[dict]:
@@ -305,9 +317,18 @@ def compare_losses(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _status_cell(r: dict) -> str:
+    """The status column: rank 0's network share and "network" where `eltctl status` names it."""
+    share = r.get("status_share")
+    if share is None:
+        return "n/a"
+    return f"{share:.2f}" + (" network" if r.get("status_names_network") else " compute")
+
+
 def render_train(rows: list[dict], skipped: list[dict]) -> str:
     head = (f"{'world':>5}  {'link':<22} {'mode':<14} {'util':>5} {'min':>5} {'step s':>7} "
-            f"{'wire kB/smp':>11} {'job kB/smp':>10} {'loss start>end':>15} {'held-out':>8} {'vs sync':>8}")
+            f"{'wire kB/smp':>11} {'job kB/smp':>10} {'loss start>end':>15} {'held-out':>8} {'vs sync':>8} "
+            f"{'status':>14}")
     lines = [head, "-" * len(head)]
 
     def num(v, fmt):
@@ -321,7 +342,8 @@ def render_train(rows: list[dict], skipped: list[dict]) -> str:
                      f"{num(r['utilization_min'], '.2f'):>5} {r['step_s']:>7.3f} "
                      f"{num(kb['wire_bytes_per_sample'], '.1f'):>11} {num(kb['job_bytes_per_sample'], '.1f'):>10} "
                      f"{num(r['start_loss'], '.2f'):>7}>{num(r['end_loss'], '.2f'):<7} "
-                     f"{num(r['eval_loss'], '.3f'):>8} {vs + ('%' if r['loss_vs_sync'] is not None else ''):>8}")
+                     f"{num(r['eval_loss'], '.3f'):>8} {vs + ('%' if r['loss_vs_sync'] is not None else ''):>8} "
+                     f"{_status_cell(r):>14}")
     lines += [f"skipped {s['mode']}" + (f", world {s['world']}, {Case(s['rate_mbit'], s['delay_ms']).label}"
                                         if "world" in s else "") + f": {s['reason']}" for s in skipped]
     return "\n".join(lines)
@@ -386,6 +408,8 @@ def train_worker(spec: dict) -> None:
             "wait_s": wait, "tx_bytes": tx1 - tx0, "job_bytes": job_bytes, "job_bytes_per_step": per_step,
             "start_loss": losses[0], "end_loss": sum(tail) / len(tail),
             "eval_loss_start": eval_start, "eval_loss": T.evaluate(model, heldout) if first else None,
+            # what rank 0 puts in the status document (records.NetworkFigures): what `eltctl status` reads
+            "status_network": job._status.network.fields().get("network") if first else None,
         }), flush=True)
 
 

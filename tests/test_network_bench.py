@@ -143,6 +143,19 @@ def test_losses_compare_with_sync_fp32_on_the_same_world_and_link():
     assert [r["loss_vs_sync"] for r in out] == [0.0, 0.005, -0.03, None]
 
 
+def test_the_status_column_says_what_eltctl_status_would_name_as_the_job_s_speed():
+    """rank 0's status `network` read through eltctl status's own hint: over half the step
+    in the wait names the network; local steps with a small share do not; no figures, n/a."""
+    sync = net.status_verdict({"wait_s": 0.3, "compute_s": 0.1, "share": 0.75, "bytes_per_step": 18_000_000})
+    local = net.status_verdict({"wait_s": 0.01, "compute_s": 0.1, "share": 0.09, "bytes_per_step": 1_000_000,
+                                "mode": "local", "sync_every": 16})
+    assert sync == {"status_share": 0.75, "status_names_network": True}
+    assert local == {"status_share": 0.09, "status_names_network": False}
+    assert net.status_verdict(None) == {"status_share": None, "status_names_network": None}
+    assert net._status_cell(sync) == "0.75 network" and net._status_cell(local) == "0.09 compute"
+    assert net._status_cell({}) == "n/a"
+
+
 # --- benchmarks/_torchft.py: torchft's DiLoCo beside the local row (pure parts; no torchft) ---
 
 tft = _load("_torchft")
