@@ -2,9 +2,11 @@
 and where the others get it from: a member that holds it (sent to the ranks that lack
 it only), or, when none does, the newest checkpoint, restored together (every rank that
 can read the same checkpoint takes it up itself; the rest receive it from the
-restoring rank). A restore is confirmed in its first step: its hashes ride in that
-step's control tail (tail.py: restore_bad), and a damaged one is dropped for the
-newest checkpoint that verifies (`confirmed`).
+restoring rank); with local steps, a joiner takes it in the background instead
+(catchup.py: the members keep theirs and nothing big moves here). A restore is
+confirmed in its first step: its hashes ride in that step's control tail (tail.py:
+restore_bad), and a damaged one is dropped for the newest checkpoint that verifies
+(`confirmed`).
 
 Sharded: the holders must hold every chunk of one layout; a crash or a rank back
 without its chunks that left a chunk with no holder makes every rank drop its state
@@ -55,6 +57,9 @@ class StateAgreement:
             self.has_state = False
             j._ckpts.check_pending()
         self.has_state_before = self.has_state
+        rounds = j._rounds  # local steps: a joiner may catch up in the background (catchup.py)
+        if rounds is not None:
+            rounds.catchup.reset()  # a catch-up under way in the last generation is dropped
         # Each rank: whether it holds the state (sharded: its chunks too), its step, and
         # which state its part is of (gradients.GradientPath.state_key).
         key = j._grads.state_key()
@@ -79,7 +84,10 @@ class StateAgreement:
         if source.restore:
             restored = self._restore_together(source.source)
         else:
-            self._send_state(source.source, receivers(reports, source))
+            need = receivers(reports, source)
+            if rounds is not None and rounds.catchup.admit(reports, source.source, need):
+                return False  # the joiners hold no state until they caught up; the members keep theirs
+            self._send_state(source.source, need)
         self.has_state = True
         j._ckpts.unconfirmed = restored  # until the first step's tail confirms it (_restore_confirmed)
         return restored

@@ -38,7 +38,8 @@ Membership (the rule, also in docs/network.md, "Local steps"):
   then the change happens. A yield never waits for a round's natural end, every
   committed sample is contributed, and what a joiner receives and a checkpoint holds
   is the global state at a round's end (global params, outer state, inner state of
-  the sender).
+  the sender). A joiner receives it in the background while the members train on,
+  and trains from the step after it took it up (catchup.py).
 - An abort (a peer's SIGKILL, a crash, a hang, an averaging that broke): the survivors
   roll back to the round's start (the anchor, the step count and the sampler's
   position, the buffers and the extra state snapshotted at the round's start), so the
@@ -71,6 +72,7 @@ import torch
 from ..member import collectives
 from ..member.collectives import Aborted
 from . import state as state_mod
+from .catchup import CatchUp
 from .gradients import TAIL_DTYPE, GradientPath, StepTiming, all_finite, clip_global_norm_
 from .tail import layout as tail_layout
 
@@ -144,6 +146,8 @@ class LocalPath(GradientPath):
         self._flat: torch.Tensor | None = None  # the round's all-reduce buffer, kept
         self._round_wait_s = 0.0  # the last averaging's wait, spread over a round's steps (StepTiming)
         self._round_bytes = 0
+        # Joiners that take the state in the background while the job trains on (catchup.py).
+        self.catchup = CatchUp(job, self)
 
     # -- per generation ------------------------------------------------------------------
     def bind(self, pg, rank, members, abort) -> None:
@@ -158,6 +162,8 @@ class LocalPath(GradientPath):
     def begin(self, tail_size: int) -> None:
         if self._tail_buf is None or self._tail_buf.numel() != tail_size:
             self._tail_buf = torch.zeros(tail_size, dtype=TAIL_DTYPE, device=self.device)
+        if self.catchup.idle:
+            self.catchup.poll()  # a joiner whose state arrived takes it up and says so in this step's tail
 
     def grad_ready(self, index: int, p: torch.Tensor) -> None:
         """Nothing to launch: the gradients stay on this rank."""
@@ -177,7 +183,10 @@ class LocalPath(GradientPath):
         collectives.allreduce(self.pg, self._tail_buf, abort)
         summed = self._tail_buf.to("cpu", copy=True)
         wait = time.perf_counter() - t0
-        total = int(tail_layout(world).decode(summed).samples)
+        got = tail_layout(world).decode(summed)
+        total = int(got.samples)
+        if self.catchup.idle:
+            self.catchup.tail_seen(got.pace)  # joiners that took up the state train from the next step
         if 0 < n != total:
             with torch.no_grad():
                 for p in self._params:
@@ -201,6 +210,8 @@ class LocalPath(GradientPath):
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: Any, abort: threading.Event) -> bool:
         """The inner step on this rank's gradient; none where it had no samples."""
+        if self.catchup.packing is not None:
+            self.catchup.hold()  # a joiner's source: its copy of the state is taken first (catchup.py)
         n = self._step_samples
         if n <= 0:
             return False
@@ -235,7 +246,7 @@ class LocalPath(GradientPath):
                           done=j._done()):
             return True
         try:
-            self.average(j._abort)
+            self.average(j._abort, final=stop or j._done())
         except Aborted as e:
             log.warning("worker %s: the averaging of the round ending at step %d broke in generation %d (%s); "
                         "the round is redone from step %d", j.worker_id, j._step, j.generation, e,
@@ -245,15 +256,21 @@ class LocalPath(GradientPath):
         self.start_round()
         return True
 
-    def average(self, abort: threading.Event | None) -> None:
+    def average(self, abort: threading.Event | None, final: bool = False) -> None:
         """The round's end, every rank alike: the samples-weighted mean of the deltas
         (one all-reduce of the parameters' size), then the outer step from the anchor.
-        Raises Aborted (a broken group) with the parameters untouched."""
+        Raises Aborted (a broken group) with the parameters untouched. While joiners catch
+        up (catchup.py) they add zeros with weight 0 and one slot per rank says who still
+        does (`final`: the job's end or a stop, where a joiner waits for its transfer)."""
         params, anchor = self._params, self._anchor
+        catching = self.catchup.idle
+        if catching:
+            self.catchup.before_average(final)  # a joiner whose transfer is complete adopts the round's start
+        extra = len(self.members) if catching else 0
         numel = sum(p.numel() for p in params)
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        if self._flat is None or self._flat.numel() != numel + 1 or self._flat.dtype != dtype:
-            self._flat = torch.empty(numel + 1, dtype=dtype, device=self.device)
+        if self._flat is None or self._flat.numel() != numel + 1 + extra or self._flat.dtype != dtype:
+            self._flat = torch.empty(numel + 1 + extra, dtype=dtype, device=self.device)
         flat, s = self._flat, float(self.round_samples)
         with torch.no_grad():
             pos = 0
@@ -264,6 +281,10 @@ class LocalPath(GradientPath):
                 piece.sub_(p.detach().reshape(-1).to(dtype)).mul_(s)
                 pos += k
             flat[numel] = s
+            if catching:
+                if s == 0:
+                    flat[:numel].zero_()  # a joiner's own parameters are no part of the round
+                self.catchup.flags(flat[numel + 1:])
         t0 = time.perf_counter()
         collectives.allreduce(self.pg, flat, abort)
         self._round_wait_s, self._round_bytes = time.perf_counter() - t0, flat.numel() * flat.element_size()
@@ -281,6 +302,8 @@ class LocalPath(GradientPath):
                 self._outer.step()
         for p in params:
             p.grad = None  # the next step's backward starts afresh
+        if catching:  # who still catches up; such a joiner keeps the mean delta (flat) to replay
+            self.catchup.after_average(flat[numel + 1:].tolist(), flat[:numel] if total > 0 else None)
 
     def start_round(self) -> None:
         """The current state is the round's start: snapshot it (module docstring)."""
@@ -297,6 +320,8 @@ class LocalPath(GradientPath):
         self._start = j._progress()
         self._extra_start = copy.deepcopy(state_mod.extra_state_dicts(j._extra))
         self.round_samples = 0
+        if self.catchup.idle:
+            self.catchup.round_started()  # the source: a joiner still catching up gets this round's start
 
     def roll_back(self) -> None:
         """An abort (ElasticJob._recover, before the roll call): back to the round's start,

@@ -25,6 +25,10 @@ from .balance import Pace, Split, worker_report
 from .sampler import SamplerState
 
 CONFIRM_COMMITS = 3  # a new balanced split is adopted once proposed at this many commits in a row
+# The pace slot of a catching-up rank that holds the state now (catchup.py): below 0, so the
+# split and the status read it as not measured (balance.known_paces) like the 0 of a rank
+# without samples.
+READY_SLOT = -1.0
 
 
 class Shares:
@@ -49,6 +53,11 @@ class Shares:
         # step with (0: none this step), and the limit found so far.
         self.oom_retry = 0
         self.oom_limit: int | None = None
+        # Ranks that train on nothing for now (local steps: joiners catching up, catchup.py);
+        # the others split each step equally meanwhile. `ready`: this rank, catching up,
+        # holds the state now; its pace slot says so (READY_SLOT) and it trains from the next step.
+        self.idle: frozenset[int] = frozenset()
+        self.ready = False
 
     # -- the split ------------------------------------------------------------------
     def in_force(self, generation: int) -> Split:
@@ -63,6 +72,11 @@ class Shares:
         """Rank `rank`'s share of the step `sampler` is at, in the current layout:
         proportional to the ranks' speeds with balancing on, else equal."""
         split = self.in_force(generation)
+        if self.idle:
+            if rank in self.idle:
+                return []
+            active = [r for r in range(world_size) if r not in self.idle]
+            return sampler.local_indices(active.index(rank), len(active), None, split.minimum)
         return sampler.local_indices(rank, world_size, split.weights, split.minimum)
 
     def replan(self, paces: list[float], global_count: int, total: int, world_size: int, generation: int) -> None:
@@ -70,6 +84,10 @@ class Shares:
         the split of the next steps planned from them (the same on every rank)."""
         W = world_size
         self.last_counts = self.in_force(generation).counts(global_count, W)
+        if self.idle:  # the step's split among the ranks that trained (indices)
+            active = [r for r in range(W) if r not in self.idle]
+            equal = iter(Split().counts(global_count, len(active)))
+            self.last_counts = [0 if r in self.idle else next(equal) for r in range(W)]
         self.last_paces = paces
         if self.balance:
             cand = self.split.replanned(paces, total)
@@ -114,7 +132,7 @@ class Shares:
         if not self.oom_retry:
             self.pace = self.pace.observed(self.compute_s, samples)
         oom, self.compute_s, self.oom_retry = self.oom_retry, 0.0, 0
-        return self.pace.slot, oom
+        return (READY_SLOT if self.ready else self.pace.slot), oom
 
     def dropped(self) -> None:
         """A step dropped before its tail was written: forget its time and its redo."""

@@ -1,0 +1,424 @@
+"""Catching up (local steps): a joiner takes the state in the background while the job
+trains on, instead of stopping every member for its transfer.
+
+Today's join (agreement.py) moves the whole state (parameters and optimizer state:
+600 MB for a 50 M-parameter AdamW model) to the joiner while every member waits. With
+local steps (local.py) a join ends the round at its boundary, so what the joiner needs
+is the new round's start: the anchor (the global parameters, unchanged during the
+round), the outer optimizer's state and a member's inner optimizer state, and nobody
+needs the joiner before it has them, so:
+
+- admission (`CatchUp.admit`, from the state agreement): the joiner is a member of the
+  new group and of every step's control tail, but a CATCHING-UP one: its share is 0
+  (Shares.idle: it trains on nothing; its empty step is the path of any rank without
+  samples) and it receives only the progress and the extra state (bytes) in the
+  generation change. The members keep the state they hold: nothing big moves there.
+- in the background: the source (the member the agreement chose) copies its state at
+  the round's start into host memory on a thread while its first step computes (its
+  next inner step waits for the copy: `hold`), and a thread sends it over a 2-rank gloo
+  group of their own (formed on the job's store under `gen/<g>/catchup/<joiner's
+  rank>/pg`, bound to the data plane's address and its pair checked with the signed
+  handshake like the generation's group); a thread of the joiner receives it. The
+  members step on.
+- taking it up (`poll`, at the start of any step): once the state arrived the joiner
+  adopts it (anchor, outer state, inner state) and replays the outer steps of the rounds
+  that ended since (below), so it holds the current round's start, as every member
+  does; its pace slot in that step's tail says so (shares.READY_SLOT), and from the next
+  step on it trains like the others (a share, inner steps from the round's start, its
+  delta weighted by its samples at the round's end).
+- at a round's end while it catches up (LocalPath.average): the joiner contributes
+  zeros with weight 0, so the round's result is the members' alone, and takes part in
+  the all-reduce, so it holds the weighted mean delta the members' outer step takes; it
+  keeps that mean (host memory) to replay the outer step once its state (of an earlier
+  round's start) arrives (`replay_outer_step`: the members' operations on the same
+  values, the same bits): one transfer, however many rounds it took, and the members
+  never wait for it. Past MAX_MISSED_ROUNDS kept means it drops them and asks for the
+  newest round's start instead (slot AGAIN: one slot per rank is appended to the
+  averaging while someone catches up). At the job's end or a stop a joiner still
+  catching up waits for its transfer there (the members' last all-reduce waits with
+  it): every rank ends with the same state.
+- failures: any generation change drops a transfer under way; a joiner not caught up
+  holds no state, so the next agreement gives it the state again (catching up again
+  where this module allows it, else today's transfer). A joiner that dies costs the
+  members the usual roll call (it held no samples); a source that dies, the same, and
+  the joiner starts over.
+
+Where this does not apply, the agreement moves the state as before: a restore, a rank
+that holds an older state (it must not lose it), a joiner that would be rank 0 (it
+writes the checkpoints), a model with buffers (they ride the step's tail as updates,
+which a joiner without the buffers cannot apply), a dataset whose collate cannot make
+the empty batch a rank without samples is handed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from ..member import collectives, transfer
+from ..member.collectives import Aborted
+from ..store.auth import SignedStore
+from ..store.pgstore import PgStore, PlainPgStore
+from . import state as state_mod
+
+log = logging.getLogger("eltctl_runtime")
+
+OUTER_KEY = "outer_optimizer"  # as local.OUTER_KEY (not imported: local.py imports this module)
+# A joiner keeps the mean deltas of at most this many rounds that ended before its state
+# arrived (each the size of the parameters, in host memory) to replay their outer steps;
+# past that it asks the source for the newest round's start instead.
+MAX_MISSED_ROUNDS = 4
+STILL, AGAIN = 1.0, 2.0  # a joiner's slot in the averaging: still catching up; and it wants a new copy
+
+
+def pair_prefix(generation: int, joiner: int) -> str:
+    """Where the catch-up group of generation `generation`'s joiner at rank `joiner` forms."""
+    return f"gen/{generation}/catchup/{joiner}/pg"
+
+
+def eligible(reports: Sequence[tuple[bool, int]], src: int, need: Sequence[int], *, has_buffers: bool) -> bool:
+    """Whether the ranks of `need` catch up in the background rather than receive the
+    state in the generation change (module docstring). `reports`: every rank's (holds
+    the state, its step). The same answer on every rank. Pure."""
+    if not need or has_buffers or 0 in need or not reports[src][0]:
+        return False
+    if any(reports[r][0] for r in need):
+        return False  # a rank holding an older state: it gets the newest one now
+    return len({s for has, s in reports if has}) == 1
+
+
+def still_catching_up(flags: Sequence[float]) -> frozenset[int]:
+    """The ranks whose slot in a round's averaging says they are still catching up. Pure."""
+    return frozenset(r for r, f in enumerate(flags) if f > 0)
+
+
+def wants_new_copy(flags: Sequence[float]) -> frozenset[int]:
+    """The ranks whose slot says they dropped what they kept and want the newest round's
+    start (MAX_MISSED_ROUNDS). Pure."""
+    return frozenset(r for r, f in enumerate(flags) if f >= AGAIN)
+
+
+def replay_outer_step(params: Sequence[torch.Tensor], anchor: Sequence[torch.Tensor], outer: Any,
+                      mean: torch.Tensor | None) -> None:
+    """One round's end as the members took it (LocalPath.average), from the round's start
+    in `anchor` and the weighted mean delta they all-reduced (`mean`, flat; None: the
+    round had no samples, no outer step): the parameters and `anchor` become the next
+    round's start, the outer optimizer's state steps with them. The same operations on the
+    same values as the members': the same result, bit for bit."""
+    with torch.no_grad():
+        for p, a in zip(params, anchor):
+            p.copy_(a)
+        if mean is not None:
+            pos = 0
+            for p in params:
+                k = p.numel()
+                p.grad = mean[pos:pos + k].to(p.device).view_as(p).to(p.dtype)
+                pos += k
+            outer.step()
+        for p, a in zip(params, anchor):
+            p.grad = None
+            a.copy_(p)
+
+
+class _Transfer:
+    """One background transfer between the source (pair rank 0) and a joiner (pair rank
+    1): its group, its thread, and what it carries (the source: the newest packed state
+    to send; the joiner: the newest one received)."""
+
+    def __init__(self, store: Any, bind_host: str, prefix: str, sending: bool, who: str, generation: int = 0,
+                 plan_json: str = "") -> None:
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._next: tuple[int, bytes, torch.Tensor] | None = None  # the source's next message
+        self.got: tuple[int, bytes, torch.Tensor] | None = None  # the joiner's newest message
+        self.failed: str | None = None
+        self._store = PgStore(store, prefix) if isinstance(store, SignedStore) else PlainPgStore(store, prefix)
+        self._bind = bind_host
+        self._signed = store
+        self._generation = generation
+        self._gid = collectives.group_id(prefix + plan_json)  # another group's handshake does not verify here
+        self._pg = None
+        self._who = who
+        self._thread = threading.Thread(target=self._run, args=(sending,), name="eltctl-catch-up", daemon=True)
+        self._thread.start()
+
+    def offer(self, version: int, packed: tuple[bytes, torch.Tensor]) -> None:
+        """The source: send this state (of the round starting at step `version`) next,
+        in place of one not yet sent."""
+        with self._cond:
+            self._next = (version, *packed)
+            self._cond.notify_all()
+
+    def wait_for(self, version: int, abort: threading.Event | None) -> bool:
+        """The joiner: wait until the state of `version` arrived (True) or the transfer
+        broke or was dropped (False)."""
+        with self._cond:
+            while not (self.got is not None and self.got[0] >= version) and self.failed is None \
+                    and not self._stop.is_set() and not (abort is not None and abort.is_set()):
+                self._cond.wait(0.05)
+            return self.got is not None and self.got[0] == version
+
+    def close(self) -> None:
+        """Drop it (a generation change, or done): the thread leaves its waits; the group
+        is buried (a send or receive may still be posted on it)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        collectives.bury(self._pg, self._store)
+        self._pg = None
+
+    def _run(self, sending: bool) -> None:
+        try:
+            pg = collectives.run_abortable(lambda: collectives.make_group(
+                self._store, 0 if sending else 1, 2, torch.device("cpu"), self._bind), self._stop, "catch-up group")
+            if self._stop.is_set():
+                collectives.bury(pg, self._store)
+                return
+            self._pg = pg
+            # Every pair signed before a byte of state moves (as the generation's group: collectives.py).
+            collectives.verify_pairs(pg, self._signed, self._generation, self._gid, 0 if sending else 1, 2,
+                                     torch.device("cpu"), self._stop, listen=self._bind)
+            (self._send if sending else self._receive)(pg)
+        except Aborted as e:
+            if not self._stop.is_set():
+                self.failed = str(e)
+                log.warning("catch-up transfer %s broke: %s", self._who, e)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _send(self, pg) -> None:
+        while True:
+            with self._cond:
+                while self._next is None and not self._stop.is_set():
+                    self._cond.wait(0.5)
+                if self._stop.is_set():
+                    return
+                version, header, flat = self._next
+                self._next = None
+            sizes = torch.tensor([version, len(header), flat.numel()], dtype=torch.int64)
+            works = [collectives.send(pg, sizes, 1, 0), collectives.send(pg, transfer.as_tensor(header), 1, 1),
+                     collectives.send(pg, flat, 1, 2)]
+            collectives.wait_p2p(works, self._stop, "the catch-up transfer")
+            log.info("catch-up: sent the state of step %d to %s (%.1f MB)", version, self._who, flat.numel() / 1e6)
+
+    def _receive(self, pg) -> None:
+        while True:
+            sizes = torch.zeros(3, dtype=torch.int64)
+            collectives.wait_p2p([collectives.recv(pg, sizes, 0, 0)], self._stop, "the catch-up transfer")
+            hbuf = torch.empty(int(sizes[1]), dtype=torch.uint8)
+            flat = torch.empty(int(sizes[2]), dtype=torch.uint8)
+            collectives.wait_p2p([collectives.recv(pg, hbuf, 0, 1), collectives.recv(pg, flat, 0, 2)], self._stop,
+                                 "the catch-up transfer")
+            with self._cond:
+                self.got = (int(sizes[0]), transfer.tensor_bytes(hbuf), flat)
+                self._cond.notify_all()
+            log.info("catch-up: %s received the state of step %d (%.1f MB)", self._who, int(sizes[0]),
+                     flat.numel() / 1e6)
+
+
+class CatchUp:
+    """The catch-up of this generation's joiners (module docstring), on every rank: which
+    ranks are catching up (`idle`, agreed), and this rank's transfers. `job`: the
+    ElasticJob, `rounds`: its LocalPath (neither imported here)."""
+
+    def __init__(self, job: Any, rounds: Any) -> None:
+        self._job = job
+        self._rounds = rounds
+        self.idle: frozenset[int] = frozenset()  # the ranks catching up (the same on every rank)
+        self._sending: dict[int, _Transfer] = {}  # the source: one per joiner
+        self._receiving: _Transfer | None = None  # a joiner: its own
+        self._ready = False  # this joiner adopted the round's start before the averaging
+        self._awaiting = -1  # a joiner: the round start (step) whose state it waits for
+        # A joiner: the mean delta of each round that ended since that round start (None:
+        # a round without samples, no outer step), replayed once the state arrives.
+        self._missed: list[torch.Tensor | None] = []
+        self._again = False  # a joiner: it dropped _missed and asks for the newest round's start
+        self._recopy = False  # the source: a joiner asked for the newest round's start
+        self.packing: threading.Event | None = None  # the source: set once its copy of the state is taken
+
+    def _set_idle(self, idle: frozenset[int]) -> None:
+        self.idle = idle
+        self._job._shares.idle = idle
+
+    def reset(self) -> None:
+        """A generation forms: whatever was under way is dropped (module docstring)."""
+        self.hold()
+        for t in self._sending.values():
+            t.close()
+        if self._receiving is not None:
+            self._receiving.close()
+        self._sending, self._receiving, self._ready = {}, None, False
+        self._missed, self._again, self._recopy = [], False, False
+        self._job._shares.ready = False
+        self._set_idle(frozenset())
+
+    def admit(self, reports: Sequence[tuple[bool, int]], src: int, need: Sequence[int]) -> bool:
+        """In the state agreement (every rank alike): True if the ranks of `need` catch up
+        in the background; then they have the progress and the extra state, and the
+        source's transfers are under way. False: the agreement moves the state as before."""
+        j = self._job
+        if not eligible(reports, src, need, has_buffers=any(True for _ in j.model.buffers())):
+            return False
+        try:  # a catching-up rank's script gets an empty batch (the same answer on every rank)
+            j._feeder.fetch(j._sampler, [])
+        except Exception:  # noqa: BLE001 - the dataset's collate cannot make one: the usual transfer
+            return False
+        light = state_mod.pack({"progress": j._progress(), "extra_state": state_mod.extra_state_dicts(j._extra)}) \
+            if j._rank == src else None
+        got = transfer.send_packed(j._pg, light, src, j._rank, need, j._abort, j._device)
+        store, bind, g = j._session.store, j._session.bind_host, j.generation
+        if got is not None:
+            small = state_mod.unpack(*got)
+            j._set_progress(small["progress"])
+            saved = small.get("extra_state") or {}
+            for name, obj in j._extra.items():
+                if name in saved:
+                    obj.load_state_dict(saved[name])
+            j._buffers.mark()
+            self._receiving = _Transfer(store, bind, pair_prefix(g, j._rank), False, f"rank {j._rank}", g,
+                                        j._plan.to_json())
+            self._awaiting = j._step
+            log.info("worker %s: catching up at step %d: the state comes from rank %d in the background",
+                     j.worker_id, j._step, src)
+        elif j._rank == src:
+            for r in need:
+                self._sending[r] = _Transfer(store, bind, pair_prefix(g, r), True, f"rank {r}", g, j._plan.to_json())
+            self._copy()
+            log.info("worker %s: rank(s) %s catch up at step %d; their state goes in the background", j.worker_id,
+                     ", ".join(map(str, need)), j._step)
+        self._set_idle(frozenset(need))
+        return True
+
+    # -- each step, only while some rank catches up -----------------------------------------
+    def poll(self) -> None:
+        """A joiner, before its step's tail: if its transfer brought the round start it waits
+        for, take it up (`_take_up`) and say so in the tail (Shares.ready: READY_SLOT)."""
+        t = self._receiving
+        if t is None or self._ready or self._job._rank not in self.idle:
+            return
+        got = t.got
+        if got is not None and got[0] == self._awaiting:
+            self._take_up(got)
+            self._job._shares.ready = True
+
+    def tail_seen(self, paces: Sequence[float]) -> None:
+        """A step's tail, summed (every rank alike): the catching-up ranks whose pace slot
+        says they took up the state (READY_SLOT) are members like the others from the next
+        step on: shares, and their transfers end."""
+        done = frozenset(r for r in self.idle if paces[r] < 0)
+        if done:
+            self._caught_up(self.idle - done, self._job._step + 1)
+
+    def _caught_up(self, idle: frozenset[int], step: int) -> None:
+        """The ranks no longer in `idle` caught up at `step`: they train from the next one,
+        and their transfers end."""
+        j = self._job
+        if j._rank in self.idle and j._rank not in idle:
+            j._agreement.has_state = True
+            j._shares.ready = self._ready = False
+            log.info("worker %s: caught up at step %d; it trains from the next step", j.worker_id, step)
+        for r in [r for r in self._sending if r not in idle]:
+            self._sending.pop(r).close()
+        if self._receiving is not None and j._rank not in idle:
+            self._receiving.close()
+            self._receiving = None
+        self._set_idle(idle)
+
+    # -- a round's end (LocalPath.average), only while some rank catches up ----------------
+    def before_average(self, final: bool) -> None:
+        """A joiner: if its transfer brought the round start it waits for (at the job's end
+        or a stop, it waits for it: module docstring), take it up: it then holds this
+        round's start. One that has kept MAX_MISSED_ROUNDS means asks for the newest instead."""
+        j, t = self._job, self._receiving
+        self.hold()
+        self._again = False
+        if t is None or j._rank not in self.idle or self._ready:
+            return
+        if final:
+            t.wait_for(self._awaiting, j._abort)
+        got = t.got
+        if got is None or got[0] != self._awaiting:
+            if len(self._missed) >= MAX_MISSED_ROUNDS:  # too far behind: the newest round's start instead
+                self._missed, self._again, self._awaiting = [], True, j._step
+            return
+        self._take_up(got)
+
+    def _take_up(self, got: tuple[int, bytes, torch.Tensor]) -> None:
+        """Adopt the round start received and replay the outer steps of the rounds that
+        ended since (`_missed`): this joiner then holds the current round's start, the outer
+        optimizer's state and the source's inner state."""
+        j = self._job
+        saved = state_mod.unpack(got[1], got[2])
+        r = self._rounds
+        with torch.no_grad():
+            own = j.model.state_dict()
+            for k, v in saved["model"].items():
+                own[k].copy_(v)
+                r._snap[k].copy_(v)  # the anchor: views of the snapshot
+        j.optimizer.load_state_dict(saved["optimizer"])
+        r._outer.load_state_dict(saved[OUTER_KEY])
+        for mean in self._missed:
+            replay_outer_step(r._params, r._anchor, r._outer, mean)
+        if self._missed:
+            log.info("worker %s: the state of step %d arrived; the outer steps of %d round(s) since replayed",
+                     j.worker_id, self._awaiting, len(self._missed))
+        self._missed = []
+        self._ready = True
+
+    def flags(self, out: torch.Tensor) -> None:
+        """This rank's slot in the averaging (STILL, AGAIN; 0 once caught up)."""
+        out.zero_()
+        if self._job._rank in self.idle and not self._ready:
+            out[self._job._rank] = AGAIN if self._again else STILL
+
+    def after_average(self, flags: Sequence[float], mean: torch.Tensor | None) -> None:
+        """The averaging is done (`mean`: the weighted mean delta the outer step took, None
+        where the round had no samples): who still catches up (the same on every rank); a
+        joiner still catching up keeps `mean` to replay (`_take_up`)."""
+        j = self._job
+        idle = still_catching_up(flags)
+        if j._rank in idle and not self._again:
+            self._missed.append(None if mean is None else mean.to("cpu", copy=True))
+        self._recopy = bool(wants_new_copy(flags) & set(self._sending))
+        self._again = False
+        self._caught_up(idle, j._step)
+
+    def round_started(self) -> None:
+        """The source: a joiner that asked for it gets the new round's start."""
+        if self._sending and self._recopy:
+            self._recopy = False
+            self._copy()
+
+    def _copy(self) -> None:
+        """The source: its state at this round's start copied into host memory for the
+        transfers, on a thread, while the first step's forward and backward run; what
+        would change it waits for the copy (`hold`: the next inner step, the round's end,
+        a new generation)."""
+        j = self._job
+        self.hold()
+        version = j._step
+        captured = j._capture_state()  # references: the round's start, the inner and outer state
+        done = self.packing = threading.Event()
+        senders = list(self._sending.values())
+
+        def copy() -> None:
+            try:
+                packed = state_mod.pack(captured)
+                for t in senders:
+                    t.offer(version, packed)
+            except Exception as e:  # noqa: BLE001 - the joiners then get the state in the next generation
+                log.warning("worker %s: the copy of the state for the joiners failed: %s", j.worker_id, e)
+            finally:
+                done.set()
+
+        threading.Thread(target=copy, name="eltctl-catch-up-copy", daemon=True).start()
+
+    def hold(self) -> None:
+        """The source, before its state changes: wait for the copy under way (`_copy`)."""
+        if self.packing is not None:
+            self.packing.wait()
+            self.packing = None
