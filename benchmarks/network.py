@@ -230,15 +230,26 @@ def _read(proc: subprocess.Popen) -> dict:
 SYNC = "sync_fp32"  # the reference every mode's loss is compared with
 
 
-def train_modes(sync_every: int) -> dict[str, dict]:
+def train_modes(sync_every: int, outer: dict | None = None) -> dict[str, dict]:
     """Mode name -> the ElasticJob keyword arguments that choose it. Modes whose
-    arguments this runtime does not have are skipped with the reason (`refusal`)."""
+    arguments this runtime does not have are skipped with the reason (`refusal`).
+    `outer`: local steps' outer SGD's arguments (lr, momentum, nesterov) where not the
+    runtime's default; the worker makes the `outer_optimizer` callable of them."""
     return {
         SYNC: {},
         "bf16": {"grad_dtype": "bf16"},
         "lowrank": {"compress": "powersgd"},
-        "local": {"sync": "local", "sync_every": sync_every},
+        "local": {"sync": "local", "sync_every": sync_every, **({"outer_optimizer": outer} if outer else {})},
     }
+
+
+def outer_sgd(lr: float | None, momentum: float | None) -> dict | None:
+    """--outer-lr / --outer-momentum as the outer SGD's arguments (Nesterov where there
+    is momentum), or None for the runtime's default (lr 0.7, momentum 0.9, Nesterov)."""
+    if lr is None and momentum is None:
+        return None
+    m = 0.9 if momentum is None else momentum
+    return {"lr": 0.7 if lr is None else lr, "momentum": m, "nesterov": m > 0}
 
 
 def refusal(parameters: list[str], kwargs: dict) -> str | None:
@@ -373,10 +384,14 @@ def train_worker(spec: dict) -> None:
     heldout = T.heldout_batch(corpus, windows, spec["eval_samples"])
     first = spec["rank"] == 0
     eval_start = T.evaluate(model, heldout) if first else None
+    kwargs = dict(spec["kwargs"])
+    if isinstance(kwargs.get("outer_optimizer"), dict):  # --outer-lr / --outer-momentum (outer_sgd)
+        outer = kwargs["outer_optimizer"]
+        kwargs["outer_optimizer"] = lambda params: torch.optim.SGD(params, **outer)
     try:
         job = elt.ElasticJob(model, optimizer, T.make_dataset(corpus, windows), global_batch_size=spec["batch"],
                              seed=spec["seed"], max_steps=spec["steps"], config=elt.RuntimeConfig.from_env(),
-                             balance=spec["balance"], **spec["kwargs"])
+                             balance=spec["balance"], **kwargs)
     except (TypeError, ValueError) as e:
         print(json.dumps({"rank": spec["rank"], "skipped": f"ElasticJob refused {spec['kwargs']}: {e}"}), flush=True)
         return
@@ -603,6 +618,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=64, help="global batch (byte windows per step)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (local steps: the inner one)")
     ap.add_argument("--sync-every", type=int, default=16, help="local steps: steps between synchronizations (H)")
+    ap.add_argument("--outer-lr", type=float, default=None,
+                    help="local steps: the outer SGD's learning rate (default: the runtime's, 0.7)")
+    ap.add_argument("--outer-momentum", type=float, default=None,
+                    help="local steps: the outer SGD's momentum, Nesterov when above 0 (default: the runtime's, 0.9)")
     ap.add_argument("--corpus-mb", type=float, default=4.0, help="the first MB of the stdlib's sources")
     ap.add_argument("--stride", type=int, default=4, help="bytes between training windows")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the timing and the byte counts")
@@ -625,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
-    table = train_modes(args.sync_every)
+    table = train_modes(args.sync_every, outer_sgd(args.outer_lr, args.outer_momentum))
     wanted = args.train_modes.split(",")
     unknown = sorted(set(wanted) - set(table))
     if unknown:

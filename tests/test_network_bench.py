@@ -143,6 +143,17 @@ def test_losses_compare_with_sync_fp32_on_the_same_world_and_link():
     assert [r["loss_vs_sync"] for r in out] == [0.0, 0.005, -0.03, None]
 
 
+def test_the_outer_sgd_flags_go_to_the_local_mode_only_when_given():
+    assert net.outer_sgd(None, None) is None
+    assert net.train_modes(16)["local"] == {"sync": "local", "sync_every": 16}
+    assert net.outer_sgd(1.0, 0.0) == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    assert net.outer_sgd(None, 0.5) == {"lr": 0.7, "momentum": 0.5, "nesterov": True}
+    modes = net.train_modes(8, net.outer_sgd(1.0, 0.0))
+    assert modes["local"]["outer_optimizer"] == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    assert "outer_optimizer" not in modes["sync_fp32"]
+    assert net.refusal(["sync", "sync_every", "outer_optimizer"], modes["local"]) is None
+
+
 def test_the_status_column_says_what_eltctl_status_would_name_as_the_job_s_speed():
     """rank 0's status `network` read through eltctl status's own hint: over half the step
     in the wait names the network; local steps with a small share do not; no figures, n/a."""
