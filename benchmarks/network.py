@@ -35,6 +35,12 @@ test (world 2, one link, few steps, the small model); `--model 50m` is issue 51'
 
     .venv/bin/python benchmarks/network.py --quick
     .venv/bin/python benchmarks/network.py --json --model 50m --steps 400 --parts train
+
+`--parts events` (not by default; benchmarks/_events.py): per mode (sync_fp32, local)
+and link, one job of W-1 ranks that a W-th joins and one then leaves by SIGTERM; the
+members' pause at each event against the steady step, and whether the joiner caught up.
+
+    .venv/bin/python benchmarks/network.py --parts events --worlds 3 --rates 1000 --delays 0 --model 5m --steps 150
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _textlm  # noqa: E402  (beside this file: the corpus and the model; torch only once built)
 import _torchft  # noqa: E402  (beside this file: torchft's DiLoCo on the bed; torchft only in its workers)
+import _events  # noqa: E402  (beside this file: --parts events, a join and a planned leave)
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 29500  # each host has its own network stack: no other bed can hold this port
@@ -599,10 +606,18 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--train-worker"]:
         train_worker(json.loads(argv[1]))
         return
+    if argv[:1] == ["--events-worker"]:
+        _events.events_worker(json.loads(argv[1]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: world 2, 1 Gbit/s without delay, 20 MB, 40 steps of the small model")
-    ap.add_argument("--parts", default="allreduce,train", help="allreduce (the raw exchange), train (ElasticJob)")
+    ap.add_argument("--parts", default="allreduce,train",
+                    help="allreduce (the raw exchange), train (ElasticJob), events (a join and a planned leave: "
+                         "not by default)")
+    ap.add_argument("--join-after", type=int, default=30, help="events: steps at W-1 before the W-th rank starts")
+    ap.add_argument("--leave-after", type=int, default=30, help="events: steps at W before h2 gets SIGTERM")
+    ap.add_argument("--keep-logs", action="store_true", help="events: keep the ranks' logs (named on stderr)")
     ap.add_argument("--mb", type=float, default=200, help="fp32 gradient size in MB (200: 50 M floats)")
     ap.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
     ap.add_argument("--rates", default="10000,1000,100", help="link rates in Mbit/s")
@@ -650,8 +665,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown training mode(s) {', '.join(unknown)}: choose from {', '.join(table)}")
     parts = set(args.parts.split(","))
-    if parts - {"allreduce", "train"} or not parts:
-        ap.error(f"--parts takes allreduce and/or train, not {args.parts!r}")
+    if parts - {"allreduce", "train", "events"} or not parts:
+        ap.error(f"--parts takes allreduce, train and/or events, not {args.parts!r}")
     if args.warmup < 1 or args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}), which must be at least 1")
     if os.geteuid() != 0:
@@ -672,6 +687,11 @@ def main(argv: list[str] | None = None) -> None:
         report["train"] = run_training(args, cases, worlds, {m: table[m] for m in wanted})
         if not args.json:
             print(render_train(report["train"]["rows"], report["train"]["skipped"]))
+    if "events" in parts:
+        chosen = wanted if "train_modes" in given else _events.EVENT_MODES  # sync_fp32 and local unless named
+        report["events"] = run_events_part(args, cases, worlds, {m: table[m] for m in chosen})
+        if not args.json:
+            print(_events.render_events(report["events"]["rows"], report["events"]["skipped"]))
     if args.json:
         print(json.dumps(report, indent=2))
 
@@ -709,6 +729,27 @@ def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, di
             "timing": "window from the end of the warm-up to the last step; wait: the job's gradient path's "
                       "per-step network wait (last_step_timing)",
             "rows": compare_losses(rows), "skipped": skipped}
+
+
+def run_events_part(args, cases: list[Case], worlds: list[int], modes: dict[str, dict]) -> dict:
+    """The events part (benchmarks/_events.py): the corpus written once, a bed per world."""
+    shape = _textlm.SHAPES[args.model]
+    workdir = Path(tempfile.mkdtemp(prefix="eltnet-events-"))
+    corpus = workdir / "corpus.txt"
+    corpus.write_bytes(_textlm.build_corpus(int(args.corpus_mb * 1e6)))
+    plan = TrainPlan(str(corpus), asdict(shape), args.stride, args.steps, args.batch, args.lr, 0,
+                     args.warmup, args.eval_samples, args.threads, args.job_timeout, not args.no_balance)
+    rows, skipped = _events.run_events(worlds, cases, modes, plan, workdir, script=__file__, store_script=_STORE,
+                                       port=STORE_PORT, join_after=args.join_after, leave_after=args.leave_after)
+    if args.keep_logs or any(s.get("failed") for s in skipped):
+        print(f"the events jobs' logs are kept in {workdir}", file=sys.stderr)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"model": args.model, "parameters": shape.parameters, "steps": args.steps, "batch": args.batch,
+            "sync_every": args.sync_every, "join_after": args.join_after, "leave_after": args.leave_after,
+            "pause": "longest gap between committed steps around the step where the world size changed "
+                     "(1 before, 3 after) less the median steady gap (rank 0; max over the members)",
+            "rows": rows, "skipped": skipped}
 
 
 if __name__ == "__main__":

@@ -195,3 +195,50 @@ def test_torchft_pythonpath_puts_its_dirs_before_the_runtime_and_refuses_none():
         tft.pythonpath(":", "/rt")
     row = net.torchft_skip(None)
     assert row["mode"] == "torchft_diloco" and "--no-deps" in row["reason"] and "--torchft" in row["reason"]
+
+
+# --- benchmarks/_events.py: a join's and a planned leave's pause (pure parts) ---------------
+
+ev = _load("_events")
+
+
+def _steps(gaps: list[float]) -> list[float]:
+    times = [0.0]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return times
+
+
+def test_event_pause_is_the_longest_gap_around_the_change_less_the_steady_median():
+    # 12 steps: 0.1 s apart except a 2.1 s stall in the step where the world grows (index 4)
+    # and a 0.9 s one two steps after the world shrinks (index 9, gap ending at step 11)
+    gaps = [0.1, 0.1, 0.1, 2.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.9, 0.1]
+    sizes = [2, 2, 2, 2, 3, 3, 3, 3, 3, 2, 2, 2]
+    got = ev.event_pauses(_steps(gaps), sizes)
+    assert got["steady_s"] == 0.1
+    assert [(e["step_index"], e["from"], e["to"]) for e in got["events"]] == [(4, 2, 3), (9, 3, 2)]
+    assert got["events"][0]["gap_s"] == 2.1 and got["events"][0]["pause_s"] == 2.0
+    assert got["events"][1]["pause_s"] == 0.8  # a stall after the change (a transfer) is the event's too
+
+
+def test_event_pause_steady_leaves_out_the_warm_up_and_the_event_windows():
+    # a slow warm-up (1.0 s gaps) and slow steps inside the window must not move the median
+    gaps = [1.0, 1.0, 0.2, 0.2, 0.2, 3.0, 3.0, 0.2, 0.2, 0.2]
+    sizes = [3] * 6 + [2] * 5
+    got = ev.event_pauses(_steps(gaps), sizes, before=1, after=2, skip=2)
+    assert got["steady_s"] == 0.2 and got["steady_max_s"] == 0.2
+    assert got["events"][0]["pause_s"] == 2.8
+    no_change = ev.event_pauses(_steps([0.3, 0.5, 0.4]), [2, 2, 2, 2])
+    assert no_change["events"] == [] and no_change["steady_s"] == 0.4
+    with pytest.raises(ValueError, match="one of each per step"):
+        ev.event_pauses([0.0, 1.0], [2])
+
+
+def test_catchup_facts_read_the_joiners_log_lines():
+    log = ("INFO worker h3/cpu/2: catching up at step 31: the state comes from rank 0 in the background\n"
+           "INFO catch-up: h3/cpu/2 received the state of step 32 (54.2 MB)\n"
+           "INFO worker h3/cpu/2: caught up at step 33; it trains from the next step\n")
+    got = ev.catchup_facts(log)
+    assert got["catching_up"] and got["caught_up"] and got["received_mb"] == 54.2
+    none = ev.catchup_facts("INFO worker h3/cpu/2: admitted at step 31\n")
+    assert not none["caught_up"] and none["received_mb"] is None

@@ -1,0 +1,314 @@
+"""What a membership change costs the members on a slow link: a join and a planned leave.
+
+benchmarks/network.py's `--parts events`: for each training mode asked for (sync_fp32
+and local by default) and each link, one real `ElasticJob` on the shaped bed that
+starts with W-1 ranks (ELTCTL_MIN_WORKERS=W-1, ELTCTL_MAX_WORKERS=W) on h1..h(W-1);
+after `--join-after` committed steps the driver starts the W-th rank on hW (its
+interpreter's start-up and model build happen before it asks to join: not the
+members' pause); once the job has stepped `--leave-after` steps at W, the driver sends
+SIGTERM to h2's process (a planned leave: member/session.py's handler), and the job
+ends at W-1.
+
+Every rank records, per committed step, `time.perf_counter()` and the size of the
+world that committed it (`job.last_commit.world_size`). The pause at an event is the
+longest gap between consecutive committed steps around the step where the world size
+changed, less the median steady gap (`event_pauses`: pure, tested). For the local
+mode's join, the joiner's log says whether it caught up in the background
+(runtime/train/catchup.py's "catch" lines) and how many MB it received.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import _textlm
+
+EVENT_MODES = ("sync_fp32", "local")
+
+
+# --- the pure arithmetic ----------------------------------------------------------------
+
+def world_changes(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """(index of the first step at the new size, old size, new size) for each change."""
+    return [(i, sizes[i - 1], sizes[i]) for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]]
+
+
+def event_pauses(times: list[float], sizes: list[int], *, before: int = 1, after: int = 3,
+                 skip: int = 0) -> dict:
+    """The members' pause at each change of the world size in one rank's step record.
+
+    `times[i]` is when step i was committed, `sizes[i]` the world that committed it.
+    Gap g is times[g+1] - times[g] (it ends at step g+1). An event at step k (the first
+    at the new size) owns the gaps ending at steps k-before .. k+after (the change itself
+    sits in the gap ending at k; a joiner's background transfer, if it slows the
+    members, in the ones after). Steady: the median of the gaps outside every event's
+    window and after the first `skip` (the warm-up); `steady_max_s` the longest of them
+    (with local steps: a usual round's averaging). Pause: the window's longest gap less
+    the steady median.
+    """
+    if len(times) != len(sizes):
+        raise ValueError(f"{len(times)} step times but {len(sizes)} world sizes: one of each per step")
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    changes = world_changes(sizes)
+    windows = [range(max(0, k - 1 - before), min(len(gaps), k + after)) for k, _, _ in changes]
+    owned = {g for w in windows for g in w}
+    steady = [gap for g, gap in enumerate(gaps) if g >= skip and g not in owned]
+    median = statistics.median(steady) if steady else None
+    events = []
+    for (k, old, new), w in zip(changes, windows):
+        longest = max((gaps[g] for g in w), default=None)
+        events.append({"step_index": k, "from": old, "to": new, "gap_s": _r(longest),
+                       "pause_s": _r(longest - median) if longest is not None and median is not None else None})
+    return {"steady_s": _r(median), "steady_max_s": _r(max(steady) if steady else None), "events": events}
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
+
+def catchup_facts(log_text: str) -> dict:
+    """What a joiner's runtime log says of its catching up (runtime/train/catchup.py):
+    whether it was admitted catching up, whether it caught up, the MB it received."""
+    lines = [ln.strip() for ln in log_text.splitlines() if "catch" in ln or "caught up" in ln]
+    got = [float(m.group(1)) for ln in lines if (m := re.search(r"received the state of step \d+ \(([\d.]+) MB\)", ln))]
+    return {"catching_up": any("catching up at step" in ln for ln in lines),
+            "caught_up": any("caught up at step" in ln for ln in lines),
+            "received_mb": got[-1] if got else None, "catch_lines": lines[-6:]}
+
+
+def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, records: list[dict],
+                     joiner_log: str, leaver_exit: int | None, skip: int) -> dict:
+    """One row: rank 0's join and leave pauses and steady step, the largest over every
+    member that saw each event, the state's size and the joiner's catching up."""
+    per_rank = []
+    for r in records:
+        p = event_pauses([s[1] for s in r["steps"]], [s[2] for s in r["steps"]], skip=skip)
+        per_rank.append({"host": r["host"], **p})
+
+    def pause(p: dict, kind: str) -> float | None:
+        ev = [e for e in p["events"] if (e["to"] > e["from"]) == (kind == "join")]
+        return ev[0]["pause_s"] if ev else None
+
+    first = next(p for p in per_rank if p["host"] == "h1")
+    joins = [x for p in per_rank if (x := pause(p, "join")) is not None]
+    leaves = [x for p in per_rank if (x := pause(p, "leave")) is not None]
+    facts = catchup_facts(joiner_log)
+    return {"mode": mode, "world": world, "rate_mbit": rate_mbit, "delay_ms": delay_ms,
+            "steps": len(records[0]["steps"]),
+            "steady_s": first["steady_s"], "steady_max_s": first["steady_max_s"],
+            "join_pause_s": pause(first, "join"), "join_pause_max_s": max(joins, default=None),
+            "leave_pause_s": pause(first, "leave"), "leave_pause_max_s": max(leaves, default=None),
+            "state_mb": round(records[0]["state_bytes"] / 1e6, 1),
+            "caught_up": facts["caught_up"] if mode == "local" else None,
+            "joiner_received_mb": facts["received_mb"], "joiner_catch_lines": facts["catch_lines"],
+            "leaver_exit": leaver_exit, "per_rank": per_rank}
+
+
+def render_events(rows: list[dict], skipped: list[dict]) -> str:
+    head = (f"{'world':>5}  {'link':<16} {'mode':<10} {'steady s':>8} {'round s':>8} {'join pause':>10} "
+            f"{'(max)':>6} {'leave pause':>11} {'(max)':>6} {'state MB':>8} {'caught up':>9} {'leaver rc':>9}")
+    lines = [head, "-" * len(head)]
+
+    def num(v, fmt=".2f"):
+        return format(v, fmt) if v is not None else "n/a"
+
+    for r in rows:
+        link = f"{r['rate_mbit']:g} Mbit/s, {r['delay_ms']:g} ms"
+        cu = "n/a" if r["caught_up"] is None else ("yes" if r["caught_up"] else "no")
+        lines.append(f"{r['world']:>5}  {link:<16} {r['mode']:<10} {num(r['steady_s'], '.3f'):>8} "
+                     f"{num(r['steady_max_s'], '.3f'):>8} {num(r['join_pause_s']):>10} {num(r['join_pause_max_s']):>6} "
+                     f"{num(r['leave_pause_s']):>11} {num(r['leave_pause_max_s']):>6} {r['state_mb']:>8.1f} "
+                     f"{cu:>9} {num(r['leaver_exit'], 'd'):>9}")
+    lines += [f"skipped {s['mode']}, world {s.get('world')}: {s['reason']}" for s in skipped]
+    return "\n".join(lines)
+
+
+# --- the worker (host interpreter, inside a namespace) -----------------------------------
+
+def events_worker(spec: dict) -> None:
+    """One rank: train, print {"progress": step, "world": W} per committed step where
+    spec["progress"], then one record with every committed step's (step, perf_counter,
+    world size) and the state's bytes (parameters + the inner optimizer's state)."""
+    import logging
+
+    import torch
+    from torch.utils.data import default_collate
+
+    import eltctl_runtime as elt
+
+    # the runtime configures no logging: its INFO lines (the joiner's "catch" lines) go to the rank's log file
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    T = _textlm
+    torch.set_num_threads(spec["threads"])
+    corpus = Path(spec["corpus"]).read_bytes()
+    shape = T.LMShape(**spec["shape"])
+    windows = T.Windows(len(corpus), shape.context, spec["stride"])
+    model = T.make_model(shape, spec["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+    empty = (torch.empty(0, shape.context, dtype=torch.long), torch.empty(0, dtype=torch.long))
+
+    def collate(samples: list):
+        # default_collate cannot make the empty batch of a catching-up joiner (share 0): without
+        # it the runtime moves the joiner's state in the generation change (catchup.py admit)
+        return default_collate(samples) if samples else empty
+
+    job = elt.ElasticJob(model, optimizer, T.make_dataset(corpus, windows), global_batch_size=spec["batch"],
+                         seed=spec["seed"], max_steps=spec["steps"], config=elt.RuntimeConfig.from_env(),
+                         balance=spec["balance"], collate_fn=collate, **spec["kwargs"])
+    steps: list[list] = []
+    with job:
+        for batch in job:
+            if job.step(lambda: T.loss_fn(model, batch)) is None:
+                continue  # a dropped step
+            c = job.last_commit
+            steps.append([c.step, time.perf_counter(), c.world_size])
+            if spec["progress"]:
+                print(json.dumps({"progress": c.step, "world": c.world_size}), flush=True)
+    state = sum(t.numel() * t.element_size() for t in model.parameters())
+    state += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                 if torch.is_tensor(v))
+    print(json.dumps({"host": spec["host"], "steps": steps, "state_bytes": state, "left": job.left}), flush=True)
+
+
+# --- the driver ---------------------------------------------------------------------------
+
+class EventJobFailed(Exception):
+    """An events job did not end with every rank's record (the message names the logs)."""
+
+
+def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict, kwargs: dict, plan,
+                  workdir: Path, script: str, join_after: int, leave_after: int) -> tuple[list[dict], str, int | None]:
+    """Start h1..h(W-1), the joiner on hW after `join_after` steps, SIGTERM h2 after
+    `leave_after` steps at W; return the records, the joiner's log, h2's exit status."""
+    from tests.testbed.hostpython import HOST_PYTHON
+
+    procs: dict[str, tuple[subprocess.Popen, object]] = {}
+
+    def start(r: int) -> None:
+        host = f"h{r + 1}"
+        spec = {**asdict(plan), "rank": r, "host": host, "kwargs": kwargs, "progress": r == 0}
+        env = {**base, "ELTCTL_STORE": f"tcp:{master}:{port}", "ELTCTL_JOB": job,
+               "ELTCTL_WORKER_ID": f"{host}/cpu/{r}", "ELTCTL_DEVICE": "cpu",
+               "ELTCTL_MIN_WORKERS": str(world - 1), "ELTCTL_MAX_WORKERS": str(world),
+               "ELTCTL_BIND_ADDRESS": bed.address(host), "ELTCTL_HANG_TIMEOUT": "30"}
+        log = (workdir / f"{job}-{host}.log").open("w")
+        procs[host] = (bed.run_in(host, [HOST_PYTHON, script, "--events-worker", json.dumps(spec)], env=env,
+                                  stdout=subprocess.PIPE, stderr=log, text=True), log)
+
+    for r in range(world - 1):
+        start(r)
+    lines: queue.Queue = queue.Queue()
+
+    def pump(out) -> None:  # h1's lines, so that the driver can wait for one with a deadline
+        for ln in out:
+            lines.put(ln)
+        lines.put(None)
+
+    threading.Thread(target=pump, args=(procs["h1"][0].stdout,), daemon=True).start()
+    deadline = time.monotonic() + plan.timeout_s
+    joined_at = None
+    sent_term = False
+    out_h1 = None
+    try:
+        while out_h1 is None:
+            try:
+                line = lines.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise EventJobFailed(f"job {job} ran past {plan.timeout_s:g} s; logs in {workdir}") from None
+            if line is None:
+                raise EventJobFailed(f"h1 of job {job} ended without a record; logs in {workdir}")
+            rec = json.loads(line) if line.startswith("{") else {}
+            if "steps" in rec:
+                out_h1 = rec
+            elif "progress" in rec:
+                if f"h{world}" not in procs and rec["progress"] >= join_after:
+                    start(world - 1)
+                if joined_at is None and rec["world"] == world:
+                    joined_at = rec["progress"]
+                if joined_at is not None and not sent_term and rec["progress"] >= joined_at + leave_after:
+                    os.kill(procs["h2"][0].pid, signal.SIGTERM)  # `ip netns exec` execs: this is the worker
+                    sent_term = True
+        records = [out_h1]
+        for host, (proc, log) in procs.items():
+            if host == "h1":
+                continue
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            got = [ln for ln in out.splitlines() if ln.startswith("{")]
+            if not got:
+                raise EventJobFailed(f"{host} of job {job} ended without a record (exit {proc.returncode}); "
+                                     f"logs in {workdir}")
+            records.append(json.loads(got[-1]))
+        procs["h1"][0].wait(60)
+    except subprocess.TimeoutExpired:
+        raise EventJobFailed(f"job {job} ran past {plan.timeout_s:g} s; logs in {workdir}") from None
+    finally:
+        for proc, log in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+    joiner = (workdir / f"{job}-h{world}.log").read_text(errors="replace")
+    return records, joiner, procs["h2"][0].returncode if sent_term else None
+
+
+def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, workdir: Path, *, script: str,
+               store_script: str, port: int, join_after: int, leave_after: int) -> tuple[list[dict], list[dict]]:
+    """A bed per world (3 or more: h2 leaves and h1 stays rank 0), a store on h1; per
+    link, one job per mode."""
+    from tests.testbed.hostpython import HOST_PYTHON, host_env
+    from tests.testbed.netns import IFNAME, Link, NetBed, shaping_missing_reason
+
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    base = host_env({"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GLOO_SOCKET_IFNAME": IFNAME,
+                     "OMP_NUM_THREADS": str(plan.threads), "PYTHONUNBUFFERED": "1",
+                     "PYTHONWARNINGS": "ignore::UserWarning"})
+    for world in worlds:
+        if world < 3:
+            skipped += [{"mode": m, "world": world, "reason": "events need world 3 or more (h1 stays, h2 leaves, "
+                                                              "the W-th joins)"} for m in modes]
+            continue
+        runnable = []
+        for case in cases:
+            why = shaping_missing_reason(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
+            if why:
+                skipped += [{"mode": m, "world": world, **asdict(case), "reason": why} for m in modes]
+            else:
+                runnable.append(case)
+        if not runnable:
+            continue
+        with NetBed(world) as bed:
+            master = bed.address("h1")
+            store = bed.run_in("h1", [HOST_PYTHON, "-c", store_script, master, str(port)], env=base,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if store.stdout.readline().strip() != "listening":
+                raise SystemExit(f"the job store did not start on {master} (exit {store.wait()})")
+            for case in runnable:
+                bed.reshape_all(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
+                for mode, kwargs in modes.items():
+                    job = f"ev-{mode}-w{world}-{case.rate_mbit:g}-{case.delay_ms:g}-{os.getpid()}"
+                    try:
+                        records, joiner, rc = run_event_job(bed, world, job, master, port, base, kwargs, plan,
+                                                            workdir, script, join_after, leave_after)
+                    except EventJobFailed as e:
+                        skipped.append({"mode": mode, "world": world, **asdict(case), "reason": str(e),
+                                        "failed": True})
+                        print(f"events {mode}, world {world}, {case.label}: {e}", file=sys.stderr, flush=True)
+                        continue
+                    rows.append(summarize_events(mode, world, case.rate_mbit, case.delay_ms, records, joiner, rc,
+                                                 plan.warmup))
+                    print(render_events(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
+            store.stdin.close()
+            store.wait(30)
+    return rows, skipped
