@@ -46,8 +46,8 @@ needs the joiner before it has them, so:
 Where this does not apply, the agreement moves the state as before: a restore, a rank
 that holds an older state (it must not lose it), a joiner that would be rank 0 (it
 writes the checkpoints), a model with buffers (they ride the step's tail as updates,
-which a joiner without the buffers cannot apply), a dataset whose collate cannot make
-the empty batch a rank without samples is handed.
+which a joiner without the buffers cannot apply), a dataset whose empty batch (what a
+rank without samples is handed) cannot be made (pipeline.fetch_batch; a warning says so).
 """
 
 from __future__ import annotations
@@ -265,7 +265,10 @@ class CatchUp:
             return False
         try:  # a catching-up rank's script gets an empty batch (the same answer on every rank)
             j._feeder.fetch(j._sampler, [])
-        except Exception:  # noqa: BLE001 - the dataset's collate cannot make one: the usual transfer
+        except Exception as e:  # noqa: BLE001 - the dataset's collate cannot make one: the usual transfer
+            log.warning("worker %s: the joiner(s) take the state in the generation change, not in the background: "
+                        "the job cannot make the empty batch a catching-up rank is handed (%s: %s); a collate_fn "
+                        "that accepts [] makes the catch-up possible", j.worker_id, type(e).__name__, e)
             return False
         light = state_mod.pack({"progress": j._progress(), "extra_state": state_mod.extra_state_dicts(j._extra)}) \
             if j._rank == src else None

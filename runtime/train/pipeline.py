@@ -182,11 +182,34 @@ def share_seed(seed: int, key: ShareKey) -> int:
 
 def fetch_batch(dataset: Any, indices: list[int], collate: Callable[[list], Any]) -> Any:
     """`collate([dataset[i] for i in indices])`; a TensorDataset is indexed
-    with one gather per tensor instead."""
+    with one gather per tensor instead. No indices (a rank without samples in a step:
+    a joiner catching up, catchup.py): the batch of one sample cut to none (`emptied`)
+    where the collate cannot make an empty batch itself (torch's default_collate)."""
     if isinstance(dataset, TensorDataset):
         idx = torch.tensor(indices, dtype=torch.long)
         return tuple(t[idx] for t in dataset.tensors)
+    if not indices:
+        try:
+            return collate([])
+        except Exception:  # noqa: BLE001 - default_collate([]) raises IndexError; others may differ
+            return emptied(collate([dataset[0]]))
     return collate([dataset[i] for i in indices])
+
+
+def emptied(batch: Any) -> Any:
+    """A collated batch with none of its samples: tensors cut to length 0 along the
+    batch dimension, containers of them kept, a list of plain values (strings,
+    numbers: one per sample) emptied."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return type(batch)((k, emptied(v)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        if any(isinstance(b, (torch.Tensor, dict, list, tuple)) for b in batch):
+            items = [emptied(b) for b in batch]
+            return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+        return type(batch)() if not hasattr(batch, "_fields") else batch
+    return batch
 
 
 def pin_batch(batch: Any) -> Any:

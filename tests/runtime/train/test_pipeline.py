@@ -100,6 +100,26 @@ def test_bad_pipeline_arguments_are_refused_with_the_fix(workers, ahead):
 # -- the prefetcher on real processes ---------------------------------------------------
 
 
+def test_an_empty_share_is_the_batch_of_one_sample_cut_to_none_where_the_collate_cannot_make_it():
+    """A rank without samples in a step (a joiner catching up: catchup.py) is handed an
+    empty batch of the dataset's own structure; torch's default_collate([]) raises."""
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "x y")
+    rows = [{"x": torch.ones(3) * i, "label": i, "name": f"s{i}", "pair": Pair(torch.zeros(2), i)} for i in range(4)]
+    with pytest.raises(IndexError):
+        default_collate([])
+    empty = fetch_batch(rows, [], default_collate)
+    assert empty["x"].shape == (0, 3) and empty["label"].shape == (0,) and empty["name"] == []
+    assert isinstance(empty["pair"], Pair) and empty["pair"].x.shape == (0, 2) and empty["pair"].y.shape == (0,)
+    tuples = [(torch.full((2,), float(i)), i) for i in range(3)]
+    x, y = fetch_batch(tuples, [], default_collate)
+    assert x.shape == (0, 2) and y.shape == (0,)
+    assert fetch_batch(rows, [], lambda b: list(b)) == []  # a collate that makes an empty batch itself is asked
+    full = fetch_batch(tuples, [2, 0], default_collate)
+    assert full[1].tolist() == [2, 0]  # a share with samples: unchanged
+
+
 class Records:
     """A map-style dataset that reads slowly and fails on one sample."""
 
