@@ -24,6 +24,7 @@ the full table)::
     stop                        controller (request_stop)
     done                        rank 0: {step, reason}
     gen/<g>/plan, abort, alive  workers (member/plan.py)
+    gen/<g>/catchup/<r>/pg      local steps: a joiner's background state transfer (train/catchup.py)
     gen/<g>/master              restart mode: rank 0's supervisor, `addr:port` of the script's
                                 MASTER_ADDR/MASTER_PORT for generation g (restart/supervisor.py)
     gen/first                   rank 0, in a store that came back empty (a restarted keeper):
@@ -140,6 +141,12 @@ class Keys:
     @staticmethod
     def pg_prefix(gen: int) -> str:
         return f"gen/{gen}/pg"
+
+    @staticmethod
+    def catchup_prefix(gen: int, joiner: int) -> str:
+        """Where the 2-rank group that carries the state to generation `gen`'s joiner at
+        rank `joiner`, catching up in the background, forms (train/catchup.py)."""
+        return f"gen/{gen}/catchup/{joiner}/pg"
 
     @staticmethod
     def pair(gen: int, sender: int, receiver: int) -> str:

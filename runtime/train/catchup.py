@@ -60,6 +60,7 @@ import torch
 
 from ..member import collectives, transfer
 from ..member.collectives import Aborted
+from ..protocol import Keys
 from ..store.auth import SignedStore
 from ..store.pgstore import PgStore, PlainPgStore
 from . import state as state_mod
@@ -76,7 +77,7 @@ STILL, AGAIN = 1.0, 2.0  # a joiner's slot in the averaging: still catching up; 
 
 def pair_prefix(generation: int, joiner: int) -> str:
     """Where the catch-up group of generation `generation`'s joiner at rank `joiner` forms."""
-    return f"gen/{generation}/catchup/{joiner}/pg"
+    return Keys.catchup_prefix(generation, joiner)
 
 
 def eligible(reports: Sequence[tuple[bool, int]], src: int, need: Sequence[int], *, has_buffers: bool) -> bool:
