@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import _bed
 import _textlm
 
 EVENT_MODES = ("sync_fp32", "local")
@@ -143,29 +144,18 @@ def events_worker(spec: dict) -> None:
     import logging
 
     import torch
-    from torch.utils.data import default_collate
 
     import eltctl_runtime as elt
 
     # the runtime configures no logging: its INFO lines (the joiner's "catch" lines) go to the rank's log file
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     T = _textlm
-    torch.set_num_threads(spec["threads"])
-    corpus = Path(spec["corpus"]).read_bytes()
-    shape = T.LMShape(**spec["shape"])
-    windows = T.Windows(len(corpus), shape.context, spec["stride"])
-    model = T.make_model(shape, spec["seed"])
+    corpus, _shape, windows, model = T.rank_setup(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
-    empty = (torch.empty(0, shape.context, dtype=torch.long), torch.empty(0, dtype=torch.long))
-
-    def collate(samples: list):
-        # default_collate cannot make the empty batch of a catching-up joiner (share 0): without
-        # it the runtime moves the joiner's state in the generation change (catchup.py admit)
-        return default_collate(samples) if samples else empty
-
+    # the default collate: a catching-up joiner's empty batch is the runtime's (pipeline.fetch_batch)
     job = elt.ElasticJob(model, optimizer, T.make_dataset(corpus, windows), global_batch_size=spec["batch"],
                          seed=spec["seed"], max_steps=spec["steps"], config=elt.RuntimeConfig.from_env(),
-                         balance=spec["balance"], collate_fn=collate, **spec["kwargs"])
+                         balance=spec["balance"], **spec["kwargs"])
     steps: list[list] = []
     with job:
         for batch in job:
@@ -193,7 +183,7 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
     `leave_after` steps at W; return the records, the joiner's log, h2's exit status."""
     from tests.testbed.hostpython import HOST_PYTHON
 
-    procs: dict[str, tuple[subprocess.Popen, object]] = {}
+    procs: dict[str, _bed.Rank] = {}
 
     def start(r: int) -> None:
         host = f"h{r + 1}"
@@ -202,9 +192,8 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
                "ELTCTL_WORKER_ID": f"{host}/cpu/{r}", "ELTCTL_DEVICE": "cpu",
                "ELTCTL_MIN_WORKERS": str(world - 1), "ELTCTL_MAX_WORKERS": str(world),
                "ELTCTL_BIND_ADDRESS": bed.address(host), "ELTCTL_HANG_TIMEOUT": "30"}
-        log = (workdir / f"{job}-{host}.log").open("w")
-        procs[host] = (bed.run_in(host, [HOST_PYTHON, script, "--events-worker", json.dumps(spec)], env=env,
-                                  stdout=subprocess.PIPE, stderr=log, text=True), log)
+        procs[host] = _bed.start_rank(bed, host, [HOST_PYTHON, script, "--events-worker", json.dumps(spec)], env,
+                                      workdir / f"{job}-{host}.log")
 
     for r in range(world - 1):
         start(r)
@@ -243,57 +232,39 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
         for host, (proc, log) in procs.items():
             if host == "h1":
                 continue
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            got = [ln for ln in out.splitlines() if ln.startswith("{")]
-            if not got:
+            record = _bed.last_record(proc, deadline)
+            if record is None:
                 raise EventJobFailed(f"{host} of job {job} ended without a record (exit {proc.returncode}); "
                                      f"logs in {workdir}")
-            records.append(json.loads(got[-1]))
+            records.append(record)
         procs["h1"][0].wait(60)
     except subprocess.TimeoutExpired:
         raise EventJobFailed(f"job {job} ran past {plan.timeout_s:g} s; logs in {workdir}") from None
     finally:
-        for proc, log in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            log.close()
+        _bed.stop_ranks(procs.values())
     joiner = (workdir / f"{job}-h{world}.log").read_text(errors="replace")
     return records, joiner, procs["h2"][0].returncode if sent_term else None
 
 
 def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, workdir: Path, *, script: str,
-               store_script: str, port: int, join_after: int, leave_after: int) -> tuple[list[dict], list[dict]]:
+               port: int, join_after: int, leave_after: int) -> tuple[list[dict], list[dict]]:
     """A bed per world (3 or more: h2 leaves and h1 stays rank 0), a store on h1; per
     link, one job per mode."""
-    from tests.testbed.hostpython import HOST_PYTHON, host_env
-    from tests.testbed.netns import IFNAME, Link, NetBed, shaping_missing_reason
+    from tests.testbed.netns import Link, NetBed
 
     rows: list[dict] = []
     skipped: list[dict] = []
-    base = host_env({"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GLOO_SOCKET_IFNAME": IFNAME,
-                     "OMP_NUM_THREADS": str(plan.threads), "PYTHONUNBUFFERED": "1",
-                     "PYTHONWARNINGS": "ignore::UserWarning"})
+    base = _bed.bed_env(plan.threads)
     for world in worlds:
         if world < 3:
             skipped += [{"mode": m, "world": world, "reason": "events need world 3 or more (h1 stays, h2 leaves, "
                                                               "the W-th joins)"} for m in modes]
             continue
-        runnable = []
-        for case in cases:
-            why = shaping_missing_reason(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
-            if why:
-                skipped += [{"mode": m, "world": world, **asdict(case), "reason": why} for m in modes]
-            else:
-                runnable.append(case)
+        runnable, unshaped = _bed.shapeable(cases, world, modes)
+        skipped += unshaped
         if not runnable:
             continue
-        with NetBed(world) as bed:
-            master = bed.address("h1")
-            store = bed.run_in("h1", [HOST_PYTHON, "-c", store_script, master, str(port)], env=base,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            if store.stdout.readline().strip() != "listening":
-                raise SystemExit(f"the job store did not start on {master} (exit {store.wait()})")
+        with NetBed(world) as bed, _bed.job_store(bed, "h1", port, base) as master:
             for case in runnable:
                 bed.reshape_all(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
                 for mode, kwargs in modes.items():
@@ -309,6 +280,4 @@ def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, wor
                     rows.append(summarize_events(mode, world, case.rate_mbit, case.delay_ms, records, joiner, rc,
                                                  plan.warmup))
                     print(render_events(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
-            store.stdin.close()
-            store.wait(30)
     return rows, skipped

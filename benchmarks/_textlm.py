@@ -242,6 +242,19 @@ def make_model(shape: LMShape, seed: int):
     return nn.Sequential(*layers)
 
 
+def rank_setup(spec: dict) -> tuple[bytes, LMShape, Windows, object]:
+    """What a rank of benchmarks/network.py builds from its spec before it trains (the
+    corpus file, shape, stride, seed and torch threads of the driver's plan): the
+    corpus, the shape, the windows and the model, the same on every rank and mode."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    corpus = Path(spec["corpus"]).read_bytes()
+    shape = LMShape(**spec["shape"])
+    windows = Windows(len(corpus), shape.context, spec["stride"])
+    return corpus, shape, windows, make_model(shape, spec["seed"])
+
+
 def loss_fn(model, batch):
     import torch.nn.functional as F
 

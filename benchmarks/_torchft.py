@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bed  # noqa: E402  (beside this file)
 import _textlm  # noqa: E402  (beside this file)
 
 MODE = "torchft_diloco"
@@ -140,36 +140,22 @@ def run_job(bed, world: int, name: str, plan: dict, sync_every: int, where: str,
     env = {**base_env, "PYTHONPATH": pythonpath(where, runtime_path()), "TORCHFT_USE_OTEL": "false",
            "TORCHFT_MANAGER_PORT": str(MANAGER_PORT)}
     lighthouse_addr = bed.address("h1")
-    lh_log = (workdir / f"{name}-lighthouse.log").open("w")
-    lighthouse = bed.run_in("h1", [HOST_PYTHON, "-c", _LIGHTHOUSE, f"{lighthouse_addr}:{LIGHTHOUSE_PORT}",
-                                   str(world), "60000"],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=lh_log, text=True)
-    procs = []
-    try:
-        if lighthouse.stdout.readline().strip() != "listening":
-            raise TorchftFailed(f"failed: torchft's lighthouse did not start on {lighthouse_addr} "
-                                f"(exit {lighthouse.wait()}); see {lh_log.name}")
-        for r in range(world):
-            host = f"h{r + 1}"
-            spec = {**plan, "rank": r, "world": world, "address": bed.address(host), "sync_every": sync_every,
-                    "lighthouse": f"http://{lighthouse_addr}:{LIGHTHOUSE_PORT}"}
-            log = (workdir / f"{name}-{host}.log").open("w")
-            procs.append((bed.run_in(host, [HOST_PYTHON, __file__, "--worker", json.dumps(spec)], env=env,
-                                     stdout=subprocess.PIPE, stderr=log, text=True), log))
-        return _collect(procs, name, plan["timeout_s"])
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            log.close()
-        lighthouse.stdin.close()
+    lighthouse = [HOST_PYTHON, "-c", _LIGHTHOUSE, f"{lighthouse_addr}:{LIGHTHOUSE_PORT}", str(world), "60000"]
+    procs: list[_bed.Rank] = []
+    with (workdir / f"{name}-lighthouse.log").open("w") as lh_log, _bed.serving(
+            bed, "h1", lighthouse, env, stderr=lh_log,
+            failed=lambda status: TorchftFailed(f"failed: torchft's lighthouse did not start on {lighthouse_addr} "
+                                                f"(exit {status}); see {lh_log.name}")):
         try:
-            lighthouse.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(lighthouse.pid, signal.SIGKILL)
-            lighthouse.wait()
-        lh_log.close()
+            for r in range(world):
+                host = f"h{r + 1}"
+                spec = {**plan, "rank": r, "world": world, "address": bed.address(host), "sync_every": sync_every,
+                        "lighthouse": f"http://{lighthouse_addr}:{LIGHTHOUSE_PORT}"}
+                procs.append(_bed.start_rank(bed, host, [HOST_PYTHON, __file__, "--worker", json.dumps(spec)], env,
+                                             workdir / f"{name}-{host}.log"))
+            return _collect(procs, name, plan["timeout_s"])
+        finally:
+            _bed.stop_ranks(procs)
 
 
 def _collect(procs: list, name: str, timeout_s: float) -> list[dict]:
@@ -177,16 +163,15 @@ def _collect(procs: list, name: str, timeout_s: float) -> list[dict]:
     records = []
     for proc, log in procs:
         try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            record = _bed.last_record(proc, deadline)
         except subprocess.TimeoutExpired:
             raise TorchftFailed(f"failed: torchft job {name} ran past {timeout_s:g} s; see {log.name}") from None
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
+        if proc.returncode != 0 or record is None:
             log.flush()
             tail = [t for t in Path(log.name).read_text(errors="replace").splitlines() if t.strip()][-1:]
             raise TorchftFailed(f"failed: a replica of torchft job {name} exited {proc.returncode}"
                                 f"{': ' + tail[0].strip() if tail else ''}; see {log.name}")
-        records.append(json.loads(lines[-1]))
+        records.append(record)
     return records
 
 
@@ -205,10 +190,7 @@ def worker(spec: dict) -> None:
 
     T = _textlm
     rank, world, addr = spec["rank"], spec["world"], spec["address"]
-    torch.set_num_threads(spec["threads"])
-    corpus = Path(spec["corpus"]).read_bytes()
-    shape = T.LMShape(**spec["shape"])
-    windows = T.Windows(len(corpus), shape.context, spec["stride"])
+    corpus, shape, windows, model = T.rank_setup(spec)  # the model first: make_model seeds torch's global RNG
     data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
     steps, batch = spec["steps"], spec["batch"]
     order = epoch_order(windows.train_samples, spec["seed"], 0)  # ElasticJob's own order and shares
@@ -219,7 +201,6 @@ def worker(spec: dict) -> None:
         offs = torch.tensor([windows.train_offset(i) for i in order[step * batch + lo: step * batch + hi]])
         return data[offs[:, None] + span].long(), data[offs + shape.context].long()
 
-    model = T.make_model(shape, spec["seed"])
     inner = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     outer = torch.optim.SGD(model.parameters(), **OUTER)
     heldout = T.heldout_batch(corpus, windows, spec["eval_samples"])

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from _eltctl_side import _Launcher  # noqa: E402
 
 BATCH = 42  # 1 : 1 : 1/3 splits it exactly: 18, 18, 6
@@ -146,9 +146,7 @@ def run(*, per_sample: float, steps: int, warmup: int, slowdown_at: int, progres
         "settled_vs_ideal": round(after / ideal_sd, 3) if after and ideal_sd else None,
     }
     out["targets"] = assess(out)
-    out["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version(),
-                      "loadavg_before": [round(x, 2) for x in load_before],
-                      "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+    out["machine"] = _report.machine(load_before)
     return out
 
 
@@ -183,12 +181,6 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -198,14 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slowdown-at", type=int, default=20)
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON object to this file")
     a = ap.parse_args(argv)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.time()
-    res = run(per_sample=a.per_sample, steps=a.steps, warmup=a.warmup, slowdown_at=a.slowdown_at, progress=say)
+    res = run(per_sample=a.per_sample, steps=a.steps, warmup=a.warmup, slowdown_at=a.slowdown_at,
+              progress=_report.say)
     res["wall_s"] = round(time.time() - t0, 1)
-    if a.save is not None:
-        a.save.write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1) if a.json else render(res))
-    return 0
+    return _report.emit(res, as_json=a.json, save=a.save, render=render)
 
 
 if __name__ == "__main__":

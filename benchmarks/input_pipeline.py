@@ -43,9 +43,7 @@ time; with spare cores (a GPU server) it costs the step nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -53,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from _baselines import measure_ddp_step_time  # noqa: E402
 from _eltctl_side import measure_eltctl_step_time  # noqa: E402
 
@@ -128,11 +127,7 @@ def run(*, rounds: int, steps: int, workers: int, prefetch: int, io_ms: float, t
         _target("pipeline vs DDP + DataLoader", DDP_TARGET, vs_ddp["median_ratio"]),
     ]
     return {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version(),
-                    "loadavg_before": [round(x, 2) for x in load_before],
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-                    "duration_s": round(time.time() - started, 1)},
+        "machine": _report.machine(load_before, started),
         "workload": {"model": "examples/toy.py MLP (64-1024-1024-1024-16, ~3.2 M parameters)", "world": WORLD,
                      "global_batch": 64, "samples": 8192, "optimizer": "SGD lr 0.01", "threads_per_rank": threads,
                      "data": f"RecordDataset: {io_ms:g} ms I/O wait (sleep) + zlib decode per sample",
@@ -159,12 +154,6 @@ def _median_of(rounds: list[dict], side: str) -> float | None:
 def _target(name: str, goal: float, ratio: float | None) -> dict[str, Any]:
     return {"name": name, "goal": f"<= {goal:.2f}x", "measured": "n/a" if ratio is None else f"{ratio:.3f}x",
             "met": None if ratio is None else ratio <= goal}
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def render(res: dict) -> str:
@@ -217,13 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON object to this file")
     a = ap.parse_args(argv)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     res = run(rounds=a.rounds, steps=a.steps, workers=a.workers, prefetch=a.prefetch_steps, io_ms=a.io_ms,
-              threads=a.threads, progress=say)
-    if a.save is not None:
-        a.save.write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1) if a.json else render(res))
-    return 0
+              threads=a.threads, progress=_report.say)
+    return _report.emit(res, as_json=a.json, save=a.save, render=render)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -61,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _textlm  # noqa: E402  (beside this file: the corpus and the model; torch only once built)
 import _torchft  # noqa: E402  (beside this file: torchft's DiLoCo on the bed; torchft only in its workers)
 import _events  # noqa: E402  (beside this file: --parts events, a join and a planned leave)
+import _bed  # noqa: E402  (beside this file: the cases, environment, ranks and servers on the bed)
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 29500  # each host has its own network stack: no other bed can hold this port
@@ -382,11 +382,7 @@ def train_worker(spec: dict) -> None:
     import eltctl_runtime as elt
 
     T = _textlm
-    torch.set_num_threads(spec["threads"])
-    corpus = Path(spec["corpus"]).read_bytes()
-    shape = T.LMShape(**spec["shape"])
-    windows = T.Windows(len(corpus), shape.context, spec["stride"])
-    model = T.make_model(shape, spec["seed"])
+    corpus, _shape, windows, model = T.rank_setup(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     heldout = T.heldout_batch(corpus, windows, spec["eval_samples"])
     first = spec["rank"] == 0
@@ -437,18 +433,6 @@ def train_worker(spec: dict) -> None:
 
 # --- training: the driver -----------------------------------------------------------------
 
-_STORE = """
-import sys
-from eltctl_runtime.store.server import StoreServer
-srv = StoreServer()
-srv.listen_tcp(sys.argv[1], int(sys.argv[2]))
-srv.start()
-print("listening", flush=True)
-sys.stdin.read()  # until the benchmark closes our stdin
-srv.stop()
-"""
-
-
 class JobFailed(Exception):
     """A training job ended without every rank's record (the message names its log)."""
 
@@ -489,27 +473,14 @@ def train_world(world: int, cases: list[Case], modes: dict[str, dict], plan: Tra
                 workdir: Path, torchft: str | None = None, sync_every: int = 16) -> tuple[list[dict], list[dict]]:
     """One bed of `world` hosts, a store on h1; for each link, one job per mode, then
     torchft's DiLoCo where `torchft` names where it is installed."""
-    from tests.testbed.hostpython import HOST_PYTHON, host_env
-    from tests.testbed.netns import IFNAME, Link, NetBed, shaping_missing_reason
+    from tests.testbed.netns import Link, NetBed
 
-    rows, skipped, runnable = [], [], []
-    for case in cases:
-        reason = shaping_missing_reason(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
-        if reason:
-            skipped += [{"mode": m, "world": world, **asdict(case), "reason": reason} for m in modes]
-        else:
-            runnable.append(case)
+    rows: list[dict] = []
+    runnable, skipped = _bed.shapeable(cases, world, modes)
     if not runnable or not (modes or torchft):
         return rows, skipped
-    base = host_env({"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GLOO_SOCKET_IFNAME": IFNAME,
-                     "OMP_NUM_THREADS": str(plan.threads), "PYTHONUNBUFFERED": "1",
-                     "PYTHONWARNINGS": "ignore::UserWarning"})
-    with NetBed(world) as bed:
-        master = bed.address("h1")
-        store = bed.run_in("h1", [HOST_PYTHON, "-c", _STORE, master, str(STORE_PORT)], env=base,
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        if store.stdout.readline().strip() != "listening":
-            raise SystemExit(f"the job store did not start on {master} (exit {store.wait()})")
+    base = _bed.bed_env(plan.threads)
+    with NetBed(world) as bed, _bed.job_store(bed, "h1", STORE_PORT, base) as master:
         for case in runnable:
             bed.reshape_all(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
             for mode, kwargs in modes.items():
@@ -538,8 +509,6 @@ def train_world(world: int, cases: list[Case], modes: dict[str, dict], plan: Tra
                 rows.append({**summarize_train(world, case, _torchft.MODE, records, plan.batch),
                              **_torchft.replica_fields(records, plan.steps, sync_every)})
                 print(render_train(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
-        store.stdin.close()
-        store.wait(30)
     return rows, skipped
 
 
@@ -556,28 +525,22 @@ def _run_job(bed, world: int, job: str, master: str, base: dict, mode: str, kwar
                "ELTCTL_WORKER_ID": f"{host}/cpu/{r}", "ELTCTL_DEVICE": "cpu",
                "ELTCTL_MIN_WORKERS": str(world), "ELTCTL_MAX_WORKERS": str(world),
                "ELTCTL_BIND_ADDRESS": bed.address(host), "ELTCTL_HANG_TIMEOUT": "30"}
-        log = (workdir / f"{job}-{host}.log").open("w")
-        procs.append((bed.run_in(host, [HOST_PYTHON, __file__, "--train-worker", json.dumps(spec)], env=env,
-                                 stdout=subprocess.PIPE, stderr=log, text=True), log))
+        procs.append(_bed.start_rank(bed, host, [HOST_PYTHON, __file__, "--train-worker", json.dumps(spec)], env,
+                                     workdir / f"{job}-{host}.log"))
     deadline = time.monotonic() + plan.timeout_s
     records = []
     try:
         for proc, log in procs:
             try:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                record = _bed.last_record(proc, deadline)
             except subprocess.TimeoutExpired:
                 raise JobFailed(f"failed: job {job} ran past {plan.timeout_s:g} s; see {log.name}") from None
-            lines = [line for line in out.splitlines() if line.startswith("{")]
-            if not lines:
+            if record is None:
                 raise JobFailed(f"failed: a rank of job {job} ended without a record (exit {proc.returncode}); "
                                 f"see {log.name}")
-            records.append(json.loads(lines[-1]))
+            records.append(record)
     finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            log.close()
+        _bed.stop_ranks(procs)
     return records
 
 
@@ -739,7 +702,7 @@ def run_events_part(args, cases: list[Case], worlds: list[int], modes: dict[str,
     corpus.write_bytes(_textlm.build_corpus(int(args.corpus_mb * 1e6)))
     plan = TrainPlan(str(corpus), asdict(shape), args.stride, args.steps, args.batch, args.lr, 0,
                      args.warmup, args.eval_samples, args.threads, args.job_timeout, not args.no_balance)
-    rows, skipped = _events.run_events(worlds, cases, modes, plan, workdir, script=__file__, store_script=_STORE,
+    rows, skipped = _events.run_events(worlds, cases, modes, plan, workdir, script=__file__,
                                        port=STORE_PORT, join_after=args.join_after, leave_after=args.leave_after)
     if args.keep_logs or any(s.get("failed") for s in skipped):
         print(f"the events jobs' logs are kept in {workdir}", file=sys.stderr)

@@ -40,9 +40,7 @@ across rounds) a re-rendezvous hangs here (see _baselines._Job.start_agent).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -51,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from _baselines import measure_ddp_step_time, measure_torchrun  # noqa: E402
 from _eltctl_side import base_env, measure_eltctl, measure_eltctl_step_time  # noqa: E402
 from _restart_side import measure_restart  # noqa: E402
@@ -192,11 +191,7 @@ def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=
             r["base_pause_s"] = b.get("pause_s")
             r["base_steps_lost"] = b.get("steps_lost")
     return {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version(),
-                    "loadavg_before": [round(x, 2) for x in load_before],
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-                    "duration_s": round(time.time() - started, 1)},
+        "machine": _report.machine(load_before, started),
         "workload": {"model": "examples/toy.py MLP (64-1024-1024-1024-16, ~3.2 M parameters)",
                      "samples": 8192, "global_batch": 64, "optimizer": "SGD lr 0.01",
                      "threads_per_worker": threads, "event_world": 3, "steady_world": 2,
@@ -210,12 +205,6 @@ def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=
         "targets": [t.to_dict() for t in assess(rows, steady)],
         "raw": {"eltctl": eltctl, "torchrun": torchrun, "restart": restart, "eltctl_base": eltctl_base},
     }
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def _fmt(x: Any, unit: str = "") -> str:
@@ -298,13 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a checkout of another revision (git worktree add DIR REV): its runtime runs beside this "
                          "one's, in the same run (events and alternating steady rounds)")
     a = ap.parse_args(argv)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    res = run(rounds=a.rounds, threads=a.threads, cap_s=a.cap, steady_steps=a.steady_steps, progress=say,
+    res = run(rounds=a.rounds, threads=a.threads, cap_s=a.cap, steady_steps=a.steady_steps, progress=_report.say,
               restart_mode=not a.no_restart_mode, base=a.base)
-    if a.save is not None:
-        a.save.write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1) if a.json else render(res))
-    return 0
+    return _report.emit(res, as_json=a.json, save=a.save, render=render)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ with a short transfer between pairs of hosts, over the SSH connections they hold
   fp32 all-reduce of the model's gradients (the job's reported bytes per step when
   known, else the rule of thumb: 200 MB, a 50 M-parameter model), beside a
   workstation GPU's step of about `STEP_COMPUTE_S`; it names `grad_dtype="bf16"` and
-  the local-steps mode (`sync="local"`, `sync_every=H`) and says which pays.
+  the local-steps mode (`sync="local"`, `sync_every=H`) and says which pays; where
+  bf16 is not enough, also the low-rank compressor (`compress="powersgd"`), which keeps
+  the steps synchronous for a compute of its own.
 
 Pure parts first (plan, figures, verdict, doctor's check), then the I/O.
 """
@@ -166,9 +168,16 @@ def allreduce_seconds(grad_bytes: float, mbit_s: float, world: int) -> float:
 class Advice:
     network_bound: bool  # the link, not the GPUs, sets a synchronous fp32 job's speed
     sync_s: float  # one synchronous fp32 all-reduce on this link
-    mode: str | None  # "bf16" or "local": which mode pays (None: none is needed)
+    mode: str | None  # "bf16" or "local": which mode pays (None: none is needed; "local" also names low rank)
     sync_every: int | None  # H for the local-steps mode
     text: str
+
+
+# Where bf16 is not enough: the synchronous alternative to local steps (docs/network.md
+# "Low-rank gradients"; its bytes depend on the model's matrices, so no time is given).
+LOW_RANK = ("low-rank gradients (ElasticJob(compress=\"powersgd\", compress_rank=4)) keep the steps synchronous "
+            "and send the big weight matrices as thin factors (100x fewer bytes in docs/network.md's run, the loss "
+            "within 1 %), for a compression compute of their own")
 
 
 def _mb(n: float) -> str:
@@ -197,7 +206,7 @@ def advice(mbit_s: float, world: int, grad_bytes: float | None = None) -> Advice
         mode, tail = "bf16", (f"{bf16}, within the compute: that pays here and keeps the steps synchronous; "
                               f"{local}")
     else:
-        mode, tail = "local", f"{local}: that pays here; {bf16}, still more than the compute"
+        mode, tail = "local", f"{local}: that pays here; {LOW_RANK}; {bf16}, still more than the compute"
     return Advice(True, t, mode, h, f"{head}: the network, not the GPUs, will set the job's speed. "
                                     f"{tail[0].upper()}{tail[1:]}")
 

@@ -116,6 +116,9 @@ def test_advice_names_the_network_and_the_mode_that_pays(mbit, world, grad, boun
         paying = a.text.index("that pays here")
         first = a.text.index('grad_dtype="bf16"') if mode == "bf16" else a.text.index('sync="local"')
         assert first < paying
+        # where bf16 is not enough, the low-rank compressor is named as the synchronous alternative
+        low_rank = a.text.find('ElasticJob(compress="powersgd", compress_rank=4)')
+        assert (low_rank > paying) if mode == "local" else (low_rank == -1)
     else:
         assert "the GPUs, not the network, set the job's speed" in a.text
     if grad is None:

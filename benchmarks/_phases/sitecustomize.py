@@ -102,9 +102,10 @@ def _patch(name, mod):
             mod.Generations.enter = _around(mod.Generations.enter, "enter")
         if name.endswith(".job"):
             cls = mod.ElasticJob
-            for m in ("_switch", "_before_group"):
-                if hasattr(cls, m):
-                    setattr(cls, m, _around(getattr(cls, m), m.strip("_"), m.strip("_") + "_end"))
+            # (no `switch` mark: ElasticJob._switch went in 6261e63, before the module paths above
+            # existed; entering a generation is Generations.enter, marked `enter`)
+            if hasattr(cls, "_before_group"):
+                cls._before_group = _around(cls._before_group, "before_group", "before_group_end")
             cls._planned_change = _around(cls._planned_change, "change")
             cls._drop_step = _around(cls._drop_step, "dropped")
             cls._recover = _around(cls._recover, "recover")

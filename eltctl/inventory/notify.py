@@ -77,20 +77,6 @@ def _headers(t: Table) -> Any:
     return tuple(pairs)
 
 
-def _events(t: Table) -> Any:
-    value = t.raw("events")
-    if value is ABSENT:
-        return NOTIFY_EVENTS
-    listed = ", ".join(f'"{e}"' for e in NOTIFY_EVENTS)
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        return t.fail("events", f"must be a list of event kinds ({listed}), {got(value)}")
-    bad = [v for v in value if v not in NOTIFY_EVENTS]
-    if bad:
-        return t.fail("events", f"names unknown event kind(s) {', '.join(show(b) for b in bad)}; choose from "
-                                f"{listed}")
-    return tuple(dict.fromkeys(value))
-
-
 def notify_settings(t: Table) -> NotifySettings:
     """[notify], checked (a key that failed keeps its default; the problem is reported)."""
     d = NotifySettings()
@@ -102,7 +88,7 @@ def notify_settings(t: Table) -> NotifySettings:
         timeout=t.duration("timeout", d.timeout, positive=True),
         retries=t.integer("retries", d.retries, lo=0, hi=10, meaning=" (attempts after the first)"),
         stall_after=t.duration("stall_after", d.stall_after, positive=True),
-        events=_events(t),
+        events=t.names("events", NOTIFY_EVENTS, NOTIFY_EVENTS, noun="event kind"),
     )
     return NotifySettings(**{k: (getattr(d, k) if v is BAD else v) for k, v in values.items()})
 

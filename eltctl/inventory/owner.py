@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from eltctl.inventory.tables import ABSENT, BAD, Table, got, show
+from eltctl.inventory.tables import ABSENT, BAD, Table, got
 from eltctl_runtime.owner import SIGNALS, OwnerPolicy
 
 OWNER_KEYS = ("owner_signals", "owner_idle_to_start", "owner_active_within", "owner_start_load",
@@ -41,24 +41,10 @@ def _number(t: Table, key: str) -> Any:
     return float(value)
 
 
-def _signals(t: Table) -> Any:
-    value = t.raw("owner_signals")
-    if value is ABSENT:
-        return ABSENT
-    listed = ", ".join(f'"{s}"' for s in SIGNALS)
-    if not isinstance(value, list):
-        return t.fail("owner_signals", f"must be a list of {listed} (or [] for none), {got(value)}")
-    bad = [v for v in value if v not in SIGNALS]
-    if bad:
-        return t.fail("owner_signals", f"names unknown signal(s) {', '.join(show(b) for b in bad)}; "
-                                       f"choose from {listed}")
-    return tuple(dict.fromkeys(value))
-
-
 def owner_values(t: Table) -> tuple[tuple[str, Any], ...]:
     """The owner keys written in table `t`, checked, as (OwnerPolicy field, value) pairs."""
     values = {
-        "signals": _signals(t),
+        "signals": t.names("owner_signals", ABSENT, SIGNALS, noun="owner signal"),
         "idle_to_start": t.duration("owner_idle_to_start", ABSENT, positive=False),
         "active_within": t.duration("owner_active_within", ABSENT, positive=False),
         "start_load": _number(t, "owner_start_load"),

@@ -287,6 +287,21 @@ class Table:
             return self.fail(key, f"must be one of {listed}, {got(value)}{hint}")
         return value
 
+    def names(self, key: str, default: Any, options: Sequence[str], *, noun: str) -> Any:
+        """A list of names from `options` (`[notify] events`, `owner_signals`), in its
+        order without repeats; [] is none. `noun` says what one name is ("event kind")."""
+        value = self.raw(key)
+        if value is ABSENT:
+            return default
+        listed = ", ".join(json.dumps(o) for o in options)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            fix = f"; write {key} = [{show(value)}]" if isinstance(value, str) else ""
+            return self.fail(key, f"must be a list of {noun}s ({listed}; [] for none), {got(value)}{fix}")
+        bad = [v for v in value if v not in options]
+        if bad:
+            return self.fail(key, f"names unknown {noun}(s) {', '.join(show(b) for b in bad)}; choose from {listed}")
+        return tuple(dict.fromkeys(value))
+
     def patterns(self, key: str) -> Any:
         """A list of gitignore patterns (`[job] exclude`, `include`: eltctl/hosts/ignore.py)."""
         from eltctl.hosts.ignore import check_pattern

@@ -1,5 +1,6 @@
 """The inventory keys the control plane added: [job] shared_filesystem, [policy]
-watch_interval / bench_after / hang_timeout, [controller] address and store."""
+watch_interval / bench_after / hang_timeout, [controller] address and store; and the
+one rule for a list of names ([policy] and a host's owner_signals, [notify] events)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,36 @@ def test_job_mode_and_stop_grace():
     (BASE + 'max_restarts = -1\n' + HOST, "hosts.toml:4: job.max_restarts: must be >= 0 (0: never stop), got -1"),
 ])
 def test_job_mode_mistakes_have_exact_messages(text, message):
+    with pytest.raises(ConfigError) as info:
+        parse_inventory(text, "hosts.toml")
+    assert info.value.message == message
+
+
+SIGNALS = '"login", "keyboard", "load", "memory"'
+
+
+def test_owner_signals_and_notify_events_read_a_list_of_names_in_order_without_repeats():
+    inv = parse_inventory(BASE + '[policy]\nowner_signals = ["load", "login", "load"]\n[notify]\nevents = []\n'
+                          + HOST + 'owner_signals = []\n', "hosts.toml")
+    assert inv.owner.signals == ("load", "login") and inv.notify.events == ()
+    assert inv.owner_policy(inv.hosts[0]).signals == ()  # the host's own [] over [policy]'s
+
+
+@pytest.mark.parametrize("text, message", [
+    # one rule (inventory/tables.py Table.names) for [policy] owner_signals, a host's and [notify] events
+    (BASE + '[policy]\nowner_signals = "login"\n' + HOST,
+     f'hosts.toml:5: policy.owner_signals: must be a list of owner signals ({SIGNALS}; [] for none), got a string '
+     '("login"); write owner_signals = ["login"]'),
+    (BASE + '[policy]\nowner_signals = ["login", "mouse", 3]\n' + HOST,
+     f'hosts.toml:5: policy.owner_signals: must be a list of owner signals ({SIGNALS}; [] for none), got an array '
+     "(['login', 'mouse', 3])"),
+    (BASE + HOST + 'owner_signals = ["login", "mouse"]\n',
+     f'hosts.toml:7: hosts[0].owner_signals (host "a"): names unknown owner signal(s) "mouse"; choose from {SIGNALS}'),
+    (BASE + '[notify]\nevents = "failed"\n' + HOST,
+     'hosts.toml:5: notify.events: must be a list of event kinds ("finished", "failed", "paused", "resumed", '
+     '"stalled", "benched", "quota", "forged"; [] for none), got a string ("failed"); write events = ["failed"]'),
+])
+def test_a_list_of_names_names_the_key_the_choices_and_the_fix(text, message):
     with pytest.raises(ConfigError) as info:
         parse_inventory(text, "hosts.toml")
     assert info.value.message == message

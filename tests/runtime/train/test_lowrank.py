@@ -268,23 +268,32 @@ def test_compressed_training_across_a_resize_matches_the_loss_and_stays_identica
     assert abs(low["loss"] - plain["loss"]) <= 0.10 * plain["loss"], (low["loss"], plain["loss"])
 
 
+def _two_bound_ranks(group: str, body) -> dict:
+    """body(r, model, opt, path, store) on two thread ranks, each with _model, SGD (lr
+    0.05) and a LowRankPath bound to gloo group `group` of `store` (members "a", "b");
+    returns each rank's result."""
+    store = torch.distributed.HashStore()
+    init = threading.Lock()
+
+    def run(r: int):
+        with init:
+            model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        path = LowRankPath(list(model.parameters()), bucket_mb=0.01)
+        path.bind(gloo_group(store, group, r, 2), r, ["a", "b"], threading.Event())
+        return body(r, model, opt, path, store)
+
+    return run_threads({r: (lambda r=r: run(r)) for r in range(2)})
+
+
 def test_a_step_that_does_not_commit_leaves_the_residual_and_q_and_a_new_generation_resets_them():
     """Two ranks: a committed step sets the residual E and Q; a step whose gradients were
     exchanged but that is redone (zero without step, as after an out-of-memory) and one
     that is dropped (drop) leave E, Q and the parameters as they were; the next committed
     step moves them again; binding a new group (a new generation) zeroes E and puts Q back
     to the seeded start on every rank alike."""
-    store = torch.distributed.HashStore()
-    init = threading.Lock()
 
-    def run(r: int) -> dict:
-        with init:
-            model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        params = list(model.parameters())
-        path = LowRankPath(params, bucket_mb=0.01)
-        members = ["a", "b"]
-        path.bind(gloo_group(store, "g1", r, 2), r, members, threading.Event())
+    def run(r: int, model, opt, path, store) -> dict:
         seeded = path.lowrank._q.clone()
 
         def exchange(step: int) -> None:
@@ -312,11 +321,11 @@ def test_a_step_that_does_not_commit_leaves_the_residual_and_q_and_a_new_generat
         path.step(opt, None, threading.Event())
         path.zero()
         after_two = snapshot()
-        path.bind(gloo_group(store, "g2", r, 2), r, members, threading.Event())
+        path.bind(gloo_group(store, "g2", r, 2), r, ["a", "b"], threading.Event())
         return {"seeded": seeded, "one": after_one, "redo": after_redo, "drop": after_drop, "two": after_two,
                 "rebound": snapshot()}
 
-    out = run_threads({r: (lambda r=r: run(r)) for r in range(2)})
+    out = _two_bound_ranks("g1", run)
     for r in range(2):
         o = out[r]
         err, q, digest = o["one"]
@@ -371,17 +380,10 @@ def test_with_a_grad_scaler_the_residual_follows_the_scale_and_a_skipped_step_ke
     2, the scale's growth (E is held in scaled units); a step with an inf gradient on
     rank 0 alone is skipped on both ranks (the inf reaches every rank through P), keeps
     Q and the parameters, and halves E with the halved scale."""
-    store = torch.distributed.HashStore()
-    init = threading.Lock()
 
-    def run(r: int) -> dict:
-        with init:
-            model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    def run(r: int, model, opt, path, _store) -> dict:
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
         params = list(model.parameters())
-        path = LowRankPath(params, bucket_mb=0.01)
-        path.bind(gloo_group(store, "s", r, 2), r, ["a", "b"], threading.Event())
 
         def step(n: int, poison: bool) -> bool:
             mine = torch.arange(n * 16, n * 16 + 16)[r::2]
@@ -405,7 +407,7 @@ def test_with_a_grad_scaler_the_residual_follows_the_scale_and_a_skipped_step_ke
                          torch.equal(path.lowrank._q, q), _digest(model) == digest)
         return out
 
-    out = run_threads({r: (lambda r=r: run(r)) for r in range(2)})
+    out = _two_bound_ranks("s", run)
     for r in range(2):
         skipped, pending, err, scale = out[r]["first"]
         assert not skipped and scale == 2048.0 and err.abs().max() > 0
