@@ -65,9 +65,10 @@ def _worker(cfg: dict, rank: int, store_path: str, out) -> None:
         lay = zero.shard_layout(params, opt, members, cfg["replicas"], sharded.BUCKET_MB)
         sg = zero.ShardedGradients(params, opt, lay, rank, cfg["shard"])
         sg.bind()
-        sg._prepare_step = _timed(phases, "prepare", sg._prepare_step)
-        sg.gather_bucket = _timed(phases, "launch_gather", sg.gather_bucket)
-        shard_step = sg._step_shard
+        stepper = sg.stepper  # (the step's parts are the stepper's: timed on it)
+        stepper.prepare = _timed(phases, "prepare", stepper.prepare)
+        stepper.gather_bucket = _timed(phases, "launch_gather", stepper.gather_bucket)
+        shard_step = stepper._step_shard
 
         def stepped():  # the optimizer's own work, without the gathers launched between its buckets
             it = shard_step()
@@ -78,7 +79,7 @@ def _worker(cfg: dict, rank: int, store_path: str, out) -> None:
                 if b is None:
                     return
                 yield b
-        sg._step_shard = stepped
+        stepper._step_shard = stepped
         hooks.enter_context(sg.attached())
         begin, finish, step, zero_grad = (lambda: sg.begin(pg)), sg.finish, sg.step, sg.zero_grad
     for _ in range(cfg["steps"]):

@@ -46,32 +46,34 @@ def break_in_gather(spec: str, how: str) -> None:
     by the optimizer's steps), after its shard stepped and after gathering the first
     BUCKETS buckets with the others (0: exactly between the shard's step and the gather):
     `how` "die": it SIGKILLs itself; "abort": it raises Aborted once (the generation is
-    aborted, nobody dies). The wrapper replaces ShardedGradients.gather_params, which
-    launches each bucket's gather as the shard's step yields it: it steps the shard to the
-    end, launching only the first BUCKETS gathers."""
+    aborted, nobody dies). The wrapper replaces Stepper.gather_params (the sharded step's),
+    which launches each bucket's gather as the shard's step yields it: it steps the shard to
+    the end, launching only the first BUCKETS gathers."""
     from eltctl_runtime.member import collectives
-    from eltctl_runtime.train.zero import ShardedGradients
+    from eltctl_runtime.train.zero.stepper import Stepper
 
     at_step, n = (int(x) for x in spec.split(":"))
-    real = ShardedGradients.gather_params
+    real = Stepper.gather_params
     done = []
 
     def gather(self, stepped=None):
         # Called before the shard's step runs (`stepped` drives it): this is step steps_taken() + 1.
-        if self.rank == 1 and self.layout.world > 1 and self.steps_taken() + 1 >= at_step and not done:
+        lay = self.place.layout
+        if self.place.rank == 1 and lay.world > 1 and self.buffers.steps_taken() + 1 >= at_step and not done:
             done.append(True)
             works = []
-            for b in (stepped if stepped is not None else range(len(self.layout.buckets))):
+            for b in (stepped if stepped is not None else range(len(lay.buckets))):
                 if b < n:
                     works.append(self.gather_bucket(b))
             for w in works:
                 w.wait()
             if how == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise collectives.Aborted(f"test: the all-gather of step {self.steps_taken()} broken after {n} buckets")
+            raise collectives.Aborted(f"test: the all-gather of step {self.buffers.steps_taken()} broken after "
+                                      f"{n} buckets")
         return real(self, stepped)
 
-    ShardedGradients.gather_params = gather
+    Stepper.gather_params = gather
 
 
 def abort_before_restore_check() -> None:

@@ -4,12 +4,14 @@
 One module per concern:
 
 - `optim`: which optimizers shard, and the state they keep per parameter;
-- `layout` (pure): which rank holds which chunk of which bucket (`plan_shards`);
-- `buffers`, `reducer`, `stepper`: the three parts of one rank's `ShardedGradients`
-  (`sharded`): its buffers and views, the gradient reduction, the step;
+- `layout` (pure): which rank holds which chunk of which bucket (`plan_shards`), and a
+  rank's `Placement` in it;
+- `buffers`, `reducer`, `stepper`: the three collaborators one rank's `ShardedGradients`
+  (`sharded`) holds: `ShardBuffers` (its buffers, views and optimizer state), `Reducer`
+  (the gradient reduction), `Stepper` (the step);
 - `sharded`: `ShardedGradients` and its state in and out (state dicts, checkpoint parts);
 - `resharding`: the transfer plan (pure) and the live move of the shards;
-- `prepare`: host memory touched ahead of a move; `hostmem`: carving it;
+- `prepare`: host memory touched ahead of a move (`MemoryPreparation`); `hostmem`: carving it;
 - `path`: `ShardedPath`, the job's sharded gradient path.
 - `checkpoint`: sharded checkpoints (each rank's shard file, the restore of its chunks).
 

@@ -14,7 +14,7 @@ buffers) serves the new layout's first step well, and must not be held back for 
 
 A `Recycler` holds the byte ranges of buffers that died and carves new buffers out of
 them, best fit; what does not fit is allocated as before. The sharded path gives it the
-old layout's pre-step copy (one allocation, ShardedGradients._spare) as a reshard
+old layout's pre-step copy (one allocation, Stepper._spare) as a reshard
 starts, and memory touched ahead: a joiner's, touched before it asks to be admitted
 (ShardedPath.prepare_join), or a member's, touched while the job holds a queued joiner
 back for it (ShardedPath.ready_for_join); the new layout's bind and move take from it; once the move

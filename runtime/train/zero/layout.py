@@ -200,7 +200,74 @@ def shard_layout(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                        [p.element_size() for p in params], members, replicas, bucket_bytes)
 
 
+def members_layout(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, worker_ids,
+                   replicas: int = 1, bucket_mb: float = 25.0) -> ShardLayout:
+    """The layout of the workers `worker_ids` (in rank order) for `params` (pure)."""
+    return shard_layout(params, optimizer, [member_of(m) for m in worker_ids], replicas, bucket_mb)
+
+
 def member_of(worker_id: str) -> Member:
     """A worker id as a layout member: its host is the id's first "/"-part
     (`host/device/pid`, the daemon's ids), else the whole id."""
     return Member(worker_id, host_of(worker_id))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One rank's place in a layout (pure, fixed for the life of its path): the chunks it
+    holds, where each bucket's chunk starts in a held chunk's section, each parameter's
+    bucket, and where these lie in a padded buffer (views, never copies). The buffers, the
+    reducer and the stepper of a ShardedGradients are each handed the same one."""
+
+    layout: ShardLayout
+    rank: int
+    shard: str  # "optimizer" (ZeRO-1) or "gradients" (ZeRO-2)
+    held: tuple[int, ...]  # its own chunk first, then those it backs up
+    full: bool  # every chunk is held here: the step needs no collective after the reduction
+    offsets: tuple[int, ...]  # per bucket: where its chunk starts in a section of its group
+    bucket_of: tuple[int, ...]  # per parameter: its bucket
+
+    @classmethod
+    def of(cls, layout: ShardLayout, rank: int, shard: str) -> "Placement":
+        held = layout.held(rank)
+        bucket_of = [0] * len(layout.slots)
+        for b, bucket in enumerate(layout.buckets):
+            for i in bucket.params:
+                bucket_of[i] = b
+        # Every rank holds every chunk (shard_replicas=2 at 2 ranks, or 1 rank): the step needs
+        # no collective after the gradients' all-reduce (Stepper._step_local).
+        return cls(layout, rank, shard, held, len(held) == layout.world, layout.chunk_offsets(), tuple(bucket_of))
+
+    def in_place(self, h: int) -> bool:
+        """Held chunk h is stepped in the parameters' own buffer: this rank's own chunk
+        (h 0, which the all-gather then sends from where it lies) or, where every chunk is
+        held here (`full`, no all-gather), every chunk. A backup (h > 0) of a sharded
+        layout steps a copy: the all-gather writes the chunk's parameters from its primary
+        while the backup steps."""
+        return h == 0 or self.full
+
+    def geometry(self, g: int) -> tuple:
+        """Where group g's buckets lie in its padded buffer (start, padded width)."""
+        lay = self.layout
+        return (lay.groups[g],) + tuple((b.pstart, b.chunk * lay.world) for b in lay.buckets if b.group == g)
+
+    def param_view(self, flats, i: int):
+        """Parameter i's elements in the padded buffer of its group among `flats` (one per group)."""
+        return self.param_in(flats[self.layout.slots[i].group], i)
+
+    def param_in(self, flat, i: int):
+        """Parameter i's elements in a padded buffer of its group."""
+        slot = self.layout.slots[i]
+        b = self.layout.buckets[self.bucket_of[i]]
+        at = b.pstart + slot.offset - b.start
+        return flat[at:at + slot.numel]
+
+    def chunk_of(self, flat, b: int, j: int):
+        """Chunk j of bucket b in a padded buffer of its group."""
+        bucket = self.layout.buckets[b]
+        return flat[bucket.pstart + j * bucket.chunk:bucket.pstart + (j + 1) * bucket.chunk]
+
+    def section(self, t, g: int, h: int):
+        """Held chunk h's section of `t` (one section per held chunk, of group g)."""
+        n = self.layout.shard_len(g)
+        return t[h * n:(h + 1) * n]

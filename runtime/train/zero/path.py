@@ -3,12 +3,13 @@
 `ShardedPath` (gradients.GradientPath) plans each generation's layout from its members
 (layout.py), moves the shards to it (resharding.py), settles a step in doubt, takes up a
 restore, and runs the job's step through this rank's ShardedGradients (sharded.py). The
-host memory its moves allocate is touched ahead by its other part (prepare.py).
+host memory its moves allocate is touched ahead by the MemoryPreparation it owns (prepare.py).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import threading
@@ -25,9 +26,9 @@ from .. import gradients, state as state_mod
 from ..state import dtype_named
 from . import resharding
 from .hostmem import Recycler
-from .layout import ShardLayout, member_of, param_groups_of, shard_layout
+from .layout import ShardLayout, member_of, members_layout, param_groups_of
 from .optim import SHARD_MODES, check_optimizer
-from .prepare import _MemoryPreparation
+from .prepare import MemoryPreparation
 from .resharding import ShardsLost
 from .sharded import ShardedGradients
 
@@ -38,7 +39,7 @@ ChunkLoader = Callable[[dict, ShardedGradients, Any, str, "threading.Event | Non
 log = logging.getLogger("eltctl_runtime")
 
 
-class ShardedPath(_MemoryPreparation, gradients.GradientPath):
+class ShardedPath(gradients.GradientPath):
     """ElasticJob's sharded gradient path (gradients.GradientPath over ShardedGradients).
 
     Per generation the job calls `bind` (the group), agrees on the replicated
@@ -89,7 +90,9 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
         # construction: train/checkpoints.py JobCheckpoints.restore_chunks, over
         # train/zero/checkpoint.py's; path.py does not import the checkpoint modules).
         self._load_chunks = restore_chunks
-        self._init_preparation()
+        # Host memory touched ahead of this rank's moves (CPU only): handed to new_path's recycler.
+        self._prep = MemoryPreparation(params, optimizer, shard, functools.partial(
+            members_layout, params, optimizer, replicas=replicas, bucket_mb=bucket_mb))
         self._touched_ahead = 0  # of the move under way: bytes its recycler got touched ahead (logged)
 
     # -- read-only views
@@ -106,7 +109,7 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
     # -- layout
     def layout_of(self, members) -> ShardLayout:
         """The layout of `members` (worker ids, in rank order) for this path's parameters (pure)."""
-        return shard_layout(self._params, self._opt, [member_of(m) for m in members], self.replicas, self._bucket_mb)
+        return members_layout(self._params, self._opt, members, self.replicas, self._bucket_mb)
 
     @property
     def _restoring(self) -> bool:
@@ -172,7 +175,7 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
         if sg is None or not sg.step_in_doubt:
             return
         if self._restoring:
-            sg._undo = None  # restored from a checkpoint: state and parameters come from it
+            sg.forget_step_in_doubt()  # restored from a checkpoint: state and parameters come from it
             return
         keep = committed_now > committed_before
         log.warning("sharded: the step after %d was dropped after this rank's shard stepped (its parameter "
@@ -197,7 +200,7 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
         collectives.wait_work(collectives.allreduce_async(self.pg, flag, dist.ReduceOp.MAX), self.abort)
         if float(flag[0]) == 0.0:
             self._peer_members = None
-            sg._pg, sg._abort = self.pg, self.abort
+            sg.use_group(self.pg, self.abort)
             self._log_move("reshard", len(new_members), len(new_members), time.perf_counter() - t0, 0.0,
                            {"kept": True})
             return
@@ -223,7 +226,7 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
         elif old_lay is not None:
             moved = resharding.reshard(old_lay, new_lay, self.pg, new_members, old=self.sg, new=new, abort=self.abort,
                             resend_params=self._resend_params)
-        new._pg, new._abort = self.pg, self.abort  # full_state_dict before the first step
+        new.use_group(self.pg, self.abort)  # full_state_dict before the first step
         memory = self._take_up(new, new_lay)
         self._resend_params = False
         self._pending_full = self._pending_ckpt = self._peer_members = None
@@ -238,11 +241,8 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
         touched ahead: a joiner's (prepare_join, while it waited) or a member's
         (ready_for_join / ready_for_leave, while the job held a joiner or a leave back)."""
         new = ShardedGradients(self._params, self._opt, lay, rank, self.shard)
-        prep, self._member_prep = self._member_prep, None
+        rec = self._prep.take()  # (off the CPU nothing was touched ahead: an empty one, unused)
         if self.device.type == "cpu":
-            rec, self._joiner_memory = self._joiner_memory or Recycler(), None
-            if prep is not None:
-                rec.give(prep.take())
             self._touched_ahead = rec.free_bytes
             if self.sg is not None:
                 rec.give(*self.sg.take_spares(), *(self.sg.take_state() if restoring else ()))
@@ -295,9 +295,48 @@ class ShardedPath(_MemoryPreparation, gradients.GradientPath):
         lay, sg = self.layout, self.sg
         if lay is None or sg is None or sg.steps_taken() == 0:
             return [0] * (lay.world if lay else 0)
-        per_chunk = sum(lay.shard_len(g) * dtype_named(d).itemsize * len(sg._names(g))
+        per_chunk = sum(lay.shard_len(g) * dtype_named(d).itemsize * len(sg.buffers.names(g))
                         for g, (d, _pg) in enumerate(lay.groups))
         return [len(lay.held(r)) * per_chunk for r in range(lay.world)]
+
+    # -- host memory touched ahead of a move (CPU only: prepare.py)
+    @property
+    def joiner_memory(self) -> Recycler | None:
+        """The memory prepare_join touched and holds for the first layout (None: none held)."""
+        return self._prep.joiner_memory
+
+    @property
+    def preparing(self) -> bool:
+        """A member's preparation (ready_for_join / ready_for_leave) is under way or done and not taken yet."""
+        return self._prep.preparing
+
+    def prepare_join(self, world: int, stop: threading.Event, prepared: threading.Event | None = None) -> None:
+        """A joiner about to ask to be admitted to a job that will then have `world` members
+        touches its first layout's host memory now (MemoryPreparation.prepare_join)."""
+        if self.device.type != "cpu" or self.sg is not None or world < 1:
+            return
+        self._prep.prepare_join(world, stop, prepared)
+
+    def _prepares(self) -> bool:
+        """Whether this rank's moves allocate host memory worth touching ahead (a CPU path
+        with a layout: it has state to move)."""
+        return self.device.type == "cpu" and self.sg is not None and self.layout is not None
+
+    def ready_for_join(self, world: int) -> bool:
+        """A joiner is queued: False while this member still touches the host memory its next
+        layout's move allocates afresh (MemoryPreparation.ready_for_join); True where there
+        is nothing to prepare (not the CPU, no layout yet)."""
+        if not self._prepares():
+            return True
+        return self._prep.ready_for_join(world, self.sg, list(self.members), self.rank)
+
+    def ready_for_leave(self, leaving) -> bool:
+        """The last commit asked for `leaving` to leave: False while this survivor still
+        touches the host memory its hand-over allocates afresh (MemoryPreparation.ready_for_leave);
+        True where nothing is ever prepared (not the CPU, no layout yet)."""
+        if not self._prepares():
+            return True
+        return self._prep.ready_for_leave(leaving, self.sg, list(self.members), self.rank)
 
     # -- the step
     def begin(self, tail_size: int) -> None:

@@ -8,8 +8,12 @@ touched before the pause, on a helper thread, and the move carves its buffers ou
 joiner back (`ready_for_join`), the survivors of a planned leave theirs while the job
 holds the leave back (`ready_for_leave`).
 
-`_MemoryPreparation` is one part of ShardedPath (path.py), which hands what was touched
-to the new path's recycler (`ShardedPath.new_path`).
+`MemoryPreparation` owns what is touched ahead (a joiner's memory, a member's preparation
+under way) and is handed the parameters, the script's optimizer, the shard mode and the
+layout planner (layout.members_layout over the path's replicas and bucket size, pure); the
+path that owns it (no reference back to it) says where it stands (its current
+ShardedGradients, members and rank) at each call, and hands what was touched to the new
+path's recycler (`take`, from `ShardedPath.new_path`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ..state import dtype_named
 from . import hostmem
 from .buffers import line_bytes as _line
 from .hostmem import Recycler
+from .layout import ShardLayout
 from .sharded import ShardedGradients
 
 log = logging.getLogger("eltctl_runtime")
@@ -58,7 +63,7 @@ class _Toucher:
 
     def __init__(self, need: Callable[[], int], name: str, key: Any = None) -> None:
         self.t0 = time.monotonic()
-        self.key = key  # what it prepares for (ShardedPath._ready_for)
+        self.key = key  # what it prepares for (MemoryPreparation._ready_for)
         self.stop, self.done = threading.Event(), threading.Event()
         self._buf: torch.Tensor | None = None
         self._thread = threading.Thread(target=self._run, args=(need,), name=name, daemon=True)
@@ -79,10 +84,17 @@ class _Toucher:
         return buf if buf is not None and buf.numel() else None
 
 
-class _MemoryPreparation:
-    """prepare_join, ready_for_join and ready_for_leave of ShardedPath (module docstring)."""
+class MemoryPreparation:
+    """What ShardedPath's prepare_join, ready_for_join and ready_for_leave touch ahead
+    (module docstring). Owns the memory touched; handed what it needs to size a layout's
+    buffers. Touching ahead is for the CPU only: the path calls it only there."""
 
-    def _init_preparation(self) -> None:
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, shard: str,
+                 layout_of: Callable[[list[str]], ShardLayout]) -> None:
+        self._params = params
+        self._opt = optimizer
+        self._shard = shard
+        self._layout_of = layout_of  # worker ids in rank order -> their layout (pure)
         self._joiner_memory: Recycler | None = None  # prepare_join's, for the first layout's buffers
         self._member_prep: _Toucher | None = None  # ready_for_join's, for the next layout's buffers
 
@@ -96,18 +108,25 @@ class _MemoryPreparation:
         """A member's preparation (ready_for_join / ready_for_leave) is under way or done and not taken yet."""
         return self._member_prep is not None
 
+    def take(self) -> Recycler:
+        """What was touched ahead (a joiner's memory, a member's preparation, stopped now),
+        in one Recycler for a new path's buffers; nothing is held here any more."""
+        prep, self._member_prep = self._member_prep, None
+        rec, self._joiner_memory = self._joiner_memory or Recycler(), None
+        if prep is not None:
+            rec.give(prep.take())
+        return rec
+
     def prepare_join(self, world: int, stop: threading.Event, prepared: threading.Event | None = None) -> None:
-        """A joiner about to ask to be admitted to a job that will then have `world` members:
-        the host memory its first layout's bind and reshard allocate (host_bytes), allocated
-        and touched now (on the caller's thread, in slices until `stop` is set; then
-        `prepared` is set and the joiner asks), so that its reshard and first step carve
-        their buffers out of it instead of faulting pages in inside the pause. The layout is
-        a guess (any `world` members; the sizes depend only on how many): where it is wrong,
-        the rest is allocated as before."""
-        if self.device.type != "cpu" or self.sg is not None or world < 1:
-            return
-        lay = self.layout_of([f"joining-{i}" for i in range(world)])
-        need = ShardedGradients(self._params, self._opt, lay, world - 1, self.shard).host_bytes()
+        """A joiner (no layout yet) about to ask to be admitted to a job that will then have
+        `world` members: the host memory its first layout's bind and reshard allocate
+        (host_bytes), allocated and touched now (on the caller's thread, in slices until
+        `stop` is set; then `prepared` is set and the joiner asks), so that its reshard and
+        first step carve their buffers out of it instead of faulting pages in inside the
+        pause. The layout is a guess (any `world` members; the sizes depend only on how
+        many): where it is wrong, the rest is allocated as before."""
+        lay = self._layout_of([f"joining-{i}" for i in range(world)])
+        need = ShardedGradients(self._params, self._opt, lay, world - 1, self._shard).host_bytes()
         rec = Recycler()
         rec.give(_touched(need, stop))
         if prepared is not None:
@@ -119,48 +138,41 @@ class _MemoryPreparation:
         else:
             rec.release()
 
-    def _prepares(self) -> bool:
-        """Whether this rank's moves allocate host memory worth touching ahead (a CPU path
-        with a layout: it has state to move)."""
-        return self.device.type == "cpu" and self.sg is not None and self.layout is not None
-
-    def ready_for_join(self, world: int) -> bool:
-        """A joiner is queued and this member's next layout will have `world` members: False
-        while this rank still touches the host memory that layout's move allocates afresh
-        (_member_need) on a helper thread, started at the first call; True once that is done,
-        where there is nothing to prepare (not the CPU, no layout yet, no more members), or
-        MEMBER_PREPARE_MAX_S after the first call. The job holds the join back while any rank
-        says False (job.py), so the reshard carves its buffers out of memory touched while the
-        job still trained instead of faulting pages in inside the pause (a ZeRO-1 member's
-        200 MB of fresh state at a join 1 -> 2 took 0.5-1.4 s to fault in on this project's VMs)."""
-        members = list(self.members)
-        if not self._prepares() or world <= len(members):
+    def ready_for_join(self, world: int, sg: ShardedGradients, members: list[str], rank: int) -> bool:
+        """A joiner is queued and this member's (its path `sg`, at `rank` of `members`) next
+        layout will have `world` members: False while this rank still touches the host
+        memory that layout's move allocates afresh (_member_need) on a helper thread,
+        started at the first call; True once that is done, where there are no more members,
+        or MEMBER_PREPARE_MAX_S after the first call. The job holds the join back while any
+        rank says False (job.py), so the reshard carves its buffers out of memory touched
+        while the job still trained instead of faulting pages in inside the pause (a ZeRO-1
+        member's 200 MB of fresh state at a join 1 -> 2 took 0.5-1.4 s to fault in on this
+        project's VMs)."""
+        if world <= len(members):
             return True
-        return self._ready_for(members + [f"joining-{i}" for i in range(world - len(members))], self.rank,
+        return self._ready_for(sg, members + [f"joining-{i}" for i in range(world - len(members))], rank,
                                MEMBER_PREPARE_MAX_S)
 
-    def ready_for_leave(self, leaving) -> bool:
-        """The last commit asked for `leaving` to leave: False while this survivor still
-        touches the host memory its hand-over allocates afresh for the survivors' layout (on
-        a helper thread, started at the first call); True once that is done, on a leaver
-        (it only sends), where there is nothing to prepare, or LEAVE_PREPARE_MAX_S after the
-        first call. `leaving` empty (no leave known yet): True only where nothing is ever
-        prepared, so on the CPU a leave waits one commit, in which the survivors touch (a
-        ZeRO-1 survivor of 2 -> 1 takes over 200 MB more state: its hand-over faulted it in
-        for 0.65-0.95 s of a 1.0-1.5 s pause on this project's VMs)."""
-        if not self._prepares():
-            return True
+    def ready_for_leave(self, leaving, sg: ShardedGradients, members: list[str], rank: int) -> bool:
+        """The last commit asked for `leaving` to leave: False while this survivor (its path
+        `sg`, at `rank` of `members`) still touches the host memory its hand-over allocates
+        afresh for the survivors' layout (on a helper thread, started at the first call);
+        True once that is done, on a leaver (it only sends), or LEAVE_PREPARE_MAX_S after
+        the first call. `leaving` empty (no leave known yet): False, so on the CPU a leave
+        waits one commit, in which the survivors touch (a ZeRO-1 survivor of 2 -> 1 takes
+        over 200 MB more state: its hand-over faulted it in for 0.65-0.95 s of a 1.0-1.5 s
+        pause on this project's VMs)."""
         if not leaving:
             return False
         gone = set(leaving)
-        survivors = [m for m in self.members if m not in gone]
-        me = self.members[self.rank]
+        survivors = [m for m in members if m not in gone]
+        me = members[rank]
         if me in gone or not survivors:
             return True
-        return self._ready_for(survivors, survivors.index(me), LEAVE_PREPARE_MAX_S)
+        return self._ready_for(sg, survivors, survivors.index(me), LEAVE_PREPARE_MAX_S)
 
-    def _ready_for(self, members: list[str], rank: int, limit_s: float) -> bool:
-        """Touch, on a helper thread, what this rank's move to a layout of `members` (this
+    def _ready_for(self, sg: ShardedGradients, members: list[str], rank: int, limit_s: float) -> bool:
+        """Touch, on a helper thread, what the move of `sg` to a layout of `members` (this
         rank at `rank`) allocates afresh; True once done or `limit_s` after it began. A
         preparation for another layout is stopped and let go first."""
         key = (tuple(members), rank)
@@ -169,7 +181,6 @@ class _MemoryPreparation:
             prep.take()
             prep = self._member_prep = None
         if prep is None:
-            sg = self.sg  # as it is now, for the helper
             prep = self._member_prep = _Toucher(lambda: self._member_need(sg, members, rank),
                                                 "eltctl-prepare-members", key)
         return prep.done.is_set() or time.monotonic() - prep.t0 >= limit_s
@@ -184,14 +195,15 @@ class _MemoryPreparation:
         leave a buffer with no range left that is big enough (the toy model of
         tests/runtime/train/test_sharded_job.py: 4.9 of 39 KB fresh); all in the touched range,
         everything fits, and what nobody took goes back at the end of the move."""
-        lay = self.layout_of(members)
-        new = ShardedGradients(self._params, self._opt, lay, rank, self.shard)
+        lay = self._layout_of(members)
+        new = ShardedGradients(self._params, self._opt, lay, rank, self._shard)
         need = new.host_bytes()
+        was, now = old.buffers, new.buffers
         for g, (dtype, _pg) in enumerate(lay.groups):
             item = dtype_named(dtype).itemsize
-            if g < len(old._flat) and old._geometry(g) == new._geometry(g):
-                need -= _line(lay.padded(g) * item) * (2 if self.shard == "optimizer" else 1)
-            n = len(new._held) * lay.shard_len(g)
-            if self.shard == "gradients" and g < len(old._shard_grads) and old._shard_grads[g].numel() == n:
+            if g < len(was.flat) and was.place.geometry(g) == now.place.geometry(g):
+                need -= _line(lay.padded(g) * item) * (2 if self._shard == "optimizer" else 1)
+            n = len(new.held) * lay.shard_len(g)
+            if self._shard == "gradients" and g < len(was.chunk_grads) and was.chunk_grads[g].numel() == n:
                 need -= _line(n * item)
         return max(0, need)

@@ -145,17 +145,17 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
         ob = old_layout.buckets[seg.bucket]
         g = ob.group
         if seg.what == "param":
-            return [old._flat[g][ob.pstart + seg.lo:ob.pstart + seg.hi]]
-        h = old._held.index(seg.old_chunk)
+            return [old.buffers.flat[g][ob.pstart + seg.lo:ob.pstart + seg.hi]]
+        h = old.held.index(seg.old_chunk)
         at = old_off[seg.bucket] + seg.lo - seg.old_chunk * ob.chunk
-        st = old._chunk_state(g, h)
+        st = old.buffers.chunk_state(g, h)
         return [st[k][at:at + seg.hi - seg.lo] for k in names[g]]
 
     # The new chunks' state, filled below: every real element of a new chunk is written
     # (the old chunks' spans cover each bucket), so only the padding is zeroed.
     new_state: list[list[dict[str, torch.Tensor]]] = []
     if new is not None:
-        new_state = [[chunk_sections(new_layout, g, j, names[g], dtypes[g], new) for j in new._held]
+        new_state = [[chunk_sections(new_layout, g, j, names[g], dtypes[g], new.buffers) for j in new.held]
                      for g in range(len(groups))]
 
     def target(seg: Segment) -> list[torch.Tensor]:
@@ -164,8 +164,8 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
         nb = new_layout.buckets[seg.bucket]
         g = nb.group
         if seg.what == "param":
-            return [new._flat[g][nb.pstart + seg.lo:nb.pstart + seg.hi]]
-        h = new._held.index(seg.chunk)
+            return [new.buffers.flat[g][nb.pstart + seg.lo:nb.pstart + seg.hi]]
+        h = new.held.index(seg.chunk)
         at = new_off[seg.bucket] + seg.lo - seg.chunk * nb.chunk
         return [new_state[g][h][k][at:at + seg.hi - seg.lo] for k in names[g]]
 
@@ -217,7 +217,7 @@ def reshard(old_layout: ShardLayout, new_layout: ShardLayout, group, group_ids: 
         collectives.wait_p2p(works, abort)
     t_p2p = time.perf_counter()
     if new is not None:
-        new._set_state(step, new_state, adopt=True)  # (the masters follow the parameters at the next step)
+        new.buffers.set_state(step, new_state, adopt=True)  # (the masters follow the parameters at the next step)
     t_end = time.perf_counter()
     return {"sent_bytes": sent, "to": sorted(where[d] for d in outgoing),
             "received_bytes": received, "from": sorted(where[s] for s in incoming),

@@ -22,9 +22,18 @@ state in and out (state dicts, a sharded checkpoint's parts).
   parameters and the parameters half-gathered, and `settle` undoes (or keeps)
   that step in the next generation before `reshard` rebuilds the parameters.
 
-The class is made of three parts, one concern each: its buffers (buffers.py), the
-reduction (reducer.py) and the step (stepper.py); what stays here is the rank's identity
-in the layout and its state in and out.
+The class holds three collaborators, one concern each, and delegates to them:
+
+- `ShardBuffers` (buffers.py) owns the flat buffers, the gradient buffers, the masters,
+  the pieces' optimizers and the held chunks' optimizer state;
+- `Reducer` (reducer.py) owns the step's reductions and is handed the buffers;
+- `Stepper` (stepper.py) owns the pre-step copy and the step in doubt and is handed the
+  buffers.
+
+Each is also handed the rank's `Placement` (layout.py: its place in the layout, pure and
+fixed), and the reducer and the stepper the group at every `begin`. None holds a reference
+back to this class. What stays here is the rank's identity (parameters, optimizer,
+layout, rank), the group of the last begin() and its state in and out.
 
 Checkpoints: `shard_state_dict` is one rank's own part (plain tensors and JSON
 scalars); `full_state_dict` gathers one plain state dict in the format of the
@@ -36,6 +45,8 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -43,16 +54,17 @@ import torch
 from ...member import collectives
 from .. import state as state_mod
 from ..state import dtype_named
-from .buffers import _Buffers, chunk_sections
-from .layout import ShardLayout, param_groups_of
-from .optim import SHARD_MODES, check_optimizer, counts_steps, state_names, step_tensor
-from .reducer import _Reducer
-from .stepper import _Stepper
+from .buffers import ShardBuffers, chunk_sections
+from .hostmem import Recycler
+from .layout import Placement, ShardLayout, param_groups_of
+from .optim import SHARD_MODES, check_optimizer, counts_steps, step_tensor
+from .reducer import Reducer
+from .stepper import StepResult, Stepper
 
 FORMAT = "eltctl-zero/1"
 
 
-class ShardedGradients(_Buffers, _Reducer, _Stepper):
+class ShardedGradients:
     """The sharded gradient path and optimizer state of one rank (module docstring).
 
     Use: `bind()` once (no communication), then per step `begin(pg)`, backward
@@ -73,66 +85,236 @@ class ShardedGradients(_Buffers, _Reducer, _Stepper):
         self.layout = layout
         self.rank = rank
         self.shard = shard
-        self._pg_of = param_groups_of(self.params, optimizer)
+        param_groups_of(self.params, optimizer)  # every parameter is in the optimizer
         self._opt_index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        self._held = layout.held(rank)
-        # Every rank holds every chunk (shard_replicas=2 at 2 ranks, or 1 rank): the step needs
-        # no collective after the gradients' all-reduce (_step_local).
-        self._full = len(self._held) == layout.world
-        self._offsets = layout.chunk_offsets()
-        self._bucket_of = [0] * len(params)
-        for b, bucket in enumerate(layout.buckets):
-            for i in bucket.params:
-                self._bucket_of[i] = b
-        self._init_buffers()
-        self._init_reduction(reduce_scatter)
-        self._init_step(p2p_gather)
+        self._place = place = Placement.of(layout, rank, shard)
+        self._buffers = ShardBuffers(self.params, optimizer, place)
+        self._reducer = Reducer(self.params, place, self._buffers, reduce_scatter)
+        self._stepper = Stepper(optimizer, place, self._buffers, p2p_gather)
+        self._pg = None  # the group of the last begin() (or use_group): full_state_dict's
+        self._abort: threading.Event | None = None
+
+    # -- the parts (for the sharded path's moves, tools and tests)
+
+    @property
+    def buffers(self) -> ShardBuffers:
+        return self._buffers
+
+    @property
+    def reducer(self) -> Reducer:
+        return self._reducer
+
+    @property
+    def stepper(self) -> Stepper:
+        return self._stepper
+
+    # -- read-only views (for tests and tools: what the buffers are, never to write through)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The chunks this rank holds: its own first, then those it backs up."""
+        return self._place.held
+
+    @property
+    def holds_every_chunk(self) -> bool:
+        """Every chunk is held here (the step needs no all-gather: Stepper._step_local)."""
+        return self._place.full
+
+    @property
+    def flat_params(self) -> tuple[torch.Tensor, ...]:
+        """Per group: the padded parameter buffer the parameters are views of."""
+        return tuple(self._buffers.flat)
+
+    @property
+    def flat_grads(self) -> tuple[torch.Tensor, ...]:
+        """ZeRO-1, per group: the padded gradient buffer (empty for ZeRO-2)."""
+        return tuple(self._buffers.grads)
+
+    @property
+    def chunk_grads(self) -> tuple[torch.Tensor, ...]:
+        """ZeRO-2, per group: the held chunks' gradients, one section per held chunk."""
+        return tuple(self._buffers.chunk_grads)
+
+    @property
+    def masters(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Per group, per held chunk: the tensor its optimizer state is keyed by."""
+        return tuple(tuple(ms) for ms in self._buffers.masters)
+
+    @property
+    def stale(self) -> bool:
+        """A dropped step's reductions may still write into the gradient buffers (drop)."""
+        return self._reducer.stale
+
+    @property
+    def reductions(self) -> tuple:
+        """The works of this step's reductions launched so far, in bucket order."""
+        return self._reducer.reductions
+
+    @property
+    def staging_buffers(self) -> tuple[torch.Tensor, ...]:
+        """ZeRO-2 on the CPU: the free staging buffers of the pool."""
+        return self._reducer.staging_buffers
+
+    @property
+    def device(self) -> torch.device:
+        return self._buffers.device
+
+    # -- buffers and memory
+
+    @property
+    def recycler(self) -> Recycler | None:
+        """Host memory the buffers are carved out of until a reshard's move is done (hostmem.py)."""
+        return self._buffers.recycler
+
+    @recycler.setter
+    def recycler(self, rec: Recycler | None) -> None:
+        self._buffers.recycler = rec
+
+    def bind(self, reuse: "ShardedGradients | None" = None, values: bool = True) -> None:
+        """Make the parameters views of the padded flat buffers (values kept) and
+        build the shard optimizer. No communication. `reuse`: this rank's path under
+        the previous layout (a reshard): a group whose buckets lie at the same places
+        with the same padded widths (a world change that every bucket's length divides
+        alike) keeps its parameter buffer, of which the parameters already are views,
+        and (ZeRO-1) its gradient buffer: nothing is allocated or copied for it; not
+        a gradient buffer a dropped step's reductions may still write (`stale`).
+        `values` False: the parameters' values are not kept (a joiner, whose reshard
+        receives every chunk's parameters): they are not copied (on the join's critical
+        path: with the masters' copy, which a step makes anyway, 0.3 s of the 50 M
+        benchmark model's 0.47 s bind here)."""
+        self._buffers.bind(reuse._buffers if reuse is not None else None,
+                           reuse is not None and reuse._reducer.stale, values)
+
+    def host_bytes(self) -> int:
+        """The host bytes a joiner's path allocates from bind to the end of its reshard
+        (ShardBuffers.host_bytes)."""
+        return self._buffers.host_bytes()
+
+    def release_recycler(self) -> None:
+        """What the recycler still holds goes back to the OS (hostmem.Recycler.release)."""
+        self._buffers.release_recycler()
+
+    def take_state(self) -> list[torch.Tensor]:
+        """The held chunks' optimizer state, let go of (ShardBuffers.take_state)."""
+        return self._buffers.take_state()
+
+    def take_spares(self) -> list[torch.Tensor]:
+        """The pre-step copy's buffers, let go of (Stepper.take_spares)."""
+        return self._stepper.take_spares()
+
+    def discard(self) -> None:
+        """This path was replaced (its move done): let go of its host buffers now, so their
+        pages are back with the OS for the new path's first step (whatever cycles might
+        keep the object itself alive). Not the parameters' buffer, which the new path may
+        have kept and the parameters' views hold anyway."""
+        self._buffers.discard()
+        self._stepper.discard()
+        self._reducer.discard()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank keeps between steps: optimizer state, gradients, stepped copies
+        and, on the CPU, the pre-step copy's buffers and ZeRO-2's staging pool."""
+        return {**self._buffers.memory(), "step_undo": self._stepper.undo_bytes(),
+                "staging": self._reducer.staging_bytes()}
+
+    # -- the step
+
+    def use_group(self, pg, abort: threading.Event | None) -> None:
+        """The group (and abort event) of this rank's generation, before its first begin()
+        (full_state_dict, a checkpoint, may come first)."""
+        self._pg, self._abort = pg, abort
+        self._reducer.use_group(pg, abort)
+        self._stepper.use_group(pg, abort)
+
+    def begin(self, pg, abort: threading.Event | None = None, accumulate: bool = False) -> None:
+        """Arm the reduction for the coming backward (Reducer.begin)."""
+        self._reducer.begin(pg, abort, accumulate)
+        self._stepper.begin(pg, abort, self._reducer.on_gloo)
+        self._pg, self._abort = pg, abort
+
+    def grad_ready(self, index: int, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook body of parameter `index` (Reducer.grad_ready)."""
+        self._reducer.grad_ready(index, p)
+
+    def failed(self) -> BaseException | None:
+        return self._reducer.failed()
+
+    def finish(self) -> None:
+        """Launch the buckets not launched yet, wait for all; afterwards every held
+        chunk's gradient (summed over ranks) is in place. The step is prepared in between,
+        while the last buckets are still being reduced (Stepper.prepare)."""
+        reducer = self._reducer
+        reducer.launch_rest()
+        if not reducer.broken:
+            self._stepper.prepare()
+        reducer.complete()
+
+    def finish_round(self) -> None:
+        self._reducer.finish_round()
+
+    def drop(self) -> None:
+        """A dropped step (Reducer.drop); what finish() prepared for it is not used."""
+        self._reducer.drop()
+        self._stepper.drop()
+
+    def zero_grad(self) -> None:
+        self._reducer.zero_grad()
+
+    @contextmanager
+    def attached(self) -> Iterator["ShardedGradients"]:
+        """Post-accumulate-grad hooks that call grad_ready, for a loop without a job."""
+        ready = self._reducer.grad_ready
+        handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: ready(i, p))
+                   for i, p in enumerate(self.params)]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def step(self, max_grad_norm: float | None = None, scaler: Any = None) -> StepResult:
+        """Unscale, clip by the global norm, step the held chunks, all-gather the
+        parameters (Stepper.step). Call after finish()."""
+        return self._stepper.step(max_grad_norm, scaler)
+
+    @property
+    def step_in_doubt(self) -> bool:
+        """True after a step whose parameter all-gather did not finish here (dropped)."""
+        return self._stepper.step_in_doubt
+
+    def settle(self, keep: bool) -> None:
+        """Resolve a step in doubt, keeping or undoing it (Stepper.settle)."""
+        self._stepper.settle(keep)
+
+    def forget_step_in_doubt(self) -> None:
+        """A restore replaces the state and the parameters: a step in doubt is not settled."""
+        self._stepper.forget_step_in_doubt()
+
+    def gather_params(self, stepped: Iterator[int] | None = None) -> None:
+        """All-gather every bucket's chunks from their primaries into the parameters
+        (Stepper.gather_params)."""
+        self._stepper.gather_params(stepped)
+
+    def gather_bucket(self, b: int):
+        """Launch bucket b's all-gather (Stepper.gather_bucket)."""
+        return self._stepper.gather_bucket(b)
 
     # -- state
 
-    def _names(self, g: int) -> tuple[str, ...]:
-        return state_names(self.optimizer, self.optimizer.param_groups[self.layout.groups[g][1]])
+    def opt_index(self, p: torch.Tensor) -> int:
+        """Parameter `p`'s index in the script's optimizer (its state_dict's key)."""
+        return self._opt_index[id(p)]
 
     def steps_taken(self) -> int:
         """The optimizer's step count (0: no state yet); every held chunk steps alike."""
-        inner = self._inner
-        for ms in self._masters:
-            for m in ms:
-                st = inner.state.get(m) if inner else None
-                if st:
-                    return int(float(st["step"])) if "step" in st else 1
-        return 0
-
-    def _chunk_state(self, g: int, h: int) -> dict[str, torch.Tensor]:
-        st = self._inner.state.get(self._masters[g][h]) if self._inner else None
-        return {k: v for k, v in (st or {}).items() if k != "step"}
-
-    def _set_state(self, step: int, tensors: list[list[dict[str, torch.Tensor]]], adopt: bool = False) -> None:
-        """Take the held chunks' state (per group, per held chunk); step 0: none. `adopt`:
-        the tensors are this rank's own, fresh ones (reshard, a checkpoint's chunks): kept as
-        they are where dtype and device already fit, not copied."""
-        inner = self._inner
-        if inner is None:
-            return
-        inner.state.clear()
-        if step == 0:
-            return
-        for g, ms in enumerate(self._masters):
-            for h, m in enumerate(ms):
-                st: dict[str, Any] = {}
-                if counts_steps(inner):
-                    st["step"] = step_tensor(step)
-                for k in self._names(g):
-                    t = tensors[g][h][k]
-                    st[k] = t if adopt and t.dtype == m.dtype and t.device == m.device else t.to(m.dtype).clone()
-                inner.state[m] = st
+        return self._buffers.steps_taken()
 
     def shard_state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer state, for its own checkpoint file."""
-        return {"format": FORMAT, "layout": self.layout.to_json(), "rank": self.rank, "held": list(self._held),
+        buf, held = self._buffers, self._place.held
+        return {"format": FORMAT, "layout": self.layout.to_json(), "rank": self.rank, "held": list(held),
                 "step": self.steps_taken(),
-                "chunks": [[self._chunk_state(g, h) for h in range(len(self._held))]
-                           for g in range(len(self._masters))],
+                "chunks": [[buf.chunk_state(g, h) for h in range(len(held))] for g in range(len(buf.masters))],
                 "param_groups": copy.deepcopy(self.optimizer.state_dict()["param_groups"])}
 
     def load_shard_state_dict(self, sd: dict[str, Any]) -> None:
@@ -142,25 +324,26 @@ class ShardedGradients(_Buffers, _Reducer, _Stepper):
             raise ValueError("this shard was written under another layout or rank; load the full state "
                              "(load_full_state_dict) or reshard")
         self.optimizer.load_state_dict({"state": {}, "param_groups": sd["param_groups"]})
-        self._set_state(int(sd["step"]), sd["chunks"])
+        self._buffers.set_state(int(sd["step"]), sd["chunks"])
 
     def full_state_dict(self) -> dict[str, Any]:
         """One plain state dict in the script's optimizer's format (collective over
         the group of the last begin(); every rank gets it)."""
+        buf, place = self._buffers, self._place
         sd = self.optimizer.state_dict()
         step = self.steps_taken()
         state: dict[int, dict[str, Any]] = {}
         if step:
-            for g in range(len(self._masters)):
-                for name in self._names(g):
-                    full = torch.zeros_like(self._flat[g])
+            for g in range(len(buf.masters)):
+                for name in buf.names(g):
+                    full = torch.zeros_like(buf.flat[g])
                     works = []
                     for b, bucket in enumerate(self.layout.buckets):
                         if bucket.group != g:
                             continue
-                        off = self._offsets[b]
+                        off = place.offsets[b]
                         out = full[bucket.pstart:bucket.pstart + bucket.chunk * self.layout.world]
-                        src = self._chunk_state(g, 0)[name][off:off + bucket.chunk].contiguous()
+                        src = buf.chunk_state(g, 0)[name][off:off + bucket.chunk].contiguous()
                         works.append(self._pg._allgather_base(out, src))
                     for w in works:
                         collectives.wait_work(w, self._abort)
@@ -170,12 +353,13 @@ class ShardedGradients(_Buffers, _Reducer, _Stepper):
                         entry = state.setdefault(self._opt_index[id(p)], {})
                         if counts_steps(self.optimizer) and "step" not in entry:
                             entry["step"] = step_tensor(step)
-                        entry[name] = self._param_in(full, i).view_as(p).clone()
+                        entry[name] = place.param_in(full, i).view_as(p).clone()
         sd["state"] = dict(sorted(state.items()))
         return sd
 
     def load_full_state_dict(self, sd: dict[str, Any]) -> None:
         """Take this rank's chunks of a plain full state dict (any world size)."""
+        buf, place = self._buffers, self._place
         self.optimizer.load_state_dict({"state": {}, "param_groups": sd["param_groups"]})
         saved = sd.get("state") or {}
         step = 0
@@ -187,23 +371,22 @@ class ShardedGradients(_Buffers, _Reducer, _Stepper):
         if not saved:
             step = 0
         tensors: list[list[dict[str, torch.Tensor]]] = []
-        for g in range(len(self._masters)):
-            per_h: list[dict[str, torch.Tensor]] = [{} for _ in self._held]
-            for name in self._names(g):
-                full = torch.zeros_like(self._flat[g])
+        for g in range(len(buf.masters)):
+            per_h: list[dict[str, torch.Tensor]] = [{} for _ in place.held]
+            for name in buf.names(g):
+                full = torch.zeros_like(buf.flat[g])
                 for i, p in enumerate(self.params):
                     entry = saved.get(self._opt_index[id(p)], {})
                     if self.layout.slots[i].group == g and entry.get(name) is not None:
-                        self._param_in(full, i).copy_(entry[name].reshape(-1))
-                for h, j in enumerate(self._held):
-                    sec = self._zeros(self.layout.shard_len(g), full.dtype)
+                        place.param_in(full, i).copy_(entry[name].reshape(-1))
+                for h, j in enumerate(place.held):
+                    sec = buf.zeros(self.layout.shard_len(g), full.dtype)
                     for b, bucket in enumerate(self.layout.buckets):
                         if bucket.group == g:
-                            sec[self._offsets[b]:self._offsets[b] + bucket.chunk].copy_(self._chunk_of(full, b, j))
+                            sec[place.offsets[b]:place.offsets[b] + bucket.chunk].copy_(place.chunk_of(full, b, j))
                     per_h[h][name] = sec
             tensors.append(per_h)
-        self._set_state(step, tensors, adopt=True)
-
+        buf.set_state(step, tensors, adopt=True)
 
 
 # ---------------------------------------------------------------------------- sharded checkpoints
@@ -218,8 +401,8 @@ def checkpoint_shard(sg: ShardedGradients) -> dict[str, Any]:
     just taken): `{"format", "chunk", "state": [per group {name: tensor}]}`. Backups are not
     saved: the primaries of all ranks cover every chunk once."""
     step = sg.steps_taken()
-    state = [({k: v.detach().to("cpu", copy=True) for k, v in sg._chunk_state(g, 0).items()} if step else {})
-             for g in range(len(sg._masters))]
+    state = [({k: v.detach().to("cpu", copy=True) for k, v in sg.buffers.chunk_state(g, 0).items()} if step else {})
+             for g in range(len(sg.buffers.masters))]
     return {"format": SHARD_FILE_FORMAT, "chunk": sg.rank, "state": state}
 
 
@@ -230,8 +413,8 @@ def checkpoint_layout(sg: ShardedGradients) -> dict[str, Any]:
     step = sg.steps_taken()
     return {"format": FORMAT, "layout": json.loads(sg.layout.to_json()), "step": step,
             "optimizer": type(sg.optimizer).__name__, "counts_steps": counts_steps(sg.optimizer),
-            "names": [list(sg._names(g)) if step else [] for g in range(len(sg.layout.groups))],
-            "params": [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]}
+            "names": [list(sg.buffers.names(g)) if step else [] for g in range(len(sg.layout.groups))],
+            "params": [[sg.opt_index(p), list(p.shape)] for p in sg.params]}
 
 
 def checkpoint_param_groups(sg: ShardedGradients) -> list[dict[str, Any]]:
@@ -251,7 +434,7 @@ def _checkpoint_pieces(sg: ShardedGradients, sharded: dict[str, Any]) -> Iterato
     for i, (os_, ns) in enumerate(zip(old.slots, new.slots)):
         ob, nb = old.buckets[old_bucket[i]], new.buckets[new_bucket[i]]
         o_at, n_at = os_.offset - ob.start, ns.offset - nb.start  # bucket-local starts
-        for h, j in enumerate(sg._held):
+        for h, j in enumerate(sg.held):
             lo, hi = max(n_at, j * nb.chunk), min(n_at + ns.numel, (j + 1) * nb.chunk)
             k = lo - n_at
             while k < hi - n_at:
@@ -281,15 +464,15 @@ def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards
     reason = state_mod.optimizer_mismatch(sharded.get("optimizer"), state_mod.optimizer_class(sg.optimizer))
     if reason:
         raise state_mod.OptimizerMismatch(reason)
-    if sharded["params"] != [[sg._opt_index[id(p)], list(p.shape)] for p in sg.params]:
+    if sharded["params"] != [[sg.opt_index(p), list(p.shape)] for p in sg.params]:
         raise ValueError("the checkpoint was written for other parameters (order, shapes or optimizer)")
     sg.optimizer.load_state_dict({"state": {}, "param_groups": param_groups})
     step = int(sharded["step"])
     tensors: list[list[dict[str, torch.Tensor]]] = []
     for g in range(len(new.groups)):
         dtype = dtype_named(new.groups[g][0])
-        tensors.append([chunk_sections(new, g, j, sg._names(g), dtype, sg) for j in sg._held]
-                       if step else [{} for _ in sg._held])
+        tensors.append([chunk_sections(new, g, j, sg.buffers.names(g), dtype, sg.buffers) for j in sg.held]
+                       if step else [{} for _ in sg.held])
         have = sharded["names"][g] if g < len(sharded["names"]) else []
         for per_h in tensors[-1]:  # a state the checkpoint lacks (say amsgrad turned on since) starts at zero
             for k, t in per_h.items():
@@ -299,4 +482,4 @@ def load_checkpoint_chunks(sg: ShardedGradients, sharded: dict[str, Any], shards
         for h, g, dst, jo, og, src, take in _checkpoint_pieces(sg, sharded):
             for name in sharded["names"][og]:
                 tensors[g][h][name][dst:dst + take].copy_(shards[jo][og][name][src:src + take])
-    sg._set_state(step, tensors, adopt=True)
+    sg.buffers.set_state(step, tensors, adopt=True)

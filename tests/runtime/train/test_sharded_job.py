@@ -309,7 +309,7 @@ def test_a_rank_killed_between_its_shard_step_and_the_parameter_gather_leaves_th
     before the fix the redone step's loss was 1.3 % off), or restores the newest
     checkpoint (replicas=1: exact before the fix too), and finishes with the reference's
     losses and parameters. With replicas=2 the job has 3 ranks: at 2, every rank holds
-    every chunk and steps without a gather (ShardedGradients._step_local)."""
+    every chunk and steps without a gather (Stepper._step_local)."""
     world = 3 if replicas == 2 else 2
     # min_workers=world: every rank starts in generation 0 (with 2 of 3, under load the third
     # was admitted after step 6, and at world 2 with two replicas no gather runs to die in)

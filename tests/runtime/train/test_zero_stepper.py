@@ -11,7 +11,8 @@ import torch.distributed as dist
 from runtime_cluster import gloo_group as group, run_threads as run_ranks
 from zero_ranks import ROWS, Worker, assert_params_match, assert_state_matches, loss_of, members, replicated
 
-from eltctl_runtime.train.zero import Member, ShardedGradients, shard_layout
+from eltctl_runtime.train.zero import Member, shard_layout
+from eltctl_runtime.train.zero.stepper import Stepper
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
@@ -91,10 +92,10 @@ def test_where_every_rank_holds_every_chunk_the_step_needs_no_gather_and_stays_e
     def no_gather(self, b):
         raise AssertionError("an all-gather where every rank holds every chunk")
 
-    monkeypatch.setattr(ShardedGradients, "gather_bucket", no_gather)
+    monkeypatch.setattr(Stepper, "gather_bucket", no_gather)
     copies = []
-    real_copy = ShardedGradients.held_copy
-    monkeypatch.setattr(ShardedGradients, "held_copy", lambda self, *a: copies.append(1) or real_copy(self, *a))
+    real_copy = Stepper.held_copy
+    monkeypatch.setattr(Stepper, "held_copy", lambda self, *a: copies.append(1) or real_copy(self, *a))
 
     def rank(r: int):
         w = Worker("adamw", shard, scale=True, reduce_scatter=True)
@@ -143,11 +144,11 @@ def test_the_own_chunk_steps_the_parameters_in_place_and_a_broken_gather_settles
             sg.begin(pg)
             loss_of(w.model, torch.tensor_split(torch.arange(ROWS), 3)[lay.rank_of(me)], 2).backward()
             sg.finish()
-            launch = sg.gather_bucket
-            sg.gather_bucket = lambda b: (_ for _ in ()).throw(RuntimeError("the gather broke"))
+            stepper = sg.stepper  # the step launches each bucket's gather through its own gather_bucket
+            stepper.gather_bucket = lambda b: (_ for _ in ()).throw(RuntimeError("the gather broke"))
             with pytest.raises(RuntimeError, match="the gather broke"):
                 sg.step()
-            sg.gather_bucket = launch
+            del stepper.gather_bucket  # the class's again
         assert sg.step_in_doubt
         sg.settle(keep)
         assert not sg.step_in_doubt
