@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-every", type=int, default=None, metavar="H",
                     help="local steps (DiLoCo): each worker steps on its own gradients, and the workers average "
                          "their parameters every H steps with an outer Nesterov step (replicated training only)")
+    ap.add_argument("--sync-overlap", action="store_true",
+                    help="with --sync-every: each round's averaging overlaps the next round's steps")
     ap.add_argument("--shard", choices=("optimizer", "gradients"), default=None,
                     help="shard the optimizer state (ZeRO-1) or also the gradients (ZeRO-2) across the workers")
     ap.add_argument("--shard-replicas", type=int, choices=(1, 2), default=1,
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         shard_replicas=args.shard_replicas, reduce_each_micro_batch=args.reduce_each_micro_batch,
         **({} if args.grad_dtype == "fp32" else {"grad_dtype": args.grad_dtype}),  # (a runtime before it: no such argument)
         **({} if args.sync_every is None else {"sync": "local", "sync_every": args.sync_every}),
+        **({"sync_overlap": True} if args.sync_overlap else {}),  # (a runtime before it: no such argument)
         **({} if args.compress is None else {"compress": args.compress, "compress_rank": args.compress_rank}),
     )
     loss = None

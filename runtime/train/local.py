@@ -1,4 +1,5 @@
-"""Local steps (DiLoCo): `ElasticJob(..., sync="local", sync_every=H, outer_optimizer=None)`.
+"""Local steps (DiLoCo): `ElasticJob(..., sync="local", sync_every=H, outer_optimizer=None,
+sync_overlap=False)`.
 
 Each worker steps the script's optimizer (the INNER optimizer) on its OWN gradient;
 every H committed steps (a round) the workers average how far they moved and an OUTER
@@ -48,8 +49,57 @@ Membership (the rule, also in docs/network.md, "Local steps"):
   averaging completed before the abort holds the next one). A SIGKILL costs at most
   the current round. The inner optimizer's state is not rolled back.
 
-Not done (future work): the averaging streamed in fragments and overlapped with the
-next round's compute (Streaming DiLoCo), rounds bounded in time on mixed hardware
+The averaging overlapped with the next round's compute (`sync_overlap=True`; off by
+default: it changes the paper's arithmetic, see below, and pays only where the
+averaging's wait is a visible share of a round, a slow link or a big model):
+
+    round end e    delta_i = anchor - local params, s_i as above: the all-reduce is
+                   LAUNCHED (gloo async_op on the job's group), this rank's params at
+                   e are kept (`_ends`, the parameters' size) with the progress, the
+                   buffers and the extra state at e; the inner steps go on from the
+                   rank's own params, counted in the next round (its s_i too)
+    each step      the control tail's `averaging` field (tail.py): 1 while this rank's
+                   all-reduce is not done (a non-blocking look at its work)
+    merge          at the boundary of the first step whose summed tail says every
+                   rank's is done, or at the next round's end (waiting there: never two
+                   averagings in flight): params := anchor, the outer step on the mean
+                   delta (the same operations on the same values as without overlap:
+                   the same global params and outer state, bit for bit, on every
+                   rank), the result is the new anchor with the progress, buffers and
+                   extra state kept at e, then params += (params now - params at e):
+                   the rank's progress during the overlap is kept, and the next
+                   round's delta (from the new anchor) counts it
+
+So the last MERGED round's start is what the rest of this docstring calls "the round's
+start": it is what an abort rolls back to, what a checkpoint and a joiner's state hold
+and what `fingerprint` hashes. The overlap's cost: the outer step reaches the local
+params 1 to H steps late (Streaming DiLoCo's overlap without its mixing; the loss it
+costs, measured: docs/network.md), one more copy of the parameters, and on an NCCL
+group (GPU hosts) nothing gained yet: its collectives run in order, so the next step's
+tail waits behind the averaging (a group of its own would fix that; not done). On gloo
+the averaging and the tails share the group: gloo runs a group's collectives on 2
+threads, each tagged by its sequence number, and every rank launches them in the same
+order (the averaging at the agreed boundary, then one tail per step), so at most one
+averaging and one tail are on the wire at once (the replicated path's buckets rely on
+the same); a separate group would cost every generation change its formation. The
+status's wait (StepTiming) counts only the wait the overlap did not hide (at the merge).
+
+- A planned change (a join, a leave, an owner's yield, a stop, a due checkpoint, the
+  job's end) first merges the averaging in flight (waiting for it), then ends the
+  round as without overlap (a synchronous averaging of the steps since e).
+- An abort with an averaging in flight (a SIGKILL, a crash, a hang, an all-reduce that
+  failed) rolls back to the last merged round's start: the anchor, step count, sampler
+  position, buffers and extra state of the round BEFORE the one in flight, so the
+  unmerged round and the overlap's steps are served again (exactly once: none of them
+  is in any merged state; a SIGKILL then costs up to two rounds). The survivors' state
+  agreement picks the newest merged start any survivor holds (a rank that merged at a
+  boundary another did not reach).
+- While a joiner catches up (catchup.py) rounds end with the synchronous averaging (its
+  replay of missed outer steps reads the averaging's slots); the overlap resumes at the
+  first round's end after it caught up.
+
+Not done (future work): the averaging streamed in fragments (Streaming DiLoCo), a
+group of its own for the overlap on NCCL, rounds bounded in time on mixed hardware
 (faster workers taking more inner steps), and composing with shard=, grad_dtype= or
 reduce_each_micro_batch= or compress=, which are refused.
 
@@ -74,7 +124,7 @@ from ..member.collectives import Aborted
 from . import state as state_mod
 from .catchup import CatchUp
 from .gradients import TAIL_DTYPE, GradientPath, StepTiming, all_finite, clip_global_norm_
-from .tail import layout as tail_layout
+from .tail import layout as tail_layout, set_averaging
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -88,13 +138,18 @@ def default_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
 
 
 def check(sync: str, sync_every: int | None, outer_optimizer: Any, *, shard: str | None,
-          grad_dtype: str | None, reduce_each_micro_batch: bool, compress: str | None = None) -> bool:
+          grad_dtype: str | None, reduce_each_micro_batch: bool, compress: str | None = None,
+          sync_overlap: bool = False) -> bool:
     """Validate ElasticJob's sync arguments; True for local steps. Pure."""
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {', '.join(map(repr, SYNC_MODES))}, got {sync!r}")
+    if not isinstance(sync_overlap, bool):
+        raise ValueError(f"sync_overlap must be True or False, got {sync_overlap!r}")
     if sync == "steps":
         if sync_every is not None or outer_optimizer is not None:
             raise ValueError("sync_every and outer_optimizer apply to local steps: pass sync='local' with them")
+        if sync_overlap:
+            raise ValueError("sync_overlap applies to local steps: pass sync='local', sync_every=H with it")
         return False
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync='local' needs sync_every=H, the inner steps per round (an integer >= 1; the "
@@ -119,12 +174,87 @@ def round_ends(steps_in_round: int, sync_every: int, *, stop: bool, change: bool
     return steps_in_round > 0 and (steps_in_round >= sync_every or stop or change or checkpoint or done)
 
 
+LAUNCH, AVERAGE = "launch", "average"  # how a round ends: overlapped (sync_overlap), or synchronously
+
+
+def boundary_plan(steps_in_round: int, sync_every: int, *, in_flight: bool, all_done: bool, overlap: bool,
+                  catching_up: bool, stop: bool, change: bool, checkpoint: bool, done: bool) -> tuple[bool, str | None]:
+    """What a step boundary does (the same on every rank: the step count, the asks and
+    `all_done`, the summed tail's `averaging` field, are agreed): whether the averaging in
+    flight is merged first (every rank's is done, or a round ends here: waiting for it),
+    and how the round ends here: None (it goes on), LAUNCH (a natural end with the
+    overlap on and no joiner catching up) or AVERAGE (the synchronous averaging). Pure."""
+    ends = round_ends(steps_in_round, sync_every, stop=stop, change=change, checkpoint=checkpoint, done=done)
+    merge = in_flight and (all_done or ends)
+    if not ends:
+        return merge, None
+    natural = not (stop or change or checkpoint or done)
+    return merge, LAUNCH if overlap and natural and not catching_up else AVERAGE
+
+
+class _Averaging:
+    """An overlapped averaging in flight (sync_overlap): its all-reduce's work, the
+    parameters' element count in its buffer, and what the merged round start takes from
+    the round's end: the progress, the extra state and the state dict's entries that are
+    not averaged parameters (buffers)."""
+
+    __slots__ = ("work", "numel", "progress", "extra", "kept")
+
+    def __init__(self, work: Any, numel: int, progress: dict, extra: dict, kept: dict[str, torch.Tensor]) -> None:
+        self.work, self.numel, self.progress, self.extra, self.kept = work, numel, progress, extra, kept
+
+    def done(self) -> bool:
+        """Whether the all-reduce completed, without waiting; Aborted where it failed."""
+        i, err = collectives.first_failure([self.work])
+        if err is not None:
+            raise Aborted(f"the overlapped averaging failed: {err}", backend_error=True)
+        return i == 1
+
+
+def outer_step(params: list[torch.Tensor], outer: Any, flat: torch.Tensor, numel: int) -> None:
+    """The params hold the anchor: `outer` steps with the weighted mean delta
+    (flat[:numel] / flat[numel]) as their gradient; none where the round had no samples.
+    flat[:numel] is divided in place (a joiner catching up keeps that mean: catchup.py)."""
+    total = float(flat[numel])
+    with torch.no_grad():
+        if total > 0:
+            flat[:numel].div_(total)
+            pos = 0
+            for p in params:
+                k = p.numel()
+                p.grad = flat[pos:pos + k].view_as(p).to(p.dtype)
+                pos += k
+            outer.step()
+    for p in params:
+        p.grad = None  # the next step's backward starts afresh
+
+
+def merge_arithmetic(params: list[torch.Tensor], anchor: list[torch.Tensor], ends: list[torch.Tensor],
+                     outer: Any, flat: torch.Tensor, numel: int) -> None:
+    """The merge of an overlapped averaging (module docstring), in place: `params` hold
+    this rank's params now, `ends` its params at the round's end, `anchor` the round's
+    start, `flat` the summed sum_i s_i delta_i and sum_i s_i. Afterwards `anchor` holds the
+    outer step's result (the same bits as a synchronous round's end), `params` that plus
+    (params now - params at the round's end); `ends` is scratch. Arithmetic only."""
+    with torch.no_grad():
+        for p, e, a in zip(params, ends, anchor):
+            torch.sub(p.detach(), e, out=e)  # the progress during the overlap
+            p.copy_(a)
+    outer_step(params, outer, flat, numel)
+    with torch.no_grad():
+        for p, e, a in zip(params, ends, anchor):
+            a.copy_(p)
+            p.add_(e)
+
+
 class LocalPath(GradientPath):
     """Local steps' gradient path and rounds (module docstring). `job`: the ElasticJob
     (its model, parameters, progress, boundary and extra state; not imported here)."""
 
-    def __init__(self, job: Any, sync_every: int, outer_optimizer: Callable[[list], Any] | None) -> None:
+    def __init__(self, job: Any, sync_every: int, outer_optimizer: Callable[[list], Any] | None,
+                 overlap: bool = False) -> None:
         self._job = job
+        self.overlap = overlap  # sync_overlap: the averaging overlapped with the next round (docstring)
         self._params: list[torch.Tensor] = job._params
         self.sync_every = sync_every
         self._outer = (outer_optimizer or default_outer)(self._params)
@@ -144,6 +274,12 @@ class LocalPath(GradientPath):
         self._start: dict | None = None
         self._extra_start: dict | None = None
         self._flat: torch.Tensor | None = None  # the round's all-reduce buffer, kept
+        self._round_from = 0  # the step the current round started at (with an averaging in flight: its end)
+        self._param_keys: frozenset[str] = frozenset()  # the averaged parameters' names in the state dict
+        self._wire: _Averaging | None = None  # the overlapped averaging in flight (sync_overlap)
+        self._ends: list[torch.Tensor] = []  # this rank's params at its round's end (kept buffers)
+        self._merge_now = False  # this step's summed tail: every rank's averaging is done
+        self._merged_in_gen = False  # a generation's first merge is logged
         self._round_wait_s = 0.0  # the last averaging's wait, spread over a round's steps (StepTiming)
         self._round_bytes = 0
         # Joiners that take the state in the background while the job trains on (catchup.py).
@@ -152,11 +288,24 @@ class LocalPath(GradientPath):
     # -- per generation ------------------------------------------------------------------
     def bind(self, pg, rank, members, abort) -> None:
         super().bind(pg, rank, members, abort)
-        self._job._status.network.mode = {"mode": "local", "sync_every": self.sync_every}  # the status shows it
+        mode = {"mode": "local", "sync_every": self.sync_every, **({"sync_overlap": True} if self.overlap else {})}
+        self._job._status.network.mode = mode  # the status shows it
 
     def reshard(self, old_members, new_members) -> None:
         """The state is agreed in a new generation (a change, a recovery, a restore): a round starts."""
+        self._wire = None  # merged before a planned change, dropped by an abort's roll-back
+        self._merged_in_gen = False
         self.start_round()
+
+    @property
+    def in_flight(self) -> bool:
+        """An overlapped averaging is on the wire (sync_overlap)."""
+        return self._wire is not None
+
+    @property
+    def merge_due(self) -> bool:
+        """The last step's summed tail says every rank's averaging is done (its boundary merges)."""
+        return self._merge_now
 
     # -- per step -------------------------------------------------------------------------
     def begin(self, tail_size: int) -> None:
@@ -179,11 +328,15 @@ class LocalPath(GradientPath):
         gradient of its local mean loss (x global_count / n)."""
         world = len(self.members)
         self._step_samples = n = int(tail_layout(world).decode(self._tail_buf.to("cpu")).samples)
+        wire = self._wire
+        if wire is not None:
+            set_averaging(self._tail_buf, not wire.done())  # Aborted where it failed: the step is dropped
         t0 = time.perf_counter()
         collectives.allreduce(self.pg, self._tail_buf, abort)
         summed = self._tail_buf.to("cpu", copy=True)
         wait = time.perf_counter() - t0
         got = tail_layout(world).decode(summed)
+        self._merge_now = wire is not None and got.averaging == 0  # merged at this step's boundary
         total = int(got.samples)
         if self.catchup.idle:
             self.catchup.tail_seen(got.pace)  # joiners that took up the state train from the next step
@@ -235,18 +388,31 @@ class LocalPath(GradientPath):
     # -- the rounds -----------------------------------------------------------------------
     def at_boundary(self, stop: bool, change: bool) -> bool:
         """At a step boundary after a commit (ElasticJob._at_boundary), before its
-        checkpoint, stop or change: average and take the outer step where the round ends
-        (round_ends). False: the averaging broke (the roll call follows: boundary dropped)."""
+        checkpoint, stop or change: merge an overlapped averaging where boundary_plan says
+        so, then average and take the outer step where the round ends (round_ends), or
+        launch its averaging (sync_overlap). False: an averaging broke (the roll call
+        follows: boundary dropped)."""
         j = self._job
         b = j._boundary
         every = j._ckpts.every_steps
         checkpoint = bool(every and j._step % every == 0) or b.checkpoint_due
-        steps = j._step - (self._start["step"] if self._start is not None else 0)
-        if not round_ends(steps, self.sync_every, stop=stop, change=change, checkpoint=checkpoint,
-                          done=j._done()):
+        done = j._done()
+        merge, end = boundary_plan(j._step - self._round_from, self.sync_every, in_flight=self._wire is not None,
+                                   all_done=self._merge_now, overlap=self.overlap,
+                                   catching_up=bool(self.catchup.idle), stop=stop, change=change,
+                                   checkpoint=checkpoint, done=done)
+        self._merge_now = False
+        if not (merge or end):
             return True
         try:
-            self.average(j._abort, final=stop or j._done())
+            if merge:
+                self.merge(j._abort)  # before a round's end too: never two averagings in flight
+            if end is None:
+                return True
+            if end == LAUNCH:
+                self.launch()  # the next round starts now, this one's averaging on the wire
+                return True
+            self.average(j._abort, final=stop or done)
         except Aborted as e:
             log.warning("worker %s: the averaging of the round ending at step %d broke in generation %d (%s); "
                         "the round is redone from step %d", j.worker_id, j._step, j.generation, e,
@@ -268,19 +434,9 @@ class LocalPath(GradientPath):
             self.catchup.before_average(final)  # a joiner whose transfer is complete adopts the round's start
         extra = len(self.members) if catching else 0
         numel = sum(p.numel() for p in params)
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        if self._flat is None or self._flat.numel() != numel + 1 + extra or self._flat.dtype != dtype:
-            self._flat = torch.empty(numel + 1 + extra, dtype=dtype, device=self.device)
-        flat, s = self._flat, float(self.round_samples)
+        flat, s = self._flat_for(numel, extra), float(self.round_samples)
+        self._fill(flat, numel, s)
         with torch.no_grad():
-            pos = 0
-            for p, a in zip(params, anchor):
-                k = p.numel()
-                piece = flat[pos:pos + k]
-                piece.copy_(a.reshape(-1))
-                piece.sub_(p.detach().reshape(-1).to(dtype)).mul_(s)
-                pos += k
-            flat[numel] = s
             if catching:
                 if s == 0:
                     flat[:numel].zero_()  # a joiner's own parameters are no part of the round
@@ -292,18 +448,76 @@ class LocalPath(GradientPath):
         with torch.no_grad():
             for p, a in zip(params, anchor):
                 p.copy_(a)
-            if total > 0:
-                flat[:numel].div_(total)
-                pos = 0
-                for p in params:
-                    k = p.numel()
-                    p.grad = flat[pos:pos + k].view_as(p).to(p.dtype)
-                    pos += k
-                self._outer.step()
-        for p in params:
-            p.grad = None  # the next step's backward starts afresh
+        outer_step(params, self._outer, flat, numel)
         if catching:  # who still catches up; such a joiner keeps the mean delta (flat) to replay
             self.catchup.after_average(flat[numel + 1:].tolist(), flat[:numel] if total > 0 else None)
+
+    def _flat_for(self, numel: int, extra: int) -> torch.Tensor:
+        """The averaging's buffer: sum_i s_i delta_i, then sum_i s_i, then `extra` slots."""
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
+        if self._flat is None or self._flat.numel() != numel + 1 + extra or self._flat.dtype != dtype:
+            self._flat = torch.empty(numel + 1 + extra, dtype=dtype, device=self.device)
+        return self._flat
+
+    def _fill(self, flat: torch.Tensor, numel: int, s: float, ends: list[torch.Tensor] | None = None) -> None:
+        """This rank's part of the averaging: s * (anchor - params), then s; `ends`: a copy
+        of the params too (launch)."""
+        with torch.no_grad():
+            pos = 0
+            for i, (p, a) in enumerate(zip(self._params, self._anchor)):
+                k = p.numel()
+                piece = flat[pos:pos + k]
+                piece.copy_(a.reshape(-1))
+                piece.sub_(p.detach().reshape(-1).to(flat.dtype)).mul_(s)
+                if ends is not None:
+                    ends[i].copy_(p)
+                pos += k
+            flat[numel] = s
+
+    def launch(self) -> None:
+        """A round's natural end with sync_overlap (module docstring): its averaging goes
+        on the wire and the next round starts now from this rank's own params; `merge`
+        takes the outer step later. Every rank calls it at the same boundary."""
+        j, params = self._job, self._params
+        numel = sum(p.numel() for p in params)
+        flat = self._flat_for(numel, 0)
+        if len(self._ends) != len(params) or any(e.shape != p.shape for e, p in zip(self._ends, params)):
+            self._ends = [torch.empty_like(p, requires_grad=False) for p in params]
+        self._fill(flat, numel, float(self.round_samples), self._ends)
+        with torch.no_grad():
+            sd = j.model.state_dict(keep_vars=True)
+            kept = {k: v.detach().clone() for k, v in sd.items() if k not in self._param_keys}
+        work = collectives.allreduce_async(self.pg, flat)
+        self._wire = _Averaging(work, numel, j._progress(), copy.deepcopy(state_mod.extra_state_dicts(j._extra)),
+                                kept)
+        self.round_samples = 0
+        self._round_from = j._step
+
+    def merge(self, abort: threading.Event | None) -> None:
+        """The averaging in flight is done on every rank (or this rank waits for it: a
+        round's end, a planned change): the outer step from the anchor, the result the new
+        anchor (with the progress, buffers and extra state of the round's end), and this
+        rank's progress since the round's end added back (module docstring). Raises
+        Aborted (the all-reduce failed, the generation was aborted) with nothing changed."""
+        w = self._wire
+        self.catchup.hold()
+        t0 = time.perf_counter()
+        collectives.wait_work(w.work, abort)
+        self._round_wait_s = time.perf_counter() - t0  # the wait the overlap did not hide (StepTiming)
+        self._wire = None
+        flat = self._flat
+        self._round_bytes = flat.numel() * flat.element_size()
+        merge_arithmetic(self._params, self._anchor, self._ends, self._outer, flat, w.numel)
+        with torch.no_grad():
+            for k, v in w.kept.items():
+                self._snap[k].copy_(v)
+        self._start, self._extra_start = w.progress, w.extra
+        if not self._merged_in_gen:
+            self._merged_in_gen = True
+            j = self._job
+            log.info("worker %s: the averaging of the round ending at step %d merged at step %d (overlapped with "
+                     "%d step(s), %.3f s waited for it)", j.worker_id, w.progress["step"], j._step,
+                     j._step - w.progress["step"], self._round_wait_s)
 
     def start_round(self) -> None:
         """The current state is the round's start: snapshot it (module docstring)."""
@@ -314,10 +528,12 @@ class LocalPath(GradientPath):
                 self._snap = {k: v.detach().clone() for k, v in sd.items()}
                 names = {id(v): k for k, v in sd.items()}
                 self._anchor = [self._snap[names[id(p)]] for p in self._params]
+                self._param_keys = frozenset(names[id(p)] for p in self._params)
             else:
                 for k, v in sd.items():
                     self._snap[k].copy_(v.detach())
         self._start = j._progress()
+        self._round_from = self._start["step"]
         self._extra_start = copy.deepcopy(state_mod.extra_state_dicts(j._extra))
         self.round_samples = 0
         if self.catchup.idle:
@@ -327,6 +543,10 @@ class LocalPath(GradientPath):
         """An abort (ElasticJob._recover, before the roll call): back to the round's start,
         so its samples are served again (module docstring)."""
         j = self._job
+        self._merge_now = False
+        if self._wire is not None:  # the unmerged round and the overlap's steps are served again
+            self._wire = None
+            self._flat = None  # the old group's all-reduce may still write into it
         if self._start is None:
             return
         with torch.no_grad():
@@ -342,6 +562,7 @@ class LocalPath(GradientPath):
                 obj.load_state_dict(copy.deepcopy(self._extra_start[name]))
         j._buffers.mark()
         self.round_samples = 0
+        self._round_from = j._step
         if redone:
             log.info("worker %s: back to the round's start at step %d (%d step(s) of the round are redone)",
                      j.worker_id, j._step, redone)

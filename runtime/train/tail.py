@@ -21,14 +21,21 @@ per-rank slots, so the sum is exact::
                                     (ready_for_leave)
     6                  restore_bad  1: a file of the checkpoint just       > 0: the step is not taken
                                     restored is damaged
-    7 + r              leave[r]     1: rank r leaves                       who leaves
-    7 + W + r          pace[r]      its smoothed seconds per sample        every rank's pace (0: unmeasured)
-    7 + 2W + r         oom[r]       0, or the micro-batch size it          > 0 anywhere: the step is redone
+    7                  averaging    1: its overlapped averaging (local     0: every rank's is done (the min
+                                    steps, sync_overlap) is still on the   over the ranks of "done"): the
+                                    wire; 0: done, or none in flight       merge at this step's boundary
+    8 + r              leave[r]     1: rank r leaves                       who leaves
+    8 + W + r          pace[r]      its smoothed seconds per sample        every rank's pace (0: unmeasured)
+    8 + 2W + r         oom[r]       0, or the micro-batch size it          > 0 anywhere: the step is redone
                                     redoes the step with
 
 The module buffers' updates (gradients.BufferSync) follow the control tail in the
-same float32 tail. Encoding and decoding are pure; the layout of a world size is
-computed once (`layout`), so a step pays one list, one tensor and one `tolist`.
+same float32 tail. `averaging` is the only field the gradient path writes itself
+(local.py's finish, `set_averaging`: whether its all-reduce completed is known only
+there, just before the tail goes); the step's encode writes it 0 (Control's default),
+so without local steps' overlap it costs one float of the tail. Encoding and decoding
+are pure; the layout of a world size is computed once (`layout`), so a step pays one
+list, one tensor and one `tolist`.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from typing import NamedTuple
 
 import torch
 
-N_SCALARS = 7  # the scalars before the per-rank slots (the module docstring's table)
+N_SCALARS = 8  # the scalars before the per-rank slots (the module docstring's table)
+AVERAGING = 7  # the `averaging` scalar's index
 
 
 class Control(NamedTuple):
@@ -54,6 +62,7 @@ class Control(NamedTuple):
     leave: bool  # this rank's leave slot
     pace: float  # this rank's pace slot
     oom: int  # this rank's out-of-memory slot
+    averaging: bool = False  # its overlapped averaging still on the wire (local.py writes it: set_averaging)
 
 
 class Summed(NamedTuple):
@@ -69,6 +78,7 @@ class Summed(NamedTuple):
     leave: list[float]  # per rank
     pace: list[float]  # per rank
     oom: list[float]  # per rank
+    averaging: float = 0.0  # ranks whose overlapped averaging is not done (0: all done)
 
 
 class TailLayout:
@@ -89,7 +99,8 @@ class TailLayout:
     def encode(self, rank: int, c: Control) -> torch.Tensor:
         """Rank `rank`'s part as the float32 control tail (zeros in the others' slots)."""
         values = [1.0 if c.join_ready else 0.0, 1.0 if c.stop else 0.0, float(c.samples), float(c.loss_sum),
-                  1.0 if c.checkpoint else 0.0, 1.0 if c.leave_ready else 0.0, 1.0 if c.restore_bad else 0.0]
+                  1.0 if c.checkpoint else 0.0, 1.0 if c.leave_ready else 0.0, 1.0 if c.restore_bad else 0.0,
+                  1.0 if c.averaging else 0.0]
         values += [0.0] * (3 * self.world_size)
         values[self._leave.start + rank] = 1.0 if c.leave else 0.0
         values[self._pace.start + rank] = float(c.pace)
@@ -99,7 +110,15 @@ class TailLayout:
     def decode(self, tail: torch.Tensor) -> Summed:
         """The summed control tail (the first `size` elements of `tail`, a CPU tensor)."""
         v = tail[:self.size].tolist()
-        return Summed(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[self._leave], v[self._pace], v[self._oom])
+        return Summed(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[self._leave], v[self._pace], v[self._oom],
+                      v[AVERAGING])
+
+
+def set_averaging(tail: torch.Tensor, busy: bool) -> None:
+    """Write this rank's `averaging` field into its encoded tail in place (local.py's
+    finish, just before the tail's all-reduce: 1.0 while its overlapped averaging is on
+    the wire)."""
+    tail[AVERAGING] = 1.0 if busy else 0.0
 
 
 @functools.lru_cache(maxsize=64)

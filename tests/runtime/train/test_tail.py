@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eltctl_runtime.train.tail import N_SCALARS, Control, TailLayout, layout
+from eltctl_runtime.train.tail import N_SCALARS, Control, TailLayout, layout, set_averaging
 
 
 def part(**kw) -> Control:
@@ -26,9 +26,9 @@ def summed(lay: TailLayout, parts: list[Control]) -> torch.Tensor:
 def test_one_rank_round_trips_every_field():
     lay = layout(1)
     c = part(join_ready=True, stop=True, samples=7, loss_sum=3.25, checkpoint=True, leave_ready=True,
-             restore_bad=True, leave=True, pace=0.5, oom=4)
+             restore_bad=True, leave=True, pace=0.5, oom=4, averaging=True)
     got = lay.decode(summed(lay, [c]))
-    assert got == (1.0, 1.0, 7.0, 3.25, 1.0, 1.0, 1.0, [1.0], [0.5], [4.0])
+    assert got == (1.0, 1.0, 7.0, 3.25, 1.0, 1.0, 1.0, [1.0], [0.5], [4.0], 1.0)
     assert lay.size == N_SCALARS + 3
 
 
@@ -52,6 +52,19 @@ def test_encode_is_float32_and_writes_only_this_ranks_slots():
     assert t.dtype == torch.float32 and t.numel() == lay.size == N_SCALARS + 12
     nonzero = {i: float(t[i]) for i in range(lay.size) if t[i] != 0}
     assert nonzero == {N_SCALARS + 2: 1.0, N_SCALARS + 4 + 2: 0.75, N_SCALARS + 8 + 2: 2.0}
+
+
+def test_the_averaging_field_is_zero_by_default_and_sums_to_zero_only_when_every_rank_is_done():
+    """Local steps' overlap (local.py): each rank sets its `averaging` slot in its encoded
+    tail while its averaging is on the wire; the sum is 0 (every rank done: the min over the
+    ranks of "done") only when no rank set it."""
+    lay = layout(3)
+    parts = [lay.encode(r, part(samples=r)) for r in range(3)]
+    assert sum(parts)[7] == 0.0 and lay.decode(sum(parts)).averaging == 0.0  # the default: nothing in flight
+    set_averaging(parts[1], True)
+    assert lay.decode(sum(parts)).averaging == 1.0 and lay.decode(sum(parts)).samples == 3.0
+    set_averaging(parts[1], False)
+    assert lay.decode(sum(parts)).averaging == 0.0
 
 
 def test_the_loss_sum_rides_as_float32_as_the_tail_always_carried_it():
