@@ -2,8 +2,10 @@
 and where the others get it from: a member that holds it (sent to the ranks that lack
 it only), or, when none does, the newest checkpoint, restored together (every rank that
 can read the same checkpoint takes it up itself; the rest receive it from the
-restoring rank); with local steps, a joiner takes it in the background instead
-(catchup.py: the members keep theirs and nothing big moves here). A restore is
+restoring rank); or a joiner takes it in the background instead (catchup.py: the
+members keep theirs and nothing big moves here; local steps and synchronous steps on
+the replicated path), and at the job's end or a stop it holds it
+(`caught_up_at_end`). A restore is
 confirmed in its first step: its hashes ride in that step's control tail (tail.py:
 restore_bad), and a damaged one is dropped for the newest checkpoint that verifies
 (`confirmed`).
@@ -26,8 +28,10 @@ import torch
 import torch.distributed as dist
 
 from ..member import collectives, transfer
+from ..member.collectives import Aborted
 from ..member.plan import receivers
 from . import state as state_mod
+from .catchup import CatchUp
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -43,6 +47,8 @@ class StateAgreement:
         self.members_before: tuple[str, ...] = ()  # the previous generation's members (reshard)
         self.redo_from: int | None = None  # this generation restores after lost shards: the step it was at
         self.redone_steps: int | None = None  # a crash lost shards: steps redone from checkpoints, in all
+        # Joiners catching up in the background with synchronous steps (local steps: LocalPath.catchup).
+        self.catchup = CatchUp(job, None)
 
     def sync(self) -> bool:
         """Agree on the training state; returns True if it came from a checkpoint."""
@@ -57,9 +63,9 @@ class StateAgreement:
             self.has_state = False
             j._ckpts.check_pending()
         self.has_state_before = self.has_state
-        rounds = j._rounds  # local steps: a joiner may catch up in the background (catchup.py)
-        if rounds is not None:
-            rounds.catchup.reset()  # a catch-up under way in the last generation is dropped
+        rounds = j._rounds  # a joiner may catch up in the background (catchup.py)
+        catchup = rounds.catchup if rounds is not None else self.catchup
+        catchup.reset()  # a catch-up under way in the last generation is dropped
         # Each rank: whether it holds the state (sharded: its chunks too), its step, and
         # which state its part is of (gradients.GradientPath.state_key).
         key = j._grads.state_key()
@@ -85,7 +91,7 @@ class StateAgreement:
             restored = self._restore_together(source.source)
         else:
             need = receivers(reports, source)
-            if rounds is not None and rounds.catchup.admit(reports, source.source, need):
+            if catchup.admit(reports, source.source, need):
                 return False  # the joiners hold no state until they caught up; the members keep theirs
             self._send_state(source.source, need)
         self.has_state = True
@@ -124,6 +130,29 @@ class StateAgreement:
         flags = collectives.allreduce(j._pg, flags, j._abort).cpu()
         self._send_state(src, [r for r in range(j.world_size) if r != src and not flags[r]])
         return desc is not None
+
+    def caught_up_at_end(self) -> bool:
+        """The job's end or a stop with synchronous steps while ranks catch up (every rank
+        alike): they take up their state first, so every rank ends with it (catchup.py:
+        at_end); a rank whose transfer broke receives it now from the source, as a join
+        did before. False: the group broke (the boundary owes the roll call)."""
+        c = self.catchup
+        if not c.idle:
+            return True
+        j = self._job
+        try:
+            lacking = c.at_end()
+            if lacking:
+                log.warning("worker %s: rank(s) %s did not catch up by the end; the state goes to them now",
+                            j.worker_id, ", ".join(map(str, lacking)))
+                self._send_state(c.source, lacking)
+        except Aborted as e:
+            log.warning("worker %s: generation %d aborted while its joiners took up their state at the end: %s",
+                        j.worker_id, j.generation, e)
+            j._boundary.dropped(e.backend_error)
+            return False
+        c.ended()
+        return True
 
     def _send_state(self, src: int, need: list[int]) -> None:
         """The source's state to the ranks of `need` (the others hold it already, or took it

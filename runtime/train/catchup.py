@@ -1,59 +1,87 @@
-"""Catching up (local steps): a joiner takes the state in the background while the job
-trains on, instead of stopping every member for its transfer.
+"""Catching up: a joiner takes the state in the background while the job trains on,
+instead of stopping every member for its transfer. Local steps (sync="local") and
+synchronous steps (sync="steps", the default: the replicated path, fp32 or
+grad_dtype="bf16") alike.
 
 Today's join (agreement.py) moves the whole state (parameters and optimizer state:
-600 MB for a 50 M-parameter AdamW model) to the joiner while every member waits. With
-local steps (local.py) a join ends the round at its boundary, so what the joiner needs
-is the new round's start: the anchor (the global parameters, unchanged during the
-round), the outer optimizer's state and a member's inner optimizer state, and nobody
-needs the joiner before it has them, so:
+600 MB for a 50 M-parameter AdamW model, 4.8 s on 1 GbE) to the joiner while every
+member waits. Nobody needs the joiner before it holds the state, so:
 
 - admission (`CatchUp.admit`, from the state agreement): the joiner is a member of the
   new group and of every step's control tail, but a CATCHING-UP one: its share is 0
   (Shares.idle: it trains on nothing; its empty step is the path of any rank without
-  samples) and it receives only the progress and the extra state (bytes) in the
+  samples) and it receives only the progress, the extra state (bytes) and the
+  optimizer's param_groups' hyperparameters (its scheduler steps from them) in the
   generation change. The members keep the state they hold: nothing big moves there.
-- in the background: the source (the member the agreement chose) copies its state at
-  the round's start into host memory on a thread while its first step computes (its
-  next inner step waits for the copy: `hold`), and a thread sends it over a 2-rank gloo
-  group of their own (formed on the job's store under `gen/<g>/catchup/<joiner's
-  rank>/pg`, bound to the data plane's address and its pair checked with the signed
-  handshake like the generation's group); a thread of the joiner receives it. The
-  members step on.
-- taking it up (`poll`, at the start of any step): once the state arrived the joiner
-  adopts it (anchor, outer state, inner state) and replays the outer steps of the rounds
-  that ended since (below), so it holds the current round's start, as every member
-  does; its pace slot in that step's tail says so (shares.READY_SLOT), and from the next
-  step on it trains like the others (a share, inner steps from the round's start, its
-  delta weighted by its samples at the round's end).
-- at a round's end while it catches up (LocalPath.average): the joiner contributes
-  zeros with weight 0, so the round's result is the members' alone, and takes part in
-  the all-reduce, so it holds the weighted mean delta the members' outer step takes; it
-  keeps that mean (host memory) to replay the outer step once its state (of an earlier
-  round's start) arrives (`replay_outer_step`: the members' operations on the same
-  values, the same bits): one transfer, however many rounds it took, and the members
-  never wait for it. Past MAX_MISSED_ROUNDS kept means it drops them and asks for the
-  newest round's start instead (slot AGAIN: one slot per rank is appended to the
-  averaging while someone catches up). At the job's end or a stop a joiner still
-  catching up waits for its transfer there (the members' last all-reduce waits with
-  it): every rank ends with the same state.
+- in the background: the source (the member the agreement chose) copies its state into
+  host memory on a thread while its first step computes (what would change the state
+  waits for the copy: `hold`), and a thread sends it over a 2-rank gloo group of their
+  own (formed on the job's store under `gen/<g>/catchup/<joiner's rank>/pg`, bound to
+  the data plane's address and its pair checked with the signed handshake like the
+  generation's group); a thread of the joiner receives it. The members step on.
+- what the joiner keeps meanwhile, so that the state it receives (of an earlier step)
+  can be brought to the members' present by the members' own operations on the same
+  values (the same bits):
+  - local steps: the state is the round's start (the anchor, unchanged during the
+    round: the global parameters, the outer optimizer's state, the source's inner
+    state). At a round's end (LocalPath.average) the joiner contributes zeros with
+    weight 0, so the round's result is the members' alone, takes part in the
+    all-reduce and keeps the weighted mean delta (host memory, the parameters' size)
+    to replay the outer step (`replay_outer_step`); at most MAX_MISSED_ROUNDS of them.
+  - synchronous steps: the state is that of the join's boundary (parameters and
+    optimizer state). The joiner contributes zero gradients with 0 samples to every
+    step's all-reduce and, per committed step, keeps exactly what the members'
+    optimizer step consumed (ReplicatedPath.step calls `replaces_step` in place of
+    the optimizer step: a `StepRecord`): the whole global gradient after the
+    all-reduce (bf16's cast back to float32 included), the GradScaler's unscale and
+    the clipping (the post-clip buffers optimizer.step reads), the param_groups'
+    hyperparameters at that step (the script's scheduler runs in the joiner's loop
+    too, and loading the optimizer's state_dict would overwrite them), and whether
+    the step was skipped. Host memory: one gradient per step, at most MAX_KEPT_BYTES
+    (at least MIN_KEPT_STEPS steps: `kept_cap`).
+- taking it up (`poll`, at the start of any step): once the state it waits for arrived
+  (and, synchronous, it kept every step since) the joiner adopts it and replays what
+  it kept (`replay_outer_step`; `take_up_steps`: the parameters and optimizer state,
+  then one optimizer step per kept step with its gradient and hyperparameters, then
+  its own live hyperparameters back), so it holds what every member holds; its pace
+  slot in that step's tail says so (shares.READY_SLOT), it takes that step's
+  optimizer step (synchronous) and from the next step on it trains like the others.
+- too far behind (MAX_MISSED_ROUNDS kept means, or `kept_cap` kept steps): the joiner
+  drops what it kept and asks for a newer copy (AGAIN: in local mode a slot of the
+  round's averaging; in synchronous mode its pace slot, shares.AGAIN_SLOT); the source
+  copies its state again (local: the newest round's start; synchronous: right after
+  that step's optimizer step, so the copy overlaps the next step's compute).
+- at the job's end or a stop, a joiner still catching up waits for its transfer there
+  (local: in the last averaging; synchronous: `at_end`, then one small all-reduce in
+  which a joiner whose transfer broke says so, and receives the state from the source
+  over the job's group as before): every rank ends with the same state.
 - failures: any generation change drops a transfer under way; a joiner not caught up
   holds no state, so the next agreement gives it the state again (catching up again
   where this module allows it, else today's transfer). A joiner that dies costs the
   members the usual roll call (it held no samples); a source that dies, the same, and
   the joiner starts over.
 
+The per-step hooks run only while some rank catches up (local: LocalPath checks
+`idle`; synchronous: ReplicatedPath.catchup is this object then, else None): members
+then pay a look at the summed tail and, the source, the wait for its copy.
+
 Where this does not apply, the agreement moves the state as before: a restore, a rank
 that holds an older state (it must not lose it), a joiner that would be rank 0 (it
 writes the checkpoints), a model with buffers (they ride the step's tail as updates,
 which a joiner without the buffers cannot apply), a dataset whose empty batch (what a
-rank without samples is handed) cannot be made (pipeline.fetch_batch; a warning says so).
+rank without samples is handed) cannot be made (pipeline.fetch_batch; a warning says
+so); and in synchronous mode (`steps_refusal`) a gradient path other than the plain
+replicated one (shard=: each rank steps its own shard; compress="powersgd": each
+rank's error feedback), a GradScaler (its skipped steps and scale would have to be
+replayed too: not done), and a before_optimizer_step hook (it may read the
+parameters, which a catching-up joiner does not hold yet).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -64,6 +92,9 @@ from ..protocol import Keys
 from ..store.auth import SignedStore
 from ..store.pgstore import PgStore, PlainPgStore
 from . import state as state_mod
+from .gradients import ReplicatedPath, Slot
+from .shares import AGAIN_SLOT, READY_SLOT
+from .tail import layout as tail_layout
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -73,6 +104,13 @@ OUTER_KEY = "outer_optimizer"  # as local.OUTER_KEY (not imported: local.py impo
 # past that it asks the source for the newest round's start instead.
 MAX_MISSED_ROUNDS = 4
 STILL, AGAIN = 1.0, 2.0  # a joiner's slot in the averaging: still catching up; and it wants a new copy
+# Synchronous steps: a joiner keeps one gradient per committed step (host memory) until its
+# state arrives, at most MAX_KEPT_BYTES of them but at least MIN_KEPT_STEPS steps (kept_cap);
+# past that it asks for a newer copy (AGAIN_SLOT). A 50 M-parameter model's 200 MB: 21 steps,
+# where its 600 MB state needs about 3 of its 1 GbE steps on the wire (issue 51's figures:
+# at least 4.8 s, 1.95 s per step; the transfer shares the link with the all-reduces).
+MAX_KEPT_BYTES = 4 << 30
+MIN_KEPT_STEPS = 4
 
 
 def pair_prefix(generation: int, joiner: int) -> str:
@@ -89,6 +127,98 @@ def eligible(reports: Sequence[tuple[bool, int]], src: int, need: Sequence[int],
     if any(reports[r][0] for r in need):
         return False  # a rank holding an older state: it gets the newest one now
     return len({s for has, s in reports if has}) == 1
+
+
+def steps_refusal(*, replicated: bool, scaler: bool, hook: bool) -> str | None:
+    """Why a joiner of synchronous steps cannot catch up by replaying the optimizer steps
+    it missed (module docstring), or None. The same answer on every rank. Pure."""
+    if not replicated:
+        return ("the gradients are not the plain replicated path's (shard= steps each rank's own shard; "
+                "compress= keeps each rank's own error feedback)")
+    if scaler:
+        return "a GradScaler is in use (its skipped steps and scale are not replayed)"
+    if hook:
+        return "a before_optimizer_step hook is set (it may read parameters the joiner does not hold yet)"
+    return None
+
+
+def kept_cap(step_bytes: int) -> int:
+    """How many steps' gradients (`step_bytes` each) a joiner of synchronous steps keeps
+    before it asks for a newer copy. Pure."""
+    return max(MIN_KEPT_STEPS, MAX_KEPT_BYTES // max(1, step_bytes))
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The param_groups' hyperparameters (every entry but "params"), copied: what a
+    scheduler sets and optimizer.step reads."""
+    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, groups: Sequence[dict]) -> None:
+    """Put `groups` (hyperparameters()) into the optimizer's param_groups."""
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{len(groups)} param groups kept for an optimizer of {len(optimizer.param_groups)}")
+    for g, h in zip(optimizer.param_groups, groups):
+        for k, v in h.items():
+            g[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the members' optimizer step of committed step `step` consumed (synchronous
+    steps): the whole gradient (one flat host copy per dtype buffer of the replicated
+    path: gradients.GradLayout), the param_groups' hyperparameters, and whether the step
+    was skipped (inf/NaN under a GradScaler: no optimizer step)."""
+
+    step: int
+    grads: tuple[torch.Tensor, ...]
+    groups: tuple[dict, ...]
+    skipped: bool = False
+
+
+def record_step(step: int, grads: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
+                skipped: bool = False) -> StepRecord:
+    """A StepRecord of `grads` (host copies already) and the optimizer's hyperparameters now."""
+    return StepRecord(step, tuple(grads), tuple(hyperparameters(optimizer)), skipped)
+
+
+def replay_steps(params: Sequence[torch.Tensor], slots: Sequence[Slot], optimizer: torch.optim.Optimizer,
+                 records: Sequence[StepRecord], device: torch.device) -> None:
+    """The optimizer steps of `records`, in order, as the members took them: each with its
+    hyperparameters and its gradient (each parameter's .grad a view of its dtype's flat
+    buffer at its slot, as ReplicatedPath binds them). The parameters' .grad are put back
+    afterwards; the hyperparameters are the last record's (take_up_steps puts the live
+    ones back)."""
+    held = [p.grad for p in params]
+    try:
+        for rec in records:
+            if rec.skipped:
+                continue
+            set_hyperparameters(optimizer, rec.groups)
+            flats = [g.to(device) for g in rec.grads]
+            for p, s in zip(params, slots):
+                p.grad = flats[s.group][s.offset:s.offset + s.numel].view_as(p)
+            optimizer.step()
+    finally:
+        for p, g in zip(params, held):
+            p.grad = g
+
+
+def take_up_steps(model: torch.nn.Module, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
+                  saved: dict, records: Sequence[StepRecord], slots: Sequence[Slot], device: torch.device) -> None:
+    """A joiner of synchronous steps adopts the state it received (`saved`: parameters and
+    optimizer state of an earlier step) and replays the steps committed since
+    (`records`), so it holds the members' state, bit for bit; its param_groups'
+    hyperparameters stay its own live ones (its scheduler set them as the members' did)."""
+    live = hyperparameters(optimizer)
+    with torch.no_grad():
+        own = model.state_dict()
+        for k, v in saved["model"].items():
+            own[k].copy_(v)
+    optimizer.load_state_dict(saved["optimizer"])
+    replay_steps(params, slots, optimizer, records, device)
+    set_hyperparameters(optimizer, live)
 
 
 def still_catching_up(flags: Sequence[float]) -> frozenset[int]:
@@ -224,26 +354,34 @@ class _Transfer:
 class CatchUp:
     """The catch-up of this generation's joiners (module docstring), on every rank: which
     ranks are catching up (`idle`, agreed), and this rank's transfers. `job`: the
-    ElasticJob, `rounds`: its LocalPath (neither imported here)."""
+    ElasticJob, `rounds`: its LocalPath (neither imported here), None for synchronous
+    steps (the job's replicated path calls in then: ReplicatedPath.catchup)."""
 
     def __init__(self, job: Any, rounds: Any) -> None:
         self._job = job
         self._rounds = rounds
         self.idle: frozenset[int] = frozenset()  # the ranks catching up (the same on every rank)
+        self.source = -1  # the rank their state comes from (the same on every rank)
         self._sending: dict[int, _Transfer] = {}  # the source: one per joiner
         self._receiving: _Transfer | None = None  # a joiner: its own
-        self._ready = False  # this joiner adopted the round's start before the averaging
-        self._awaiting = -1  # a joiner: the round start (step) whose state it waits for
+        self._ready = False  # this joiner took up the state (before the averaging; synchronous: this step)
+        self._awaiting = -1  # a joiner: the step (a round's start) whose state it waits for
         # A joiner: the mean delta of each round that ended since that round start (None:
         # a round without samples, no outer step), replayed once the state arrives.
         self._missed: list[torch.Tensor | None] = []
+        # A joiner of synchronous steps: what each step since _awaiting consumed, and how many it keeps.
+        self._kept: list[StepRecord] = []
+        self._cap = MIN_KEPT_STEPS
         self._again = False  # a joiner: it dropped _missed and asks for the newest round's start
-        self._recopy = False  # the source: a joiner asked for the newest round's start
+        self._recopy = False  # the source: a joiner asked for a newer copy
         self.packing: threading.Event | None = None  # the source: set once its copy of the state is taken
 
     def _set_idle(self, idle: frozenset[int]) -> None:
         self.idle = idle
-        self._job._shares.idle = idle
+        j = self._job
+        j._shares.idle = idle
+        if self._rounds is None and isinstance(j._grads, ReplicatedPath):
+            j._grads.catchup = self if idle else None  # its per-step hooks, only while someone catches up
 
     def reset(self) -> None:
         """A generation forms: whatever was under way is dropped (module docstring)."""
@@ -253,17 +391,26 @@ class CatchUp:
         if self._receiving is not None:
             self._receiving.close()
         self._sending, self._receiving, self._ready = {}, None, False
-        self._missed, self._again, self._recopy = [], False, False
-        self._job._shares.ready = False
+        self._missed, self._kept, self._again, self._recopy = [], [], False, False
+        self._job._shares.ready = self._job._shares.again = False
         self._set_idle(frozenset())
 
     def admit(self, reports: Sequence[tuple[bool, int]], src: int, need: Sequence[int]) -> bool:
         """In the state agreement (every rank alike): True if the ranks of `need` catch up
-        in the background; then they have the progress and the extra state, and the
-        source's transfers are under way. False: the agreement moves the state as before."""
+        in the background; then they have the progress, the extra state and the
+        optimizer's hyperparameters, and the source's transfers are under way. False: the
+        agreement moves the state as before."""
         j = self._job
         if not eligible(reports, src, need, has_buffers=any(True for _ in j.model.buffers())):
             return False
+        if self._rounds is None:
+            why = steps_refusal(replicated=type(j._grads) is ReplicatedPath, scaler=j._update.scaler is not None,
+                                hook=j._update.hooked)
+            if why:
+                if j._rank == src:
+                    log.info("worker %s: the joiner(s) take the state in the generation change, not in the "
+                             "background: %s", j.worker_id, why)
+                return False
         try:  # a catching-up rank's script gets an empty batch (the same answer on every rank)
             j._feeder.fetch(j._sampler, [])
         except Exception as e:  # noqa: BLE001 - the dataset's collate cannot make one: the usual transfer
@@ -271,10 +418,11 @@ class CatchUp:
                         "the job cannot make the empty batch a catching-up rank is handed (%s: %s); a collate_fn "
                         "that accepts [] makes the catch-up possible", j.worker_id, type(e).__name__, e)
             return False
-        light = state_mod.pack({"progress": j._progress(), "extra_state": state_mod.extra_state_dicts(j._extra)}) \
-            if j._rank == src else None
+        light = state_mod.pack({"progress": j._progress(), "extra_state": state_mod.extra_state_dicts(j._extra),
+                                "param_groups": hyperparameters(j.optimizer)}) if j._rank == src else None
         got = transfer.send_packed(j._pg, light, src, j._rank, need, j._abort, j._device)
         store, bind, g = j._session.store, j._session.bind_host, j.generation
+        self.source = src
         if got is not None:
             small = state_mod.unpack(*got)
             j._set_progress(small["progress"])
@@ -282,10 +430,13 @@ class CatchUp:
             for name, obj in j._extra.items():
                 if name in saved:
                     obj.load_state_dict(saved[name])
+            # The script's scheduler steps from the members' values (a chainable one reads them).
+            set_hyperparameters(j.optimizer, small["param_groups"])
             j._buffers.mark()
             self._receiving = _Transfer(store, bind, pair_prefix(g, j._rank), False, f"rank {j._rank}", g,
                                         j._plan.to_json())
             self._awaiting = j._step
+            self._cap = kept_cap(sum(p.numel() * p.element_size() for p in j._params))
             log.info("worker %s: catching up at step %d: the state comes from rank %d in the background",
                      j.worker_id, j._step, src)
         elif j._rank == src:
@@ -299,23 +450,88 @@ class CatchUp:
 
     # -- each step, only while some rank catches up -----------------------------------------
     def poll(self) -> None:
-        """A joiner, before its step's tail: if its transfer brought the round start it waits
-        for, take it up (`_take_up`) and say so in the tail (Shares.ready: READY_SLOT)."""
+        """A joiner, before its step's tail: if its transfer brought the state it waits for
+        (synchronous: and it kept every step since), take it up (`_take_up`) and say so in
+        the tail (Shares.ready: READY_SLOT). Synchronous, one that kept `kept_cap` steps
+        drops them and asks for a newer copy (Shares.again: AGAIN_SLOT)."""
         t = self._receiving
-        if t is None or self._ready or self._job._rank not in self.idle:
+        j = self._job
+        if t is None or self._ready or j._rank not in self.idle:
             return
         got = t.got
-        if got is not None and got[0] == self._awaiting:
+        if got is not None and got[0] == self._awaiting and self._kept_all():
             self._take_up(got)
-            self._job._shares.ready = True
+            j._shares.ready = True
+        elif self._rounds is None and len(self._kept) >= self._cap:
+            log.info("worker %s: the state of step %d has not arrived after %d steps; it asks for a newer copy",
+                     j.worker_id, self._awaiting, len(self._kept))
+            # The copy of the state after this step: the source takes it after its optimizer step (stepped).
+            self._kept, self._awaiting = [], j._step + 1
+            j._shares.again = True
+
+    def _kept_all(self) -> bool:
+        """Synchronous: the steps kept are every step committed since the state awaited."""
+        return self._rounds is not None or [r.step for r in self._kept] == list(
+            range(self._awaiting + 1, self._job._step + 1))
+
+    def tail_summed(self, tail: torch.Tensor) -> None:
+        """Synchronous: a step's tail, summed (ReplicatedPath.finish): `tail_seen`."""
+        self.tail_seen(tail_layout(self._job.world_size).decode(tail).pace)
 
     def tail_seen(self, paces: Sequence[float]) -> None:
         """A step's tail, summed (every rank alike): the catching-up ranks whose pace slot
         says they took up the state (READY_SLOT) are members like the others from the next
-        step on: shares, and their transfers end."""
-        done = frozenset(r for r in self.idle if paces[r] < 0)
+        step on: shares, and their transfers end. The source notes a joiner that asks for a
+        newer copy (AGAIN_SLOT, synchronous)."""
+        if any(paces[r] == AGAIN_SLOT for r in self._sending):
+            self._recopy = True
+        self._job._shares.again = False
+        done = frozenset(r for r in self.idle if paces[r] == READY_SLOT)
         if done:
             self._caught_up(self.idle - done, self._job._step + 1)
+
+    def replaces_step(self, path: Any, optimizer: torch.optim.Optimizer) -> bool:
+        """Synchronous, in place of the optimizer step (ReplicatedPath.step, after the
+        unscale and the clipping): the source first waits for its copy of the state
+        (`hold`); a joiner still catching up keeps what the step consumes (a StepRecord:
+        the gradient, the hyperparameters) instead of stepping: True."""
+        if self.packing is not None:
+            self.hold()
+        j = self._job
+        if j._rank not in self.idle or self._ready:
+            return False
+        step = j._step + 1
+        if step > self._awaiting:  # a step after the state it asked for (AGAIN) is kept
+            self._kept.append(record_step(step, path.gradient_copy(), optimizer))
+        return True
+
+    def stepped(self) -> None:
+        """Synchronous, after the optimizer step: the source copies the state for a joiner
+        that asked for a newer one, now, so the copy overlaps the next step's compute."""
+        if self._recopy and self._sending:
+            self._recopy = False
+            self._copy(self._job._step + 1)
+
+    def at_end(self) -> list[int]:
+        """Synchronous, the job's end or a stop while ranks catch up (every rank alike): a
+        joiner waits for its transfer and takes up the state; then one small all-reduce says
+        which ranks could not (their transfer broke): returned, they receive the state from
+        the source over the job's group (StateAgreement.caught_up_at_end), then `ended`.
+        Raises Aborted (the group broke)."""
+        j = self._job
+        lacking = torch.zeros(j.world_size, dtype=torch.float32, device=j._device)
+        t = self._receiving
+        if j._rank in self.idle and not self._ready:
+            if t is not None and t.wait_for(self._awaiting, j._abort) and self._kept_all():
+                self._take_up(t.got)
+            else:
+                lacking[j._rank] = 1.0
+        lacking = collectives.allreduce(j._pg, lacking, j._abort).cpu()
+        return [r for r in sorted(self.idle) if lacking[r] > 0]
+
+    def ended(self) -> None:
+        """Every catching-up rank holds the state (at_end): they are members like the others."""
+        self._caught_up(frozenset(), self._job._step)
 
     def _caught_up(self, idle: frozenset[int], step: int) -> None:
         """The ranks no longer in `idle` caught up at `step`: they train from the next one,
@@ -352,18 +568,29 @@ class CatchUp:
         self._take_up(got)
 
     def _take_up(self, got: tuple[int, bytes, torch.Tensor]) -> None:
-        """Adopt the round start received and replay the outer steps of the rounds that
+        """Adopt the state received and replay what happened since: synchronous, the
+        optimizer steps kept (`take_up_steps`); local, the outer steps of the rounds that
         ended since (`_missed`): this joiner then holds the current round's start, the outer
-        optimizer's state and the source's inner state."""
+        optimizer's state and the source's inner state. Its hyperparameters stay its own
+        (its scheduler stepped them as the members' did)."""
         j = self._job
         saved = state_mod.unpack(got[1], got[2])
         r = self._rounds
+        if r is None:
+            take_up_steps(j.model, j._params, j.optimizer, saved, self._kept, j._grads.layout.slots, j._device)
+            log.info("worker %s: the state of step %d arrived; the %d optimizer step(s) since replayed",
+                     j.worker_id, self._awaiting, len(self._kept))
+            self._kept = []
+            self._ready = True
+            return
         with torch.no_grad():
             own = j.model.state_dict()
             for k, v in saved["model"].items():
                 own[k].copy_(v)
                 r._snap[k].copy_(v)  # the anchor: views of the snapshot
+        live = hyperparameters(j.optimizer)
         j.optimizer.load_state_dict(saved["optimizer"])
+        set_hyperparameters(j.optimizer, live)
         r._outer.load_state_dict(saved[OUTER_KEY])
         for mean in self._missed:
             replay_outer_step(r._params, r._anchor, r._outer, mean)
@@ -397,14 +624,15 @@ class CatchUp:
             self._recopy = False
             self._copy()
 
-    def _copy(self) -> None:
-        """The source: its state at this round's start copied into host memory for the
-        transfers, on a thread, while the first step's forward and backward run; what
-        would change it waits for the copy (`hold`: the next inner step, the round's end,
-        a new generation)."""
+    def _copy(self, version: int | None = None) -> None:
+        """The source: its state (of step `version`, by default the last committed one: at
+        a join's boundary, or this round's start) copied into host memory for the
+        transfers, on a thread, while the next step's forward and backward run; what would
+        change it waits for the copy (`hold`: the next inner or optimizer step, the round's
+        end, a new generation)."""
         j = self._job
         self.hold()
-        version = j._step
+        version = j._step if version is None else version
         captured = j._capture_state()  # references: the round's start, the inner and outer state
         done = self.packing = threading.Event()
         senders = list(self._sending.values())

@@ -97,7 +97,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -254,48 +254,44 @@ class BufferSync:
             for t, a in zip(floats + others, self._agreed):
                 t.copy_(a)
 
+    def _sections(self) -> Iterator[tuple[bool, torch.Tensor, torch.Tensor, slice]]:
+        """(a float buffer?, the buffer, its agreed value, its slice of the tail
+        section) for each buffer, the float ones first: the section's layout."""
+        floats, others = self._tensors()
+        agreed = self._agreed or [t.detach().clone() for t in floats + others]
+        pos = 0
+        for i, (t, a) in enumerate(zip(floats + others, agreed)):
+            k = t.numel()
+            yield i < len(floats), t, a, slice(pos, pos + k)
+            pos += k
+
     def write(self, out: torch.Tensor, local_samples: int, rank: int) -> None:
         """This rank's contribution into `out` (float32, `size` elements)."""
         if self.size == 0:
             return
-        floats, others = self._tensors()
-        agreed = self._agreed or [t.detach().clone() for t in floats + others]
         with torch.no_grad():
-            pos = 0
-            for t, a in zip(floats, agreed):
-                k = t.numel()
-                out[pos:pos + k].copy_(((t.detach() - a) * local_samples).reshape(-1))
-                pos += k
-            for t, a in zip(others, agreed[len(floats):]):
-                k = t.numel()
-                if rank == 0:
-                    out[pos:pos + k].copy_((t.detach().to(torch.float64) - a.to(torch.float64)).reshape(-1))
+            for is_float, t, a, at in self._sections():
+                if is_float:
+                    out[at].copy_(((t.detach() - a) * local_samples).reshape(-1))
+                elif rank == 0:
+                    out[at].copy_((t.detach().to(torch.float64) - a.to(torch.float64)).reshape(-1))
                 else:
-                    out[pos:pos + k].zero_()
-                pos += k
+                    out[at].zero_()
 
     def read(self, summed: torch.Tensor, global_samples: int) -> None:
         """Adopt the agreed update from the all-reduced tail section (on any
         device), and mark it."""
         if self.size == 0:
             return
-        floats, others = self._tensors()
-        agreed = self._agreed or [t.detach().clone() for t in floats + others]
         with torch.no_grad():
-            pos = 0
-            for t, a in zip(floats, agreed):
-                k = t.numel()
-                if global_samples > 0:
-                    delta = summed[pos:pos + k].to(t.device, t.dtype).view_as(t) / global_samples
-                    t.copy_(a + delta)
+            for is_float, t, a, at in self._sections():
+                if not is_float:
+                    delta = summed[at].to(t.device, torch.float64).round().view_as(t)
+                    t.copy_((a.to(torch.float64) + delta).to(t.dtype))
+                elif global_samples > 0:
+                    t.copy_(a + summed[at].to(t.device, t.dtype).view_as(t) / global_samples)
                 else:
                     t.copy_(a)
-                pos += k
-            for t, a in zip(others, agreed[len(floats):]):
-                k = t.numel()
-                delta = summed[pos:pos + k].to(t.device, torch.float64).round().view_as(t)
-                t.copy_((a.to(torch.float64) + delta).to(t.dtype))
-                pos += k
         self.mark()
 
 
@@ -487,6 +483,11 @@ class ReplicatedPath(GradientPath):
     """Every rank holds every gradient: bucketed all-reduces launched as backward
     fills the buckets (module docstring)."""
 
+    # While a rank catches up in the background (catchup.py, synchronous steps): the job's
+    # CatchUp, called at the step's start (poll), its summed tail, and in place of the
+    # optimizer step (a joiner keeps what the step consumes); None otherwise (a look only).
+    catchup: Any = None
+
     def __init__(self, params: list[torch.Tensor], bucket_mb: float,
                  device: torch.device = torch.device("cpu"), grad_dtype: str | None = None) -> None:
         self._params = params
@@ -564,6 +565,8 @@ class ReplicatedPath(GradientPath):
         # failed() looks on gloo only: on NCCL reading a work's future makes the compute stream wait for it
         self._watch_failures = collectives.is_gloo(self.pg)
         self._launching = True
+        if self.catchup is not None:
+            self.catchup.poll()  # a joiner whose state arrived takes it up and says so in this step's tail
 
     def end_backward(self) -> None:
         self._launching = False
@@ -645,6 +648,8 @@ class ReplicatedPath(GradientPath):
         tail = self.tail().to("cpu", copy=True)  # the buffers are zeroed after the step
         self.last_step_timing = StepTiming(time.perf_counter() - t0,
                                            self._grad_bytes + self._tail_size * TAIL_DTYPE.itemsize)
+        if self.catchup is not None:
+            self.catchup.tail_summed(tail)  # joiners that took up the state train from the next step
         return tail
 
     def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -657,13 +662,25 @@ class ReplicatedPath(GradientPath):
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: Any, abort: threading.Event) -> bool:
         """Every rank holds the same all-reduced gradients, so every rank decides alike."""
+        c = self.catchup
+        if c is not None and c.replaces_step(self, optimizer):
+            return False  # a joiner catching up: it keeps what the step consumes instead
         if scaler is None:
             optimizer.step()
-            return False
-        finite = all_finite(f[:n] for f, n in zip(self._flats, self.layout.lengths))
-        scaler.step(optimizer)
-        scaler.update()
-        return not finite
+            skipped = False
+        else:
+            finite = all_finite(f[:n] for f, n in zip(self._flats, self.layout.lengths))
+            scaler.step(optimizer)
+            scaler.update()
+            skipped = not finite
+        if c is not None:
+            c.stepped()  # the source: a newer copy asked for is taken now
+        return skipped
+
+    def gradient_copy(self) -> list[torch.Tensor]:
+        """The whole gradient as the optimizer step reads it (all-reduced, unscaled,
+        clipped): one host copy per dtype buffer, the tail left out (catchup.py)."""
+        return [f[:n].to("cpu", copy=True) for f, n in zip(self._flats, self.layout.lengths)]
 
     def zero(self) -> None:
         for flat in self._flats or ():

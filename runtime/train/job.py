@@ -117,6 +117,7 @@ class ElasticJob(MemberViews):
         sync: str = "steps",
         sync_every: int | None = None,
         outer_optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
+        sync_overlap: bool = False,
         grad_dtype: str | None = None,
         compress: str | None = None,
         compress_rank: int | None = None,
@@ -158,8 +159,8 @@ class ElasticJob(MemberViews):
         # step every sync_every steps or at a planned change; a roll-back to the round's start on an abort.
         self._rounds: local.LocalPath | None = None
         if local.check(sync, sync_every, outer_optimizer, shard=shard, grad_dtype=grad_dtype,
-                       reduce_each_micro_batch=reduce_each_micro_batch, compress=compress):
-            self._grads = self._rounds = local.LocalPath(self, sync_every, outer_optimizer)
+                       reduce_each_micro_batch=reduce_each_micro_batch, compress=compress, sync_overlap=sync_overlap):
+            self._grads = self._rounds = local.LocalPath(self, sync_every, outer_optimizer, sync_overlap)
         self._shard = shard
         self._buffers = gradients.BufferSync(model)
         # What the next step boundary owes (boundary.py): the last commit's asks, a roll
@@ -266,6 +267,8 @@ class ElasticJob(MemberViews):
             except storeloss.StoreLost as e:
                 life.store_lost(self, e)
             if self._boundary.over or self._done():
+                if not self._boundary.over and not self._agreement.caught_up_at_end():
+                    continue  # joiners catching up take their state first (agreement.py); it broke: the roll call
                 life.finish(self)
                 self._session.gen.done()
                 return
@@ -478,7 +481,8 @@ class ElasticJob(MemberViews):
             b.dropped(e.backend_error)
             return  # a stop or a leave still asked for is seen again at the next commit
         if stop:
-            life.stop(self)
+            if self._agreement.caught_up_at_end():  # joiners catching up take their state first (agreement.py)
+                life.stop(self)
         elif leavers is not None:
             try:
                 self._planned_change(leavers)

@@ -29,6 +29,9 @@ CONFIRM_COMMITS = 3  # a new balanced split is adopted once proposed at this man
 # split and the status read it as not measured (balance.known_paces) like the 0 of a rank
 # without samples.
 READY_SLOT = -1.0
+# The pace slot of a catching-up rank of synchronous steps that dropped the steps it kept and
+# asks for a newer copy of the state (catchup.py); read as not measured too.
+AGAIN_SLOT = -2.0
 
 
 class Shares:
@@ -53,11 +56,13 @@ class Shares:
         # step with (0: none this step), and the limit found so far.
         self.oom_retry = 0
         self.oom_limit: int | None = None
-        # Ranks that train on nothing for now (local steps: joiners catching up, catchup.py);
-        # the others split each step equally meanwhile. `ready`: this rank, catching up,
-        # holds the state now; its pace slot says so (READY_SLOT) and it trains from the next step.
+        # Ranks that train on nothing for now (joiners catching up, catchup.py); the others
+        # split each step equally meanwhile. `ready`: this rank, catching up, holds the state
+        # now; its pace slot says so (READY_SLOT) and it trains from the next step. `again`:
+        # it asks for a newer copy of the state (AGAIN_SLOT, synchronous steps).
         self.idle: frozenset[int] = frozenset()
         self.ready = False
+        self.again = False
 
     # -- the split ------------------------------------------------------------------
     def in_force(self, generation: int) -> Split:
@@ -132,7 +137,7 @@ class Shares:
         if not self.oom_retry:
             self.pace = self.pace.observed(self.compute_s, samples)
         oom, self.compute_s, self.oom_retry = self.oom_retry, 0.0, 0
-        return (READY_SLOT if self.ready else self.pace.slot), oom
+        return (READY_SLOT if self.ready else AGAIN_SLOT if self.again else self.pace.slot), oom
 
     def dropped(self) -> None:
         """A step dropped before its tail was written: forget its time and its redo."""

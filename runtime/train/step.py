@@ -77,6 +77,11 @@ class OptimizerStep:
         self._before = before
         self.grad_norm: float | None = None  # the global norm of the last step before clipping
 
+    @property
+    def hooked(self) -> bool:
+        """The script's before_optimizer_step hook is set (a joiner cannot catch up past it: catchup.py)."""
+        return self._before is not None
+
     def run(self, job: Any, grads: Any, abort: Any) -> bool:
         """Unscale, clip, the hook (called with `job`), the optimizer step, all through the
         gradient path `grads`, so every rank decides alike (the global norm, an inf/NaN in
