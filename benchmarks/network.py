@@ -247,6 +247,9 @@ def train_modes(sync_every: int, outer: dict | None = None) -> dict[str, dict]:
         "bf16": {"grad_dtype": "bf16"},
         "lowrank": {"compress": "powersgd"},
         "local": {"sync": "local", "sync_every": sync_every, **({"outer_optimizer": outer} if outer else {})},
+        # the round's averaging overlapped with the next round's compute (runtime/train/local.py)
+        "local_overlap": {"sync": "local", "sync_every": sync_every, "sync_overlap": True,
+                          **({"outer_optimizer": outer} if outer else {})},
     }
 
 
