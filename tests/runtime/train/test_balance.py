@@ -196,8 +196,15 @@ def test_shares_follow_speeds_in_known_ratios_and_follow_a_change_mid_run(cluste
     finish(c, [a, b, s], 50)
     by_step = {k: [shares[w.id] for w in (a, b, s)] for k, (_g, shares) in splits(c.audit).items()}
     assert by_step[1] == [8, 8, 8], "the first step of a generation splits equally"
-    settled = [by_step[k] for k in range(12, 25)]
-    assert all(9 <= x[0] <= 12 and 9 <= x[1] <= 12 and 2 <= x[2] <= 5 for x in settled), settled
+    # Balanced from some step on (by step 12 on a quiet machine; a loaded one measures noisier
+    # paces, and a split is adopted once proposed at CONFIRM_COMMITS commits in a row: a CI
+    # run under load adopted it at step 16), and it stays balanced up to the change at 25.
+    def balanced(x: list[int]) -> bool:
+        return 9 <= x[0] <= 12 and 9 <= x[1] <= 12 and 2 <= x[2] <= 5
+
+    first = next((k for k in range(2, 25) if balanced(by_step[k])), None)
+    settled = [by_step[k] for k in range(first or 2, 25)]
+    assert first is not None and first <= 20 and all(balanced(x) for x in settled), [by_step[k] for k in range(2, 25)]
     after = [by_step[k] for k in range(45, 51)]
     assert all(x[2] > x[0] + 4 and x[2] > x[1] + 4 for x in after), after
     # rank 0's status document: each worker's share and speed at the last step.
