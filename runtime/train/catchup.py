@@ -18,12 +18,7 @@ member waits. Nobody needs the joiner before it holds the state, so:
   waits for the copy: `hold`), and a thread sends it over a 2-rank gloo group of their
   own (formed on the job's store under `gen/<g>/catchup/<joiner's rank>/pg`, bound to
   the data plane's address and its pair checked with the signed handshake like the
-  generation's group); a thread of the joiner receives it. The members step on. The
-  state goes in chunks that give way to the job's own reduction (catchup_pair.py: the
-  sender waits while `link` is busy; the replicated path marks it from a step's first
-  all-reduce launch until finish waited for every one, local steps the round's
-  averaging but the last); a chunk in flight delays an all-reduce by at most its time
-  on the link (CHUNK_BYTES / rate).
+  generation's group); a thread of the joiner receives it. The members step on.
 - what the joiner keeps meanwhile, so that the state it receives (of an earlier step)
   can be brought to the members' present by the members' own operations on the same
   values (the same bits):
@@ -48,14 +43,7 @@ member waits. Nobody needs the joiner before it holds the state, so:
   (and, synchronous, it kept every step since) the joiner adopts it and replays what
   it kept (`replay_outer_step`; `take_up_steps`: the parameters and optimizer state,
   then one optimizer step per kept step with its gradient and hyperparameters, then
-  its own live hyperparameters back), so it holds what every member holds.
-  Synchronous, that work leaves the step (the members' all-reduce waited for it): the
-  first poll after the arrival starts a `_Shadow`, a thread that unpacks the state
-  into tensors of its own and an optimizer over them (`shadow_optimizer`) and replays
-  the kept steps as they are kept; a later poll with at most SWAP_LAG of them left
-  replays those and swaps (the shadow's parameters copied into the model's, its
-  optimizer state tensors moved into the optimizer's: the same bits); optimizer step
-  hooks, or a shadow that failed, replay in poll as `take_up_steps`. Its pace
+  its own live hyperparameters back), so it holds what every member holds; its pace
   slot in that step's tail says so (shares.READY_SLOT), it takes that step's
   optimizer step (synchronous) and from the next step on it trains like the others.
 - too far behind (MAX_MISSED_ROUNDS kept means, or `kept_cap` kept steps): the joiner
@@ -67,11 +55,11 @@ member waits. Nobody needs the joiner before it holds the state, so:
   (local: in the last averaging; synchronous: `at_end`, then one small all-reduce in
   which a joiner whose transfer broke says so, and receives the state from the source
   over the job's group as before): every rank ends with the same state.
-- failures: any generation change drops a transfer under way (and a shadow); a joiner
-  not caught up holds no state, so the next agreement gives it the state again
-  (catching up again where this module allows it, else today's transfer). A joiner
-  that dies costs the members the usual roll call (it held no samples); a source that
-  dies, the same, and the joiner starts over.
+- failures: any generation change drops a transfer under way; a joiner not caught up
+  holds no state, so the next agreement gives it the state again (catching up again
+  where this module allows it, else today's transfer). A joiner that dies costs the
+  members the usual roll call (it held no samples); a source that dies, the same, and
+  the joiner starts over.
 
 The per-step hooks run only while some rank catches up (local: LocalPath checks
 `idle`; synchronous: ReplicatedPath.catchup is this object then, else None): members
@@ -91,19 +79,19 @@ parameters, which a catching-up joiner does not hold yet).
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from ..member import collectives, transfer
+from ..member.collectives import Aborted
 from ..protocol import Keys
+from ..store.auth import SignedStore
+from ..store.pgstore import PgStore, PlainPgStore
 from . import state as state_mod
-from .catchup_pair import Link, Transfer
 from .gradients import ReplicatedPath, Slot
 from .shares import AGAIN_SLOT, READY_SLOT
 from .tail import layout as tail_layout
@@ -123,10 +111,6 @@ STILL, AGAIN = 1.0, 2.0  # a joiner's slot in the averaging: still catching up; 
 # at least 4.8 s, 1.95 s per step; the transfer shares the link with the all-reduces).
 MAX_KEPT_BYTES = 4 << 30
 MIN_KEPT_STEPS = 4
-# A joiner of synchronous steps takes up its shadow (_Shadow) once at most this many kept
-# steps are left to replay: those few in poll (an optimizer step each), which overlaps the
-# members' forward and backward.
-SWAP_LAG = 1
 
 
 def pair_prefix(generation: int, joiner: int) -> str:
@@ -237,113 +221,6 @@ def take_up_steps(model: torch.nn.Module, params: Sequence[torch.Tensor], optimi
     set_hyperparameters(optimizer, live)
 
 
-def shadow_optimizer(optimizer: torch.optim.Optimizer, shadow_of: dict[int, torch.Tensor]) -> Any:
-    """An optimizer of `optimizer`'s class and param_groups over the shadow tensors
-    (`shadow_of`: a parameter's id -> its shadow) that shares nothing the replay changes:
-    a shallow copy (torch's Optimizer.__getstate__ carries only defaults, state and
-    param_groups: not an LR scheduler's step wrapper, bound to `optimizer`, nor hooks)
-    with param_groups and state of its own. None where the optimizer has step hooks
-    (the members' steps ran them; the shadow's would not): the replay stays in poll."""
-    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks",
-                                                                         None):
-        return None
-    shadow = copy.copy(optimizer)
-    shadow.state = defaultdict(dict)
-    shadow.param_groups = [{**g, "params": [shadow_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-    return shadow
-
-
-class _Shadow:
-    """A joiner's replay off the members' critical path (synchronous steps): a thread
-    unpacks the state received into tensors of its own (the model's parameters' values
-    and an optimizer over them: shadow_optimizer, loaded with the received state) and
-    replays the kept steps on them in order as they are kept (`add`, the main thread);
-    `take` stops it between two steps; `swap_into` hands the result to the job."""
-
-    def __init__(self, got: tuple[int, bytes, torch.Tensor], model: torch.nn.Module, params: Sequence[torch.Tensor],
-                 optimizer: torch.optim.Optimizer, slots: Sequence[Slot], device: torch.device,
-                 records: Sequence[StepRecord]) -> None:
-        self.got = got
-        named = list(model.named_parameters())
-        self.of = {id(p): torch.empty_like(p) for _, p in named}  # filled by the thread
-        self.optimizer = shadow_optimizer(optimizer, self.of)
-        self._names = [(n, id(p)) for n, p in named]
-        self._params, self._slots, self._device = [self.of[id(p)] for p in params], slots, device
-        self._todo = list(records)
-        self._cond = threading.Condition()
-        self._stop = self._built = False
-        self._busy = True  # unpacking, or replaying a step
-        self.error: str | None = None if self.optimizer is not None else "the optimizer has step hooks"
-        if self.error is None:
-            threading.Thread(target=self._run, args=(got,), name="eltctl-catch-up-replay", daemon=True).start()
-        else:
-            self._busy = False
-
-    def _run(self, got: tuple[int, bytes, torch.Tensor]) -> None:
-        try:
-            saved = state_mod.unpack(got[1], got[2])
-            with torch.no_grad():
-                for name, i in self._names:
-                    self.of[i].copy_(saved["model"][name])
-            self.optimizer.load_state_dict(saved["optimizer"])
-            while True:
-                with self._cond:
-                    self._built, self._busy = True, False
-                    self._cond.notify_all()
-                    while not self._todo and not self._stop:
-                        self._cond.wait()
-                    if self._stop:
-                        return
-                    rec, self._busy = self._todo.pop(0), True
-                replay_steps(self._params, self._slots, self.optimizer, [rec], self._device)
-        except Exception as e:  # noqa: BLE001 - the joiner then replays in poll, as without a shadow
-            self.error = f"{type(e).__name__}: {e}"
-            log.warning("catch-up: the replay beside the job failed (%s); it replays in the step instead", self.error)
-        finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
-
-    def add(self, rec: StepRecord) -> None:
-        with self._cond:
-            self._todo.append(rec)
-            self._cond.notify_all()
-
-    def behind(self) -> int:
-        """How many kept steps are not replayed yet (a large number while it unpacks)."""
-        with self._cond:
-            return len(self._todo) + self._busy if self._built else 1 << 30
-
-    def take(self) -> list[StepRecord]:
-        """Stop the thread once the step it replays is done: the records it left."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-            while self._busy:
-                self._cond.wait()
-            return list(self._todo)
-
-    def swap_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, left: Sequence[StepRecord]) -> None:
-        """After `take`: replay the steps `left`, then the model's parameters take the
-        shadow's values (a copy: no autograd graph is alive at a step's start) and the
-        optimizer the shadow's state tensors (moved, not copied); its param_groups'
-        hyperparameters stay its own live ones."""
-        replay_steps(self._params, self._slots, self.optimizer, left, self._device)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(self.of[id(p)])
-        optimizer.state.clear()
-        for g, h in zip(optimizer.param_groups, self.optimizer.param_groups):
-            for p, q in zip(g["params"], h["params"]):
-                if q in self.optimizer.state:
-                    optimizer.state[p] = self.optimizer.state[q]
-
-    def close(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-
-
 def still_catching_up(flags: Sequence[float]) -> frozenset[int]:
     """The ranks whose slot in a round's averaging says they are still catching up. Pure."""
     return frozenset(r for r, f in enumerate(flags) if f > 0)
@@ -377,6 +254,103 @@ def replay_outer_step(params: Sequence[torch.Tensor], anchor: Sequence[torch.Ten
             a.copy_(p)
 
 
+class _Transfer:
+    """One background transfer between the source (pair rank 0) and a joiner (pair rank
+    1): its group, its thread, and what it carries (the source: the newest packed state
+    to send; the joiner: the newest one received)."""
+
+    def __init__(self, store: Any, bind_host: str, prefix: str, sending: bool, who: str, generation: int = 0,
+                 plan_json: str = "") -> None:
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._next: tuple[int, bytes, torch.Tensor] | None = None  # the source's next message
+        self.got: tuple[int, bytes, torch.Tensor] | None = None  # the joiner's newest message
+        self.failed: str | None = None
+        self._store = PgStore(store, prefix) if isinstance(store, SignedStore) else PlainPgStore(store, prefix)
+        self._bind = bind_host
+        self._signed = store
+        self._generation = generation
+        self._gid = collectives.group_id(prefix + plan_json)  # another group's handshake does not verify here
+        self._pg = None
+        self._who = who
+        self._thread = threading.Thread(target=self._run, args=(sending,), name="eltctl-catch-up", daemon=True)
+        self._thread.start()
+
+    def offer(self, version: int, packed: tuple[bytes, torch.Tensor]) -> None:
+        """The source: send this state (of the round starting at step `version`) next,
+        in place of one not yet sent."""
+        with self._cond:
+            self._next = (version, *packed)
+            self._cond.notify_all()
+
+    def wait_for(self, version: int, abort: threading.Event | None) -> bool:
+        """The joiner: wait until the state of `version` arrived (True) or the transfer
+        broke or was dropped (False)."""
+        with self._cond:
+            while not (self.got is not None and self.got[0] >= version) and self.failed is None \
+                    and not self._stop.is_set() and not (abort is not None and abort.is_set()):
+                self._cond.wait(0.05)
+            return self.got is not None and self.got[0] == version
+
+    def close(self) -> None:
+        """Drop it (a generation change, or done): the thread leaves its waits; the group
+        is buried (a send or receive may still be posted on it)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        collectives.bury(self._pg, self._store)
+        self._pg = None
+
+    def _run(self, sending: bool) -> None:
+        try:
+            pg = collectives.run_abortable(lambda: collectives.make_group(
+                self._store, 0 if sending else 1, 2, torch.device("cpu"), self._bind), self._stop, "catch-up group")
+            if self._stop.is_set():
+                collectives.bury(pg, self._store)
+                return
+            self._pg = pg
+            # Every pair signed before a byte of state moves (as the generation's group: collectives.py).
+            collectives.verify_pairs(pg, self._signed, self._generation, self._gid, 0 if sending else 1, 2,
+                                     torch.device("cpu"), self._stop, listen=self._bind)
+            (self._send if sending else self._receive)(pg)
+        except Aborted as e:
+            if not self._stop.is_set():
+                self.failed = str(e)
+                log.warning("catch-up transfer %s broke: %s", self._who, e)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _send(self, pg) -> None:
+        while True:
+            with self._cond:
+                while self._next is None and not self._stop.is_set():
+                    self._cond.wait(0.5)
+                if self._stop.is_set():
+                    return
+                version, header, flat = self._next
+                self._next = None
+            sizes = torch.tensor([version, len(header), flat.numel()], dtype=torch.int64)
+            works = [collectives.send(pg, sizes, 1, 0), collectives.send(pg, transfer.as_tensor(header), 1, 1),
+                     collectives.send(pg, flat, 1, 2)]
+            collectives.wait_p2p(works, self._stop, "the catch-up transfer")
+            log.info("catch-up: sent the state of step %d to %s (%.1f MB)", version, self._who, flat.numel() / 1e6)
+
+    def _receive(self, pg) -> None:
+        while True:
+            sizes = torch.zeros(3, dtype=torch.int64)
+            collectives.wait_p2p([collectives.recv(pg, sizes, 0, 0)], self._stop, "the catch-up transfer")
+            hbuf = torch.empty(int(sizes[1]), dtype=torch.uint8)
+            flat = torch.empty(int(sizes[2]), dtype=torch.uint8)
+            collectives.wait_p2p([collectives.recv(pg, hbuf, 0, 1), collectives.recv(pg, flat, 0, 2)], self._stop,
+                                 "the catch-up transfer")
+            with self._cond:
+                self.got = (int(sizes[0]), transfer.tensor_bytes(hbuf), flat)
+                self._cond.notify_all()
+            log.info("catch-up: %s received the state of step %d (%.1f MB)", self._who, int(sizes[0]),
+                     flat.numel() / 1e6)
+
+
 class CatchUp:
     """The catch-up of this generation's joiners (module docstring), on every rank: which
     ranks are catching up (`idle`, agreed), and this rank's transfers. `job`: the
@@ -388,8 +362,8 @@ class CatchUp:
         self._rounds = rounds
         self.idle: frozenset[int] = frozenset()  # the ranks catching up (the same on every rank)
         self.source = -1  # the rank their state comes from (the same on every rank)
-        self._sending: dict[int, Transfer] = {}  # the source: one per joiner
-        self._receiving: Transfer | None = None  # a joiner: its own
+        self._sending: dict[int, _Transfer] = {}  # the source: one per joiner
+        self._receiving: _Transfer | None = None  # a joiner: its own
         self._ready = False  # this joiner took up the state (before the averaging; synchronous: this step)
         self._awaiting = -1  # a joiner: the step (a round's start) whose state it waits for
         # A joiner: the mean delta of each round that ended since that round start (None:
@@ -401,8 +375,6 @@ class CatchUp:
         self._again = False  # a joiner: it dropped _missed and asks for the newest round's start
         self._recopy = False  # the source: a joiner asked for a newer copy
         self.packing: threading.Event | None = None  # the source: set once its copy of the state is taken
-        self.link = Link()  # the source: its job's reduction on the wire (the transfers wait for it)
-        self._shadow: _Shadow | None = None  # a joiner of synchronous steps: its replay beside the job
 
     def _set_idle(self, idle: frozenset[int]) -> None:
         self.idle = idle
@@ -418,10 +390,7 @@ class CatchUp:
             t.close()
         if self._receiving is not None:
             self._receiving.close()
-        if self._shadow is not None:
-            self._shadow.close()
-        self.link.free()
-        self._sending, self._receiving, self._ready, self._shadow = {}, None, False, None
+        self._sending, self._receiving, self._ready = {}, None, False
         self._missed, self._kept, self._again, self._recopy = [], [], False, False
         self._job._shares.ready = self._job._shares.again = False
         self._set_idle(frozenset())
@@ -464,7 +433,7 @@ class CatchUp:
             # The script's scheduler steps from the members' values (a chainable one reads them).
             set_hyperparameters(j.optimizer, small["param_groups"])
             j._buffers.mark()
-            self._receiving = Transfer(store, bind, pair_prefix(g, j._rank), False, f"rank {j._rank}", g,
+            self._receiving = _Transfer(store, bind, pair_prefix(g, j._rank), False, f"rank {j._rank}", g,
                                         j._plan.to_json())
             self._awaiting = j._step
             self._cap = kept_cap(sum(p.numel() * p.element_size() for p in j._params))
@@ -472,8 +441,7 @@ class CatchUp:
                      j.worker_id, j._step, src)
         elif j._rank == src:
             for r in need:
-                self._sending[r] = Transfer(store, bind, pair_prefix(g, r), True, f"rank {r}", g, j._plan.to_json(),
-                                             self.link)
+                self._sending[r] = _Transfer(store, bind, pair_prefix(g, r), True, f"rank {r}", g, j._plan.to_json())
             self._copy()
             log.info("worker %s: rank(s) %s catch up at step %d; their state goes in the background", j.worker_id,
                      ", ".join(map(str, need)), j._step)
@@ -490,19 +458,8 @@ class CatchUp:
         j = self._job
         if t is None or self._ready or j._rank not in self.idle:
             return
-        s = self._shadow
-        if s is not None:  # synchronous: the kept steps are being replayed beside the job (_Shadow)
-            if s.error is not None or s.behind() <= SWAP_LAG or len(self._kept) >= self._cap:
-                self._take_up(s.got)
-                j._shares.ready = True
-            return
         got = t.got
         if got is not None and got[0] == self._awaiting and self._kept_all():
-            if self._rounds is None:
-                self._shadow = _Shadow(got, j.model, j._params, j.optimizer, j._grads.layout.slots, j._device,
-                                       self._kept)
-                if self._shadow.error is None:
-                    return  # taken up at a later step's start, once replayed
             self._take_up(got)
             j._shares.ready = True
         elif self._rounds is None and len(self._kept) >= self._cap:
@@ -518,9 +475,7 @@ class CatchUp:
             range(self._awaiting + 1, self._job._step + 1))
 
     def tail_summed(self, tail: torch.Tensor) -> None:
-        """Synchronous: a step's tail, summed (ReplicatedPath.finish, every all-reduce
-        waited for: the link is free for the transfers again): `tail_seen`."""
-        self.link.free()
+        """Synchronous: a step's tail, summed (ReplicatedPath.finish): `tail_seen`."""
         self.tail_seen(tail_layout(self._job.world_size).decode(tail).pace)
 
     def tail_seen(self, paces: Sequence[float]) -> None:
@@ -547,10 +502,7 @@ class CatchUp:
             return False
         step = j._step + 1
         if step > self._awaiting:  # a step after the state it asked for (AGAIN) is kept
-            rec = record_step(step, path.gradient_copy(), optimizer)
-            self._kept.append(rec)
-            if self._shadow is not None:
-                self._shadow.add(rec)
+            self._kept.append(record_step(step, path.gradient_copy(), optimizer))
         return True
 
     def stepped(self) -> None:
@@ -603,8 +555,6 @@ class CatchUp:
         round's start. One that has kept MAX_MISSED_ROUNDS means asks for the newest instead."""
         j, t = self._job, self._receiving
         self.hold()
-        if self._sending and not final:  # the averaging gets the link first (at the end the state goes first)
-            self.link.busy()
         self._again = False
         if t is None or j._rank not in self.idle or self._ready:
             return
@@ -624,24 +574,15 @@ class CatchUp:
         optimizer's state and the source's inner state. Its hyperparameters stay its own
         (its scheduler stepped them as the members' did)."""
         j = self._job
+        saved = state_mod.unpack(got[1], got[2])
         r = self._rounds
         if r is None:
-            s, self._shadow, left = self._shadow, None, self._kept
-            if s is not None:
-                left = s.take()
-            if s is not None and s.error is None:
-                s.swap_into(j.model, j.optimizer, left)
-                where = f"{len(self._kept) - len(left)} of them beside the job"
-            else:
-                take_up_steps(j.model, j._params, j.optimizer, state_mod.unpack(got[1], got[2]), self._kept,
-                              j._grads.layout.slots, j._device)
-                where = "in the step"
-            log.info("worker %s: the state of step %d arrived; the %d optimizer step(s) since replayed (%s)",
-                     j.worker_id, self._awaiting, len(self._kept), where)
+            take_up_steps(j.model, j._params, j.optimizer, saved, self._kept, j._grads.layout.slots, j._device)
+            log.info("worker %s: the state of step %d arrived; the %d optimizer step(s) since replayed",
+                     j.worker_id, self._awaiting, len(self._kept))
             self._kept = []
             self._ready = True
             return
-        saved = state_mod.unpack(got[1], got[2])
         with torch.no_grad():
             own = j.model.state_dict()
             for k, v in saved["model"].items():
@@ -670,7 +611,6 @@ class CatchUp:
         where the round had no samples): who still catches up (the same on every rank); a
         joiner still catching up keeps `mean` to replay (`_take_up`)."""
         j = self._job
-        self.link.free()
         idle = still_catching_up(flags)
         if j._rank in idle and not self._again:
             self._missed.append(None if mean is None else mean.to("cpu", copy=True))

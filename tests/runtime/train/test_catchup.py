@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from eltctl_runtime.store import auth
-from eltctl_runtime.train import catchup, catchup_pair, gradients, state as state_mod
+from eltctl_runtime.train import catchup, gradients, state as state_mod
 from eltctl_runtime.train.sampler import SamplerState
 from eltctl_runtime.train.balance import known_paces
 from eltctl_runtime.train.shares import AGAIN_SLOT, READY_SLOT, Shares
@@ -200,8 +200,8 @@ def test_the_background_transfer_brings_the_newest_round_start():
     """A real 2-rank gloo group on a store: the source offers the state of step 4, then of
     step 8 (the joiner was not done by the round's end); the joiner waits for step 8."""
     store = torch.distributed.HashStore()
-    send = catchup.Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), True, "rank 2")
-    recv = catchup.Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), False, "rank 2")
+    send = catchup._Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), True, "rank 2")
+    recv = catchup._Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), False, "rank 2")
     try:
         state = {"model": {"w": torch.arange(6.0)}, "step": 4}
         send.offer(4, state_mod.pack(state))
@@ -214,118 +214,6 @@ def test_the_background_transfer_brings_the_newest_round_start():
     finally:
         send.close()
         recv.close()
-
-
-@pytest.mark.parametrize("n, chunk, bounds", [
-    (10, 4, [(0, 4), (4, 8), (8, 10)]),
-    (8, 4, [(0, 4), (4, 8)]),
-    (3, 8, [(0, 3)]),
-    (0, 8, []),
-])
-def test_the_state_goes_in_chunks_the_receiver_computes_alike(n, chunk, bounds):
-    assert catchup_pair.chunk_bounds(n, chunk) == bounds
-
-
-def test_the_chunked_transfer_gives_way_to_the_jobs_reduction():
-    """A real 2-rank gloo pair on loopback: while the source's Link says the job's
-    all-reduce is on the wire, no chunk of the state goes; once it is free, every chunk
-    goes (chunks of 1 KiB: several) and the joiner gets the same bytes."""
-    store = torch.distributed.HashStore()
-    link = catchup.Link()
-    send = catchup.Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), True, "rank 2", link=link, chunk=1024)
-    recv = catchup.Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), False, "rank 2")
-    try:
-        state = {"model": {"w": torch.randn(3000)}, "step": 4}
-        packed = state_mod.pack(state)
-        n = len(catchup_pair.chunk_bounds(packed[1].numel(), 1024))
-        assert n >= 10
-        link.busy()
-        send.offer(4, packed)
-        assert not recv.wait_for(4, _set_after(0.5))  # it waited the half second for nothing
-        assert send.chunks == 0 and recv.chunks == 0 and recv.got is None
-        link.free()
-        assert recv.wait_for(4, None) and recv.failed is None
-        assert send.chunks == n and recv.chunks == n
-        assert torch.equal(recv.got[2], packed[1]) and recv.got[1] == packed[0]
-        got = state_mod.unpack(recv.got[1], recv.got[2])
-        assert torch.equal(got["model"]["w"], state["model"]["w"])
-    finally:
-        send.close()
-        recv.close()
-
-
-def _set_after(seconds: float) -> threading.Event:
-    """An Event set after `seconds` (an abort for a wait that must not end otherwise)."""
-    e = threading.Event()
-    threading.Timer(seconds, e.set).start()
-    return e
-
-
-@pytest.mark.parametrize("left", [0, 2])
-def test_the_shadow_replay_gives_what_the_direct_replay_gives_bit_for_bit(left):
-    """Synchronous steps: the joiner's shadow (_Shadow: the received state unpacked into
-    tensors of its own and an optimizer over them, the kept steps replayed on a thread as
-    they are kept) swapped into the model and the optimizer equals take_up_steps on the
-    same state and records (today's replay in the step), bit for bit: parameters, AdamW's
-    state (moved into the joiner's own optimizer, keyed by its own parameters), and the
-    joiner's live hyperparameters; also with `left` records kept after the thread stopped
-    (replayed at the swap). The LR changes every step (ExponentialLR); the joiner's model
-    and optimizer are untouched until the swap."""
-    torch.manual_seed(0)
-
-    def optimizer_of(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-        return opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)
-
-    members = _TwoDtypes(0)
-    opt, sched = optimizer_of(members)
-    params = list(members.parameters())
-    layout = gradients.layout_for(params, 0.0001)
-    saved = None
-    records = []
-    for step in range(1, 9):
-        flats = [torch.randn(n, dtype=state_mod.dtype_named(kind)) for kind, n in zip(layout.groups, layout.lengths)]
-        if step > 2:
-            records.append(catchup.record_step(step, [f.clone() for f in flats], opt))
-        for p, s in zip(params, layout.slots):
-            p.grad = flats[s.group][s.offset:s.offset + s.numel].view_as(p)
-        opt.step()
-        sched.step()
-        if step == 2:
-            saved = state_mod.pack(state_mod.capture(members, opt, {}, {}))
-    assert len({r.groups[0]["lr"] for r in records}) == len(records)
-
-    def joiner():
-        model = _TwoDtypes(1)
-        o, sc = optimizer_of(model)
-        sc.load_state_dict(sched.state_dict())
-        catchup.set_hyperparameters(o, catchup.hyperparameters(opt))  # its live ones: the members'
-        return model, o
-
-    direct, dopt = joiner()
-    catchup.take_up_steps(direct, list(direct.parameters()), dopt, state_mod.unpack(*saved), records,
-                          layout.slots, torch.device("cpu"))
-
-    model, jopt = joiner()
-    before = [p.detach().clone() for p in model.parameters()]
-    first = records[:len(records) - left]
-    shadow = catchup._Shadow((2, *saved), model, list(model.parameters()), jopt, layout.slots,
-                             torch.device("cpu"), first[:2])
-    for rec in first[2:]:
-        shadow.add(rec)
-    while shadow.behind() > 0:  # the thread replays them all
-        threading.Event().wait(0.01)
-    assert shadow.error is None
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # the model untouched meanwhile
-    assert not jopt.state  # and the joiner's optimizer
-    rest = shadow.take() + records[len(records) - left:]
-    assert len(rest) == left
-    shadow.swap_into(model, jopt, rest)
-    assert state_mod.fingerprint(model, jopt) == state_mod.fingerprint(direct, dopt) \
-        == state_mod.fingerprint(members, opt)
-    assert jopt.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
-    assert all(torch.equal(jopt.state[p][k], opt.state[q][k]) for p, q in zip(model.parameters(), params)
-               for k in opt.state[q])
 
 
 # The modes a joiner catches up in, as examples/train.py's flags: local steps in rounds of 4,
@@ -344,8 +232,7 @@ def test_a_joiner_catches_up_while_the_members_train_on(cluster_factory, mode):
     empty in those steps, its log says when the state arrived and when it caught up), then
     it trains, its fingerprint equals theirs at the end, and every committed sample is in
     the audit exactly once. Synchronous steps: it replayed exactly the optimizer steps
-    committed between its admission and its catching up, beside the job (a shadow of
-    the state, swapped in at a step's start: catchup._Shadow), not in the step. (On loopback the toy model's
+    committed between its admission and its catching up. (On loopback the toy model's
 state arrives within a few steps; what the test pins down is that no member waited for
 it: the steps committed with the joiner in and stateless.)"""
     from eltctl_runtime.protocol import get_status
@@ -381,11 +268,8 @@ it: the steps committed with the joiner in and stateless.)"""
     assert all(mine[s] == [] for s in range(admitted + 1, caught + 1)), mine
     assert mine[caught + 1], mine  # then it trains
     if mode != "local":  # the steps since the admission were replayed, the step it caught up in taken
-        found = re.search(r"the state of step %d arrived; the (\d+) optimizer step\(s\) since replayed \((\d+) of "
-                          r"them beside the job\)" % admitted, log)
-        assert found, log  # the replay ran beside the job (catchup._Shadow), then the swap
-        replayed, beside = int(found.group(1)), int(found.group(2))
-        assert replayed == caught - admitted - 1 and beside <= replayed, log
+        replayed = int(re.search(r"the state of step %d arrived; the (\d+) optimizer step" % admitted, log).group(1))
+        assert replayed == caught - admitted - 1, log
 
 
 @pytest.mark.slow
