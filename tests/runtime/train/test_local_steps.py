@@ -252,6 +252,20 @@ class JobView:
         self._step, self._position = int(p["step"]), int(p["position"])
 
 
+def _one_rank_step(path, model, inner, sched, job, indices: list[int]) -> None:
+    """One committed step of a one-rank LocalPath on the samples `indices` (8 of them), the
+    scheduler stepped after it as a script's loop does."""
+    lay = tail_layout(1)
+    path.begin(lay.size)
+    mean_loss(model, indices).backward()
+    path.tail().copy_(lay.encode(0, Control(False, False, len(indices), 0.0, False, False, False, False, 0.0, 0)))
+    path.finish(threading.Event())
+    path.step(inner, None, threading.Event())
+    path.zero()
+    sched.step()
+    job._step, job._position = job._step + 1, job._position + len(indices)
+
+
 def test_mid_round_the_state_captured_is_the_rounds_start_and_an_abort_rolls_back_to_it():
     """One rank, two inner steps into a round: capture (what a checkpoint written then, e.g.
     at a store loss, would hold) is the round's start (parameters, progress, the scheduler's
@@ -267,16 +281,8 @@ def test_mid_round_the_state_captured_is_the_rounds_start_and_an_abort_rolls_bac
     job._step, job._position = 8, 96
     path.start_round()
     start = [p.detach().clone() for p in model.parameters()]
-    lay = tail_layout(1)
     for t in range(2):
-        path.begin(lay.size)
-        mean_loss(model, list(range(8 * t, 8 * t + 8))).backward()
-        path.tail().copy_(lay.encode(0, Control(False, False, 8, 0.0, False, False, False, False, 0.0, 0)))
-        path.finish(threading.Event())
-        path.step(inner, None, threading.Event())
-        path.zero()
-        sched.step()
-        job._step, job._position = job._step + 1, job._position + 8
+        _one_rank_step(path, model, inner, sched, job, list(range(8 * t, 8 * t + 8)))
     assert not torch.equal(next(model.parameters()), start[0])
     saved = path.capture(model, inner, job._progress(), job._extra)
     assert all(torch.equal(saved["model"][k], v) for k, v in zip(("0.weight", "0.bias", "2.weight", "2.bias"), start))
@@ -307,18 +313,10 @@ def test_an_abort_with_an_averaging_in_flight_rolls_back_to_the_last_merged_star
     path.start_round()
     start = [p.detach().clone() for p in model.parameters()]
     fingerprint = path.fingerprint(model, inner, job._extra)
-    lay = tail_layout(1)
 
     def steps(n: int) -> None:
         for _ in range(n):
-            path.begin(lay.size)
-            mean_loss(model, list(range(8))).backward()
-            path.tail().copy_(lay.encode(0, Control(False, False, 8, 0.0, False, False, False, False, 0.0, 0)))
-            path.finish(threading.Event())
-            path.step(inner, None, threading.Event())
-            path.zero()
-            sched.step()
-            job._step, job._position = job._step + 1, job._position + 8
+            _one_rank_step(path, model, inner, sched, job, list(range(8)))
 
     def merged_start() -> tuple:
         saved = path.capture(model, inner, job._progress(), job._extra)
