@@ -18,7 +18,12 @@ member waits. Nobody needs the joiner before it holds the state, so:
   waits for the copy: `hold`), and a thread sends it over a 2-rank gloo group of their
   own (formed on the job's store under `gen/<g>/catchup/<joiner's rank>/pg`, bound to
   the data plane's address and its pair checked with the signed handshake like the
-  generation's group); a thread of the joiner receives it. The members step on.
+  generation's group); a thread of the joiner receives it. The members step on. The
+  state goes in chunks that give way to the job's own reduction (catchup_pair.py: the
+  sender waits while `link` is busy; the replicated path marks it from a step's first
+  all-reduce launch until finish waited for every one, local steps the round's
+  averaging but the last); a chunk in flight delays an all-reduce by at most its time
+  on the link (CHUNK_BYTES / rate).
 - what the joiner keeps meanwhile, so that the state it receives (of an earlier step)
   can be brought to the members' present by the members' own operations on the same
   values (the same bits):
@@ -43,7 +48,20 @@ member waits. Nobody needs the joiner before it holds the state, so:
   (and, synchronous, it kept every step since) the joiner adopts it and replays what
   it kept (`replay_outer_step`; `take_up_steps`: the parameters and optimizer state,
   then one optimizer step per kept step with its gradient and hyperparameters, then
-  its own live hyperparameters back), so it holds what every member holds; its pace
+  its own live hyperparameters back), so it holds what every member holds.
+  Synchronous, that work leaves the step (the members' all-reduce waited for it): from
+  the admission (and each ask for a newer copy) a `_Shadow`'s thread waits for the
+  state on the transfer and, the moment it arrives, unpacks it into tensors of its own
+  (the model's whole state dict) and an optimizer over them (`shadow_optimizer`) and
+  replays the kept steps as they are kept; the first poll after the arrival that finds
+  at most SWAP_LAG of them left replays those and swaps (the shadow's parameters and
+  the state dict's other entries copied into the model's, its optimizer state tensors
+  moved into the optimizer's: the same bits as `take_up_steps`). So the joiner takes
+  the state up at the same step as a replay in the step would, unless the unpacking
+  and the replay are still under way then: a catching-up rank commits steps without
+  the members' state (its `fingerprint()` is not theirs), and each step more is one
+  more. Optimizer step hooks, or a shadow that failed, replay in poll as
+  `take_up_steps`. Its pace
   slot in that step's tail says so (shares.READY_SLOT), it takes that step's
   optimizer step (synchronous) and from the next step on it trains like the others.
 - too far behind (MAX_MISSED_ROUNDS kept means, or `kept_cap` kept steps): the joiner
@@ -55,11 +73,11 @@ member waits. Nobody needs the joiner before it holds the state, so:
   (local: in the last averaging; synchronous: `at_end`, then one small all-reduce in
   which a joiner whose transfer broke says so, and receives the state from the source
   over the job's group as before): every rank ends with the same state.
-- failures: any generation change drops a transfer under way; a joiner not caught up
-  holds no state, so the next agreement gives it the state again (catching up again
-  where this module allows it, else today's transfer). A joiner that dies costs the
-  members the usual roll call (it held no samples); a source that dies, the same, and
-  the joiner starts over.
+- failures: any generation change drops a transfer under way (and a shadow); a joiner
+  not caught up holds no state, so the next agreement gives it the state again
+  (catching up again where this module allows it, else today's transfer). A joiner
+  that dies costs the members the usual roll call (it held no samples); a source that
+  dies, the same, and the joiner starts over.
 
 The per-step hooks run only while some rank catches up (local: LocalPath checks
 `idle`; synchronous: ReplicatedPath.catchup is this object then, else None): members
@@ -79,19 +97,19 @@ parameters, which a catching-up joiner does not hold yet).
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from ..member import collectives, transfer
-from ..member.collectives import Aborted
 from ..protocol import Keys
-from ..store.auth import SignedStore
-from ..store.pgstore import PgStore, PlainPgStore
 from . import state as state_mod
+from .catchup_pair import Link, Transfer
 from .gradients import ReplicatedPath, Slot
 from .shares import AGAIN_SLOT, READY_SLOT
 from .tail import layout as tail_layout
@@ -111,6 +129,10 @@ STILL, AGAIN = 1.0, 2.0  # a joiner's slot in the averaging: still catching up; 
 # at least 4.8 s, 1.95 s per step; the transfer shares the link with the all-reduces).
 MAX_KEPT_BYTES = 4 << 30
 MIN_KEPT_STEPS = 4
+# A joiner of synchronous steps takes up its shadow (_Shadow) once at most this many kept
+# steps are left to replay: those few in poll (an optimizer step each), which overlaps the
+# members' forward and backward.
+SWAP_LAG = 1
 
 
 def pair_prefix(generation: int, joiner: int) -> str:
@@ -221,6 +243,143 @@ def take_up_steps(model: torch.nn.Module, params: Sequence[torch.Tensor], optimi
     set_hyperparameters(optimizer, live)
 
 
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None)
+                or getattr(optimizer, "_optimizer_step_post_hooks", None))
+
+
+def shadow_optimizer(optimizer: torch.optim.Optimizer, shadow_of: dict[int, torch.Tensor]) -> Any:
+    """An optimizer of `optimizer`'s class and param_groups over the shadow tensors
+    (`shadow_of`: a parameter's id -> its shadow) that shares nothing the replay changes:
+    a shallow copy (torch's Optimizer.__getstate__ carries only defaults, state and
+    param_groups: not an LR scheduler's step wrapper, bound to `optimizer`, nor hooks)
+    with param_groups and state of its own. None where the optimizer has step hooks
+    (the members' steps ran them; the shadow's would not): the replay stays in poll."""
+    if _has_step_hooks(optimizer):
+        return None
+    shadow = copy.copy(optimizer)
+    shadow.state = defaultdict(dict)
+    shadow.param_groups = [{**g, "params": [shadow_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    return shadow
+
+
+class _Shadow:
+    """A joiner's replay off the members' critical path (synchronous steps). From the
+    moment the joiner starts waiting for the state of step `version` (its admission, or
+    its ask for a newer copy), a thread waits for it on `transfer` and, as soon as it
+    arrives (not at the next step's start: the poll after the arrival finds it built),
+    unpacks it into tensors of its own (the model's parameters' values, the rest of the
+    model's state dict, and an optimizer over them: shadow_optimizer, loaded with the
+    received state) and replays the kept steps on them in order as they are kept (`add`,
+    the main thread); `take` stops it between two steps; `swap_into` hands the result to
+    the job. Started by `start` (no thread in the constructor)."""
+
+    def __init__(self, transfer: Transfer, version: int, model: torch.nn.Module, params: Sequence[torch.Tensor],
+                 optimizer: torch.optim.Optimizer, slots: Sequence[Slot], device: torch.device) -> None:
+        self._transfer, self.version = transfer, version
+        self._model, self._live, self._order = model, optimizer, [id(p) for p in params]
+        self._slots, self._device = slots, device
+        self.of: dict[int, torch.Tensor] = {}  # a parameter's id -> its shadow (the thread fills it)
+        self._rest: dict[str, torch.Tensor] = {}  # the received state dict's entries that are not parameters
+        self.optimizer: Any = None
+        self._todo: list[StepRecord] = []
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.built = False  # the received state is unpacked into the shadow (the thread)
+        self._busy = False  # unpacking, or replaying a step
+        self.error: str | None = "the optimizer has step hooks" if _has_step_hooks(optimizer) else None
+
+    def start(self) -> "_Shadow":
+        if self.error is None:
+            threading.Thread(target=self._run, name="eltctl-catch-up-replay", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            if not self._transfer.wait_for(self.version, self._stop):
+                return  # dropped, broke, or a newer copy came: the joiner never takes this one up
+            with self._cond:
+                if self._stop.is_set():
+                    return
+                self._busy = True
+            self._build(self._transfer.got)
+            while True:
+                with self._cond:
+                    self.built, self._busy = True, False
+                    self._cond.notify_all()
+                    while not self._todo and not self._stop.is_set():
+                        self._cond.wait()
+                    if self._stop.is_set():
+                        return
+                    rec, self._busy = self._todo.pop(0), True
+                replay_steps([self.of[i] for i in self._order], self._slots, self.optimizer, [rec], self._device)
+        except Exception as e:  # noqa: BLE001 - the joiner then replays in poll, as without a shadow
+            self.error = f"{type(e).__name__}: {e}"
+            log.warning("catch-up: the replay beside the job failed (%s); it replays in the step instead", self.error)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _build(self, got: tuple[int, bytes, torch.Tensor] | None) -> None:
+        """The received state (of `version`) into the shadow: what take_up_steps puts into
+        the model (its whole state dict) and the optimizer (loaded into a shadow one)."""
+        if got is None or got[0] != self.version:
+            raise RuntimeError(f"the state of step {self.version} was expected, not {got and got[0]}")
+        saved = state_mod.unpack(got[1], got[2])
+        named = dict(self._model.named_parameters())
+        with torch.no_grad():
+            for name, p in named.items():
+                self.of[id(p)] = torch.empty_like(p).copy_(saved["model"][name])
+        self._rest = {k: v for k, v in saved["model"].items() if k not in named}
+        self.optimizer = shadow_optimizer(self._live, self.of)
+        self.optimizer.load_state_dict(saved["optimizer"])
+
+    def add(self, rec: StepRecord) -> None:
+        with self._cond:
+            self._todo.append(rec)
+            self._cond.notify_all()
+
+    def behind(self) -> int:
+        """How many kept steps are not replayed yet (a large number until it is built)."""
+        with self._cond:
+            return len(self._todo) + self._busy if self.built else 1 << 30
+
+    def take(self) -> list[StepRecord]:
+        """Stop the thread once what it does is done (the unpacking, a step's replay): the
+        records it left. Only a `built` shadow can be swapped in then."""
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+            while self._busy:
+                self._cond.wait()
+            return list(self._todo)
+
+    def swap_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, left: Sequence[StepRecord]) -> None:
+        """After `take`, a built shadow: replay the steps `left`, then the model takes the
+        shadow's parameters and the rest of the received state dict (copies: no autograd
+        graph is alive at a step's start) and the optimizer the shadow's state tensors
+        (moved, not copied); its param_groups' hyperparameters stay its own live ones.
+        The same bits as take_up_steps."""
+        replay_steps([self.of[i] for i in self._order], self._slots, self.optimizer, left, self._device)
+        with torch.no_grad():
+            own = model.state_dict()
+            for k, v in self._rest.items():  # first: a tied parameter's second name is among them
+                own[k].copy_(v)
+            for p in model.parameters():
+                p.copy_(self.of[id(p)])
+        optimizer.state.clear()
+        for g, h in zip(optimizer.param_groups, self.optimizer.param_groups):
+            for p, q in zip(g["params"], h["params"]):
+                if q in self.optimizer.state:
+                    optimizer.state[p] = self.optimizer.state[q]
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+
+
 def still_catching_up(flags: Sequence[float]) -> frozenset[int]:
     """The ranks whose slot in a round's averaging says they are still catching up. Pure."""
     return frozenset(r for r, f in enumerate(flags) if f > 0)
@@ -254,103 +413,6 @@ def replay_outer_step(params: Sequence[torch.Tensor], anchor: Sequence[torch.Ten
             a.copy_(p)
 
 
-class _Transfer:
-    """One background transfer between the source (pair rank 0) and a joiner (pair rank
-    1): its group, its thread, and what it carries (the source: the newest packed state
-    to send; the joiner: the newest one received)."""
-
-    def __init__(self, store: Any, bind_host: str, prefix: str, sending: bool, who: str, generation: int = 0,
-                 plan_json: str = "") -> None:
-        self._stop = threading.Event()
-        self._cond = threading.Condition()
-        self._next: tuple[int, bytes, torch.Tensor] | None = None  # the source's next message
-        self.got: tuple[int, bytes, torch.Tensor] | None = None  # the joiner's newest message
-        self.failed: str | None = None
-        self._store = PgStore(store, prefix) if isinstance(store, SignedStore) else PlainPgStore(store, prefix)
-        self._bind = bind_host
-        self._signed = store
-        self._generation = generation
-        self._gid = collectives.group_id(prefix + plan_json)  # another group's handshake does not verify here
-        self._pg = None
-        self._who = who
-        self._thread = threading.Thread(target=self._run, args=(sending,), name="eltctl-catch-up", daemon=True)
-        self._thread.start()
-
-    def offer(self, version: int, packed: tuple[bytes, torch.Tensor]) -> None:
-        """The source: send this state (of the round starting at step `version`) next,
-        in place of one not yet sent."""
-        with self._cond:
-            self._next = (version, *packed)
-            self._cond.notify_all()
-
-    def wait_for(self, version: int, abort: threading.Event | None) -> bool:
-        """The joiner: wait until the state of `version` arrived (True) or the transfer
-        broke or was dropped (False)."""
-        with self._cond:
-            while not (self.got is not None and self.got[0] >= version) and self.failed is None \
-                    and not self._stop.is_set() and not (abort is not None and abort.is_set()):
-                self._cond.wait(0.05)
-            return self.got is not None and self.got[0] == version
-
-    def close(self) -> None:
-        """Drop it (a generation change, or done): the thread leaves its waits; the group
-        is buried (a send or receive may still be posted on it)."""
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        collectives.bury(self._pg, self._store)
-        self._pg = None
-
-    def _run(self, sending: bool) -> None:
-        try:
-            pg = collectives.run_abortable(lambda: collectives.make_group(
-                self._store, 0 if sending else 1, 2, torch.device("cpu"), self._bind), self._stop, "catch-up group")
-            if self._stop.is_set():
-                collectives.bury(pg, self._store)
-                return
-            self._pg = pg
-            # Every pair signed before a byte of state moves (as the generation's group: collectives.py).
-            collectives.verify_pairs(pg, self._signed, self._generation, self._gid, 0 if sending else 1, 2,
-                                     torch.device("cpu"), self._stop, listen=self._bind)
-            (self._send if sending else self._receive)(pg)
-        except Aborted as e:
-            if not self._stop.is_set():
-                self.failed = str(e)
-                log.warning("catch-up transfer %s broke: %s", self._who, e)
-        finally:
-            with self._cond:
-                self._cond.notify_all()
-
-    def _send(self, pg) -> None:
-        while True:
-            with self._cond:
-                while self._next is None and not self._stop.is_set():
-                    self._cond.wait(0.5)
-                if self._stop.is_set():
-                    return
-                version, header, flat = self._next
-                self._next = None
-            sizes = torch.tensor([version, len(header), flat.numel()], dtype=torch.int64)
-            works = [collectives.send(pg, sizes, 1, 0), collectives.send(pg, transfer.as_tensor(header), 1, 1),
-                     collectives.send(pg, flat, 1, 2)]
-            collectives.wait_p2p(works, self._stop, "the catch-up transfer")
-            log.info("catch-up: sent the state of step %d to %s (%.1f MB)", version, self._who, flat.numel() / 1e6)
-
-    def _receive(self, pg) -> None:
-        while True:
-            sizes = torch.zeros(3, dtype=torch.int64)
-            collectives.wait_p2p([collectives.recv(pg, sizes, 0, 0)], self._stop, "the catch-up transfer")
-            hbuf = torch.empty(int(sizes[1]), dtype=torch.uint8)
-            flat = torch.empty(int(sizes[2]), dtype=torch.uint8)
-            collectives.wait_p2p([collectives.recv(pg, hbuf, 0, 1), collectives.recv(pg, flat, 0, 2)], self._stop,
-                                 "the catch-up transfer")
-            with self._cond:
-                self.got = (int(sizes[0]), transfer.tensor_bytes(hbuf), flat)
-                self._cond.notify_all()
-            log.info("catch-up: %s received the state of step %d (%.1f MB)", self._who, int(sizes[0]),
-                     flat.numel() / 1e6)
-
-
 class CatchUp:
     """The catch-up of this generation's joiners (module docstring), on every rank: which
     ranks are catching up (`idle`, agreed), and this rank's transfers. `job`: the
@@ -362,8 +424,8 @@ class CatchUp:
         self._rounds = rounds
         self.idle: frozenset[int] = frozenset()  # the ranks catching up (the same on every rank)
         self.source = -1  # the rank their state comes from (the same on every rank)
-        self._sending: dict[int, _Transfer] = {}  # the source: one per joiner
-        self._receiving: _Transfer | None = None  # a joiner: its own
+        self._sending: dict[int, Transfer] = {}  # the source: one per joiner
+        self._receiving: Transfer | None = None  # a joiner: its own
         self._ready = False  # this joiner took up the state (before the averaging; synchronous: this step)
         self._awaiting = -1  # a joiner: the step (a round's start) whose state it waits for
         # A joiner: the mean delta of each round that ended since that round start (None:
@@ -375,6 +437,8 @@ class CatchUp:
         self._again = False  # a joiner: it dropped _missed and asks for the newest round's start
         self._recopy = False  # the source: a joiner asked for a newer copy
         self.packing: threading.Event | None = None  # the source: set once its copy of the state is taken
+        self.link = Link()  # the source: its job's reduction on the wire (the transfers wait for it)
+        self._shadow: _Shadow | None = None  # a joiner of synchronous steps: its replay beside the job
 
     def _set_idle(self, idle: frozenset[int]) -> None:
         self.idle = idle
@@ -390,7 +454,10 @@ class CatchUp:
             t.close()
         if self._receiving is not None:
             self._receiving.close()
-        self._sending, self._receiving, self._ready = {}, None, False
+        if self._shadow is not None:
+            self._shadow.close()
+        self.link.free()
+        self._sending, self._receiving, self._ready, self._shadow = {}, None, False, None
         self._missed, self._kept, self._again, self._recopy = [], [], False, False
         self._job._shares.ready = self._job._shares.again = False
         self._set_idle(frozenset())
@@ -433,20 +500,38 @@ class CatchUp:
             # The script's scheduler steps from the members' values (a chainable one reads them).
             set_hyperparameters(j.optimizer, small["param_groups"])
             j._buffers.mark()
-            self._receiving = _Transfer(store, bind, pair_prefix(g, j._rank), False, f"rank {j._rank}", g,
-                                        j._plan.to_json())
-            self._awaiting = j._step
-            self._cap = kept_cap(sum(p.numel() * p.element_size() for p in j._params))
+            self._await(Transfer(store, bind, pair_prefix(g, j._rank), False, f"rank {j._rank}", g,
+                                 j._plan.to_json()), j._step)
             log.info("worker %s: catching up at step %d: the state comes from rank %d in the background",
                      j.worker_id, j._step, src)
         elif j._rank == src:
             for r in need:
-                self._sending[r] = _Transfer(store, bind, pair_prefix(g, r), True, f"rank {r}", g, j._plan.to_json())
+                self._sending[r] = Transfer(store, bind, pair_prefix(g, r), True, f"rank {r}", g, j._plan.to_json(),
+                                             self.link)
             self._copy()
             log.info("worker %s: rank(s) %s catch up at step %d; their state goes in the background", j.worker_id,
                      ", ".join(map(str, need)), j._step)
         self._set_idle(frozenset(need))
         return True
+
+    def _await(self, t: Transfer, step: int) -> None:
+        """A joiner: its state, of step `step`, comes over `t`; synchronous, a shadow waits for
+        it there (`_shadow_for`)."""
+        j = self._job
+        self._receiving, self._awaiting = t, step
+        self._cap = kept_cap(sum(p.numel() * p.element_size() for p in j._params))
+        self._shadow_for(step)
+
+    def _shadow_for(self, step: int) -> None:
+        """Synchronous: a shadow (_Shadow) that takes up the state of `step` as soon as it
+        arrives, in place of one for an older copy."""
+        if self._shadow is not None:
+            self._shadow.close()
+            self._shadow = None
+        if self._rounds is None:
+            j = self._job
+            self._shadow = _Shadow(self._receiving, step, j.model, j._params, j.optimizer, j._grads.layout.slots,
+                                   j._device).start()
 
     # -- each step, only while some rank catches up -----------------------------------------
     def poll(self) -> None:
@@ -460,14 +545,17 @@ class CatchUp:
             return
         got = t.got
         if got is not None and got[0] == self._awaiting and self._kept_all():
-            self._take_up(got)
-            j._shares.ready = True
+            s = self._shadow  # synchronous: unpacked and replayed beside the job since the arrival
+            if s is None or s.error is not None or s.behind() <= SWAP_LAG or len(self._kept) >= self._cap:
+                self._take_up(got)
+                j._shares.ready = True
         elif self._rounds is None and len(self._kept) >= self._cap:
             log.info("worker %s: the state of step %d has not arrived after %d steps; it asks for a newer copy",
                      j.worker_id, self._awaiting, len(self._kept))
             # The copy of the state after this step: the source takes it after its optimizer step (stepped).
             self._kept, self._awaiting = [], j._step + 1
             j._shares.again = True
+            self._shadow_for(self._awaiting)
 
     def _kept_all(self) -> bool:
         """Synchronous: the steps kept are every step committed since the state awaited."""
@@ -475,7 +563,9 @@ class CatchUp:
             range(self._awaiting + 1, self._job._step + 1))
 
     def tail_summed(self, tail: torch.Tensor) -> None:
-        """Synchronous: a step's tail, summed (ReplicatedPath.finish): `tail_seen`."""
+        """Synchronous: a step's tail, summed (ReplicatedPath.finish, every all-reduce
+        waited for: the link is free for the transfers again): `tail_seen`."""
+        self.link.free()
         self.tail_seen(tail_layout(self._job.world_size).decode(tail).pace)
 
     def tail_seen(self, paces: Sequence[float]) -> None:
@@ -502,7 +592,10 @@ class CatchUp:
             return False
         step = j._step + 1
         if step > self._awaiting:  # a step after the state it asked for (AGAIN) is kept
-            self._kept.append(record_step(step, path.gradient_copy(), optimizer))
+            rec = record_step(step, path.gradient_copy(), optimizer)
+            self._kept.append(rec)
+            if self._shadow is not None:
+                self._shadow.add(rec)
         return True
 
     def stepped(self) -> None:
@@ -540,6 +633,9 @@ class CatchUp:
         if j._rank in self.idle and j._rank not in idle:
             j._agreement.has_state = True
             j._shares.ready = self._ready = False
+            if self._shadow is not None:  # the state came over the job's group instead (at_end)
+                self._shadow.close()
+                self._shadow = None
             log.info("worker %s: caught up at step %d; it trains from the next step", j.worker_id, step)
         for r in [r for r in self._sending if r not in idle]:
             self._sending.pop(r).close()
@@ -555,6 +651,8 @@ class CatchUp:
         round's start. One that has kept MAX_MISSED_ROUNDS means asks for the newest instead."""
         j, t = self._job, self._receiving
         self.hold()
+        if self._sending and not final:  # the averaging gets the link first (at the end the state goes first)
+            self.link.busy()
         self._again = False
         if t is None or j._rank not in self.idle or self._ready:
             return
@@ -574,15 +672,24 @@ class CatchUp:
         optimizer's state and the source's inner state. Its hyperparameters stay its own
         (its scheduler stepped them as the members' did)."""
         j = self._job
-        saved = state_mod.unpack(got[1], got[2])
         r = self._rounds
         if r is None:
-            take_up_steps(j.model, j._params, j.optimizer, saved, self._kept, j._grads.layout.slots, j._device)
-            log.info("worker %s: the state of step %d arrived; the %d optimizer step(s) since replayed",
-                     j.worker_id, self._awaiting, len(self._kept))
+            s, self._shadow, left = self._shadow, None, self._kept
+            if s is not None:
+                left = s.take()
+            if s is not None and s.error is None and s.built:
+                s.swap_into(j.model, j.optimizer, left)
+                where = f"{len(self._kept) - len(left)} of them beside the job"
+            else:
+                take_up_steps(j.model, j._params, j.optimizer, state_mod.unpack(got[1], got[2]), self._kept,
+                              j._grads.layout.slots, j._device)
+                where = "in the step"
+            log.info("worker %s: the state of step %d arrived; the %d optimizer step(s) since replayed (%s)",
+                     j.worker_id, self._awaiting, len(self._kept), where)
             self._kept = []
             self._ready = True
             return
+        saved = state_mod.unpack(got[1], got[2])
         with torch.no_grad():
             own = j.model.state_dict()
             for k, v in saved["model"].items():
@@ -611,6 +718,7 @@ class CatchUp:
         where the round had no samples): who still catches up (the same on every rank); a
         joiner still catching up keeps `mean` to replay (`_take_up`)."""
         j = self._job
+        self.link.free()
         idle = still_catching_up(flags)
         if j._rank in idle and not self._again:
             self._missed.append(None if mean is None else mean.to("cpu", copy=True))

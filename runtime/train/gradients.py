@@ -484,7 +484,8 @@ class ReplicatedPath(GradientPath):
     fills the buckets (module docstring)."""
 
     # While a rank catches up in the background (catchup.py, synchronous steps): the job's
-    # CatchUp, called at the step's start (poll), its summed tail, and in place of the
+    # CatchUp, called at the step's start (poll), its first launch (the link is busy until
+    # the summed tail: the transfer's chunks wait), its summed tail, and in place of the
     # optimizer step (a joiner keeps what the step consumes); None otherwise (a look only).
     catchup: Any = None
 
@@ -618,6 +619,8 @@ class ReplicatedPath(GradientPath):
                 tensor = wire
         else:
             tensor = self._tail_buf
+        if b == 0 and self.catchup is not None:
+            self.catchup.link.busy()  # a joiner's state holds its chunks back until finish (catchup.py)
         try:
             self._works.append(collectives.allreduce_async(self.pg, tensor))
         except Exception as e:  # noqa: BLE001 - a broken group: the step is dropped in finish

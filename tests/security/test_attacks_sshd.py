@@ -50,7 +50,8 @@ FP_EVERY = 5
 
 # The job's script: the example (examples/train.py, kept as example_train.py), with each
 # rank's committed step, generation, world size and fingerprint appended every FP_EVERY
-# steps to FPDIR/<worker id>.
+# steps to FPDIR/<worker id>; not by a joiner still catching up (runtime/train/catchup.py:
+# it commits steps with an empty share before its state arrives, so it holds none yet).
 WRAPPER = '''\
 import os, runpy, sys, time
 from pathlib import Path
@@ -65,7 +66,7 @@ _step = elt.ElasticJob.step
 def step(self, *args, **kwargs):
     loss = _step(self, *args, **kwargs)
     c = self.last_commit
-    if loss is not None and c is not None and c.step % {every} == 0:
+    if loss is not None and c is not None and c.step % {every} == 0 and self._agreement.has_state:
         name = os.path.join(FPDIR, self.config.worker_id.replace("/", "_"))
         with open(name, "a") as f:
             f.write(f"{{c.step}} {{c.generation}} {{c.world_size}} {{time.time():.3f}} {{self.fingerprint()}}\\n")

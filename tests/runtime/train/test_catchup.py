@@ -12,12 +12,14 @@ import json
 import re
 import secrets
 import threading
+import time
+import types
 
 import pytest
 import torch
 
 from eltctl_runtime.store import auth
-from eltctl_runtime.train import catchup, gradients, state as state_mod
+from eltctl_runtime.train import catchup, catchup_pair, gradients, state as state_mod
 from eltctl_runtime.train.sampler import SamplerState
 from eltctl_runtime.train.balance import known_paces
 from eltctl_runtime.train.shares import AGAIN_SLOT, READY_SLOT, Shares
@@ -200,8 +202,8 @@ def test_the_background_transfer_brings_the_newest_round_start():
     """A real 2-rank gloo group on a store: the source offers the state of step 4, then of
     step 8 (the joiner was not done by the round's end); the joiner waits for step 8."""
     store = torch.distributed.HashStore()
-    send = catchup._Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), True, "rank 2")
-    recv = catchup._Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), False, "rank 2")
+    send = catchup.Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), True, "rank 2")
+    recv = catchup.Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), False, "rank 2")
     try:
         state = {"model": {"w": torch.arange(6.0)}, "step": 4}
         send.offer(4, state_mod.pack(state))
@@ -214,6 +216,211 @@ def test_the_background_transfer_brings_the_newest_round_start():
     finally:
         send.close()
         recv.close()
+
+
+@pytest.mark.parametrize("n, chunk, bounds", [
+    (10, 4, [(0, 4), (4, 8), (8, 10)]),
+    (8, 4, [(0, 4), (4, 8)]),
+    (3, 8, [(0, 3)]),
+    (0, 8, []),
+])
+def test_the_state_goes_in_chunks_the_receiver_computes_alike(n, chunk, bounds):
+    assert catchup_pair.chunk_bounds(n, chunk) == bounds
+
+
+def test_the_chunked_transfer_gives_way_to_the_jobs_reduction():
+    """A real 2-rank gloo pair on loopback: while the source's Link says the job's
+    all-reduce is on the wire, no chunk of the state goes; once it is free, every chunk
+    goes (chunks of 1 KiB: several) and the joiner gets the same bytes."""
+    store = torch.distributed.HashStore()
+    link = catchup.Link()
+    send = catchup.Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), True, "rank 2", link=link, chunk=1024)
+    recv = catchup.Transfer(store, "127.0.0.1", catchup.pair_prefix(3, 2), False, "rank 2")
+    try:
+        state = {"model": {"w": torch.randn(3000)}, "step": 4}
+        packed = state_mod.pack(state)
+        n = len(catchup_pair.chunk_bounds(packed[1].numel(), 1024))
+        assert n >= 10
+        link.busy()
+        send.offer(4, packed)
+        assert not recv.wait_for(4, _set_after(0.5))  # it waited the half second for nothing
+        assert send.chunks == 0 and recv.chunks == 0 and recv.got is None
+        link.free()
+        assert recv.wait_for(4, None) and recv.failed is None
+        assert recv.chunks == n
+        _wait(lambda: send.chunks == n, "the sender's count of its last chunk")  # counted after its send returns
+        assert torch.equal(recv.got[2], packed[1]) and recv.got[1] == packed[0]
+        got = state_mod.unpack(recv.got[1], recv.got[2])
+        assert torch.equal(got["model"]["w"], state["model"]["w"])
+    finally:
+        send.close()
+        recv.close()
+
+
+def _set_after(seconds: float) -> threading.Event:
+    """An Event set after `seconds` (an abort for a wait that must not end otherwise)."""
+    e = threading.Event()
+    threading.Timer(seconds, e.set).start()
+    return e
+
+
+class _WithBuffer(_TwoDtypes):
+    """_TwoDtypes with a buffer (a running count): the model's state dict holds more than
+    its parameters."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.register_buffer("seen", torch.full((3,), float(seed)))
+
+
+def _adamw_exponential(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)
+
+
+def _members_run(steps: int, saved_at: int):
+    """The members' side of a join at step `saved_at` (ReplicatedPath's steps: the gradients
+    views of the flat buffers of two dtypes, the LR changed every step): their model and
+    optimizer after `steps`, the packed state of step `saved_at` (the buffer last changed
+    there), what a joiner admitted then receives (the scheduler's state, the live
+    hyperparameters), the StepRecords of the steps after it, and the layout."""
+    torch.manual_seed(0)
+    members = _WithBuffer(0)
+    opt, sched = _adamw_exponential(members)
+    params = list(members.parameters())
+    layout = gradients.layout_for(params, 0.0001)
+    saved, admitted, records = None, None, []
+    for step in range(1, steps + 1):
+        flats = [torch.randn(n, dtype=state_mod.dtype_named(kind)) for kind, n in zip(layout.groups, layout.lengths)]
+        if step > saved_at:
+            records.append(catchup.record_step(step, [f.clone() for f in flats], opt))
+        for p, s in zip(params, layout.slots):
+            p.grad = flats[s.group][s.offset:s.offset + s.numel].view_as(p)
+        opt.step()
+        sched.step()
+        if step <= saved_at:
+            members.seen.add_(1.0)
+        if step == saved_at:
+            saved = state_mod.pack(state_mod.capture(members, opt, {}, {}))
+            admitted = (copy.deepcopy(sched.state_dict()), catchup.hyperparameters(opt))
+    assert len({r.groups[0]["lr"] for r in records}) == len(records)
+    return members, opt, admitted, saved, records, layout
+
+
+def _joiner_of(admitted):
+    """A joiner as admitted: its own initial parameters and buffer, the members' scheduler
+    state and live hyperparameters (the generation change), no optimizer state."""
+    model = _WithBuffer(1)
+    o, sc = _adamw_exponential(model)
+    sc.load_state_dict(admitted[0])
+    catchup.set_hyperparameters(o, admitted[1])
+    return model, o, sc
+
+
+def _pair(prefix: str):
+    """The catch-up pair's two Transfers on a real 2-rank gloo group (source, joiner)."""
+    store = torch.distributed.HashStore()
+    return (catchup.Transfer(store, "127.0.0.1", prefix, True, "rank 1"),
+            catchup.Transfer(store, "127.0.0.1", prefix, False, "rank 1"))
+
+
+def _wait(pred, what: str, timeout: float = 60.0) -> None:
+    """Wait for a thread's work (no timing asserted: the timeout only ends a hung test)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("left", [0, 2])
+def test_the_shadow_replay_gives_what_the_direct_replay_gives_bit_for_bit(left):
+    """Synchronous steps: the joiner's shadow (_Shadow: from the admission on, a thread
+    waits for the state on the catch-up pair, unpacks it into tensors of its own and an
+    optimizer over them as soon as it arrives, and replays the kept steps as they are
+    kept) swapped into the model and the optimizer equals take_up_steps on the same
+    state and records (the replay in the step), bit for bit: parameters, the buffer (the
+    received state dict's entries beyond the parameters), AdamW's state (moved into the
+    joiner's own optimizer, keyed by its own parameters), and the joiner's live
+    hyperparameters; also with `left` records kept after the thread stopped (replayed at
+    the swap). Records kept before the state arrived wait for it. The joiner's model and
+    optimizer are untouched until the swap."""
+    members, opt, admitted, saved, records, layout = _members_run(8, 2)
+
+    def joiner():  # its scheduler stepped in its loop as the members' did: their live hyperparameters
+        model, o, sc = _joiner_of(admitted)
+        for _ in records:
+            sc.step()
+        return model, o
+
+    direct, dopt = joiner()
+    catchup.take_up_steps(direct, list(direct.parameters()), dopt, state_mod.unpack(*saved), records,
+                          layout.slots, torch.device("cpu"))
+    assert state_mod.fingerprint(direct, dopt) == state_mod.fingerprint(members, opt)
+
+    model, jopt = joiner()
+    before = copy.deepcopy(model.state_dict())
+    first = records[:len(records) - left]
+    send, recv = _pair(catchup.pair_prefix(3, 1))
+    shadow = catchup._Shadow(recv, 2, model, list(model.parameters()), jopt, layout.slots, torch.device("cpu"))
+    try:
+        shadow.start()
+        for rec in first[:2]:  # kept before the state arrives
+            shadow.add(rec)
+        assert not shadow.built and shadow.behind() > len(first)
+        send.offer(2, saved)
+        for rec in first[2:]:
+            shadow.add(rec)
+        _wait(lambda: shadow.behind() == 0, "the shadow's replay")  # the thread replays them all
+        assert shadow.error is None and shadow.built
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched meanwhile
+        assert not jopt.state  # and the joiner's optimizer
+        rest = shadow.take() + records[len(records) - left:]
+        assert len(rest) == left
+        shadow.swap_into(model, jopt, rest)
+    finally:
+        shadow.close()
+        send.close()
+        recv.close()
+    assert torch.equal(model.seen, members.seen) and not torch.equal(model.seen, before["seen"])
+    assert state_mod.fingerprint(model, jopt) == state_mod.fingerprint(direct, dopt)
+    assert jopt.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    assert all(torch.equal(jopt.state[p][k], opt.state[q][k]) for p, q in zip(model.parameters(), members.parameters())
+               for k in opt.state[q])
+
+
+def test_a_joiner_whose_state_arrived_between_two_steps_takes_it_up_at_the_next_ones_start():
+    """Synchronous steps: the state arrives after the joiner kept steps 3 and 4; at the
+    next step's start (`poll`) the joiner takes it up and says so in that step's tail
+    (Shares.ready: READY_SLOT), holding the members' state of step 4, bit for bit: the
+    step the replay in the step took it up in. Its shadow waited for the state since the
+    admission and unpacked it on arrival, so the poll finds it built; a shadow started by
+    that poll (2028edd) took it up a step later, and the joiner committed that step with
+    its stale state (tests/security/test_attacks_sshd.py: "the ranks' states differ")."""
+    members, opt, admitted, saved, records, layout = _members_run(4, 2)
+    model, jopt, jsched = _joiner_of(admitted)
+    job = types.SimpleNamespace(
+        _rank=1, world_size=2, _step=2, worker_id="w1", model=model, _params=list(model.parameters()),
+        optimizer=jopt, _grads=types.SimpleNamespace(layout=layout), _device=torch.device("cpu"),
+        _shares=Shares(balance=False, min_share=1, micro=None), _agreement=types.SimpleNamespace(has_state=False))
+    cu = catchup.CatchUp(job, None)
+    send, recv = _pair(catchup.pair_prefix(3, 1))
+    try:
+        cu._await(recv, 2)  # admitted at step 2 (CatchUp.admit)
+        cu._set_idle(frozenset({1}))
+        for rec in records:  # steps 3 and 4 committed while the state travels: kept
+            cu.replaces_step(types.SimpleNamespace(gradient_copy=lambda rec=rec: list(rec.grads)), jopt)
+            job._step += 1
+            jsched.step()  # the joiner runs the script's loop too
+        assert not cu._ready and [r.step for r in cu._kept] == [3, 4]
+        send.offer(2, saved)
+        _wait(lambda: recv.got is not None and cu._shadow.behind() == 0, "the state and its replay")
+        cu.poll()  # step 5's start
+        assert cu._ready and job._shares.ready and job._shares.step_slots(0)[0] == READY_SLOT
+    finally:
+        cu.reset()
+        send.close()
+    assert state_mod.fingerprint(model, jopt) == state_mod.fingerprint(members, opt)
+    assert jopt.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
 
 
 # The modes a joiner catches up in, as examples/train.py's flags: local steps in rounds of 4,
@@ -232,7 +439,8 @@ def test_a_joiner_catches_up_while_the_members_train_on(cluster_factory, mode):
     empty in those steps, its log says when the state arrived and when it caught up), then
     it trains, its fingerprint equals theirs at the end, and every committed sample is in
     the audit exactly once. Synchronous steps: it replayed exactly the optimizer steps
-    committed between its admission and its catching up. (On loopback the toy model's
+    committed between its admission and its catching up, beside the job (a shadow of
+    the state, swapped in at a step's start: catchup._Shadow), not in the step. (On loopback the toy model's
 state arrives within a few steps; what the test pins down is that no member waited for
 it: the steps committed with the joiner in and stateless.)"""
     from eltctl_runtime.protocol import get_status
@@ -268,8 +476,11 @@ it: the steps committed with the joiner in and stateless.)"""
     assert all(mine[s] == [] for s in range(admitted + 1, caught + 1)), mine
     assert mine[caught + 1], mine  # then it trains
     if mode != "local":  # the steps since the admission were replayed, the step it caught up in taken
-        replayed = int(re.search(r"the state of step %d arrived; the (\d+) optimizer step" % admitted, log).group(1))
-        assert replayed == caught - admitted - 1, log
+        found = re.search(r"the state of step %d arrived; the (\d+) optimizer step\(s\) since replayed \((\d+) of "
+                          r"them beside the job\)" % admitted, log)
+        assert found, log  # the replay ran beside the job (catchup._Shadow), then the swap
+        replayed, beside = int(found.group(1)), int(found.group(2))
+        assert replayed == caught - admitted - 1 and beside <= replayed, log
 
 
 @pytest.mark.slow
