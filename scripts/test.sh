@@ -18,4 +18,12 @@ t, s = time.perf_counter(), 0
 for i in range(5_000_000):
     s += i
 print(f"test.sh: a Python loop of 5 M additions took {time.perf_counter() - t:.2f} s here")'
+# The project's own modules compiled once, here: where PYTHONDONTWRITEBYTECODE=1 is set (this
+# machine's environment sets it), every process the suite starts (hundreds of workers, daemons
+# and CLI runs) would otherwise compile them again from source on each import: 0.23 CPU-s more
+# per worker for runtime/ and 0.32 s per CLI or controller start for eltctl/, measured here.
+# Python reads a .pyc only while it matches its source's mtime and size, so an edit is never
+# hidden. The suite's own processes may then write theirs too (pytest's rewritten test modules).
+.venv/bin/python -m compileall -q -j 0 eltctl runtime tests benchmarks examples >/dev/null
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/python -m pytest -q -ra -n 2 --dist worksteal --durations=40 "$@"
