@@ -12,7 +12,9 @@ ends at W-1.
 Every rank records, per committed step, `time.perf_counter()` and the size of the
 world that committed it (`job.last_commit.world_size`). The pause at an event is the
 longest gap between consecutive committed steps around the step where the world size
-changed, less the median steady gap (`event_pauses`: pure, tested). For the local
+changed, less the median steady gap (`event_pauses`: pure, tested); and less the median
+steady gap of the steps at the world size it changed to (`pause_vs_new_world_s`: a step
+at world 3 moves more bytes per rank than one at world 2, which is no pause). For the local
 mode's join, the joiner's log says whether it caught up in the background
 (runtime/train/catchup.py's "catch" lines) and how many MB it received.
 """
@@ -66,12 +68,24 @@ def event_pauses(times: list[float], sizes: list[int], *, before: int = 1, after
     owned = {g for w in windows for g in w}
     steady = [gap for g, gap in enumerate(gaps) if g >= skip and g not in owned]
     median = statistics.median(steady) if steady else None
+    # A step at another world size takes another time on a shared link (a ring all-reduce
+    # sends 2(W-1)/W of the gradients per rank): the steady median of each size's steps too,
+    # and each event's pause against the steps of the size it changed to.
+    by_world: dict[int, list[float]] = {}
+    for g, gap in enumerate(gaps):
+        if g >= skip and g not in owned:
+            by_world.setdefault(sizes[g + 1], []).append(gap)
+    world_median = {w: statistics.median(v) for w, v in by_world.items()}
     events = []
     for (k, old, new), w in zip(changes, windows):
         longest = max((gaps[g] for g in w), default=None)
+        at_new = world_median.get(new)
         events.append({"step_index": k, "from": old, "to": new, "gap_s": _r(longest),
-                       "pause_s": _r(longest - median) if longest is not None and median is not None else None})
-    return {"steady_s": _r(median), "steady_max_s": _r(max(steady) if steady else None), "events": events}
+                       "pause_s": _r(longest - median) if longest is not None and median is not None else None,
+                       "pause_vs_new_world_s": _r(longest - at_new) if longest is not None and at_new is not None
+                       else None})
+    return {"steady_s": _r(median), "steady_max_s": _r(max(steady) if steady else None),
+            "steady_by_world_s": {w: _r(m) for w, m in sorted(world_median.items())}, "events": events}
 
 
 def _r(v: float | None) -> float | None:
@@ -97,9 +111,9 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
         p = event_pauses([s[1] for s in r["steps"]], [s[2] for s in r["steps"]], skip=skip)
         per_rank.append({"host": r["host"], **p})
 
-    def pause(p: dict, kind: str) -> float | None:
+    def pause(p: dict, kind: str, key: str = "pause_s") -> float | None:
         ev = [e for e in p["events"] if (e["to"] > e["from"]) == (kind == "join")]
-        return ev[0]["pause_s"] if ev else None
+        return ev[0][key] if ev else None
 
     first = next(p for p in per_rank if p["host"] == "h1")
     joins = [x for p in per_rank if (x := pause(p, "join")) is not None]
@@ -110,6 +124,9 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
             "steady_s": first["steady_s"], "steady_max_s": first["steady_max_s"],
             "join_pause_s": pause(first, "join"), "join_pause_max_s": max(joins, default=None),
             "leave_pause_s": pause(first, "leave"), "leave_pause_max_s": max(leaves, default=None),
+            "steady_by_world_s": first["steady_by_world_s"],
+            "join_pause_vs_new_world_s": pause(first, "join", "pause_vs_new_world_s"),
+            "leave_pause_vs_new_world_s": pause(first, "leave", "pause_vs_new_world_s"),
             "state_mb": round(records[0]["state_bytes"] / 1e6, 1),
             "caught_up": facts["caught_up"] if mode == "local" else None,
             "joiner_received_mb": facts["received_mb"], "joiner_catch_lines": facts["catch_lines"],

@@ -221,6 +221,19 @@ def test_event_pause_is_the_longest_gap_around_the_change_less_the_steady_median
     assert got["events"][1]["pause_s"] == 0.8  # a stall after the change (a transfer) is the event's too
 
 
+def test_event_pause_against_the_new_worlds_steady_step():
+    # steps at world 3 take 0.3 s, at world 2 0.1 s: the join's 2.1 s gap is a 1.8 s pause
+    # against a world-3 step (2.0 s against the median of all), the leave's 0.9 s one 0.8 s
+    gaps = [0.1] * 5 + [2.1] + [0.3] * 8 + [0.9] + [0.1] * 5
+    sizes = [2] * 6 + [3] * 9 + [2] * 6
+    got = ev.event_pauses(_steps(gaps), sizes)
+    assert got["steady_by_world_s"] == {2: 0.1, 3: 0.3}
+    join, leave = got["events"]
+    assert (join["to"], leave["to"]) == (3, 2)
+    assert join["pause_vs_new_world_s"] == 1.8 and leave["pause_vs_new_world_s"] == 0.8
+    assert join["pause_s"] == round(2.1 - got["steady_s"], 4)
+
+
 def test_event_pause_steady_leaves_out_the_warm_up_and_the_event_windows():
     # a slow warm-up (1.0 s gaps) and slow steps inside the window must not move the median
     gaps = [1.0, 1.0, 0.2, 0.2, 0.2, 3.0, 3.0, 0.2, 0.2, 0.2]
