@@ -47,7 +47,8 @@ log = logging.getLogger("eltctl_runtime")
 POLL_S = 0.1
 MEMBER_POLL_S = 0.15
 JOIN_RESCAN_S = 1.0
-DELETED_PROBE_S = 0.1  # per member pass: how long a deleted heartbeat is watched for its writer's next write
+# per member pass: how long a deleted heartbeat is watched for its writer's next write (every POLL_S)
+DELETED_PROBE_S = 2 * POLL_S
 CONTESTED_LIMIT = 3  # hang timeouts a heartbeat may be rewritten-and-deleted without one verified beat read
 
 
