@@ -16,6 +16,9 @@ from eltctl.durations import parse_duration
 from eltctl_runtime.claims import ENV as CLAIMS_ENV  # a host's GPU claims directory: settable per host
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# "0" in the job's or a host's env: every worker starts as its own process, not forked from the daemon's
+# fork server (eltctl_runtime.daemon.forkserver.ENV_SWITCH; tests/inventory checks they agree)
+FORK_SERVER_ENV = "ELTCTL_FORK_SERVER"
 
 
 class Reporter(Protocol):
@@ -339,7 +342,8 @@ class Table:
                 self.fail(sub, "is not a valid environment variable name (letters, digits, _; "
                                "not starting with a digit)")
             elif ((name.startswith("ELTCTL_") or name == "CUDA_VISIBLE_DEVICES")
-                  and not (name == CLAIMS_ENV and self.path.startswith("hosts"))):  # a host's own: its GPU claims
+                  and not (name == CLAIMS_ENV and self.path.startswith("hosts"))  # a host's own: its GPU claims
+                  and name != FORK_SERVER_ENV):
                 # eltctl sets these per worker; an override would break GPU assignment
                 # or the worker's link to its job.
                 self.fail(sub, "is set by eltctl for each worker and cannot be overridden"

@@ -107,7 +107,8 @@ incarnation; removed on a clean stop), `workers/<slot>.pid`, `workers/<slot>.log
 
 The modules: `config` (daemon.json, the worker environment), `logic` (the
 decisions, pure), `service` (the executor: observe, decide, act), `link` (the
-store link thread), `procs` (/proc, the pid lock, worker processes),
+store link thread), `procs` (/proc, the pid lock, worker processes), `forkserver` and
+`zygote` (the workers' interpreter with torch imported, forked per worker),
 `gpuwatch` (the nvidia-smi watch), `history` (the ended workers), `main` (the command line). The store keys
 and documents it shares with the controller and the runtime: protocol.py.
 """

@@ -24,6 +24,7 @@ from .. import files
 from ..protocol import EventKind, add_event, event_document, put_dead, put_leave
 from . import courtesy, procs
 from .config import DaemonConfig, data_plane, worker_env
+from .forkserver import ForkServer
 from .history import History
 from .gpuwatch import (Ownership, SmiPoller, WatchHealth, WatchResult, classify_pid, descendants, gpu_states,
                        intruders)
@@ -80,6 +81,7 @@ class Daemon:
         self._started = time.time()
         self._owners = OwnerSignals(cfg)  # watched from run() when the config names owner signals
         self._claims = SlotClaims(cfg, self._base_env)  # GPU claims (runtime/claims.py)
+        self._forks = ForkServer(cfg.host, cfg.job)  # the workers' interpreter with torch imported (forkserver.py)
 
     # -- life ------------------------------------------------------------------
     def run(self, ready=None) -> int:
@@ -130,6 +132,7 @@ class Daemon:
         finally:
             if self._poller is not None:
                 self._poller.close()
+            self._forks.close()
             self._phase = "stopped" if clean else "failed"
             self._link.publish_state(self._state_doc(), urgent=True)
             self._link.close(flush_s=5.0)
@@ -154,6 +157,7 @@ class Daemon:
         next_state = 0.0
         while True:
             now = time.monotonic()
+            self._forks.tick(now)
             self._reap(now)
             self._observe_claims(now)
             self._observe_gpus(now)
@@ -197,6 +201,8 @@ class Daemon:
     # -- observe -------------------------------------------------------------------
     def _reap(self, now: float) -> None:
         for slot, w in list(self._workers.items()):
+            if w.proc is not None and getattr(w.proc, "orphaned", False):
+                w.proc = None  # its fork server died: no exit status will come; watched as an adopted worker
             if w.proc is not None:
                 rc = w.proc.poll()
                 if rc is None:
@@ -400,8 +406,10 @@ class Daemon:
         if held is False:
             return
         try:
-            proc = procs.start_worker(cfg.argv, env, cfg.code_dir, log_path, cfg.courtesy, cfg.device,
-                                      pass_fds=(held.fd,) if held else ())
+            fds = (held.fd,) if held else ()  # restart mode's supervisor: no fork (it imports no torch itself)
+            proc = (None if cfg.mode == "restart" else
+                    self._forks.try_spawn(cfg.argv, env, cfg.code_dir, log_path, cfg.courtesy, cfg.device, fds)) \
+                or procs.start_worker(cfg.argv, env, cfg.code_dir, log_path, cfg.courtesy, cfg.device, pass_fds=fds)
         except OSError as e:
             if held:
                 held.close()

@@ -16,6 +16,7 @@ from typing import Collection
 from .. import files
 from ..pids import read_pid_file
 from . import procs
+from .forkserver import Forked
 from .history import process_start
 from .logic import TAIL_BYTES, WorkerState, WorkerView, cause_line, incarnation_of
 
@@ -29,7 +30,7 @@ class Worker:
     slot: int
     worker_id: str
     pid: int
-    proc: subprocess.Popen | None  # None: adopted from an earlier daemon (not our child)
+    proc: subprocess.Popen | Forked | None  # Forked: by the fork server; None: adopted (no exit status)
     state: WorkerState
     since: float  # monotonic
     since_wall: float

@@ -52,8 +52,15 @@ def main() -> None:
     spec = json.loads(line)
     os.environ.clear()
     os.environ.update(spec["env"])
-    argv = list(spec["argv"])
-    if spec.get("module"):
+    run_script(list(spec["argv"]), module=bool(spec.get("module")))
+
+
+def run_script(argv: list[str], module: bool) -> None:
+    """Run `argv` (a script and its arguments, or with `module` a module's name and its
+    arguments) as `__main__`, with sys.argv and sys.path[0] as `python argv...` (or
+    `python -m argv...`) sets them. The daemon's fork server (daemon/zygote.py) runs its
+    workers through this too."""
+    if module:
         sys.argv = [argv[0], *argv[1:]]
         sys.path[0] = os.getcwd()
         runpy.run_module(argv[0], run_name="__main__", alter_sys=True)

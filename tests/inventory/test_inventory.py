@@ -289,6 +289,15 @@ ERRORS = [
 ]
 
 
+def test_the_fork_server_switch_is_the_one_eltctl_variable_a_job_may_set():
+    """`ELTCTL_FORK_SERVER = "0"` starts each worker as its own process (runtime/daemon/forkserver.py)."""
+    from eltctl.inventory.tables import FORK_SERVER_ENV
+    from eltctl_runtime.daemon.forkserver import ENV_SWITCH
+    assert FORK_SERVER_ENV == ENV_SWITCH
+    inv = parse(JOB + 'env = { ELTCTL_FORK_SERVER = "0" }\n' + HOST)
+    assert ("ELTCTL_FORK_SERVER", "0") in inv.job.env
+
+
 @pytest.mark.parametrize("what, text, message", ERRORS, ids=[e[0] for e in ERRORS])
 def test_each_mistake_has_an_exact_message(what, text, message):
     err = error_of(text)
