@@ -2,7 +2,9 @@
 
 `cluster` plays the launcher's and the host daemon's parts: it hosts the job's
 store (port 0), starts `examples/train.py` workers (or another `script` with the
-same flags and files) with the environment contract,
+same flags and files) with the environment contract, as the daemon does: forked
+from a fork server (eltctl_runtime.daemon.forkserver; one zygote for the whole test
+session, so a worker costs no import of torch), else as plain processes,
 each in its own session so teardown kills all of them, and reports a worker
 whose process exits with an error or a signal as dead (report_dead), as the
 host daemon will.
@@ -10,6 +12,7 @@ host daemon will.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -26,6 +29,7 @@ import torch.distributed as dist
 import eltctl_runtime as elt
 from eltctl_runtime.store import auth
 from eltctl_runtime import protocol
+from eltctl_runtime.daemon.forkserver import ForkServer
 from tests.testbed.hostpython import HOST_PYTHON, host_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +37,18 @@ TRAIN = ROOT / "examples" / "train.py"
 TRAIN_REAL = ROOT / "examples" / "train_real.py"
 GRAD_WORKER = Path(__file__).resolve().parent / "grad_worker.py"
 PYTHON = HOST_PYTHON  # workers run as on a host: Python and torch only
+
+_FORKS: ForkServer | None = None
+
+
+def fork_server() -> ForkServer:
+    """This test process's fork server (made at its first worker, closed at its exit)."""
+    global _FORKS
+    if _FORKS is None:
+        _FORKS = ForkServer("cluster", output=subprocess.DEVNULL)
+        atexit.register(_FORKS.close)
+    return _FORKS
+
 
 # Small model and data: the suite must stay fast on a busy 2-core machine.
 SMALL = ["--hidden", "32", "--layers", "2", "--samples", "480", "--batch", "24", "--lr", "3e-3"]
@@ -97,6 +113,7 @@ class Cluster:
 
     def env(self, worker_id: str) -> dict:
         env = host_env(dict(os.environ))
+        env.pop("PYTEST_CURRENT_TEST", None)  # pytest's, different in each test: the workers need not see it
         env.update({
             "ELTCTL_STORE": self.store_spec, "ELTCTL_JOB": self.job,
             "ELTCTL_WORKER_ID": worker_id, "ELTCTL_DEVICE": "cpu", "ELTCTL_AUDIT": str(self.audit),
@@ -121,8 +138,10 @@ class Cluster:
             w = Worker(wid, None, log, self.tmp / f"w{i}.result.json", self.tmp / f"w{i}.progress")  # type: ignore[arg-type]
             cmd = [PYTHON, str(self.script), *self.args, *(extra or []), "--result", str(w.result),
                    "--progress", str(w.progress)]
-            w.proc = subprocess.Popen(cmd, env={**self.env(wid), **(env or {})}, stdin=subprocess.DEVNULL, stdout=log.open("w"),
-                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+            wenv = {**self.env(wid), **(env or {})}
+            w.proc = fork_server().spawn(cmd, wenv, ROOT, log) or subprocess.Popen(  # type: ignore[assignment]
+                cmd, env=wenv, stdin=subprocess.DEVNULL, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                start_new_session=True, cwd=ROOT)
             new.append(w)
         self.workers += new
         return new
@@ -214,7 +233,7 @@ class Cluster:
                     pass
             try:
                 w.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, ChildProcessError):  # the latter: its fork server died
                 pass
 
 
