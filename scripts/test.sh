@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh --sshd) and run the whole test suite. Extra arguments go to pytest.
-# The 40 slowest tests are listed at the end (the suite must stay under 25 min on 2 cores).
+# The 40 slowest tests are listed at the end (the suite's target is 20 min on a quiet 2-core machine).
 # Two pytest-xdist workers (`-n 0` among the arguments runs it in one process): most of the
 # suite's time is multi-process scenarios waiting on each other, so two run side by side on
 # two cores. `worksteal` lets an idle worker take the tail of the other's queue; tests/conftest.py
