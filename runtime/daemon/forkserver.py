@@ -92,7 +92,12 @@ class Forked:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid)
+            # The server hands a status out once: a second thread's poll that found None must not
+            # write None over what the first one got (seen in the CI run of eabdc90: three runtime
+            # tests waited for a worker that had exited)
+            code = self._server.exit_code(self.pid)
+            if code is not None:
+                self.returncode = code
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 
 from eltctl_runtime.daemon import forkserver, procs
 from eltctl_runtime.daemon.courtesy import Courtesy
-from eltctl_runtime.daemon.forkserver import ForkServer, forkable
+from eltctl_runtime.daemon.forkserver import ForkServer, Forked, forkable
 from tests.testbed.hostpython import HOST_PYTHON, host_env
 
 # What a worker sees of itself: the same script started both ways must print the same.
@@ -262,3 +263,30 @@ def test_the_zygote_leaves_with_the_daemon_and_its_workers_stay(workdir, tmp_pat
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait()
+
+
+def test_an_exit_status_polled_from_two_threads_is_kept():
+    """The server hands a status out once; a poll that got None while another thread's got
+    the status must not write None over it (the runtime tests' launcher polls from its
+    watch thread and from the test's)."""
+    inside, done = threading.Event(), threading.Event()
+
+    class Server:
+        calls = 0
+
+        def exit_code(self, pid: int):
+            self.calls += 1
+            if self.calls == 1:  # the second thread, held inside its call until the first has its status
+                inside.set()
+                done.wait(5)
+                return None
+            return 3
+
+    w = Forked(Server(), 1234)
+    late = threading.Thread(target=w.poll)
+    late.start()
+    assert inside.wait(5)
+    assert w.poll() == 3  # the first thread's poll gets the status...
+    done.set()
+    late.join(5)
+    assert w.returncode == 3 and w.poll() == 3  # ...and the other thread's None does not erase it
