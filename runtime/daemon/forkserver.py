@@ -38,6 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ..restart.warmstart import warm_form
 from .courtesy import Courtesy
 
 log = logging.getLogger("eltctl_runtime.daemon")
@@ -66,15 +67,8 @@ def _serialized(items: Sequence[str]) -> int:
 
 
 def forkable(argv: Sequence[str]) -> bool:
-    """`python[3[.N]] script ...` or `python -m module ...`: what the zygote can become."""
-    if len(argv) < 2:
-        return False
-    name = os.path.basename(argv[0])
-    if not (name in PYTHONS or (name.startswith("python3.") and name[8:].isdigit())):
-        return False
-    if argv[1] == "-m":
-        return len(argv) >= 3 and not argv[2].startswith("-")
-    return not argv[1].startswith("-")
+    """`python script ...` or `python -m module ...`: what the zygote can become (warm_form)."""
+    return warm_form(argv) is not None
 
 
 class Forked:

@@ -70,7 +70,7 @@ def _regions() -> tuple[int, int, int, int]:
 def _overwrite(start: int, end: int, items: list[str]) -> None:
     data = b"".join(s.encode("utf-8", "surrogateescape") + b"\0" for s in items)
     if len(data) > end - start:
-        raise OSError(f"{len(data)} bytes do not fit in the zygote's {end - start}")
+        raise OSError(f"{len(data)} bytes does not fit in the zygote's {end - start}")
     ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
 
 
@@ -223,29 +223,29 @@ def main() -> None:
     spec = serve(int(sys.argv[1]))
     if spec is None:
         sys.exit(0)
-    from ..restart.warmstart import run_script
-    prog, *args = spec["argv"]
-    if args[0] == "-m":
+    from ..restart.warmstart import run_script, warm_form
+    prog = spec["argv"][0]
+    _python, args, module = warm_form(spec["argv"])  # type: ignore[misc] - forkable (forkserver.py)
+    if module:
         import importlib.util
         try:
-            found = importlib.util.find_spec(args[1])
+            found = importlib.util.find_spec(args[0])
         except (ImportError, ValueError) as e:
-            found, why = None, f"Error while finding module specification for {args[1]!r} ({type(e).__name__}: {e})"
+            found, why = None, f"Error while finding module specification for {args[0]!r} ({type(e).__name__}: {e})"
         else:
-            why = f"No module named {args[1]}"
+            why = f"No module named {args[0]}"
         if found is None:  # as `python -m` says it
             print(f"{prog}: {why}", file=sys.stderr)
             sys.exit(1)
-        run_script(args[1:], module=True)
-        return
-    try:
-        with open(args[0], "rb"):
-            pass
-    except OSError as e:  # as `python script` says it
-        print(f"{prog}: can't open file {os.path.abspath(args[0])!r}: [Errno {e.errno}] {e.strerror}",
-              file=sys.stderr)
-        sys.exit(2)
-    run_script(args, module=False)
+    else:
+        try:
+            with open(args[0], "rb"):
+                pass
+        except OSError as e:  # as `python script` says it
+            print(f"{prog}: can't open file {os.path.abspath(args[0])!r}: [Errno {e.errno}] {e.strerror}",
+                  file=sys.stderr)
+            sys.exit(2)
+    run_script(args, module=module)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import ctypes
 import json
 import logging
 import os
-import re
 import select
 import signal
 import socket
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from ..member.plan import host_of
 from .progress import ENV_PROGRESS
+from .warmstart import warm_form  # noqa: F401 - the supervisor's name for it
 from .watch import OutputPump
 
 log = logging.getLogger("eltctl_runtime")
@@ -37,7 +37,6 @@ _CHILD_DROPS = ("ELTCTL_STORE", "ELTCTL_WORKER_ID", "ELTCTL_DEVICE", "ELTCTL_LOC
                 "ELTCTL_HANG_TIMEOUT", "ELTCTL_MIN_WORKERS", "ELTCTL_MAX_WORKERS", "ELTCTL_AUDIT",
                 "ELTCTL_SECRET_FILE")  # the script has no business with the store or its secret
 _PR_SET_PDEATHSIG = 1
-_PYTHON = re.compile(r"python[\d.]*$")
 WARM_MODULE = "eltctl_runtime.restart.warmstart"
 
 
@@ -76,19 +75,6 @@ def torchrun_env(members: Sequence[str], me: str, master_addr: str, master_port:
 
 def expand_command(command: Sequence[str], script_dir: Path) -> list[str]:
     return [a.replace(SCRIPT_DIR_PLACEHOLDER, str(script_dir)) for a in command]
-
-
-def warm_form(argv: Sequence[str]) -> tuple[str, list[str], bool] | None:
-    """(interpreter, the script's argv, whether it is `-m module`) when `argv` is
-    `python script.py ...` or `python -m module ...` (no interpreter options), the
-    forms a warm interpreter (warmstart.py) can run; None otherwise."""
-    if len(argv) < 2 or not _PYTHON.match(os.path.basename(argv[0])):
-        return None
-    if argv[1] == "-m":
-        return (argv[0], list(argv[2:]), True) if len(argv) > 2 else None
-    if argv[1].startswith("-"):
-        return None
-    return argv[0], list(argv[1:]), False
 
 
 # ---- the script's process ------------------------------------------------------

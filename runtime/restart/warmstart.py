@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import runpy
 import sys
+from typing import Sequence
+
+_PYTHON = re.compile(r"python[\d.]*$")
 
 
 def _warm() -> None:
@@ -53,6 +57,19 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(spec["env"])
     run_script(list(spec["argv"]), module=bool(spec.get("module")))
+
+
+def warm_form(argv: Sequence[str]) -> tuple[str, list[str], bool] | None:
+    """(interpreter, the script's argv, whether it is `-m module`) when `argv` is
+    `python script.py ...` or `python -m module ...` (no interpreter options), the
+    forms a warm interpreter (warmstart.py) can run; None otherwise."""
+    if len(argv) < 2 or not _PYTHON.match(os.path.basename(argv[0])):
+        return None
+    if argv[1] == "-m":
+        return (argv[0], list(argv[2:]), True) if len(argv) > 2 else None
+    if argv[1].startswith("-"):
+        return None
+    return argv[0], list(argv[1:]), False
 
 
 def run_script(argv: list[str], module: bool) -> None:
