@@ -125,9 +125,16 @@ class ForkServer:
         self._orphans: set[int] = set()
         self._idle_since = time.monotonic()
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path,
-              courtesy: Courtesy | None = None, device: str = "cpu", pass_fds: Sequence[int] = ()) -> Forked | None:
-        """A worker forked as procs.start_worker would start `argv`; None: start it the plain way."""
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path | None,
+              courtesy: Courtesy | None = None, device: str = "cpu", pass_fds: Sequence[int] = (), *,
+              streams: tuple[int, int] | None = None, group: bool = False, start: bool = True) -> Forked | None:
+        """A worker forked as procs.start_worker would start `argv`; None: start it the plain way.
+
+        Restart mode's supervisor (restart/launch.py) asks for what its Popen makes instead:
+        `streams`, the write ends of its stdout and stderr pipes (instead of `log_path`), and
+        `group`, a process group of its own (not a session) that dies with the zygote, which
+        ends with the supervisor. `pass_fds` land at their numbers here, as with Popen.
+        `start=False`: only from a zygote that is already up (no wait for torch's import)."""
         if not self._enabled or env.get(ENV_SWITCH) == "0" or not forkable(argv):
             return None
         python = shutil.which(argv[0], path=env.get("PATH", os.defpath))
@@ -140,9 +147,9 @@ class ForkServer:
                     log.info("host %s: the workers' interpreter or environment changed; a new fork server starts",
                              self._host)
                     self.close()
-                if self._sock is None and not self._start(python, base, argv, env):
+                if self._sock is None and (not start or not self._start(python, base, argv, env)):
                     return None
-                reply = self._request(argv, env, cwd, log_path, courtesy, device, pass_fds)
+                reply = self._request(argv, env, cwd, log_path, courtesy, device, pass_fds, streams, group)
                 if "spawned" in reply:
                     pid = int(reply["spawned"])
                     self._mine.add(pid)
@@ -158,11 +165,12 @@ class ForkServer:
                 return None
         return None
 
-    def try_spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path,
-                  courtesy: Courtesy | None = None, device: str = "cpu", pass_fds: Sequence[int] = ()) -> Forked | None:
+    def try_spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path | None,
+                  courtesy: Courtesy | None = None, device: str = "cpu", pass_fds: Sequence[int] = (),
+                  **how) -> Forked | None:
         """`spawn`, and None (start it the plain way) if the fork server itself fails."""
         try:
-            return self.spawn(argv, env, cwd, log_path, courtesy, device, pass_fds)
+            return self.spawn(argv, env, cwd, log_path, courtesy, device, pass_fds, **how)
         except Exception:  # noqa: BLE001 - never a reason not to start the worker
             log.exception("host %s: the fork server failed; starting the worker the plain way", self._host)
             self.close()
@@ -243,15 +251,22 @@ class ForkServer:
                  python)
         return True
 
-    def _request(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path,
-                 courtesy: Courtesy | None, device: str, pass_fds: Sequence[int]) -> dict:
+    def _request(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path | None,
+                 courtesy: Courtesy | None, device: str, pass_fds: Sequence[int],
+                 streams: tuple[int, int] | None, group: bool) -> dict:
         spec = {"argv": list(argv), "env": dict(env), "cwd": str(cwd), "device": device,
-                "courtesy": asdict(courtesy) if courtesy is not None else None}
+                "courtesy": asdict(courtesy) if courtesy is not None else None,
+                "fds_at": list(pass_fds), "group": group, "streams": "pipes" if streams else "log"}
         assert self._sock is not None
         try:
             self._sock.settimeout(REPLY_TIMEOUT_S)
-            with open(log_path, "ab", buffering=0) as logf:
-                socket.send_fds(self._sock, [json.dumps({"spawn": spec}).encode()], [logf.fileno(), *pass_fds])
+            message = [json.dumps({"spawn": spec}).encode()]
+            if streams is not None:
+                socket.send_fds(self._sock, message, [*streams, *pass_fds])
+            else:
+                assert log_path is not None
+                with open(log_path, "ab", buffering=0) as logf:
+                    socket.send_fds(self._sock, message, [logf.fileno(), *pass_fds])
             return self._receive(lambda m: "spawned" in m or "failed" in m, REPLY_TIMEOUT_S) or {}
         except OSError as e:
             return {"error": str(e)}

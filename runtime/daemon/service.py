@@ -406,7 +406,7 @@ class Daemon:
         if held is False:
             return
         try:
-            fds = (held.fd,) if held else ()  # restart mode's supervisor: no fork (it imports no torch itself)
+            fds = (held.fd,) if held else ()  # restart mode's supervisor: not forked (it forks its scripts' warm interpreters itself)
             proc = (None if cfg.mode == "restart" else
                     self._forks.try_spawn(cfg.argv, env, cfg.code_dir, log_path, cfg.courtesy, cfg.device, fds)) \
                 or procs.start_worker(cfg.argv, env, cfg.code_dir, log_path, cfg.courtesy, cfg.device, pass_fds=fds)

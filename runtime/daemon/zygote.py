@@ -34,6 +34,7 @@ the daemon's end of FD closes (its workers run on, in their sessions).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import select
@@ -41,16 +42,15 @@ import signal
 import socket
 import sys
 
+from ..restart.warmstart import import_torch
 from .forkserver import MAX_FDS, MAX_MESSAGE
 
 
-def _warm() -> None:
-    import torch  # noqa: F401 - the point of this process
-    import torch.distributed  # noqa: F401
-    try:  # torch's optimizers import these at their first call (Optimizer.add_param_group)
-        import torch._dynamo  # noqa: F401
-    except ImportError:  # pragma: no cover - another torch version
-        pass
+try:  # looked up here, not in a fork (no dynamic loading between fork and the script)
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _prctl = None
+_PR_SET_PDEATHSIG = 1
 
 
 def _send(sock: socket.socket, doc: dict) -> None:
@@ -85,25 +85,42 @@ def take_identity(argv: list[str], env: dict[str, str]) -> None:
     _overwrite(e0, e1, entries)
 
 
-def _child(spec: dict, fds: list[int], sock: socket.socket, ready_w: int) -> dict:
+def _child(spec: dict, fds: list[int], sock: socket.socket, ready_w: int, zygote: int) -> dict:
     """In the fork: become the worker (all but running its script). Never returns on failure."""
     try:
-        os.setsid()
+        if spec.get("group"):  # restart mode's script: its own group, and gone with the zygote
+            os.setpgrp()
+            if _prctl is not None:
+                _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != zygote:
+                os._exit(127)  # the zygote (and so its client) died before prctl took effect
+        else:
+            os.setsid()
         sock.detach()  # its number is closed below; the object must not close a reused one later
-        log, claims = fds[0], fds[1:]
+        pipes = spec.get("streams") == "pipes"  # stdout and stderr apart; else one log for both
+        n = 2 if pipes else 1
+        streams, extra = fds[:n], fds[n:]
+        at = [int(x) for x in spec.get("fds_at") or []]
+        if len(at) != len(extra) or any(x < 3 for x in at) or len(set(at)) != len(at):
+            at = list(extra)  # where they arrived (the request named no numbers, or wrong ones)
+        # Every descriptor to keep above every number one is placed at, so no dup2 closes another.
+        top = max([2, ready_w, *fds, *at]) + 1
+        ready_w, streams, extra = (fcntl.fcntl(ready_w, fcntl.F_DUPFD_CLOEXEC, top),
+                                   [fcntl.fcntl(fd, fcntl.F_DUPFD, top) for fd in streams],
+                                   [fcntl.fcntl(fd, fcntl.F_DUPFD, top) for fd in extra])
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        keep = {0, 1, 2, ready_w, *claims}
+        os.dup2(streams[0], 1)
+        os.dup2(streams[-1], 2)
+        for fd, target in zip(extra, at):
+            os.dup2(fd, target)  # inheritable, as pass_fds leaves them: a script's own children get them too
+        keep = {0, 1, 2, ready_w, *at}
         for fd in _open_fds():
             if fd not in keep:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        for fd in claims:
-            os.set_inheritable(fd, True)  # as pass_fds leaves them: a script's own children get them too
         os.chdir(spec["cwd"])
         courtesy = spec.get("courtesy")
         if courtesy is not None:
@@ -138,6 +155,7 @@ def _open_fds() -> list[int]:
 def _spawn(sock: socket.socket, spec: dict, fds: list[int], wake: tuple[int, int]) -> dict | None:
     """Fork a worker; in the parent answer and return None, in the child return its spec."""
     ready_r, ready_w = os.pipe()
+    zygote = os.getpid()
     for stream in (sys.stdout, sys.stderr):  # nothing of the zygote's in a worker's log
         try:
             stream.flush()
@@ -149,7 +167,7 @@ def _spawn(sock: socket.socket, spec: dict, fds: list[int], wake: tuple[int, int
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in (ready_r, *wake):
             os.close(fd)
-        return _child(spec, fds, sock, ready_w)
+        return _child(spec, fds, sock, ready_w, zygote)
     os.close(ready_w)
     for fd in fds:
         os.close(fd)
@@ -177,7 +195,7 @@ def serve(fd: int) -> dict | None:
     """The zygote's loop: None when the daemon went away, a worker's spec in a fork."""
     sock = socket.socket(fileno=fd)
     try:
-        _warm()
+        import_torch()
     except BaseException as e:  # noqa: BLE001 - no torch here: the daemon starts its workers itself
         _send(sock, {"error": f"{type(e).__name__}: {e}"})
         return None
@@ -223,9 +241,14 @@ def main() -> None:
     spec = serve(int(sys.argv[1]))
     if spec is None:
         sys.exit(0)
+    from ..restart import warmstart
     from ..restart.warmstart import run_script, warm_form
     prog = spec["argv"][0]
     _python, args, module = warm_form(spec["argv"])  # type: ignore[misc] - forkable (forkserver.py)
+    if module and args[0] == warmstart.__name__:  # restart mode's warm interpreter: imported here already
+        sys.argv = [warmstart.__file__, *args[1:]]
+        warmstart.main()
+        return
     if module:
         import importlib.util
         try:

@@ -17,12 +17,14 @@ import select
 import signal
 import socket
 import subprocess
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch.distributed as dist
 
+from ..daemon.forkserver import ForkServer, Forked
 from ..member.plan import host_of
 from .progress import ENV_PROGRESS
 from .warmstart import warm_form  # noqa: F401 - the supervisor's name for it
@@ -94,6 +96,15 @@ def _child_setup() -> None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
+def exit_code(proc: subprocess.Popen | Forked) -> int | None:
+    """Its exit code, None while it runs. A forked one whose fork server died has none to
+    report: it died too (PR_SET_PDEATHSIG, zygote.py), as SIGKILL."""
+    rc = proc.poll()
+    if rc is None and isinstance(proc, Forked) and proc.orphaned:
+        return -signal.SIGKILL
+    return rc
+
+
 def _killpg(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -104,8 +115,8 @@ def _killpg(pid: int, sig: int) -> None:
 class Child:
     """The script's process (its own group) in one generation."""
 
-    def __init__(self, proc: subprocess.Popen, pump: OutputPump) -> None:
-        self.proc = proc
+    def __init__(self, proc: subprocess.Popen | Forked, pump: OutputPump) -> None:
+        self.proc = proc  # a Popen, or forked by the supervisor's fork server (the same calls)
         self.pump = pump  # its output, passed through to ours
         self.stopping = False
 
@@ -117,7 +128,7 @@ class Child:
         return cls(proc, pump)
 
     def poll(self) -> int | None:
-        return self.proc.poll()
+        return exit_code(self.proc)
 
     def stop(self, grace: float) -> int:
         """SIGTERM to its group, up to `grace` seconds to exit, then SIGKILL; the exit code."""
@@ -129,29 +140,41 @@ class Child:
             except subprocess.TimeoutExpired:
                 log.warning("the script (pid %d) did not exit within %g s of SIGTERM; killing it",
                             self.proc.pid, grace)
+            except ChildProcessError:  # forked, and its fork server died first (it died with it)
+                pass
         _killpg(self.proc.pid, signal.SIGKILL)  # and anything it left in its group
-        return self.proc.wait()
+        try:
+            return self.proc.wait()
+        except ChildProcessError:  # forked, and its fork server died first: no status will come
+            return -signal.SIGKILL
 
 
 class Warm:
     """The next generation's process, started ahead with torch imported
     (warmstart.py); `hand` gives it the script to run."""
 
-    def __init__(self, proc: subprocess.Popen, pipe: int, ready: int, pump: OutputPump) -> None:
+    def __init__(self, proc: subprocess.Popen | Forked, pipe: int, ready: int, pump: OutputPump) -> None:
         self.proc = proc
         self.pump = pump
         self._pipe: int | None = pipe
         self._ready: int | None = ready  # read end: one byte once torch is imported
 
     @classmethod
-    def start(cls, python: str, env: Mapping[str, str], pump: OutputPump) -> "Warm":
+    def start(cls, python: str, env: Mapping[str, str], pump: OutputPump,
+              forks: ForkServer | None = None, *, wait: bool = True) -> "Warm":
+        """`python -m warmstart`, forked from `forks` (the supervisor's fork server: no import of
+        torch for each generation; `wait=False`: only from a fork server already up) where it
+        can, else started plainly."""
         r, w = os.pipe()
         rr, rw = os.pipe()
+        argv = [python, "-m", WARM_MODULE, str(r), str(rw)]
         try:
-            proc = subprocess.Popen([python, "-m", WARM_MODULE, str(r), str(rw)], env=dict(env),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=(r, rw), preexec_fn=_child_setup, close_fds=True)
-            pump.attach(proc.stdout, proc.stderr)
+            proc = cls._forked(forks, argv, env, pump, (r, rw), wait) if forks is not None else None
+            if proc is None:
+                proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, pass_fds=(r, rw), preexec_fn=_child_setup,
+                                        close_fds=True)
+                pump.attach(proc.stdout, proc.stderr)
         except BaseException:
             os.close(w)
             os.close(rr)
@@ -161,10 +184,28 @@ class Warm:
             os.close(rw)
         return cls(proc, w, rr, pump)
 
+    @staticmethod
+    def _forked(forks: ForkServer, argv: list[str], env: Mapping[str, str], pump: OutputPump,
+                pass_fds: tuple[int, int], wait: bool) -> Forked | None:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            proc = forks.try_spawn(argv, env, Path.cwd(), None, pass_fds=pass_fds, streams=(out_w, err_w),
+                                   group=True, start=wait)
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        if proc is None:
+            os.close(out_r)
+            os.close(err_r)
+            return None
+        pump.attach(os.fdopen(out_r, "rb", buffering=0), os.fdopen(err_r, "rb", buffering=0))
+        return proc
+
     def wait_ready(self, timeout: float) -> bool:
         """Wait until it has imported torch; False if it died or the time ran out."""
         if self._ready is None:
-            return self.proc.poll() is None
+            return exit_code(self.proc) is None
         readable, _, _ = select.select([self._ready], [], [], timeout)
         ok = bool(readable) and os.read(self._ready, 1) == b"1"
         os.close(self._ready)
@@ -173,7 +214,7 @@ class Warm:
 
     def hand(self, argv: Sequence[str], module: bool, env: Mapping[str, str]) -> Child | None:
         """The warm process now runs the script; None if it is gone (start one cold)."""
-        if self.proc.poll() is not None or self._pipe is None:
+        if exit_code(self.proc) is not None or self._pipe is None:
             self.discard()
             return None
         try:
@@ -196,7 +237,54 @@ class Warm:
             os.close(self._ready)
             self._ready = None
         _killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        try:
+            self.proc.wait()
+        except ChildProcessError:  # forked, and its fork server died first
+            pass
+
+
+class Launcher:
+    """How each generation's script starts: handed to a warm interpreter started ahead
+    (`prewarm`) when there is one, else cold. The warm interpreters are forks of one fork
+    server (daemon/zygote.py: torch imported once per supervisor, not once per
+    generation), or plain `python -m warmstart` where it cannot serve."""
+
+    def __init__(self, argv: Sequence[str], warm: bool, host: str, job: str, who: str) -> None:
+        self.argv = list(argv)
+        self._form = warm_form(self.argv) if warm else None
+        self._forks = ForkServer(host, job)
+        self._who = who
+        self.warm: Warm | None = None
+        self.last_warm = False  # the last start was handed to a warm interpreter
+        self.started_t = 0.0  # when the last script started (monotonic)
+
+    def prewarm(self, env: Mapping[str, str], pump: OutputPump, wait: bool = True) -> None:
+        """The next generation's warm interpreter (`wait`: for the fork server's torch import;
+        without it, forked only from one already up, else started plainly)."""
+        if self._form is not None and self.warm is None:
+            try:
+                self.warm = Warm.start(self._form[0], env, pump, self._forks, wait=wait)
+            except OSError as e:
+                log.warning("supervisor %s: no warm interpreter (%s); scripts start cold", self._who, e)
+                self._form = None
+
+    def start(self, env: Mapping[str, str], pump: OutputPump) -> Child:
+        """The script in the warm process if there is one, else cold."""
+        child = None
+        if self.warm is not None and self._form is not None:
+            _python, argv, module = self._form
+            child, self.warm = self.warm.hand(argv, module, env), None
+        self.last_warm = child is not None
+        if child is None:
+            child = Child.start(self.argv, env, pump)
+        self.started_t = time.monotonic()
+        return child
+
+    def close(self) -> None:
+        if self.warm is not None:
+            self.warm.discard()
+            self.warm = None
+        self._forks.close()
 
 
 class ScriptStore:

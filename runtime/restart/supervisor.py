@@ -57,7 +57,7 @@ from ..member.config import Device, RuntimeConfig
 from ..store.auth import ForgedValue
 from ..protocol import EventKind, Keys, get_status
 from .keeper import SNAPSHOT_FORMAT, SnapshotKeeper  # noqa: F401 - SNAPSHOT_FORMAT: re-exported
-from .launch import (SCRIPT_DIR_PLACEHOLDER, WARM_MODULE, Child, ScriptStore, Warm, child_env,  # noqa: F401
+from .launch import (SCRIPT_DIR_PLACEHOLDER, WARM_MODULE, Child, Launcher, ScriptStore, Warm, child_env,  # noqa: F401
                      expand_command, slot_of, torchrun_env, warm_form)
 from .progress import ProgressFile, ProgressTracker, compile_progress
 from .snapshots import pack_dir, unpack_dir  # noqa: F401 - re-exported (tests import them from here)
@@ -107,10 +107,7 @@ class Supervisor(MemberViews):
         self.argv = expand_command(command, self.script_dir)
         self.stop_grace = stop_grace
         self._keep = keep
-        self._warm_form = warm_form(self.argv) if warm else None
-        self._warm: Warm | None = None
-        self._child_t = 0.0
-        self._child_warm = False
+        self._launch = Launcher(self.argv, warm, host_of(self.me), config.job, self.me)
         self._script_store: ScriptStore | None = None  # rank 0: this generation's scripts' store
         self._child: Child | None = None
         self._child_ran = False  # a child ran in the current generation
@@ -144,7 +141,7 @@ class Supervisor(MemberViews):
         gen = session.gen
         try:
             self._prewarm()
-            if self._warm is not None and not self._warm.wait_ready(WARM_READY_S):
+            if self._launch.warm is not None and not self._launch.warm.wait_ready(WARM_READY_S):
                 log.warning("supervisor %s: the warm interpreter was not ready within %g s; joining anyway",
                             self.me, WARM_READY_S)
             plan = session.admit(leave_gives_up=True)  # None: the job is done, or asked to leave first
@@ -161,8 +158,7 @@ class Supervisor(MemberViews):
             self._snaps.join_live()
             if self._child is not None:
                 self._child.stop(grace=min(self.stop_grace, 5.0))
-            if self._warm is not None:
-                self._warm.discard()
+            self._launch.close()
             self._snaps.close()
             session.close()
             self._close_script_store()
@@ -197,13 +193,13 @@ class Supervisor(MemberViews):
         env = child_env(os.environ, self.script_dir, self.progress_path)
         env.update(torchrun_env(plan.members, me, addr, int(port), restarts, self.cfg.job,
                                 gpus=self.cfg.device is Device.CUDA))
-        self._child = self._start_child(env)
+        self._child = self._launch.start(env, self._pump())
         self._child_ran = True
         snaps.starts += 1
         now = time.monotonic()
         log.info("supervisor %s: started the script (pid %d, %s) as rank %d of %d in generation %d (%s), "
                  "restart %d, snapshot %d; its store (MASTER_ADDR:MASTER_PORT) %s:%s", me, self._child.proc.pid,
-                 "warm" if self._child_warm else "cold", self._rank, plan.world_size, plan.generation,
+                 "warm" if self._launch.last_warm else "cold", self._rank, plan.world_size, plan.generation,
                  plan.kind.value, restarts, counter, addr, port)
         if self._rank == 0:  # every generation's start is an event, the job's first too
             kind = EventKind.RESTORE if restored else (self._change_kind or plan.kind)
@@ -233,29 +229,11 @@ class Supervisor(MemberViews):
             self._script_store.close()
             self._script_store = None
 
-    def _start_child(self, env: Mapping[str, str]) -> Child:
-        """The script in the warm process if there is one, else cold; then the next warm one."""
-        child, self._child_warm = None, False
-        if self._warm is not None:
-            _python, argv, module = self._warm_form
-            child, self._warm = self._warm.hand(argv, module, env), None
-        self._child_warm = child is not None
-        if child is None:
-            child = Child.start(self.argv, env, self._pump())
-        self._child_t = time.monotonic()
-        return child
-
     def _pump(self) -> OutputPump:
         return OutputPump(progress_matcher(self._patterns, self._on_output) if self._patterns else None)
 
-    def _prewarm(self) -> None:
-        if self._warm_form is not None and self._warm is None:
-            try:
-                self._warm = Warm.start(self._warm_form[0],
-                                        child_env(os.environ, self.script_dir, self.progress_path), self._pump())
-            except OSError as e:
-                log.warning("supervisor %s: no warm interpreter (%s); scripts start cold", self.me, e)
-                self._warm_form = None
+    def _prewarm(self, wait: bool = True) -> None:
+        self._launch.prewarm(child_env(os.environ, self.script_dir, self.progress_path), self._pump(), wait)
 
     def _sync(self, abort) -> bool:
         """Agree on the newest snapshot and the start count; True if it came from
@@ -312,9 +290,9 @@ class Supervisor(MemberViews):
             if now - self._last_progress_poll >= PROGRESS_POLL_S:
                 self._last_progress_poll = now
                 self._read_progress()
-            if self._running_since is None and (now - self._child_t >= SETTLE_S or self._tracker.step is not None
+            if self._running_since is None and (now - self._launch.started_t >= SETTLE_S or self._tracker.step is not None
                                                 and self._tracker.updated is not None
-                                                and self._tracker.updated >= time.time() - (now - self._child_t)):
+                                                and self._tracker.updated >= time.time() - (now - self._launch.started_t)):
                 # every member's script ran past the settle time (no failure flag came up) or reported a step
                 self._running_since = time.time()
                 self._ever_running = True
@@ -322,8 +300,8 @@ class Supervisor(MemberViews):
                 self._snaps.look(now)
             if r == 0 and now - self._session.report.last_status_t >= STATUS_EVERY_S:
                 self._write_status(now)
-            if self._warm is None and now - self._child_t >= PREWARM_AFTER_S:
-                self._prewarm()
+            if self._launch.warm is None and now - self._launch.started_t >= PREWARM_AFTER_S:
+                self._prewarm(wait=False)
             abort.wait(TICK_S)
 
     def _flags(self) -> torch.Tensor:
@@ -430,6 +408,8 @@ class Supervisor(MemberViews):
                 self._child.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 grace = 5.0
+            except ChildProcessError:  # forked, and its fork server died (so did the script)
+                pass
         self._stop_child(grace)
         self._over = True
         self._session.gen.done()

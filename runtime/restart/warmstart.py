@@ -29,12 +29,15 @@ from typing import Sequence
 _PYTHON = re.compile(r"python[\d.]*$")
 
 
-def _warm() -> None:
+def import_torch() -> None:
+    """What a warm interpreter imports ahead (here, and in the daemon's and the restart
+    supervisor's fork server, daemon/zygote.py): torch and what scripts import first."""
     import torch  # noqa: F401 - the point of this process
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
     import torch.utils.data  # noqa: F401
-    try:  # DistributedDataParallel's constructor imports these (about 1.4 s here): not on the pause
+    try:  # torch's optimizers (Optimizer.add_param_group) and DistributedDataParallel's constructor
+        # import these at their first call (about 1.5 CPU-s here): not on the pause
         import torch._dynamo  # noqa: F401
         import torch.fx.experimental.symbolic_shapes  # noqa: F401
     except ImportError:  # pragma: no cover - another torch version
@@ -43,7 +46,7 @@ def _warm() -> None:
 
 def main() -> None:
     fd, ready = int(sys.argv[1]), int(sys.argv[2])
-    _warm()
+    import_torch()  # nothing to do where a fork server's fork runs this
     try:
         os.write(ready, b"1")
         os.close(ready)

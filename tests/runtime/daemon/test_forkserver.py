@@ -120,7 +120,8 @@ def test_a_forked_worker_is_what_a_plain_start_makes(workdir, tmp_path):
         for key in ("argv", "cwd", "session_leader", "nice", "pad", "main", "path0", "stdin"):
             assert a[key] == b[key], (key, a[key], b[key])
         assert a["session_leader"] and a["nice"] == 3 and not a["pad"] and a["main"] == "__main__"
-        assert len(a["fds"]) == len(b["fds"]) == 1, (a["fds"], b["fds"])  # the claim, and no descriptor of the zygote's
+        # the claim at the daemon's number for it, as pass_fds leaves it, and no descriptor of the zygote's
+        assert a["fds"] == b["fds"] == [claim_w], (a["fds"], b["fds"], claim_w)
         env = procs.environ_of(forked.pid)
         assert env is not None and env.get("ELTCTL_WORKER_ID") == "h1/0/1" and env.get("CUDA_VISIBLE_DEVICES") == "0"
         assert forkserver.PAD_VAR not in env
