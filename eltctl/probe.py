@@ -207,15 +207,13 @@ if [ -n "$smi" ]; then
     echo "${{m}}owners"
     if [ "$rc" -eq 0 ]; then
       while IFS=, read -r _uuid pid _rest || [ -n "$pid" ]; do
-        pid=$(printf '%s' "$pid" | tr -d ' ')
+        pid=${{pid#"${{pid%%[! ]*}}"}}; pid=${{pid%"${{pid##*[! ]}}"}}
         case "$pid" in ''|*[!0-9]*) continue ;; esac
-        user=$(ps -o user= -p "$pid" 2>/dev/null | tr -d ' ')
+        user=$(ps -o user= -p "$pid" 2>/dev/null); user=${{user#"${{user%%[! ]*}}"}}; user=${{user%"${{user##*[! ]}}"}}
+        pjob=""
+        [ -r "/proc/$pid/environ" ] && pjob=$(tr '\\000' '\\n' <"/proc/$pid/environ" 2>/dev/null | sed -n '/^ELTCTL_JOB=/{{s///p;q;}}')
         ours=0
-        if [ -n "$job" ] && [ -r "/proc/$pid/environ" ] && \\
-           tr '\\000' '\\n' <"/proc/$pid/environ" 2>/dev/null | grep -qxF "ELTCTL_JOB=$job"; then
-          ours=1
-        fi
-        pjob=$(tr '\\000' '\\n' <"/proc/$pid/environ" 2>/dev/null | sed -n 's/^ELTCTL_JOB=//p' | head -n 1)
+        if [ -n "$job" ] && [ "$pjob" = "$job" ]; then ours=1; fi
         echo "$pid $ours ${{user:-?}} ${{pjob:--}}"
       done <"$tmp"
     fi

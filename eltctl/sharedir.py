@@ -90,7 +90,8 @@ def demand_section() -> str:
     alts = " ".join(['""'] + [f'"~{i}"' for i in range(1, ALTERNATES + 1)])
     return f"""\
 echo "${{m}}demand"
-date +%s
+now=$(date +%s)
+echo "$now"
 {HELPERS}if [ -n "$5" ]; then
   [ -d "$cdir" ] || {{ mkdir -m 1777 "$cdir" 2>/dev/null && chmod 1777 "$cdir" 2>/dev/null; }}
   u=$(id -un 2>/dev/null)
@@ -102,7 +103,7 @@ date +%s
       if [ -h "$d" ] || [ ! -f "$d" ] || [ ! -O "$d" ]; then echo "!squatted $dn$a $(own "$d")"; continue; fi
     fi
     dt=$(mktemp "$cdir/.demand.XXXXXXXX" 2>/dev/null) || break
-    if printf '{{"user": "%s", "time": %s, %s\\n' "$u" "$(date +%s)" "${{5#?}}" >"$dt" 2>/dev/null \\
+    if printf '{{"user": "%s", "time": %s, %s\\n' "$u" "$now" "${{5#?}}" >"$dt" 2>/dev/null \\
        && chmod 644 "$dt" && mv -f "$dt" "$d" 2>/dev/null; then w=1; else rm -f "$dt"; fi
     break
   done
