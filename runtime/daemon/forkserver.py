@@ -74,22 +74,23 @@ def forkable(argv: Sequence[str]) -> bool:
 class Forked:
     """A worker forked by the zygote: what the daemon (and tests) use of a Popen."""
 
-    def __init__(self, server: "ForkServer", pid: int) -> None:
+    def __init__(self, server: "ForkServer", pid: int, zygote: int) -> None:
         self._server = server
         self.pid = pid
+        self._zygote = zygote  # which of the server's zygotes forked it (a pid alone is reused)
         self.returncode: int | None = None
 
     @property
     def orphaned(self) -> bool:
         """The zygote died before it reported this worker's exit: no status will come."""
-        return self.returncode is None and self._server.lost(self.pid)
+        return self.returncode is None and self._server.lost(self.pid, self._zygote)
 
     def poll(self) -> int | None:
         if self.returncode is None:
             # The server hands a status out once: a second thread's poll that found None must not
             # write None over what the first one got (seen in the CI run of eabdc90: three runtime
             # tests waited for a worker that had exited)
-            code = self._server.exit_code(self.pid)
+            code = self._server.exit_code(self.pid, self._zygote)
             if code is not None:
                 self.returncode = code
         return self.returncode
@@ -120,9 +121,9 @@ class ForkServer:
         self._sock: socket.socket | None = None
         self._python: str | None = None  # the zygote's interpreter, as the workers' PATH finds it
         self._env: dict[str, str] | None = None  # the workers' shared_env it was started with
-        self._exits: dict[int, int] = {}
-        self._mine: set[int] = set()  # forked and not yet reported ended
-        self._orphans: set[int] = set()
+        self._zygote = 0  # the number of the zygote now (or last) started: each start counts one up
+        self._exits: dict[tuple[int, int], int] = {}  # (zygote, pid) -> exit status, until it is read
+        self._mine: set[int] = set()  # forked by the zygote now up and not yet reported ended
         self._idle_since = time.monotonic()
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, log_path: Path | None,
@@ -153,7 +154,7 @@ class ForkServer:
                 if "spawned" in reply:
                     pid = int(reply["spawned"])
                     self._mine.add(pid)
-                    return Forked(self, pid)
+                    return Forked(self, pid, self._zygote)
                 why = reply.get("failed", "no answer")
                 if attempt == 1 and "does not fit" in why:  # a longer environment than the zygote has room for
                     self.close()
@@ -176,15 +177,16 @@ class ForkServer:
             self.close()
             return None
 
-    def exit_code(self, pid: int) -> int | None:
+    def exit_code(self, pid: int, zygote: int) -> int | None:
         with self._lock:
             self._drain()
-            return self._exits.pop(pid, None)
+            return self._exits.pop((zygote, pid), None)
 
-    def lost(self, pid: int) -> bool:
+    def lost(self, pid: int, zygote: int) -> bool:
+        """Its zygote ended before it reported `pid`'s exit: no status will come."""
         with self._lock:
             self._drain()
-            return pid in self._orphans
+            return (zygote != self._zygote or self._sock is None) and (zygote, pid) not in self._exits
 
     def tick(self, now: float) -> None:
         """Close an idle zygote (no worker of its own for IDLE_S)."""
@@ -209,8 +211,7 @@ class ForkServer:
                     self._proc.kill()
                     self._proc.wait()
                 self._proc = None
-            self._orphans |= self._mine
-            self._mine.clear()
+            self._mine.clear()  # orphaned from here (`lost`): their zygote is gone
             self._env = self._python = None
 
     # -- internals --------------------------------------------------------------------------------
@@ -223,6 +224,7 @@ class ForkServer:
                       _serialized([f"{k}={v}" for k, v in zenv.items()])) + PAD_SLACK
         zenv[PAD_VAR] = "x" * pad_env
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._zygote += 1
         zygote_argv = [python, "-m", "eltctl_runtime.daemon.zygote", str(theirs.fileno())]
         pad_arg = max(0, _serialized([python, *argv[1:]]) - _serialized(zygote_argv)) + PAD_SLACK
         try:
@@ -274,7 +276,7 @@ class ForkServer:
     def _note(self, msg: dict) -> None:
         if "exit" in msg:
             pid = int(msg["exit"])
-            self._exits[pid] = int(msg["code"])
+            self._exits[(self._zygote, pid)] = int(msg["code"])
             self._mine.discard(pid)
 
     def _receive(self, want, timeout: float) -> dict | None:

@@ -176,6 +176,9 @@ def test_an_exit_code_the_zygote_dying_and_a_changed_environment(workdir, tmp_pa
         again = server.spawn(argv, _env(job, "h1/1/3", "1"), workdir, tmp_path / "c.log")
         assert again is not None and server._proc.pid != zygote  # noqa: SLF001
         started.append(again.pid)
+        # the old zygote's worker stays orphaned under the new one (by which zygote forked it, not
+        # by its pid, which a later fork may reuse); the new one's is not
+        assert long.orphaned and not again.orphaned and again.poll() is None
         second_zygote = server._proc.pid  # noqa: SLF001
         changed = server.spawn(argv, _env(job, "h1/1/4", "1", OMP_NUM_THREADS="1"), workdir, tmp_path / "d.log")
         assert changed is not None and server._proc.pid != second_zygote  # noqa: SLF001
@@ -275,7 +278,7 @@ def test_an_exit_status_polled_from_two_threads_is_kept():
     class Server:
         calls = 0
 
-        def exit_code(self, pid: int):
+        def exit_code(self, pid: int, zygote: int):
             self.calls += 1
             if self.calls == 1:  # the second thread, held inside its call until the first has its status
                 inside.set()
@@ -283,7 +286,7 @@ def test_an_exit_status_polled_from_two_threads_is_kept():
                 return None
             return 3
 
-    w = Forked(Server(), 1234)
+    w = Forked(Server(), 1234, 1)
     late = threading.Thread(target=w.poll)
     late.start()
     assert inside.wait(5)
