@@ -454,10 +454,9 @@ class CatchUp:
             t.close()
         if self._receiving is not None:
             self._receiving.close()
-        if self._shadow is not None:
-            self._shadow.close()
+        self._drop_shadow()
         self.link.free()
-        self._sending, self._receiving, self._ready, self._shadow = {}, None, False, None
+        self._sending, self._receiving, self._ready = {}, None, False
         self._missed, self._kept, self._again, self._recopy = [], [], False, False
         self._job._shares.ready = self._job._shares.again = False
         self._set_idle(frozenset())
@@ -522,12 +521,15 @@ class CatchUp:
         self._cap = kept_cap(sum(p.numel() * p.element_size() for p in j._params))
         self._shadow_for(step)
 
-    def _shadow_for(self, step: int) -> None:
-        """Synchronous: a shadow (_Shadow) that takes up the state of `step` as soon as it
-        arrives, in place of one for an older copy."""
+    def _drop_shadow(self) -> None:
         if self._shadow is not None:
             self._shadow.close()
             self._shadow = None
+
+    def _shadow_for(self, step: int) -> None:
+        """Synchronous: a shadow (_Shadow) that takes up the state of `step` as soon as it
+        arrives, in place of one for an older copy."""
+        self._drop_shadow()
         if self._rounds is None:
             j = self._job
             self._shadow = _Shadow(self._receiving, step, j.model, j._params, j.optimizer, j._grads.layout.slots,
@@ -633,9 +635,7 @@ class CatchUp:
         if j._rank in self.idle and j._rank not in idle:
             j._agreement.has_state = True
             j._shares.ready = self._ready = False
-            if self._shadow is not None:  # the state came over the job's group instead (at_end)
-                self._shadow.close()
-                self._shadow = None
+            self._drop_shadow()  # the state came over the job's group instead (at_end)
             log.info("worker %s: caught up at step %d; it trains from the next step", j.worker_id, step)
         for r in [r for r in self._sending if r not in idle]:
             self._sending.pop(r).close()
