@@ -39,8 +39,8 @@ POLICY = """\
 [policy]
 idle_for = "1s"
 cooldown = "10m"
-probe_interval = "1s"
-watch_interval = "0.5s"
+probe_interval = "2s"
+watch_interval = "1s"
 hang_timeout = "6s"
 nvidia_smi_timeout = "5s"
 """
