@@ -14,8 +14,16 @@ it stays one thread, so forking it is safe), says so on FD (a SOCK_SEQPACKET soc
 to the daemon) and then serves, one JSON message per request::
 
     daemon -> {"spawn": {"argv": [...], "env": {...}, "cwd": "...", "courtesy": {...},
-               "device": "cpu"}} with descriptors [log, claim...]
+               "device": "cpu", "fds_at": [n...], "streams": "log", "group": false}}
+               with descriptors [log, claim...]
     zygote -> {"spawned": pid} | {"failed": "why"}; later {"exit": pid, "code": rc}
+
+(`fds_at`: the numbers the descriptors after the log land at in the fork, the sender's own, as
+pass_fds leaves them.) Restart mode's supervisor (restart/launch.py) is the other client: it
+sends `"streams": "pipes"` with descriptors [stdout, stderr, ...] (the fork's stdout and stderr
+apart, through its pipes) and `"group": true` (the fork takes a process group of its own in
+the supervisor's session, not a session, and PR_SET_PDEATHSIG: it dies with the zygote, which
+ends when the supervisor does), as its Popen of a warm interpreter did.
 
 Each worker is a fork that becomes what `subprocess.Popen(argv, env=env, cwd=cwd,
 start_new_session=True, stdin=DEVNULL, stdout=log, stderr=STDOUT, pass_fds=claims,
