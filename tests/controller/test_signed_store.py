@@ -38,10 +38,27 @@ class Bed:
 
     def raw(self):
         tcp = dist.TCPStore("127.0.0.1", self.master.port, is_master=False, timeout=timedelta(seconds=10))
-        return dist.PrefixStore(job_prefix(self.job), tcp)
+        return Synced(dist.PrefixStore(job_prefix(self.job), tcp))
 
     def close(self) -> None:
         self.store.close()
+
+
+class Synced:
+    """A c10d store whose `set` returns once the server holds the value. c10d's SET has no
+    reply, so a read on another connection (the controller's) could come first: on a loaded
+    run the replayed daemon state once read as missing, not forged. A CHECK on the same
+    connection is answered after the SET."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def set(self, key: str, value) -> None:
+        self._store.set(key, value)
+        self._store.check([key])
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
 
 
 @pytest.fixture
@@ -216,8 +233,8 @@ def test_the_controller_signs_in_the_stores_run_and_refuses_an_earlier_runs_valu
     state = StateDir.for_job(job)
     state.path.mkdir(parents=True)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    raw = dist.PrefixStore(job_prefix(job), dist.TCPStore("127.0.0.1", master.port, is_master=False,
-                                                           timeout=timedelta(seconds=10)))
+    raw = Synced(dist.PrefixStore(job_prefix(job), dist.TCPStore("127.0.0.1", master.port, is_master=False,
+                                                                  timeout=timedelta(seconds=10))))
     run1 = auth.new_run_id()
     auth.write_run_file(kstore.run_file(state), run1)
     first = kstore.JobStore(kstore.connect_client(f"127.0.0.1:{master.port}", job, secret=SECRET))
