@@ -21,6 +21,8 @@ from eltctl_runtime.daemon.forkserver import ForkServer, Forked
 from eltctl_runtime.restart.launch import Launcher, Warm, exit_code
 from eltctl_runtime.restart.watch import OutputPump
 from tests.testbed.hostpython import HOST_PYTHON, host_env
+from tests.testbed.jobenv import wait_for
+from tests.testbed.procs import kill_pids
 
 SCRIPT = r'''
 import json, os, sys, time
@@ -40,25 +42,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _until(what, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout} s")
+    return wait_for(what, timeout, "the fork's answer", interval=0.05)
 
 
 def _line(pump: OutputPump, prefix: str) -> str:
     return _until(lambda: next((x for x in pump.last_lines() if x.startswith(prefix)), None))
-
-
-def _kill(pids) -> None:
-    for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def test_each_generations_warm_interpreter_is_a_fork_of_one_fork_server(tmp_path: Path, monkeypatch):
@@ -111,7 +99,7 @@ def test_each_generations_warm_interpreter_is_a_fork_of_one_fork_server(tmp_path
         assert not isinstance(plain.proc, Forked) and fresh._proc is None  # noqa: SLF001
         plain.discard()
     finally:
-        _kill(started)
+        kill_pids(started)
         server.close()
 
 
