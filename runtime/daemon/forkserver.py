@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -72,12 +73,15 @@ def forkable(argv: Sequence[str]) -> bool:
 
 
 class Forked:
-    """A worker forked by the zygote: what the daemon (and tests) use of a Popen."""
+    """A worker forked by the zygote: what the daemon (and tests) use of a Popen. One forked
+    with `group` (restart mode's) dies with its zygote (PR_SET_PDEATHSIG): once the zygote is
+    gone without reporting its exit, it reads as killed by SIGKILL, as a Popen would."""
 
-    def __init__(self, server: "ForkServer", pid: int, zygote: int) -> None:
+    def __init__(self, server: "ForkServer", pid: int, zygote: int, group: bool = False) -> None:
         self._server = server
         self.pid = pid
         self._zygote = zygote  # which of the server's zygotes forked it (a pid alone is reused)
+        self._dies_with_zygote = group
         self.returncode: int | None = None
 
     @property
@@ -91,6 +95,8 @@ class Forked:
             # write None over what the first one got (seen in the CI run of eabdc90: three runtime
             # tests waited for a worker that had exited)
             code = self._server.exit_code(self.pid, self._zygote)
+            if code is None and self._dies_with_zygote and self._server.lost(self.pid, self._zygote):
+                code = -signal.SIGKILL
             if code is not None:
                 self.returncode = code
         return self.returncode
@@ -154,7 +160,7 @@ class ForkServer:
                 if "spawned" in reply:
                     pid = int(reply["spawned"])
                     self._mine.add(pid)
-                    return Forked(self, pid, self._zygote)
+                    return Forked(self, pid, self._zygote, group)
                 why = reply.get("failed", "no answer")
                 if attempt == 1 and "does not fit" in why:  # a longer environment than the zygote has room for
                     self.close()

@@ -96,15 +96,6 @@ def _child_setup() -> None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
-def exit_code(proc: subprocess.Popen | Forked) -> int | None:
-    """Its exit code, None while it runs. A forked one whose fork server died has none to
-    report: it died too (PR_SET_PDEATHSIG, zygote.py), as SIGKILL."""
-    rc = proc.poll()
-    if rc is None and isinstance(proc, Forked) and proc.orphaned:
-        return -signal.SIGKILL
-    return rc
-
-
 def _killpg(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -128,7 +119,7 @@ class Child:
         return cls(proc, pump)
 
     def poll(self) -> int | None:
-        return exit_code(self.proc)
+        return self.proc.poll()
 
     def stop(self, grace: float) -> int:
         """SIGTERM to its group, up to `grace` seconds to exit, then SIGKILL; the exit code."""
@@ -140,13 +131,8 @@ class Child:
             except subprocess.TimeoutExpired:
                 log.warning("the script (pid %d) did not exit within %g s of SIGTERM; killing it",
                             self.proc.pid, grace)
-            except ChildProcessError:  # forked, and its fork server died first (it died with it)
-                pass
         _killpg(self.proc.pid, signal.SIGKILL)  # and anything it left in its group
-        try:
-            return self.proc.wait()
-        except ChildProcessError:  # forked, and its fork server died first: no status will come
-            return -signal.SIGKILL
+        return self.proc.wait()
 
 
 class Warm:
@@ -205,7 +191,7 @@ class Warm:
     def wait_ready(self, timeout: float) -> bool:
         """Wait until it has imported torch; False if it died or the time ran out."""
         if self._ready is None:
-            return exit_code(self.proc) is None
+            return self.proc.poll() is None
         readable, _, _ = select.select([self._ready], [], [], timeout)
         ok = bool(readable) and os.read(self._ready, 1) == b"1"
         os.close(self._ready)
@@ -214,7 +200,7 @@ class Warm:
 
     def hand(self, argv: Sequence[str], module: bool, env: Mapping[str, str]) -> Child | None:
         """The warm process now runs the script; None if it is gone (start one cold)."""
-        if exit_code(self.proc) is not None or self._pipe is None:
+        if self.proc.poll() is not None or self._pipe is None:
             self.discard()
             return None
         try:
@@ -237,10 +223,7 @@ class Warm:
             os.close(self._ready)
             self._ready = None
         _killpg(self.proc.pid, signal.SIGKILL)
-        try:
-            self.proc.wait()
-        except ChildProcessError:  # forked, and its fork server died first
-            pass
+        self.proc.wait()
 
 
 class Launcher:

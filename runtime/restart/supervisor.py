@@ -408,8 +408,6 @@ class Supervisor(MemberViews):
                 self._child.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 grace = 5.0
-            except ChildProcessError:  # forked, and its fork server died (so did the script)
-                pass
         self._stop_child(grace)
         self._over = True
         self._session.gen.done()

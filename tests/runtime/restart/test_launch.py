@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from eltctl_runtime.daemon.forkserver import ForkServer, Forked
-from eltctl_runtime.restart.launch import Launcher, Warm, exit_code
+from eltctl_runtime.restart.launch import Launcher, Warm
 from eltctl_runtime.restart.watch import OutputPump
 from tests.testbed.hostpython import HOST_PYTHON, host_env
 from tests.testbed.jobenv import wait_for
@@ -68,7 +68,7 @@ def test_each_generations_warm_interpreter_is_a_fork_of_one_fork_server(tmp_path
         assert me["argv"] == ["t.py", "0", "3"] and me["rank"] == "1" and me["main"] == "__main__"
         assert me["group_leader"] and not me["session_leader"]  # its own group, in the supervisor's session
         assert me["torch"] and me["stdin"] == "/dev/null"  # torch came with the fork
-        _until(lambda: exit_code(child.proc) is not None)
+        _until(lambda: child.poll() is not None)
         assert child.poll() == 3
         pump.join()
         assert "ERR on stderr" in pump.last_lines()
