@@ -191,7 +191,7 @@ def test_output_pump_passes_lines_through_and_keeps_the_cause(tmp_path, capfd):
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     pump.attach(proc.stdout, proc.stderr)
     proc.wait()
-    pump.join()
+    pump.join(timeout=60)  # join's 2 s is the supervisor's bound; a loaded CI run's copy took longer once
     assert "step 1" in seen and "bar 1/3" in seen and "bar 2/3" in seen
     assert pump.cause() == "KeyError: 'x'"
     out, err = capfd.readouterr()
