@@ -471,7 +471,7 @@ class ElasticJob(MemberViews):
         if ask is None:
             return
         stop, leavers = ask
-        if self._rounds is not None and not self._rounds.at_boundary(stop, leavers is not None):
+        if self._rounds is not None and not self._rounds.at_boundary(stop, leavers):
             return  # local steps: the round's averaging broke; the roll call follows (local.py)
         try:  # a checkpoint due here (deferred to the next boundary where a membership change goes)
             self._ckpts.at_boundary(b, change=leavers is not None and not stop)

@@ -33,14 +33,21 @@ averaged in float32 (float64 where a parameter is float64).
 
 Membership (the rule, also in docs/network.md, "Local steps"):
 
-- A planned change ends the round early at that step boundary: a join, a planned
-  leave, an owner's yield (a leave), a stop, a due checkpoint and the job's end.
-  Every member, the leaver included, averages what it has (weighted by its samples),
-  then the change happens. A yield never waits for a round's natural end, every
-  committed sample is contributed, and what a joiner receives and a checkpoint holds
-  is the global state at a round's end (global params, outer state, inner state of
-  the sender). A joiner receives it in the background while the members train on,
-  and trains from the step after it took it up (catchup.py).
+- A join alone waits for the round's natural end (`ready_for_join`: the members
+  admit the joiner at the boundary of the round's H-th step, whose averaging happens
+  anyway), so it costs the members nothing beyond a usual round's end; the joiner
+  waits at most H steps more (2H where a member saw it a step late), and not at all
+  where that end is more than JOIN_HOLD_MAX_S (60 s) away (`join_now`): then the round
+  ends early for it, as for the changes below.
+- Every other planned change ends the round early at that step boundary: a planned
+  leave, an owner's yield (a leave), a stop, a due checkpoint and the job's end (a
+  joiner queued then is admitted with it). Every member, the leaver included,
+  averages what it has (weighted by its samples), then the change happens. A yield
+  never waits for a round's natural end, every committed sample is contributed, and
+  what a joiner receives and a checkpoint holds is the global state at a round's end
+  (global params, outer state, inner state of the sender). A joiner receives it in
+  the background while the members train on, and trains from the step after it took
+  it up (catchup.py).
 - An abort (a peer's SIGKILL, a crash, a hang, an averaging that broke): the survivors
   roll back to the round's start (the anchor, the step count and the sampler's
   position, the buffers and the extra state snapshotted at the round's start), so the
@@ -86,7 +93,9 @@ status's wait (StepTiming) counts only the wait the overlap did not hide (at the
 
 - A planned change (a join, a leave, an owner's yield, a stop, a due checkpoint, the
   job's end) first merges the averaging in flight (waiting for it), then ends the
-  round as without overlap (a synchronous averaging of the steps since e).
+  round as without overlap (a synchronous averaging of the steps since e): a join,
+  held for the round's natural end, then costs a synchronous averaging where that
+  end would have launched an overlapped one.
 - An abort with an averaging in flight (a SIGKILL, a crash, a hang, an all-reduce that
   failed) rolls back to the last merged round's start: the anchor, step count, sampler
   position, buffers and extra state of the round BEFORE the one in flight, so the
@@ -174,34 +183,59 @@ def round_ends(steps_in_round: int, sync_every: int, *, stop: bool, change: bool
     return steps_in_round > 0 and (steps_in_round >= sync_every or stop or change or checkpoint or done)
 
 
+# A queued joiner waits for the round's natural end (`join_now`) only where that end is at
+# most this far away (this rank's steps at its measured pace); farther, the round ends early
+# for it (one averaging more for the members) rather than leave a free worker idle longer.
+JOIN_HOLD_MAX_S = 60.0
+
+
+def join_now(committing: int, sync_every: int, step_s: float | None) -> bool:
+    """Whether a queued joiner is admitted at the boundary of the step now committed, the
+    round's `committing`-th: where the round ends anyway, or where its end is more than
+    JOIN_HOLD_MAX_S away at `step_s` seconds a step (None: not measured yet, it waits).
+    Pure; the join goes where every rank says so (job.py: the tail's join_ready)."""
+    if committing >= sync_every:
+        return True
+    return step_s is not None and (sync_every - committing) * step_s > JOIN_HOLD_MAX_S
+
+
 LAUNCH, AVERAGE = "launch", "average"  # how a round ends: overlapped (sync_overlap), or synchronously
 
 
 def boundary_plan(steps_in_round: int, sync_every: int, *, in_flight: bool, all_done: bool, overlap: bool,
-                  catching_up: bool, stop: bool, change: bool, checkpoint: bool, done: bool) -> tuple[bool, str | None]:
+                  catching_up: bool, stop: bool, change: bool, checkpoint: bool, done: bool,
+                  leave: bool = False) -> tuple[bool, str | None]:
     """What a step boundary does (the same on every rank: the step count, the asks and
     `all_done`, the summed tail's `averaging` field, are agreed): whether the averaging in
     flight is merged first (every rank's is done, or a round ends here: waiting for it),
     and how the round ends here: None (it goes on), LAUNCH (a natural end with the
-    overlap on and no joiner catching up) or AVERAGE (the synchronous averaging). Pure."""
+    overlap on, or a planned leave: `leave`, the change is a leave some member survives,
+    on a gloo group; no joiner catching up either way) or AVERAGE (the synchronous
+    averaging). Pure."""
     ends = round_ends(steps_in_round, sync_every, stop=stop, change=change, checkpoint=checkpoint, done=done)
     merge = in_flight and (all_done or ends)
     if not ends:
         return merge, None
+    if catching_up:
+        return merge, AVERAGE
     natural = not (stop or change or checkpoint or done)
-    return merge, LAUNCH if overlap and natural and not catching_up else AVERAGE
+    leaving = leave and change and not (stop or checkpoint or done)
+    return merge, LAUNCH if (overlap and natural) or leaving else AVERAGE
 
 
 class _Averaging:
-    """An overlapped averaging in flight (sync_overlap): its all-reduce's work, the
-    parameters' element count in its buffer, and what the merged round start takes from
-    the round's end: the progress, the extra state and the state dict's entries that are
-    not averaged parameters (buffers)."""
+    """An overlapped averaging in flight (sync_overlap, or a planned leave's): its
+    all-reduce's work, the parameters' element count in its buffer, and what the merged
+    round start takes from the round's end: the progress, the extra state and the state
+    dict's entries that are not averaged parameters (buffers). `group`: after a planned
+    leave, the old generation's group and its store, kept until the merge (the work runs
+    on it; generation.py lets go of its own references)."""
 
-    __slots__ = ("work", "numel", "progress", "extra", "kept")
+    __slots__ = ("work", "numel", "progress", "extra", "kept", "group")
 
     def __init__(self, work: Any, numel: int, progress: dict, extra: dict, kept: dict[str, torch.Tensor]) -> None:
         self.work, self.numel, self.progress, self.extra, self.kept = work, numel, progress, extra, kept
+        self.group: tuple[Any, Any] | None = None
 
     def done(self) -> bool:
         """Whether the all-reduce completed, without waiting; Aborted where it failed."""
@@ -281,20 +315,53 @@ class LocalPath(GradientPath):
         self._merge_now = False  # this step's summed tail: every rank's averaging is done
         self._merged_in_gen = False  # a generation's first merge is logged
         self._round_wait_s = 0.0  # the last averaging's wait, spread over a round's steps (StepTiming)
+        self._step_s: float | None = None  # this rank's seconds per step, smoothed (join_now)
+        self._finished_t: float | None = None  # when its last step's tail came back
         self._round_bytes = 0
         # Joiners that take the state in the background while the job trains on (catchup.py).
         self.catchup = CatchUp(job, self)
 
     # -- per generation ------------------------------------------------------------------
     def bind(self, pg, rank, members, abort) -> None:
+        joined = set(members) - set(getattr(self, "members", None) or ())
         super().bind(pg, rank, members, abort)
         mode = {"mode": "local", "sync_every": self.sync_every, **({"sync_overlap": True} if self.overlap else {})}
         self._job._status.network.mode = mode  # the status shows it
+        self._finished_t = None  # the generation change is no step
+        if self._wire is not None and (joined or self._wire.group is None):
+            # A leave's averaging still on the old group, and a joiner admitted with the
+            # leave (it gets a merged round start: the state agreement, next), or a member
+            # lost with it (the old group is buried, not kept: hand_over did not run): the
+            # members merge now, waiting for the wire (Aborted: the generation breaks).
+            self.merge(abort)
+
+    def hand_over(self, left) -> None:
+        """A planned leave, before the old group goes (every old member calls it): the
+        round's averaging was launched at this boundary (at_boundary). A leaver waits for
+        its part of the all-reduce, so that what it trained reaches the survivors' merge,
+        then leaves; a survivor keeps the old group (and its store: generation.py's
+        `pg_store`, still the old one here) referenced until its merge, which a later
+        boundary's tail agrees on (`averaging`)."""
+        w = self._wire
+        if w is None:
+            return
+        j = self._job
+        if j.worker_id in left:
+            try:
+                collectives.wait_work(w.work, j._abort)
+            except Aborted as e:  # the survivors' merge fails too: they roll back to the round's start
+                log.warning("worker %s: its part of the averaging broke as it left (%s)", j.worker_id, e)
+            return
+        w.group = (self.pg, j._session.gen.pg_store)
 
     def reshard(self, old_members, new_members) -> None:
-        """The state is agreed in a new generation (a change, a recovery, a restore): a round starts."""
-        self._wire = None  # merged before a planned change, dropped by an abort's roll-back
+        """The state is agreed in a new generation (a change, a recovery, a restore): a round
+        starts; after a planned leave whose averaging is still on the old group, the round
+        that started at its launch goes on (merged at a later boundary)."""
         self._merged_in_gen = False
+        if self._wire is not None and self._wire.group is not None:
+            return
+        self._wire = None  # merged before a planned change, dropped by an abort's roll-back
         self.start_round()
 
     @property
@@ -334,7 +401,12 @@ class LocalPath(GradientPath):
         t0 = time.perf_counter()
         collectives.allreduce(self.pg, self._tail_buf, abort)
         summed = self._tail_buf.to("cpu", copy=True)
-        wait = time.perf_counter() - t0
+        now = time.perf_counter()
+        wait = now - t0
+        if self._finished_t is not None:
+            dt = now - self._finished_t
+            self._step_s = dt if self._step_s is None else 0.8 * self._step_s + 0.2 * dt
+        self._finished_t = now
         got = tail_layout(world).decode(summed)
         self._merge_now = wire is not None and got.averaging == 0  # merged at this step's boundary
         total = int(got.samples)
@@ -382,25 +454,39 @@ class LocalPath(GradientPath):
             if p.grad is not None:
                 p.grad.zero_()
 
+    def ready_for_join(self, world: int) -> bool:
+        """A joiner is queued: it is admitted at the boundary where the round ends anyway
+        (the step now committed is the round's H-th), so a join costs the members nothing
+        beyond a usual round's end, where ending the round early for it cost them one more
+        averaging (2.7 s for a 50 M-parameter model at 1 Gbit/s); unless that end is more
+        than JOIN_HOLD_MAX_S away (`join_now`). A rank that saw the joiner a step late
+        holds it one more round. A leave, a stop or the job's end takes it with them."""
+        return join_now(self._job._step + 1 - self._round_from, self.sync_every, self._step_s)
+
     def drop(self) -> None:
         self._tail_buf = None  # a collective that never finished may still write into it
 
     # -- the rounds -----------------------------------------------------------------------
-    def at_boundary(self, stop: bool, change: bool) -> bool:
+    def at_boundary(self, stop: bool, leavers: set[str] | None) -> bool:
         """At a step boundary after a commit (ElasticJob._at_boundary), before its
         checkpoint, stop or change: merge an overlapped averaging where boundary_plan says
         so, then average and take the outer step where the round ends (round_ends), or
-        launch its averaging (sync_overlap). False: an averaging broke (the roll call
-        follows: boundary dropped)."""
+        launch its averaging (sync_overlap, or a planned leave that some member survives:
+        the leaver contributes its partial round without anyone waiting for the wire).
+        `leavers`: the change asked for (an empty set: a join; None: none). False: an
+        averaging broke (the roll call follows: boundary dropped)."""
         j = self._job
         b = j._boundary
+        change = leavers is not None and not stop
+        leave = bool(change and leavers and set(self.members) - set(leavers) and self.pg is not None
+                     and self.pg.name() != "NCCL")  # NCCL: two communicators at once could deadlock
         every = j._ckpts.every_steps
         checkpoint = bool(every and j._step % every == 0) or b.checkpoint_due
         done = j._done()
         merge, end = boundary_plan(j._step - self._round_from, self.sync_every, in_flight=self._wire is not None,
                                    all_done=self._merge_now, overlap=self.overlap,
                                    catching_up=bool(self.catchup.idle), stop=stop, change=change,
-                                   checkpoint=checkpoint, done=done)
+                                   checkpoint=checkpoint, done=done, leave=leave)
         self._merge_now = False
         if not (merge or end):
             return True
@@ -411,6 +497,9 @@ class LocalPath(GradientPath):
                 return True
             if end == LAUNCH:
                 self.launch()  # the next round starts now, this one's averaging on the wire
+                if leave:
+                    log.info("worker %s: the round ending at step %d is averaged on the wire while the job goes "
+                             "on (a planned leave of %s)", j.worker_id, j._step, ", ".join(sorted(leavers)))
                 return True
             self.average(j._abort, final=stop or done)
         except Aborted as e:
@@ -505,6 +594,8 @@ class LocalPath(GradientPath):
         collectives.wait_work(w.work, abort)
         self._round_wait_s = time.perf_counter() - t0  # the wait the overlap did not hide (StepTiming)
         self._wire = None
+        if w.group is not None:
+            collectives.release(*w.group)  # the old generation's group: its work is done
         flat = self._flat
         self._round_bytes = flat.numel() * flat.element_size()
         merge_arithmetic(self._params, self._anchor, self._ends, self._outer, flat, w.numel)
@@ -512,9 +603,13 @@ class LocalPath(GradientPath):
             for k, v in w.kept.items():
                 self._snap[k].copy_(v)
         self._start, self._extra_start = w.progress, w.extra
-        if not self._merged_in_gen:
+        j = self._job
+        if w.group is not None:
+            log.info("worker %s: the averaging of the round ending at step %d (a planned leave's) merged at step %d "
+                     "(overlapped with %d step(s), %.3f s waited for it)", j.worker_id, w.progress["step"], j._step,
+                     j._step - w.progress["step"], self._round_wait_s)
+        elif not self._merged_in_gen:
             self._merged_in_gen = True
-            j = self._job
             log.info("worker %s: the averaging of the round ending at step %d merged at step %d (overlapped with "
                      "%d step(s), %.3f s waited for it)", j.worker_id, w.progress["step"], j._step,
                      j._step - w.progress["step"], self._round_wait_s)
@@ -545,6 +640,8 @@ class LocalPath(GradientPath):
         j = self._job
         self._merge_now = False
         if self._wire is not None:  # the unmerged round and the overlap's steps are served again
+            if self._wire.group is not None:
+                collectives.bury(*self._wire.group)  # a leave's old group, its work perhaps stuck
             self._wire = None
             self._flat = None  # the old group's all-reduce may still write into it
         if self._start is None:

@@ -52,7 +52,8 @@ def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int
         params = list(model.parameters())
         inner = torch.optim.SGD(params, lr=INNER_LR)
         job = SimpleNamespace(model=model, _params=params, _extra={}, _status=SimpleNamespace(network=NetworkFigures()),
-                              _progress=lambda: {"step": 0, "epoch": 0, "position": 0}, _step=0, worker_id=f"w{r}")
+                              _step=0, worker_id=f"w{r}")
+        job._progress = lambda: {"step": job._step, "epoch": 0, "position": 0}
         path = local.LocalPath(job, sync_every, outer, overlap=lag is not None)
         path.bind(gloo_group(store, "l", r, 2), r, ["a", "b"], threading.Event())
         path.start_round()
@@ -65,6 +66,8 @@ def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int
             if merge:
                 path._wire.work.wait()  # done before this step's tail: the tail says so, the boundary merges
             path.begin(lay.size)
+            # a queued joiner is admitted only where the round ends anyway (the step now committed is its H-th)
+            assert path.ready_for_join(3) == ((t + 1) % sync_every == 0), t
             (mean_loss(model, idx) * (len(idx) / total)).backward()
             path.end_backward()
             path.tail().copy_(lay.encode(r, Control(False, False, len(idx), 0.0, False, False, False, False, 0.0, 0)))
@@ -359,6 +362,12 @@ def test_an_abort_with_an_averaging_in_flight_rolls_back_to_the_last_merged_star
     (4, {}, {"done": True}, (False, local.AVERAGE)),  # the job's end
     (4, {"catching_up": True}, {}, (False, local.AVERAGE)),  # a joiner catches up: synchronous rounds
     (4, {"overlap": False}, {}, (False, local.AVERAGE)),  # sync_overlap off: as before
+    # a planned leave some member survives: the leaver's partial round goes on the wire, nobody waits for it
+    (2, {"overlap": False}, {"change": True, "leave": True}, (False, local.LAUNCH)),
+    (2, {"in_flight": True}, {"change": True, "leave": True}, (True, local.LAUNCH)),  # never two in flight
+    (2, {"overlap": False}, {"change": True, "leave": True, "checkpoint": True}, (False, local.AVERAGE)),
+    (2, {"overlap": False, "catching_up": True}, {"change": True, "leave": True}, (False, local.AVERAGE)),
+    (2, {"overlap": False}, {"change": True}, (False, local.AVERAGE)),  # a join: a merged round start for it
 ])
 def test_what_a_step_boundary_does_with_an_overlapped_averaging(steps, flight, asks, plan):
     kw = {"in_flight": False, "all_done": False, "overlap": True, "catching_up": False, "stop": False,
@@ -379,6 +388,20 @@ def test_what_a_step_boundary_does_with_an_overlapped_averaging(steps, flight, a
 def test_where_a_round_ends(steps, H, asks, ends):
     kw = {"stop": False, "change": False, "checkpoint": False, "done": False, **asks}
     assert local.round_ends(steps, H, **kw) is ends
+
+
+@pytest.mark.parametrize("committing, H, step_s, now", [
+    (16, 16, 0.7, True),  # the round's natural end: admitted there, at no extra averaging
+    (17, 16, 0.7, True),  # past it (a rank saw the joiner a step late)
+    (1, 16, 0.7, False),  # 15 steps of 0.7 s to the end: held for it
+    (15, 16, None, False),  # the pace not measured yet: held
+    (1, 500, 0.3, True),  # 150 s to the end: the round ends early for the joiner
+    (400, 500, 0.3, False),  # 30 s to the end: held
+    (1, 10000, 0.05, True),
+])
+def test_a_joiner_waits_for_the_rounds_end_unless_it_is_far(committing, H, step_s, now):
+    assert local.JOIN_HOLD_MAX_S == 60.0
+    assert local.join_now(committing, H, step_s) is now
 
 
 def test_bad_sync_settings_are_refused_naming_the_fix():
@@ -426,7 +449,7 @@ def test_local_steps_through_restore_join_leave_and_sigkill(cluster_factory, ove
     rolling back to the last merged round's start."""
     from tests.runtime.train.test_elastic_scenarios import FOREVER, finish
 
-    args = FOREVER + ["--sync-every", "4", "--checkpoint-every", "6"] + (["--sync-overlap"] if overlap else [])
+    args = FOREVER + ["--sync-every", "4", "--checkpoint-every", "7"] + (["--sync-overlap"] if overlap else [])
     cl = cluster_factory(min_workers=2)
     a, b = cl.start(2, args)
     cl.wait_step(9)
@@ -453,3 +476,10 @@ def test_local_steps_through_restore_join_leave_and_sigkill(cluster_factory, ove
     merged = [w for w in (c, d, e) if re.search(r"the averaging of the round ending at step \d+ merged at step",
                                                  w.log_text())]
     assert bool(merged) is overlap, [w.log_text()[-2000:] for w in (c, d, e)]
+    # d's planned leave: unless a checkpoint fell due at its boundary (then the averaging is synchronous), its
+    # round went on the wire as the survivors trained on, and they merged it at a later boundary
+    for w in (c, e):
+        launched = re.search(r"the round ending at step (\d+) is averaged on the wire while the job goes on", w.log_text())
+        if launched:
+            assert f"the averaging of the round ending at step {launched.group(1)} (a planned leave's) merged" in \
+                w.log_text(), w.log_text()[-3000:]
