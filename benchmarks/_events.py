@@ -58,7 +58,10 @@ def event_pauses(times: list[float], sizes: list[int], *, before: int = 1, after
     members, in the ones after). Steady: the median of the gaps outside every event's
     window and after the first `skip` (the warm-up); `steady_max_s` the longest of them
     (with local steps: a usual round's averaging). Pause: the window's longest gap less
-    the steady median.
+    the steady median. `round_end_s`: the median of the steady gaps longer than twice the
+    steady median (with local steps: a usual round's end, its averaging), None where
+    there are none; each event's `pause_vs_round_end_s` is its longest gap less that (a
+    local-mode join waits for a round's end: what it costs beyond that end).
     """
     if len(times) != len(sizes):
         raise ValueError(f"{len(times)} step times but {len(sizes)} world sizes: one of each per step")
@@ -76,6 +79,8 @@ def event_pauses(times: list[float], sizes: list[int], *, before: int = 1, after
         if g >= skip and g not in owned:
             by_world.setdefault(sizes[g + 1], []).append(gap)
     world_median = {w: statistics.median(v) for w, v in by_world.items()}
+    ends = [gap for gap in steady if median is not None and gap > 2 * median]
+    round_end = statistics.median(ends) if ends else None
     events = []
     for (k, old, new), w in zip(changes, windows):
         longest = max((gaps[g] for g in w), default=None)
@@ -83,8 +88,10 @@ def event_pauses(times: list[float], sizes: list[int], *, before: int = 1, after
         events.append({"step_index": k, "from": old, "to": new, "gap_s": _r(longest),
                        "pause_s": _r(longest - median) if longest is not None and median is not None else None,
                        "pause_vs_new_world_s": _r(longest - at_new) if longest is not None and at_new is not None
+                       else None,
+                       "pause_vs_round_end_s": _r(longest - round_end) if longest is not None and round_end is not None
                        else None})
-    return {"steady_s": _r(median), "steady_max_s": _r(max(steady) if steady else None),
+    return {"steady_s": _r(median), "steady_max_s": _r(max(steady) if steady else None), "round_end_s": _r(round_end),
             "steady_by_world_s": {w: _r(m) for w, m in sorted(world_median.items())}, "events": events}
 
 
@@ -127,6 +134,8 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
             "steady_by_world_s": first["steady_by_world_s"],
             "join_pause_vs_new_world_s": pause(first, "join", "pause_vs_new_world_s"),
             "leave_pause_vs_new_world_s": pause(first, "leave", "pause_vs_new_world_s"),
+            "round_end_s": first["round_end_s"],
+            "join_pause_vs_round_end_s": pause(first, "join", "pause_vs_round_end_s"),
             "state_mb": round(records[0]["state_bytes"] / 1e6, 1),
             "caught_up": facts["caught_up"] if mode == "local" else None,
             "joiner_received_mb": facts["received_mb"], "joiner_catch_lines": facts["catch_lines"],
@@ -166,6 +175,8 @@ def events_worker(spec: dict) -> None:
 
     # the runtime configures no logging: its INFO lines (the joiner's "catch" lines) go to the rank's log file
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    if spec.get("debug"):  # --keep-logs: the runtime's DEBUG lines too (a generation's pause phases)
+        logging.getLogger("eltctl_runtime").setLevel(logging.DEBUG)
     T = _textlm
     corpus, _shape, windows, model = T.rank_setup(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
@@ -195,7 +206,8 @@ class EventJobFailed(Exception):
 
 
 def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict, kwargs: dict, plan,
-                  workdir: Path, script: str, join_after: int, leave_after: int) -> tuple[list[dict], str, int | None]:
+                  workdir: Path, script: str, join_after: int, leave_after: int,
+                  debug: bool = False) -> tuple[list[dict], str, int | None]:
     """Start h1..h(W-1), the joiner on hW after `join_after` steps, SIGTERM h2 after
     `leave_after` steps at W; return the records, the joiner's log, h2's exit status."""
     from tests.testbed.hostpython import HOST_PYTHON
@@ -204,7 +216,7 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
 
     def start(r: int) -> None:
         host = f"h{r + 1}"
-        spec = {**asdict(plan), "rank": r, "host": host, "kwargs": kwargs, "progress": r == 0}
+        spec = {**asdict(plan), "rank": r, "host": host, "kwargs": kwargs, "progress": r == 0, "debug": debug}
         env = {**base, "ELTCTL_STORE": f"tcp:{master}:{port}", "ELTCTL_JOB": job,
                "ELTCTL_WORKER_ID": f"{host}/cpu/{r}", "ELTCTL_DEVICE": "cpu",
                "ELTCTL_MIN_WORKERS": str(world - 1), "ELTCTL_MAX_WORKERS": str(world),
@@ -264,7 +276,7 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
 
 
 def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, workdir: Path, *, script: str,
-               port: int, join_after: int, leave_after: int) -> tuple[list[dict], list[dict]]:
+               port: int, join_after: int, leave_after: int, debug: bool = False) -> tuple[list[dict], list[dict]]:
     """A bed per world (3 or more: h2 leaves and h1 stays rank 0), a store on h1; per
     link, one job per mode."""
     from tests.testbed.netns import Link, NetBed
@@ -288,7 +300,7 @@ def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, wor
                     job = f"ev-{mode}-w{world}-{case.rate_mbit:g}-{case.delay_ms:g}-{os.getpid()}"
                     try:
                         records, joiner, rc = run_event_job(bed, world, job, master, port, base, kwargs, plan,
-                                                            workdir, script, join_after, leave_after)
+                                                            workdir, script, join_after, leave_after, debug)
                     except EventJobFailed as e:
                         skipped.append({"mode": mode, "world": world, **asdict(case), "reason": str(e),
                                         "failed": True})

@@ -583,7 +583,8 @@ def main(argv: list[str] | None = None) -> None:
                          "not by default)")
     ap.add_argument("--join-after", type=int, default=30, help="events: steps at W-1 before the W-th rank starts")
     ap.add_argument("--leave-after", type=int, default=30, help="events: steps at W before h2 gets SIGTERM")
-    ap.add_argument("--keep-logs", action="store_true", help="events: keep the ranks' logs (named on stderr)")
+    ap.add_argument("--keep-logs", action="store_true", help="events: keep the ranks' logs (named on stderr), with the runtime's DEBUG "
+                                                                  "lines (a generation's pause phases)")
     ap.add_argument("--mb", type=float, default=200, help="fp32 gradient size in MB (200: 50 M floats)")
     ap.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
     ap.add_argument("--rates", default="10000,1000,100", help="link rates in Mbit/s")
@@ -706,7 +707,8 @@ def run_events_part(args, cases: list[Case], worlds: list[int], modes: dict[str,
     plan = TrainPlan(str(corpus), asdict(shape), args.stride, args.steps, args.batch, args.lr, 0,
                      args.warmup, args.eval_samples, args.threads, args.job_timeout, not args.no_balance)
     rows, skipped = _events.run_events(worlds, cases, modes, plan, workdir, script=__file__,
-                                       port=STORE_PORT, join_after=args.join_after, leave_after=args.leave_after)
+                                       port=STORE_PORT, join_after=args.join_after, leave_after=args.leave_after,
+                                       debug=args.keep_logs)
     if args.keep_logs or any(s.get("failed") for s in skipped):
         print(f"the events jobs' logs are kept in {workdir}", file=sys.stderr)
     else:

@@ -234,6 +234,16 @@ def test_event_pause_against_the_new_worlds_steady_step():
     assert join["pause_s"] == round(2.1 - got["steady_s"], 4)
 
 
+def test_event_pause_against_a_usual_rounds_end():
+    # local steps: 0.1 s steps, a 1.0 s averaging every 4th, the join in a round's end of 1.3 s
+    gaps = [0.1, 0.1, 0.1, 1.0] * 3 + [1.3] + [0.1, 0.1, 0.1, 1.0] * 3
+    sizes = [2] * 13 + [3] * 13
+    got = ev.event_pauses(_steps(gaps), sizes)
+    assert got["steady_s"] == 0.1 and got["round_end_s"] == 1.0
+    assert got["events"][0]["pause_vs_round_end_s"] == 0.3 and got["events"][0]["pause_s"] == 1.2
+    assert ev.event_pauses(_steps([0.1] * 9), [2] * 10)["round_end_s"] is None  # synchronous: no round ends
+
+
 def test_event_pause_steady_leaves_out_the_warm_up_and_the_event_windows():
     # a slow warm-up (1.0 s gaps) and slow steps inside the window must not move the median
     gaps = [1.0, 1.0, 0.2, 0.2, 0.2, 3.0, 3.0, 0.2, 0.2, 0.2]
