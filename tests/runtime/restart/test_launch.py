@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 from eltctl_runtime.daemon.forkserver import ForkServer, Forked
