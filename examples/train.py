@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="gradient all-reduce bucket size; 0: one all-reduce after backward")
     ap.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="what float32 gradients travel as in the all-reduce (bf16: half the bytes; "
-                         "replicated training only)")
+                         "replicated training only; with --sync-every: each round's averaging)")
     ap.add_argument("--compress", choices=("powersgd",), default=None,
                     help="send big float32 gradient matrices as low-rank factors with error feedback "
                          "(PowerSGD; replicated training only)")
@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                          "their parameters every H steps with an outer Nesterov step (replicated training only)")
     ap.add_argument("--sync-overlap", action="store_true",
                     help="with --sync-every: each round's averaging overlaps the next round's steps")
+    ap.add_argument("--inner-batch", type=int, default=None, metavar="B",
+                    help="with --sync-every: inner steps of at most B samples, so a faster worker (a bigger "
+                         "share) takes more inner steps in a step")
     ap.add_argument("--shard", choices=("optimizer", "gradients"), default=None,
                     help="shard the optimizer state (ZeRO-1) or also the gradients (ZeRO-2) across the workers")
     ap.add_argument("--shard-replicas", type=int, choices=(1, 2), default=1,
@@ -103,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         **({} if args.grad_dtype == "fp32" else {"grad_dtype": args.grad_dtype}),  # (a runtime before it: no such argument)
         **({} if args.sync_every is None else {"sync": "local", "sync_every": args.sync_every}),
         **({"sync_overlap": True} if args.sync_overlap else {}),  # (a runtime before it: no such argument)
+        **({"inner_batch": args.inner_batch} if args.inner_batch else {}),
         **({} if args.compress is None else {"compress": args.compress, "compress_rank": args.compress_rank}),
     )
     loss = None

@@ -51,6 +51,7 @@ from ..member.collectives import Aborted
 from ..member.config import Device, RuntimeConfig
 from ..member.generation import CRASH_CONFIRM_S, ExcludedFromJob, GenerationHooks, Generations  # noqa: F401 - re-exported
 from .gradients import GradientPath, ReplicatedPath
+from .inner import check_inner_batch
 from ..member.plan import Plan
 from ..member.session import MemberSession, MemberViews
 from .pause import Pause
@@ -118,6 +119,7 @@ class ElasticJob(MemberViews):
         sync_every: int | None = None,
         outer_optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
         sync_overlap: bool = False,
+        inner_batch: int | None = None,
         grad_dtype: str | None = None,
         compress: str | None = None,
         compress_rank: int | None = None,
@@ -158,9 +160,12 @@ class ElasticJob(MemberViews):
         # Local steps (local.py, DiLoCo): the rank's own inner steps, a round's averaging and outer
         # step every sync_every steps or at a planned change; a roll-back to the round's start on an abort.
         self._rounds: local.LocalPath | None = None
-        if local.check(sync, sync_every, outer_optimizer, shard=shard, grad_dtype=grad_dtype,
-                       reduce_each_micro_batch=reduce_each_micro_batch, compress=compress, sync_overlap=sync_overlap):
-            self._grads = self._rounds = local.LocalPath(self, sync_every, outer_optimizer, sync_overlap)
+        on = local.check(sync, sync_every, outer_optimizer, shard=shard, grad_dtype=grad_dtype,
+                         reduce_each_micro_batch=reduce_each_micro_batch, compress=compress, sync_overlap=sync_overlap)
+        inner_batch = check_inner_batch(inner_batch, on)  # inner steps of a fixed size (inner.py)
+        if on:
+            self._grads = self._rounds = local.LocalPath(self, sync_every, outer_optimizer, sync_overlap, inner_batch,
+                                                              grad_dtype)
         self._shard = shard
         self._buffers = gradients.BufferSync(model)
         # What the next step boundary owes (boundary.py): the last commit's asks, a roll
@@ -275,7 +280,7 @@ class ElasticJob(MemberViews):
             s = self._sampler
             indices = self._indices_for(s)
             micro = self._shares.micro_limit(self.config.max_micro_batch)
-            chunks = micro_chunks(indices, micro)
+            chunks = micro_chunks(indices, micro) if self._rounds is None else self._rounds.inner.chunks(indices, micro)
             flight = InFlight(indices, s.step_size(), s.global_indices() if self._audit is not None else [])
             if self._grads.reduces_micro_batches and self.world_size > 1:  # ZeRO-2: rounds agreed
                 try:
@@ -363,6 +368,8 @@ class ElasticJob(MemberViews):
         if self._mb_left > 0:
             if rounds:
                 self._grads.finish_round()
+            elif self._rounds is not None:  # local steps: an inner step where inner_batch ends one (inner.py)
+                self._rounds.inner.micro_batch_done(self._rounds, self, n, f.global_count)
             return None
         return self._reduce_and_commit()
 

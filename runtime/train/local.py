@@ -107,9 +107,16 @@ status's wait (StepTiming) counts only the wait the overlap did not hide (at the
   replay of missed outer steps reads the averaging's slots); the overlap resumes at the
   first round's end after it caught up.
 
+Mixed hardware: every step is split by the ranks' measured speeds (balance.py), so a
+round is H steps of one balanced duration and nobody waits for the slowest worker; with
+`inner_batch=b` a rank takes its share in inner steps of at most b samples, so a faster
+rank takes more inner steps (inner.py); the averaging weighs each rank by its samples.
+
+`grad_dtype="bf16"`: the round's weighted deltas travel as bfloat16, half the bytes
+(roundwire.py); the sample counts and the outer step stay float32.
+
 Not done (future work): the averaging streamed in fragments (Streaming DiLoCo), a
-group of its own for the overlap on NCCL, rounds bounded in time on mixed hardware
-(faster workers taking more inner steps), and composing with shard=, grad_dtype= or
+group of its own for the overlap on NCCL, and composing with shard=,
 reduce_each_micro_batch= or compress=, which are refused.
 
 `LocalPath` is the GradientPath (gradients.py) of this mode and, beside the seam, the
@@ -132,7 +139,9 @@ from ..member import collectives
 from ..member.collectives import Aborted
 from . import state as state_mod
 from .catchup import CatchUp
-from .gradients import TAIL_DTYPE, GradientPath, StepTiming, all_finite, clip_global_norm_
+from .gradients import TAIL_DTYPE, GradientPath, StepTiming, all_finite, clip_global_norm_, wire_dtype
+from .inner import InnerSteps
+from .roundwire import RoundWire
 from .tail import layout as tail_layout, set_averaging
 
 log = logging.getLogger("eltctl_runtime")
@@ -170,7 +179,7 @@ def check(sync: str, sync_every: int | None, outer_optimizer: Any, *, shard: str
     for name, value, default in (("shard", shard, None), ("grad_dtype", grad_dtype, None),
                                  ("reduce_each_micro_batch", reduce_each_micro_batch, False),
                                  ("compress", compress, None)):
-        if value != default and not (name == "grad_dtype" and value == "fp32"):
+        if value != default and not (name == "grad_dtype" and value in ("fp32", "bf16")):  # roundwire.py
             raise ValueError(f"sync='local' does not compose with {name}={value!r} yet: local steps send the "
                              f"parameters once per round, not the gradients; drop {name}= or use sync='steps'")
     return True
@@ -225,24 +234,29 @@ def boundary_plan(steps_in_round: int, sync_every: int, *, in_flight: bool, all_
 
 class _Averaging:
     """An overlapped averaging in flight (sync_overlap, or a planned leave's): its
-    all-reduce's work, the parameters' element count in its buffer, and what the merged
+    all-reduce's works (roundwire.py), the parameters' element count in its buffer, and what the merged
     round start takes from the round's end: the progress, the extra state and the state
     dict's entries that are not averaged parameters (buffers). `group`: after a planned
     leave, the old generation's group and its store, kept until the merge (the work runs
     on it; generation.py lets go of its own references)."""
 
-    __slots__ = ("work", "numel", "progress", "extra", "kept", "group")
+    __slots__ = ("works", "numel", "progress", "extra", "kept", "group")
 
-    def __init__(self, work: Any, numel: int, progress: dict, extra: dict, kept: dict[str, torch.Tensor]) -> None:
-        self.work, self.numel, self.progress, self.extra, self.kept = work, numel, progress, extra, kept
+    def __init__(self, works: list, numel: int, progress: dict, extra: dict, kept: dict[str, torch.Tensor]) -> None:
+        self.works, self.numel, self.progress, self.extra, self.kept = works, numel, progress, extra, kept
         self.group: tuple[Any, Any] | None = None
 
     def done(self) -> bool:
-        """Whether the all-reduce completed, without waiting; Aborted where it failed."""
-        i, err = collectives.first_failure([self.work])
+        """Whether the all-reduce(s) completed, without waiting; Aborted where one failed."""
+        i, err = collectives.first_failure(self.works)
         if err is not None:
             raise Aborted(f"the overlapped averaging failed: {err}", backend_error=True)
-        return i == 1
+        return i == len(self.works)
+
+    def wait(self, abort: threading.Event | None) -> None:
+        """Wait for the all-reduce(s) (collectives.wait_work: Aborted)."""
+        for work in self.works:
+            collectives.wait_work(work, abort)
 
 
 def outer_step(params: list[torch.Tensor], outer: Any, flat: torch.Tensor, numel: int) -> None:
@@ -286,8 +300,10 @@ class LocalPath(GradientPath):
     (its model, parameters, progress, boundary and extra state; not imported here)."""
 
     def __init__(self, job: Any, sync_every: int, outer_optimizer: Callable[[list], Any] | None,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, inner_batch: int | None = None, grad_dtype: str | None = None) -> None:
         self._job = job
+        self._rwire = RoundWire(wire_dtype(grad_dtype))  # the round's averaging: whole, or a bf16 body
+        self.inner = InnerSteps(inner_batch)  # inner steps of at most inner_batch samples (inner.py)
         self.overlap = overlap  # sync_overlap: the averaging overlapped with the next round (docstring)
         self._params: list[torch.Tensor] = job._params
         self.sync_every = sync_every
@@ -325,7 +341,9 @@ class LocalPath(GradientPath):
     def bind(self, pg, rank, members, abort) -> None:
         joined = set(members) - set(getattr(self, "members", None) or ())
         super().bind(pg, rank, members, abort)
-        mode = {"mode": "local", "sync_every": self.sync_every, **({"sync_overlap": True} if self.overlap else {})}
+        mode = {"mode": "local", "sync_every": self.sync_every, **({"sync_overlap": True} if self.overlap else {}),
+                **({"inner_batch": self.inner.inner_batch} if self.inner.inner_batch else {}),
+                **({"grad_dtype": "bf16"} if self._rwire.dtype is not None else {})}
         self._job._status.network.mode = mode  # the status shows it
         self._finished_t = None  # the generation change is no step
         if self._wire is not None and (joined or self._wire.group is None):
@@ -348,7 +366,7 @@ class LocalPath(GradientPath):
         j = self._job
         if j.worker_id in left:
             try:
-                collectives.wait_work(w.work, j._abort)
+                w.wait(j._abort)
             except Aborted as e:  # the survivors' merge fails too: they roll back to the round's start
                 log.warning("worker %s: its part of the averaging broke as it left (%s)", j.worker_id, e)
             return
@@ -393,8 +411,8 @@ class LocalPath(GradientPath):
     def finish(self, abort: threading.Event) -> torch.Tensor:
         """The control tail alone is all-reduced; then this rank's gradient becomes the
         gradient of its local mean loss (x global_count / n)."""
-        world = len(self.members)
-        self._step_samples = n = int(tail_layout(world).decode(self._tail_buf.to("cpu")).samples)
+        world = len(self.members)  # n: this rank's samples not yet taken by an inner step (inner.py)
+        self._step_samples = n = int(tail_layout(world).decode(self._tail_buf.to("cpu")).samples) - self.inner.stepped
         wire = self._wire
         if wire is not None:
             set_averaging(self._tail_buf, not wire.done())  # Aborted where it failed: the step is dropped
@@ -421,6 +439,18 @@ class LocalPath(GradientPath):
         self.last_step_timing = StepTiming(wait + self._round_wait_s / H,
                                            self._tail_buf.numel() * TAIL_DTYPE.itemsize + self._round_bytes // H)
         return summed
+
+    def inner_step(self, job: Any, m: int, global_count: int) -> None:
+        """An inner step before the step's last (inner.py), on the gradient of the `m`
+        samples since the last one: their local mean (x global_count / m), then the
+        OptimizerStep through this path, as the step's own."""
+        with torch.no_grad():
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(global_count / m)
+        self._step_samples = m
+        job._update.run(job, self, job._abort)
+        self.zero()
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params if p.grad is not None]
@@ -531,8 +561,8 @@ class LocalPath(GradientPath):
                     flat[:numel].zero_()  # a joiner's own parameters are no part of the round
                 self.catchup.flags(flat[numel + 1:])
         t0 = time.perf_counter()
-        collectives.allreduce(self.pg, flat, abort)
-        self._round_wait_s, self._round_bytes = time.perf_counter() - t0, flat.numel() * flat.element_size()
+        self._rwire.allreduce(self.pg, flat, numel, abort)
+        self._round_wait_s, self._round_bytes = time.perf_counter() - t0, self._rwire.bytes(flat, numel)
         total = float(flat[numel])
         with torch.no_grad():
             for p, a in zip(params, anchor):
@@ -576,8 +606,8 @@ class LocalPath(GradientPath):
         with torch.no_grad():
             sd = j.model.state_dict(keep_vars=True)
             kept = {k: v.detach().clone() for k, v in sd.items() if k not in self._param_keys}
-        work = collectives.allreduce_async(self.pg, flat)
-        self._wire = _Averaging(work, numel, j._progress(), copy.deepcopy(state_mod.extra_state_dicts(j._extra)),
+        works = self._rwire.launch(self.pg, flat, numel)
+        self._wire = _Averaging(works, numel, j._progress(), copy.deepcopy(state_mod.extra_state_dicts(j._extra)),
                                 kept)
         self.round_samples = 0
         self._round_from = j._step
@@ -591,13 +621,14 @@ class LocalPath(GradientPath):
         w = self._wire
         self.catchup.hold()
         t0 = time.perf_counter()
-        collectives.wait_work(w.work, abort)
+        w.wait(abort)
         self._round_wait_s = time.perf_counter() - t0  # the wait the overlap did not hide (StepTiming)
         self._wire = None
         if w.group is not None:
             collectives.release(*w.group)  # the old generation's group: its work is done
         flat = self._flat
-        self._round_bytes = flat.numel() * flat.element_size()
+        self._rwire.land(flat, w.numel)
+        self._round_bytes = self._rwire.bytes(flat, w.numel)
         merge_arithmetic(self._params, self._anchor, self._ends, self._outer, flat, w.numel)
         with torch.no_grad():
             for k, v in w.kept.items():
@@ -644,6 +675,7 @@ class LocalPath(GradientPath):
                 collectives.bury(*self._wire.group)  # a leave's old group, its work perhaps stuck
             self._wire = None
             self._flat = None  # the old group's all-reduce may still write into it
+            self._rwire.forget()
         if self._start is None:
             return
         with torch.no_grad():

@@ -126,6 +126,11 @@ class Shares:
         all-reduces launched in backward are asynchronous, no wait is in it."""
         self.compute_s += time.perf_counter() - self.t_handed
 
+    def computed(self, seconds: float) -> None:
+        """`seconds` of this rank's compute outside a micro-batch's forward and backward
+        (local steps' inner steps before the step's last: inner.py)."""
+        self.compute_s += seconds
+
     def not_computed(self, seconds: float) -> None:
         """`seconds` since the batch was handed over that are not this rank's compute."""
         self.t_handed += seconds

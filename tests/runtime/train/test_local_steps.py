@@ -5,7 +5,6 @@ each round's end, and the job's elastic life around the rounds."""
 from __future__ import annotations
 
 import re
-import signal
 import threading
 from types import SimpleNamespace
 
@@ -33,7 +32,48 @@ def mean_loss(model: torch.nn.Module, idx: list[int]) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(DATA_X[idx]), DATA_Y[idx])
 
 
-def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int, lag: int | None = None) -> list[dict]:
+def thread_rank(init: threading.Lock, r: int) -> tuple:
+    """A thread rank's model, its parameters, its inner SGD and the job view LocalPath reads."""
+    with init:
+        model = make_model()
+    params = list(model.parameters())
+    inner = torch.optim.SGD(params, lr=INNER_LR)
+    job = SimpleNamespace(model=model, _params=params, _extra={}, _status=SimpleNamespace(network=NetworkFigures()),
+                          _step=0, worker_id=f"w{r}")
+    job._progress = lambda: {"step": job._step, "epoch": 0, "position": 0}
+    return model, params, inner, job
+
+
+def by_hand(shares: list[list[list[int]]], H: int, rounds: int, lag: int | None = None, bf16: bool = False,
+            weights: tuple[int, int] = (3, 7)) -> list[dict]:
+    """Local steps by hand, two ranks with `weights` samples a step: after each round, the
+    global parameters (the outer Nesterov step from the round's start along the
+    samples-weighted mean delta) and each rank's own (with `lag`, sync_overlap: the steps
+    taken during the overlap on top of the new start). `bf16`: each rank's weighted delta
+    rounded to bfloat16 and the sum rounded again, as roundwire.py's wire does."""
+    start = [p.detach().clone() for p in make_model().parameters()]
+    own, momentum, taken, out = [start, start], None, 0, []  # taken: the steps already in `own`
+    for k in range(rounds):
+        end = (k + 1) * H
+        ends = [local_sgd(own[r], shares[r][taken:end]) for r in range(2)]
+        if bf16:
+            wire = [[((s - e) * (w * H)).to(torch.bfloat16) for s, e in zip(start, ends[r])]
+                    for r, w in enumerate(weights)]
+            delta = [(a.float() + b.float()).to(torch.bfloat16).float() / (sum(weights) * H) for a, b in zip(*wire)]
+        else:
+            delta = [(weights[0] * (s - e0) + weights[1] * (s - e1)) / sum(weights) for s, e0, e1 in zip(start, *ends)]
+        start, momentum = outer_nesterov(start, momentum, delta)
+        if lag:
+            meanwhile = [local_sgd(ends[r], shares[r][end:end + lag]) for r in range(2)]
+            own, taken = [[s + (m - e) for s, m, e in zip(start, meanwhile[r], ends[r])] for r in range(2)], end + lag
+        else:
+            own, taken = [start, start], end
+        out.append({"global": start, "own": own})
+    return out
+
+
+def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int, lag: int | None = None,
+              grad_dtype: str | None = None) -> list[dict]:
     """Each rank (a thread, gloo) runs LocalPath as ElasticJob does: backward of the local mean
     loss scaled by n / global_count, the tail with its sample count, finish, the inner SGD step,
     and the round's averaging after every `sync_every` steps. `shares[r][t]`: rank r's indices
@@ -47,14 +87,8 @@ def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int
     init = threading.Lock()  # the ranks are threads: the global RNG is shared
 
     def rank(r: int) -> dict:
-        with init:
-            model = make_model()
-        params = list(model.parameters())
-        inner = torch.optim.SGD(params, lr=INNER_LR)
-        job = SimpleNamespace(model=model, _params=params, _extra={}, _status=SimpleNamespace(network=NetworkFigures()),
-                              _step=0, worker_id=f"w{r}")
-        job._progress = lambda: {"step": job._step, "epoch": 0, "position": 0}
-        path = local.LocalPath(job, sync_every, outer, overlap=lag is not None)
+        model, params, inner, job = thread_rank(init, r)
+        path = local.LocalPath(job, sync_every, outer, overlap=lag is not None, grad_dtype=grad_dtype)
         path.bind(gloo_group(store, "l", r, 2), r, ["a", "b"], threading.Event())
         path.start_round()
         lay = tail_layout(2)
@@ -64,7 +98,7 @@ def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int
             total = len(idx) + len(shares[1 - r][t])
             merge = path.in_flight and t + 1 == launched + lag
             if merge:
-                path._wire.work.wait()  # done before this step's tail: the tail says so, the boundary merges
+                path._wire.wait(None)  # done before this step's tail: the tail says so, the boundary merges
             path.begin(lay.size)
             # a queued joiner is admitted only where the round ends anyway (the step now committed is its H-th)
             assert path.ready_for_join(3) == ((t + 1) % sync_every == 0), t
@@ -95,7 +129,8 @@ def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int
             path.average(threading.Event())
             path.start_round()
             after.append([p.detach().clone() for p in params])
-        return {"after": after, "fingerprint": path.fingerprint(model, inner, {}), "mode": job._status.network.mode}
+        return {"after": after, "fingerprint": path.fingerprint(model, inner, {}), "mode": job._status.network.mode,
+                "round_bytes": path._round_bytes}
 
     return [v for _k, v in sorted(run_threads({r: (lambda r=r: rank(r)) for r in range(2)}).items())]
 
@@ -150,6 +185,28 @@ def test_a_round_steps_the_outer_nesterov_sgd_on_the_samples_weighted_mean_delta
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("lag", [None, 2], ids=["synchronous", "overlapped"])
+def test_bf16_averaging_sends_the_weighted_deltas_as_bfloat16_and_keeps_the_counts_exact(lag):
+    """grad_dtype="bf16" (roundwire.py): each rank's s_r * d_r goes on the wire as bfloat16
+    and is summed in bfloat16; the sample counts (3 + 7 per step) stay exact float32. Against
+    the hand computation that rounds the same way (float tolerance), two rounds, with and
+    without the overlap; half the bytes of the float32 averaging; the fp32 result differs."""
+    H = 3
+    shares = shares_of(0, 2 * H + (lag or 0))
+    out = run_ranks(shares, H, None, rounds=2, lag=lag, grad_dtype="bf16")
+    fp32 = run_ranks(shares, H, None, rounds=2, lag=lag)
+    assert out[0]["mode"]["grad_dtype"] == "bf16" and "grad_dtype" not in fp32[0]["mode"]
+    numel = sum(p.numel() for p in make_model().parameters())
+    assert out[0]["round_bytes"] == numel * 2 + 4 and fp32[0]["round_bytes"] == (numel + 1) * 4
+    assert out[0]["fingerprint"] == out[1]["fingerprint"]
+    for k, want in enumerate(by_hand(shares, H, 2, lag, bf16=True)):
+        got = out[0]["after"][k]["global"] if lag else out[0]["after"][k]
+        for g, w in zip(got, want["global"]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    want32 = fp32[0]["after"][1]["global"] if lag else fp32[0]["after"][1]
+    assert max(float((g - w).abs().max()) for g, w in zip(got, want32)) > 1e-6  # bf16 rounds: not fp32's bits
+
+
 def outer_nesterov(start, momentum, delta):
     """The paper's outer step by hand (SGD lr 0.7, Nesterov momentum 0.9): new start, momentum."""
     momentum = delta if momentum is None else [0.9 * m + d for m, d in zip(momentum, delta)]
@@ -173,22 +230,13 @@ def test_an_overlapped_averaging_merges_late_and_keeps_the_steps_taken_meanwhile
         assert all(torch.equal(x, y) for x, y in zip(a["global"], b["global"]))
     assert out[0]["fingerprint"] == out[1]["fingerprint"]
 
-    start = [p.detach().clone() for p in make_model().parameters()]
-    own, momentum, taken = [start, start], None, 0  # taken: the steps already in `own`
-    for k in range(2):
-        end = (k + 1) * H
-        ends = [local_sgd(own[r], shares[r][taken:end]) for r in range(2)]
-        delta = [(3 * (s - e0) + 7 * (s - e1)) / 10 for s, e0, e1 in zip(start, *ends)]
-        start, momentum = outer_nesterov(start, momentum, delta)
-        meanwhile = [local_sgd(ends[r], shares[r][end:end + lag]) for r in range(2)]
-        own = [[s + (m - e) for s, m, e in zip(start, meanwhile[r], ends[r])] for r in range(2)]
-        taken = end + lag
+    for k, want in enumerate(by_hand(shares, H, 2, lag)):
         for r in range(2):
             got = out[r]["after"][k]
-            for x, want in zip(got["global"], start):
-                torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-6)
-            for x, want in zip(got["own"], own[r]):
-                torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-6)
+            for x, w in zip(got["global"], want["global"]):
+                torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-6)
+            for x, w in zip(got["own"], want["own"][r]):
+                torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-6)
             assert max(float((x - g).abs().max()) for x, g in zip(got["own"], got["global"])) > 1e-3
 
 
@@ -426,13 +474,24 @@ def test_bad_sync_settings_are_refused_naming_the_fix():
         job(sync="local", sync_every=2, outer_optimizer=sgd)
     with pytest.raises(ValueError, match=r"outer_optimizer\(params\) returned a list, not an optimizer"):
         job(sync="local", sync_every=2, outer_optimizer=list)
-    for kw in ({"shard": "optimizer"}, {"grad_dtype": "bf16"}, {"shard": "gradients", "reduce_each_micro_batch": True}):
-        with pytest.raises(ValueError, match=r"sync='local' does not compose with (shard|grad_dtype)="):
+    for kw in ({"shard": "optimizer"}, {"shard": "gradients", "reduce_each_micro_batch": True},
+               {"compress": "powersgd"}):
+        with pytest.raises(ValueError, match=r"sync='local' does not compose with (shard|compress)="):
             job(sync="local", sync_every=2, **kw)
+    with pytest.raises(ValueError, match=r"grad_dtype must be None or one of .fp32., .bf16., got .fp16."):
+        job(sync="local", sync_every=2, grad_dtype="fp16")
+    assert job(sync="local", sync_every=2, grad_dtype="bf16")._rounds._rwire.dtype == torch.bfloat16  # roundwire.py
     assert isinstance(job(sync="local", sync_every=2)._grads, local.LocalPath)
     assert job(sync="local", sync_every=2, sync_overlap=True)._rounds.overlap
     assert not job(sync="local", sync_every=2)._rounds.overlap  # the default: the paper's synchronous averaging
     assert job()._rounds is None  # the default: the replicated path, no rounds
+    with pytest.raises(ValueError, match=r"inner_batch applies to local steps: pass sync='local', sync_every=H"):
+        job(inner_batch=4)
+    for bad in (0, -1, True, 2.5, "4"):
+        with pytest.raises(ValueError, match=r"inner_batch must be a positive integer"):
+            job(sync="local", sync_every=2, inner_batch=bad)
+    assert job(sync="local", sync_every=2, inner_batch=4)._rounds.inner.inner_batch == 4
+    assert job(sync="local", sync_every=2)._rounds.inner.inner_batch is None  # the default: one inner step a step
 
 
 @pytest.mark.slow
@@ -446,10 +505,14 @@ def test_local_steps_through_restore_join_leave_and_sigkill(cluster_factory, ove
     parameters would differ from the crash on), the status names the mode, and the loss
     went down. `overlapped` (sync_overlap): each round's averaging merged at a later step
     (the survivors' logs say so), the changes merging the one in flight first, the SIGKILL
-    rolling back to the last merged round's start."""
+    rolling back to the last merged round's start; its ranks also take inner steps of 8
+    samples (inner_batch: several inner steps in each step of the 64-sample global batch)
+    and average in bf16 (grad_dtype)."""
     from tests.runtime.train.test_elastic_scenarios import FOREVER, finish
 
-    args = FOREVER + ["--sync-every", "4", "--checkpoint-every", "7"] + (["--sync-overlap"] if overlap else [])
+    args = FOREVER + ["--sync-every", "4", "--checkpoint-every", "7"] + (["--sync-overlap", "--inner-batch", "8",
+                                                                            "--grad-dtype", "bf16"]
+                                                                         if overlap else [])
     cl = cluster_factory(min_workers=2)
     a, b = cl.start(2, args)
     cl.wait_step(9)
@@ -462,6 +525,8 @@ def test_local_steps_through_restore_join_leave_and_sigkill(cluster_factory, ove
     g = cl.wait_world(3, min_gen=g + 1, steps_after=5)
     status = cl.wait_for_status(lambda s: s.get("world_size") == 3 and "network" in s)
     assert status["network"]["mode"] == "local" and status["network"]["sync_every"] == 4, status
+    assert status["network"].get("inner_batch") == (8 if overlap else None), status
+    assert status["network"].get("grad_dtype") == ("bf16" if overlap else None), status
     cl.leave(d)
     g = cl.wait_world(2, min_gen=g + 1, steps_after=3)
     (f,) = cl.start(1, args)

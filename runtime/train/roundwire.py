@@ -1,0 +1,68 @@
+"""A round's averaging on the wire (local steps, local.py): the buffer holds
+sum_i s_i delta_i (the body), then sum_i s_i and, while joiners catch up, their slots
+(the trailer). `ElasticJob(sync="local", sync_every=H)` all-reduces it whole, in its own
+dtype (float32; float64 where a parameter is). With `grad_dtype="bf16"` the body travels
+as a bfloat16 copy, half the bytes of a round, and the trailer as float32 beside it (two
+all-reduces, launched together): the sample counts and the slots stay exact (bfloat16
+holds integers exactly only up to 256).
+
+In bf16 the body's values keep 8 significant bits on the wire and the backend sums them
+in bfloat16, as the synchronous bf16 path does (gradients.py); the sums come back into
+the float32 buffer, so the mean delta, the outer step and the outer optimizer's state
+stay float32, and identical on every rank (every rank casts the same summed bits back).
+The rounding is what Streaming DiLoCo's quantized outer gradients do at 4 bits; its
+cost in loss is measured in docs/network.md.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..member import collectives
+
+
+class RoundWire:
+    """How a round's averaging buffer goes on the wire (module docstring); `dtype` None:
+    whole, else the body as `dtype` (torch.bfloat16)."""
+
+    __slots__ = ("dtype", "_body")
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+        self._body: torch.Tensor | None = None  # the body's wire copy, kept between rounds
+
+    def bytes(self, flat: torch.Tensor, numel: int) -> int:
+        """The bytes one rank puts into the all-reduce(s) of `flat` (body `numel` long)."""
+        if self.dtype is None:
+            return flat.numel() * flat.element_size()
+        return numel * self.dtype.itemsize + (flat.numel() - numel) * flat.element_size()
+
+    def launch(self, pg, flat: torch.Tensor, numel: int) -> list:
+        """Launch the all-reduce(s) of `flat` on `pg`; their works, in launch order (every
+        rank launches the same ones in the same order). `land` once they completed."""
+        if self.dtype is None:
+            return [collectives.allreduce_async(pg, flat)]
+        if self._body is None or self._body.numel() != numel or self._body.device != flat.device:
+            self._body = torch.empty(numel, dtype=self.dtype, device=flat.device)
+        with torch.no_grad():
+            self._body.copy_(flat[:numel])
+        return [collectives.allreduce_async(pg, self._body), collectives.allreduce_async(pg, flat[numel:])]
+
+    def land(self, flat: torch.Tensor, numel: int) -> None:
+        """The works `launch` returned completed: the body's sums back into `flat`."""
+        if self.dtype is not None:
+            with torch.no_grad():
+                flat[:numel].copy_(self._body)
+
+    def allreduce(self, pg, flat: torch.Tensor, numel: int, abort: threading.Event | None) -> None:
+        """The whole averaging, waited for: `flat` holds the sums after it. Aborted (the
+        group broke, the generation was aborted) with `flat`'s body perhaps unsummed."""
+        for work in self.launch(pg, flat, numel):
+            collectives.wait_work(work, abort)
+        self.land(flat, numel)
+
+    def forget(self) -> None:
+        """An all-reduce that never finished may still write into the body: a new one next."""
+        self._body = None
