@@ -237,11 +237,12 @@ def _read(proc: subprocess.Popen) -> dict:
 SYNC = "sync_fp32"  # the reference every mode's loss is compared with
 
 
-def train_modes(sync_every: int, outer: dict | None = None) -> dict[str, dict]:
+def train_modes(sync_every: int, outer: dict | None = None, inner_batch: int = 16) -> dict[str, dict]:
     """Mode name -> the ElasticJob keyword arguments that choose it. Modes whose
     arguments this runtime does not have are skipped with the reason (`refusal`).
     `outer`: local steps' outer SGD's arguments (lr, momentum, nesterov) where not the
-    runtime's default; the worker makes the `outer_optimizer` callable of them."""
+    runtime's default; the worker makes the `outer_optimizer` callable of them.
+    `inner_batch`: local_inner's inner steps' size (runtime/train/inner.py)."""
     return {
         SYNC: {},
         "bf16": {"grad_dtype": "bf16"},
@@ -250,7 +251,28 @@ def train_modes(sync_every: int, outer: dict | None = None) -> dict[str, dict]:
         # the round's averaging overlapped with the next round's compute (runtime/train/local.py)
         "local_overlap": {"sync": "local", "sync_every": sync_every, "sync_overlap": True,
                           **({"outer_optimizer": outer} if outer else {})},
+        # the overlapped averaging's weighted deltas as bfloat16: half a round's bytes (runtime/train/roundwire.py)
+        "local_overlap_bf16": {"sync": "local", "sync_every": sync_every, "sync_overlap": True, "grad_dtype": "bf16",
+                               **({"outer_optimizer": outer} if outer else {})},
+        # inner steps of inner_batch samples: a faster rank (a bigger share) takes more of them
+        "local_inner": {"sync": "local", "sync_every": sync_every, "inner_batch": inner_batch,
+                        **({"outer_optimizer": outer} if outer else {})},
     }
+
+
+def parse_slow(text: str | None) -> tuple[int, float]:
+    """--slow RANK=SECONDS as (rank, seconds per sample); (-1, 0.0) for none."""
+    if not text:
+        return -1, 0.0
+    rank, sep, seconds = text.partition("=")
+    try:
+        r, s = int(rank), float(seconds)
+    except ValueError:
+        r, s = -1, -1.0
+    if not sep or r < 0 or not s >= 0:
+        raise ValueError(f"--slow takes RANK=SECONDS (a rank from 0, seconds per sample >= 0), e.g. 1=0.002; "
+                         f"got {text!r}")
+    return r, s
 
 
 def outer_sgd(lr: float | None, momentum: float | None) -> dict | None:
@@ -307,6 +329,9 @@ def summarize_train(world: int, case: Case, mode: str, records: list[dict], glob
             "utilization": round(sum(known) / len(known), 4) if len(known) == len(utils) else None,
             "utilization_min": min(known) if len(known) == len(utils) else None,
             "utilization_per_rank": utils,
+            # what each rank trained: its optimizer steps (local steps: its inner steps) and samples
+            "optimizer_steps_per_rank": [r.get("optimizer_steps") for r in records],
+            "samples_per_rank": [r.get("samples_trained") for r in records],
             "wire_bytes_per_sample": per_sample("tx_bytes"), "job_bytes_per_sample": per_sample("job_bytes"),
             "job_bytes_per_step": r0["job_bytes_per_step"],
             "start_loss": r0["start_loss"], "end_loss": r0["end_loss"],
@@ -391,6 +416,18 @@ def train_worker(spec: dict) -> None:
     first = spec["rank"] == 0
     eval_start = T.evaluate(model, heldout) if first else None
     kwargs = dict(spec["kwargs"])
+    # --slow RANK=S: this rank is a slower machine, S more seconds of compute per sample
+    slow = spec.get("slow_per_sample", 0.0) if spec["rank"] == spec.get("slow_rank", -1) else 0.0
+    trained = {"steps": 0, "samples": 0}
+    optimizer.register_step_post_hook(lambda *_: trained.__setitem__("steps", trained["steps"] + 1))
+
+    def loss_of(batch):
+        n = len(batch[1])
+        trained["samples"] += n
+        if slow:
+            time.sleep(slow * n)
+        return T.loss_fn(model, batch)
+
     if isinstance(kwargs.get("outer_optimizer"), dict):  # --outer-lr / --outer-momentum (outer_sgd)
         outer = kwargs["outer_optimizer"]
         kwargs["outer_optimizer"] = lambda params: torch.optim.SGD(params, **outer)
@@ -408,7 +445,7 @@ def train_worker(spec: dict) -> None:
     per_step = None
     with job:
         for batch in job:
-            loss = job.step(lambda: T.loss_fn(model, batch))
+            loss = job.step(lambda: loss_of(batch))
             if loss is None:
                 continue  # a dropped step (no membership change is expected here)
             losses.append(loss)
@@ -431,6 +468,7 @@ def train_worker(spec: dict) -> None:
             "eval_loss_start": eval_start, "eval_loss": T.evaluate(model, heldout) if first else None,
             # what rank 0 puts in the status document (records.NetworkFigures): what `eltctl status` reads
             "status_network": job._status.network.fields().get("network") if first else None,
+            "optimizer_steps": trained["steps"], "samples_trained": trained["samples"],
         }), flush=True)
 
 
@@ -456,6 +494,8 @@ class TrainPlan:
     threads: int
     timeout_s: float
     balance: bool = True  # ElasticJob(balance=): shares follow the ranks' speeds (False: equal, reproducible)
+    slow_rank: int = -1  # --slow: this rank is a slower machine (-1: none) ...
+    slow_per_sample: float = 0.0  # ... by this many seconds of compute per sample
 
 
 def probe_parameters() -> list[str]:
@@ -609,6 +649,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the timing and the byte counts")
     ap.add_argument("--eval-samples", type=int, default=2048, help="held-out windows for the loss")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--slow", default=None, metavar="RANK=SECONDS",
+                    help="mixed hardware: rank RANK is a slower machine, SECONDS more compute per sample")
+    ap.add_argument("--inner-batch", type=int, default=16,
+                    help="local_inner: the samples of one inner step (a faster rank takes more of them)")
     ap.add_argument("--no-balance", action="store_true",
                     help="equal shares (ElasticJob(balance=False)): local steps' losses repeat from run to run")
     ap.add_argument("--torchft", default=None, metavar="DIR[:DIR]",
@@ -626,7 +670,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
-    table = train_modes(args.sync_every, outer_sgd(args.outer_lr, args.outer_momentum))
+    table = train_modes(args.sync_every, outer_sgd(args.outer_lr, args.outer_momentum), args.inner_batch)
+    try:
+        args.slow_rank, args.slow_per_sample = parse_slow(args.slow)
+    except ValueError as e:
+        ap.error(str(e))
     wanted = args.train_modes.split(",")
     unknown = sorted(set(wanted) - set(table))
     if unknown:
@@ -677,7 +725,8 @@ def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, di
         corpus = workdir / "corpus.txt"
         corpus.write_bytes(_textlm.build_corpus(int(args.corpus_mb * 1e6)))
         plan = TrainPlan(str(corpus), asdict(shape), args.stride, args.steps, args.batch, args.lr, 0,
-                         args.warmup, args.eval_samples, args.threads, args.job_timeout, not args.no_balance)
+                         args.warmup, args.eval_samples, args.threads, args.job_timeout, not args.no_balance,
+                         args.slow_rank, args.slow_per_sample)
         for world in worlds:
             r, s = train_world(world, cases, runnable, plan, workdir, None if no_torchft else args.torchft,
                                args.sync_every)

@@ -117,7 +117,8 @@ def _rank(rank, window, wait, tx, job_bytes=None, **kw):
     return {"rank": rank, "steps": 20, "measured_steps": 10, "window_s": window, "wait_s": wait,
             "tx_bytes": tx, "job_bytes": job_bytes, "job_bytes_per_step": 100,
             "start_loss": 5.5 if rank == 0 else None, "end_loss": 3.0 if rank == 0 else None,
-            "eval_loss_start": 5.5 if rank == 0 else None, "eval_loss": kw.get("eval_loss")}
+            "eval_loss_start": 5.5 if rank == 0 else None, "eval_loss": kw.get("eval_loss"),
+            "optimizer_steps": 20 + 10 * rank, "samples_trained": 100 + rank}
 
 
 def test_summarize_train_per_rank_utilization_and_bytes_per_sample():
@@ -125,6 +126,7 @@ def test_summarize_train_per_rank_utilization_and_bytes_per_sample():
     row = net.summarize_train(2, case, "bf16", [_rank(1, 4.0, 3.0, 6400, 3200),
                                                 _rank(0, 5.0, 1.0, 3200, 3200, eval_loss=2.5)], 32)
     assert row["utilization_per_rank"] == [0.8, 0.25]  # rank order
+    assert row["optimizer_steps_per_rank"] == [20, 30] and row["samples_per_rank"] == [100, 101]
     assert row["utilization"] == 0.525 and row["utilization_min"] == 0.25
     assert row["step_s"] == 0.5  # the slower rank's window over the measured steps
     assert row["wire_bytes_per_sample"] == 15.0  # mean tx 4800 over 10 steps x 32 samples
@@ -152,6 +154,17 @@ def test_the_outer_sgd_flags_go_to_the_local_mode_only_when_given():
     assert modes["local"]["outer_optimizer"] == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
     assert "outer_optimizer" not in modes["sync_fp32"]
     assert net.refusal(["sync", "sync_every", "outer_optimizer"], modes["local"]) is None
+
+
+def test_local_inner_takes_the_inner_batch_and_slow_names_a_rank_and_its_seconds_per_sample():
+    assert net.train_modes(16, None, 8)["local_inner"] == {"sync": "local", "sync_every": 16, "inner_batch": 8}
+    assert net.train_modes(16)["local_overlap_bf16"] == {"sync": "local", "sync_every": 16, "sync_overlap": True,
+                                                         "grad_dtype": "bf16"}
+    assert net.parse_slow(None) == (-1, 0.0)
+    assert net.parse_slow("1=0.002") == (1, 0.002)
+    for bad in ("1", "x=0.1", "-1=0.1", "1=-0.1", "1=nan"):
+        with pytest.raises(ValueError, match=r"--slow takes RANK=SECONDS"):
+            net.parse_slow(bad)
 
 
 def test_the_status_column_says_what_eltctl_status_would_name_as_the_job_s_speed():
