@@ -67,10 +67,20 @@ def test_the_metrics_file_exports_the_share_and_the_bytes():
 
 
 def test_local_steps_are_named_in_the_document_the_line_and_the_hint():
-    """Local steps (runtime/train/local.py) add mode and sync_every to rank 0's `network`."""
+    """Local steps (runtime/train/local.py) add mode and sync_every to rank 0's `network`, and
+    the options that are on (sync_overlap, grad_dtype="bf16", inner_batch)."""
     local = {**BOUND, "mode": "local", "sync_every": 16}
     assert network_entry({"network": local}) == local
     assert network_entry({"network": {**BOUND, "mode": "local", "sync_every": "x"}}) == BOUND
     assert network_line(local) == ("67% of the step (wait 1.2 s of 1.8 s), 200 MB per step; local steps, "
                                    "averaged every 16 steps")
-    assert "a larger sync_every" in network_hint(local) and "bf16" not in network_hint(local)
+    assert "a larger sync_every" in network_hint(local) and "sync_overlap=True hides" in network_hint(local)
+    assert 'grad_dtype="bf16" halves its bytes' in network_hint(local)
+    # its options (sync_overlap, grad_dtype, inner_batch): carried, shown, and no longer suggested once on
+    full = {**local, "sync_overlap": True, "grad_dtype": "bf16", "inner_batch": 16}
+    assert network_entry({"network": full}) == full
+    assert network_entry({"network": {**local, "sync_overlap": "yes", "grad_dtype": "fp16", "inner_batch": 0}}) == local
+    assert network_line(full).endswith("local steps, averaged every 16 steps (overlapped, in bf16, inner steps of 16)")
+    assert network_line({**local, "sync_overlap": True}).endswith("averaged every 16 steps (overlapped)")
+    hint = network_hint(full)
+    assert "a larger sync_every" in hint and "sync_overlap" not in hint and "bf16" not in hint

@@ -526,7 +526,14 @@ def network_entry(runtime_status: Mapping[str, Any]) -> dict[str, Any] | None:
            for k in NETWORK_FIELDS}
     every = net.get("sync_every")
     if net.get("mode") == "local" and isinstance(every, int) and not isinstance(every, bool):
-        out.update(mode="local", sync_every=every)  # local steps (runtime/train/local.py)
+        out.update(mode="local", sync_every=every)  # local steps (runtime/train/local.py), and its options:
+        if net.get("sync_overlap") is True:
+            out["sync_overlap"] = True
+        inner = net.get("inner_batch")
+        if isinstance(inner, int) and not isinstance(inner, bool) and inner > 0:
+            out["inner_batch"] = inner
+        if net.get("grad_dtype") == "bf16":
+            out["grad_dtype"] = "bf16"
     return out if out["share"] is not None else None
 
 

@@ -149,6 +149,10 @@ def network_line(net: Any) -> str | None:
         line += f", {format_bytes(size)} per step"
     if net.get("mode") == "local":  # local steps: the parameters are averaged once per round
         line += f"; local steps, averaged every {net.get('sync_every')} steps"
+        options = [o for o, on in (("overlapped", net.get("sync_overlap")), ("in bf16", net.get("grad_dtype")),
+                                   (f"inner steps of {net.get('inner_batch')}", net.get("inner_batch"))) if on]
+        if options:
+            line += f" ({', '.join(options)})"
     return line
 
 
@@ -159,8 +163,11 @@ def network_hint(net: Any) -> str | None:
     if share is None or share <= NETWORK_BOUND:
         return None
     if net.get("mode") == "local":
+        more = [o for o, on in (("sync_overlap=True hides the averaging under the next round's steps",
+                                 not net.get("sync_overlap")),
+                                ("grad_dtype=\"bf16\" halves its bytes", not net.get("grad_dtype"))) if on]
         return ("the network sets the job's speed even with local steps: a larger sync_every averages less "
-                "often (docs/network.md, \"Local steps (DiLoCo)\")")
+                f"often{''.join('; ' + m for m in more)} (docs/network.md, \"Local steps (DiLoCo)\")")
     return ("the network sets the job's speed, not the workers' compute: a bf16 all-reduce "
             "(ElasticJob(grad_dtype=\"bf16\")) halves the bytes (docs/network.md, \"Where a step's time goes\")")
 
