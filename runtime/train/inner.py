@@ -15,8 +15,9 @@ more steps on more samples weighs more.
 A step of rank r with share n_r and the job's global batch G, with b = inner_batch::
 
     groups         n_r's indices cut into groups of b (the last may be smaller), each
-                   group cut into micro-batches by the usual limit (micro_batch_size, a
-                   host's max_micro_batch, an out-of-memory halving)
+                   group into micro-batches of the largest divisor of b within the usual
+                   limit (micro_batch_size, a host's max_micro_batch, an out-of-memory
+                   halving), so the input pipeline prepares them as ever
     each group     backward over its micro-batches (the job scales each loss by m / G)
                    -> the gradient times G / (the group's samples): the gradient of the
                    group's MEAN loss -> the inner step (unscale, clip, the script's hook,
@@ -59,18 +60,35 @@ def check_inner_batch(inner_batch: Any, local: bool) -> int | None:
     return inner_batch
 
 
-def inner_chunks(indices: list[int], inner_batch: int | None, micro: int | None) -> tuple[list[list[int]], set[int]]:
-    """A rank's share of a step as micro-batches, and the numbers of the micro-batches
-    (counted from 1) after which an inner step is taken before the step's last one
-    (the module docstring's groups). Pure."""
+def micro_limit(inner_batch: int | None, micro: int | None) -> int | None:
+    """The micro-batch size with inner steps of `inner_batch`: the largest divisor of
+    inner_batch that is at most `micro` (the usual limit; None: none), so every group of
+    inner_batch samples is whole micro-batches and a share's chunks are the plain
+    micro-batches the input pipeline prepares (pipeline.micro_chunks). Pure."""
     if not inner_batch:
-        return micro_chunks(indices, micro), set()
-    chunks: list[list[int]] = []
-    ends: list[int] = []
-    for g in range(0, len(indices), inner_batch):
-        chunks += micro_chunks(indices[g:g + inner_batch], micro)
-        ends.append(len(chunks))
-    return chunks or [[]], set(ends[:-1])  # the last group's inner step is the job step's own
+        return micro
+    m = min(micro or inner_batch, inner_batch)
+    while inner_batch % m:
+        m -= 1
+    return m
+
+
+def step_ends(n_chunks: int, inner_batch: int | None, micro: int | None) -> set[int]:
+    """The numbers of the micro-batches (counted from 1) after which an inner step is
+    taken before the step's last one, for a share cut into `n_chunks` micro-batches of
+    `micro` (micro_limit's). Pure."""
+    if not inner_batch or not micro:
+        return set()
+    per = inner_batch // micro
+    return set(range(per, n_chunks, per))  # the last group's inner step is the job step's own
+
+
+def inner_chunks(indices: list[int], inner_batch: int | None, micro: int | None) -> tuple[list[list[int]], set[int]]:
+    """A rank's share of a step as micro-batches, and step_ends' numbers: the module
+    docstring's groups, as ElasticJob cuts them. Pure."""
+    m = micro_limit(inner_batch, micro)
+    chunks = micro_chunks(indices, m)
+    return chunks, step_ends(len(chunks), inner_batch, m)
 
 
 class InnerSteps:
@@ -85,11 +103,14 @@ class InnerSteps:
         self._group = 0  # samples of the group in progress
         self.stepped = 0  # samples of this step already taken by an inner step
 
-    def chunks(self, indices: list[int], micro: int | None) -> list[list[int]]:
-        """The step's micro-batches (a new step: nothing stepped yet)."""
-        chunks, self._ends = inner_chunks(indices, self.inner_batch, micro)
+    def micro_limit(self, micro: int | None) -> int | None:
+        """The step's micro-batch size (module function micro_limit)."""
+        return micro_limit(self.inner_batch, micro)
+
+    def begin_step(self, n_chunks: int, micro: int | None) -> None:
+        """A new step, its share cut into `n_chunks` micro-batches of `micro` (micro_limit's)."""
+        self._ends = step_ends(n_chunks, self.inner_batch, micro)
         self._seen = self._group = self.stepped = 0
-        return chunks
 
     def micro_batch_done(self, path: Any, job: Any, n: int, global_count: int) -> None:
         """A micro-batch before the step's last went through backward with `n` samples:

@@ -280,7 +280,9 @@ class ElasticJob(MemberViews):
             s = self._sampler
             indices = self._indices_for(s)
             micro = self._shares.micro_limit(self.config.max_micro_batch)
-            chunks = micro_chunks(indices, micro) if self._rounds is None else self._rounds.inner.chunks(indices, micro)
+            if self._rounds is not None:  # local steps' inner steps of a fixed size cut the share too (inner.py)
+                micro = self._rounds.inner.micro_limit(micro)
+            chunks = micro_chunks(indices, micro)
             flight = InFlight(indices, s.step_size(), s.global_indices() if self._audit is not None else [])
             if self._grads.reduces_micro_batches and self.world_size > 1:  # ZeRO-2: rounds agreed
                 try:
@@ -293,6 +295,8 @@ class ElasticJob(MemberViews):
                               steps_left=self._end.steps_left(self._step))
             self._flight = flight
             self._mb_left = len(chunks)
+            if self._rounds is not None:
+                self._rounds.inner.begin_step(len(chunks), micro)
             for chunk in chunks:
                 flight.mb_count = len(chunk)
                 flight.in_step = True

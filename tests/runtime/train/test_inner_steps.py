@@ -12,6 +12,7 @@ import torch
 
 from eltctl_runtime.train import local
 from eltctl_runtime.train.inner import inner_chunks
+from eltctl_runtime.train.pipeline import micro_chunks
 from eltctl_runtime.train.shares import Shares
 from eltctl_runtime.train.step import OptimizerStep
 from eltctl_runtime.train.tail import Control, layout as tail_layout
@@ -24,7 +25,8 @@ from tests.runtime.train.test_local_steps import (local_sgd, make_model, mean_lo
     ([1, 2, 3, 4, 5], None, None, [[1, 2, 3, 4, 5]], set()),  # off: the share in micro-batches, one inner step
     ([1, 2, 3, 4, 5], None, 2, [[1, 2], [3, 4], [5]], set()),
     ([1, 2, 3, 4, 5], 2, None, [[1, 2], [3, 4], [5]], {1, 2}),  # steps after the 1st and 2nd; the 3rd is the step's
-    ([1, 2, 3, 4, 5], 4, 3, [[1, 2, 3], [4], [5]], {2}),  # a group of 4 in micro-batches of 3 and 1
+    ([1, 2, 3, 4, 5], 4, 3, [[1, 2], [3, 4], [5]], {2}),  # micro-batches of 2: the largest divisor of 4 within 3
+    ([1, 2, 3, 4, 5, 6, 7], 3, 1, [[1], [2], [3], [4], [5], [6], [7]], {3, 6}),
     ([1, 2, 3], 8, None, [[1, 2, 3]], set()),  # a share smaller than inner_batch: one inner step
     ([], 2, None, [[]], set()),  # no share: the rank still takes part in the step
 ])
@@ -34,7 +36,7 @@ def test_a_share_is_cut_into_groups_of_inner_batch_then_micro_batches(indices, i
 
 def run_inner_ranks(shares: list[list[list[int]]], sync_every: int, inner_batch: int, micro: int | None) -> list[dict]:
     """Two ranks (threads, gloo) run one round as ElasticJob's loop does with inner_batch:
-    the share's micro-batches (InnerSteps.chunks), each loss scaled by m / global_count, an
+    the share's micro-batches (InnerSteps.micro_limit, begin_step), each loss scaled by m / global_count, an
     inner step where a group ends (InnerSteps.micro_batch_done), the last one after the
     tail's all-reduce (finish, the OptimizerStep), then the round's averaging."""
     store = torch.distributed.HashStore()
@@ -60,7 +62,9 @@ def run_inner_ranks(shares: list[list[list[int]]], sync_every: int, inner_batch:
         for t in range(sync_every):
             idx = shares[r][t]
             total = len(idx) + len(shares[1 - r][t])
-            chunks = path.inner.chunks(idx, micro)
+            m = path.inner.micro_limit(micro)
+            chunks = micro_chunks(idx, m)
+            path.inner.begin_step(len(chunks), m)
             for k, chunk in enumerate(chunks):
                 if k == len(chunks) - 1:
                     path.begin(lay.size)
