@@ -144,7 +144,8 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
 
 def render_events(rows: list[dict], skipped: list[dict]) -> str:
     head = (f"{'world':>5}  {'link':<16} {'mode':<10} {'steady s':>8} {'round s':>8} {'join pause':>10} "
-            f"{'(max)':>6} {'leave pause':>11} {'(max)':>6} {'state MB':>8} {'caught up':>9} {'leaver rc':>9}")
+            f"{'(max)':>6} {'leave pause':>11} {'(max)':>6} {'state MB':>8} {'caught up':>9} {'leaver rc':>9} "
+            f"{'exit s':>6}")
     lines = [head, "-" * len(head)]
 
     def num(v, fmt=".2f"):
@@ -156,7 +157,7 @@ def render_events(rows: list[dict], skipped: list[dict]) -> str:
         lines.append(f"{r['world']:>5}  {link:<16} {r['mode']:<10} {num(r['steady_s'], '.3f'):>8} "
                      f"{num(r['steady_max_s'], '.3f'):>8} {num(r['join_pause_s']):>10} {num(r['join_pause_max_s']):>6} "
                      f"{num(r['leave_pause_s']):>11} {num(r['leave_pause_max_s']):>6} {r['state_mb']:>8.1f} "
-                     f"{cu:>9} {num(r['leaver_exit'], 'd'):>9}")
+                     f"{cu:>9} {num(r['leaver_exit'], 'd'):>9} {num(r.get('leaver_exit_after_term_s')):>6}")
     lines += [f"skipped {s['mode']}, world {s.get('world')}: {s['reason']}" for s in skipped]
     return "\n".join(lines)
 
@@ -207,9 +208,10 @@ class EventJobFailed(Exception):
 
 def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict, kwargs: dict, plan,
                   workdir: Path, script: str, join_after: int, leave_after: int,
-                  debug: bool = False) -> tuple[list[dict], str, int | None]:
+                  debug: bool = False) -> tuple[list[dict], str, int | None, float | None]:
     """Start h1..h(W-1), the joiner on hW after `join_after` steps, SIGTERM h2 after
-    `leave_after` steps at W; return the records, the joiner's log, h2's exit status."""
+    `leave_after` steps at W; return the records, the joiner's log, h2's exit status and
+    the seconds from its SIGTERM to its exit (how soon a yielding worker frees its device)."""
     from tests.testbed.hostpython import HOST_PYTHON
 
     procs: dict[str, _bed.Rank] = {}
@@ -237,6 +239,12 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
     deadline = time.monotonic() + plan.timeout_s
     joined_at = None
     sent_term = False
+    leaver_exit_s: list[float] = []
+
+    def watch_leaver(proc, t0: float) -> None:
+        proc.wait()
+        leaver_exit_s.append(time.monotonic() - t0)
+
     out_h1 = None
     try:
         while out_h1 is None:
@@ -256,6 +264,7 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
                     joined_at = rec["progress"]
                 if joined_at is not None and not sent_term and rec["progress"] >= joined_at + leave_after:
                     os.kill(procs["h2"][0].pid, signal.SIGTERM)  # `ip netns exec` execs: this is the worker
+                    threading.Thread(target=watch_leaver, args=(procs["h2"][0], time.monotonic()), daemon=True).start()
                     sent_term = True
         records = [out_h1]
         for host, (proc, log) in procs.items():
@@ -272,7 +281,8 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
     finally:
         _bed.stop_ranks(procs.values())
     joiner = (workdir / f"{job}-h{world}.log").read_text(errors="replace")
-    return records, joiner, procs["h2"][0].returncode if sent_term else None
+    return (records, joiner, procs["h2"][0].returncode if sent_term else None,
+            round(leaver_exit_s[0], 3) if leaver_exit_s else None)
 
 
 def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, workdir: Path, *, script: str,
@@ -299,14 +309,14 @@ def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, wor
                 for mode, kwargs in modes.items():
                     job = f"ev-{mode}-w{world}-{case.rate_mbit:g}-{case.delay_ms:g}-{os.getpid()}"
                     try:
-                        records, joiner, rc = run_event_job(bed, world, job, master, port, base, kwargs, plan,
+                        records, joiner, rc, exit_s = run_event_job(bed, world, job, master, port, base, kwargs, plan,
                                                             workdir, script, join_after, leave_after, debug)
                     except EventJobFailed as e:
                         skipped.append({"mode": mode, "world": world, **asdict(case), "reason": str(e),
                                         "failed": True})
                         print(f"events {mode}, world {world}, {case.label}: {e}", file=sys.stderr, flush=True)
                         continue
-                    rows.append(summarize_events(mode, world, case.rate_mbit, case.delay_ms, records, joiner, rc,
-                                                 plan.warmup))
+                    rows.append({**summarize_events(mode, world, case.rate_mbit, case.delay_ms, records, joiner, rc,
+                                                    plan.warmup), "leaver_exit_after_term_s": exit_s})
                     print(render_events(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
     return rows, skipped
