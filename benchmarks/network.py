@@ -251,6 +251,9 @@ def train_modes(sync_every: int, outer: dict | None = None, inner_batch: int = 1
         # the round's averaging overlapped with the next round's compute (runtime/train/local.py)
         "local_overlap": {"sync": "local", "sync_every": sync_every, "sync_overlap": True,
                           **({"outer_optimizer": outer} if outer else {})},
+        # a round's weighted deltas as bfloat16: half a round's bytes (runtime/train/roundwire.py)
+        "local_bf16": {"sync": "local", "sync_every": sync_every, "grad_dtype": "bf16",
+                       **({"outer_optimizer": outer} if outer else {})},
         # the overlapped averaging's weighted deltas as bfloat16: half a round's bytes (runtime/train/roundwire.py)
         "local_overlap_bf16": {"sync": "local", "sync_every": sync_every, "sync_overlap": True, "grad_dtype": "bf16",
                                **({"outer_optimizer": outer} if outer else {})},

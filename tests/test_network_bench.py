@@ -158,6 +158,7 @@ def test_the_outer_sgd_flags_go_to_the_local_mode_only_when_given():
 
 def test_local_inner_takes_the_inner_batch_and_slow_names_a_rank_and_its_seconds_per_sample():
     assert net.train_modes(16, None, 8)["local_inner"] == {"sync": "local", "sync_every": 16, "inner_batch": 8}
+    assert net.train_modes(16)["local_bf16"] == {"sync": "local", "sync_every": 16, "grad_dtype": "bf16"}
     assert net.train_modes(16)["local_overlap_bf16"] == {"sync": "local", "sync_every": 16, "sync_overlap": True,
                                                          "grad_dtype": "bf16"}
     assert net.parse_slow(None) == (-1, 0.0)
