@@ -110,7 +110,7 @@ def catchup_facts(log_text: str) -> dict:
 
 
 def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, records: list[dict],
-                     joiner_log: str, leaver_exit: int | None, skip: int) -> dict:
+                     joiner_log: str, leaver_exit: int | None, skip: int, leaver_exit_s: float | None = None) -> dict:
     """One row: rank 0's join and leave pauses and steady step, the largest over every
     member that saw each event, the state's size and the joiner's catching up."""
     per_rank = []
@@ -139,7 +139,7 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
             "state_mb": round(records[0]["state_bytes"] / 1e6, 1),
             "caught_up": facts["caught_up"] if mode == "local" else None,
             "joiner_received_mb": facts["received_mb"], "joiner_catch_lines": facts["catch_lines"],
-            "leaver_exit": leaver_exit, "per_rank": per_rank}
+            "leaver_exit": leaver_exit, "leaver_exit_after_term_s": leaver_exit_s, "per_rank": per_rank}
 
 
 def render_events(rows: list[dict], skipped: list[dict]) -> str:
@@ -157,7 +157,7 @@ def render_events(rows: list[dict], skipped: list[dict]) -> str:
         lines.append(f"{r['world']:>5}  {link:<16} {r['mode']:<10} {num(r['steady_s'], '.3f'):>8} "
                      f"{num(r['steady_max_s'], '.3f'):>8} {num(r['join_pause_s']):>10} {num(r['join_pause_max_s']):>6} "
                      f"{num(r['leave_pause_s']):>11} {num(r['leave_pause_max_s']):>6} {r['state_mb']:>8.1f} "
-                     f"{cu:>9} {num(r['leaver_exit'], 'd'):>9} {num(r.get('leaver_exit_after_term_s')):>6}")
+                     f"{cu:>9} {num(r['leaver_exit'], 'd'):>9} {num(r['leaver_exit_after_term_s']):>6}")
     lines += [f"skipped {s['mode']}, world {s.get('world')}: {s['reason']}" for s in skipped]
     return "\n".join(lines)
 
@@ -316,7 +316,7 @@ def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, wor
                                         "failed": True})
                         print(f"events {mode}, world {world}, {case.label}: {e}", file=sys.stderr, flush=True)
                         continue
-                    rows.append({**summarize_events(mode, world, case.rate_mbit, case.delay_ms, records, joiner, rc,
-                                                    plan.warmup), "leaver_exit_after_term_s": exit_s})
+                    rows.append(summarize_events(mode, world, case.rate_mbit, case.delay_ms, records, joiner, rc,
+                                                 plan.warmup, exit_s))
                     print(render_events(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
     return rows, skipped

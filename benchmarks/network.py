@@ -243,23 +243,18 @@ def train_modes(sync_every: int, outer: dict | None = None, inner_batch: int = 1
     `outer`: local steps' outer SGD's arguments (lr, momentum, nesterov) where not the
     runtime's default; the worker makes the `outer_optimizer` callable of them.
     `inner_batch`: local_inner's inner steps' size (runtime/train/inner.py)."""
+    def local(**options) -> dict:  # local steps with `options` (runtime/train/local.py)
+        return {"sync": "local", "sync_every": sync_every, **options, **({"outer_optimizer": outer} if outer else {})}
+
     return {
         SYNC: {},
         "bf16": {"grad_dtype": "bf16"},
         "lowrank": {"compress": "powersgd"},
-        "local": {"sync": "local", "sync_every": sync_every, **({"outer_optimizer": outer} if outer else {})},
-        # the round's averaging overlapped with the next round's compute (runtime/train/local.py)
-        "local_overlap": {"sync": "local", "sync_every": sync_every, "sync_overlap": True,
-                          **({"outer_optimizer": outer} if outer else {})},
-        # a round's weighted deltas as bfloat16: half a round's bytes (runtime/train/roundwire.py)
-        "local_bf16": {"sync": "local", "sync_every": sync_every, "grad_dtype": "bf16",
-                       **({"outer_optimizer": outer} if outer else {})},
-        # the overlapped averaging's weighted deltas as bfloat16: half a round's bytes (runtime/train/roundwire.py)
-        "local_overlap_bf16": {"sync": "local", "sync_every": sync_every, "sync_overlap": True, "grad_dtype": "bf16",
-                               **({"outer_optimizer": outer} if outer else {})},
-        # inner steps of inner_batch samples: a faster rank (a bigger share) takes more of them
-        "local_inner": {"sync": "local", "sync_every": sync_every, "inner_batch": inner_batch,
-                        **({"outer_optimizer": outer} if outer else {})},
+        "local": local(),
+        "local_overlap": local(sync_overlap=True),  # the round's averaging under the next round's compute
+        "local_bf16": local(grad_dtype="bf16"),  # a round's weighted deltas as bfloat16: half its bytes (roundwire.py)
+        "local_overlap_bf16": local(sync_overlap=True, grad_dtype="bf16"),
+        "local_inner": local(inner_batch=inner_batch),  # a faster rank (a bigger share) takes more inner steps
     }
 
 

@@ -45,8 +45,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .pipeline import micro_chunks
-
 
 def check_inner_batch(inner_batch: Any, local: bool) -> int | None:
     """Validate ElasticJob's inner_batch (None: one inner step per job step). Pure."""
@@ -81,14 +79,6 @@ def step_ends(n_chunks: int, inner_batch: int | None, micro: int | None) -> set[
         return set()
     per = inner_batch // micro
     return set(range(per, n_chunks, per))  # the last group's inner step is the job step's own
-
-
-def inner_chunks(indices: list[int], inner_batch: int | None, micro: int | None) -> tuple[list[list[int]], set[int]]:
-    """A rank's share of a step as micro-batches, and step_ends' numbers: the module
-    docstring's groups, as ElasticJob cuts them. Pure."""
-    m = micro_limit(inner_batch, micro)
-    chunks = micro_chunks(indices, m)
-    return chunks, step_ends(len(chunks), inner_batch, m)
 
 
 class InnerSteps:

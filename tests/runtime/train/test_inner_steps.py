@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eltctl_runtime.train import local
-from eltctl_runtime.train.inner import inner_chunks
+from eltctl_runtime.train.inner import micro_limit, step_ends
 from eltctl_runtime.train.pipeline import micro_chunks
 from eltctl_runtime.train.shares import Shares
 from eltctl_runtime.train.step import OptimizerStep
@@ -31,7 +31,9 @@ from tests.runtime.train.test_local_steps import (local_sgd, make_model, mean_lo
     ([], 2, None, [[]], set()),  # no share: the rank still takes part in the step
 ])
 def test_a_share_is_cut_into_groups_of_inner_batch_then_micro_batches(indices, inner_batch, micro, chunks, ends):
-    assert inner_chunks(indices, inner_batch, micro) == (chunks, ends)
+    m = micro_limit(inner_batch, micro)  # as ElasticJob cuts a share: the micro-batch size, then where groups end
+    cut = micro_chunks(indices, m)
+    assert (cut, step_ends(len(cut), inner_batch, m)) == (chunks, ends)
 
 
 def run_inner_ranks(shares: list[list[list[int]]], sync_every: int, inner_batch: int, micro: int | None) -> list[dict]:
@@ -50,15 +52,8 @@ def run_inner_ranks(shares: list[list[list[int]]], sync_every: int, inner_batch:
         path.bind(gloo_group(store, "i", r, 2), r, ["a", "b"], threading.Event())
         path.start_round()
         lay = tail_layout(2)
-        computed, inner_steps = [], 0
-        counting = inner.step
-
-        def count_step(*a, **kw):
-            nonlocal inner_steps
-            inner_steps += 1
-            return counting(*a, **kw)
-
-        inner.step = count_step
+        computed, inner_steps = [], []
+        inner.register_step_post_hook(lambda *_: inner_steps.append(1))
         for t in range(sync_every):
             idx = shares[r][t]
             total = len(idx) + len(shares[1 - r][t])
@@ -81,7 +76,7 @@ def run_inner_ranks(shares: list[list[list[int]]], sync_every: int, inner_batch:
             job._shares.compute_s = 0.0
         assert path.round_samples == sum(len(s) for s in shares[r][:sync_every])
         path.average(threading.Event())
-        return {"params": [p.detach().clone() for p in params], "inner_steps": inner_steps, "computed": computed,
+        return {"params": [p.detach().clone() for p in params], "inner_steps": len(inner_steps), "computed": computed,
                 "mode": job._status.network.mode, "fingerprint": path.fingerprint(model, inner, {})}
 
     return [v for _k, v in sorted(run_threads({r: (lambda r=r: rank(r)) for r in range(2)}).items())]
