@@ -142,6 +142,45 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
             "leaver_exit": leaver_exit, "leaver_exit_after_term_s": leaver_exit_s, "per_rank": per_rank}
 
 
+# What `medians` summarizes over a mode's turns: each one's value in every turn, and their median.
+REPEATED = ("join_pause_s", "join_pause_vs_new_world_s", "join_pause_vs_round_end_s", "leave_pause_s",
+            "leave_pause_vs_new_world_s", "leaver_exit_after_term_s", "steady_s")
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Per (world, link, mode), in first-seen order: the turns' values of each REPEATED
+    figure (None where a turn has none) and their median over the turns that have one."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["world"], r["rate_mbit"], r["delay_ms"], r["mode"]), []).append(r)
+    out = []
+    for (world, rate, delay, mode), rs in groups.items():
+        row: dict = {"mode": mode, "world": world, "rate_mbit": rate, "delay_ms": delay, "turns": len(rs)}
+        for key in REPEATED:
+            values = [r.get(key) for r in rs]
+            have = [v for v in values if v is not None]
+            row[key] = _r(statistics.median(have)) if have else None
+            row[key + "_each"] = values
+        out.append(row)
+    return out
+
+
+def render_medians(rows: list[dict]) -> str:
+    """The medians over the turns, a line per mode and link."""
+    def num(v):
+        return "n/a" if v is None else f"{v:.2f}"
+
+    head = (f"{'world':>5}  {'link':<16} {'mode':<10} {'turns':>5} {'join beyond new-world step':>27} "
+            f"{'leave beyond':>12} {'leaver exit s':>13}")
+    lines = [head, "-" * len(head)]
+    for m in rows:
+        link = f"{m['rate_mbit']:g} Mbit/s, {m['delay_ms']:g} ms"
+        lines.append(f"{m['world']:>5}  {link:<16} {m['mode']:<10} {m['turns']:>5} "
+                     f"{num(m['join_pause_vs_new_world_s']):>27} {num(m['leave_pause_vs_new_world_s']):>12} "
+                     f"{num(m['leaver_exit_after_term_s']):>13}")
+    return "\n".join(lines)
+
+
 def render_events(rows: list[dict], skipped: list[dict]) -> str:
     head = (f"{'world':>5}  {'link':<16} {'mode':<10} {'steady s':>8} {'round s':>8} {'join pause':>10} "
             f"{'(max)':>6} {'leave pause':>11} {'(max)':>6} {'state MB':>8} {'caught up':>9} {'leaver rc':>9} "
@@ -286,9 +325,11 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
 
 
 def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, workdir: Path, *, script: str,
-               port: int, join_after: int, leave_after: int, debug: bool = False) -> tuple[list[dict], list[dict]]:
+               port: int, join_after: int, leave_after: int, debug: bool = False,
+               repeats: int = 1) -> tuple[list[dict], list[dict]]:
     """A bed per world (3 or more: h2 leaves and h1 stays rank 0), a store on h1; per
-    link, one job per mode."""
+    link, one job per mode, `repeats` times, the modes taking turns (so that what the
+    machine does meanwhile falls on every mode alike); each row carries its `turn`."""
     from tests.testbed.netns import Link, NetBed
 
     rows: list[dict] = []
@@ -306,8 +347,8 @@ def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, wor
         with NetBed(world) as bed, _bed.job_store(bed, "h1", port, base) as master:
             for case in runnable:
                 bed.reshape_all(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
-                for mode, kwargs in modes.items():
-                    job = f"ev-{mode}-w{world}-{case.rate_mbit:g}-{case.delay_ms:g}-{os.getpid()}"
+                for turn, (mode, kwargs) in ((t, m) for t in range(repeats) for m in modes.items()):
+                    job = f"ev-{mode}-w{world}-{case.rate_mbit:g}-{case.delay_ms:g}-{os.getpid()}-{turn}"
                     try:
                         records, joiner, rc, exit_s = run_event_job(bed, world, job, master, port, base, kwargs, plan,
                                                             workdir, script, join_after, leave_after, debug)
@@ -316,7 +357,7 @@ def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, wor
                                         "failed": True})
                         print(f"events {mode}, world {world}, {case.label}: {e}", file=sys.stderr, flush=True)
                         continue
-                    rows.append(summarize_events(mode, world, case.rate_mbit, case.delay_ms, records, joiner, rc,
-                                                 plan.warmup, exit_s))
+                    rows.append({**summarize_events(mode, world, case.rate_mbit, case.delay_ms, records, joiner, rc,
+                                                    plan.warmup, exit_s), "turn": turn})
                     print(render_events(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
     return rows, skipped

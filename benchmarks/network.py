@@ -621,6 +621,8 @@ def main(argv: list[str] | None = None) -> None:
                          "not by default)")
     ap.add_argument("--join-after", type=int, default=30, help="events: steps at W-1 before the W-th rank starts")
     ap.add_argument("--leave-after", type=int, default=30, help="events: steps at W before h2 gets SIGTERM")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="events: jobs per mode and link, the modes taking turns; the medians over them are reported")
     ap.add_argument("--keep-logs", action="store_true", help="events: keep the ranks' logs (named on stderr), with the runtime's DEBUG "
                                                                   "lines (a generation's pause phases)")
     ap.add_argument("--mb", type=float, default=200, help="fp32 gradient size in MB (200: 50 M floats)")
@@ -680,6 +682,8 @@ def main(argv: list[str] | None = None) -> None:
     parts = set(args.parts.split(","))
     if parts - {"allreduce", "train", "events"} or not parts:
         ap.error(f"--parts takes allreduce, train and/or events, not {args.parts!r}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup < 1 or args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}), which must be at least 1")
     if os.geteuid() != 0:
@@ -705,6 +709,8 @@ def main(argv: list[str] | None = None) -> None:
         report["events"] = run_events_part(args, cases, worlds, {m: table[m] for m in chosen})
         if not args.json:
             print(_events.render_events(report["events"]["rows"], report["events"]["skipped"]))
+            if args.repeats > 1:
+                print(_events.render_medians(report["events"]["medians"]))
     if args.json:
         print(json.dumps(report, indent=2))
 
@@ -755,7 +761,7 @@ def run_events_part(args, cases: list[Case], worlds: list[int], modes: dict[str,
                      args.warmup, args.eval_samples, args.threads, args.job_timeout, not args.no_balance)
     rows, skipped = _events.run_events(worlds, cases, modes, plan, workdir, script=__file__,
                                        port=STORE_PORT, join_after=args.join_after, leave_after=args.leave_after,
-                                       debug=args.keep_logs)
+                                       debug=args.keep_logs, repeats=args.repeats)
     if args.keep_logs or any(s.get("failed") for s in skipped):
         print(f"the events jobs' logs are kept in {workdir}", file=sys.stderr)
     else:
@@ -764,7 +770,7 @@ def run_events_part(args, cases: list[Case], worlds: list[int], modes: dict[str,
             "sync_every": args.sync_every, "join_after": args.join_after, "leave_after": args.leave_after,
             "pause": "longest gap between committed steps around the step where the world size changed "
                      "(1 before, 3 after) less the median steady gap (rank 0; max over the members)",
-            "rows": rows, "skipped": skipped}
+            "repeats": args.repeats, "rows": rows, "medians": _events.medians(rows), "skipped": skipped}
 
 
 if __name__ == "__main__":

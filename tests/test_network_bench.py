@@ -279,3 +279,21 @@ def test_catchup_facts_read_the_joiners_log_lines():
     assert got["catching_up"] and got["caught_up"] and got["received_mb"] == 54.2
     none = ev.catchup_facts("INFO worker h3/cpu/2: admitted at step 31\n")
     assert not none["caught_up"] and none["received_mb"] is None
+
+
+def test_event_medians_take_each_mode_over_its_turns():
+    def row(mode, turn, exit_s, join):
+        return {"mode": mode, "world": 3, "rate_mbit": 1000.0, "delay_ms": 0.0, "turn": turn,
+                "leaver_exit_after_term_s": exit_s, "join_pause_vs_new_world_s": join}
+
+    rows = [row("sync_fp32", 0, 3.4, 2.0), row("local", 0, 4.0, None), row("sync_fp32", 1, 2.2, 0.5),
+            row("local", 1, 3.0, 0.9), row("sync_fp32", 2, 5.1, 0.6), row("local", 2, 3.5, None)]
+    got = ev.medians(rows)
+    assert [(m["mode"], m["turns"]) for m in got] == [("sync_fp32", 3), ("local", 3)]
+    sync, local = got
+    assert sync["leaver_exit_after_term_s"] == 3.4 and sync["leaver_exit_after_term_s_each"] == [3.4, 2.2, 5.1]
+    assert sync["join_pause_vs_new_world_s"] == 0.6
+    assert local["join_pause_vs_new_world_s"] == 0.9 and local["join_pause_vs_new_world_s_each"] == [None, 0.9, None]
+    assert local["leave_pause_s"] is None  # no turn has it
+    lines = ev.render_medians(got).splitlines()
+    assert len(lines) == 4 and "3.40" in lines[2] and "3.50" in lines[3]
