@@ -109,10 +109,31 @@ def catchup_facts(log_text: str) -> dict:
             "received_mb": got[-1] if got else None, "catch_lines": lines[-6:]}
 
 
+# A generation's pause phases (runtime/train/pause.py, DEBUG) that are the membership change
+# itself: what the members do for the change beyond a step (the round's averaging, the
+# step's compute and its reduction are the other phases).
+CHANGE_PHASES = ("plan", "hand_over", "group", "state", "reshard")
+
+
+def change_phases(log_text: str) -> dict[int, dict]:
+    """Per generation, from a rank's DEBUG log: its pause's total, its phases and the
+    sum of those of them that are the membership change (CHANGE_PHASES)."""
+    out = {}
+    for m in re.finditer(r"generation (\d+) pause phases (\{.*\})", log_text):
+        doc = json.loads(m.group(2))
+        phases = {name: s for name, s in doc["phases"]}
+        out[int(m.group(1))] = {"total_s": doc["total"], "phases": phases,
+                                "change_s": round(sum(phases.get(k, 0.0) for k in CHANGE_PHASES), 4)}
+    return out
+
+
 def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, records: list[dict],
-                     joiner_log: str, leaver_exit: int | None, skip: int, leaver_exit_s: float | None = None) -> dict:
+                     joiner_log: str, leaver_exit: int | None, skip: int, leaver_exit_s: float | None = None,
+                     first_log: str = "") -> dict:
     """One row: rank 0's join and leave pauses and steady step, the largest over every
-    member that saw each event, the state's size and the joiner's catching up."""
+    member that saw each event, the state's size and the joiner's catching up; with
+    `first_log` (h1's DEBUG log), the membership change's own phases at the join and at
+    the leave (`join_change_s`, `leave_change_s`: change_phases of the generations 1 and 2)."""
     per_rank = []
     for r in records:
         p = event_pauses([s[1] for s in r["steps"]], [s[2] for s in r["steps"]], skip=skip)
@@ -139,12 +160,21 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
             "state_mb": round(records[0]["state_bytes"] / 1e6, 1),
             "caught_up": facts["caught_up"] if mode == "local" else None,
             "joiner_received_mb": facts["received_mb"], "joiner_catch_lines": facts["catch_lines"],
-            "leaver_exit": leaver_exit, "leaver_exit_after_term_s": leaver_exit_s, "per_rank": per_rank}
+            "leaver_exit": leaver_exit, "leaver_exit_after_term_s": leaver_exit_s,
+            **_changes(first_log), "per_rank": per_rank}
+
+
+def _changes(first_log: str) -> dict:
+    """h1's pause phases at the join (generation 1) and the leave (generation 2)."""
+    gens = change_phases(first_log)
+    join, leave = gens.get(1), gens.get(2)
+    return {"join_change_s": join and join["change_s"], "leave_change_s": leave and leave["change_s"],
+            "join_phases": join and join["phases"], "leave_phases": leave and leave["phases"]}
 
 
 # What `medians` summarizes over a mode's turns: each one's value in every turn, and their median.
 REPEATED = ("join_pause_s", "join_pause_vs_new_world_s", "join_pause_vs_round_end_s", "leave_pause_s",
-            "leave_pause_vs_new_world_s", "leaver_exit_after_term_s", "steady_s")
+            "leave_pause_vs_new_world_s", "leaver_exit_after_term_s", "steady_s", "join_change_s", "leave_change_s")
 
 
 def medians(rows: list[dict]) -> list[dict]:
@@ -171,12 +201,13 @@ def render_medians(rows: list[dict]) -> str:
         return "n/a" if v is None else f"{v:.2f}"
 
     head = (f"{'world':>5}  {'link':<16} {'mode':<10} {'turns':>5} {'join beyond new-world step':>27} "
-            f"{'leave beyond':>12} {'leaver exit s':>13}")
+            f"{'(its change)':>12} {'leave beyond':>12} {'(its change)':>12} {'leaver exit s':>13}")
     lines = [head, "-" * len(head)]
     for m in rows:
         link = f"{m['rate_mbit']:g} Mbit/s, {m['delay_ms']:g} ms"
         lines.append(f"{m['world']:>5}  {link:<16} {m['mode']:<10} {m['turns']:>5} "
-                     f"{num(m['join_pause_vs_new_world_s']):>27} {num(m['leave_pause_vs_new_world_s']):>12} "
+                     f"{num(m['join_pause_vs_new_world_s']):>27} {num(m['join_change_s']):>12} "
+                     f"{num(m['leave_pause_vs_new_world_s']):>12} {num(m['leave_change_s']):>12} "
                      f"{num(m['leaver_exit_after_term_s']):>13}")
     return "\n".join(lines)
 
@@ -357,7 +388,10 @@ def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, wor
                                         "failed": True})
                         print(f"events {mode}, world {world}, {case.label}: {e}", file=sys.stderr, flush=True)
                         continue
+                    first = workdir / f"{job}-h1.log"
                     rows.append({**summarize_events(mode, world, case.rate_mbit, case.delay_ms, records, joiner, rc,
-                                                    plan.warmup, exit_s), "turn": turn})
+                                                    plan.warmup, exit_s,
+                                                    first.read_text(errors="replace") if debug else ""),
+                                 "turn": turn})
                     print(render_events(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
     return rows, skipped

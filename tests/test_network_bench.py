@@ -297,3 +297,19 @@ def test_event_medians_take_each_mode_over_its_turns():
     assert local["leave_pause_s"] is None  # no turn has it
     lines = ev.render_medians(got).splitlines()
     assert len(lines) == 4 and "3.40" in lines[2] and "3.50" in lines[3]
+
+
+def test_change_phases_read_a_generations_pause_phases_from_the_debug_log():
+    log = ('2026-12-07 10:39:00,890 DEBUG worker h1/cpu/0: generation 0 pause phases {"total": 2.879, "phases": '
+           '[["join_request", 0.0], ["admitted", 0.0034], ["group", 0.0043], ["state", 1.958]]}\n'
+           'INFO worker h1/cpu/0: rank 1 of 3 in generation 1 (join) at step 32\n'
+           '2026-12-07 10:39:26,581 DEBUG worker h1/cpu/0: generation 1 pause phases {"total": 3.0005, "phases": '
+           '[["boundary", 2.0077], ["plan", 0.0012], ["group", 0.0224], ["state", 0.0065], ["reshard", 0.0205], '
+           '["first_forward_backward", 0.27], ["first_reduce", 0.2222]]}\n')
+    got = ev.change_phases(log)
+    assert sorted(got) == [0, 1]
+    assert got[1]["change_s"] == round(0.0012 + 0.0224 + 0.0065 + 0.0205, 4)  # not the boundary, not the step
+    assert got[1]["total_s"] == 3.0005 and got[1]["phases"]["boundary"] == 2.0077
+    assert got[0]["change_s"] == round(0.0043 + 1.958, 4)
+    assert ev._changes(log)["join_change_s"] == got[1]["change_s"] and ev._changes(log)["leave_change_s"] is None
+    assert ev.change_phases("no debug lines") == {}
