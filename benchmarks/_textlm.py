@@ -66,6 +66,12 @@ SHAPES = {
     "50m": LMShape(context=64, embed=64, hidden=4096, layers=3),        # ~51 M: ~205 MB of fp32 gradients
 }
 
+# AdamW's learning rate per model (benchmarks/network.py's --lr default). The 50m model's
+# 4096-wide layers learn far faster at 3e-4: one process, global batch 64, held-out loss
+# from 5.545 after 100 / 200 / 300 steps: 2.99 / 2.83 / 2.60 at 3e-4, 3.08 / 3.02 / 2.88
+# at 1e-3; at 3e-3, world 4, 2.98 only after 500 steps (docs/network.md, session 46).
+LEARNING_RATES = {"small": 3e-3, "5m": 3e-3, "50m": 3e-4}
+
 
 # --- the corpus (pure parts, then the one that reads files) -------------------------
 

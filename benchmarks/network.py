@@ -638,7 +638,9 @@ def main(argv: list[str] | None = None) -> None:
                          "50m (~51 M: 200 MB of fp32 gradients)")
     ap.add_argument("--steps", type=int, default=400, help="steps per job (equal samples in every mode)")
     ap.add_argument("--batch", type=int, default=64, help="global batch (byte windows per step)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (local steps: the inner one)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="AdamW's learning rate (local steps: the inner one); default: the model's "
+                         f"({', '.join(f'{m} {lr:g}' for m, lr in _textlm.LEARNING_RATES.items())})")
     ap.add_argument("--sync-every", type=int, default=16, help="local steps: steps between synchronizations (H)")
     ap.add_argument("--outer-lr", type=float, default=None,
                     help="local steps: the outer SGD's learning rate (default: the runtime's, 0.7)")
@@ -682,6 +684,8 @@ def main(argv: list[str] | None = None) -> None:
     parts = set(args.parts.split(","))
     if parts - {"allreduce", "train", "events"} or not parts:
         ap.error(f"--parts takes allreduce, train and/or events, not {args.parts!r}")
+    if args.lr is None:
+        args.lr = _textlm.LEARNING_RATES[args.model]
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup < 1 or args.steps <= args.warmup:
