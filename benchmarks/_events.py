@@ -147,6 +147,11 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
     joins = [x for p in per_rank if (x := pause(p, "join")) is not None]
     leaves = [x for p in per_rank if (x := pause(p, "leave")) is not None]
     facts = catchup_facts(joiner_log)
+    leaver = next((r for r in records if r.get("host") == "h2" and "term_wall" in r), None)
+
+    def after_term(key: str) -> float | None:
+        return _r(leaver[key] - leaver["term_wall"]) if leaver and leaver.get(key) is not None else None
+
     return {"mode": mode, "world": world, "rate_mbit": rate_mbit, "delay_ms": delay_ms,
             "steps": len(records[0]["steps"]),
             "steady_s": first["steady_s"], "steady_max_s": first["steady_max_s"],
@@ -161,6 +166,10 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
             "caught_up": facts["caught_up"] if mode == "local" else None,
             "joiner_received_mb": facts["received_mb"], "joiner_catch_lines": facts["catch_lines"],
             "leaver_exit": leaver_exit, "leaver_exit_after_term_s": leaver_exit_s,
+            # the leaver's SIGTERM to: its loop's end (the job let it go), the job closed (its last
+            # transfer done); the rest of leaver_exit_after_term_s is the process's own exit
+            "leaver_loop_end_after_term_s": after_term("loop_end_wall"),
+            "leaver_released_after_term_s": after_term("released_wall"),
             **_changes(first_log), "per_rank": per_rank}
 
 
@@ -174,7 +183,8 @@ def _changes(first_log: str) -> dict:
 
 # What `medians` summarizes over a mode's turns: each one's value in every turn, and their median.
 REPEATED = ("join_pause_s", "join_pause_vs_new_world_s", "join_pause_vs_round_end_s", "leave_pause_s",
-            "leave_pause_vs_new_world_s", "leaver_exit_after_term_s", "steady_s", "join_change_s", "leave_change_s")
+            "leave_pause_vs_new_world_s", "leaver_exit_after_term_s", "leaver_loop_end_after_term_s",
+            "leaver_released_after_term_s", "steady_s", "join_change_s", "leave_change_s")
 
 
 def medians(rows: list[dict]) -> list[dict]:
@@ -264,10 +274,13 @@ def events_worker(spec: dict) -> None:
             steps.append([c.step, time.perf_counter(), c.world_size])
             if spec["progress"]:
                 print(json.dumps({"progress": c.step, "world": c.world_size}), flush=True)
+        loop_end = time.time()  # a leaver: the job let go of its loop (its last averaging is still to land)
+    released = time.time()  # the job closed: its group gone, its transfers done
     state = sum(t.numel() * t.element_size() for t in model.parameters())
     state += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                  if torch.is_tensor(v))
-    print(json.dumps({"host": spec["host"], "steps": steps, "state_bytes": state, "left": job.left}), flush=True)
+    print(json.dumps({"host": spec["host"], "steps": steps, "state_bytes": state, "left": job.left,
+                      "loop_end_wall": loop_end, "released_wall": released}), flush=True)
 
 
 # --- the driver ---------------------------------------------------------------------------
@@ -309,6 +322,7 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
     deadline = time.monotonic() + plan.timeout_s
     joined_at = None
     sent_term = False
+    term_wall = None
     leaver_exit_s: list[float] = []
 
     def watch_leaver(proc, t0: float) -> None:
@@ -333,6 +347,7 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
                 if joined_at is None and rec["world"] == world:
                     joined_at = rec["progress"]
                 if joined_at is not None and not sent_term and rec["progress"] >= joined_at + leave_after:
+                    term_wall = time.time()
                     os.kill(procs["h2"][0].pid, signal.SIGTERM)  # `ip netns exec` execs: this is the worker
                     threading.Thread(target=watch_leaver, args=(procs["h2"][0], time.monotonic()), daemon=True).start()
                     sent_term = True
@@ -344,6 +359,8 @@ def run_event_job(bed, world: int, job: str, master: str, port: int, base: dict,
             if record is None:
                 raise EventJobFailed(f"{host} of job {job} ended without a record (exit {proc.returncode}); "
                                      f"logs in {workdir}")
+            if host == "h2" and term_wall is not None:
+                record["term_wall"] = term_wall
             records.append(record)
         procs["h1"][0].wait(60)
     except subprocess.TimeoutExpired:

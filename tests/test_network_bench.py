@@ -313,3 +313,24 @@ def test_change_phases_read_a_generations_pause_phases_from_the_debug_log():
     assert got[0]["change_s"] == round(0.0043 + 1.958, 4)
     assert ev._changes(log)["join_change_s"] == got[1]["change_s"] and ev._changes(log)["leave_change_s"] is None
     assert ev.change_phases("no debug lines") == {}
+
+
+def test_a_summarized_event_row_times_the_leaver_from_its_sigterm():
+    def steps(world_of):  # (step, perf_counter, world): 0.5 s steps, one 2 s gap at each change
+        out, t = [], 0.0
+        for i, w in enumerate(world_of):
+            t += 2.0 if i and w != world_of[i - 1] else 0.5
+            out.append([i + 1, t, w])
+        return out
+
+    sizes = [2] * 8 + [3] * 8 + [2] * 8
+    h1 = {"host": "h1", "steps": steps(sizes), "state_bytes": 600e6}
+    h2 = {"host": "h2", "steps": steps(sizes[:16]), "state_bytes": 600e6, "term_wall": 1000.0,
+          "loop_end_wall": 1001.25, "released_wall": 1003.5}
+    row = ev.summarize_events("local", 3, 1000.0, 0.0, [h1, h2], "", 0, 0, 4.0)
+    assert row["leaver_exit_after_term_s"] == 4.0
+    assert row["leaver_loop_end_after_term_s"] == 1.25 and row["leaver_released_after_term_s"] == 3.5
+    assert row["join_pause_s"] == 1.5 and row["leave_pause_s"] == 1.5
+    assert row["join_change_s"] is None  # no DEBUG log given
+    h2.pop("term_wall")  # no SIGTERM sent (the job ended first): no leaver figures
+    assert ev.summarize_events("local", 3, 1000.0, 0.0, [h1, h2], "", None, 0)["leaver_released_after_term_s"] is None
