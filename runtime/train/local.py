@@ -42,7 +42,10 @@ Membership (the rule, also in docs/network.md, "Local steps"):
 - Every other planned change ends the round early at that step boundary: a planned
   leave, an owner's yield (a leave), a stop, a due checkpoint and the job's end (a
   joiner queued then is admitted with it). Every member, the leaver included,
-  averages what it has (weighted by its samples), then the change happens. A yield
+  averages what it has (weighted by its samples), then the change happens; a planned
+  leave's averaging goes on the wire while the survivors train on (below), in
+  bfloat16 unless grad_dtype="fp32" (roundwire.leave_dtype: the leaver frees its
+  device sooner). A yield
   never waits for a round's natural end, every committed sample is contributed, and
   what a joiner receives and a checkpoint holds is the global state at a round's end
   (global params, outer state, inner state of the sender). A joiner receives it in
@@ -141,7 +144,7 @@ from . import state as state_mod
 from .catchup import CatchUp
 from .gradients import TAIL_DTYPE, GradientPath, StepTiming, all_finite, clip_global_norm_, wire_dtype
 from .inner import InnerSteps
-from .roundwire import RoundWire
+from .roundwire import RoundWire, leave_dtype
 from .tail import layout as tail_layout, set_averaging
 
 log = logging.getLogger("eltctl_runtime")
@@ -240,10 +243,12 @@ class _Averaging:
     leave, the old generation's group and its store, kept until the merge (the work runs
     on it; generation.py lets go of its own references)."""
 
-    __slots__ = ("works", "numel", "progress", "extra", "kept", "group")
+    __slots__ = ("works", "numel", "progress", "extra", "kept", "wire", "group")
 
-    def __init__(self, works: list, numel: int, progress: dict, extra: dict, kept: dict[str, torch.Tensor]) -> None:
+    def __init__(self, works: list, numel: int, progress: dict, extra: dict, kept: dict[str, torch.Tensor],
+                 wire: RoundWire) -> None:
         self.works, self.numel, self.progress, self.extra, self.kept = works, numel, progress, extra, kept
+        self.wire = wire  # how it went on the wire (its body's copy lands from there)
         self.group: tuple[Any, Any] | None = None
 
     def done(self) -> bool:
@@ -303,6 +308,8 @@ class LocalPath(GradientPath):
                  overlap: bool = False, inner_batch: int | None = None, grad_dtype: str | None = None) -> None:
         self._job = job
         self._rwire = RoundWire(wire_dtype(grad_dtype))  # the round's averaging: whole, or a bf16 body
+        leaving = leave_dtype(grad_dtype)  # a planned leave's averaging: bf16 unless fp32 was asked for
+        self._leave_rwire = self._rwire if leaving == self._rwire.dtype else RoundWire(leaving)
         self.inner = InnerSteps(inner_batch)  # inner steps of at most inner_batch samples (inner.py)
         self.overlap = overlap  # sync_overlap: the averaging overlapped with the next round (docstring)
         self._params: list[torch.Tensor] = job._params
@@ -526,10 +533,13 @@ class LocalPath(GradientPath):
             if end is None:
                 return True
             if end == LAUNCH:
-                self.launch()  # the next round starts now, this one's averaging on the wire
+                # the next round starts now, this one's averaging on the wire (a leave's: roundwire.leave_dtype)
+                self.launch(self._leave_rwire if leave else None)
                 if leave:
-                    log.info("worker %s: the round ending at step %d is averaged on the wire while the job goes "
-                             "on (a planned leave of %s)", j.worker_id, j._step, ", ".join(sorted(leavers)))
+                    log.info("worker %s: the round ending at step %d is averaged on the wire%s while the job goes "
+                             "on (a planned leave of %s)", j.worker_id, j._step,
+                             " in bfloat16" if self._leave_rwire.dtype is not None else "",
+                             ", ".join(sorted(leavers)))
                 return True
             self.average(j._abort, final=stop or done)
         except Aborted as e:
@@ -593,10 +603,11 @@ class LocalPath(GradientPath):
                 pos += k
             flat[numel] = s
 
-    def launch(self) -> None:
-        """A round's natural end with sync_overlap (module docstring): its averaging goes
-        on the wire and the next round starts now from this rank's own params; `merge`
-        takes the outer step later. Every rank calls it at the same boundary."""
+    def launch(self, wire: RoundWire | None = None) -> None:
+        """A round's natural end with sync_overlap, or a planned leave's (module docstring):
+        its averaging goes on the wire (`wire`: a leave's; None: the job's) and the next round
+        starts now from this rank's own params; `merge` takes the outer step later. Every
+        rank calls it at the same boundary."""
         j, params = self._job, self._params
         numel = sum(p.numel() for p in params)
         flat = self._flat_for(numel, 0)
@@ -606,9 +617,10 @@ class LocalPath(GradientPath):
         with torch.no_grad():
             sd = j.model.state_dict(keep_vars=True)
             kept = {k: v.detach().clone() for k, v in sd.items() if k not in self._param_keys}
-        works = self._rwire.launch(self.pg, flat, numel)
+        wire = wire or self._rwire
+        works = wire.launch(self.pg, flat, numel)
         self._wire = _Averaging(works, numel, j._progress(), copy.deepcopy(state_mod.extra_state_dicts(j._extra)),
-                                kept)
+                                kept, wire)
         self.round_samples = 0
         self._round_from = j._step
 
@@ -627,8 +639,8 @@ class LocalPath(GradientPath):
         if w.group is not None:
             collectives.release(*w.group)  # the old generation's group: its work is done
         flat = self._flat
-        self._rwire.land(flat, w.numel)
-        self._round_bytes = self._rwire.bytes(flat, w.numel)
+        w.wire.land(flat, w.numel)
+        self._round_bytes = w.wire.bytes(flat, w.numel)
         merge_arithmetic(self._params, self._anchor, self._ends, self._outer, flat, w.numel)
         with torch.no_grad():
             for k, v in w.kept.items():
@@ -673,9 +685,9 @@ class LocalPath(GradientPath):
         if self._wire is not None:  # the unmerged round and the overlap's steps are served again
             if self._wire.group is not None:
                 collectives.bury(*self._wire.group)  # a leave's old group, its work perhaps stuck
+            self._wire.wire.forget()
             self._wire = None
             self._flat = None  # the old group's all-reduce may still write into it
-            self._rwire.forget()
         if self._start is None:
             return
         with torch.no_grad():

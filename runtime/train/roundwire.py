@@ -12,6 +12,12 @@ the float32 buffer, so the mean delta, the outer step and the outer optimizer's 
 stay float32, and identical on every rank (every rank casts the same summed bits back).
 The rounding is what Streaming DiLoCo's quantized outer gradients do at 4 bits; its
 cost in loss is measured in docs/network.md.
+
+A planned leave's averaging (an owner's yield: the leaver's partial round, on the wire
+while the survivors train on) travels in bfloat16 unless `grad_dtype="fp32"` was asked
+for (`leave_dtype`): the leaver holds its device until its part of that all-reduce is
+done, so half the bytes give the owner the device back sooner (measured in
+docs/network.md); it is one round per leave, rounded once.
 """
 
 from __future__ import annotations
@@ -21,6 +27,12 @@ import threading
 import torch
 
 from ..member import collectives
+
+
+def leave_dtype(grad_dtype: str | None) -> torch.dtype | None:
+    """How a planned leave's averaging travels (module docstring): bfloat16, or whole
+    (None) where the job asked for float32 (`grad_dtype="fp32"`)."""
+    return None if grad_dtype == "fp32" else torch.bfloat16
 
 
 class RoundWire:

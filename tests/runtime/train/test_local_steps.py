@@ -73,7 +73,7 @@ def by_hand(shares: list[list[list[int]]], H: int, rounds: int, lag: int | None 
 
 
 def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int, lag: int | None = None,
-              grad_dtype: str | None = None) -> list[dict]:
+              grad_dtype: str | None = None, leave_wire: bool = False) -> list[dict]:
     """Each rank (a thread, gloo) runs LocalPath as ElasticJob does: backward of the local mean
     loss scaled by n / global_count, the tail with its sample count, finish, the inner SGD step,
     and the round's averaging after every `sync_every` steps. `shares[r][t]`: rank r's indices
@@ -82,7 +82,8 @@ def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int
     later (1 to sync_every: at the next round's end), after the step whose tail says every
     rank's is done (each rank waits for its all-reduce before that step's tail, so the merge's
     step is the test's, not the machine's timing); `after` then holds, at each merge, the
-    global parameters (the new round start) and this rank's own."""
+    global parameters (the new round start) and this rank's own. `leave_wire`: each launch goes
+    on the wire a planned leave's averaging takes (LocalPath.at_boundary: roundwire.leave_dtype)."""
     store = torch.distributed.HashStore()
     init = threading.Lock()  # the ranks are threads: the global RNG is shared
 
@@ -123,7 +124,7 @@ def run_ranks(shares: list[list[list[int]]], sync_every: int, outer, rounds: int
                 continue
             if lag is not None:
                 assert not path.in_flight  # never two in flight: merged at the latest here
-                path.launch()
+                path.launch(path._leave_rwire if leave_wire else None)
                 launched = t + 1
                 continue
             path.average(threading.Event())
@@ -205,6 +206,30 @@ def test_bf16_averaging_sends_the_weighted_deltas_as_bfloat16_and_keeps_the_coun
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     want32 = fp32[0]["after"][1]["global"] if lag else fp32[0]["after"][1]
     assert max(float((g - w).abs().max()) for g, w in zip(got, want32)) > 1e-6  # bf16 rounds: not fp32's bits
+
+
+def test_a_planned_leaves_averaging_travels_in_bf16_unless_fp32_was_asked_for():
+    """roundwire.leave_dtype: a leave's averaging (launched at its boundary, merged later) goes
+    as bfloat16 by default, the hand computation's bf16 rounding; with grad_dtype="fp32" it
+    is the float32 averaging, bit for bit; with "bf16" it is the job's own wire."""
+    H, lag = 3, 2
+    shares = shares_of(0, 2 * H + lag)
+    leave = run_ranks(shares, H, None, rounds=2, lag=lag, leave_wire=True)
+    assert "grad_dtype" not in leave[0]["mode"]  # the rounds themselves stay float32
+    numel = sum(p.numel() for p in make_model().parameters())
+    assert leave[0]["round_bytes"] == numel * 2 + 4
+    assert leave[0]["fingerprint"] == leave[1]["fingerprint"]
+    for k, want in enumerate(by_hand(shares, H, 2, lag, bf16=True)):
+        for g, w in zip(leave[0]["after"][k]["global"], want["global"]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    fp32 = run_ranks(shares, H, None, rounds=2, lag=lag, grad_dtype="fp32", leave_wire=True)
+    plain = run_ranks(shares, H, None, rounds=2, lag=lag)
+    assert fp32[0]["round_bytes"] == (numel + 1) * 4
+    assert all(torch.equal(a, b) for a, b in zip(fp32[0]["after"][1]["global"], plain[0]["after"][1]["global"]))
+    _model, _params, _inner, job = thread_rank(threading.Lock(), 0)
+    assert local.LocalPath(job, H, None, grad_dtype="bf16")._leave_rwire.dtype == torch.bfloat16
+    bf16 = local.LocalPath(job, H, None, grad_dtype="bf16")
+    assert bf16._leave_rwire is bf16._rwire  # one bf16 wire, one kept body
 
 
 def outer_nesterov(start, momentum, delta):
@@ -544,7 +569,8 @@ def test_local_steps_through_restore_join_leave_and_sigkill(cluster_factory, ove
     # d's planned leave: unless a checkpoint fell due at its boundary (then the averaging is synchronous), its
     # round went on the wire as the survivors trained on, and they merged it at a later boundary
     for w in (c, e):
-        launched = re.search(r"the round ending at step (\d+) is averaged on the wire while the job goes on", w.log_text())
+        launched = re.search(r"the round ending at step (\d+) is averaged on the wire in bfloat16 while the job goes on",
+                             w.log_text())  # a leave's averaging: bf16 (roundwire.leave_dtype)
         if launched:
             assert f"the averaging of the round ending at step {launched.group(1)} (a planned leave's) merged" in \
                 w.log_text(), w.log_text()[-3000:]
