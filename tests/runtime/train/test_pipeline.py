@@ -140,65 +140,120 @@ def same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.fixture
-def prefetcher():
-    made: list[Prefetcher] = []
+def started(dataset, workers: int = 2, collate=default_collate, seed: int = 5) -> Prefetcher:
+    p = Prefetcher(dataset, collate, workers, seed=seed)
+    p.start()
+    return p
 
-    def make(dataset, workers: int = 2) -> Prefetcher:
-        p = Prefetcher(dataset, default_collate, workers, seed=5)
-        made.append(p)
-        p.start()
-        return p
 
-    yield make
-    for p in made:
+# The cases below fork data workers, which Prefetcher.start asks for before the process
+# starts threads or opens connections (as the job does). A pytest worker has run other
+# tests by then and may hold threads and native state they left, and a fork copies
+# those half-done: one CI run saw a data worker die of SIGSEGV before its first batch.
+# So each case runs in a clean interpreter spawned once for this module: the fork there
+# is the one the job makes. An assertion failing there fails here with its message.
+
+
+@pytest.fixture(scope="module")
+def clean():
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    def run(case) -> None:
+        failure = pool.submit(run_case, case).result(timeout=120)
+        if failure:
+            pytest.fail(f"in the clean interpreter:\n{failure}", pytrace=False)
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield run
+
+
+def run_case(case) -> str | None:
+    """In the clean interpreter: None, or how the case failed (a traceback)."""
+    import traceback
+
+    try:
+        case()
+    except BaseException:  # noqa: BLE001 - pytest's own outcomes too: they come back as text
+        return traceback.format_exc()
+    return None
+
+
+def case_shares_by_key() -> None:
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
+    p = started(data)
+    try:
+        keys = [ShareKey(0, 0, (3, 1, 4)), ShareKey(0, 3, (15, 9)), ShareKey(0, 5, (26,))]
+        p.want(keys)
+        for k in reversed(keys):  # any order asked, each gets its own samples
+            assert same(p.get(k), fetch_batch(data, list(k.indices), default_collate))
+        assert p.prepared() == set()
+    finally:
         p.close()
 
 
-def test_shares_come_back_by_key_as_the_training_thread_would_load_them(prefetcher):
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
-    p = prefetcher(data)
-    keys = [ShareKey(0, 0, (3, 1, 4)), ShareKey(0, 3, (15, 9)), ShareKey(0, 5, (26,))]
-    p.want(keys)
-    for k in reversed(keys):  # any order asked, each gets its own samples
-        assert same(p.get(k), fetch_batch(data, list(k.indices), default_collate))
-    assert p.prepared() == set()
+def test_shares_come_back_by_key_as_the_training_thread_would_load_them(clean):
+    clean(case_shares_by_key)
 
 
-def test_a_share_loads_the_same_whichever_worker_and_whenever(prefetcher):
-    p = prefetcher(Records())
-    k = ShareKey(2, 10, (7, 8, 9))
-    first = p.get(k)
-    assert first[1].tolist() == [7, 8, 9]
-    assert same(p.get(k), first)  # loaded again (maybe elsewhere): same random augmentation
+def case_same_whichever_worker() -> None:
+    p = started(Records())
+    try:
+        k = ShareKey(2, 10, (7, 8, 9))
+        first = p.get(k)
+        assert first[1].tolist() == [7, 8, 9]
+        assert same(p.get(k), first)  # loaded again (maybe elsewhere): same random augmentation
+    finally:
+        p.close()
 
 
-def test_shares_of_a_layout_that_no_longer_holds_are_dropped(prefetcher):
-    p = prefetcher(Records())
-    old = [ShareKey(0, 0, (0, 1, 2, 3)), ShareKey(0, 8, (8, 9, 10, 11))]  # rank 0 of 2
-    p.want(old)
-    p.get(old[0])
-    new = [ShareKey(0, 8, (8, 9, 10)), ShareKey(0, 16, (16, 17, 18))]  # rank 0 of 3 after a join
-    p.want(new)
-    assert p.prepared() == set(new)
-    assert p.get(new[0])[1].tolist() == [8, 9, 10]
-    assert p.get(new[1])[1].tolist() == [16, 17, 18]
+def test_a_share_loads_the_same_whichever_worker_and_whenever(clean):
+    clean(case_same_whichever_worker)
 
 
-def test_an_error_in_the_dataset_reaches_the_training_thread_with_its_traceback(prefetcher):
-    p = prefetcher(Records(bad=13))
-    p.want([ShareKey(0, 0, (1, 2)), ShareKey(0, 2, (12, 13))])
-    assert p.get(ShareKey(0, 0, (1, 2)))[1].tolist() == [1, 2]
-    with pytest.raises(DataLoadError) as e:
-        p.get(ShareKey(0, 2, (12, 13)))
-    msg = str(e.value)
-    assert "record 13 is corrupt" in msg and "Traceback" in msg and "__getitem__" in msg
-    assert "samples [12, 13]" in msg and "num_workers=0" in msg
+def case_old_layout_dropped() -> None:
+    p = started(Records())
+    try:
+        old = [ShareKey(0, 0, (0, 1, 2, 3)), ShareKey(0, 8, (8, 9, 10, 11))]  # rank 0 of 2
+        p.want(old)
+        p.get(old[0])
+        new = [ShareKey(0, 8, (8, 9, 10)), ShareKey(0, 16, (16, 17, 18))]  # rank 0 of 3 after a join
+        p.want(new)
+        assert p.prepared() == set(new)
+        assert p.get(new[0])[1].tolist() == [8, 9, 10]
+        assert p.get(new[1])[1].tolist() == [16, 17, 18]
+    finally:
+        p.close()
 
 
-def test_a_batch_that_cannot_cross_to_the_training_process_is_an_error_not_a_lost_share():
-    p = Prefetcher(Records(), lambda samples: (default_collate(samples), lambda: None), 1)
-    p.start()
+def test_shares_of_a_layout_that_no_longer_holds_are_dropped(clean):
+    clean(case_old_layout_dropped)
+
+
+def case_dataset_error() -> None:
+    p = started(Records(bad=13))
+    try:
+        p.want([ShareKey(0, 0, (1, 2)), ShareKey(0, 2, (12, 13))])
+        assert p.get(ShareKey(0, 0, (1, 2)))[1].tolist() == [1, 2]
+        with pytest.raises(DataLoadError) as e:
+            p.get(ShareKey(0, 2, (12, 13)))
+        msg = str(e.value)
+        assert "record 13 is corrupt" in msg and "Traceback" in msg and "__getitem__" in msg
+        assert "samples [12, 13]" in msg and "num_workers=0" in msg
+    finally:
+        p.close()
+
+
+def test_an_error_in_the_dataset_reaches_the_training_thread_with_its_traceback(clean):
+    clean(case_dataset_error)
+
+
+def unpicklable_collate(samples):
+    return default_collate(samples), lambda: None
+
+
+def case_unpicklable_batch() -> None:
+    p = started(Records(), workers=1, collate=unpicklable_collate, seed=0)
     try:
         with pytest.raises(DataLoadError, match="pickle"):
             p.get(ShareKey(0, 0, (1, 2)))
@@ -206,24 +261,42 @@ def test_a_batch_that_cannot_cross_to_the_training_process_is_an_error_not_a_los
         p.close()
 
 
-def test_a_data_worker_that_dies_is_an_error_not_a_hang(prefetcher):
-    p = prefetcher(Records(), workers=1)
-    p.get(ShareKey(0, 0, (1,)))
-    os.kill(p.pids[0], signal.SIGKILL)
-    with pytest.raises(DataLoadError, match="killed by signal SIGKILL"):
-        p.get(ShareKey(0, 1, (2,)))
+def test_a_batch_that_cannot_cross_to_the_training_process_is_an_error_not_a_lost_share(clean):
+    clean(case_unpicklable_batch)
 
 
-def test_data_workers_ignore_sigterm_and_end_with_close(prefetcher):
-    p = prefetcher(Records())
-    pids = p.pids
-    for pid in pids:
-        os.kill(pid, signal.SIGTERM)  # meant for the job (a planned leave), not for its data workers
-    assert p.get(ShareKey(0, 0, (4, 5)))[1].tolist() == [4, 5]
-    assert all(pid_alive(pid) for pid in pids)
-    p.close()
-    assert not any(pid_alive(pid) for pid in pids)
-    p.close()  # idempotent
+def case_worker_dies() -> None:
+    p = started(Records(), workers=1)
+    try:
+        p.get(ShareKey(0, 0, (1,)))
+        os.kill(p.pids[0], signal.SIGKILL)
+        with pytest.raises(DataLoadError, match="killed by signal SIGKILL"):
+            p.get(ShareKey(0, 1, (2,)))
+    finally:
+        p.close()
+
+
+def test_a_data_worker_that_dies_is_an_error_not_a_hang(clean):
+    clean(case_worker_dies)
+
+
+def case_sigterm_ignored() -> None:
+    p = started(Records())
+    try:
+        pids = p.pids
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)  # meant for the job (a planned leave), not for its data workers
+        assert p.get(ShareKey(0, 0, (4, 5)))[1].tolist() == [4, 5]
+        assert all(pid_alive(pid) for pid in pids)
+        p.close()
+        assert not any(pid_alive(pid) for pid in pids)
+        p.close()  # idempotent
+    finally:
+        p.close()
+
+
+def test_data_workers_ignore_sigterm_and_end_with_close(clean):
+    clean(case_sigterm_ignored)
 
 
 # -- whole jobs on the runtime cluster --------------------------------------------------
