@@ -434,8 +434,9 @@ class ElasticJob(MemberViews):
             tail = self._grads.tail()
             with torch.no_grad():
                 tail[:lay.size].copy_(lay.encode(self._rank, Control(
-                    join_ready, req.stop or lost, n, f.loss_sum, checkpoint, leave_ready, restore_bad,
-                    req.leave, pace, oom)))
+                    join_ready=join_ready, stop=req.stop or lost, samples=n, loss_sum=f.loss_sum,
+                    checkpoint=checkpoint, leave_ready=leave_ready, restore_bad=restore_bad,
+                    leave=req.leave, pace=pace, oom=oom)))
                 self._buffers.write(tail[lay.size:], n, self._rank)
             tail = self._grads.finish(self._abort)  # summed over the ranks; a CPU copy
             got = lay.decode(tail)

@@ -29,6 +29,7 @@ per-rank slots, so the sum is exact::
     8 + 2W + r         oom[r]       0, or the micro-batch size it          > 0 anywhere: the step is redone
                                     redoes the step with
 
+A new field is one line in `Control` (and its row in this table): see its docstring.
 The module buffers' updates (gradients.BufferSync) follow the control tail in the
 same float32 tail. `averaging` is the only field the gradient path writes itself
 (local.py's finish, `set_averaging`: whether its all-reduce completed is known only
@@ -45,73 +46,70 @@ from typing import NamedTuple
 
 import torch
 
-N_SCALARS = 8  # the scalars before the per-rank slots (the module docstring's table)
-AVERAGING = 7  # the `averaging` scalar's index
-
 
 class Control(NamedTuple):
-    """This rank's part of the tail."""
+    """This rank's part of the tail: one entry per field of the module docstring's table.
 
-    join_ready: bool
-    stop: bool
-    samples: int
-    loss_sum: float
-    checkpoint: bool
-    leave_ready: bool
-    restore_bad: bool
-    leave: bool  # this rank's leave slot
-    pace: float  # this rank's pace slot
-    oom: int  # this rank's out-of-memory slot
+    The tail is this class: a field added here (a name, a type, a default) is encoded,
+    summed and decoded with the others (`Summed` has the same names), and the layout's
+    size follows. A field named in PER_RANK gets a slot per rank (each rank writes its
+    own, the sum keeps them apart); any other is one scalar, summed over the ranks. The
+    step passes each field by name (job.py), so a new one is 0 until the code that knows
+    its value passes it, and a rank reads the sum as `decode(...).<name>`. The wire order
+    is the scalars in this order, then each per-rank field's W slots in this order."""
+
+    join_ready: bool = False
+    stop: bool = False
+    samples: int = 0
+    loss_sum: float = 0.0
+    checkpoint: bool = False
+    leave_ready: bool = False
+    restore_bad: bool = False
+    leave: bool = False  # this rank's leave slot
+    pace: float = 0.0  # this rank's pace slot
+    oom: int = 0  # this rank's out-of-memory slot
     averaging: bool = False  # its overlapped averaging still on the wire (local.py writes it: set_averaging)
 
 
-class Summed(NamedTuple):
-    """The tail summed over the ranks (counts of ranks where a rank writes 1)."""
+PER_RANK = ("leave", "pace", "oom")  # the fields with a slot per rank
+SCALARS = tuple(f for f in Control._fields if f not in PER_RANK)
+N_SCALARS = len(SCALARS)  # the scalars before the per-rank slots
+AVERAGING = SCALARS.index("averaging")  # the `averaging` scalar's index (set_averaging)
+_SCALAR_AT = tuple(Control._fields.index(f) for f in SCALARS)  # a Control's entries, in wire order
+_PER_RANK_AT = tuple(Control._fields.index(f) for f in PER_RANK)
 
-    join_ready: float
-    stop: float
-    samples: float
-    loss_sum: float
-    checkpoint: float
-    leave_ready: float
-    restore_bad: float
-    leave: list[float]  # per rank
-    pace: list[float]  # per rank
-    oom: list[float]  # per rank
-    averaging: float = 0.0  # ranks whose overlapped averaging is not done (0: all done)
+# The tail summed over the ranks, by the same names: a scalar's sum (a count of ranks
+# where a rank writes 1), or a per-rank field's list of every rank's slot.
+Summed = NamedTuple("Summed", [(f, list[float] if f in PER_RANK else float) for f in Control._fields])
 
 
 class TailLayout:
     """Where each field of a world size's tail lies (the module docstring's table)."""
 
-    __slots__ = ("world_size", "size", "_leave", "_pace", "_oom")
+    __slots__ = ("world_size", "size", "_decode")
 
     def __init__(self, world_size: int) -> None:
         if world_size < 1:
             raise ValueError(f"a control tail needs a world size of at least 1, got {world_size}")
         w = world_size
         self.world_size = w
-        self.size = N_SCALARS + 3 * w  # the control scalars; the buffers' updates follow
-        self._leave = slice(N_SCALARS, N_SCALARS + w)
-        self._pace = slice(N_SCALARS + w, N_SCALARS + 2 * w)
-        self._oom = slice(N_SCALARS + 2 * w, N_SCALARS + 3 * w)
+        self.size = N_SCALARS + len(PER_RANK) * w  # the control scalars; the buffers' updates follow
+        where = {f: i for i, f in enumerate(SCALARS)}
+        where.update({f: slice(N_SCALARS + k * w, N_SCALARS + (k + 1) * w) for k, f in enumerate(PER_RANK)})
+        self._decode = tuple(where[f] for f in Control._fields)  # Summed's fields, in order
 
     def encode(self, rank: int, c: Control) -> torch.Tensor:
         """Rank `rank`'s part as the float32 control tail (zeros in the others' slots)."""
-        values = [1.0 if c.join_ready else 0.0, 1.0 if c.stop else 0.0, float(c.samples), float(c.loss_sum),
-                  1.0 if c.checkpoint else 0.0, 1.0 if c.leave_ready else 0.0, 1.0 if c.restore_bad else 0.0,
-                  1.0 if c.averaging else 0.0]
-        values += [0.0] * (3 * self.world_size)
-        values[self._leave.start + rank] = 1.0 if c.leave else 0.0
-        values[self._pace.start + rank] = float(c.pace)
-        values[self._oom.start + rank] = float(c.oom)
+        w = self.world_size
+        values = [float(c[i]) for i in _SCALAR_AT] + [0.0] * (len(PER_RANK) * w)
+        for k, i in enumerate(_PER_RANK_AT):
+            values[N_SCALARS + k * w + rank] = float(c[i])
         return torch.tensor(values, dtype=torch.float32)
 
     def decode(self, tail: torch.Tensor) -> Summed:
         """The summed control tail (the first `size` elements of `tail`, a CPU tensor)."""
         v = tail[:self.size].tolist()
-        return Summed(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[self._leave], v[self._pace], v[self._oom],
-                      v[AVERAGING])
+        return Summed(*[v[at] for at in self._decode])
 
 
 def set_averaging(tail: torch.Tensor, busy: bool) -> None:

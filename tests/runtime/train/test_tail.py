@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eltctl_runtime.train.tail import N_SCALARS, Control, TailLayout, layout, set_averaging
+from eltctl_runtime.train.tail import N_SCALARS, PER_RANK, Control, TailLayout, layout, set_averaging
 
 
 def part(**kw) -> Control:
@@ -77,3 +77,24 @@ def test_a_layout_is_computed_once_per_world_size_and_needs_a_rank():
     assert layout(2) is layout(2) and layout(2) is not layout(3)
     with pytest.raises(ValueError, match="at least 1"):
         TailLayout(0)
+
+
+@pytest.mark.parametrize("name", Control._fields)
+def test_every_field_of_control_rides_alone_under_its_own_name(name):
+    """The tail is `Control`: each field, set alone, fills its own slot (its rank's slot
+    for a per-rank field) and comes back by the same name; every other field reads 0. So a
+    field added to Control is carried without touching encode or decode."""
+    lay = layout(3)
+    value = 2.0 if isinstance(Control._field_defaults[name], (int, float)) and \
+        not isinstance(Control._field_defaults[name], bool) else True
+    t = lay.encode(1, Control(**{name: value}))
+    assert int((t != 0).sum()) == 1
+    got = lay.decode(t)
+    assert got._fields == Control._fields
+    for other in Control._fields:
+        want = float(value) if other == name else 0.0
+        if other in PER_RANK:
+            assert getattr(got, other) == [0.0, want, 0.0], other
+        else:
+            assert getattr(got, other) == want, other
+    assert lay.size == len(Control._fields) - len(PER_RANK) + len(PER_RANK) * 3
