@@ -226,6 +226,17 @@ class EventKind(str, Enum):
     FAIRSHARE = "fairshare"  # the controller released GPUs to another job's fair share
 
 
+# What a generation change's kind means, declared beside the kinds (a new membership
+# event is a kind above and, where it applies, a line here; the code that proposes it
+# passes it to `Generations.change`). PLANNED: its leavers are `left` (they went on
+# purpose; nothing they held is lost), any other kind's are `lost`. MEMBERSHIP: the
+# kinds the job's membership changes under (the demo's resizes; a daemon's YIELD is
+# where a planned LEAVE starts).
+PLANNED = frozenset({EventKind.LEAVE, EventKind.JOIN, EventKind.STOP})
+MEMBERSHIP = (EventKind.START, EventKind.JOIN, EventKind.LEAVE, EventKind.YIELD, EventKind.CRASH, EventKind.HANG,
+              EventKind.RESTORE)
+
+
 def event_document(kind: EventKind | str, *, host: str | None, detail: str, workers: Iterable[str] = (),
                    time: float | None = None, **extra: Any) -> dict:
     """An event as the host daemon and the controller write it:

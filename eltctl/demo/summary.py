@@ -6,7 +6,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-RESIZE_KINDS = ("start", "join", "leave", "yield", "crash", "hang", "restore")
+from eltctl_runtime.protocol import MEMBERSHIP
+
+RESIZE_KINDS = tuple(k.value for k in MEMBERSHIP)
 
 
 

@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Callable, Iterable
 
 from ..store.auth import ForgedValue, signed
-from ..protocol import EventKind, Keys, claim, counter_hint, first_generation, job_prefix, peek, peek_many, scan, wait_written
+from ..protocol import PLANNED, EventKind, Keys, claim, counter_hint, first_generation, job_prefix, peek, peek_many, scan, wait_written
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -102,7 +102,7 @@ def propose(
             joined.append(worker)
     before = current.members if current else ()
     gone = tuple(w for w in before if w not in survivors)
-    planned = kind in (EventKind.LEAVE, EventKind.JOIN, EventKind.STOP)
+    planned = kind in PLANNED
     if kind is EventKind.LEAVE and joined and not gone:
         kind = EventKind.JOIN
     return Plan(
