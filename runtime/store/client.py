@@ -28,19 +28,12 @@ import time
 from datetime import timedelta
 from typing import Callable
 
+from .ops import PEEK, as_bytes as _b, bind_client, bind_prefix, peeked as _peeked
 from .server import Op, Status, StoreClosed, StoreError, StoreRefused, StoreTimeout, _LEN, decode, encode, parse_spec, unix_connect
 
 DEFAULT_TIMEOUT_S = 300.0
 _MARGIN_S = 10.0  # a blocking GET's socket waits this much past the server's own timeout
 _CONNECT_RETRY_S = 0.1
-
-
-def _b(value) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    return bytes(value)
 
 
 def _open(spec: str, timeout: float) -> socket.socket:
@@ -62,11 +55,6 @@ def _open(spec: str, timeout: float) -> socket.socket:
             time.sleep(_CONNECT_RETRY_S)
         except OSError as exc:
             raise StoreClosed(f"cannot connect to the store at {spec}: {exc}") from exc
-
-
-def _peeked(items: list[bytes]) -> list[bytes | None]:
-    """PEEK's answers: b"\\1" + value, or b"\\0" for a missing key."""
-    return [item[1:] if item[:1] == b"\1" else None for item in items]
 
 
 # A request that waits (GET, WAIT, MULTI_GET of a missing key) holds the connection's lock
@@ -276,23 +264,14 @@ class _Wire:
     def append(self, key: str, value) -> None:
         self._call(Op.APPEND, [_b(key), _b(value)])
 
-    def list_keys(self) -> list[str]:
-        return [k.decode() for k in self._call(Op.LIST_KEYS, [])]
-
-    def ping(self) -> None:
-        self._call(Op.PING, [])
-
-    # -- beyond c10d: reads that never wait, and a poll in one round trip ---------
-    def peek_many(self, keys: list[str]) -> list[bytes | None]:
-        """The raw values of `keys` (None: missing), in one request that never waits."""
-        return _peeked(self._call(Op.PEEK, [_b(k) for k in keys]))
-
+    # -- beyond c10d: the store's own operations (store/ops.py: bound below, as
+    # `ping`, `peek_many`, `list_keys`, ...), and polls in one round trip built of them --
     def set_and_peek(self, sets: list[tuple[str, bytes]], keys: list[str]) -> list[bytes | None]:
         """Write `sets` and read `keys` (as peek_many) in one round trip (pipelined)."""
         items: list[bytes] = []
         for k, v in sets:
             items += [_b(k), _b(v)]
-        reqs = ([(Op.MULTI_SET, items)] if items else []) + [(Op.PEEK, [_b(k) for k in keys])]
+        reqs = ([(Op.MULTI_SET, items)] if items else []) + [(PEEK.code, PEEK.request(keys))]
         return _peeked(self.pipeline(reqs)[-1])
 
     def wait_and_peek(self, keys: list[str], timeout: timedelta | None = None) -> list[bytes | None]:
@@ -301,7 +280,7 @@ class _Wire:
         so the PEEK sent behind the WAIT is answered once the keys are there)."""
         wait = self._seconds(timeout)
         raw = [_b(k) for k in keys]
-        answers = self._waiting(lambda ms: [encode(Op.WAIT, [*raw, ms]), encode(Op.PEEK, raw)], wait)
+        answers = self._waiting(lambda ms: [encode(Op.WAIT, [*raw, ms]), encode(PEEK.code, raw)], wait)
         self._raise(answers[0], wait)
         return _peeked(self._raise(answers[1], wait))
 
@@ -310,6 +289,9 @@ class _Wire:
 
     def clone(self):
         return type(self)(self.spec, self.timeout)
+
+
+bind_client(_Wire)  # the store's own operations: one method each (store/ops.py)
 
 
 class PlainSocketStore(_Wire):
@@ -382,14 +364,14 @@ class PlainPrefixStore:
     def num_keys(self) -> int:
         return self.base.num_keys()
 
-    def peek_many(self, keys: list[str]) -> list[bytes | None]:
-        return self.base.peek_many([self._full(k) for k in keys])
-
     def set_and_peek(self, sets: list[tuple[str, bytes]], keys: list[str]) -> list[bytes | None]:
         return self.base.set_and_peek([(self._full(k), v) for k, v in sets], [self._full(k) for k in keys])
 
     def has_extended_api(self) -> bool:
         return True
+
+
+bind_prefix(PlainPrefixStore)  # the store's own operations on keys, under the prefix (store/ops.py)
 
 
 _BUILT: dict = {}
@@ -440,14 +422,6 @@ def _build() -> dict:
         def _full(self, key: str) -> str:
             return f"{self.prefix}/{key}"  # c10d's PrefixStore joins so
 
-        def peek_many(self, keys: list[str]) -> list[bytes | None]:
-            """The raw values of `keys` (None: missing) without waiting: one request on a
-            SocketStore, one compare_set each on another store (c10d's)."""
-            fn = getattr(self.base, "peek_many", None)
-            if fn is not None:
-                return fn([self._full(k) for k in keys])
-            return [_peek_one(self, k) for k in keys]
-
         def set_and_peek(self, sets: list[tuple[str, bytes]], keys: list[str]) -> list[bytes | None]:
             """`sets` written, then `keys` read as peek_many: one round trip on a SocketStore."""
             fn = getattr(self.base, "set_and_peek", None)
@@ -466,18 +440,11 @@ def _build() -> dict:
             return self.peek_many(keys)
 
 
+    # The store's own operations on keys (store/ops.py: peek_many, ...): one request on a
+    # SocketStore, their fallback from c10d's operations on another store (c10d's).
+    bind_prefix(KeptPrefixStore)
     _BUILT.update(SocketStore=SocketStore, KeptPrefixStore=KeptPrefixStore)
     return _BUILT
-
-
-_ABSENT = "-eltctl-absent-"  # as auth.ABSENT: never a stored value
-
-
-def _peek_one(store, key: str) -> bytes | None:
-    """c10d's compare_set with an expected value no one writes: the value there, or that
-    expected value when there is none (never waits, creates nothing)."""
-    cur = store.compare_set(key, _ABSENT, _ABSENT)
-    return None if cur == _ABSENT.encode() else cur
 
 
 def __getattr__(name: str):

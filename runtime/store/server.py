@@ -30,7 +30,9 @@ own account can connect: the kernel checks it) and, for the warned
 
 Addresses ("specs": `unix:/path`, `tcp:HOST:PORT`, or a c10d TCPStore's `HOST:PORT`)
 and the listening sockets: eltctl_runtime.store.address; the limits: .limits; the
-protocol (frames, ops, statuses): .wire.
+protocol (frames, statuses): .wire; the operations' numbers and the store's own
+operations (PING, PEEK, LIST_KEYS: what this server answers, in one place with how a
+client asks): .ops.
 
 The server parses frames as they arrive (an asyncio Protocol per connection, no task
 per request): a request costs it a few tens of microseconds (benchmarks/store_ops.py).
@@ -49,6 +51,7 @@ from pathlib import Path
 
 from .address import BACKLOG, SCHEME_TCP, SCHEME_UNIX, UNIX_PATH_MAX, Spec, bind_tcp, bind_unix, parse_spec, unix_connect
 from .limits import ACCEPT_BURST, FD_RESERVE, Limits, connection_cap, raise_nofile
+from .ops import BY_CODE as _OWN_OPS, Malformed as _Bad, Refused as _Refused
 from .wire import _LEN, Op, Status, StoreClosed, StoreError, StoreRefused, StoreTimeout, decode, encode
 
 log = logging.getLogger("eltctl_runtime.store.server")
@@ -100,16 +103,6 @@ def _counter_refusal(name: str, what: str, current: bytes = b"") -> str:
 
 
 # --------------------------------------------------------------------------- the server
-
-class _Refused(Exception):
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class _Bad(Exception):
-    pass
-
 
 class _Connection(asyncio.Protocol):
     """One client connection. Frames are parsed as bytes arrive and answered in order;
@@ -656,26 +649,17 @@ class StoreServer:
         return [self._data[k.decode()] for k in keys]
 
     def _handle(self, op: int, items: list[bytes]) -> list[bytes]:
-        """A request answered now (GET, WAIT and MULTI_GET only when their keys exist)."""
+        """A request answered now (GET, WAIT and MULTI_GET only when their keys exist):
+        c10d's operations here, the store's own in store/ops.py."""
         data = self._data
         if op == Op.SET:
             key, value = items
             self._check_put(key, value)
             self._put(key, value)
             return []
-        if op == Op.PEEK:
-            out, size, most = [], 0, self.limits.max_response
-            for key in items:
-                value = data.get(self._check_key(key).decode())
-                if value is None:
-                    out.append(b"\0")
-                    continue
-                size += len(value)
-                if size > most:  # refused before more copies are made than the answer may hold
-                    raise _Refused("response_size", self._response_refusal(
-                        sum(len(v) + 1 for v in (data.get(k.decode()) for k in items) if v is not None)))
-                out.append(b"\1" + value)
-            return out
+        own = _OWN_OPS.get(op)  # the store's own operations (store/ops.py)
+        if own is not None:
+            return own.serve(self, items)
         if op == Op.GET:
             key, timeout = items
             self._timeout(timeout)
@@ -739,13 +723,6 @@ class StoreServer:
             self._check_put(key, new)
             self._put(key, new)
             return []
-        if op == Op.LIST_KEYS:
-            size = sum(map(len, data)) + 4 * len(data)  # characters: at most the bytes
-            if size > self.limits.max_response:
-                raise _Refused("response_size", self._response_refusal(size))
-            return [k.encode() for k in data]
-        if op == Op.PING:
-            return [self.instance]
         raise _Bad(f"unknown op {op}")
 
 

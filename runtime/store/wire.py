@@ -1,4 +1,4 @@
-"""The job's store's wire protocol: ops, statuses, frames and the client's errors.
+"""The job's store's wire protocol: statuses, frames and the client's errors (the ops: .ops).
 
 The protocol: every message is a frame, a 4-byte big-endian length then the body.
 A request's body is one op byte then a list of byte strings; a response's is one
@@ -13,7 +13,7 @@ is b"\\1" + the value, or b"\\0" for a missing key).
 A server that closes an idle connection says so first (CLOSED) and reads nothing
 after it: the client sends what it had sent again, on a new connection. Standard
 library only (the server: eltctl_runtime.store.server, which re-exports these names;
-the client: eltctl_runtime.store.client).
+the client: eltctl_runtime.store.client; the operations themselves: .ops).
 """
 
 from __future__ import annotations
@@ -21,24 +21,9 @@ from __future__ import annotations
 import enum
 import struct
 
+from .ops import Op  # every operation's number (store/ops.py: c10d's and the store's own)
+
 _LEN = struct.Struct(">I")
-
-
-class Op(enum.IntEnum):
-    SET = 1
-    GET = 2  # blocks until the key exists or the timeout passes
-    ADD = 3
-    CHECK = 4
-    WAIT = 5
-    DELETE_KEY = 6
-    COMPARE_SET = 7  # c10d: an empty expected sets an absent key; returns the current value
-    NUM_KEYS = 8
-    MULTI_GET = 9
-    MULTI_SET = 10
-    APPEND = 11
-    LIST_KEYS = 12
-    PING = 13
-    PEEK = 14  # several keys' values, never waiting: b"\1" + value, or b"\0" when missing
 
 
 class Status(enum.IntEnum):
