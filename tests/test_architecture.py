@@ -401,3 +401,13 @@ def test_the_top_of_the_runtime_holds_only_stdlib_modules_the_control_side_impor
             problems.append(f"runtime/{path.name}: imports {', '.join(heavy)} at module level (not the standard "
                             "library)")
     assert not problems, "\n".join(problems)
+
+
+def test_every_test_module_has_a_basename_of_its_own():
+    """The test folders are not packages, so pytest imports each test module by its
+    basename: a second tests/**/test_x.py stops the whole run's collection of one of them
+    ("import file mismatch")."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}

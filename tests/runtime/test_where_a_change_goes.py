@@ -1,6 +1,6 @@
 """runtime/README.md's "Where a change goes", checked: on a copy of the runtime where
 only the file the table names changed, the new thing works end to end. (The store's
-new operation: tests/runtime/store/test_ops.py. A sharding optimizer is an entry of
+new operation: tests/runtime/store/test_store_ops.py. A sharding optimizer is an entry of
 train/zero/optim.py's SUPPORTED_OPTIMIZERS with its state's names; the sharded tests
 run each one there against its unsharded self.)"""
 
