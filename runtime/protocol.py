@@ -62,7 +62,8 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any, Iterable, Protocol
 
-from .store.auth import ABSENT, ForgedValue, raw_store
+from .store.auth import ForgedValue, raw_store
+from .store.ops import peek_one
 
 log = logging.getLogger("eltctl_runtime")
 
@@ -488,10 +489,8 @@ def peek(js: Store, key: str) -> bytes | None:
     fn = getattr(js, "peek", None)
     if fn is not None:
         return fn(key)
-    cs = getattr(js, "compare_set", None)
-    if cs is not None:  # c10d: a missing key answers the expected value, and is not created
-        cur = cs(key, ABSENT, ABSENT)
-        return None if cur == ABSENT.encode() else cur
+    if getattr(js, "compare_set", None) is not None:  # c10d: a missing key answers the expected value
+        return peek_one(js, key)
     if not js.check([key]):
         return None
     try:

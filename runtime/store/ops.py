@@ -25,6 +25,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from .auth import ABSENT
+
 
 class Refused(Exception):
     """A request over one of the server's limits (`reason`: the limit's name); the
@@ -101,15 +103,12 @@ def peeked(items: list[bytes]) -> list[bytes | None]:
     return [item[1:] if item[:1] == b"\1" else None for item in items]
 
 
-_ABSENT = "-eltctl-absent-"  # as auth.ABSENT: never a stored value
-
-
 def peek_one(store: Any, key: str) -> bytes | None:
     """PEEK of one key from c10d's operations: compare_set with an expected value no
     one writes answers the value there, or that expected value when there is none
     (never waits, creates nothing)."""
-    cur = store.compare_set(key, _ABSENT, _ABSENT)
-    return None if cur == _ABSENT.encode() else cur
+    cur = store.compare_set(key, ABSENT, ABSENT)
+    return None if cur == ABSENT.encode() else cur
 
 
 PEEK = StoreOp(14, "PEEK", "peek_many", _serve_peek,
@@ -142,8 +141,8 @@ C10D = {"SET": 1, "GET": 2, "ADD": 3, "CHECK": 4, "WAIT": 5, "DELETE_KEY": 6, "C
 # Every operation's number: GET (and WAIT, MULTI_GET) block until the keys exist or the
 # request's timeout passes; COMPARE_SET is c10d's (an empty expected sets an absent key;
 # it answers the current value); PEEK never waits (b"\1" + value, or b"\0" when missing).
-Op = enum.IntEnum("Op", {**C10D, **{op.name: op.code for op in sorted(OWN, key=lambda o: o.code)}})
-Op.__module__ = __name__
+Op = enum.IntEnum("Op", {**C10D, **{op.name: op.code for op in sorted(OWN, key=lambda o: o.code)}},
+                 module=__name__)
 
 
 def check_table(own: Sequence[StoreOp] = OWN) -> None:

@@ -9,6 +9,7 @@ data worker outliving its job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -140,10 +141,15 @@ def same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def started(dataset, workers: int = 2, collate=default_collate, seed: int = 5) -> Prefetcher:
+@contextlib.contextmanager
+def started(dataset, workers: int = 2, collate=default_collate, seed: int = 5):
+    """A started Prefetcher, closed after the block however it ends."""
     p = Prefetcher(dataset, collate, workers, seed=seed)
     p.start()
-    return p
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 # The cases below fork data workers, which Prefetcher.start asks for before the process
@@ -181,15 +187,12 @@ def run_case(case) -> str | None:
 
 def case_shares_by_key() -> None:
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
-    p = started(data)
-    try:
+    with started(data) as p:
         keys = [ShareKey(0, 0, (3, 1, 4)), ShareKey(0, 3, (15, 9)), ShareKey(0, 5, (26,))]
         p.want(keys)
         for k in reversed(keys):  # any order asked, each gets its own samples
             assert same(p.get(k), fetch_batch(data, list(k.indices), default_collate))
         assert p.prepared() == set()
-    finally:
-        p.close()
 
 
 def test_shares_come_back_by_key_as_the_training_thread_would_load_them(clean):
@@ -197,14 +200,11 @@ def test_shares_come_back_by_key_as_the_training_thread_would_load_them(clean):
 
 
 def case_same_whichever_worker() -> None:
-    p = started(Records())
-    try:
+    with started(Records()) as p:
         k = ShareKey(2, 10, (7, 8, 9))
         first = p.get(k)
         assert first[1].tolist() == [7, 8, 9]
         assert same(p.get(k), first)  # loaded again (maybe elsewhere): same random augmentation
-    finally:
-        p.close()
 
 
 def test_a_share_loads_the_same_whichever_worker_and_whenever(clean):
@@ -212,8 +212,7 @@ def test_a_share_loads_the_same_whichever_worker_and_whenever(clean):
 
 
 def case_old_layout_dropped() -> None:
-    p = started(Records())
-    try:
+    with started(Records()) as p:
         old = [ShareKey(0, 0, (0, 1, 2, 3)), ShareKey(0, 8, (8, 9, 10, 11))]  # rank 0 of 2
         p.want(old)
         p.get(old[0])
@@ -222,8 +221,6 @@ def case_old_layout_dropped() -> None:
         assert p.prepared() == set(new)
         assert p.get(new[0])[1].tolist() == [8, 9, 10]
         assert p.get(new[1])[1].tolist() == [16, 17, 18]
-    finally:
-        p.close()
 
 
 def test_shares_of_a_layout_that_no_longer_holds_are_dropped(clean):
@@ -231,8 +228,7 @@ def test_shares_of_a_layout_that_no_longer_holds_are_dropped(clean):
 
 
 def case_dataset_error() -> None:
-    p = started(Records(bad=13))
-    try:
+    with started(Records(bad=13)) as p:
         p.want([ShareKey(0, 0, (1, 2)), ShareKey(0, 2, (12, 13))])
         assert p.get(ShareKey(0, 0, (1, 2)))[1].tolist() == [1, 2]
         with pytest.raises(DataLoadError) as e:
@@ -240,8 +236,6 @@ def case_dataset_error() -> None:
         msg = str(e.value)
         assert "record 13 is corrupt" in msg and "Traceback" in msg and "__getitem__" in msg
         assert "samples [12, 13]" in msg and "num_workers=0" in msg
-    finally:
-        p.close()
 
 
 def test_an_error_in_the_dataset_reaches_the_training_thread_with_its_traceback(clean):
@@ -253,12 +247,9 @@ def unpicklable_collate(samples):
 
 
 def case_unpicklable_batch() -> None:
-    p = started(Records(), workers=1, collate=unpicklable_collate, seed=0)
-    try:
+    with started(Records(), workers=1, collate=unpicklable_collate, seed=0) as p:
         with pytest.raises(DataLoadError, match="pickle"):
             p.get(ShareKey(0, 0, (1, 2)))
-    finally:
-        p.close()
 
 
 def test_a_batch_that_cannot_cross_to_the_training_process_is_an_error_not_a_lost_share(clean):
@@ -266,14 +257,11 @@ def test_a_batch_that_cannot_cross_to_the_training_process_is_an_error_not_a_los
 
 
 def case_worker_dies() -> None:
-    p = started(Records(), workers=1)
-    try:
+    with started(Records(), workers=1) as p:
         p.get(ShareKey(0, 0, (1,)))
         os.kill(p.pids[0], signal.SIGKILL)
         with pytest.raises(DataLoadError, match="killed by signal SIGKILL"):
             p.get(ShareKey(0, 1, (2,)))
-    finally:
-        p.close()
 
 
 def test_a_data_worker_that_dies_is_an_error_not_a_hang(clean):
@@ -281,8 +269,7 @@ def test_a_data_worker_that_dies_is_an_error_not_a_hang(clean):
 
 
 def case_sigterm_ignored() -> None:
-    p = started(Records())
-    try:
+    with started(Records()) as p:
         pids = p.pids
         for pid in pids:
             os.kill(pid, signal.SIGTERM)  # meant for the job (a planned leave), not for its data workers
@@ -291,8 +278,6 @@ def case_sigterm_ignored() -> None:
         p.close()
         assert not any(pid_alive(pid) for pid in pids)
         p.close()  # idempotent
-    finally:
-        p.close()
 
 
 def test_data_workers_ignore_sigterm_and_end_with_close(clean):
