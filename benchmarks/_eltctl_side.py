@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -46,6 +47,27 @@ from _baselines import step_s_by_world, time_lost  # beside this file (its impor
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
+
+
+_RANK_LINE = re.compile(r": rank (\d+) of \d+ in generation (\d+) ")
+
+
+def catching_up(lines: Sequence[str]) -> bool:
+    """A worker's log says it is catching up in the background (a synchronous joiner
+    that takes the state while the job trains on, train/catchup.py): its last "catching
+    up at step" line has no "caught up at step" after it. A tree without that catch-up
+    never logs either line."""
+    began = max((n for n, line in enumerate(lines) if ": catching up at step " in line), default=-1)
+    return began >= 0 and not any(": caught up at step " in line for line in lines[began:])
+
+
+def rank_in(lines: Sequence[str]) -> tuple[int, int] | None:
+    """(generation, rank) of the last "rank R of N in generation G" line of a worker's log."""
+    for line in reversed(lines):
+        m = _RANK_LINE.search(line)
+        if m:
+            return int(m.group(2)), int(m.group(1))
+    return None
 
 
 class _Launcher:
@@ -137,22 +159,13 @@ class _Launcher:
 
     def log_lines(self) -> dict[int, int]:
         """How many lines each worker's log has now (where an event's lines start)."""
-        out = {}
-        for i in range(len(self.procs)):
-            try:
-                out[i] = len((self.wd / f"w{i}.log").read_text(errors="replace").splitlines())
-            except FileNotFoundError:
-                out[i] = 0
-        return out
+        return {i: len(self._log(i)) for i in range(len(self.procs))}
 
     def phases_since(self, marks: dict[int, int]) -> dict[str, list]:
         """Per worker: the pause-phase and shard-move lines its log wrote after `marks`."""
         out: dict[str, list] = {}
         for i in range(len(self.procs)):
-            try:
-                lines = (self.wd / f"w{i}.log").read_text(errors="replace").splitlines()[marks.get(i, 0):]
-            except FileNotFoundError:
-                continue
+            lines = self._log(i)[marks.get(i, 0):]
             got = []
             for line in lines:
                 for tag, key in ((" pause phases ", "pause"), ("sharded: hand_over ", "hand_over"),
@@ -180,6 +193,27 @@ class _Launcher:
             if lines:
                 steps.add(int(lines[-1].split()[0]))
         return steps
+
+    def _log(self, i: int) -> list[str]:
+        try:
+            return (self.wd / f"w{i}.log").read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+
+    def settled(self) -> bool:
+        """No live worker is catching up in the background (`catching_up`): the join
+        it came in with is over."""
+        return not any(catching_up(self._log(i)) for i, (_, p, _) in enumerate(self.procs) if p.poll() is None)
+
+    def by_rank(self) -> list[tuple[str, subprocess.Popen, Path]]:
+        """The live workers in the order of their ranks in the newest generation any of
+        them logged (`rank_in`); a worker with no such line last."""
+        ranked = []
+        for i, w in enumerate(self.procs):
+            if w[1].poll() is None:
+                gen, rank = rank_in(self._log(i)) or (-1, 1 << 30)
+                ranked.append((-gen, rank, i, w))
+        return [w for *_key, w in sorted(ranked, key=lambda x: x[:3])]
 
     def latest(self) -> tuple[int, int, int]:
         recs = self.records()
@@ -280,7 +314,9 @@ def measure_eltctl(
     """Run an eltctl job through `events` ("leave", "join", "kill") and measure each one
     (`store`: _Launcher's; `env`: extra variables for every worker, e.g. ELTCTL_CHECKPOINT_DIR; `event_phase` (every, phase): each event fires once the
     latest committed step is `phase` past a multiple of `every`, as _baselines' events do
-    past a checkpoint, so the steps redone compare)."""
+    past a checkpoint, so the steps redone compare). Each event fires once the job has
+    settled (no joiner still catching up in the background: `catching_up`), and a leave
+    or a SIGKILL hits the middle member by rank (`rank_in`), the same one on every run."""
     wd = Path(workdir or tempfile.mkdtemp(prefix="eltctl-bench-"))
     wd.mkdir(parents=True, exist_ok=True)
     la = _Launcher(wd, [*worker_args, "--threads", str(threads)], min_workers=nodes, threads=threads, store=store)
@@ -290,6 +326,9 @@ def measure_eltctl(
             la.start(env=env)
         la.wait(lambda: la.latest()[0] >= settle_steps, event_cap_s, f"{settle_steps} steps")
         for ev in events:
+            # From a settled job: a synchronous joiner of the last event that still takes its
+            # state in the background (train/catchup.py) is part of that join, not of this event.
+            la.wait(la.settled, event_cap_s, "the last joiner to catch up")
             if event_phase:
                 # Once EVERY member has committed that step: when the first commit fired it, a
                 # replicated job's others were still in their optimizer step (0.14-0.34 s at world
@@ -303,7 +342,10 @@ def measure_eltctl(
 
                 la.wait(at_phase, event_cap_s, f"every member at a step {phase} past a multiple of {every}")
             step0, gen0, world0 = la.latest()
-            members = [p for p in la.procs if p[1].poll() is None]
+            # The victim by rank, the middle one (never rank 0 of 2 or 3, which writes the
+            # checkpoints): by start order, whether the leaver was the rank writing a checkpoint
+            # in the background decided a leave's pause by a factor of two here.
+            members = la.by_rank()
             marks = la.log_lines()
             t_event = time.time()
             if ev == "leave":

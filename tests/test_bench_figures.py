@@ -79,3 +79,40 @@ def test_repeated_jobs_give_each_events_median_and_keep_every_sample(sharded_ben
     assert [s["join"] for s in got["per_sample"]["pauses_s"]] == [2.0, 9.0, 3.0]
     assert got["events"][0]["phases"] == {"w0": []}  # the first job's events whole, the others beside them
     assert [e[0]["pause_s"] for e in got["events_of_later_samples"]] == [9.0, 3.0]
+
+
+@pytest.fixture(scope="module")
+def eltctl_side():
+    path = _PATH.parent / "_eltctl_side.py"
+    sys.path.insert(0, str(_PATH.parent))  # it imports _baselines beside it
+    try:
+        spec = importlib.util.spec_from_file_location("_bench_eltctl_side_under_test", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop("_bench_eltctl_side_under_test", None)
+        sys.path.remove(str(_PATH.parent))
+
+
+def _line(text):
+    return f"2026-12-07 16:32:38,191 bench2/cpu/1 INFO worker bench2/cpu/1: {text}"
+
+
+def test_a_joiner_is_catching_up_from_its_line_until_it_says_it_caught_up(eltctl_side):
+    began = _line("catching up at step 19: the state comes from rank 0 in the background")
+    done = _line("caught up at step 22; it trains from the next step")
+    other = _line("rank 1 of 2 in generation 2 (join) at step 19")
+    assert not eltctl_side.catching_up([])
+    assert not eltctl_side.catching_up([other])  # a tree without the catch-up never says either
+    assert eltctl_side.catching_up([other, began])
+    assert not eltctl_side.catching_up([other, began, other, done])
+    assert eltctl_side.catching_up([began, done, other, began])  # a second join, not over yet
+
+
+def test_a_workers_rank_is_its_last_generations(eltctl_side):
+    lines = [_line("rank 0 of 2 in generation 0 (start) at step 0"), _line("left the job"),
+             _line("rank 1 of 3 in generation 12 (join) at step 40"), _line("event {}")]
+    assert eltctl_side.rank_in(lines) == (12, 1)
+    assert eltctl_side.rank_in([_line("waiting to be admitted (join #1)")]) is None
