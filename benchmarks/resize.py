@@ -1,7 +1,7 @@
 """The resize benchmark: eltctl's runtime against torchrun elastic and plain DDP, in one run.
 
     .venv/bin/python benchmarks/resize.py [--json] [--rounds 3] [--threads 1] [--cap 120] [--save out.json]
-                                          [--no-restart-mode]
+                                          [--no-restart-mode] [--base DIR] [--event-repeats N]
 
 One run measures, on this machine (gloo on loopback, CPU):
 
@@ -10,7 +10,9 @@ One run measures, on this machine (gloo on loopback, CPU):
   a warm join and a SIGKILL of one worker. For each: the pause (last step
   completed at the old size to the first completed at the new size, from every
   worker's per-step log), steps lost (committed before and done again after),
-  and the ratio torchrun pause / eltctl pause;
+  and the ratio torchrun pause / eltctl pause (`--event-repeats N`: eltctl's events
+  N times, each pause the median; with `--base`, that revision's in turns with this
+  one's);
 - the same events for eltctl's restart mode (`_restart_side.measure_restart`):
   torchrun's own worker script, unmodified, run by restart-mode supervisors
   (`python -m eltctl_runtime.restart`), with its pause, steps lost and the
@@ -98,6 +100,29 @@ def event_rows(eltctl: dict, torchrun: dict, restart: dict | None = None) -> lis
     return rows
 
 
+def median_events(runs: list[dict]) -> dict:
+    """Several runs of one side's events (measure_eltctl) as one: per event the median
+    pause (and runtime pause) over the runs that resumed, the most steps lost in any,
+    and every run's pause (`pause_samples`, None where one did not resume). One run
+    is returned as it is. Pure."""
+    if len(runs) == 1:
+        return runs[0]
+    events = []
+    for ev in EVENTS:
+        got = [_event(r, ev) for r in runs]
+        ok = [e for e in got if e.get("pause_s") is not None]
+        row: dict[str, Any] = {"event": ev, "pause_samples": [e.get("pause_s") for e in got]}
+        if ok:
+            row |= {"resumed": True, "pause_s": round(statistics.median(e["pause_s"] for e in ok), 4),
+                    "steps_lost": max(e.get("steps_lost") or 0 for e in ok)}
+            rt = [e["runtime_pause_s"] for e in ok if e.get("runtime_pause_s") is not None]
+            row["runtime_pause_s"] = round(statistics.median(rt), 4) if rt else None
+        else:
+            row |= {"resumed": False, "error": next((r.get("error") for r in runs if r.get("error")), None)}
+        events.append(row)
+    return {"system": "eltctl", "events": events, "runs": runs}
+
+
 def overhead(pairs: list[dict], side: str = "eltctl") -> dict:
     """Median over rounds of (`side` median step) / (DDP median step) - 1."""
     ok = [p for p in pairs if p.get(side, {}).get("median_step_s") and p["ddp"].get("median_step_s")]
@@ -139,22 +164,23 @@ def assess(rows: list[dict], steady: dict) -> list[Target]:
 
 
 def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=print,
-        restart_mode: bool = True, base: Path | None = None) -> dict[str, Any]:
+        restart_mode: bool = True, base: Path | None = None, event_repeats: int = 1) -> dict[str, Any]:
     started = time.time()
     load_before = os.getloadavg()
     benv = base_env(base)
-    progress("eltctl: leave, join, SIGKILL on 3 workers ...")
-    try:
-        eltctl = measure_eltctl(EVENTS, nodes=3, threads=threads, event_cap_s=cap_s)
-    except TimeoutError as e:  # a figure missing is reported, not a crash of the whole run
-        eltctl = {"system": "eltctl", "error": str(e), "events": []}
-    eltctl_base = None
-    if benv is not None:
-        progress(f"eltctl at {base} (--base): leave, join, SIGKILL on 3 workers ...")
-        try:
-            eltctl_base = measure_eltctl(EVENTS, nodes=3, threads=threads, event_cap_s=cap_s, env=benv)
-        except TimeoutError as e:
-            eltctl_base = {"system": "eltctl", "error": str(e), "events": []}
+    sides = {"eltctl": None} | ({"eltctl_base": benv} if benv is not None else {})
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for i in range(event_repeats):  # with --base, the two trees in turns, the order flipping each turn
+        for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+            progress(f"eltctl{f' at {base} (--base)' if side == 'eltctl_base' else ''}: leave, join, SIGKILL "
+                     f"on 3 workers" + (f" (turn {i + 1} of {event_repeats})" if event_repeats > 1 else "") + " ...")
+            try:
+                runs[side].append(measure_eltctl(EVENTS, nodes=3, threads=threads, event_cap_s=cap_s,
+                                                 env=sides[side]))
+            except TimeoutError as e:  # a figure missing is reported, not a crash of the whole run
+                runs[side].append({"system": "eltctl", "error": str(e), "events": []})
+    eltctl = median_events(runs["eltctl"])
+    eltctl_base = median_events(runs["eltctl_base"]) if benv is not None else None
     progress("torchrun c10d elastic: leave, join, SIGKILL on 3 agents ...")
     torchrun = measure_torchrun(EVENTS, nodes=3, threads=threads, event_cap_s=cap_s)
     restart = None
@@ -190,8 +216,14 @@ def run(*, rounds: int, threads: int, cap_s: float, steady_steps: int, progress=
             b = by_base.get(r["event"], {})
             r["base_pause_s"] = b.get("pause_s")
             r["base_steps_lost"] = b.get("steps_lost")
+            if "pause_samples" in b:
+                r["base_pause_samples"] = b["pause_samples"]
+    if event_repeats > 1:
+        for r in rows:
+            r["eltctl_pause_samples"] = _event(eltctl, r["event"]).get("pause_samples")
     return {
         "machine": _report.machine(load_before, started),
+        "event_repeats": event_repeats,
         "workload": {"model": "examples/toy.py MLP (64-1024-1024-1024-16, ~3.2 M parameters)",
                      "samples": 8192, "global_batch": 64, "optimizer": "SGD lr 0.01",
                      "threads_per_worker": threads, "event_world": 3, "steady_world": 2,
@@ -267,6 +299,10 @@ def render(res: dict) -> str:
         lines.append("  pauses, this tree / base: " + ", ".join(
             f"{EVENT_NAMES[r['event']]} {_fmt(r['eltctl_pause_s'], ' s')} / {_fmt(r.get('base_pause_s'), ' s')}"
             for r in res["events"]))
+        if res.get("event_repeats", 1) > 1:
+            lines.append(f"  (medians of {res['event_repeats']} runs each, in turns; every run's pause, this tree / base: "
+                         + "; ".join(f"{EVENT_NAMES[r['event']]} {r.get('eltctl_pause_samples')} / "
+                                     f"{r.get('base_pause_samples')}" for r in res["events"]) + ")")
     lines += ["", f"{'target':<38} {'goal':>10} {'measured':>12}  status"]
     for t in res["targets"]:
         status = "met" if t["met"] else ("n/a" if t["met"] is None else "NOT met")
@@ -283,12 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap", type=float, default=120.0, help="seconds to wait for each event to settle")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON object to this file")
     ap.add_argument("--no-restart-mode", action="store_true", help="leave out the restart-mode column")
+    ap.add_argument("--event-repeats", type=int, default=1,
+                    help="run the events this many times (with --base, the two trees in turns) and report each "
+                         "pause's median: one pause of 0.05-0.15 s varies by half from run to run here")
     ap.add_argument("--base", type=Path, default=None,
                     help="a checkout of another revision (git worktree add DIR REV): its runtime runs beside this "
                          "one's, in the same run (events and alternating steady rounds)")
     a = ap.parse_args(argv)
     res = run(rounds=a.rounds, threads=a.threads, cap_s=a.cap, steady_steps=a.steady_steps, progress=_report.say,
-              restart_mode=not a.no_restart_mode, base=a.base)
+              restart_mode=not a.no_restart_mode, base=a.base, event_repeats=max(1, a.event_repeats))
     return _report.emit(res, as_json=a.json, save=a.save, render=render)
 
 

@@ -116,3 +116,36 @@ def test_a_workers_rank_is_its_last_generations(eltctl_side):
              _line("rank 1 of 3 in generation 12 (join) at step 40"), _line("event {}")]
     assert eltctl_side.rank_in(lines) == (12, 1)
     assert eltctl_side.rank_in([_line("waiting to be admitted (join #1)")]) is None
+
+
+@pytest.fixture(scope="module")
+def resize_bench():
+    path = _PATH.parent / "resize.py"
+    spec = importlib.util.spec_from_file_location("_bench_resize_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)  # it puts benchmarks/ on sys.path for its helpers
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_repeated_event_runs_give_each_pause_its_median_and_the_most_steps_lost(resize_bench):
+    def run(leave, join, kill, lost=0):
+        return {"events": [{"event": "leave", "pause_s": leave, "runtime_pause_s": leave, "steps_lost": lost},
+                           {"event": "join", "pause_s": join, "steps_lost": 0},
+                           {"event": "kill", "pause_s": kill, "steps_lost": 0} if kill else
+                           {"event": "kill", "resumed": False}]}
+    one = run(0.05, 0.08, 0.1)
+    assert resize_bench.median_events([one]) is one
+    got = resize_bench.median_events([run(0.05, 0.08, 0.1), run(0.09, 0.07, None, lost=1), run(0.06, 0.2, 0.3)])
+    by = {e["event"]: e for e in got["events"]}
+    assert by["leave"]["pause_s"] == 0.06 and by["leave"]["runtime_pause_s"] == 0.06
+    assert by["leave"]["steps_lost"] == 1  # the worst run's, not a median's
+    assert by["join"]["pause_s"] == 0.08 and by["join"]["pause_samples"] == [0.08, 0.07, 0.2]
+    assert by["kill"]["pause_s"] == 0.2 and by["kill"]["pause_samples"] == [0.1, None, 0.3]
+    assert by["join"]["runtime_pause_s"] is None
+    assert len(got["runs"]) == 3
+    none = resize_bench.median_events([{"error": "timed out", "events": []}, {"events": []}])
+    assert all(not e["resumed"] and e["error"] == "timed out" for e in none["events"])
