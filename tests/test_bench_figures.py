@@ -1,7 +1,7 @@
 """The benchmarks' pure figures: the steady step at each world size and what an event cost.
 
-Pure functions over step records (no processes): the resize and sharded benchmarks
-compare eltctl's events against torchrun's with them."""
+Pure functions over step records and worker logs (no processes): the resize and sharded
+benchmarks compare eltctl's events against torchrun's, and one tree against another, with them."""
 
 import importlib.util
 import sys
@@ -12,14 +12,26 @@ import pytest
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "_baselines.py"
 
 
+def _loaded(file: str):
+    """A benchmark module loaded from benchmarks/ (not a package) under a name of its own,
+    with benchmarks/ on sys.path for the helpers it imports beside it; undone after."""
+    name = f"_bench_{file[:-3].lstrip('_')}_under_test"
+    spec = importlib.util.spec_from_file_location(name, _PATH.parent / file)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is made
+    saved = list(sys.path)
+    sys.path.insert(0, str(_PATH.parent))
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(name, None)
+        sys.path[:] = saved
+
+
 @pytest.fixture(scope="module")
 def baselines():
-    spec = importlib.util.spec_from_file_location("_bench_baselines_under_test", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield from _loaded("_baselines.py")
 
 
 def test_the_steady_step_leaves_out_each_generations_first_interval_and_the_gaps_between_them(baselines):
@@ -57,13 +69,7 @@ def test_time_lost_is_the_pause_less_one_step_plus_the_steps_redone(baselines):
 
 @pytest.fixture(scope="module")
 def sharded_bench():
-    path = _PATH.parent / "sharded.py"
-    spec = importlib.util.spec_from_file_location("_bench_sharded_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield from _loaded("sharded.py")
 
 
 def test_repeated_jobs_give_each_events_median_and_keep_every_sample(sharded_bench):
@@ -83,17 +89,7 @@ def test_repeated_jobs_give_each_events_median_and_keep_every_sample(sharded_ben
 
 @pytest.fixture(scope="module")
 def eltctl_side():
-    path = _PATH.parent / "_eltctl_side.py"
-    sys.path.insert(0, str(_PATH.parent))  # it imports _baselines beside it
-    try:
-        spec = importlib.util.spec_from_file_location("_bench_eltctl_side_under_test", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop("_bench_eltctl_side_under_test", None)
-        sys.path.remove(str(_PATH.parent))
+    yield from _loaded("_eltctl_side.py")
 
 
 def _line(text):
@@ -120,15 +116,7 @@ def test_a_workers_rank_is_its_last_generations(eltctl_side):
 
 @pytest.fixture(scope="module")
 def resize_bench():
-    path = _PATH.parent / "resize.py"
-    spec = importlib.util.spec_from_file_location("_bench_resize_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)  # it puts benchmarks/ on sys.path for its helpers
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from _loaded("resize.py")
 
 
 def test_repeated_event_runs_give_each_pause_its_median_and_the_most_steps_lost(resize_bench):
