@@ -93,14 +93,19 @@ class _Supervisors:
             self._stop.wait(0.05)
 
     def scripts(self) -> list[int]:
-        """The script processes (children of live supervisors)."""
-        out = []
-        for p in self.live():
-            try:
-                with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
-                    out += [int(x) for x in f.read().split()]
-            except OSError:
-                pass
+        """The processes under live supervisors, at any depth (a script is forked by the
+        supervisor's warm interpreter, its fork server: a grandchild), any of whose
+        threads started them; the caller keeps those that log steps."""
+        out, todo = [], [p.pid for p in self.live()]
+        while todo:
+            pid = todo.pop()
+            for children in Path(f"/proc/{pid}/task").glob("*/children"):
+                try:
+                    kids = [int(x) for x in children.read_text().split()]
+                except OSError:
+                    continue
+                out += kids
+                todo += kids
         return out
 
     def close(self) -> None:
