@@ -225,7 +225,9 @@ def accepted_connections(rows: list[TcpRow], mine: set[int]) -> list[tuple[str, 
         if r.inode in mine and r.state == ESTABLISHED and r.local[1] in ports and (
                 r.local in listening or ("0.0.0.0", r.local[1]) in listening or ("::", r.local[1]) in listening):
             out.append((r.remote[0], r.remote[1], owner.get((r.remote, r.local))))
-    return sorted(out)
+    # The same remote end can come twice, once with its owner and once without (a socket
+    # that closed and one that took its port between two reads): None sorts first.
+    return sorted(out, key=lambda c: (c[0], c[1], -1 if c[2] is None else c[2]))
 
 
 def connections_to_my_listeners() -> list[tuple[str, int, int | None]]:

@@ -127,6 +127,20 @@ def test_the_connections_a_process_accepted_name_a_local_peers_account():
     assert accepted_connections(rows, {102}) == []
 
 
+def test_one_remote_end_seen_with_and_without_its_owner_does_not_break_the_report():
+    # before: "'<' not supported between instances of 'int' and 'NoneType'" from sorting, which
+    # ended a worker in the middle of reporting a hijacked pair (the listener race test hung)
+    from eltctl_runtime.netif import accepted_connections, parse_proc_net_tcp
+
+    text = PROC_NET_TCP + """\
+   5: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 104 1 0
+   6: 0100007F:1F91 0100007F:A000 01 00000000:00000000 00:00000000 00000000     0        0 105 1 0
+"""
+    rows = parse_proc_net_tcp(text)
+    assert accepted_connections(rows, {100, 101, 104, 105}) == [("127.0.0.1", 40960, None),
+                                                                ("127.0.0.1", 40960, 65534)]
+
+
 def test_the_connections_to_this_processs_own_listener_are_found():
     import socket
 
