@@ -54,7 +54,10 @@ def test_a_jobs_hijacked_groups_are_dropped_and_it_trains_on_honest_ones(cluster
         race.stop()
     stolen = [m for m in seen["received"] if m["opcode"] in (0, 1)]  # data, not the notifications
     logs = cluster.dump_logs()
-    dropped = logs.count("pair handshake gen/")
+    # A hijacked pair is detected where it forms: the job's group (its handshake's missing or
+    # forged message, "pair handshake gen/...") or a joiner's catch-up pair (its group's
+    # handshake broke: "catch-up transfer ... pair handshake failed"; the transfer is dropped).
+    dropped = logs.count("pair handshake gen/") + logs.count("'s pair handshake failed")
     print(f"as {attacker.ATTACKER}: {seen['listeners']} listeners raced, {len(seen['received'])} messages received, "
           f"with data: {json.dumps(stolen[:4])}; handshake warnings in the workers' logs: {dropped}; "
           f"rank 0's forged counts: {status.get('forged')}; generation {g}")
