@@ -2,8 +2,10 @@
 cases this kernel can shape, the environment of the processes on the bed, and the
 processes, the ranks of a job and the servers beside them, and how they stop.
 
-- **Cases**: one whose link cannot be shaped here (delay without `sch_netem`) is a
-  skipped row per mode, with the reason (`shapeable`).
+- **Cases**: one whose link cannot be shaped here (a delay without `sch_netem` nor
+  `/dev/net/tun` for the user-space delay line) is a skipped row per mode, with the
+  reason (`shapeable`); a bed for delayed cases without netem delays through the
+  delay line (`bed_for`), and each row says which (`delay_path`).
 - **A rank** writes its runtime log to a file and its records, JSON lines, to stdout;
   its record is the last of them. However the benchmark ends, a rank still running is
   killed with its process group (the bed's `ip netns exec` execs: the group is the
@@ -55,6 +57,21 @@ def shapeable(cases: Sequence, world: int, modes: Iterable[str]) -> tuple[list, 
         else:
             runnable.append(case)
     return runnable, skipped
+
+
+def bed_for(world: int, cases: Sequence):
+    """A NetBed of `world` unshaped hosts that can be reshaped to every case: through the
+    user-space delay line (tests/testbed/delayline.py) where a case has a delay and the
+    kernel has no netem. `delay_path(bed)` names which."""
+    from tests.testbed.netns import Link, NetBed, uses_delay_line
+
+    return NetBed(world, delay_line=uses_delay_line([Link(rate_mbit=c.rate_mbit, delay_ms=c.delay_ms)
+                                                     for c in cases]))
+
+
+def delay_path(bed) -> str:
+    """How the bed delays a link: the kernel's netem, or the user-space delay line."""
+    return "user-space delay line (no sch_netem)" if bed.delay_line else "netem"
 
 
 def bed_env(threads: int) -> dict:

@@ -378,7 +378,7 @@ def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, wor
     """A bed per world (3 or more: h2 leaves and h1 stays rank 0), a store on h1; per
     link, one job per mode, `repeats` times, the modes taking turns (so that what the
     machine does meanwhile falls on every mode alike); each row carries its `turn`."""
-    from tests.testbed.netns import Link, NetBed
+    from tests.testbed.netns import Link
 
     rows: list[dict] = []
     skipped: list[dict] = []
@@ -392,7 +392,7 @@ def run_events(worlds: list[int], cases: list, modes: dict[str, dict], plan, wor
         skipped += unshaped
         if not runnable:
             continue
-        with NetBed(world) as bed, _bed.job_store(bed, "h1", port, base) as master:
+        with _bed.bed_for(world, runnable) as bed, _bed.job_store(bed, "h1", port, base) as master:
             for case in runnable:
                 bed.reshape_all(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
                 for turn, (mode, kwargs) in ((t, m) for t in range(repeats) for m in modes.items()):

@@ -185,7 +185,7 @@ def run_world(world: int, cases: list[Case], floats: int, modes: list[str],
     """One bed of `world` hosts; its links reshaped for each case under the same workers."""
     sys.path.insert(0, str(ROOT))
     from tests.testbed.hostpython import HOST_PYTHON
-    from tests.testbed.netns import IFNAME, Link, NetBed, shaping_missing_reason
+    from tests.testbed.netns import IFNAME, Link, shaping_missing_reason
 
     rows, skipped, runnable = [], [], []
     for case in cases:
@@ -199,7 +199,7 @@ def run_world(world: int, cases: list[Case], floats: int, modes: list[str],
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GLOO_SOCKET_IFNAME": IFNAME,
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONWARNINGS": "ignore::UserWarning"}  # torch warns that it has no numpy: hosts have none
-    with NetBed(world) as bed:
+    with _bed.bed_for(world, runnable) as bed:
         master = bed.address("h1")
         workers = [bed.run_in(f"h{r + 1}", [HOST_PYTHON, __file__, "--worker", str(r), str(world), master,
                                             str(floats), ",".join(modes), str(rounds)],
@@ -215,7 +215,7 @@ def run_world(world: int, cases: list[Case], floats: int, modes: list[str],
             records = [[_read(w) for _ in range(len(modes) * rounds)] for w in workers]
             for i, mode in enumerate(modes):
                 mode_rounds = [[per_worker[i * rounds + k] for per_worker in records] for k in range(rounds)]
-                rows.append(summarize(world, case, mode, mode_rounds))
+                rows.append({**summarize(world, case, mode, mode_rounds), "delay_by": _bed.delay_path(bed)})
                 print(render_table(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
         for w in workers:
             w.stdin.write("quit\n")
@@ -514,14 +514,14 @@ def train_world(world: int, cases: list[Case], modes: dict[str, dict], plan: Tra
                 workdir: Path, torchft: str | None = None, sync_every: int = 16) -> tuple[list[dict], list[dict]]:
     """One bed of `world` hosts, a store on h1; for each link, one job per mode, then
     torchft's DiLoCo where `torchft` names where it is installed."""
-    from tests.testbed.netns import Link, NetBed
+    from tests.testbed.netns import Link
 
     rows: list[dict] = []
     runnable, skipped = _bed.shapeable(cases, world, modes)
     if not runnable or not (modes or torchft):
         return rows, skipped
     base = _bed.bed_env(plan.threads)
-    with NetBed(world) as bed, _bed.job_store(bed, "h1", STORE_PORT, base) as master:
+    with _bed.bed_for(world, runnable) as bed, _bed.job_store(bed, "h1", STORE_PORT, base) as master:
         for case in runnable:
             bed.reshape_all(Link(rate_mbit=case.rate_mbit, delay_ms=case.delay_ms))
             for mode, kwargs in modes.items():
@@ -536,7 +536,8 @@ def train_world(world: int, cases: list[Case], modes: dict[str, dict], plan: Tra
                 if refused:
                     skipped.append({"mode": mode, "world": world, **asdict(case), "reason": refused[0]})
                     continue
-                rows.append(summarize_train(world, case, mode, records, plan.batch))
+                rows.append({**summarize_train(world, case, mode, records, plan.batch),
+                             "delay_by": _bed.delay_path(bed)})
                 print(render_train(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
             if torchft:
                 job = f"net-torchft-w{world}-{case.rate_mbit:g}-{case.delay_ms:g}-{os.getpid()}"
@@ -628,7 +629,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mb", type=float, default=200, help="fp32 gradient size in MB (200: 50 M floats)")
     ap.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
     ap.add_argument("--rates", default="10000,1000,100", help="link rates in Mbit/s")
-    ap.add_argument("--delays", default="0.2,5", help="one-way delay per host link in ms (needs sch_netem)")
+    ap.add_argument("--delays", default="0.2,5", help="one-way delay per host link in ms (netem, or the "
+                    "user-space delay line where the kernel has none: tests/testbed/delayline.py)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"all-reduce modes, of: {', '.join(MODES)}")
     ap.add_argument("--rounds", type=int, default=1, help="exchanges per mode and link (the median is shown)")
     ap.add_argument("--train-modes", default=",".join(train_modes(1)),

@@ -36,8 +36,10 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from . import procs
@@ -226,10 +228,25 @@ def _qdisc_missing(kind: str) -> bool:
     return _probed[key] is not None
 
 
+def delay_line_missing_reason() -> str | None:
+    """Why the user-space delay line (delayline.py) cannot run here, or None."""
+    if not os.path.exists("/dev/net/tun"):
+        return "no /dev/net/tun for the user-space delay line (CONFIG_TUN)"
+    return None
+
+
+def uses_delay_line(links) -> bool:
+    """Whether a bed for `links` delays through user space: one of them needs a delay,
+    jitter or loss and the kernel has no netem (delayline.py)."""
+    return any(link.needs_netem for link in links) and _qdisc_missing("netem")
+
+
 def shaping_missing_reason(link: Link) -> str | None:
-    """Why this kernel cannot shape `link`, or None if it can (needs root)."""
-    if link.needs_netem and _qdisc_missing("netem"):
-        return NETEM_HINT
+    """Why this machine cannot shape `link`, or None if it can (needs root). Without
+    netem, delay, jitter and loss go through the user-space delay line (a bed made
+    with `delay_line=True`, which `NetBed` picks itself for the links it starts with)."""
+    if link.needs_netem and _qdisc_missing("netem") and delay_line_missing_reason():
+        return f"{NETEM_HINT}; and {delay_line_missing_reason()}"
     if link.rate_mbit and _qdisc_missing("tbf"):
         return "this kernel has no sch_tbf qdisc, which a rate needs: `modprobe sch_tbf`"
     return None
@@ -251,6 +268,11 @@ class NetBed:
 
     `links` maps host names to their Links (an int n: hosts h1..hn, unshaped).
     The constructor does no I/O; `start()` (or `with`) builds the bed.
+
+    `delay_line`: join every host through the user-space delay line (delayline.py:
+    TAPs, not a veth pair) so its link can be delayed without netem. None (the
+    default): where the kernel has no netem and a starting link needs a delay;
+    a bed to be `reshape`d to a delay later says True (`uses_delay_line(cases)`).
     """
 
     links: Mapping[str, Link] | int
@@ -259,7 +281,9 @@ class NetBed:
     _token: str = field(default_factory=lambda: secrets.token_hex(3), init=False)
     _switch_ns: str = field(default="", init=False)
     _procs: list[subprocess.Popen] = field(default_factory=list, init=False)
+    delay_line: bool | None = None
     _made: list[str] = field(default_factory=list, init=False)
+    _lines: dict[str, subprocess.Popen] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.links, int):
@@ -289,6 +313,10 @@ class NetBed:
             reason = shaping_missing_reason(link)
             if reason:
                 raise ShapingUnsupported(f"cannot shape a link of {link.describe()}: {reason}")
+        if self.delay_line is None:
+            self.delay_line = uses_delay_line(self.links.values())
+        if self.delay_line and delay_line_missing_reason():
+            raise ShapingUnsupported(f"cannot build a delay line: {delay_line_missing_reason()}")
         remove_stale()
         try:
             self._build()
@@ -312,8 +340,11 @@ class NetBed:
         for i, (name, link) in enumerate(self.links.items()):
             ns = self._ns(name)
             self._add_ns(ns)
-            # Both ends are made inside their namespaces, so names never meet the machine's own.
-            _run(["ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", name, "netns", sw])
+            if self.delay_line:
+                self._start_line(name, ns, link)
+            else:
+                # Both ends are made inside their namespaces, so names never meet the machine's own.
+                _run(["ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", name, "netns", sw])
             _run(["ip", "-n", sw, "link", "set", "dev", name, "master", BRIDGE, "up"])
             address = f"10.77.{self.subnet_octet}.{i + 1}"
             _run(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", IFNAME])
@@ -321,11 +352,23 @@ class NetBed:
             self.hosts[name] = Host(name, ns, address)
             self._apply(name, link)
 
+    def _start_line(self, name: str, ns: str, link: Link) -> None:
+        """Host `name`'s eth0 and its switch port as two TAPs with a delay line between."""
+        line = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("delayline.py")), ns, self._switch_ns, name,
+             f"{link.delay_ms:g}", f"{link.jitter_ms:g}", f"{link.loss_pct:g}", str(random.randrange(1 << 30))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self._procs.append(line)
+        self._lines[name] = line
+        if line.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the delay line of {name} did not start (exit {line.wait()})")
+
     def close(self) -> None:
         """Kill what the bed started, then delete its namespaces (idempotent)."""
         for proc in self._procs:
             _kill_group(proc)
         self._procs.clear()
+        self._lines.clear()
         for ns in reversed(self._made):
             delete_namespace(ns)
         self._made.clear()
@@ -335,6 +378,11 @@ class NetBed:
 
     def _apply(self, name: str, link: Link) -> None:
         ns = self.hosts[name].netns
+        line = self._lines.get(name)
+        if line is not None:  # the delay line delays; the kernel keeps the rate
+            line.stdin.write(f"{link.delay_ms:g} {link.jitter_ms:g} {link.loss_pct:g}\n")
+            line.stdin.flush()
+            link = Link(rate_mbit=link.rate_mbit)
         for argv in tc_commands(IFNAME, link, sending=True):
             _run(["tc", "-n", ns, *argv])
         for argv in tc_commands(name, link, sending=False):
@@ -343,6 +391,8 @@ class NetBed:
     def reshape(self, name: str, link: Link) -> None:
         """Give a running host's link a new shape (the processes on it keep running)."""
         reason = shaping_missing_reason(link)
+        if not reason and link.needs_netem and not self.delay_line and _qdisc_missing("netem"):
+            reason = f"{NETEM_HINT}; or a bed made with NetBed(..., delay_line=True)"
         if reason:
             raise ShapingUnsupported(f"cannot shape a link of {link.describe()}: {reason}")
         _run(["tc", "-n", self.hosts[name].netns, "qdisc", "del", "dev", IFNAME, "root"], check=False)
