@@ -14,7 +14,8 @@ with a short transfer between pairs of hosts, over the SSH connections they hold
 - **A transfer** (hosts/programs/link_test.py, the same file the tests run directly):
   a receiver on B listens on B's data-plane address only, on an ephemeral port, for
   one sender that proves itself with a random token (sent on stdin, never on a command
-  line); A sends zeros for `seconds` (at most `max_bytes`); B counts what arrived in
+  line); B times five one-byte round trips (the link's latency, `rtt_ms`: the smallest),
+  then A sends zeros for `seconds` (at most `max_bytes`); B counts what arrived in
   that time and prints it. Each end exits on its own within a few seconds.
 - **The verdict** (`advice`, pure): the slowest pair's rate against a synchronous
   fp32 all-reduce of the model's gradients (the job's reported bytes per step when
@@ -87,6 +88,7 @@ class Figure:
     seconds: float = 0.0
     error: str | None = None
     rejected: int = 0  # connections the receiver closed: not the sender (no token)
+    rtt_ms: float | None = None  # the smallest one-byte round trip before the transfer (the link's latency)
 
     @property
     def mbit_s(self) -> float | None:
@@ -99,20 +101,28 @@ class Figure:
         rate = self.mbit_s
         return {"from": self.sender, "to": self.receiver, "address": self.address,
                 "mbit_s": None if rate is None else round(rate, 1), "bytes": self.bytes,
-                "seconds": round(self.seconds, 3), "error": self.error}
+                "seconds": round(self.seconds, 3), "rtt_ms": self.rtt_ms, "error": self.error}
 
     @classmethod
     def from_json(cls, doc: Mapping) -> Figure:
         return cls(str(doc["from"]), str(doc["to"]), doc.get("address"), int(doc.get("bytes") or 0),
-                   float(doc.get("seconds") or 0.0), doc.get("error"))
+                   float(doc.get("seconds") or 0.0), doc.get("error"), rtt_ms=_ms(doc.get("rtt_ms")))
 
     def describe(self) -> str:
         if self.error is not None:
             return f"{self.sender} -> {self.receiver}: not measured: {self.error}"
         rate = self.mbit_s
-        got = f"{self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s"
+        got = f"{self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s" + (
+            f", round trip {self.rtt_ms:.2f} ms" if self.rtt_ms is not None else "")
         return (f"{self.sender} -> {self.receiver} ({self.address}): "
                 + (f"{rate:,.0f} Mbit/s ({got})" if rate is not None else f"too fast to time ({got})"))
+
+
+def _ms(value) -> float | None:
+    """A round trip from JSON: a non-negative number of milliseconds, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return None
+    return float(value)
 
 
 def parse_receiver(text: str, pair: Pair, address: str) -> Figure:
@@ -129,7 +139,7 @@ def parse_receiver(text: str, pair: Pair, address: str) -> Figure:
         return Figure(pair.sender, pair.receiver, address, error=str(doc["error"]), rejected=rejected)
     try:
         return Figure(pair.sender, pair.receiver, address, bytes=int(doc["bytes"]), seconds=float(doc["seconds"]),
-                      rejected=rejected)
+                      rejected=rejected, rtt_ms=_ms(doc.get("rtt_ms")))
     except (KeyError, TypeError, ValueError):
         return Figure(pair.sender, pair.receiver, address, error=f"the receiver's answer is malformed: {doc!r}")
 

@@ -62,8 +62,17 @@ def test_the_receivers_answer_becomes_a_rate():
     assert f == Figure("a", "b", "10.0.0.2", bytes=12_500_000, seconds=1.0, rejected=2)
     assert f.mbit_s == pytest.approx(100.0)
     assert f.to_json() == {"from": "a", "to": "b", "address": "10.0.0.2", "mbit_s": 100.0, "bytes": 12_500_000,
-                           "seconds": 1.0, "error": None}
+                           "seconds": 1.0, "rtt_ms": None, "error": None}
     assert Figure.from_json(f.to_json()).mbit_s == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("rtt, expected", [(0.412, 0.412), (10, 10.0), (None, None), (-1, None), ("3", None),
+                                           (True, None)])
+def test_the_receivers_round_trip_is_read_only_as_a_number(rtt, expected):
+    doc = json.dumps({"bytes": 1000, "seconds": 0.5, "rejected": 0, "rtt_ms": rtt})
+    f = parse_receiver(f"port 1\n{doc}\n", Pair("a", "b"), "10.0.0.2")
+    assert f.rtt_ms == expected and f.mbit_s == pytest.approx(0.016)
+    assert Figure.from_json(f.to_json()).rtt_ms == expected
 
 
 @pytest.mark.parametrize("text, error", [
@@ -236,6 +245,24 @@ try:
 except OSError:
     pass
 """
+
+
+def test_a_delayed_link_shows_its_round_trip():
+    """Five milliseconds each way (through the delay line where the kernel has no netem):
+    the receiver's round trip is at least the 10 ms both ways add, an undelayed pair's
+    far less, and the figure carries it into JSON and its line."""
+    from tests.testbed.netns import Link, NetBed, netns_missing_reason, shaping_missing_reason
+
+    reason = netns_missing_reason() or shaping_missing_reason(Link(delay_ms=5))
+    if reason:
+        pytest.skip(reason)
+    with NetBed({"h1": Link(delay_ms=5), "h2": Link(delay_ms=5), "h3": Link()}) as delayed:
+        far, near = transfer(delayed, "h1", "h2"), transfer(delayed, "h3", "h2")
+    assert far.error is None and near.error is None, (far, near)
+    assert 9.5 <= far.rtt_ms < 40, far
+    assert near.rtt_ms < 9.5 and near.rtt_ms < far.rtt_ms - 4, near  # h2's own 5 ms stays in it
+    assert Figure.from_json(far.to_json()).rtt_ms == far.rtt_ms
+    assert f"round trip {far.rtt_ms:.2f} ms" in far.describe()
 
 
 def test_a_50mbit_link_measures_far_below_an_unshaped_one_and_strangers_are_not_counted(bed):

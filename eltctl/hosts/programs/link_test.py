@@ -8,14 +8,17 @@
 an ephemeral port, prints `port N` at once, and waits ACCEPT_S seconds for the one
 sender whose first bytes are the token (stdin, never the command line, which other
 accounts can read): a connection that does not send it within 2 s is closed and
-counted as `rejected`, its bytes never counted. From the first byte after the token
-it counts what arrives for at most SECONDS, closes, and prints one JSON line
-{"bytes", "seconds", "rejected"} (the first chunk starts the clock and is not
-counted), or {"error", "rejected"}. It exits then, in any case within
-ACCEPT_S + SECONDS + 2 s.
+counted as `rejected`, its bytes never counted. After the token it times PINGS
+one-byte round trips (it sends a byte, the sender echoes it; `rtt_ms` is the
+smallest, null if the echoes failed). From the first byte after them it counts what
+arrives for at most SECONDS, closes, and prints one JSON line
+{"bytes", "seconds", "rejected", "rtt_ms"} (the first chunk starts the clock and is
+not counted), or {"error", "rejected"}. It exits then, in any case within
+ACCEPT_S + SECONDS + 2 s (+ the round trips).
 
-`send` connects, sends the token, then zeros in 64 KiB writes until SECONDS pass, MAX_BYTES
-are sent or the receiver closes, and prints {"sent"} (or {"error"}).
+`send` connects, sends the token, echoes the receiver's PINGS bytes, then zeros in 64 KiB
+writes until SECONDS pass, MAX_BYTES are sent or the receiver closes, and prints {"sent"}
+(or {"error"}).
 Standard library only, Python 3.8+.
 """
 
@@ -27,6 +30,7 @@ import time
 
 CHUNK = 64 * 1024  # small writes: at 1 Mbit/s one takes half a second, so SECONDS holds
 TOKEN_WAIT_S = 2.0
+PINGS = 5  # one-byte round trips before the transfer: the link's latency, the smallest of them
 
 
 def _token():
@@ -78,6 +82,17 @@ def recv(address, accept_s, seconds):
             c.close()
     srv.close()
     conn.settimeout(seconds + 2)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtt = None
+    try:
+        for _ in range(PINGS):
+            t = time.monotonic()
+            conn.sendall(b"p")
+            if _read_exactly(conn, 1) != b"p":
+                raise OSError("no echo")
+            rtt = min(rtt if rtt is not None else 1e9, time.monotonic() - t)
+    except OSError:
+        rtt = None
     buf = bytearray(1 << 20)
     counted, first, last = 0, None, None
     try:
@@ -97,7 +112,8 @@ def recv(address, accept_s, seconds):
         pass
     conn.close()
     spent = (last - first) if last is not None else 0.0
-    print(json.dumps({"bytes": counted, "seconds": spent, "rejected": rejected}))
+    print(json.dumps({"bytes": counted, "seconds": spent, "rejected": rejected,
+                      "rtt_ms": None if rtt is None else round(rtt * 1000, 3)}))
 
 
 def send(address, port, seconds, max_bytes):
@@ -113,6 +129,9 @@ def send(address, port, seconds, max_bytes):
     s.settimeout(seconds + 2)
     try:
         s.sendall(token)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(PINGS):
+            s.sendall(_read_exactly(s, 1))
         while sent < max_bytes and time.monotonic() < end:
             n = min(CHUNK, max_bytes - sent)
             s.sendall(zeros[:n])
