@@ -18,8 +18,11 @@ Each host's link is shaped with `tc` (`Link`): the rate limits both directions
 (`tbf` on `eth0` and on the switch port); delay, jitter and loss apply to what
 the host sends (`netem` on `eth0`), so a path's round trip is the sum of its two
 hosts' delays. `tc_commands` decides the qdiscs (a pure function); the bed only
-runs them. A kernel without `sch_netem` cannot delay: `shaping_missing_reason`
-names the missing qdisc, and the bed raises `ShapingUnsupported` with the fix.
+runs them. A kernel without `sch_netem` delays through the user-space delay line
+(delayline.py: the host's eth0 and its switch port are TAPs, a process between them
+holds what the host sends; the rate stays tbf's): `delay_line=True`, or by itself
+where a starting link needs a delay. Where neither works, `shaping_missing_reason`
+says why and the bed raises `ShapingUnsupported` with the fix.
 
 Commands run inside a host by `ip netns exec` (`run_in` returns the process in
 its own session; the bed kills each such process group at exit, then every
