@@ -2,7 +2,7 @@
 
 Its release rule is pure and tested as such: the delay, jitter that never reorders,
 a seeded loss. On real namespaces (root only): a bed made with `delay_line=True`
-joins its hosts through TAPs, a reshape to 5 ms shows in a TCP connect's round trip
+sends what each host sends through its TAP, a reshape to 5 ms shows in a TCP connect's round trip
 and back to 0 takes it away, a 100 Mbit/s link with a delay still carries about
 100 Mbit/s (the kernel's tbf keeps the rate), a link losing every packet carries
 nothing, and a closed bed leaves no delay line, namespace or interface behind.
@@ -19,7 +19,7 @@ import pytest
 from tests.test_netns_bed import ACCEPTOR, CONNECT_RTT, RECEIVER, SENDER
 from tests.testbed import procs
 from tests.testbed.delayline import Shape
-from tests.testbed.netns import IFNAME, Link, NetBed, list_namespaces, netns_missing_reason
+from tests.testbed.netns import IFNAME, LINE_TAP, Link, NetBed, list_namespaces, netns_missing_reason
 
 
 def test_a_packet_leaves_after_the_delay():
@@ -76,8 +76,11 @@ def _connect_rtt_ms(bed) -> float:
     return float(bed.check_in("h1", [sys.executable, "-c", CONNECT_RTT, bed.address("h2")]).stdout)
 
 
-def test_a_delay_line_host_is_a_tap_and_a_reshape_delays_it(line_bed):
-    assert "tun type tap" in line_bed.check_in("h1", ["ip", "-d", "link", "show", IFNAME]).stdout
+def test_a_delay_line_hosts_sends_go_through_its_tap_and_a_reshape_delays_them(line_bed):
+    assert "veth" in line_bed.check_in("h1", ["ip", "-d", "link", "show", IFNAME]).stdout
+    assert "tun type tap" in line_bed.check_in("h1", ["ip", "-d", "link", "show", LINE_TAP]).stdout
+    egress = line_bed.check_in("h1", ["tc", "filter", "show", "dev", IFNAME, "egress"]).stdout
+    assert "mirred" in egress and LINE_TAP in egress, egress
     assert _connect_rtt_ms(line_bed) < 4
     line_bed.reshape_all(Link(delay_ms=5))
     try:

@@ -1,31 +1,34 @@
-"""A delay line for kernels without `sch_netem`: one host's link through user space.
+"""A delay line for kernels without `sch_netem`: what one host sends, through user space.
 
 The bed (netns.py) joins a host to its switch by a veth pair, and delays what the
 host sends with `netem`. Where the kernel has no netem (CONFIG_NET_SCH_NETEM unset,
-as on this machine: its qdiscs are tbf, htb, ingress and fifo), the bed joins such
-a host through two TAP devices instead, with this process between them:
+as on this machine: its qdiscs are tbf, htb, ingress and fifo), the bed sends what
+such a host sends through this process instead:
 
-    host ns: eth0 (TAP) <-> this process <-> port (TAP, a bridge port) in the switch ns
+    host ns: eth0 (veth) --egress, tc mirred redirect--> delay0 (TAP) -> this process
+             -> dl<i> (TAP, a bridge port that learns nothing) -> br0 in the switch ns
+    br0 -> the host's veth port (a static entry for its MAC) -> eth0: what it receives
 
-What the host sends (read from its eth0) is held for the link's delay (± jitter,
-uniform) and dropped with the link's loss probability, then written to the port;
-what the switch sends to the host passes at once. The rate stays the kernel's:
-`tbf` on eth0's egress (what the host sends) and on the port's egress (what it
-receives), as on a veth link. So TCP, gloo and sshd run over real interfaces with a
-real delay; only the delay's queue is in user space.
+What the host sends is held for the link's delay (± jitter, uniform) and dropped with
+the link's loss probability, then written to the bridge; what it receives never
+leaves the kernel. So every packet crosses user space once, at its sender. The rate
+stays the kernel's: `tbf` on delay0 (what the host sends) and on the host's switch
+port (what it receives), as on a plain link. TCP, gloo and sshd run over the real
+interfaces with a real delay; only the delay's queue is in user space.
 
 Packets keep their order (each leaves at max(its time, the one before's)): an
 office switch does not reorder, so jitter here varies the delay without reordering,
 where netem's jitter reorders. Both TAPs carry virtio-net headers with the TCP
 offloads on (as QEMU's), so the host's 64 KiB TSO packets cross as one read and one
-write each: about 2,000 a second at 1 Gbit/s. A link with loss turns the host's TSO
-off, so a loss drops one 1,500-byte frame, not a burst of 44. The process runs at
-SCHED_FIFO priority where it may, so a busy machine does not add to the delay.
+write each: about 2,000 a second at 1 Gbit/s. A link with loss turns TSO off on
+delay0, so a loss drops one 1,500-byte frame, not a burst of 44. The process runs at
+SCHED_FIFO priority where it may, so a busy machine does not add to the delay. What
+the bridge floods to the port (broadcasts) is read and dropped.
 
-Run by the bed: `python delayline.py HOST_NS SWITCH_NS PORT DELAY_MS JITTER_MS LOSS_PCT SEED`;
-it creates the two TAPs (they vanish when it exits), prints `ready`, then reads
-`DELAY_MS JITTER_MS LOSS_PCT` lines on stdin (a reshape) and exits at stdin's end.
-Standard library only (ctypes for setns: Python 3.11 has no os.setns).
+Run by the bed: `python delayline.py HOST_NS SWITCH_NS HOST_TAP PORT_TAP DELAY_MS JITTER_MS
+LOSS_PCT SEED`; it creates the two TAPs (they vanish when it exits), prints `ready`,
+then reads `DELAY_MS JITTER_MS LOSS_PCT` lines on stdin (a reshape) and exits at
+stdin's end. Standard library only (ctypes for setns: Python 3.11 has no os.setns).
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ import sys
 import time
 from collections import deque
 
-IFNAME = "eth0"
 TUNSETIFF = 0x400454CA
 TUNSETOFFLOAD = 0x400454D0
 IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
@@ -117,15 +119,13 @@ def run(host_fd: int, port_fd: int, ctl: int, shape: Shape) -> None:
             if not line:
                 return
             shape.set(*(float(v) for v in line.split()[-3:]))
-        if port_fd in ready:  # towards the host: at once
+        if port_fd in ready:  # the bridge's floods towards this port: the host has them through its veth
             for _ in range(BATCH):
                 try:
-                    os.write(host_fd, os.read(port_fd, READ_SIZE))
+                    os.read(port_fd, READ_SIZE)
                 except BlockingIOError:
                     break
-                except OSError:
-                    pass  # a packet the host's stack refused: dropped, as a wire would
-        if host_fd in ready:  # from the host: held for the delay
+        if host_fd in ready:  # what the host sends: held for the delay
             for _ in range(BATCH):
                 try:
                     packet = os.read(host_fd, READ_SIZE)
@@ -139,16 +139,16 @@ def run(host_fd: int, port_fd: int, ctl: int, shape: Shape) -> None:
             try:
                 os.write(port_fd, held.popleft()[1])
             except OSError:
-                pass
+                pass  # a packet the bridge refused: dropped, as a wire would
 
 
 def main(argv: list[str]) -> int:
-    host_ns, switch_ns, port = argv[:3]
-    delay, jitter, loss = (float(v) for v in argv[3:6])
-    shape = Shape(delay, jitter, loss, int(argv[6]))
+    host_ns, switch_ns, host_tap, port = argv[:4]
+    delay, jitter, loss = (float(v) for v in argv[4:7])
+    shape = Shape(delay, jitter, loss, int(argv[7]))
     home = os.open("/proc/self/ns/net", os.O_RDONLY)
     _setns(f"/var/run/netns/{host_ns}")
-    host_fd = open_tap(IFNAME)
+    host_fd = open_tap(host_tap)
     _setns(f"/var/run/netns/{switch_ns}")
     port_fd = open_tap(port)
     set_tso(port_fd, True)

@@ -50,6 +50,7 @@ from . import procs
 PREFIX = "eltnet-"     # every namespace a bed makes is named PREFIX<pid>-<token>-<host>
 IFNAME = "eth0"        # a host's interface (gloo's GLOO_SOCKET_IFNAME, sshd's ListenAddress)
 BRIDGE = "br0"
+LINE_TAP = "delay0"    # with a delay line: the TAP in each host that eth0's egress is redirected to
 SWITCH = "sw"          # the host name of the bridge's namespace (not a valid host name)
 NETEM_HINT = ("this kernel has no sch_netem qdisc, which delay, jitter and loss need: "
               "`modprobe sch_netem`, or a kernel built with CONFIG_NET_SCH_NETEM")
@@ -343,28 +344,42 @@ class NetBed:
         for i, (name, link) in enumerate(self.links.items()):
             ns = self._ns(name)
             self._add_ns(ns)
-            if self.delay_line:
-                self._start_line(name, ns, link)
-            else:
-                # Both ends are made inside their namespaces, so names never meet the machine's own.
-                _run(["ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", name, "netns", sw])
+            # Both ends are made inside their namespaces, so names never meet the machine's own.
+            mac = f"02:77:{self.subnet_octet:02x}:00:{(i + 1) >> 8:02x}:{(i + 1) & 0xFF:02x}"
+            _run(["ip", "link", "add", IFNAME, "netns", ns, "address", mac, "type", "veth", "peer", "name", name,
+                  "netns", sw])
             _run(["ip", "-n", sw, "link", "set", "dev", name, "master", BRIDGE, "up"])
             address = f"10.77.{self.subnet_octet}.{i + 1}"
             _run(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", IFNAME])
             _run(["ip", "-n", ns, "link", "set", "dev", IFNAME, "up"])
+            if self.delay_line:
+                self._start_line(name, ns, i + 1, mac, link)
             self.hosts[name] = Host(name, ns, address)
             self._apply(name, link)
 
-    def _start_line(self, name: str, ns: str, link: Link) -> None:
-        """Host `name`'s eth0 and its switch port as two TAPs with a delay line between."""
+    def _start_line(self, name: str, ns: str, index: int, mac: str, link: Link) -> None:
+        """Route what host `name` sends through a delay line (delayline.py): eth0's egress
+        is redirected (tc mirred) to a TAP in the host (`LINE_TAP`), the delay line holds
+        it and writes it to a TAP port of the bridge (`dl<index>`, which learns nothing);
+        the bridge knows the host's MAC on its veth port (a static entry), so what the
+        host receives comes straight through the veth, as on a plain link."""
+        port = f"dl{index}"
         line = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("delayline.py")), ns, self._switch_ns, name,
+            [sys.executable, str(Path(__file__).with_name("delayline.py")), ns, self._switch_ns, LINE_TAP, port,
              f"{link.delay_ms:g}", f"{link.jitter_ms:g}", f"{link.loss_pct:g}", str(random.randrange(1 << 30))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         self._procs.append(line)
         self._lines[name] = line
         if line.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the delay line of {name} did not start (exit {line.wait()})")
+        sw = self._switch_ns
+        _run(["ip", "-n", sw, "link", "set", "dev", port, "master", BRIDGE, "up"])
+        _run(["bridge", "-n", sw, "link", "set", "dev", port, "learning", "off"])
+        _run(["bridge", "-n", sw, "fdb", "replace", mac, "dev", name, "master", "static"])
+        _run(["ip", "-n", ns, "link", "set", "dev", LINE_TAP, "up"])
+        _run(["tc", "-n", ns, "qdisc", "add", "dev", IFNAME, "clsact"])
+        _run(["tc", "-n", ns, "filter", "add", "dev", IFNAME, "egress", "protocol", "all", "u32", "match", "u32",
+              "0", "0", "action", "mirred", "egress", "redirect", "dev", LINE_TAP])
 
     def close(self) -> None:
         """Kill what the bed started, then delete its namespaces (idempotent)."""
@@ -382,11 +397,12 @@ class NetBed:
     def _apply(self, name: str, link: Link) -> None:
         ns = self.hosts[name].netns
         line = self._lines.get(name)
-        if line is not None:  # the delay line delays; the kernel keeps the rate
+        sending_dev = IFNAME
+        if line is not None:  # the delay line delays; the kernel keeps the rate, on the TAP eth0 sends into
             line.stdin.write(f"{link.delay_ms:g} {link.jitter_ms:g} {link.loss_pct:g}\n")
             line.stdin.flush()
-            link = Link(rate_mbit=link.rate_mbit)
-        for argv in tc_commands(IFNAME, link, sending=True):
+            link, sending_dev = Link(rate_mbit=link.rate_mbit), LINE_TAP
+        for argv in tc_commands(sending_dev, link, sending=True):
             _run(["tc", "-n", ns, *argv])
         for argv in tc_commands(name, link, sending=False):
             _run(["tc", "-n", self._switch_ns, *argv])
@@ -398,7 +414,8 @@ class NetBed:
             reason = f"{NETEM_HINT}; or a bed made with NetBed(..., delay_line=True)"
         if reason:
             raise ShapingUnsupported(f"cannot shape a link of {link.describe()}: {reason}")
-        _run(["tc", "-n", self.hosts[name].netns, "qdisc", "del", "dev", IFNAME, "root"], check=False)
+        _run(["tc", "-n", self.hosts[name].netns, "qdisc", "del", "dev",
+              LINE_TAP if name in self._lines else IFNAME, "root"], check=False)
         _run(["tc", "-n", self._switch_ns, "qdisc", "del", "dev", name, "root"], check=False)
         self.links = {**self.links, name: link}
         self._apply(name, link)
