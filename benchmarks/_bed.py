@@ -74,6 +74,18 @@ def delay_path(bed) -> str:
     return "user-space delay line (no sch_netem)" if bed.delay_line else "netem"
 
 
+# The TAP a delay-line host's sends go through (tests/testbed/netns.py LINE_TAP; eth0's own
+# counters miss them: its egress is redirected before the device counts it).
+LINE_TAP = "delay0"
+
+
+def tx_bytes_file(net: Path = Path("/sys/class/net")) -> Path:
+    """Where a rank on the bed reads what its host sent: the delay line's TAP where the
+    host has one, else its interface (GLOO_SOCKET_IFNAME)."""
+    dev = LINE_TAP if (net / LINE_TAP).exists() else os.environ["GLOO_SOCKET_IFNAME"]
+    return net / dev / "statistics" / "tx_bytes"
+
+
 def bed_env(threads: int) -> dict:
     """The environment every rank and server on the bed starts from: the host
     interpreter's, gloo on the bed's interface, `threads` torch threads, unbuffered."""

@@ -216,7 +216,7 @@ def worker(spec: dict) -> None:
         timeout=long, quorum_timeout=long, connect_timeout=timedelta(seconds=120),
         rank=0, world_size=1, store_addr=addr, store_port=REPLICA_STORE_PORT, lighthouse_addr=spec["lighthouse"],
         replica_id=f"replica_{rank}", port=MANAGER_PORT, hostname=addr, init_sync=False)
-    tx = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics" / "tx_bytes"
+    tx = _bed.tx_bytes_file()
     # registered before DiLoCo's own post-hook, so it runs first: the time from here to
     # the end of `inner.step()` is DiLoCo's synchronization (zero work between syncs)
     hook_at = [0.0]

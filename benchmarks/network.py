@@ -154,7 +154,7 @@ def worker(rank: int, world: int, master: str, floats: int, modes: list[str], ro
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     grad = torch.empty(floats)
-    tx = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics" / "tx_bytes"
+    tx = _bed.tx_bytes_file()
     expected = world * (world + 1) / 2
     print(json.dumps({"ready": rank}), flush=True)
     for line in sys.stdin:
@@ -436,7 +436,7 @@ def train_worker(spec: dict) -> None:
     except (TypeError, ValueError) as e:
         print(json.dumps({"rank": spec["rank"], "skipped": f"ElasticJob refused {spec['kwargs']}: {e}"}), flush=True)
         return
-    tx = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics" / "tx_bytes"
+    tx = _bed.tx_bytes_file()
     losses: list[float] = []
     wait: float | None = 0.0
     job_bytes: int | None = 0

@@ -334,3 +334,14 @@ def test_a_summarized_event_row_times_the_leaver_from_its_sigterm():
     assert row["join_change_s"] is None  # no DEBUG log given
     h2.pop("term_wall")  # no SIGTERM sent (the job ended first): no leaver figures
     assert ev.summarize_events("local", 3, 1000.0, 0.0, [h1, h2], "", None, 0)["leaver_released_after_term_s"] is None
+
+
+def test_a_rank_counts_its_sends_on_the_delay_lines_tap_where_its_host_has_one(tmp_path, monkeypatch):
+    from tests.testbed import netns
+
+    bed = net._bed
+    assert bed.LINE_TAP == netns.LINE_TAP  # the worker cannot import the test bed: the name is kept twice
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert bed.tx_bytes_file(tmp_path) == tmp_path / "eth0" / "statistics" / "tx_bytes"
+    (tmp_path / netns.LINE_TAP).mkdir()
+    assert bed.tx_bytes_file(tmp_path) == tmp_path / netns.LINE_TAP / "statistics" / "tx_bytes"
