@@ -70,8 +70,9 @@ def bed_for(world: int, cases: Sequence):
 
 
 def delay_path(bed) -> str:
-    """How the bed delays a link: the kernel's netem, or the user-space delay line."""
-    return "user-space delay line (no sch_netem)" if bed.delay_line else "netem"
+    """How the bed shapes what a host sends: the kernel's qdiscs alone (netem where a
+    link has a delay), or through the user-space delay line."""
+    return "user-space delay line (no sch_netem)" if bed.delay_line else "kernel (tc)"
 
 
 # The TAP a delay-line host's sends go through (tests/testbed/netns.py LINE_TAP; eth0's own

@@ -76,15 +76,21 @@ class Shape:
         return self.last
 
 
-def _setns(path: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDONLY)
+def _setns(fd: int) -> None:
+    """Move this (single-threaded) process into the network namespace `fd` names."""
+    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def _tap_in(netns: str, name: str) -> int:
+    """A TAP `name` made in the named namespace (this process enters it to make it)."""
+    fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
     try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+        _setns(fd)
     finally:
         os.close(fd)
+    return open_tap(name)
 
 
 def open_tap(name: str) -> int:
@@ -147,13 +153,10 @@ def main(argv: list[str]) -> int:
     delay, jitter, loss = (float(v) for v in argv[4:7])
     shape = Shape(delay, jitter, loss, int(argv[7]))
     home = os.open("/proc/self/ns/net", os.O_RDONLY)
-    _setns(f"/var/run/netns/{host_ns}")
-    host_fd = open_tap(host_tap)
-    _setns(f"/var/run/netns/{switch_ns}")
-    port_fd = open_tap(port)
+    host_fd = _tap_in(host_ns, host_tap)
+    port_fd = _tap_in(switch_ns, port)
     set_tso(port_fd, True)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.setns(home, CLONE_NEWNET)
+    _setns(home)
     os.close(home)
     _realtime()
     print("ready", flush=True)

@@ -19,9 +19,9 @@ Each host's link is shaped with `tc` (`Link`): the rate limits both directions
 the host sends (`netem` on `eth0`), so a path's round trip is the sum of its two
 hosts' delays. `tc_commands` decides the qdiscs (a pure function); the bed only
 runs them. A kernel without `sch_netem` delays through the user-space delay line
-(delayline.py: the host's eth0 and its switch port are TAPs, a process between them
-holds what the host sends; the rate stays tbf's): `delay_line=True`, or by itself
-where a starting link needs a delay. Where neither works, `shaping_missing_reason`
+(delayline.py: eth0's egress is redirected to a TAP, a process holds what the host
+sends and writes it to a TAP port of the bridge; the rate stays tbf's):
+`delay_line=True`, or by itself where a starting link needs a delay. Where neither works, `shaping_missing_reason`
 says why and the bed raises `ShapingUnsupported` with the fix.
 
 Commands run inside a host by `ip netns exec` (`run_in` returns the process in
@@ -273,8 +273,8 @@ class NetBed:
     `links` maps host names to their Links (an int n: hosts h1..hn, unshaped).
     The constructor does no I/O; `start()` (or `with`) builds the bed.
 
-    `delay_line`: join every host through the user-space delay line (delayline.py:
-    TAPs, not a veth pair) so its link can be delayed without netem. None (the
+    `delay_line`: send what every host sends through the user-space delay line
+    (delayline.py, `_start_line`) so its link can be delayed without netem. None (the
     default): where the kernel has no netem and a starting link needs a delay;
     a bed to be `reshape`d to a delay later says True (`uses_delay_line(cases)`).
     """
@@ -394,15 +394,18 @@ class NetBed:
 
     # --- shaping ---
 
+    def _sending_dev(self, name: str) -> str:
+        """Where what host `name` sends is shaped: its delay line's TAP, else eth0."""
+        return LINE_TAP if name in self._lines else IFNAME
+
     def _apply(self, name: str, link: Link) -> None:
         ns = self.hosts[name].netns
         line = self._lines.get(name)
-        sending_dev = IFNAME
         if line is not None:  # the delay line delays; the kernel keeps the rate, on the TAP eth0 sends into
             line.stdin.write(f"{link.delay_ms:g} {link.jitter_ms:g} {link.loss_pct:g}\n")
             line.stdin.flush()
-            link, sending_dev = Link(rate_mbit=link.rate_mbit), LINE_TAP
-        for argv in tc_commands(sending_dev, link, sending=True):
+            link = Link(rate_mbit=link.rate_mbit)
+        for argv in tc_commands(self._sending_dev(name), link, sending=True):
             _run(["tc", "-n", ns, *argv])
         for argv in tc_commands(name, link, sending=False):
             _run(["tc", "-n", self._switch_ns, *argv])
@@ -414,8 +417,8 @@ class NetBed:
             reason = f"{NETEM_HINT}; or a bed made with NetBed(..., delay_line=True)"
         if reason:
             raise ShapingUnsupported(f"cannot shape a link of {link.describe()}: {reason}")
-        _run(["tc", "-n", self.hosts[name].netns, "qdisc", "del", "dev",
-              LINE_TAP if name in self._lines else IFNAME, "root"], check=False)
+        _run(["tc", "-n", self.hosts[name].netns, "qdisc", "del", "dev", self._sending_dev(name), "root"],
+             check=False)
         _run(["tc", "-n", self._switch_ns, "qdisc", "del", "dev", name, "root"], check=False)
         self.links = {**self.links, name: link}
         self._apply(name, link)

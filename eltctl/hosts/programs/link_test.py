@@ -83,16 +83,17 @@ def recv(address, accept_s, seconds):
     srv.close()
     conn.settimeout(seconds + 2)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    rtt = None
+    trips = []
     try:
         for _ in range(PINGS):
             t = time.monotonic()
             conn.sendall(b"p")
             if _read_exactly(conn, 1) != b"p":
                 raise OSError("no echo")
-            rtt = min(rtt if rtt is not None else 1e9, time.monotonic() - t)
+            trips.append(time.monotonic() - t)
     except OSError:
-        rtt = None
+        trips = []
+    rtt = min(trips) if trips else None
     buf = bytearray(1 << 20)
     counted, first, last = 0, None, None
     try:
