@@ -136,8 +136,10 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
     the leave (`join_change_s`, `leave_change_s`: change_phases of the generations 1 and 2)."""
     per_rank = []
     for r in records:
-        p = event_pauses([s[1] for s in r["steps"]], [s[2] for s in r["steps"]], skip=skip)
-        per_rank.append({"host": r["host"], **p})
+        times = [s[1] for s in r["steps"]]
+        p = event_pauses(times, [s[2] for s in r["steps"]], skip=skip)
+        # every gap, for a look at the steps around an event (gaps_s[g] ends at step index g+1)
+        per_rank.append({"host": r["host"], **p, "gaps_s": [_r(b - a) for a, b in zip(times, times[1:])]})
 
     def pause(p: dict, kind: str, key: str = "pause_s") -> float | None:
         ev = [e for e in p["events"] if (e["to"] > e["from"]) == (kind == "join")]

@@ -105,8 +105,12 @@ from ..member import collectives
 from .zero import hostmem
 from . import state as state_mod
 from ..member.collectives import Aborted
+from .tail import layout as tail_layout
 
 TAIL_DTYPE = torch.float32
+# Spare tail elements in the flat buffer that carries it (ReplicatedPath._reserve): the
+# slots of 100 more ranks (tail.py: a few per rank) before a resize reallocates.
+TAIL_ROOM = 1024
 _TAIL_KIND = str(TAIL_DTYPE)
 
 
@@ -507,7 +511,8 @@ class ReplicatedPath(GradientPath):
         self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (float32 bucket, its wire copy) this step
         # The last launch carries the float32 tail: the last bucket, or an extra one.
         self._n_launch = len(self.layout.buckets) + (0 if self._tail_group is not None else 1)
-        self._flats: list[torch.Tensor] | None = None
+        self._flats: list[torch.Tensor] | None = None  # views of _stores: the gradients, then the tail
+        self._stores: list[torch.Tensor] | None = None  # the buffers' memory, with room for a larger tail
         self._tail_buf: torch.Tensor | None = None  # the tail's own buffer when it does not ride with a bucket
         self._tail_size = 0
         self._launching = False  # inside the backward of a step's last micro-batch
@@ -527,20 +532,45 @@ class ReplicatedPath(GradientPath):
         last bucket. Parameters' .grad are views into them (as DDP's
         gradient_as_bucket_view), so backward accumulates in place and nothing
         is copied in or out."""
-        lay = self.layout
+        lay = self._reserve(tail_size)
         self._tail_size = tail_size
         sizes = [n + (tail_size if g == self._tail_group else 0) for g, n in enumerate(lay.lengths)]
         if self._flats is None or [f.numel() for f in self._flats] != sizes:
-            # The caller copies the current gradients in (they are not views of these).
-            self._flats = [(hostmem.empty(n, state_mod.dtype_named(kind)).zero_() if self.device.type == "cpu"
-                            else torch.zeros(n, dtype=state_mod.dtype_named(kind), device=self.device))
-                           for kind, n in zip(lay.groups, sizes)]
+            # A world size's tail is a view of the same memory: the gradients' views stay.
+            self._flats = [store[:n] for store, n in zip(self._stores, sizes)]
         if self._tail_group is None and (self._tail_buf is None or self._tail_buf.numel() != tail_size):
             self._tail_buf = torch.zeros(tail_size, dtype=TAIL_DTYPE, device=self.device)
         if self._wire_dtype is not None and self._wire is None:
             self._wire = [torch.empty(n, dtype=self._wire_dtype, device=self.device) if kind == _TAIL_KIND else None
                           for kind, n in zip(lay.groups, lay.lengths)]
         return self._flats
+
+    def _reserve(self, tail_size: int) -> GradLayout:
+        """The flat buffers' memory (`_stores`), zeroed, with room for a tail of
+        twice `tail_size` plus TAIL_ROOM elements where the tail rides with a bucket: a new
+        world size's tail (its per-rank slots) is a view of the same memory, so a
+        membership change reallocates nothing (the 50 M-parameter model's 200 MB,
+        allocated, faulted in and copied into at the new generation's first step, were
+        0.2-1.3 s of each member's CPU in a join's pause on the bed)."""
+        lay = self.layout
+        need = [n + (tail_size if g == self._tail_group else 0) for g, n in enumerate(lay.lengths)]
+        if self._stores is None or any(s.numel() < n for s, n in zip(self._stores, need)):
+            # The caller copies the current gradients in (they are not views of these).
+            self._flats = None
+            self._stores = [(hostmem.empty(n, state_mod.dtype_named(kind)).zero_() if self.device.type == "cpu"
+                             else torch.zeros(n, dtype=state_mod.dtype_named(kind), device=self.device))
+                            for kind, n in zip(lay.groups, [n + (tail_size + TAIL_ROOM if g == self._tail_group else 0)
+                                                            for g, n in enumerate(need)])]
+        return lay
+
+    def prepare_join(self, world: int, stop: threading.Event, prepared: threading.Event | None = None) -> None:
+        """A joiner, before it asks to be admitted: its flat buffers allocated and
+        faulted in now (the helper thread of life.preparing_join), not in its first step,
+        where its CPU would hold up the members' first all-reduce on shared cores. The
+        tail's size is not known yet; TAIL_ROOM covers it."""
+        self._reserve(tail_layout(world).size)
+        if prepared is not None:
+            prepared.set()
 
     def begin(self, tail_size: int) -> None:
         """Bind every .grad to its view of its dtype's flat buffer (so backward
@@ -683,7 +713,7 @@ class ReplicatedPath(GradientPath):
     def gradient_copy(self) -> list[torch.Tensor]:
         """The whole gradient as the optimizer step reads it (all-reduced, unscaled,
         clipped): one host copy per dtype buffer, the tail left out (catchup.py)."""
-        return [f[:n].to("cpu", copy=True) for f, n in zip(self._flats, self.layout.lengths)]
+        return [hostmem.empty(n, f.dtype).copy_(f[:n]) for f, n in zip(self._flats, self.layout.lengths)]
 
     def zero(self) -> None:
         for flat in self._flats or ():
@@ -699,6 +729,6 @@ class ReplicatedPath(GradientPath):
             with torch.no_grad():
                 self.tail().zero_()
             return
-        self._flats = None
+        self._flats = self._stores = None
         self._tail_buf = None
         self._wire = None

@@ -344,3 +344,65 @@ def test_the_clipping_norm_is_summed_in_float64_and_both_paths_clip_alike():
     assert norm1 == pytest.approx(want, rel=1e-12) and norm2 == norm1
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_new_world_sizes_tail_reuses_the_flat_buffers_and_a_joiner_allocates_them_before_it_asks():
+    """A membership change changes only the control tail's size (its per-rank slots): the
+    gradients stay views of the same memory (a 200 MB model's buffers were reallocated,
+    faulted in and copied into at every generation's first step), the reductions and the
+    tail stay right, and a tail past the room left for it moves to new memory with the
+    gradients' values. A joiner's prepare_join allocates the buffers its first step uses."""
+    import threading
+
+    import torch.distributed as dist
+    from runtime_cluster import gloo_group, run_threads
+
+    from eltctl_runtime.train.gradients import TAIL_ROOM, ReplicatedPath
+
+    init = threading.Lock()
+
+    def rank(r: int) -> list:
+        pg = gloo_group(store, "g", r, 2)
+        with init:
+            torch.manual_seed(5)
+            m = torch.nn.Linear(4, 3)
+        params = list(m.parameters())
+        path = ReplicatedPath(params, bucket_mb=1.0)
+        path.pg = pg
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: path.grad_ready(i, p))
+        seen = []
+
+        def step(tail_size: int, x: torch.Tensor) -> torch.Tensor:
+            path.begin(tail_size)
+            m(x).sum().backward()
+            path.end_backward()
+            path.tail().fill_(r + 1)
+            tail = path.finish(None)
+            assert tail.numel() == tail_size and torch.all(tail == 3)  # 1 + 2 from the two ranks
+            grads = [p.grad.clone() for p in params]
+            seen.append([p.grad.data_ptr() for p in params])
+            path.zero()
+            return grads
+
+        path.prepare_join(2, threading.Event())
+        stores = [s.data_ptr() for s in path._stores]
+        x = torch.full((2, 4), float(r + 1))
+        out = [step(4, x)]
+        assert [f.data_ptr() for f in path._flats] == stores  # the joiner's first step: what it prepared
+        out.append(step(7, x))  # a world size more: a longer tail in the same memory
+        assert seen[1] == seen[0]
+        m.weight.grad.fill_(0.5)  # a gradient that must survive a move
+        assert path._stores[0].numel() >= 2 * 7 + TAIL_ROOM  # room for a tail more than twice as long
+        path.begin(path._stores[0].numel())  # past the room: new memory, the values copied in
+        assert [f.data_ptr() for f in path._flats] != stores
+        assert torch.all(m.weight.grad == 0.5)
+        path.end_backward()
+        return out
+
+    store = dist.HashStore()
+    out = run_threads({r: (lambda r=r: rank(r)) for r in range(2)})
+    for r in range(2):
+        for grads in out[r]:
+            # d(sum(W x + b))/dW = the summed inputs over both ranks: 2*1 + 2*2 = 6 per entry
+            assert torch.all(grads[0] == 6) and torch.all(grads[1] == 4)
