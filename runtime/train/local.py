@@ -144,7 +144,7 @@ from . import state as state_mod
 from .catchup import CatchUp
 from .gradients import TAIL_DTYPE, GradientPath, StepTiming, all_finite, clip_global_norm_, wire_dtype
 from .inner import InnerSteps
-from .roundwire import RoundWire, leave_dtype
+from .roundwire import LeaveMemory, RoundWire, leave_dtype
 from .tail import layout as tail_layout, set_averaging
 
 log = logging.getLogger("eltctl_runtime")
@@ -335,6 +335,7 @@ class LocalPath(GradientPath):
         self._param_keys: frozenset[str] = frozenset()  # the averaged parameters' names in the state dict
         self._wire: _Averaging | None = None  # the overlapped averaging in flight (sync_overlap)
         self._ends: list[torch.Tensor] = []  # this rank's params at its round's end (kept buffers)
+        self._leave_mem = LeaveMemory()  # what a leave's launch writes, touched ahead (ready_for_leave)
         self._merge_now = False  # this step's summed tail: every rank's averaging is done
         self._merged_in_gen = False  # a generation's first merge is logged
         self._round_wait_s = 0.0  # the last averaging's wait, spread over a round's steps (StepTiming)
@@ -473,7 +474,7 @@ class LocalPath(GradientPath):
     def step(self, optimizer: torch.optim.Optimizer, scaler: Any, abort: threading.Event) -> bool:
         """The inner step on this rank's gradient; none where it had no samples."""
         if self.catchup.packing is not None:
-            self.catchup.hold()  # a joiner's source: its copy of the state is taken first (catchup.py)
+            self.catchup.hold_inner()  # a joiner's source: its copy of the inner state is taken first (catchup.py)
         n = self._step_samples
         if n <= 0:
             return False
@@ -499,6 +500,13 @@ class LocalPath(GradientPath):
         than JOIN_HOLD_MAX_S away (`join_now`). A rank that saw the joiner a step late
         holds it one more round. A leave, a stop or the job's end takes it with them."""
         return join_now(self._job._step + 1 - self._round_from, self.sync_every, self._step_s)
+
+    def ready_for_leave(self, leaving) -> bool:
+        """CPU: a leave waits until what its launch writes is touched (roundwire.LeaveMemory)."""
+        ready, ends = self._leave_mem.ready(self._params, self._leave_rwire, self.device)
+        if ends is not None and not self._ends:
+            self._ends = ends
+        return ready
 
     def drop(self) -> None:
         self._tail_buf = None  # a collective that never finished may still write into it

@@ -574,3 +574,28 @@ def test_local_steps_through_restore_join_leave_and_sigkill(cluster_factory, ove
             assert launched.group(2), launched.group(0)  # a leave's averaging goes as bfloat16 (roundwire.leave_dtype)
             assert f"the averaging of the round ending at step {launched.group(1)} (a planned leave's) merged" in \
                 w.log_text(), w.log_text()[-3000:]
+
+
+def test_a_leaves_memory_is_touched_ahead_on_a_helper_thread_and_handed_to_the_launch_once():
+    """roundwire.LeaveMemory through LocalPath.ready_for_leave: from the first call a helper
+    allocates what a leave's launch writes (the round's-end parameters, the bf16 body); a
+    leave waits for it; then the path holds it, and later calls allocate nothing more.
+    Off the CPU nothing is allocated and a leave never waits."""
+    import time
+
+    from eltctl_runtime.train.roundwire import LeaveMemory, RoundWire
+
+    _model, params, _inner, job = thread_rank(threading.Lock(), 0)
+    path = local.LocalPath(job, 3, None)
+    deadline = time.monotonic() + 30
+    while not path.ready_for_leave([]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ends = path._ends
+    assert [(e.shape, e.dtype) for e in ends] == [(p.shape, p.dtype) for p in params]
+    assert all(e.data_ptr() != p.data_ptr() for e, p in zip(ends, params))
+    body = path._leave_rwire._body
+    assert body is not None and body.dtype == torch.bfloat16 and body.numel() == sum(p.numel() for p in params)
+    assert path.ready_for_leave(["h2/cpu/1"]) and path._ends is ends and path._leave_rwire._body is body
+    wire = RoundWire(torch.bfloat16)
+    assert LeaveMemory().ready(params, wire, torch.device("meta")) == (True, None) and wire._body is None
