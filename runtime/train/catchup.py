@@ -437,6 +437,7 @@ class CatchUp:
         self._again = False  # a joiner: it dropped _missed and asks for the newest round's start
         self._recopy = False  # the source: a joiner asked for a newer copy
         self.packing: threading.Event | None = None  # the source: set once its copy of the state is taken
+        self.packing_inner: threading.Event | None = None  # local steps: set once its inner state is copied
         self.link = Link()  # the source: its job's reduction on the wire (the transfers wait for it)
         self._shadow: _Shadow | None = None  # a joiner of synchronous steps: its replay beside the job
 
@@ -743,16 +744,21 @@ class CatchUp:
         version = j._step if version is None else version
         captured = j._capture_state()  # references: the round's start, the inner and outer state
         done = self.packing = threading.Event()
+        # Local steps: an inner step changes only the inner optimizer's state, copied first (hold_inner).
+        inner = self.packing_inner = threading.Event() if self._rounds is not None else None
         senders = list(self._sending.values())
 
         def copy() -> None:
             try:
-                packed = state_mod.pack(captured)
+                packed = state_mod.pack(captured, first=captured.get("optimizer") if inner else None,
+                                        then=inner.set if inner else None)
                 for t in senders:
                     t.offer(version, packed)
             except Exception as e:  # noqa: BLE001 - the joiners then get the state in the next generation
                 log.warning("worker %s: the copy of the state for the joiners failed: %s", j.worker_id, e)
             finally:
+                if inner is not None:
+                    inner.set()
                 done.set()
 
         threading.Thread(target=copy, name="eltctl-catch-up-copy", daemon=True).start()
@@ -761,4 +767,13 @@ class CatchUp:
         """The source, before its state changes: wait for the copy under way (`_copy`)."""
         if self.packing is not None:
             self.packing.wait()
-            self.packing = None
+            self.packing = self.packing_inner = None
+
+    def hold_inner(self) -> None:
+        """Local steps' source, before an inner step: wait until the copy under way holds the
+        inner optimizer's state (copied first); the round's start and the outer state it
+        copies next change only at the round's end, which waits for the whole (`hold`)."""
+        if self.packing_inner is not None:
+            self.packing_inner.wait()
+        elif self.packing is not None:
+            self.hold()

@@ -19,11 +19,10 @@ from __future__ import annotations
 import json
 import logging
 import random
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .zero import hostmem
 from ..member.transfer import tensor_bytes  # one helper (member/transfer.py); state.tensor_bytes stays
 
 _DTYPES = {str(d): d for d in (
@@ -87,8 +86,11 @@ def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return walk(skeleton)
 
 
-def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
-    """(JSON header, flat uint8 CPU tensor) for a broadcast."""
+def pack(obj: Any, *, first: Any = None, then: Callable[[], None] | None = None) -> tuple[bytes, torch.Tensor]:
+    """(JSON header, flat uint8 CPU tensor) for a broadcast. `first`: a part of `obj` whose
+    tensors are copied before the others, and `then` is called once they are (a joiner's
+    source with local steps: its next inner step changes only the inner optimizer's state,
+    so it waits for that part, not the whole copy: catchup.py)."""
     skeleton, tensors = encode(obj)
     parts, offset, layout = [], 0, []
     for t in tensors:
@@ -96,14 +98,16 @@ def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
         layout.append([offset, b.numel()])
         parts.append(b)
         offset += b.numel()
-    # Into memory faulted in huge pages where the kernel allows (hostmem.empty): a joiner's
-    # 617 MB copy (the 50 M-parameter model's state) in 4 KiB pages was 150,000 faults on
-    # the source's cores while its step computes.
-    flat = hostmem.empty(offset, torch.uint8)
-    at = 0
-    for b in parts:
-        flat[at:at + b.numel()].copy_(b)
-        at += b.numel()
+    # Plain pages, not hostmem's huge ones: a one-off buffer of fresh huge pages took 0.7-1.3 s
+    # for 617 MB on this project's VMs (memory the hypervisor had not backed yet), 4 KiB pages 0.26 s.
+    flat = torch.empty(offset, dtype=torch.uint8)
+    early = {id(t) for t in encode(first)[1]} if first is not None else set()
+    for go_first in ((True, False) if early else (False,)):
+        for t, b, (at, n) in zip(tensors, parts, layout):
+            if not early or (id(t) in early) == go_first:
+                flat[at:at + n].copy_(b)
+        if go_first and then is not None:
+            then()
     header = json.dumps({"skeleton": skeleton, "layout": layout}).encode()
     return header, flat
 

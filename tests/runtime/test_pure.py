@@ -141,6 +141,35 @@ def test_state_pack_round_trips_model_optimizer_and_rng():
     assert torch.equal(torch.get_rng_state(), st.rng_state()["torch"])
 
 
+def test_state_pack_copies_a_part_first_and_says_so_before_the_rest():
+    """pack(first=, then=): the optimizer's tensors are in the buffer when `then` runs and
+    the model's are not yet; the result is the same bytes as without."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 64)).sum().backward()
+    opt.step()
+    state = st.capture(model, opt, {"step": 1})
+    plain = st.pack(state)
+    seen = {}
+
+    def then() -> None:  # the optimizer's part is copied: mutate the model to see it is copied after
+        seen["called"] = True
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        for v in opt.state.values():
+            v["exp_avg"].add_(1.0)  # copied already: the packed bytes keep the old values
+
+    header, flat = st.pack(state, first=state["optimizer"], then=then)
+    assert seen == {"called": True}
+    got = st.unpack(header, flat)
+    want = st.unpack(*plain)
+    for k in ("weight", "bias"):
+        assert torch.equal(got["model"][k], want["model"][k] + (1.0 if k == "weight" else 0.0))
+    for i, s in want["optimizer"]["state"].items():
+        assert torch.equal(got["optimizer"]["state"][i]["exp_avg"], s["exp_avg"])
+
+
 BASE = {"ELTCTL_STORE": "127.0.0.1:29400", "ELTCTL_JOB": "j", "ELTCTL_WORKER_ID": "h/gpu0/1"}
 
 
