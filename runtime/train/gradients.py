@@ -713,7 +713,7 @@ class ReplicatedPath(GradientPath):
     def gradient_copy(self) -> list[torch.Tensor]:
         """The whole gradient as the optimizer step reads it (all-reduced, unscaled,
         clipped): one host copy per dtype buffer, the tail left out (catchup.py)."""
-        return [f[:n].to("cpu", copy=True) for f, n in zip(self._flats, self.layout.lengths)]
+        return [hostmem.empty(n, f.dtype).copy_(f[:n]) for f, n in zip(self._flats, self.layout.lengths)]
 
     def zero(self) -> None:
         for flat in self._flats or ():

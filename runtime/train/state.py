@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from .zero import hostmem
 from ..member.transfer import tensor_bytes  # one helper (member/transfer.py); state.tensor_bytes stays
 
 _DTYPES = {str(d): d for d in (
@@ -98,9 +99,10 @@ def pack(obj: Any, *, first: Any = None, then: Callable[[], None] | None = None)
         layout.append([offset, b.numel()])
         parts.append(b)
         offset += b.numel()
-    # Plain pages, not hostmem's huge ones: a one-off buffer of fresh huge pages took 0.7-1.3 s
-    # for 617 MB on this project's VMs (memory the hypervisor had not backed yet), 4 KiB pages 0.26 s.
-    flat = torch.empty(offset, dtype=torch.uint8)
+    # Huge pages where the kernel allows (hostmem.empty): in the ranks of the events benchmark
+    # the source's 617 MB copy held its first optimizer step 0.5-0.9 s so, 1.0-1.5 s in 4 KiB
+    # pages (a fresh process's first huge-page buffer can be slower: docs/network.md).
+    flat = hostmem.empty(offset, torch.uint8)
     early = {id(t) for t in encode(first)[1]} if first is not None else set()
     for go_first in ((True, False) if early else (False,)):
         for t, b, (at, n) in zip(tensors, parts, layout):
