@@ -532,9 +532,8 @@ class ReplicatedPath(GradientPath):
         last bucket. Parameters' .grad are views into them (as DDP's
         gradient_as_bucket_view), so backward accumulates in place and nothing
         is copied in or out."""
-        lay = self._reserve(tail_size)
+        lay, sizes = self.layout, self._reserve(tail_size)
         self._tail_size = tail_size
-        sizes = [n + (tail_size if g == self._tail_group else 0) for g, n in enumerate(lay.lengths)]
         if self._flats is None or [f.numel() for f in self._flats] != sizes:
             # A world size's tail is a view of the same memory: the gradients' views stay.
             self._flats = [store[:n] for store, n in zip(self._stores, sizes)]
@@ -545,23 +544,28 @@ class ReplicatedPath(GradientPath):
                           for kind, n in zip(lay.groups, lay.lengths)]
         return self._flats
 
-    def _reserve(self, tail_size: int) -> GradLayout:
-        """The flat buffers' memory (`_stores`), zeroed, with room for a tail of
-        twice `tail_size` plus TAIL_ROOM elements where the tail rides with a bucket: a new
-        world size's tail (its per-rank slots) is a view of the same memory, so a
-        membership change reallocates nothing (the 50 M-parameter model's 200 MB,
-        allocated, faulted in and copied into at the new generation's first step, were
-        0.2-1.3 s of each member's CPU in a join's pause on the bed)."""
+    def _reserve(self, tail_size: int) -> list[int]:
+        """Each flat buffer's length with a tail of `tail_size`, its memory (`_stores`,
+        zeroed) holding it, with room for a tail of twice `tail_size` plus TAIL_ROOM
+        elements where the tail rides with a bucket: a new world size's tail (its per-rank
+        slots) is a view of the same memory, so a membership change reallocates nothing
+        (the 50 M-parameter model's 200 MB, allocated, faulted in and copied into at the
+        new generation's first step, were 0.2-1.3 s of each member's CPU in a join's pause
+        on the bed)."""
         lay = self.layout
-        need = [n + (tail_size if g == self._tail_group else 0) for g, n in enumerate(lay.lengths)]
-        if self._stores is None or any(s.numel() < n for s, n in zip(self._stores, need)):
+        sizes = [n + (tail_size if g == self._tail_group else 0) for g, n in enumerate(lay.lengths)]
+        if self._stores is None or any(s.numel() < n for s, n in zip(self._stores, sizes)):
             # The caller copies the current gradients in (they are not views of these).
-            self._flats = None
-            self._stores = [(hostmem.empty(n, state_mod.dtype_named(kind)).zero_() if self.device.type == "cpu"
-                             else torch.zeros(n, dtype=state_mod.dtype_named(kind), device=self.device))
-                            for kind, n in zip(lay.groups, [n + (tail_size + TAIL_ROOM if g == self._tail_group else 0)
-                                                            for g, n in enumerate(need)])]
-        return lay
+            self._flats, room = None, tail_size + TAIL_ROOM
+            self._stores = [self._zeros(n + (room if g == self._tail_group else 0), kind)
+                            for g, (kind, n) in enumerate(zip(lay.groups, sizes))]
+        return sizes
+
+    def _zeros(self, n: int, kind: str) -> torch.Tensor:
+        dtype = state_mod.dtype_named(kind)
+        if self.device.type == "cpu":
+            return hostmem.empty(n, dtype).zero_()
+        return torch.zeros(n, dtype=dtype, device=self.device)
 
     def prepare_join(self, world: int, stop: threading.Event, prepared: threading.Event | None = None) -> None:
         """A joiner, before it asks to be admitted: its flat buffers allocated and

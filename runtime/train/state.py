@@ -104,9 +104,9 @@ def pack(obj: Any, *, first: Any = None, then: Callable[[], None] | None = None)
     # pages (a fresh process's first huge-page buffer can be slower: docs/network.md).
     flat = hostmem.empty(offset, torch.uint8)
     early = {id(t) for t in encode(first)[1]} if first is not None else set()
-    for go_first in ((True, False) if early else (False,)):
+    for go_first in (True, False):
         for t, b, (at, n) in zip(tensors, parts, layout):
-            if not early or (id(t) in early) == go_first:
+            if (id(t) in early) == go_first:
                 flat[at:at + n].copy_(b)
         if go_first and then is not None:
             then()
