@@ -36,6 +36,12 @@ test (world 2, one link, few steps, the small model); `--model 50m` is issue 51'
     .venv/bin/python benchmarks/network.py --quick
     .venv/bin/python benchmarks/network.py --json --model 50m --steps 400 --parts train
 
+`--parts matrix` (not by default; benchmarks/_matrix.py): the same rows, but one job
+per (world, mode) that trains through every link, the bed reshaped between its
+segments: the whole matrix on the 50m model in under an hour here, not most of a day.
+
+    .venv/bin/python benchmarks/network.py --parts matrix --model 50m --outer-momentum 0.5 --json
+
 `--parts events` (not by default; benchmarks/_events.py): per mode (sync_fp32, local)
 and link, one job of W-1 ranks that a W-th joins and one then leaves by SIGTERM; the
 members' pause at each event against the steady step, and whether the joiner caught up.
@@ -61,6 +67,8 @@ import _textlm  # noqa: E402  (beside this file: the corpus and the model; torch
 import _torchft  # noqa: E402  (beside this file: torchft's DiLoCo on the bed; torchft only in its workers)
 import _events  # noqa: E402  (beside this file: --parts events, a join and a planned leave)
 import _bed  # noqa: E402  (beside this file: the cases, environment, ranks and servers on the bed)
+import _trainrank  # noqa: E402  (beside this file: a training job's rank, its segments and records)
+import _matrix  # noqa: E402  (beside this file: --parts matrix, one job per mode through every link)
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_PORT = 29500  # each host has its own network stack: no other bed can hold this port
@@ -351,12 +359,15 @@ def status_verdict(net: dict | None) -> dict:
 
 def compare_losses(rows: list[dict]) -> list[dict]:
     """Each row with `loss_vs_sync`: its held-out loss relative to synchronous fp32's
-    on the same world and link, (loss - sync) / sync (None without a sync row)."""
-    ref = {(r["world"], r["rate_mbit"], r["delay_ms"]): r["eval_loss"] for r in rows if r["mode"] == SYNC}
+    on the same world and link, (loss - sync) / sync (None without a sync row or
+    where the two trained unequal steps: the matrix part's local jobs run longer)."""
+    ref = {(r["world"], r["rate_mbit"], r["delay_ms"]): (r["eval_loss"], r.get("steps")) for r in rows
+           if r["mode"] == SYNC}
     out = []
     for r in rows:
-        base = ref.get((r["world"], r["rate_mbit"], r["delay_ms"]))
-        rel = round((r["eval_loss"] - base) / base, 5) if base and r["eval_loss"] is not None else None
+        base, steps = ref.get((r["world"], r["rate_mbit"], r["delay_ms"]), (None, None))
+        equal = base and r["eval_loss"] is not None and r.get("steps") == steps
+        rel = round((r["eval_loss"] - base) / base, 5) if equal else None
         out.append({**r, "loss_vs_sync": rel})
     return out
 
@@ -393,83 +404,6 @@ def render_train(rows: list[dict], skipped: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# --- training: the worker (host interpreter, inside a namespace) ---------------------
-
-def train_worker(spec: dict) -> None:
-    """One rank of one ElasticJob: train, then print one JSON record on stdout.
-
-    Timing (what `utilization` reads): the window runs from the end of the
-    warm-up's last step to the end of the last step (tx_bytes read at both); the wait is the sum of the
-    network waits that the job's gradient path measured in those steps (its
-    `last_step_timing`, the figure behind the status document's `network.wait_s`,
-    here per step and unsmoothed), None if the path measures none."""
-    import torch
-
-    import eltctl_runtime as elt
-
-    T = _textlm
-    corpus, _shape, windows, model = T.rank_setup(spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
-    heldout = T.heldout_batch(corpus, windows, spec["eval_samples"])
-    first = spec["rank"] == 0
-    eval_start = T.evaluate(model, heldout) if first else None
-    kwargs = dict(spec["kwargs"])
-    # --slow RANK=S: this rank is a slower machine, S more seconds of compute per sample
-    slow = spec.get("slow_per_sample", 0.0) if spec["rank"] == spec.get("slow_rank", -1) else 0.0
-    trained = {"steps": 0, "samples": 0}
-    optimizer.register_step_post_hook(lambda *_: trained.__setitem__("steps", trained["steps"] + 1))
-
-    def loss_of(batch):
-        n = len(batch[1])
-        trained["samples"] += n
-        if slow:
-            time.sleep(slow * n)
-        return T.loss_fn(model, batch)
-
-    if isinstance(kwargs.get("outer_optimizer"), dict):  # --outer-lr / --outer-momentum (outer_sgd)
-        outer = kwargs["outer_optimizer"]
-        kwargs["outer_optimizer"] = lambda params: torch.optim.SGD(params, **outer)
-    try:
-        job = elt.ElasticJob(model, optimizer, T.make_dataset(corpus, windows), global_batch_size=spec["batch"],
-                             seed=spec["seed"], max_steps=spec["steps"], config=elt.RuntimeConfig.from_env(),
-                             balance=spec["balance"], **kwargs)
-    except (TypeError, ValueError) as e:
-        print(json.dumps({"rank": spec["rank"], "skipped": f"ElasticJob refused {spec['kwargs']}: {e}"}), flush=True)
-        return
-    tx = _bed.tx_bytes_file()
-    losses: list[float] = []
-    wait: float | None = 0.0
-    job_bytes: int | None = 0
-    per_step = None
-    with job:
-        for batch in job:
-            loss = job.step(lambda: loss_of(batch))
-            if loss is None:
-                continue  # a dropped step (no membership change is expected here)
-            losses.append(loss)
-            timing = job._grads.last_step_timing  # private: the benchmark reads the path's own figure
-            # the window ends at the last step's end: what the job does after it (local steps'
-            # last averaging) is neither in the time nor in the waits nor in the bytes
-            t1, tx1 = time.perf_counter(), int(tx.read_text())
-            if len(losses) == spec["warmup"]:
-                t0, tx0 = t1, tx1
-            elif len(losses) > spec["warmup"]:
-                per_step = timing.bytes if timing is not None else None
-                wait = None if timing is None or wait is None else wait + timing.wait_s
-                job_bytes = None if per_step is None or job_bytes is None else job_bytes + per_step
-        measured = len(losses) - spec["warmup"]
-        tail = losses[-min(10, len(losses)):]
-        print(json.dumps({
-            "rank": spec["rank"], "steps": len(losses), "measured_steps": measured, "window_s": t1 - t0,
-            "wait_s": wait, "tx_bytes": tx1 - tx0, "job_bytes": job_bytes, "job_bytes_per_step": per_step,
-            "start_loss": losses[0], "end_loss": sum(tail) / len(tail),
-            "eval_loss_start": eval_start, "eval_loss": T.evaluate(model, heldout) if first else None,
-            # what rank 0 puts in the status document (records.NetworkFigures): what `eltctl status` reads
-            "status_network": job._status.network.fields().get("network") if first else None,
-            "optimizer_steps": trained["steps"], "samples_trained": trained["samples"],
-        }), flush=True)
-
-
 # --- training: the driver -----------------------------------------------------------------
 
 class JobFailed(Exception):
@@ -494,6 +428,8 @@ class TrainPlan:
     balance: bool = True  # ElasticJob(balance=): shares follow the ranks' speeds (False: equal, reproducible)
     slow_rank: int = -1  # --slow: this rank is a slower machine (-1: none) ...
     slow_per_sample: float = 0.0  # ... by this many seconds of compute per sample
+    link_steps: int = 8  # the matrix part: steps per link of a mode without local steps ...
+    link_warmup: int = 3  # ... of which this many are its warm-up (benchmarks/_matrix.py)
 
 
 def probe_parameters() -> list[str]:
@@ -554,15 +490,56 @@ def train_world(world: int, cases: list[Case], modes: dict[str, dict], plan: Tra
     return rows, skipped
 
 
+def matrix_world(world: int, cases: list[Case], modes: dict[str, dict], plan: TrainPlan, workdir: Path,
+                 torchft: str | None = None, sync_every: int = 16) -> tuple[list[dict], list[dict]]:
+    """The matrix part (benchmarks/_matrix.py): one bed of `world` hosts, a store on
+    h1, one job per mode through every link, a row per (link, mode)."""
+    from tests.testbed.netns import Link
+
+    rows: list[dict] = []
+    runnable, skipped = _bed.shapeable(cases, world, modes)
+    if not runnable or not modes:
+        return rows, skipped
+    base = _bed.bed_env(plan.threads)
+    links = [Link(rate_mbit=c.rate_mbit, delay_ms=c.delay_ms) for c in runnable]
+    with _bed.bed_for(world, runnable) as bed, _bed.job_store(bed, "h1", STORE_PORT, base) as master:
+        for mode, kwargs in modes.items():
+            job = f"net-matrix-{mode}-w{world}-{os.getpid()}"
+            segments = _matrix.schedule(kwargs, len(runnable), plan.link_steps, plan.link_warmup, sync_every)
+            handoff = workdir / f"{job}.link"
+            bed.reshape_all(links[0])
+            try:
+                records = _run_job(bed, world, job, master, base, mode, kwargs, plan, workdir,
+                                   {"segments": segments, "handoff": str(handoff)},
+                                   _matrix.watcher(lambda i: bed.reshape_all(links[i]), handoff))
+            except JobFailed as e:
+                skipped += [{"mode": mode, "world": world, **asdict(c), "reason": str(e), "failed": True}
+                            for c in runnable]
+                print(f"{mode}, world {world}: {e}", file=sys.stderr, flush=True)
+                continue
+            refused = [r["skipped"] for r in records if "skipped" in r]
+            if refused:
+                skipped += [{"mode": mode, "world": world, **asdict(c), "reason": refused[0]} for c in runnable]
+                continue
+            for i, case in enumerate(runnable):
+                rows.append({**summarize_train(world, case, mode, _matrix.segment_records(records, i), plan.batch),
+                             "delay_by": _bed.delay_path(bed)})
+                print(render_train(rows[-1:], []).splitlines()[-1], file=sys.stderr, flush=True)
+    return rows, skipped
+
+
 def _run_job(bed, world: int, job: str, master: str, base: dict, mode: str, kwargs: dict,
-             plan: TrainPlan, workdir: Path) -> list[dict]:
-    """Start one job's ranks (h1..hN), wait for them, return their records."""
+             plan: TrainPlan, workdir: Path, extra: dict | None = None, watch=None) -> list[dict]:
+    """Start one job's ranks (h1..hN), wait for them, return their records. `extra`:
+    more of every rank's spec (the matrix part's segments); `watch(procs, deadline)`:
+    runs while they do (the matrix part reshapes the bed), returns why the job
+    failed or None."""
     from tests.testbed.hostpython import HOST_PYTHON
 
     procs = []
     for r in range(world):
         host = f"h{r + 1}"
-        spec = {**asdict(plan), "rank": r, "kwargs": kwargs}
+        spec = {**asdict(plan), "rank": r, "kwargs": kwargs, **(extra or {})}
         env = {**base, "ELTCTL_STORE": f"tcp:{master}:{STORE_PORT}", "ELTCTL_JOB": job,
                "ELTCTL_WORKER_ID": f"{host}/cpu/{r}", "ELTCTL_DEVICE": "cpu",
                "ELTCTL_MIN_WORKERS": str(world), "ELTCTL_MAX_WORKERS": str(world),
@@ -572,6 +549,9 @@ def _run_job(bed, world: int, job: str, master: str, base: dict, mode: str, kwar
     deadline = time.monotonic() + plan.timeout_s
     records = []
     try:
+        failed = watch(procs, deadline) if watch is not None else None
+        if failed:
+            raise JobFailed(f"failed: job {job}: {failed}; see its logs {job}-h*.log")
         for proc, log in procs:
             try:
                 record = _bed.last_record(proc, deadline)
@@ -609,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
         worker(int(rank), int(world), master, int(floats), modes.split(","), int(rounds))
         return
     if argv[:1] == ["--train-worker"]:
-        train_worker(json.loads(argv[1]))
+        _trainrank.train_worker(json.loads(argv[1]))
         return
     if argv[:1] == ["--events-worker"]:
         _events.events_worker(json.loads(argv[1]))
@@ -618,8 +598,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: world 2, 1 Gbit/s without delay, 20 MB, 40 steps of the small model")
     ap.add_argument("--parts", default="allreduce,train",
-                    help="allreduce (the raw exchange), train (ElasticJob), events (a join and a planned leave: "
-                         "not by default)")
+                    help="allreduce (the raw exchange), train (ElasticJob: a job per world, link and mode), "
+                         "matrix (a job per world and mode, the links reshaped under it: not by default), "
+                         "events (a join and a planned leave: not by default)")
+    ap.add_argument("--link-steps", type=int, default=8,
+                    help="matrix: steps per link of a mode without local steps (local steps: three rounds)")
+    ap.add_argument("--link-warmup", type=int, default=3,
+                    help="matrix: of --link-steps, those left out of the figures (local steps: one round)")
     ap.add_argument("--join-after", type=int, default=30, help="events: steps at W-1 before the W-th rank starts")
     ap.add_argument("--leave-after", type=int, default=30, help="events: steps at W before h2 gets SIGTERM")
     ap.add_argument("--repeats", type=int, default=1,
@@ -684,8 +669,11 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown training mode(s) {', '.join(unknown)}: choose from {', '.join(table)}")
     parts = set(args.parts.split(","))
-    if parts - {"allreduce", "train", "events"} or not parts:
-        ap.error(f"--parts takes allreduce, train and/or events, not {args.parts!r}")
+    if parts - {"allreduce", "train", "matrix", "events"} or not parts:
+        ap.error(f"--parts takes allreduce, train, matrix and/or events, not {args.parts!r}")
+    if not 1 <= args.link_warmup < args.link_steps:
+        ap.error(f"--link-steps ({args.link_steps}) must exceed --link-warmup ({args.link_warmup}), "
+                 "which must be at least 1")
     if args.lr is None:
         args.lr = _textlm.LEARNING_RATES[args.model]
     if args.repeats < 1:
@@ -706,10 +694,11 @@ def main(argv: list[str] | None = None) -> None:
             report["skipped"] += s
         if not args.json:
             print(render_table(report["rows"], report["skipped"]), flush=True)
-    if "train" in parts:
-        report["train"] = run_training(args, cases, worlds, {m: table[m] for m in wanted})
-        if not args.json:
-            print(render_train(report["train"]["rows"], report["train"]["skipped"]))
+    for part in ("train", "matrix"):
+        if part in parts:
+            report[part] = run_training(args, cases, worlds, {m: table[m] for m in wanted}, part)
+            if not args.json:
+                print(render_train(report[part]["rows"], report[part]["skipped"]))
     if "events" in parts:
         chosen = wanted if "train_modes" in given else _events.EVENT_MODES  # sync_fp32 and local unless named
         report["events"] = run_events_part(args, cases, worlds, {m: table[m] for m in chosen})
@@ -721,8 +710,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(report, indent=2))
 
 
-def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, dict]) -> dict:
-    """The training part of a run: the corpus written once, a bed per world."""
+def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, dict], part: str = "train") -> dict:
+    """The training or the matrix part of a run: the corpus written once, a bed per world."""
     shape = _textlm.SHAPES[args.model]
     params = probe_parameters()
     skipped = [{"mode": m, "reason": why} for m, kw in modes.items() if (why := refusal(params, kw))]
@@ -736,10 +725,10 @@ def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, di
         corpus.write_bytes(_textlm.build_corpus(int(args.corpus_mb * 1e6)))
         plan = TrainPlan(str(corpus), asdict(shape), args.stride, args.steps, args.batch, args.lr, 0,
                          args.warmup, args.eval_samples, args.threads, args.job_timeout, not args.no_balance,
-                         args.slow_rank, args.slow_per_sample)
+                         args.slow_rank, args.slow_per_sample, args.link_steps, args.link_warmup)
         for world in worlds:
-            r, s = train_world(world, cases, runnable, plan, workdir, None if no_torchft else args.torchft,
-                               args.sync_every)
+            r, s = (train_world if part == "train" else matrix_world)(
+                world, cases, runnable, plan, workdir, None if no_torchft else args.torchft, args.sync_every)
             rows += r
             skipped += s
     except BaseException:
@@ -754,6 +743,9 @@ def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, di
             "lr": args.lr, "sync_every": args.sync_every, "corpus_mb": args.corpus_mb, "balance": plan.balance,
             "timing": "window from the end of the warm-up to the last step; wait: the job's gradient path's "
                       "per-step network wait (last_step_timing)",
+            **({"links": "one job per world and mode, the bed reshaped between segments (benchmarks/_matrix.py): "
+                         f"{args.link_steps} steps per link ({args.link_warmup} warm-up) without local steps, "
+                         f"3 rounds (1 warm-up) with them; steps: each job's total"} if part == "matrix" else {}),
             "rows": compare_losses(rows), "skipped": skipped}
 
 

@@ -143,6 +143,10 @@ def test_losses_compare_with_sync_fp32_on_the_same_world_and_link():
     rows.append({"world": 4, "rate_mbit": 1000, "delay_ms": 0, "mode": "bf16", "eval_loss": 2.0})
     out = net.compare_losses(rows)
     assert [r["loss_vs_sync"] for r in out] == [0.0, 0.005, -0.03, None]
+    # the matrix part's local jobs train longer than its synchronous ones: no comparison
+    rows = [{"world": 2, "rate_mbit": 100, "delay_ms": 5, "mode": m, "eval_loss": 2.0, "steps": n}
+            for m, n in (("sync_fp32", 48), ("bf16", 48), ("local_overlap", 288))]
+    assert [r["loss_vs_sync"] for r in net.compare_losses(rows)] == [0.0, 0.0, None]
 
 
 def test_the_outer_sgd_flags_go_to_the_local_mode_only_when_given():
@@ -179,6 +183,109 @@ def test_the_status_column_says_what_eltctl_status_would_name_as_the_job_s_speed
     assert net.status_verdict(None) == {"status_share": None, "status_names_network": None}
     assert net._status_cell(sync) == "0.75 network" and net._status_cell(local) == "0.09 compute"
     assert net._status_cell({}) == "n/a"
+
+
+# --- the matrix part (benchmarks/_matrix.py, _trainrank.py): one job per mode through every link ---
+
+rank_mod, matrix = net._trainrank, net._matrix
+
+
+class _Timing:
+    def __init__(self, wait_s, nbytes):
+        self.wait_s, self.bytes = wait_s, nbytes
+
+
+def test_a_rank_closes_a_window_per_segment_after_its_warm_up():
+    segs = rank_mod.Segments([(2, 3), (1, 2)])
+    ended = [segs.step(t, 100 * t, _Timing(0.1 * t, 10 * t)) for t in range(1, 9)]
+    assert ended == [False, False, False, False, True, False, False, True] and segs.finished
+    first, second = segs.done
+    # segment 0: the window opens at step 2's end and closes at step 5's: steps 3-5 measured
+    assert first["measured_steps"] == 3 and first["window_s"] == 3 and first["tx_bytes"] == 300
+    assert first["wait_s"] == pytest.approx(0.3 + 0.4 + 0.5) and first["job_bytes"] == 30 + 40 + 50
+    assert first["job_bytes_per_step"] == 50
+    # segment 1: opens at step 6's end (its one warm-up step), steps 7-8 measured
+    assert second["measured_steps"] == 2 and second["window_s"] == 2 and second["wait_s"] == pytest.approx(1.5)
+    unmeasured = rank_mod.Segments([(1, 2)])
+    for t in range(1, 4):
+        unmeasured.step(t, 0, None)
+    assert unmeasured.done[0]["wait_s"] is None and unmeasured.done[0]["job_bytes"] is None
+
+
+def test_a_job_without_segments_is_one_of_the_warm_up_and_the_rest():
+    assert rank_mod.segments_of({"warmup": 5, "steps": 40}) == [(5, 35)]
+    assert rank_mod.segments_of({"warmup": 5, "steps": 40, "segments": [[3, 5], [3, 5]]}) == [(3, 5), (3, 5)]
+
+
+def test_the_matrix_measures_local_steps_over_whole_rounds_and_the_others_after_their_warm_up():
+    assert matrix.schedule({}, 3, 8, 3, 16) == [(3, 5)] * 3
+    assert matrix.schedule({"grad_dtype": "bf16"}, 2, 10, 2, 16) == [(2, 8)] * 2
+    assert matrix.schedule({"sync": "local", "sync_every": 16}, 2, 8, 3, 16) == [(16, 32)] * 2
+
+
+def test_a_links_row_reads_its_own_segment_and_rank_0s_status_on_that_link():
+    seg = {"measured_steps": 5, "window_s": 2.0, "wait_s": 1.0, "tx_bytes": 10, "job_bytes": 8,
+           "job_bytes_per_step": 2}
+    r0 = {**_rank(0, 9.0, 9.0, 9, eval_loss=2.5), "segments": [{**seg, "status_network": {"share": 0.1}},
+                                                                 {**seg, "window_s": 4.0, "status_network": None}]}
+    r1 = {**_rank(1, 9.0, 9.0, 9), "segments": [seg, {**seg, "wait_s": 3.0}]}
+    first = matrix.segment_records([r0, r1], 0)
+    assert first[0]["window_s"] == 2.0 and first[0]["status_network"] == {"share": 0.1}
+    assert first[0]["eval_loss"] == 2.5 and first[1]["status_network"] is None
+    second = matrix.segment_records([r0, r1], 1)
+    assert second[0]["window_s"] == 4.0 and second[1]["wait_s"] == 3.0
+    row = net.summarize_train(2, net.Case(100, 5), "sync_fp32", second, 32)
+    assert row["utilization_per_rank"] == [0.75, 0.0] and row["step_s"] == 0.8
+
+
+def test_the_driver_reshapes_when_rank_0_hands_off_and_rank_0_waits_for_it(tmp_path):
+    """Rank 0's side (hand_off, in a thread) against the driver's (watcher), real ranks
+    (sleep processes) that end once rank 0 has passed both hand-offs."""
+    import subprocess
+    import threading
+    import time
+
+    handoff = tmp_path / "job.link"
+    reshaped: list[tuple[int, float]] = []
+    passed: list[tuple[int, float]] = []
+    go = tmp_path / "go"
+    procs = [(subprocess.Popen(["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done"]), None) for _ in range(2)]
+
+    def rank0():
+        for i in (1, 2):
+            rank_mod.hand_off(handoff, i, timeout_s=30)
+            passed.append((i, time.monotonic()))
+        go.touch()
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    try:
+        watch = matrix.watcher(lambda i: reshaped.append((i, time.monotonic())), handoff, poll_s=0.01)
+        assert watch(procs, time.monotonic() + 60) is None
+    finally:
+        go.touch()
+        t.join()
+        for p, _ in procs:
+            p.wait()
+    assert [i for i, _ in reshaped] == [1, 2] and [i for i, _ in passed] == [1, 2]
+    assert all(r[1] <= p[1] for r, p in zip(reshaped, passed))  # the link changed before rank 0 went on
+    with pytest.raises(TimeoutError, match="did not acknowledge segment 3"):
+        rank_mod.hand_off(handoff, 3, timeout_s=0.1)
+
+
+def test_the_driver_says_a_rank_failed_without_waiting_for_the_deadline(tmp_path):
+    import subprocess
+    import time
+
+    procs = [(subprocess.Popen(["sh", "-c", "exit 3"]), None), (subprocess.Popen(["sleep", "30"]), None)]
+    try:
+        t0 = time.monotonic()
+        why = matrix.watcher(lambda i: None, tmp_path / "job.link", poll_s=0.01)(procs, time.monotonic() + 60)
+        assert why == "a rank exited with status 3 before the job's end" and time.monotonic() - t0 < 30
+    finally:
+        procs[1][0].kill()
+        for p, _ in procs:
+            p.wait()
 
 
 # --- benchmarks/_torchft.py: torchft's DiLoCo beside the local row (pure parts; no torchft) ---
@@ -245,6 +352,8 @@ def test_event_pause_against_the_new_worlds_steady_step():
     join, leave = got["events"]
     assert (join["to"], leave["to"]) == (3, 2)
     assert join["pause_vs_new_world_s"] == 1.8 and leave["pause_vs_new_world_s"] == 0.8
+    # against the slower size's step: the leave's gap is its last step at world 3 (0.3 s) and more
+    assert join["pause_vs_step_s"] == 1.8 and leave["pause_vs_step_s"] == 0.6
     assert join["pause_s"] == round(2.1 - got["steady_s"], 4)
 
 
