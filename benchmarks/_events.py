@@ -14,7 +14,9 @@ world that committed it (`job.last_commit.world_size`). The pause at an event is
 longest gap between consecutive committed steps around the step where the world size
 changed, less the median steady gap (`event_pauses`: pure, tested); and less the median
 steady gap of the steps at the world size it changed to (`pause_vs_new_world_s`: a step
-at world 3 moves more bytes per rank than one at world 2, which is no pause). For the local
+at world 3 moves more bytes per rank than one at world 2, which is no pause); and less
+the slower of the two sizes' steady steps (`pause_vs_step_s`: a leave's longest gap is
+often its last step at the larger size, which is no pause either). For the local
 mode's join, the joiner's log says whether it caught up in the background
 (runtime/train/catchup.py's "catch" lines) and how many MB it received.
 """
@@ -85,9 +87,12 @@ def event_pauses(times: list[float], sizes: list[int], *, before: int = 1, after
     for (k, old, new), w in zip(changes, windows):
         longest = max((gaps[g] for g in w), default=None)
         at_new = world_median.get(new)
+        slower = max((m for m in (world_median.get(old), at_new) if m is not None), default=None)
         events.append({"step_index": k, "from": old, "to": new, "gap_s": _r(longest),
                        "pause_s": _r(longest - median) if longest is not None and median is not None else None,
                        "pause_vs_new_world_s": _r(longest - at_new) if longest is not None and at_new is not None
+                       else None,
+                       "pause_vs_step_s": _r(longest - slower) if longest is not None and slower is not None
                        else None,
                        "pause_vs_round_end_s": _r(longest - round_end) if longest is not None and round_end is not None
                        else None})
@@ -162,6 +167,8 @@ def summarize_events(mode: str, world: int, rate_mbit: float, delay_ms: float, r
             "steady_by_world_s": first["steady_by_world_s"],
             "join_pause_vs_new_world_s": pause(first, "join", "pause_vs_new_world_s"),
             "leave_pause_vs_new_world_s": pause(first, "leave", "pause_vs_new_world_s"),
+            "join_pause_vs_step_s": pause(first, "join", "pause_vs_step_s"),
+            "leave_pause_vs_step_s": pause(first, "leave", "pause_vs_step_s"),
             "round_end_s": first["round_end_s"],
             "join_pause_vs_round_end_s": pause(first, "join", "pause_vs_round_end_s"),
             "state_mb": round(records[0]["state_bytes"] / 1e6, 1),
@@ -185,7 +192,7 @@ def _changes(first_log: str) -> dict:
 
 # What `medians` summarizes over a mode's turns: each one's value in every turn, and their median.
 REPEATED = ("join_pause_s", "join_pause_vs_new_world_s", "join_pause_vs_round_end_s", "leave_pause_s",
-            "leave_pause_vs_new_world_s", "leaver_exit_after_term_s", "leaver_loop_end_after_term_s",
+            "leave_pause_vs_new_world_s", "join_pause_vs_step_s", "leave_pause_vs_step_s", "leaver_exit_after_term_s", "leaver_loop_end_after_term_s",
             "leaver_released_after_term_s", "steady_s", "join_change_s", "leave_change_s")
 
 
@@ -212,14 +219,14 @@ def render_medians(rows: list[dict]) -> str:
     def num(v):
         return "n/a" if v is None else f"{v:.2f}"
 
-    head = (f"{'world':>5}  {'link':<16} {'mode':<10} {'turns':>5} {'join beyond new-world step':>27} "
-            f"{'(its change)':>12} {'leave beyond':>12} {'(its change)':>12} {'leaver exit s':>13}")
+    head = (f"{'world':>5}  {'link':<16} {'mode':<10} {'turns':>5} {'join beyond a step':>18} "
+            f"{'(its change)':>12} {'leave beyond a step':>19} {'(its change)':>12} {'leaver exit s':>13}")
     lines = [head, "-" * len(head)]
     for m in rows:
         link = f"{m['rate_mbit']:g} Mbit/s, {m['delay_ms']:g} ms"
         lines.append(f"{m['world']:>5}  {link:<16} {m['mode']:<10} {m['turns']:>5} "
-                     f"{num(m['join_pause_vs_new_world_s']):>27} {num(m['join_change_s']):>12} "
-                     f"{num(m['leave_pause_vs_new_world_s']):>12} {num(m['leave_change_s']):>12} "
+                     f"{num(m['join_pause_vs_step_s']):>18} {num(m['join_change_s']):>12} "
+                     f"{num(m['leave_pause_vs_step_s']):>19} {num(m['leave_change_s']):>12} "
                      f"{num(m['leaver_exit_after_term_s']):>13}")
     return "\n".join(lines)
 
