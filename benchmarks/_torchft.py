@@ -24,7 +24,7 @@ rows, with the same work as eltctl's `local` row, so the two stand side by side:
 - the job's end ends the last round early, as ElasticJob's does: a partial round is
   averaged with torchft's own fragment sync (outside the timed window, as eltctl's is).
 
-The worker prints one record with the keys of network.py's `train_worker`, so the
+The worker prints one record with the keys of _trainrank.py's `train_worker`, so the
 row is `summarize_train`'s, with three differences: `wait_s` is the time each step
 spent in DiLoCo's optimizer post-hook (the quorum, the all-reduce, the commit vote
 and the outer step: torchft's whole synchronization); the job's own byte count is
@@ -179,7 +179,7 @@ def _collect(procs: list, name: str, timeout_s: float) -> list[dict]:
 
 def worker(spec: dict) -> None:
     """One replica group of one rank: train `steps` steps under torchft's DiLoCo, then
-    print one record (network.py's `train_worker` keys)."""
+    print one record (_trainrank.py's `train_worker` keys)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F

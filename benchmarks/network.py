@@ -313,7 +313,7 @@ def utilization(window_s: float, wait_s: float | None) -> float | None:
 
 
 def summarize_train(world: int, case: Case, mode: str, records: list[dict], global_batch: int) -> dict:
-    """One training row from the ranks' records (`train_worker`'s): per rank its
+    """One training row from the ranks' records (_trainrank.py's): per rank its
     utilization over the measured steps (after the warm-up), bytes per sample (its
     interface's tx_bytes and the job's own bytes_per_step, over the samples of the
     whole job's measured steps), and rank 0's losses."""
