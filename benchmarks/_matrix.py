@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import _trainrank
+
 
 def schedule(kwargs: dict, links: int, link_steps: int, link_warmup: int,
              sync_every: int) -> list[tuple[int, int]]:
@@ -48,7 +50,7 @@ def watcher(reshape: Callable[[int], None], handoff: Path, poll_s: float = 0.05)
     when rank 0 names segment i in `handoff`, `reshape(i)`, then acknowledge i. Returns
     why the job failed (a rank exited non-zero) or None once every rank has exited
     or the deadline has passed (the records' wait then says so)."""
-    ack = Path(str(handoff) + ".ack")
+    ack = _trainrank.ack_of(handoff)
 
     def watch(procs: Sequence, deadline: float) -> str | None:
         done = 0

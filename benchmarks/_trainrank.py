@@ -84,10 +84,15 @@ class Segments:
         return self.index >= len(self.plan)
 
 
+def ack_of(handoff: Path) -> Path:
+    """Where the driver acknowledges what rank 0 wrote to `handoff` (benchmarks/_matrix.py)."""
+    return Path(str(handoff) + ".ack")
+
+
 def hand_off(path: Path, index: int, timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
     """Rank 0 between segments: say segment `index` is next, wait for the driver's
     acknowledgement (the bed reshaped for it)."""
-    ack = Path(str(path) + ".ack")
+    ack = ack_of(path)
     path.write_text(str(index))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

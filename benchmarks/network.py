@@ -716,7 +716,9 @@ def run_training(args, cases: list[Case], worlds: list[int], modes: dict[str, di
     params = probe_parameters()
     skipped = [{"mode": m, "reason": why} for m, kw in modes.items() if (why := refusal(params, kw))]
     runnable = {m: kw for m, kw in modes.items() if not refusal(params, kw)}
-    no_torchft = torchft_skip(args.torchft)
+    no_torchft = torchft_skip(args.torchft) if part == "train" else None
+    if part == "matrix" and args.torchft:  # its DiLoCo trains one job per link: not through the links
+        no_torchft = {"mode": _torchft.MODE, "reason": "torchft's DiLoCo runs in --parts train, not in the matrix"}
     skipped += [no_torchft] if no_torchft else []
     workdir = Path(tempfile.mkdtemp(prefix="eltnet-train-"))
     rows: list[dict] = []
